@@ -1,0 +1,23 @@
+"""needle: a small deep-learning framework with lazy-evaluation gradient checkpointing.
+
+    import needle as ndl
+    x = ndl.Tensor([[1.0, 2.0]], requires_grad=True)
+    (x * x).sum().backward()
+    x.grad  # [[2., 4.]]
+"""
+from . import autograd, backend_ndarray, checkpoint, data, init, nn, ops, optim
+from .autograd import Tensor, TensorTuple
+from .backend_selection import BACKEND, all_devices, cpu, cpu_numpy, cuda, default_device
+from .ops import (
+    add, add_scalar, broadcast_to, conv, dilate, divide, divide_scalar, exp, flip, log, logsoftmax, logsumexp,
+    make_tuple, matmul, mul_scalar, multiply, negate, power, power_scalar, relu, reshape, sigmoid, split, stack,
+    summation, tanh, transpose, tuple_get_item, undilate,
+)
+
+__all__ = [
+    "BACKEND", "Tensor", "TensorTuple", "add", "add_scalar", "all_devices", "autograd", "backend_ndarray",
+    "broadcast_to", "checkpoint", "conv", "cpu", "cpu_numpy", "cuda", "data", "default_device", "dilate", "divide",
+    "divide_scalar", "exp", "flip", "init", "log", "logsoftmax", "logsumexp", "make_tuple", "matmul", "mul_scalar",
+    "multiply", "negate", "nn", "ops", "optim", "power", "power_scalar", "relu", "reshape", "sigmoid", "split",
+    "stack", "summation", "tanh", "transpose", "tuple_get_item", "undilate",
+]

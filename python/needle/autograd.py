@@ -1,0 +1,426 @@
+"""The computational graph: Values made by Ops, realized eagerly or lazily, differentiated in reverse order.
+
+A Value is a handful of fields: the `op` that made it, its `inputs`, its `cached_data` (None until realized, or
+after it was released), `requires_grad`, and `drop` (gradient checkpointing: do not keep this value after the
+forward pass; recompute it during backward). Every walk over the graph is the one iterative `find_topo_sort`.
+The checkpointing rules (what is released when, what is recomputed) live in `checkpoint.py`.
+"""
+import contextlib
+
+import numpy
+
+from . import checkpoint
+from .backend_selection import BACKEND, NDArray, array_api, default_device
+
+__all__ = [
+    "LAZY_MODE",
+    "TENSOR_COUNTER",
+    "Op",
+    "Tensor",
+    "TensorOp",
+    "TensorTuple",
+    "TensorTupleOp",
+    "Value",
+    "compute_gradient_of_variables",
+    "find_topo_sort",
+    "last_backward_stats",
+    "lazy_mode",
+]
+
+# When True, ops only record the graph; values are computed when something asks for them.
+LAZY_MODE = False
+# The number of live graph values (course code checks it for leaks).
+TENSOR_COUNTER = 0
+
+last_backward_stats = checkpoint.last_backward_stats
+
+
+@contextlib.contextmanager
+def lazy_mode(enabled=True):
+    """Set LAZY_MODE inside a `with` block and restore it afterwards."""
+    global LAZY_MODE
+    previous, LAZY_MODE = LAZY_MODE, enabled
+    try:
+        yield
+    finally:
+        LAZY_MODE = previous
+
+
+class Op:
+    """An operator: `compute` on raw arrays, `gradient` on Tensors (a differentiable graph itself)."""
+
+    # Which forward values `gradient` reads — "inputs", "output", "both" or "none" (shapes are always
+    # available). The backward plan keeps exactly these alive, and recomputes them if they were dropped.
+    saves = "inputs"
+
+    def __call__(self, *args):
+        raise NotImplementedError()
+
+    def compute(self, *args):
+        raise NotImplementedError()
+
+    def gradient(self, out_grad, node):
+        raise NotImplementedError()
+
+    def gradient_as_tuple(self, out_grad, node):
+        """The gradient as a tuple with one entry per input."""
+        output = self.gradient(out_grad, node)
+        if isinstance(output, tuple):
+            return output
+        if isinstance(output, list):
+            return tuple(output)
+        return (output,)
+
+
+class TensorOp(Op):
+    """An op whose output is a Tensor."""
+
+    def __call__(self, *args):
+        return Tensor.make_from_op(self, args)
+
+
+class TensorTupleOp(Op):
+    """An op whose output is a TensorTuple."""
+
+    def __call__(self, *args):
+        return TensorTuple.make_from_op(self, args)
+
+
+def find_topo_sort(node_list, expand=None):
+    """Post-order depth-first order of the graph above `node_list`, inputs visited in order.
+
+    Iterative (an explicit stack), so a graph of any depth works. `expand(node)` False stops the walk below
+    `node` (the node itself is still listed). Every traversal in needle is this one.
+    """
+    order, visited = [], set()
+    for root in node_list:
+        if id(root) in visited:
+            continue
+        visited.add(id(root))
+        stack = [(root, iter(root.inputs if expand is None or expand(root) else ()))]
+        while stack:
+            node, children = stack[-1]
+            for child in children:
+                if id(child) not in visited:
+                    visited.add(id(child))
+                    stack.append((child, iter(child.inputs if expand is None or expand(child) else ())))
+                    break
+            else:
+                stack.pop()
+                order.append(node)
+    return order
+
+
+def _realize(target, keep):
+    """Compute `target` and every missing value it needs, in topological order; return target's value.
+
+    A computed value is kept if `keep(node)`; otherwise it is released as soon as its last consumer in this
+    realization has been computed (rule 3 of checkpoint.py).
+    """
+    order = find_topo_sort([target], expand=lambda n: n.cached_data is None)
+    consumers = {}
+    for node in order:
+        if node.cached_data is None:
+            for inp in node.inputs:
+                if inp.cached_data is None:
+                    consumers[id(inp)] = consumers.get(id(inp), 0) + 1
+    for node in order:
+        if node.cached_data is not None:
+            continue
+        if node.op is None:
+            raise RuntimeError("a leaf Tensor has no data (was it released?); leaves cannot be recomputed")
+        node.cached_data = node.op.compute(*[x.cached_data for x in node.inputs])
+        for inp in node.inputs:
+            left = consumers.get(id(inp))
+            if left is not None:
+                consumers[id(inp)] = left - 1
+                if left == 1 and inp is not target and not keep(inp):
+                    checkpoint.release(inp)
+    value = target.cached_data
+    if not keep(target):
+        checkpoint.release(target)
+    return value
+
+
+def _keep_forward(node):
+    return not node.drop
+
+
+class Value:
+    """A node of the computational graph."""
+
+    __slots__ = ("op", "inputs", "cached_data", "requires_grad", "drop", "grad", "_spec", "__weakref__")
+
+    def realize_cached_data(self):
+        """The value of this node, computed (iteratively, with what it needs) if it is not cached.
+
+        A dropped node's value is computed and returned but not kept.
+        """
+        if self.cached_data is None:
+            return _realize(self, _keep_forward)
+        return self.cached_data
+
+    def is_leaf(self):
+        return self.op is None
+
+    def _spec_or_data(self):
+        # A released value still knows its shape, dtype and device (recorded when it was released).
+        if self.cached_data is None and self._spec is not None:
+            return self._spec
+        return checkpoint.spec_of(self.realize_cached_data())
+
+    @property
+    def shape(self):
+        return self._spec_or_data()[0]
+
+    @property
+    def dtype(self):
+        return self._spec_or_data()[1]
+
+    @property
+    def device(self):
+        return self._spec_or_data()[2]
+
+    def __del__(self):
+        global TENSOR_COUNTER
+        TENSOR_COUNTER -= 1
+
+    def _init(self, op, inputs, *, cached_data=None, requires_grad=None):
+        global TENSOR_COUNTER
+        TENSOR_COUNTER += 1
+        if requires_grad is None:
+            requires_grad = any(x.requires_grad for x in inputs)
+        self.op = op
+        self.inputs = tuple(inputs)
+        self.cached_data = cached_data
+        self.requires_grad = requires_grad
+        self.drop = False
+        self.grad = None
+        self._spec = None
+
+    @classmethod
+    def make_const(cls, data, requires_grad=False):
+        if isinstance(data, Value):
+            data = data.realize_cached_data()
+        value = cls.__new__(cls)
+        value._init(None, [], cached_data=data, requires_grad=requires_grad)
+        return value
+
+    @classmethod
+    def make_from_op(cls, op, inputs):
+        for x in inputs:
+            if not isinstance(x, Value):
+                raise TypeError(f"{type(op).__name__}: inputs must be Tensors, got {type(x).__name__}")
+        value = cls.__new__(cls)
+        value._init(op, inputs)
+        if not LAZY_MODE:
+            if not value.requires_grad:
+                return value.detach()
+            value.realize_cached_data()
+        return value
+
+
+class TensorTuple(Value):
+    """A tuple of Tensors produced by one op (e.g. split)."""
+
+    __slots__ = ()
+
+    def __len__(self):
+        return len(self.realize_cached_data())
+
+    def __getitem__(self, index):
+        from .ops import tuple_get_item
+
+        return tuple_get_item(self, index)
+
+    def tuple(self):
+        return tuple(self[i] for i in range(len(self)))
+
+    def __repr__(self):
+        return "needle.TensorTuple" + str(self.tuple())
+
+    def __str__(self):
+        return self.__repr__()
+
+    def __add__(self, other):
+        from .ops import make_tuple
+
+        if not isinstance(other, TensorTuple) or len(self) != len(other):
+            raise ValueError("TensorTuple add: both operands must be TensorTuples of one length")
+        return make_tuple(*[self[i] + other[i] for i in range(len(self))])
+
+    def detach(self):
+        return TensorTuple.make_const(self.realize_cached_data())
+
+
+class Tensor(Value):
+    """An n-dimensional array in the graph: a leaf (data) or the output of a TensorOp."""
+
+    __slots__ = ()
+
+    def __init__(self, array, *, device=None, dtype=None, requires_grad=True, **kwargs):
+        if isinstance(array, Tensor):
+            device = device or array.device
+            dtype = dtype or array.dtype
+            if device == array.device and dtype == array.dtype:
+                cached_data = array.realize_cached_data()
+            else:
+                cached_data = Tensor._array_from_numpy(array.numpy(), device=device, dtype=dtype)
+        else:
+            if device is None:
+                device = array.device if isinstance(array, NDArray) and BACKEND == "nd" else default_device()
+            cached_data = Tensor._array_from_numpy(array, device=device, dtype=dtype)
+        self._init(None, [], cached_data=cached_data, requires_grad=requires_grad)
+
+    @staticmethod
+    def _array_from_numpy(numpy_array, device, dtype):
+        if BACKEND == "np":
+            return numpy.array(numpy_array, dtype=dtype)
+        if dtype not in (None, "float32", "bool", numpy.float32, bool):
+            raise TypeError(f"Tensor: the '{BACKEND}' backend stores float32 only, got dtype {dtype!r}")
+        if isinstance(numpy_array, NDArray):
+            return numpy_array if numpy_array.device == device else numpy_array.to(device)
+        return array_api.array(numpy_array, device=device)
+
+    @property
+    def data(self):
+        return self.detach()
+
+    @data.setter
+    def data(self, value):
+        if not isinstance(value, Tensor):
+            raise TypeError(f"Tensor.data must be set to a Tensor, got {type(value).__name__}")
+        if value.dtype != self.dtype:
+            raise TypeError(f"Tensor.data: dtype {value.dtype} differs from {self.dtype}")
+        self.cached_data = value.realize_cached_data()
+
+    def detach(self):
+        """A new leaf holding this Tensor's value, outside the graph."""
+        return Tensor.make_const(self.realize_cached_data())
+
+    @property
+    def ndim(self):
+        return len(self.shape)
+
+    def backward(self, out_grad=None):
+        """Fill `.grad` of every leaf that requires grad; a non-scalar output gets an implicit ones gradient."""
+        if out_grad is None:
+            out_grad = Tensor(array_api.full(self.shape, 1.0, dtype=self.dtype, device=self.device),
+                              device=self.device, requires_grad=False)
+        compute_gradient_of_variables(self, out_grad)
+
+    def __repr__(self):
+        return "needle.Tensor(" + str(self.realize_cached_data()) + ")"
+
+    def __str__(self):
+        return self.realize_cached_data().__str__()
+
+    def numpy(self):
+        data = self.realize_cached_data()
+        return data if BACKEND == "np" else data.numpy()
+
+    def __array__(self, dtype=None, copy=None):
+        return numpy.asarray(self.numpy(), dtype=dtype)
+
+    # ----- operators ------------------------------------------------------------------------------------------
+    def __add__(self, other):
+        return ops.EWiseAdd()(self, other) if isinstance(other, Tensor) else ops.AddScalar(other)(self)
+
+    __radd__ = __add__
+
+    def __sub__(self, other):
+        if isinstance(other, Tensor):
+            return ops.EWiseAdd()(self, ops.Negate()(other))
+        return ops.AddScalar(-other)(self)
+
+    def __rsub__(self, other):
+        return ops.AddScalar(other)(ops.Negate()(self))
+
+    def __mul__(self, other):
+        return ops.EWiseMul()(self, other) if isinstance(other, Tensor) else ops.MulScalar(other)(self)
+
+    __rmul__ = __mul__
+
+    def __truediv__(self, other):
+        return ops.EWiseDiv()(self, other) if isinstance(other, Tensor) else ops.DivScalar(other)(self)
+
+    def __pow__(self, other):
+        return ops.EWisePow()(self, other) if isinstance(other, Tensor) else ops.PowerScalar(other)(self)
+
+    def __neg__(self):
+        return ops.Negate()(self)
+
+    def __matmul__(self, other):
+        return ops.MatMul()(self, other)
+
+    def matmul(self, other):
+        return ops.MatMul()(self, other)
+
+    def sum(self, axes=None):
+        return ops.Summation(axes)(self)
+
+    def broadcast_to(self, shape):
+        return ops.BroadcastTo(shape)(self)
+
+    def reshape(self, shape):
+        return ops.Reshape(shape)(self)
+
+    def transpose(self, axes=None):
+        return ops.Transpose(axes)(self)
+
+    def exp(self):
+        return ops.Exp()(self)
+
+    def log(self):
+        return ops.Log()(self)
+
+    __hash__ = object.__hash__
+
+
+def compute_gradient_of_variables(output_tensor, out_grad):
+    """Reverse-mode differentiation: fill `.grad` of every leaf above `output_tensor` that requires grad.
+
+    Runs the plan of `checkpoint.BackwardPlan`: before each node's gradient it recomputes the dropped values
+    that gradient reads, and after it releases every value whose last backward use has passed. Gradients are
+    Tensors themselves (differentiable); each call replaces `.grad`, it does not accumulate.
+    """
+    output_tensor.realize_cached_data()  # the forward pass (in lazy mode it runs here)
+    reverse_topo = list(reversed(find_topo_sort([output_tensor])))
+    plan = checkpoint.BackwardPlan(reverse_topo, output_tensor)
+    grads = {id(output_tensor): [out_grad]}
+    plan.release_unused()
+    for step, node in enumerate(reverse_topo):
+        parts = grads.pop(id(node), None)
+        if parts is not None:
+            plan.consume(parts)
+            grad = sum_node_list(parts)
+            grad.realize_cached_data()
+            if node.is_leaf():
+                node.grad = grad
+                plan.release_gradient_temporaries([grad], parts, grad)
+            else:
+                plan.recompute(step)
+                in_grads = node.op.gradient_as_tuple(grad, node)
+                if len(in_grads) != len(node.inputs):
+                    raise RuntimeError(f"{type(node.op).__name__}.gradient returned {len(in_grads)} values for "
+                                       f"{len(node.inputs)} inputs")
+                new = []
+                for inp, g in zip(node.inputs, in_grads):
+                    if inp.requires_grad:
+                        g.realize_cached_data()
+                        grads.setdefault(id(inp), []).append(g)
+                        new.append(g)
+                plan.release_gradient_temporaries(new, parts, grad)
+        plan.release(step)
+    plan.finish()
+
+
+def sum_node_list(node_list):
+    """The sum of a list of Tensors, in list order (so float sums are the same run to run)."""
+    total = node_list[0]
+    for node in node_list[1:]:
+        total = total + node
+    return total
+
+
+from . import ops  # noqa: E402  (ops needs the classes above)

@@ -1,0 +1,688 @@
+"""NDArray: an n-dimensional view (shape, strides, offset) over a flat device buffer.
+
+All the index arithmetic lives here; a backend module only sees flat buffers and the (shape, strides,
+offset) of a view (the contract is in src/README.md). Every view is bounds-checked here, so no backend is
+ever handed one that reaches outside its buffer.
+"""
+import builtins
+import importlib
+import operator
+from functools import reduce
+
+import numpy as np
+
+from . import ndarray_backend_numpy
+
+__all__ = [
+    "BackendDevice",
+    "NDArray",
+    "all_devices",
+    "array",
+    "broadcast_to",
+    "cpu",
+    "cpu_numpy",
+    "cuda",
+    "default_device",
+    "empty",
+    "exp",
+    "flip",
+    "full",
+    "log",
+    "matmul",
+    "max",
+    "maximum",
+    "memory_stats",
+    "pad",
+    "reset_peak_memory_stats",
+    "reshape",
+    "scatter_add_rows",
+    "set_memory_limit",
+    "split",
+    "stack",
+    "sum",
+    "take_rows",
+    "tanh",
+    "transpose",
+    "zeros",
+]
+
+BUILD_HINT = (
+    "needle's compiled backend '{name}' is not built. Build it from the repository root with `make` "
+    "(or `python3 -m pip install -e .`)."
+)
+
+
+def prod(x):
+    return reduce(operator.mul, x, 1)
+
+
+def _load(name):
+    """Import a compiled backend module if it was built; None otherwise (needle still imports)."""
+    try:
+        return importlib.import_module(f"needle.backend_ndarray.{name}")
+    except ImportError:
+        return None
+
+
+class BackendDevice:
+    """A device: a name plus the backend module that implements the contract for it."""
+
+    def __init__(self, name, mod, missing_module=None):
+        self.name = name
+        self.mod = mod
+        self._missing_module = missing_module
+
+    def __eq__(self, other):
+        return isinstance(other, BackendDevice) and self.name == other.name
+
+    def __hash__(self):
+        return hash(self.name)
+
+    def __repr__(self):
+        return self.name + "()"
+
+    def __getattr__(self, name):
+        # Forward everything else (matmul_tiled, __tile_size__, ...) to the backend module.
+        mod = self.__dict__.get("mod")
+        if mod is None:
+            raise RuntimeError(BUILD_HINT.format(name=self.__dict__.get("_missing_module")))
+        return getattr(mod, name)
+
+    def enabled(self):
+        if self.mod is None:
+            return False
+        count = getattr(self.mod, "device_count", None)
+        return count is None or count() > 0
+
+    def _require(self):
+        if not self.enabled():
+            if self.mod is None:
+                raise RuntimeError(BUILD_HINT.format(name=self._missing_module))
+            raise RuntimeError(f"device {self!r} is not available on this machine (no GPU found)")
+
+    def randn(self, *shape, dtype="float32"):
+        # One draw of the full shape from NumPy's global RNG: seeded models reproduce the course's numbers.
+        return NDArray(np.random.randn(*shape).astype(dtype), device=self)
+
+    def rand(self, *shape, dtype="float32"):
+        return NDArray(np.random.rand(*shape).astype(dtype), device=self)
+
+    def one_hot(self, n, i, dtype="float32"):
+        i = np.asarray(i.numpy() if isinstance(i, NDArray) else i).astype(np.int64)
+        return NDArray(np.eye(n, dtype=dtype)[i], device=self)
+
+    def empty(self, shape, dtype="float32"):
+        _check_dtype(dtype)
+        return NDArray.make(tuple(shape), device=self)
+
+    def full(self, shape, fill_value, dtype="float32"):
+        arr = self.empty(shape, dtype)
+        arr.fill(fill_value)
+        return arr
+
+    def memory_stats(self):
+        self._require()
+        return dict(self.mod.memory_stats())
+
+    def reset_peak_memory_stats(self):
+        self._require()
+        self.mod.reset_peak_memory_stats()
+
+
+_CPU = BackendDevice("cpu", _load("ndarray_backend_cpu"), "ndarray_backend_cpu")
+_CUDA = BackendDevice("cuda", _load("ndarray_backend_cuda"), "ndarray_backend_cuda")
+_CPU_NUMPY = BackendDevice("cpu_numpy", ndarray_backend_numpy)
+
+
+def cpu():
+    """The C++ CPU backend."""
+    return _CPU
+
+
+def cuda():
+    """The CUDA backend (constructible everywhere; `enabled()` is False without a GPU build)."""
+    return _CUDA
+
+
+def cpu_numpy():
+    """The pure-NumPy reference backend."""
+    return _CPU_NUMPY
+
+
+def default_device():
+    return _CPU if _CPU.enabled() else _CPU_NUMPY
+
+
+def all_devices():
+    return [cpu(), cuda(), cpu_numpy()]
+
+
+def memory_stats(device=None):
+    """{"current_bytes", "peak_bytes", "allocations"} of the device's live buffers (counted by its allocator)."""
+    return (device or default_device()).memory_stats()
+
+
+def reset_peak_memory_stats(device=None):
+    (device or default_device()).reset_peak_memory_stats()
+
+
+def set_memory_limit(nbytes, device=None):
+    """Make the device's allocator raise MemoryError past `nbytes` live bytes (0 removes the limit)."""
+    device = device or default_device()
+    device._require()
+    device.mod.set_memory_limit(int(nbytes))
+
+
+def _check_dtype(dtype):
+    if dtype not in (None, "float32", np.float32) and np.dtype(dtype) != np.float32:
+        raise TypeError(f"NDArray supports only float32, got dtype {dtype!r}")
+
+
+def _compact_strides(shape):
+    stride, res = 1, []
+    for dim in reversed(shape):
+        res.append(stride)
+        stride *= dim
+    return tuple(reversed(res))
+
+
+class NDArray:
+    """A strided view of a flat float32 buffer on a device.
+
+    Views (reshape of a compact array, permute, broadcast_to, slicing) share the buffer and cost no new bytes;
+    every operation that computes produces a new compact array.
+    """
+
+    __slots__ = ("_shape", "_strides", "_offset", "_device", "_handle", "__weakref__")
+
+    def __init__(self, other, device=None):
+        if isinstance(other, NDArray):
+            # A copy, as in the course framework (moved to `device` if another one is given).
+            device = device or other.device
+            self._init(other + 0.0 if device == other.device else NDArray(other.numpy(), device=device))
+        else:
+            if isinstance(other, np.ndarray) and other.dtype.kind not in "biuf":
+                raise TypeError(f"NDArray cannot hold numpy dtype {other.dtype}")
+            data = np.ascontiguousarray(np.asarray(other, dtype=np.float32))
+            device = device or default_device()
+            device._require()
+            arr = NDArray.make(data.shape, device=device)
+            device.mod.from_numpy(data, arr._handle)
+            self._init(arr)
+
+    def _init(self, other):
+        self._shape = other._shape
+        self._strides = other._strides
+        self._offset = other._offset
+        self._device = other._device
+        self._handle = other._handle
+
+    @staticmethod
+    def make(shape, strides=None, device=None, handle=None, offset=0):
+        """A new NDArray of the given view; a fresh compact buffer when `handle` is None."""
+        shape = tuple(int(s) for s in shape)
+        if any(s < 0 for s in shape):
+            raise ValueError(f"NDArray shape must not be negative, got {shape}")
+        device = device or default_device()
+        array = object.__new__(NDArray)
+        array._shape = shape
+        array._strides = _compact_strides(shape) if strides is None else tuple(int(s) for s in strides)
+        array._offset = int(offset)
+        array._device = device
+        if handle is None:
+            device._require()
+            handle = device.mod.Array(prod(shape))
+        else:
+            _check_view(shape, array._strides, array._offset, handle.size)
+        array._handle = handle
+        return array
+
+    # ----- properties ---------------------------------------------------------------------------------------
+    @property
+    def shape(self):
+        return self._shape
+
+    @property
+    def strides(self):
+        return self._strides
+
+    @property
+    def device(self):
+        return self._device
+
+    @property
+    def dtype(self):
+        return "float32"
+
+    @property
+    def ndim(self):
+        return len(self._shape)
+
+    @property
+    def size(self):
+        return prod(self._shape)
+
+    @property
+    def nbytes(self):
+        return 4 * self.size
+
+    def __repr__(self):
+        return "NDArray(" + self.numpy().__str__() + f", device={self.device})"
+
+    def __str__(self):
+        return self.numpy().__str__()
+
+    def __len__(self):
+        return self._shape[0]
+
+    def __array__(self, dtype=None, copy=None):
+        return self.numpy() if dtype is None else self.numpy().astype(dtype)
+
+    # ----- moving data --------------------------------------------------------------------------------------
+    def fill(self, value):
+        self.device.mod.fill(self._handle, float(value))
+
+    def to(self, device):
+        return self if device == self.device else NDArray(self.numpy(), device=device)
+
+    def numpy(self):
+        return self.device.mod.to_numpy(self._handle, list(self._shape), list(self._strides), self._offset)
+
+    def is_compact(self):
+        return self._strides == _compact_strides(self._shape) and prod(self._shape) == self._handle.size
+
+    def compact(self):
+        """This array if it is compact, else a compact copy."""
+        if self.is_compact():
+            return self
+        out = NDArray.make(self.shape, device=self.device)
+        self.device.mod.compact(self._handle, out._handle, list(self._shape), list(self._strides), self._offset)
+        return out
+
+    def as_strided(self, shape, strides):
+        """A view of the same buffer with another shape and strides (bounds-checked)."""
+        if len(shape) != len(strides):
+            raise ValueError(f"as_strided: shape {tuple(shape)} and strides {tuple(strides)} differ in rank")
+        return NDArray.make(shape, strides=strides, device=self.device, handle=self._handle, offset=self._offset)
+
+    @property
+    def flat(self):
+        """A writable 1-D view (the array must be compact)."""
+        if not self.is_compact():
+            raise ValueError(f"flat: array of shape {self.shape} is not compact; call .compact() first")
+        return self.reshape((self.size,))
+
+    # ----- views --------------------------------------------------------------------------------------------
+    def reshape(self, new_shape):
+        """A view with a new shape; the array must be compact (as in the course framework)."""
+        new_shape = _resolve_reshape(self._shape, new_shape)
+        if prod(new_shape) != self.size:
+            raise ValueError(f"reshape: cannot reshape array of shape {self.shape} into shape {new_shape}")
+        if not self.is_compact():
+            raise ValueError(f"reshape: array of shape {self.shape} is not compact; call .compact() first")
+        return NDArray.make(new_shape, device=self.device, handle=self._handle, offset=self._offset)
+
+    def permute(self, new_axes):
+        """A view with the axes reordered: new axis i is old axis new_axes[i]."""
+        new_axes = tuple(_normalize_axis(a, self.ndim, "permute") for a in new_axes)
+        if sorted(new_axes) != list(range(self.ndim)):
+            raise ValueError(f"permute: axes {new_axes} are not a permutation for shape {self.shape}")
+        return self.as_strided(
+            tuple(self._shape[a] for a in new_axes), tuple(self._strides[a] for a in new_axes)
+        )
+
+    def broadcast_to(self, new_shape):
+        """A view repeating size-1 axes with stride 0 (NumPy's rules; new leading axes allowed)."""
+        new_shape = tuple(int(s) for s in new_shape)
+        lead = len(new_shape) - self.ndim
+        if lead < 0:
+            raise ValueError(f"broadcast_to: cannot broadcast shape {self.shape} to {new_shape}")
+        strides = [0] * lead
+        for old, new, stride in zip(self._shape, new_shape[lead:], self._strides):
+            if old == new:
+                strides.append(stride)
+            elif old == 1:
+                strides.append(0)
+            else:
+                raise ValueError(f"broadcast_to: cannot broadcast shape {self.shape} to {new_shape}")
+        return self.as_strided(new_shape, tuple(strides))
+
+    def process_slice(self, sl, dim):
+        """A slice with start, stop and step resolved against axis `dim` (NumPy's rules)."""
+        start, stop, step = sl.indices(self._shape[dim])
+        return slice(start, stop, step)
+
+    def __getitem__(self, idxs):
+        """A view of the selected elements. Ints drop their axis and slices keep it, as in NumPy."""
+        if not isinstance(idxs, tuple):
+            idxs = (idxs,)
+        if len(idxs) > self.ndim:
+            raise IndexError(f"too many indices ({len(idxs)}) for array of shape {self.shape}")
+        idxs = idxs + (slice(None),) * (self.ndim - len(idxs))
+        shape, strides, offset = [], [], self._offset
+        for dim, idx in enumerate(idxs):
+            if isinstance(idx, slice):
+                start, stop, step = idx.indices(self._shape[dim])
+                shape.append(len(range(start, stop, step)))
+                strides.append(self._strides[dim] * step)
+                offset += start * self._strides[dim] if shape[-1] else 0
+            elif isinstance(idx, (int, np.integer)):
+                i = int(idx) + (self._shape[dim] if idx < 0 else 0)
+                if not 0 <= i < self._shape[dim]:
+                    raise IndexError(f"index {idx} is out of bounds for axis {dim} with size {self._shape[dim]}")
+                offset += i * self._strides[dim]
+            else:
+                raise TypeError(f"NDArray indices must be ints or slices, got {type(idx).__name__}")
+        return NDArray.make(tuple(shape), strides=tuple(strides), device=self.device, handle=self._handle,
+                            offset=offset)
+
+    def __setitem__(self, idxs, other):
+        view = self.__getitem__(idxs)
+        if isinstance(other, NDArray):
+            if other.device != self.device:
+                raise ValueError(f"setitem: value on {other.device} but array on {self.device}")
+            if other.shape != view.shape:
+                other = other.broadcast_to(view.shape)
+            self.device.mod.ewise_setitem(other.compact()._handle, view._handle, list(view.shape),
+                                          list(view.strides), view._offset)
+        else:
+            self.device.mod.scalar_setitem(view.size, float(other), view._handle, list(view.shape),
+                                           list(view.strides), view._offset)
+
+    # ----- element-wise and scalar arithmetic ---------------------------------------------------------------
+    def ewise_or_scalar(self, other, ewise_func, scalar_func, name="op"):
+        """Apply `ewise_func` to two arrays of equal shape, or `scalar_func` to this array and a number."""
+        out = NDArray.make(self.shape, device=self.device)
+        if isinstance(other, NDArray):
+            if other.shape != self.shape:
+                raise ValueError(f"{name}: shapes {self.shape} and {other.shape} differ; broadcast explicitly")
+            if other.device != self.device:
+                raise ValueError(f"{name}: operands on {self.device} and {other.device}")
+            ewise_func(self.compact()._handle, other.compact()._handle, out._handle)
+        else:
+            scalar_func(self.compact()._handle, float(other), out._handle)
+        return out
+
+    def __add__(self, other):
+        return self.ewise_or_scalar(other, self.device.mod.ewise_add, self.device.mod.scalar_add, "add")
+
+    __radd__ = __add__
+
+    def __sub__(self, other):
+        return self + (-other)
+
+    def __rsub__(self, other):
+        return other + (-self)
+
+    def __mul__(self, other):
+        return self.ewise_or_scalar(other, self.device.mod.ewise_mul, self.device.mod.scalar_mul, "mul")
+
+    __rmul__ = __mul__
+
+    def __truediv__(self, other):
+        return self.ewise_or_scalar(other, self.device.mod.ewise_div, self.device.mod.scalar_div, "div")
+
+    def __rtruediv__(self, other):
+        return self.device.full(self.shape, other) / self
+
+    def __neg__(self):
+        return self * (-1.0)
+
+    def __pow__(self, other):
+        return self.ewise_or_scalar(other, self.device.mod.ewise_power, self.device.mod.scalar_power, "power")
+
+    def maximum(self, other):
+        return self.ewise_or_scalar(other, self.device.mod.ewise_maximum, self.device.mod.scalar_maximum,
+                                    "maximum")
+
+    def __eq__(self, other):
+        return self.ewise_or_scalar(other, self.device.mod.ewise_eq, self.device.mod.scalar_eq, "eq")
+
+    def __ge__(self, other):
+        return self.ewise_or_scalar(other, self.device.mod.ewise_ge, self.device.mod.scalar_ge, "ge")
+
+    def __ne__(self, other):
+        return 1 - (self == other)
+
+    def __gt__(self, other):
+        return (self >= other) * (self != other)
+
+    def __lt__(self, other):
+        return 1 - (self >= other)
+
+    def __le__(self, other):
+        return 1 - (self > other)
+
+    __hash__ = None
+
+    def _unary(self, func):
+        out = NDArray.make(self.shape, device=self.device)
+        func(self.compact()._handle, out._handle)
+        return out
+
+    def log(self):
+        return self._unary(self.device.mod.ewise_log)
+
+    def exp(self):
+        return self._unary(self.device.mod.ewise_exp)
+
+    def tanh(self):
+        return self._unary(self.device.mod.ewise_tanh)
+
+    # ----- matrix multiplication ----------------------------------------------------------------------------
+    def __matmul__(self, other):
+        """(m, n) @ (n, p) -> (m, p); batch dimensions broadcast as in NumPy."""
+        if not isinstance(other, NDArray):
+            raise TypeError(f"matmul: operand must be an NDArray, got {type(other).__name__}")
+        if other.device != self.device:
+            raise ValueError(f"matmul: operands on {self.device} and {other.device}")
+        if self.ndim < 2 or other.ndim < 2 or self.shape[-1] != other.shape[-2]:
+            raise ValueError(f"matmul: shapes {self.shape} and {other.shape} are not aligned")
+        m, n, p = self.shape[-2], self.shape[-1], other.shape[-1]
+        if self.ndim == 2 and other.ndim == 2:
+            out = NDArray.make((m, p), device=self.device)
+            self.device.mod.matmul(self.compact()._handle, other.compact()._handle, out._handle, m, n, p)
+            return out
+        batch = np.broadcast_shapes(self.shape[:-2], other.shape[:-2])
+        if other.ndim == 2 and len(batch) == self.ndim - 2:
+            # (..., m, n) @ (n, p) is one (prod(...)*m, n) @ (n, p) product.
+            flat = self.compact().reshape((prod(batch) * m, n)) @ other
+            return flat.reshape(batch + (m, p))
+        a = self.broadcast_to(batch + (m, n)).compact().reshape((prod(batch), m, n))
+        b = other.broadcast_to(batch + (n, p)).compact().reshape((prod(batch), n, p))
+        out = NDArray.make((prod(batch), m, p), device=self.device)
+        for i in range(prod(batch)):
+            out[i] = a[i] @ b[i]
+        return out.reshape(batch + (m, p))
+
+    # ----- reductions ---------------------------------------------------------------------------------------
+    def _reduce(self, func, axis, keepdims, name):
+        if axis is None:
+            axes = tuple(range(self.ndim))
+        else:
+            axes = tuple(sorted({_normalize_axis(a, self.ndim, name) for a in
+                                 (axis if isinstance(axis, (tuple, list)) else (axis,))}))
+        kept = tuple(i for i in range(self.ndim) if i not in axes)
+        reduce_size = prod(self._shape[i] for i in axes)
+        if reduce_size == 0:
+            raise ValueError(f"{name}: cannot reduce over a zero-size axis of shape {self.shape}")
+        # Move the reduced axes last, so each output element reduces one contiguous row.
+        view = self.permute(kept + axes).compact()
+        out_shape = tuple(self._shape[i] for i in kept)
+        out = NDArray.make(out_shape, device=self.device)
+        func(view._handle, out._handle, reduce_size)
+        if keepdims:
+            out = out.reshape(tuple(1 if i in axes else s for i, s in enumerate(self._shape)))
+        return out
+
+    def sum(self, axis=None, keepdims=False):
+        return self._reduce(self.device.mod.reduce_sum, axis, keepdims, "sum")
+
+    def max(self, axis=None, keepdims=False):
+        return self._reduce(self.device.mod.reduce_max, axis, keepdims, "max")
+
+    # ----- flip and pad -------------------------------------------------------------------------------------
+    def flip(self, axes):
+        """A compact copy with the given axes reversed (a negative-stride view, then compact)."""
+        if axes is None:
+            axes = tuple(range(self.ndim))
+        axes = {_normalize_axis(a, self.ndim, "flip") for a in (axes if isinstance(axes, (tuple, list))
+                                                                 else (axes,))}
+        offset, strides = self._offset, list(self._strides)
+        for a in axes:
+            offset += (self._shape[a] - 1) * self._strides[a] if self._shape[a] else 0
+            strides[a] = -strides[a]
+        view = NDArray.make(self.shape, strides=tuple(strides), device=self.device, handle=self._handle,
+                            offset=offset)
+        out = NDArray.make(self.shape, device=self.device)
+        self.device.mod.compact(view._handle, out._handle, list(view.shape), list(view.strides), view._offset)
+        return out
+
+    def pad(self, axes):
+        """Zero padding: axes[i] = (before, after) for axis i."""
+        if len(axes) != self.ndim or any(lo < 0 or hi < 0 for lo, hi in axes):
+            raise ValueError(f"pad: need one non-negative (before, after) pair per axis of {self.shape}, "
+                             f"got {axes}")
+        out = self.device.full(tuple(s + lo + hi for s, (lo, hi) in zip(self.shape, axes)), 0.0)
+        out[tuple(slice(lo, lo + s) for s, (lo, _) in zip(self.shape, axes))] = self
+        return out
+
+
+def _normalize_axis(axis, ndim, name):
+    if not isinstance(axis, (int, np.integer)):
+        raise TypeError(f"{name}: axis must be an int, got {axis!r}")
+    if not -ndim <= axis < builtins.max(ndim, 1):
+        raise ValueError(f"{name}: axis {axis} is out of range for {ndim} dimensions")
+    return int(axis) % builtins.max(ndim, 1)
+
+
+def _resolve_reshape(old_shape, new_shape):
+    if isinstance(new_shape, (int, np.integer)):
+        new_shape = (new_shape,)
+    new_shape = [int(s) for s in new_shape]
+    if new_shape.count(-1) > 1:
+        raise ValueError(f"reshape: only one -1 allowed in {tuple(new_shape)}")
+    if -1 in new_shape:
+        known = prod(s for s in new_shape if s != -1)
+        if known == 0 or prod(old_shape) % known:
+            raise ValueError(f"reshape: cannot reshape array of shape {tuple(old_shape)} into "
+                             f"{tuple(new_shape)}")
+        new_shape[new_shape.index(-1)] = prod(old_shape) // known
+    return tuple(new_shape)
+
+
+def _check_view(shape, strides, offset, buffer_size):
+    """Raise IndexError unless every element of the view lies inside the buffer."""
+    if len(shape) != len(strides):
+        raise ValueError(f"view shape {shape} and strides {strides} differ in rank")
+    if prod(shape) == 0:
+        return
+    lo = offset + builtins.sum(builtins.min(0, (n - 1) * s) for n, s in zip(shape, strides))
+    hi = offset + builtins.sum(builtins.max(0, (n - 1) * s) for n, s in zip(shape, strides))
+    if lo < 0 or hi >= buffer_size:
+        raise IndexError(f"view (shape {shape}, strides {strides}, offset {offset}) reaches elements "
+                         f"[{lo}, {hi}] outside a buffer of {buffer_size}")
+
+
+# ----- the NumPy-like functional API (`sum` and `max` shadow the builtins from here on; code above uses builtins.)
+# ----- the NumPy-like functional API that ops use (numpy itself provides the same under NEEDLE_BACKEND=np) -------
+def array(a, dtype="float32", device=None):
+    _check_dtype(dtype)
+    return NDArray(a, device=device)
+
+
+def empty(shape, dtype="float32", device=None):
+    return (device or default_device()).empty(shape, dtype)
+
+
+def full(shape, fill_value, dtype="float32", device=None):
+    return (device or default_device()).full(shape, fill_value, dtype)
+
+
+def zeros(shape, dtype="float32", device=None):
+    return full(shape, 0.0, dtype, device)
+
+
+def broadcast_to(a, shape):
+    return a.broadcast_to(shape)
+
+
+def reshape(a, new_shape):
+    return a.compact().reshape(new_shape)
+
+
+def transpose(a, axes):
+    return a.permute(axes)
+
+
+def maximum(a, b):
+    return a.maximum(b)
+
+
+def log(a):
+    return a.log()
+
+
+def exp(a):
+    return a.exp()
+
+
+def tanh(a):
+    return a.tanh()
+
+
+def matmul(a, b):
+    return a @ b
+
+
+def sum(a, axis=None, keepdims=False):
+    return a.sum(axis=axis, keepdims=keepdims)
+
+
+def max(a, axis=None, keepdims=False):
+    return a.max(axis=axis, keepdims=keepdims)
+
+
+def flip(a, axes):
+    return a.flip(axes)
+
+
+def pad(a, axes):
+    return a.pad(axes)
+
+
+def stack(arrays, axis=0):
+    arrays = list(arrays)
+    shape = arrays[0].shape
+    if any(a.shape != shape for a in arrays):
+        raise ValueError(f"stack: all arrays need one shape, got {[a.shape for a in arrays]}")
+    axis = _normalize_axis(axis, len(shape) + 1, "stack")
+    out = empty(shape[:axis] + (len(arrays),) + shape[axis:], device=arrays[0].device)
+    for i, a in enumerate(arrays):
+        out[(slice(None),) * axis + (i,)] = a
+    return out
+
+
+def split(a, axis=0):
+    axis = _normalize_axis(axis, a.ndim, "split")
+    return tuple(a[(slice(None),) * axis + (i,)].compact() for i in range(a.shape[axis]))
+
+
+def take_rows(table, ids):
+    """table (n, d), ids (k,) of integer values -> (k, d): row ids[i] of the table."""
+    if ids.device != table.device:
+        raise ValueError(f"take_rows: table on {table.device} but ids on {ids.device}")
+    ids = ids.compact()
+    out = NDArray.make((ids.size, table.shape[1]), device=table.device)
+    table.device.mod.take_rows(table.compact()._handle, ids._handle, out._handle, table.shape[1])
+    return out
+
+
+def scatter_add_rows(rows, ids, num_rows):
+    """The adjoint of take_rows: a (num_rows, d) array of zeros with rows[i] added at row ids[i]."""
+    if ids.device != rows.device:
+        raise ValueError(f"scatter_add_rows: rows on {rows.device} but ids on {ids.device}")
+    out = zeros((num_rows, rows.shape[1]), device=rows.device)
+    rows.device.mod.scatter_add_rows(rows.compact()._handle, ids.compact()._handle, out._handle, rows.shape[1])
+    return out
+

@@ -1,0 +1,190 @@
+"""The reference backend: the backend contract (src/README.md) written in NumPy.
+
+It is both an executable specification for the C++ and CUDA modules and the `cpu_numpy()` device. Buffers are
+flat float32 numpy arrays; every function receives the (shape, strides, offset) of a view in elements.
+"""
+import weakref
+
+import numpy as np
+
+__device_name__ = "cpu_numpy"
+__tile_size__ = 1
+
+_ITEMSIZE = 4
+_stats = {"current_bytes": 0, "peak_bytes": 0, "allocations": 0}
+_limit = [0]
+
+
+def _release(nbytes):
+    _stats["current_bytes"] -= nbytes
+    _stats["allocations"] -= 1
+
+
+class Array:
+    """A flat float32 buffer whose bytes are counted from construction until it is garbage collected."""
+
+    def __init__(self, size):
+        nbytes = int(size) * _ITEMSIZE
+        held = _stats["current_bytes"]
+        if _limit[0] and held + nbytes > _limit[0]:
+            raise MemoryError(
+                f"needle cpu_numpy: cannot allocate {nbytes} bytes: {held} bytes held, limit {_limit[0]} bytes"
+            )
+        self.array = np.empty(int(size), dtype=np.float32)
+        _stats["current_bytes"] = held + nbytes
+        _stats["allocations"] += 1
+        _stats["peak_bytes"] = max(_stats["peak_bytes"], _stats["current_bytes"])
+        weakref.finalize(self, _release, nbytes)
+
+    @property
+    def size(self):
+        return self.array.size
+
+    def ptr(self):
+        return self.array.ctypes.data
+
+
+def memory_stats():
+    return dict(_stats)
+
+
+def reset_peak_memory_stats():
+    _stats["peak_bytes"] = _stats["current_bytes"]
+
+
+def set_memory_limit(nbytes):
+    _limit[0] = int(nbytes)
+
+
+def _view(a, shape, strides, offset):
+    return np.lib.stride_tricks.as_strided(
+        a.array[offset:], tuple(shape), tuple(s * _ITEMSIZE for s in strides), writeable=True
+    )
+
+
+def to_numpy(a, shape, strides, offset):
+    return _view(a, shape, strides, offset).copy()
+
+
+def from_numpy(a, out):
+    out.array[:] = a.flatten()
+
+
+def fill(out, val):
+    out.array.fill(val)
+
+
+def compact(a, out, shape, strides, offset):
+    out.array[:] = _view(a, shape, strides, offset).flatten()
+
+
+def ewise_setitem(a, out, shape, strides, offset):
+    _view(out, shape, strides, offset)[...] = a.array.reshape(shape)
+
+
+def scalar_setitem(size, val, out, shape, strides, offset):
+    _view(out, shape, strides, offset)[...] = val
+
+
+def ewise_add(a, b, out):
+    out.array[:] = a.array + b.array
+
+
+def scalar_add(a, val, out):
+    out.array[:] = a.array + val
+
+
+def ewise_mul(a, b, out):
+    out.array[:] = a.array * b.array
+
+
+def scalar_mul(a, val, out):
+    out.array[:] = a.array * val
+
+
+def ewise_div(a, b, out):
+    out.array[:] = a.array / b.array
+
+
+def scalar_div(a, val, out):
+    out.array[:] = a.array / val
+
+
+def ewise_power(a, b, out):
+    out.array[:] = a.array**b.array
+
+
+def scalar_power(a, val, out):
+    out.array[:] = a.array**val
+
+
+def ewise_maximum(a, b, out):
+    out.array[:] = np.maximum(a.array, b.array)
+
+
+def scalar_maximum(a, val, out):
+    out.array[:] = np.maximum(a.array, val)
+
+
+def ewise_eq(a, b, out):
+    out.array[:] = a.array == b.array
+
+
+def scalar_eq(a, val, out):
+    out.array[:] = a.array == val
+
+
+def ewise_ge(a, b, out):
+    out.array[:] = a.array >= b.array
+
+
+def scalar_ge(a, val, out):
+    out.array[:] = a.array >= val
+
+
+def ewise_log(a, out):
+    out.array[:] = np.log(a.array)
+
+
+def ewise_exp(a, out):
+    out.array[:] = np.exp(a.array)
+
+
+def ewise_tanh(a, out):
+    out.array[:] = np.tanh(a.array)
+
+
+def matmul(a, b, out, m, n, p):
+    out.array[:] = (a.array[: m * n].reshape(m, n) @ b.array[: n * p].reshape(n, p)).reshape(-1)
+
+
+def matmul_tiled(a, b, out, m, n, p):
+    matmul(a, b, out, m, n, p)
+
+
+def reduce_max(a, out, reduce_size):
+    out.array[:] = a.array[: out.size * reduce_size].reshape(-1, reduce_size).max(axis=1)
+
+
+def reduce_sum(a, out, reduce_size):
+    out.array[:] = a.array[: out.size * reduce_size].reshape(-1, reduce_size).sum(axis=1)
+
+
+def _row_indices(idx, num_rows):
+    rows = idx.array
+    ints = rows.astype(np.int64)
+    bad = np.nonzero((ints != rows) | (ints < 0) | (ints >= num_rows))[0]
+    if bad.size:
+        raise IndexError(f"index {rows[bad[0]]:g} is out of range for {num_rows} rows")
+    return ints
+
+
+def take_rows(a, idx, out, row_size):
+    rows = _row_indices(idx, a.size // row_size)
+    out.array[: rows.size * row_size] = a.array.reshape(-1, row_size)[rows].reshape(-1)
+
+
+def scatter_add_rows(src, idx, out, row_size):
+    rows = _row_indices(idx, out.size // row_size)
+    table = out.array.reshape(-1, row_size)
+    np.add.at(table, rows, src.array[: rows.size * row_size].reshape(-1, row_size))

@@ -1,0 +1,122 @@
+"""The `NEEDLE_BACKEND=np` backend: values are plain `numpy.ndarray`, as in the course's early homeworks.
+
+It exposes the same functional API as `needle.backend_ndarray` (what ops call), implemented with NumPy;
+dtypes follow NumPy, so float64 input stays float64.
+"""
+import numpy as np
+
+__all__ = [
+    "Device", "all_devices", "array", "broadcast_to", "cpu", "cpu_numpy", "cuda", "default_device", "empty",
+    "exp", "flip", "full", "log", "matmul", "max", "maximum", "pad", "reshape", "scatter_add_rows", "split",
+    "stack", "sum", "take_rows", "tanh", "transpose", "zeros",
+]
+
+
+class Device:
+    """A NumPy 'device': data lives in numpy.ndarray; `enabled()` says whether this device exists here."""
+
+    def __init__(self, name, enabled=True):
+        self.name = name
+        self._enabled = enabled
+
+    def __repr__(self):
+        return self.name + "()"
+
+    def __eq__(self, other):
+        return isinstance(other, Device) and self.name == other.name
+
+    def __hash__(self):
+        return hash(self.name)
+
+    def enabled(self):
+        return self._enabled
+
+    def randn(self, *shape, dtype="float32"):
+        return np.random.randn(*shape).astype(dtype)
+
+    def rand(self, *shape, dtype="float32"):
+        return np.random.rand(*shape).astype(dtype)
+
+    def one_hot(self, n, i, dtype="float32"):
+        return np.eye(n, dtype=dtype)[np.asarray(i, dtype=np.int64)]
+
+    def empty(self, shape, dtype="float32"):
+        return np.empty(shape, dtype=dtype)
+
+    def full(self, shape, fill_value, dtype="float32"):
+        return np.full(shape, fill_value, dtype=dtype)
+
+
+_CPU = Device("cpu")
+
+
+def cpu():
+    return _CPU
+
+
+def cpu_numpy():
+    return _CPU
+
+
+def cuda():
+    return Device("cuda", enabled=False)
+
+
+def default_device():
+    return _CPU
+
+
+def all_devices():
+    return [_CPU]
+
+
+def array(a, dtype=None, device=None):
+    return np.array(a, dtype=dtype)
+
+
+def empty(shape, dtype="float32", device=None):
+    return np.empty(shape, dtype=dtype)
+
+
+def full(shape, fill_value, dtype="float32", device=None):
+    return np.full(shape, fill_value, dtype=dtype)
+
+
+def zeros(shape, dtype="float32", device=None):
+    return np.zeros(shape, dtype=dtype)
+
+
+broadcast_to = np.broadcast_to
+transpose = np.transpose
+maximum = np.maximum
+log = np.log
+exp = np.exp
+tanh = np.tanh
+matmul = np.matmul
+sum = np.sum
+max = np.max
+flip = np.flip
+pad = np.pad
+stack = np.stack
+
+
+def reshape(a, new_shape):
+    return np.reshape(a, new_shape)
+
+
+def split(a, axis=0):
+    return tuple(np.take(a, i, axis=axis) for i in range(a.shape[axis]))
+
+
+def take_rows(table, ids):
+    rows = np.asarray(ids).astype(np.int64)
+    if rows.size and (rows.min() < 0 or rows.max() >= table.shape[0]):
+        raise IndexError(f"index {rows[(rows < 0) | (rows >= table.shape[0])][0]} is out of range for "
+                         f"{table.shape[0]} rows")
+    return table[rows]
+
+
+def scatter_add_rows(rows, ids, num_rows):
+    out = np.zeros((num_rows,) + rows.shape[1:], dtype=rows.dtype)
+    np.add.at(out, np.asarray(ids).astype(np.int64), rows)
+    return out

@@ -1,0 +1,32 @@
+"""Which array library backs Tensors, chosen once at import by the NEEDLE_BACKEND environment variable.
+
+`nd` (default): needle's own NDArray (C++ `cpu()`, CUDA `cuda()`, NumPy-reference `cpu_numpy()`).
+`np`: plain numpy.ndarray values, as in the course's early homeworks.
+"""
+import os
+
+BACKEND = os.environ.get("NEEDLE_BACKEND", "nd")
+
+if BACKEND == "nd":
+    from . import backend_ndarray as array_api
+    from .backend_ndarray import (
+        BackendDevice as Device,
+        NDArray,
+        all_devices,
+        cpu,
+        cpu_numpy,
+        cuda,
+        default_device,
+    )
+elif BACKEND == "np":
+    import numpy
+
+    from . import backend_numpy as array_api
+    from .backend_numpy import Device, all_devices, cpu, cpu_numpy, cuda, default_device
+
+    NDArray = numpy.ndarray
+else:
+    raise RuntimeError(f"NEEDLE_BACKEND must be 'nd' or 'np', got {BACKEND!r}")
+
+__all__ = ["BACKEND", "Device", "NDArray", "all_devices", "array_api", "cpu", "cpu_numpy", "cuda",
+           "default_device"]

@@ -1,0 +1,314 @@
+"""Gradient checkpointing: keep fewer activations after the forward pass, recompute them during backward.
+
+Training keeps every intermediate value of the forward pass alive until backward has used it; for a deep
+network that is most of the memory of a step. Checkpointing trades compute for memory (Chen et al. 2016,
+"Training Deep Nets with Sublinear Memory Cost"): nodes marked `drop` are not kept after the forward pass, and
+backward recomputes them from their nearest kept ancestors (the checkpoints) just before it needs them.
+
+    model.enable_gc(policy="sqrt")        # or segment_len=4, policy="selective", policy=Budget(64 << 20)
+    loss = loss_fn(model(x), y)           # layers call annotate() on their interior as they run
+    loss.backward()                       # dropped values are recomputed here, each at most once
+    checkpoint.last_backward_stats()      # {"recomputed_nodes": ..., "released_bytes": ..., ...}
+
+Everything about *what* is dropped and *when* a buffer is released lives in this file; `autograd.py` calls
+`release`, `BackwardPlan` and the stats, and layers call only `annotate`.
+
+The rules (each test names the rule it checks):
+
+  Rule 1. Leaves (parameters, constants, dropout masks), the inputs and output of an annotated region, and the
+          output of a backward pass are never dropped or released.
+  Rule 2. During one backward pass, a dropped or released value is recomputed at most once: recomputed values
+          stay alive until their last use in that pass (`BackwardPlan` plans this, then asserts it).
+  Rule 3. Every activation, dropped or not, is released after its last use: in the forward pass for dropped
+          values (eager: as soon as the region's output exists; lazy: after its last consumer is computed), and
+          in backward for every value after the last gradient that reads it. Gradient-graph temporaries are
+          released after the step that made them.
+  Rule 4. Recomputation is exact: a recomputed value has the shape, dtype and device it had in the forward
+          pass (checked every time), and eager and lazy mode give bit-identical numbers.
+  Rule 5. When backward returns, every leaf gradient is realized, so an optimizer that updates parameters in
+          place can never change a value a gradient still depends on.
+"""
+import math
+from dataclasses import dataclass
+
+__all__ = [
+    "Budget",
+    "BackwardPlan",
+    "annotate",
+    "last_backward_stats",
+    "nothing_saveable",
+    "dots_saveable",
+    "resolve_policy",
+    "release",
+    "spec_of",
+    "Sqrt",
+    "EverySegment",
+]
+
+
+def spec_of(data):
+    """(shape, dtype, device) of a raw array or a tuple of them."""
+    if isinstance(data, tuple):
+        specs = [spec_of(x) for x in data]
+        return tuple(s[0] for s in specs), specs[0][1] if specs else "float32", specs[0][2] if specs else None
+    device = getattr(data, "device", None)
+    if not hasattr(device, "enabled"):  # a plain numpy.ndarray (NEEDLE_BACKEND=np)
+        from .backend_selection import cpu
+
+        device = cpu()
+    return tuple(data.shape), data.dtype, device
+
+
+def nbytes_of(data):
+    if data is None:
+        return 0
+    if isinstance(data, tuple):
+        return sum(nbytes_of(x) for x in data)
+    return int(data.nbytes)
+
+
+def release(node):
+    """Forget a node's value (it can be recomputed from its inputs); remember its shape, dtype and device."""
+    if node.cached_data is not None:
+        node._spec = spec_of(node.cached_data)
+        node.cached_data = None
+
+
+# ----- policies: small pure functions from the candidate nodes of a region to keep/drop flags ------------------
+SAVEABLE_OPS = ("MatMul", "Conv")
+
+
+def nothing_saveable(nodes):
+    """Drop every candidate ("all")."""
+    return [False] * len(nodes)
+
+
+def dots_saveable(nodes):
+    """Keep the outputs of matmul/conv (expensive to recompute); drop the cheap rest ("selective")."""
+    return [type(n.op).__name__ in SAVEABLE_OPS for n in nodes]
+
+
+@dataclass(frozen=True)
+class EverySegment:
+    """Keep every k-th candidate as a checkpoint (`segment_len=k`)."""
+
+    k: int
+
+    def __call__(self, nodes):
+        return [(i + 1) % self.k == 0 for i in range(len(nodes))]
+
+
+@dataclass(frozen=True)
+class Sqrt:
+    """Chen's O(sqrt n) schedule: checkpoints every ~sqrt(n) of the region's n candidates."""
+
+    def __call__(self, nodes):
+        return EverySegment(max(1, round(math.sqrt(len(nodes)))))(nodes)
+
+
+@dataclass(frozen=True)
+class Budget:
+    """Drop the cheapest-to-recompute bytes first until the planned peak activation memory fits `bytes`.
+
+    Planned by `plan_budget` from the graph of a traced step; see its docstring.
+    """
+
+    bytes: int
+    threshold: float = math.inf  # drop nodes whose recompute cost per byte is below this
+
+    def __call__(self, nodes):
+        return [recompute_cost_per_byte(n) >= self.threshold for n in nodes]
+
+
+def recompute_cost_per_byte(node):
+    """A node's recompute cost relative to the bytes that dropping it saves (matmul/conv cost the most)."""
+    return 64.0 if type(node.op).__name__ in SAVEABLE_OPS else 1.0
+
+
+_POLICIES = {None: nothing_saveable, "all": nothing_saveable, "sqrt": Sqrt(), "selective": dots_saveable}
+
+
+def resolve_policy(policy=None, segment_len=None):
+    """The callable for a policy name, a segment length, or a callable policy itself."""
+    if callable(policy):
+        return policy
+    if policy not in _POLICIES:
+        raise ValueError(f"unknown checkpoint policy {policy!r}; use None, 'all', 'sqrt', 'selective', "
+                         f"Budget(bytes) or a callable")
+    if segment_len is not None and policy in (None, "all"):
+        if int(segment_len) < 1:
+            raise ValueError(f"segment_len must be >= 1, got {segment_len}")
+        return EverySegment(int(segment_len))
+    return _POLICIES[policy]
+
+
+def annotate(out_node, in_nodes, segment_len=None, policy=None):
+    """Mark the nodes strictly between `in_nodes` and `out_node` as dropped, except the policy's checkpoints.
+
+    Trade-off: every dropped node saves its bytes between the forward pass and its use in backward, and costs
+    one recomputation during backward. `segment_len=k` keeps every k-th node as a checkpoint; `policy`
+    ("sqrt", "selective", a Budget or any callable nodes -> keep flags) chooses checkpoints otherwise.
+    Rule 1: leaves, `in_nodes` and `out_node` are never dropped. A node once dropped stays dropped, so nested
+    regions compose (the inner region decides first). Eager mode releases the dropped values at once (the
+    region's output exists); lazy mode releases them as they are consumed.
+
+        x = ndl.Tensor(...); h = ops.relu(x @ w); y = h @ v
+        annotate(y, [x])           # x @ w and relu(...) are recomputed in backward
+    """
+    from .autograd import find_topo_sort
+
+    outs = list(out_node) if isinstance(out_node, (list, tuple)) else [out_node]
+    stop = {id(n) for n in in_nodes}
+    boundary = stop | {id(n) for n in outs}
+    order = find_topo_sort(outs, expand=lambda n: id(n) not in stop)
+    candidates = [n for n in order if id(n) not in boundary and not n.is_leaf() and not n.drop]
+    keep = resolve_policy(policy, segment_len)(candidates)
+    for node, kept in zip(candidates, keep):
+        if not kept:
+            node.drop = True
+            release(node)
+    return out_node
+
+
+# ----- the backward plan --------------------------------------------------------------------------------------
+_last_stats = {}
+
+
+def last_backward_stats():
+    """Statistics of the last backward pass: recomputed nodes and bytes, released bytes, the allocator's peak.
+
+    `peak_bytes` is the device allocator's peak since its last reset (reset it at the start of a step to
+    get the step's peak); `max_recomputes_per_node` is 1 at most (rule 2).
+    """
+    return dict(_last_stats)
+
+
+def _reads(node):
+    """The forward values whose data `node.op.gradient` reads (declared by the op's `saves`)."""
+    saves = node.op.saves
+    if saves == "none":
+        return ()
+    if saves == "output":
+        return (node,)
+    if saves == "both":
+        return node.inputs + (node,)
+    return node.inputs
+
+
+class BackwardPlan:
+    """Which dropped values to recompute before each step of backward, and when each value is released.
+
+    Plan, then execute: the constructor simulates the pass in reverse topological order. Before step i (the
+    gradient of node i) the values that gradient reads must exist; missing ones, and the missing ancestors they
+    need, are scheduled for recomputation at step i and from then on count as available (rule 2). A value's
+    last use is the last step that reads it or recomputes a consumer from it; it is released right after that
+    step (rule 3). Leaves and the output are never released (rule 1).
+    """
+
+    def __init__(self, reverse_topo, root):
+        from .autograd import find_topo_sort
+
+        self.root = root
+        self.forward_ids = {id(n) for n in reverse_topo}
+        self.recompute_at = {}
+        self.release_at = {}
+        self.unused = []
+        self.pending = {}
+        self.stats = {"recomputed_nodes": 0, "recomputed_bytes": 0, "released_bytes": 0,
+                      "max_recomputes_per_node": 0, "recomputed_ids": set()}
+        available = {id(n) for n in reverse_topo if n.cached_data is not None}
+        last_use = {}
+        for step, node in enumerate(reverse_topo):
+            if node.is_leaf() or not node.requires_grad:
+                continue
+            reads = _reads(node)
+            for v in reads:
+                last_use[id(v)] = step
+            missing = [v for v in reads if id(v) not in available]
+            if not missing:
+                continue
+            todo = []
+            for n in find_topo_sort(missing, expand=lambda n: id(n) not in available):
+                if id(n) in available:
+                    continue
+                available.add(id(n))
+                todo.append(n)
+                for inp in n.inputs:
+                    last_use[id(inp)] = step
+            self.recompute_at[step] = todo
+        for node in reverse_topo:
+            if node.is_leaf() or node is root:
+                continue
+            step = last_use.get(id(node))
+            if step is None:
+                self.unused.append(node)
+            else:
+                self.release_at.setdefault(step, []).append(node)
+
+    def _release(self, node):
+        self.stats["released_bytes"] += nbytes_of(node.cached_data)
+        release(node)
+
+    def release_unused(self):
+        """Rule 3: values no gradient reads are released before the first step."""
+        for node in self.unused:
+            self._release(node)
+
+    def recompute(self, step):
+        """Recompute the values scheduled before `step`, from inputs that the plan guarantees exist."""
+        for node in self.recompute_at.get(step, ()):
+            if any(x.cached_data is None for x in node.inputs):
+                raise RuntimeError(f"checkpoint plan violated: an input of {type(node.op).__name__} is missing "
+                                   "at its recomputation (rule 2)")
+            value = node.op.compute(*[x.cached_data for x in node.inputs])
+            expected = node._spec
+            if expected is not None and spec_of(value)[:2] != expected[:2]:
+                raise RuntimeError(
+                    f"checkpoint: recomputing {type(node.op).__name__} gave shape/dtype {spec_of(value)[:2]}, "
+                    f"but the forward pass had {expected[:2]} (rule 4). Does the op's compute depend on "
+                    f"state other than its inputs, e.g. a global RNG? Make that state a leaf input."
+                )
+            node.cached_data = value
+            self.stats["recomputed_nodes"] += 1
+            self.stats["recomputed_bytes"] += nbytes_of(value)
+            self.stats["recomputed_ids"].add(id(node))
+        if self.recompute_at.get(step):
+            self.stats["max_recomputes_per_node"] = 1
+
+    def release(self, step):
+        for node in self.release_at.get(step, ()):
+            self._release(node)
+
+    def consume(self, parts):
+        """The gradient contributions `parts` have been summed by the node that awaited them."""
+        for g in parts:
+            self.pending[id(g)] = self.pending.get(id(g), 0) - 1
+
+    def release_gradient_temporaries(self, new, parts, grad):
+        """Rule 3 for the gradient graph: after a step, free what it made and what it consumed, unless awaited.
+
+        `new` are the step's results (kept until their node's step); the walk from them stops at forward
+        values and at the step's own inputs (`parts`, `grad`), so it visits only what this step created.
+        """
+        from .autograd import find_topo_sort
+
+        for g in new:
+            self.pending[id(g)] = self.pending.get(id(g), 0) + 1
+        new_ids = {id(g) for g in new}
+        part_ids = {id(g) for g in parts}
+        forward = self.forward_ids
+        made = find_topo_sort(new + [grad], expand=lambda n: id(n) in new_ids or not (
+            id(n) in forward or id(n) in part_ids))
+        for node in made:
+            if (id(node) not in self.forward_ids and id(node) not in new_ids and not node.is_leaf()
+                    and self.pending.get(id(node), 0) <= 0):
+                release(node)
+
+    def finish(self):
+        """Record the statistics of this pass (see `last_backward_stats`)."""
+        stats = dict(self.stats)
+        data = self.root.cached_data
+        device = getattr(data, "device", None)
+        stats["peak_bytes"] = device.memory_stats()["peak_bytes"] if hasattr(device, "memory_stats") else None
+        _last_stats.clear()
+        _last_stats.update(stats)

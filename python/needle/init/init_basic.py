@@ -1,0 +1,57 @@
+"""Tensors filled with constants or random numbers. Random ones draw once, full shape, from NumPy's global RNG."""
+from ..autograd import Tensor
+from ..backend_selection import default_device
+
+__all__ = ["constant", "one_hot", "ones", "ones_like", "rand", "randb", "randn", "zeros", "zeros_like"]
+
+
+def rand(*shape, low=0.0, high=1.0, device=None, dtype="float32", requires_grad=False):
+    """Uniform on [low, high): low + (high - low) * np.random.rand(*shape)."""
+    device = device or default_device()
+    array = device.rand(*shape) * (high - low) + low
+    return Tensor(array, device=device, dtype=dtype, requires_grad=requires_grad)
+
+
+def randn(*shape, mean=0.0, std=1.0, device=None, dtype="float32", requires_grad=False):
+    """Normal: mean + std * np.random.randn(*shape)."""
+    device = device or default_device()
+    array = device.randn(*shape) * std + mean
+    return Tensor(array, device=device, dtype=dtype, requires_grad=requires_grad)
+
+
+def constant(*shape, c=1.0, device=None, dtype="float32", requires_grad=False):
+    device = device or default_device()
+    array = device.full(shape, c, dtype=dtype)
+    return Tensor(array, device=device, dtype=dtype, requires_grad=requires_grad)
+
+
+def ones(*shape, device=None, dtype="float32", requires_grad=False):
+    return constant(*shape, c=1.0, device=device, dtype=dtype, requires_grad=requires_grad)
+
+
+def zeros(*shape, device=None, dtype="float32", requires_grad=False):
+    return constant(*shape, c=0.0, device=device, dtype=dtype, requires_grad=requires_grad)
+
+
+def randb(*shape, p=0.5, device=None, dtype="bool", requires_grad=False):
+    """Bernoulli(p) as 0/1: np.random.rand(*shape) <= p (float32 0/1 on the NDArray backends)."""
+    device = device or default_device()
+    array = device.rand(*shape) <= p
+    return Tensor(array, device=device, dtype=dtype, requires_grad=requires_grad)
+
+
+def one_hot(n, i, device=None, dtype="float32", requires_grad=False):
+    """Rows of the n x n identity selected by the integer values i."""
+    device = device or default_device()
+    return Tensor(device.one_hot(n, i.numpy() if isinstance(i, Tensor) else i, dtype=dtype), device=device,
+                  requires_grad=requires_grad)
+
+
+def zeros_like(array, *, device=None, requires_grad=False):
+    device = device or array.device
+    return zeros(*array.shape, dtype=array.dtype, device=device, requires_grad=requires_grad)
+
+
+def ones_like(array, *, device=None, requires_grad=False):
+    device = device or array.device
+    return ones(*array.shape, dtype=array.dtype, device=device, requires_grad=requires_grad)

@@ -1,0 +1,627 @@
+"""Element-wise, shape, matrix and convolution ops: one class each, `compute` and `gradient` side by side.
+
+`compute` works on raw arrays (NDArray, or numpy.ndarray under NEEDLE_BACKEND=np) through `array_api`;
+`gradient` builds Tensors, so gradients are differentiable. `saves` declares which forward values the gradient
+reads (see autograd.Op); checkpointing keeps or recomputes exactly those.
+"""
+from ..autograd import Tensor, TensorOp
+from ..backend_selection import array_api
+
+__all__ = [
+    "AddScalar", "BroadcastTo", "Conv", "Dilate", "DivScalar", "EWiseAdd", "EWiseDiv", "EWiseMul", "EWisePow",
+    "Exp", "Flip", "GatherRows", "Log", "MatMul", "MulScalar", "Negate", "Pad", "PowerScalar", "ReLU",
+    "Reshape", "ScatterAddRows", "Sigmoid", "Slice", "Summation", "Tanh", "Transpose", "UnDilate",
+    "add", "add_scalar", "broadcast_to", "conv", "dilate", "divide", "divide_scalar", "exp", "flip",
+    "gather_rows", "log", "matmul", "mul_scalar", "multiply", "negate", "pad", "power", "power_scalar", "relu",
+    "reshape", "scatter_add_rows", "sigmoid", "slice_window", "summation", "tanh", "transpose", "undilate",
+]
+
+
+def _same_shape(op, a, b):
+    if tuple(a.shape) != tuple(b.shape):
+        raise ValueError(f"{op}: shapes {tuple(a.shape)} and {tuple(b.shape)} differ; use broadcast_to first")
+
+
+def _constant(array):
+    return Tensor.make_const(array)
+
+
+class EWiseAdd(TensorOp):
+    """a + b;  d/da = d/db = out_grad"""
+
+    saves = "none"
+
+    def compute(self, a, b):
+        _same_shape("EWiseAdd", a, b)
+        return a + b
+
+    def gradient(self, out_grad, node):
+        return out_grad, out_grad
+
+
+def add(a, b):
+    return EWiseAdd()(a, b)
+
+
+class AddScalar(TensorOp):
+    """a + c;  d/da = out_grad"""
+
+    saves = "none"
+
+    def __init__(self, scalar):
+        self.scalar = scalar
+
+    def compute(self, a):
+        return a + self.scalar
+
+    def gradient(self, out_grad, node):
+        return out_grad
+
+
+def add_scalar(a, scalar):
+    return AddScalar(scalar)(a)
+
+
+class EWiseMul(TensorOp):
+    """a * b;  d/da = out_grad * b, d/db = out_grad * a"""
+
+    def compute(self, a, b):
+        _same_shape("EWiseMul", a, b)
+        return a * b
+
+    def gradient(self, out_grad, node):
+        lhs, rhs = node.inputs
+        return out_grad * rhs, out_grad * lhs
+
+
+def multiply(a, b):
+    return EWiseMul()(a, b)
+
+
+class MulScalar(TensorOp):
+    """a * c;  d/da = out_grad * c"""
+
+    saves = "none"
+
+    def __init__(self, scalar):
+        self.scalar = scalar
+
+    def compute(self, a):
+        return a * self.scalar
+
+    def gradient(self, out_grad, node):
+        return out_grad * self.scalar
+
+
+def mul_scalar(a, scalar):
+    return MulScalar(scalar)(a)
+
+
+class EWisePow(TensorOp):
+    """a ** b;  d/da = out_grad * b * a^(b-1), d/db = out_grad * a^b * log(a)"""
+
+    saves = "both"
+
+    def compute(self, a, b):
+        _same_shape("EWisePow", a, b)
+        return a**b
+
+    def gradient(self, out_grad, node):
+        a, b = node.inputs
+        return out_grad * b * a ** (b - 1), out_grad * node * log(a)
+
+
+def power(a, b):
+    return EWisePow()(a, b)
+
+
+class PowerScalar(TensorOp):
+    """a ** c for a number c;  d/da = out_grad * c * a^(c-1)"""
+
+    def __init__(self, scalar):
+        self.scalar = scalar
+
+    def compute(self, a):
+        return a**self.scalar
+
+    def gradient(self, out_grad, node):
+        a = node.inputs[0]
+        return out_grad * self.scalar * a ** (self.scalar - 1)
+
+
+def power_scalar(a, scalar):
+    return PowerScalar(scalar)(a)
+
+
+class EWiseDiv(TensorOp):
+    """a / b;  d/da = out_grad / b, d/db = -out_grad * a / b^2"""
+
+    def compute(self, a, b):
+        _same_shape("EWiseDiv", a, b)
+        return a / b
+
+    def gradient(self, out_grad, node):
+        a, b = node.inputs
+        return out_grad / b, -out_grad * a / (b * b)
+
+
+def divide(a, b):
+    return EWiseDiv()(a, b)
+
+
+class DivScalar(TensorOp):
+    """a / c;  d/da = out_grad / c"""
+
+    saves = "none"
+
+    def __init__(self, scalar):
+        self.scalar = scalar
+
+    def compute(self, a):
+        return a / self.scalar
+
+    def gradient(self, out_grad, node):
+        return out_grad / self.scalar
+
+
+def divide_scalar(a, scalar):
+    return DivScalar(scalar)(a)
+
+
+class Negate(TensorOp):
+    """-a;  d/da = -out_grad"""
+
+    saves = "none"
+
+    def compute(self, a):
+        return a * -1
+
+    def gradient(self, out_grad, node):
+        return -out_grad
+
+
+def negate(a):
+    return Negate()(a)
+
+
+class Transpose(TensorOp):
+    """Swap two axes (the last two by default);  the gradient swaps them back"""
+
+    saves = "none"
+
+    def __init__(self, axes=None):
+        if axes is not None and len(axes) != 2:
+            raise ValueError(f"Transpose: axes must be a pair, got {axes}")
+        self.axes = tuple(axes) if axes is not None else None
+
+    def _permutation(self, ndim):
+        if ndim < 2:
+            raise ValueError(f"Transpose: needs at least 2 dimensions, got {ndim}")
+        i, j = self.axes if self.axes is not None else (ndim - 2, ndim - 1)
+        if not (-ndim <= i < ndim and -ndim <= j < ndim):
+            raise ValueError(f"Transpose: axes {self.axes} out of range for {ndim} dimensions")
+        perm = list(range(ndim))
+        perm[i], perm[j] = perm[j], perm[i]
+        return tuple(perm)
+
+    def compute(self, a):
+        return array_api.transpose(a, self._permutation(len(a.shape)))
+
+    def gradient(self, out_grad, node):
+        return transpose(out_grad, self.axes)
+
+
+def transpose(a, axes=None):
+    return Transpose(axes)(a)
+
+
+class Reshape(TensorOp):
+    """a viewed with a new shape (same number of elements);  the gradient reshapes back"""
+
+    saves = "none"
+
+    def __init__(self, shape):
+        self.shape = tuple(shape)
+
+    def compute(self, a):
+        try:
+            return array_api.reshape(a, self.shape)
+        except ValueError as err:
+            raise ValueError(f"Reshape: cannot reshape {tuple(a.shape)} into {self.shape}") from err
+
+    def gradient(self, out_grad, node):
+        return reshape(out_grad, node.inputs[0].shape)
+
+
+def reshape(a, shape):
+    return Reshape(shape)(a)
+
+
+class BroadcastTo(TensorOp):
+    """a repeated along size-1 (or new leading) axes;  the gradient sums over those axes"""
+
+    saves = "none"
+
+    def __init__(self, shape):
+        self.shape = tuple(shape)
+
+    def compute(self, a):
+        try:
+            return array_api.broadcast_to(a, self.shape)
+        except ValueError as err:
+            raise ValueError(f"BroadcastTo: cannot broadcast {tuple(a.shape)} to {self.shape}") from err
+
+    def gradient(self, out_grad, node):
+        in_shape = node.inputs[0].shape
+        lead = len(self.shape) - len(in_shape)
+        axes = tuple(range(lead)) + tuple(
+            lead + i for i, (n, m) in enumerate(zip(in_shape, self.shape[lead:])) if n == 1 and m != 1
+        )
+        grad = summation(out_grad, axes) if axes else out_grad
+        return reshape(grad, in_shape)
+
+
+def broadcast_to(a, shape):
+    return BroadcastTo(shape)(a)
+
+
+def _normalize_axes(axes, ndim, op):
+    if axes is None:
+        return tuple(range(ndim))
+    axes = (axes,) if isinstance(axes, int) else tuple(axes)
+    for ax in axes:
+        if not -ndim <= ax < max(ndim, 1):
+            raise ValueError(f"{op}: axis {ax} is out of range for {ndim} dimensions")
+    return tuple(sorted({ax % max(ndim, 1) for ax in axes}))
+
+
+class Summation(TensorOp):
+    """Sum over `axes` (None: all), dropping them;  the gradient broadcasts out_grad back"""
+
+    saves = "none"
+
+    def __init__(self, axes=None):
+        self.axes = axes
+
+    def compute(self, a):
+        axes = _normalize_axes(self.axes, len(a.shape), "Summation")
+        return array_api.sum(a, axis=axes)
+
+    def gradient(self, out_grad, node):
+        in_shape = node.inputs[0].shape
+        axes = _normalize_axes(self.axes, len(in_shape), "Summation")
+        kept = tuple(1 if i in axes else n for i, n in enumerate(in_shape))
+        return broadcast_to(reshape(out_grad, kept), in_shape)
+
+
+def summation(a, axes=None):
+    return Summation(axes)(a)
+
+
+class MatMul(TensorOp):
+    """a @ b (batch axes broadcast);  d/da = out_grad @ b^T, d/db = a^T @ out_grad, summed to each shape"""
+
+    def compute(self, a, b):
+        if len(a.shape) < 2 or len(b.shape) < 2 or a.shape[-1] != b.shape[-2]:
+            raise ValueError(f"MatMul: shapes {tuple(a.shape)} and {tuple(b.shape)} are not aligned")
+        return array_api.matmul(a, b)
+
+    def gradient(self, out_grad, node):
+        a, b = node.inputs
+        return _sum_to(matmul(out_grad, transpose(b)), a.shape), _sum_to(matmul(transpose(a), out_grad), b.shape)
+
+
+def _sum_to(grad, shape):
+    """Sum the leading batch axes that broadcasting added, so the gradient has the input's shape."""
+    lead = len(grad.shape) - len(shape)
+    axes = tuple(range(lead)) + tuple(lead + i for i, n in enumerate(shape[:-2]) if n == 1 and
+                                      grad.shape[lead + i] != 1)
+    if axes:
+        grad = reshape(summation(grad, axes), shape)
+    return grad
+
+
+def matmul(a, b):
+    return MatMul()(a, b)
+
+
+class Log(TensorOp):
+    """log(a);  d/da = out_grad / a"""
+
+    def compute(self, a):
+        return array_api.log(a)
+
+    def gradient(self, out_grad, node):
+        return out_grad / node.inputs[0]
+
+
+def log(a):
+    return Log()(a)
+
+
+class Exp(TensorOp):
+    """exp(a);  d/da = out_grad * exp(a)"""
+
+    saves = "output"
+
+    def compute(self, a):
+        return array_api.exp(a)
+
+    def gradient(self, out_grad, node):
+        return out_grad * node
+
+
+def exp(a):
+    return Exp()(a)
+
+
+class ReLU(TensorOp):
+    """max(a, 0);  d/da = out_grad * (a > 0)"""
+
+    saves = "output"
+
+    def compute(self, a):
+        return array_api.maximum(a, 0)
+
+    def gradient(self, out_grad, node):
+        return out_grad * _constant(node.realize_cached_data() > 0)
+
+
+def relu(a):
+    return ReLU()(a)
+
+
+class Tanh(TensorOp):
+    """tanh(a);  d/da = out_grad * (1 - tanh(a)^2)"""
+
+    saves = "output"
+
+    def compute(self, a):
+        return array_api.tanh(a)
+
+    def gradient(self, out_grad, node):
+        return out_grad * (1 - node * node)
+
+
+def tanh(a):
+    return Tanh()(a)
+
+
+class Sigmoid(TensorOp):
+    """1 / (1 + exp(-a));  d/da = out_grad * s * (1 - s)"""
+
+    saves = "output"
+
+    def compute(self, a):
+        return (array_api.exp(a * -1) + 1) ** -1
+
+    def gradient(self, out_grad, node):
+        return out_grad * node * (1 - node)
+
+
+def sigmoid(a):
+    return Sigmoid()(a)
+
+
+class Flip(TensorOp):
+    """a reversed along `axes`;  the gradient flips back"""
+
+    saves = "none"
+
+    def __init__(self, axes):
+        self.axes = (axes,) if isinstance(axes, int) else tuple(axes)
+
+    def compute(self, a):
+        axes = _normalize_axes(self.axes, len(a.shape), "Flip")
+        return array_api.flip(a, axes)
+
+    def gradient(self, out_grad, node):
+        return flip(out_grad, self.axes)
+
+
+def flip(a, axes):
+    return Flip(axes)(a)
+
+
+class Dilate(TensorOp):
+    """Insert `dilation` zeros after every element along `axes` (size n -> n * (dilation + 1))"""
+
+    saves = "none"
+
+    def __init__(self, axes, dilation):
+        self.axes = (axes,) if isinstance(axes, int) else tuple(axes)
+        self.dilation = dilation
+
+    def compute(self, a):
+        shape = list(a.shape)
+        axes = _normalize_axes(self.axes, len(shape), "Dilate")
+        for ax in axes:
+            shape[ax] *= self.dilation + 1
+        out = array_api.full(tuple(shape), 0.0, dtype=a.dtype, device=_device_of(a))
+        out[tuple(slice(None, None, self.dilation + 1) if i in axes else slice(None) for i in range(len(shape)))] = a
+        return out
+
+    def gradient(self, out_grad, node):
+        return undilate(out_grad, self.axes, self.dilation)
+
+
+def dilate(a, axes, dilation):
+    return Dilate(axes, dilation)(a)
+
+
+class UnDilate(TensorOp):
+    """Keep every (dilation + 1)-th element along `axes`;  the gradient dilates back"""
+
+    saves = "none"
+
+    def __init__(self, axes, dilation):
+        self.axes = (axes,) if isinstance(axes, int) else tuple(axes)
+        self.dilation = dilation
+
+    def compute(self, a):
+        axes = _normalize_axes(self.axes, len(a.shape), "UnDilate")
+        index = tuple(slice(None, None, self.dilation + 1) if i in axes else slice(None) for i in range(len(a.shape)))
+        return _copy(a[index])
+
+    def gradient(self, out_grad, node):
+        return dilate(out_grad, self.axes, self.dilation)
+
+
+def undilate(a, axes, dilation):
+    return UnDilate(axes, dilation)(a)
+
+
+class Pad(TensorOp):
+    """Zero padding: axes[i] = (before, after) for axis i;  the gradient is the window of the original"""
+
+    saves = "none"
+
+    def __init__(self, axes):
+        self.axes = tuple(tuple(p) for p in axes)
+
+    def compute(self, a):
+        if len(self.axes) != len(a.shape):
+            raise ValueError(f"Pad: {len(self.axes)} (before, after) pairs for shape {tuple(a.shape)}")
+        return array_api.pad(a, self.axes)
+
+    def gradient(self, out_grad, node):
+        return slice_window(out_grad, tuple(lo for lo, _ in self.axes), node.inputs[0].shape)
+
+
+def pad(a, axes):
+    return Pad(axes)(a)
+
+
+class Slice(TensorOp):
+    """The window a[start_i : start_i + size_i] on every axis i;  the gradient zero-pads it back"""
+
+    saves = "none"
+
+    def __init__(self, starts, sizes):
+        self.starts, self.sizes = tuple(starts), tuple(sizes)
+
+    def compute(self, a):
+        if any(s < 0 or s + n > m for s, n, m in zip(self.starts, self.sizes, a.shape)):
+            raise ValueError(f"Slice: window at {self.starts} of size {self.sizes} exceeds shape {tuple(a.shape)}")
+        return _copy(a[tuple(slice(s, s + n) for s, n in zip(self.starts, self.sizes))])
+
+    def gradient(self, out_grad, node):
+        shape = node.inputs[0].shape
+        return pad(out_grad, tuple((s, m - s - n) for s, n, m in zip(self.starts, self.sizes, shape)))
+
+
+def slice_window(a, starts, sizes):
+    return Slice(starts, sizes)(a)
+
+
+class Conv(TensorOp):
+    """2-D convolution, NHWC input (N, H, W, C_in), weight (K, K, C_in, C_out), by im2col on a strided view.
+
+    d/dZ is the full convolution of the (dilated) out_grad with the flipped weight; d/dW correlates Z with it.
+    """
+
+    def __init__(self, stride=1, padding=0):
+        self.stride = stride
+        self.padding = padding
+
+    def compute(self, Z, W):
+        if len(Z.shape) != 4 or len(W.shape) != 4 or Z.shape[3] != W.shape[2] or W.shape[0] != W.shape[1]:
+            raise ValueError(f"Conv: input {tuple(Z.shape)} (N, H, W, C_in) and weight {tuple(W.shape)} "
+                             f"(K, K, C_in, C_out) do not match")
+        p, s = self.padding, self.stride
+        if p:
+            Z = array_api.pad(Z, ((0, 0), (p, p), (p, p), (0, 0)))
+        N, H, Wd, C = Z.shape
+        K, _, _, C_out = W.shape
+        if H < K or Wd < K:
+            raise ValueError(f"Conv: kernel {K} larger than the padded input {(H, Wd)}")
+        H_out, W_out = (H - K) // s + 1, (Wd - K) // s + 1
+        # im2col: element (n, i, j, di, dj, c) of the view is Z[n, i*s + di, j*s + dj, c]; no copy until compact.
+        Ns, Hs, Ws, Cs = _strides(Z)
+        cols = _as_strided(Z, (N, H_out, W_out, K, K, C), (Ns, Hs * s, Ws * s, Hs, Ws, Cs))
+        cols = array_api.reshape(cols, (N * H_out * W_out, K * K * C))
+        out = array_api.matmul(cols, array_api.reshape(W, (K * K * C, C_out)))
+        return array_api.reshape(out, (N, H_out, W_out, C_out))
+
+    def gradient(self, out_grad, node):
+        Z, W = node.inputs
+        K, p, s = W.shape[0], self.padding, self.stride
+        H, Wd = Z.shape[1] + 2 * p, Z.shape[2] + 2 * p
+        if s > 1:
+            out_grad = dilate(out_grad, (1, 2), s - 1)
+            # dilation leaves (H_out * s) rows; the correlation needs exactly H - K + 1.
+            N, _, _, C_out = out_grad.shape
+            out_grad = slice_window(out_grad, (0, 0, 0, 0), (N, H - K + 1, Wd - K + 1, C_out))
+        W_flip = transpose(flip(W, (0, 1)), (2, 3))
+        Z_grad = conv(out_grad, W_flip, padding=K - 1 - p)
+        Z_t = transpose(Z, (0, 3))  # (C_in, H, W, N)
+        grad_t = transpose(transpose(out_grad, (0, 1)), (1, 2))  # (H_out, W_out, N, C_out)
+        W_grad = transpose(transpose(conv(Z_t, grad_t, padding=p), (0, 1)), (1, 2))
+        return Z_grad, W_grad
+
+
+def conv(a, b, stride=1, padding=0):
+    return Conv(stride, padding)(a, b)
+
+
+class GatherRows(TensorOp):
+    """table[ids] for a (n, d) table and integer-valued ids (k,) -> (k, d);  d/dtable scatter-adds out_grad"""
+
+    def compute(self, table, ids):
+        if len(table.shape) != 2 or len(ids.shape) != 1:
+            raise ValueError(f"GatherRows: table {tuple(table.shape)} must be 2-D and ids {tuple(ids.shape)} 1-D")
+        return array_api.take_rows(table, ids)
+
+    def gradient(self, out_grad, node):
+        table, ids = node.inputs
+        return scatter_add_rows(out_grad, ids, table.shape[0]), _constant(array_api.full(
+            ids.shape, 0.0, dtype=ids.dtype, device=_device_of(ids.realize_cached_data())))
+
+
+def gather_rows(table, ids):
+    return GatherRows()(table, ids)
+
+
+class ScatterAddRows(TensorOp):
+    """A (num_rows, d) zero table with rows[i] added at row ids[i];  d/drows = out_grad[ids]"""
+
+    def __init__(self, num_rows):
+        self.num_rows = num_rows
+
+    def compute(self, rows, ids):
+        return array_api.scatter_add_rows(rows, ids, self.num_rows)
+
+    def gradient(self, out_grad, node):
+        rows, ids = node.inputs
+        return gather_rows(out_grad, ids), _constant(array_api.full(
+            ids.shape, 0.0, dtype=ids.dtype, device=_device_of(ids.realize_cached_data())))
+
+
+def scatter_add_rows(rows, ids, num_rows):
+    return ScatterAddRows(num_rows)(rows, ids)
+
+
+# ----- small helpers that hide the one difference between NDArray and numpy.ndarray that ops meet -----------------
+def _device_of(array):
+    from ..checkpoint import spec_of
+
+    return spec_of(array)[2]
+
+
+def _copy(view):
+    """A compact copy of a view (NDArray.compact / numpy.ascontiguousarray)."""
+    return view.compact() if hasattr(view, "compact") else view.copy()
+
+
+def _strides(a):
+    if hasattr(a, "compact"):
+        return a.strides
+    return tuple(s // a.itemsize for s in a.strides)
+
+
+def _as_strided(a, shape, strides):
+    if hasattr(a, "compact"):
+        return a.as_strided(shape, strides)
+    import numpy
+
+    return numpy.lib.stride_tricks.as_strided(a, shape, tuple(x * a.itemsize for x in strides), writeable=False)
