@@ -1,0 +1,949 @@
+// ndarray_backend_cuda.cu -- the CUDA backend of needle.
+//
+// Python (python/needle/backend_ndarray/ndarray.py) owns shapes, strides and offsets; this module only ever
+// sees flat float32 device buffers plus the (shape, strides, offset) of a view.  src/README.md is the contract:
+// every function here has the same name and arguments as in ndarray_backend_cpu.cc, so Python never branches
+// on the device.  All strides and offsets are counted in elements, not bytes.
+//
+// The file reads top to bottom:
+//   1. Errors         how CUDA failures become Python exceptions (RuntimeError, MemoryError, IndexError,
+//                     ValueError).  Nothing in this file aborts the process.
+//   2. Allocator      a caching allocator: memory is taken from the driver (cudaMalloc) once, then recycled
+//                     through size-class free lists, with exact statistics of what live arrays hold.
+//   3. CudaArray      the `Array` Python sees: one block from the allocator.
+//   4. Launch helpers grid sizes for grid-stride loops, and the error check that follows every launch.
+//   5. Kernels        strided copies, element-wise ops, reductions, two matmuls, row gather / scatter.
+//   6. Host wrappers  cheap argument checks on the host, then one kernel launch each.
+//   7. Bindings       the pybind11 module `ndarray_backend_cuda`.
+//
+// Everything runs on the legacy default stream, so kernels execute in the order they were issued.  That is
+// what makes the caching allocator safe without any events: a block freed by one array and handed to the next
+// is only touched by kernels queued after every kernel that used it before.
+//
+// Nothing runs on the GPU at import time.  The first CUDA call happens when device_count() is called or an
+// Array of non-zero size is created, so `import ndarray_backend_cuda` works on machines without a GPU.
+
+#include <cuda_runtime.h>
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+namespace py = pybind11;
+
+namespace needle {
+namespace cuda {
+
+// ------------------------------------------------------------------------------------------------------------
+// 1. Errors
+// ------------------------------------------------------------------------------------------------------------
+
+// Thrown when memory runs out (driver or set_memory_limit); the module translates it to Python MemoryError.
+// Every other failure is a std::runtime_error (-> RuntimeError) or a pybind11 error type.
+struct OutOfMemory : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+// For CUDA runtime API calls (cudaMalloc, cudaMemcpy, ...).
+void check_cuda(cudaError_t err, const char* what) {
+  if (err != cudaSuccess) {
+    cudaGetLastError();  // the runtime also records the error; clear it so check_kernel does not report it later
+    throw std::runtime_error(std::string("needle cuda: ") + what + " failed: " + cudaGetErrorString(err));
+  }
+}
+
+// Called right after every kernel launch.  A bad launch (e.g. an invalid configuration) is reported here at
+// once; a fault *inside* a kernel (e.g. an illegal address) is asynchronous and surfaces at the next
+// synchronizing call instead, such as the cudaMemcpy of to_numpy.
+void check_kernel(const char* kernel_name) {
+  const cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) {
+    throw std::runtime_error(std::string("needle cuda: kernel '") + kernel_name +
+                             "' failed: " + cudaGetErrorString(err));
+  }
+}
+
+// ------------------------------------------------------------------------------------------------------------
+// 2. Allocator
+// ------------------------------------------------------------------------------------------------------------
+//
+// cudaMalloc and cudaFree are slow (cudaFree also waits for the whole device), and a training step creates and
+// drops hundreds of temporaries of the same few sizes.  So, like PyTorch and CuPy, we keep freed blocks in
+// free lists keyed by a rounded "size class" and hand them out again; only a miss calls cudaMalloc.
+//
+// Rounding: requests up to 1 MiB are rounded up to a multiple of 512 bytes, larger ones to a multiple of 2 MiB.
+// Rounding wastes at most 512 bytes on small blocks and under 2 MiB on large ones, while making it likely that
+// the next request of a similar size finds a block of exactly its class.  A block is only reused for requests
+// of exactly its class (no splitting): simple, and the cache is emptied and the malloc retried before giving up.
+//
+// Statistics are exact: current_bytes counts the bytes *requested* by live arrays (size * 4), not the rounded
+// block sizes; reserved_bytes counts everything held from the driver (live blocks plus cached free blocks).
+//
+// No locking: every call into this module comes from Python holding the GIL, which serializes them.
+
+constexpr size_t kElemSize = sizeof(float);
+constexpr size_t kSmallRound = 512;                   // small blocks: 512-byte multiples
+constexpr size_t kLargeThreshold = size_t(1) << 20;  // requests above 1 MiB are "large"
+constexpr size_t kLargeRound = size_t(2) << 20;       // large blocks: 2 MiB multiples
+// Larger requests are refused before any arithmetic on them could overflow (no GPU has 2^56 bytes).
+constexpr size_t kMaxBytes = size_t(1) << 56;
+
+constexpr size_t round_up(size_t x, size_t multiple) { return (x + multiple - 1) / multiple * multiple; }
+
+constexpr size_t block_size_for(size_t bytes) {
+  return bytes <= kLargeThreshold ? round_up(bytes, kSmallRound) : round_up(bytes, kLargeRound);
+}
+
+class CachingAllocator {
+ public:
+  // A block for a new Array of `bytes` bytes.  Applies the memory limit and updates the statistics.
+  float* allocate_array(size_t bytes, size_t* block_bytes) {
+    if (limit_bytes_ != 0 && bytes > 0 && current_bytes_ + bytes > limit_bytes_) {
+      std::ostringstream msg;
+      msg << "needle cuda: memory limit exceeded: asked " << bytes << " bytes, " << current_bytes_
+          << " bytes held by live arrays, limit " << limit_bytes_ << " bytes";
+      throw OutOfMemory(msg.str());
+    }
+    float* ptr = nullptr;
+    *block_bytes = 0;
+    if (bytes > 0) {  // an empty Array owns no device memory (and needs no GPU)
+      *block_bytes = block_size_for(bytes);
+      ptr = acquire_block(bytes, *block_bytes);
+    }
+    current_bytes_ += bytes;
+    live_arrays_ += 1;
+    peak_bytes_ = std::max(peak_bytes_, current_bytes_);
+    return ptr;
+  }
+
+  // The Array died: its block goes back to the free list (never to the driver; see empty_cache).
+  void free_array(float* ptr, size_t bytes, size_t block_bytes) noexcept {
+    if (ptr != nullptr) release_block(ptr, block_bytes);
+    current_bytes_ -= bytes;
+    live_arrays_ -= 1;
+  }
+
+  // A block of size class `block_bytes`, from the cache or else from the driver.  It is not counted in the
+  // array statistics here (allocate_array does that), so ScratchBuffer uses it directly.
+  float* acquire_block(size_t requested_bytes, size_t block_bytes) {
+    std::vector<float*>& free_list = free_blocks_[block_bytes];
+    if (!free_list.empty()) {  // cache hit: no driver call at all
+      float* ptr = free_list.back();  // most recently freed first: likely still in L2
+      free_list.pop_back();
+      return ptr;
+    }
+    void* ptr = nullptr;
+    cudaError_t err = cudaMalloc(&ptr, block_bytes);
+    if (err == cudaErrorMemoryAllocation) {
+      // The driver is out of memory, but our cache may hold blocks of other size classes: give them back and
+      // try once more.  cudaGetLastError clears the failure so the next check_kernel does not report it.
+      cudaGetLastError();
+      empty_cache();
+      err = cudaMalloc(&ptr, block_bytes);
+      if (err == cudaErrorMemoryAllocation) {
+        cudaGetLastError();
+        size_t free_on_device = 0;
+        size_t total_on_device = 0;
+        if (cudaMemGetInfo(&free_on_device, &total_on_device) != cudaSuccess) cudaGetLastError();
+        std::ostringstream msg;
+        msg << "needle cuda: out of memory: asked " << requested_bytes << " bytes, " << current_bytes_
+            << " bytes held by live arrays, " << reserved_bytes_ << " reserved, " << free_on_device
+            << " free on device (cudaMemGetInfo)";
+        throw OutOfMemory(msg.str());
+      }
+    }
+    check_cuda(err, "cudaMalloc");  // anything else (no device, driver too old, ...) is a RuntimeError
+    reserved_bytes_ += block_bytes;
+    return static_cast<float*>(ptr);
+  }
+
+  void release_block(float* ptr, size_t block_bytes) noexcept {
+    // push_back can only fail by running out of host memory; the block is then leaked, never crashed on.
+    try {
+      free_blocks_[block_bytes].push_back(ptr);
+    } catch (...) {
+    }
+  }
+
+  // Return every cached free block to the driver.  cudaFree waits for the device to finish queued work, so no
+  // kernel can still be using a block we free here.
+  void empty_cache() {
+    cudaError_t first_error = cudaSuccess;
+    for (auto& size_and_list : free_blocks_) {
+      for (float* ptr : size_and_list.second) {
+        const cudaError_t err = cudaFree(ptr);
+        if (err != cudaSuccess && first_error == cudaSuccess) first_error = err;
+        reserved_bytes_ -= size_and_list.first;
+      }
+    }
+    free_blocks_.clear();
+    check_cuda(first_error, "cudaFree (empty_cache)");
+  }
+
+  void reset_peak() { peak_bytes_ = current_bytes_; }
+  void set_limit(size_t nbytes) { limit_bytes_ = nbytes; }
+
+  size_t current_bytes() const { return current_bytes_; }
+  size_t peak_bytes() const { return peak_bytes_; }
+  size_t live_arrays() const { return live_arrays_; }
+  size_t reserved_bytes() const { return reserved_bytes_; }
+
+ private:
+  std::unordered_map<size_t, std::vector<float*>> free_blocks_;  // size class -> free blocks of that class
+  size_t current_bytes_ = 0;   // bytes requested by live arrays
+  size_t peak_bytes_ = 0;      // max of current_bytes_ since the last reset
+  size_t live_arrays_ = 0;     // number of live arrays
+  size_t reserved_bytes_ = 0;  // bytes held from the driver: live blocks + cached free blocks
+  size_t limit_bytes_ = 0;     // cap on current_bytes_; 0 = none
+};
+
+// Created on first use and deliberately never destroyed: Python may drop the last Arrays during interpreter
+// shutdown, after C++ static destructors would already have run.  The driver reclaims device memory at exit.
+CachingAllocator& allocator() {
+  static CachingAllocator* const instance = new CachingAllocator();
+  return *instance;
+}
+
+// Scratch device memory for the duration of one host function, from the cache, returned even on exceptions.
+// It is not an Array, so it does not count in current_bytes.
+class ScratchBuffer {
+ public:
+  explicit ScratchBuffer(size_t bytes) : block_bytes_(block_size_for(bytes)) {
+    ptr_ = allocator().acquire_block(bytes, block_bytes_);
+  }
+  ~ScratchBuffer() { allocator().release_block(ptr_, block_bytes_); }
+  ScratchBuffer(const ScratchBuffer&) = delete;
+  ScratchBuffer& operator=(const ScratchBuffer&) = delete;
+  float* get() const { return ptr_; }
+
+ private:
+  size_t block_bytes_;
+  float* ptr_ = nullptr;
+};
+
+// ------------------------------------------------------------------------------------------------------------
+// 3. CudaArray
+// ------------------------------------------------------------------------------------------------------------
+
+// A flat buffer of `size` float32 values in device memory.  Python's NDArray keeps one as its `_handle`.
+struct CudaArray {
+  explicit CudaArray(size_t num_elements) : size(num_elements) {
+    if (size > kMaxBytes / kElemSize) {
+      throw OutOfMemory("needle cuda: out of memory: asked for " + std::to_string(size) + " float32 elements");
+    }
+    ptr = allocator().allocate_array(size * kElemSize, &block_bytes);
+  }
+  ~CudaArray() { allocator().free_array(ptr, size * kElemSize, block_bytes); }
+  CudaArray(const CudaArray&) = delete;  // one owner per block
+  CudaArray& operator=(const CudaArray&) = delete;
+
+  size_t ptr_as_int() const { return reinterpret_cast<size_t>(ptr); }
+
+  size_t size;              // in elements
+  size_t block_bytes = 0;   // size class of the block (>= size * 4); 0 when size == 0
+  float* ptr = nullptr;     // nullptr when size == 0
+};
+
+// ------------------------------------------------------------------------------------------------------------
+// 4. Launch helpers
+// ------------------------------------------------------------------------------------------------------------
+//
+// Element-wise kernels use grid-stride loops: thread t handles elements t, t + T, t + 2T, ... where T is the
+// number of threads in the grid.  Any n then works with a bounded grid, and each warp still touches 32
+// consecutive floats at a time (coalesced).
+
+constexpr int kBlockSize = 256;       // threads per block for the element-wise kernels
+constexpr int64_t kMaxBlocks = 4096;  // 4096 * 256 = 1M threads: more than any current GPU runs at once
+constexpr int kWarpSize = 32;
+constexpr unsigned kFullWarpMask = 0xffffffffu;
+
+constexpr int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// Blocks for a grid-stride loop over n > 0 elements.
+dim3 grid_for(int64_t n) { return dim3(static_cast<unsigned>(std::min(ceil_div(n, kBlockSize), kMaxBlocks))); }
+
+// Loop bounds for grid-stride loops, in 64 bits so arrays past 2^31 elements work.
+__device__ int64_t first_index() { return int64_t(blockIdx.x) * blockDim.x + threadIdx.x; }
+__device__ int64_t grid_stride() { return int64_t(gridDim.x) * blockDim.x; }
+
+// ------------------------------------------------------------------------------------------------------------
+// 5. Kernels
+// ------------------------------------------------------------------------------------------------------------
+
+// ---- Strided views ----------------------------------------------------------------------------------------
+//
+// A view (shape, strides, offset) travels to the kernel by value in this fixed-size struct: kernel arguments
+// live in a constant bank every thread can read, so no device allocation or copy is needed for it.
+
+constexpr int kMaxDims = 8;
+
+struct StridedView {
+  int ndim;
+  int64_t shape[kMaxDims];
+  int64_t strides[kMaxDims];
+  int64_t offset;
+};
+
+// Where element i of the compact (row-major) enumeration of a view lives in the underlying buffer.
+// The multi-index (idx_0, ..., idx_{d-1}) of i is read off like the digits of a number, last dimension first
+// (it varies fastest): idx_{d-1} = i % shape_{d-1}, then i /= shape_{d-1}, then idx_{d-2} = i % shape_{d-2}, ...
+// and the element lives at offset + sum_k idx_k * strides_k.
+__device__ int64_t strided_index(const StridedView& view, int64_t i) {
+  int64_t pos = view.offset;
+#pragma unroll
+  for (int k = kMaxDims - 1; k >= 0; --k) {
+    // Unrolled, so k is a compile-time constant and view.shape[k] is read straight from the kernel
+    // arguments; a run-time index would make every thread copy the struct to (slow) local memory.
+    if (k < view.ndim) {
+      pos += (i % view.shape[k]) * view.strides[k];
+      i /= view.shape[k];
+    }
+  }
+  return pos;
+}
+
+// out[i] = a[view(i)]: gather a strided view into a compact buffer.
+__global__ void compact_kernel(const float* a, float* out, int64_t n, StridedView view) {
+  for (int64_t i = first_index(); i < n; i += grid_stride()) out[i] = a[strided_index(view, i)];
+}
+
+// out[view(i)] = a[i]: the inverse scatter.
+__global__ void ewise_setitem_kernel(const float* a, float* out, int64_t n, StridedView view) {
+  for (int64_t i = first_index(); i < n; i += grid_stride()) out[strided_index(view, i)] = a[i];
+}
+
+// out[view(i)] = val.
+__global__ void scalar_setitem_kernel(float val, float* out, int64_t n, StridedView view) {
+  for (int64_t i = first_index(); i < n; i += grid_stride()) out[strided_index(view, i)] = val;
+}
+
+__global__ void fill_kernel(float* out, int64_t n, float val) {
+  for (int64_t i = first_index(); i < n; i += grid_stride()) out[i] = val;
+}
+
+// ---- Element-wise operations ------------------------------------------------------------------------------
+//
+// One small functor per operation and three generic kernels (array-array, array-scalar, unary).  The functor
+// is a template argument, so the compiler inlines it: each instantiation is as fast as a hand-written kernel.
+
+struct AddOp {
+  __device__ float operator()(float a, float b) const { return a + b; }
+};
+struct MulOp {
+  __device__ float operator()(float a, float b) const { return a * b; }
+};
+struct DivOp {
+  __device__ float operator()(float a, float b) const { return a / b; }
+};
+struct PowerOp {
+  __device__ float operator()(float a, float b) const { return powf(a, b); }
+};
+// NaN wins, as in numpy.maximum (fmaxf would drop it): the NumPy backend is the specification.
+struct MaximumOp {
+  __device__ float operator()(float a, float b) const { return (a > b || isnan(a)) ? a : b; }
+};
+struct EqOp {
+  __device__ float operator()(float a, float b) const { return a == b ? 1.0f : 0.0f; }
+};
+struct GeOp {
+  __device__ float operator()(float a, float b) const { return a >= b ? 1.0f : 0.0f; }
+};
+struct LogOp {
+  __device__ float operator()(float a) const { return logf(a); }
+};
+struct ExpOp {
+  __device__ float operator()(float a) const { return expf(a); }
+};
+struct TanhOp {
+  __device__ float operator()(float a) const { return tanhf(a); }
+};
+
+template <typename Op>
+__global__ void ewise_kernel(const float* a, const float* b, float* out, int64_t n, Op op) {
+  for (int64_t i = first_index(); i < n; i += grid_stride()) out[i] = op(a[i], b[i]);
+}
+
+template <typename Op>
+__global__ void scalar_kernel(const float* a, float val, float* out, int64_t n, Op op) {
+  for (int64_t i = first_index(); i < n; i += grid_stride()) out[i] = op(a[i], val);
+}
+
+template <typename Op>
+__global__ void unary_kernel(const float* a, float* out, int64_t n, Op op) {
+  for (int64_t i = first_index(); i < n; i += grid_stride()) out[i] = op(a[i]);
+}
+
+// ---- Reductions -------------------------------------------------------------------------------------------
+//
+// `a` is viewed as (rows, reduce_size); out[row] = reduction of that row.  One block per row (grid-stride over
+// rows when there are more rows than blocks).  Three stages, all in registers or shared memory:
+//   1. each thread folds the elements j = threadIdx.x, threadIdx.x + blockDim.x, ... of the row (coalesced);
+//   2. each warp combines its 32 partial results with shuffles (no shared memory, no __syncthreads);
+//   3. warp 0 combines the per-warp results staged in shared memory.
+// The combination order is fixed for a given launch shape, so results are deterministic run to run.
+
+constexpr int kReduceMaxThreads = 256;
+constexpr int64_t kReduceMaxBlocks = 65536;
+
+struct SumReduce {
+  __device__ static float identity() { return 0.0f; }
+  __device__ float operator()(float a, float b) const { return a + b; }
+};
+struct MaxReduce {
+  __device__ static float identity() { return -INFINITY; }
+  __device__ float operator()(float a, float b) const { return MaximumOp()(a, b); }
+};
+
+// After this, lane 0 holds the reduction of the 32 lanes' values.
+template <typename Op>
+__device__ float warp_reduce(float value, Op op) {
+#pragma unroll
+  for (int offset = kWarpSize / 2; offset > 0; offset /= 2) {
+    value = op(value, __shfl_down_sync(kFullWarpMask, value, offset));
+  }
+  return value;
+}
+
+// blockDim.x must be a multiple of 32 and at most kReduceMaxThreads (the host wrapper guarantees both).
+template <typename Op>
+__global__ void reduce_kernel(const float* a, float* out, int64_t rows, int64_t reduce_size, Op op) {
+  __shared__ float warp_results[kReduceMaxThreads / kWarpSize];
+  const int lane = static_cast<int>(threadIdx.x) % kWarpSize;
+  const int warp = static_cast<int>(threadIdx.x) / kWarpSize;
+  const int num_warps = static_cast<int>(blockDim.x) / kWarpSize;
+
+  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
+    const float* in = a + row * reduce_size;
+    float acc = Op::identity();
+    for (int64_t j = threadIdx.x; j < reduce_size; j += blockDim.x) acc = op(acc, in[j]);  // stage 1
+    acc = warp_reduce(acc, op);                                                            // stage 2
+    if (lane == 0) warp_results[warp] = acc;
+    __syncthreads();
+    if (warp == 0) {                                                                       // stage 3
+      acc = lane < num_warps ? warp_results[lane] : Op::identity();
+      acc = warp_reduce(acc, op);
+      if (lane == 0) out[row] = acc;
+    }
+    __syncthreads();  // warp_results is overwritten for the next row
+  }
+}
+
+// ---- Matrix multiplication --------------------------------------------------------------------------------
+//
+// out (m x p) = a (m x n) @ b (n x p), all compact row-major.  Each block computes a 64 x 64 tile of `out`.
+// It walks along n in slices of 16: the block stages a 64 x 16 slice of `a` and a 16 x 64 slice of `b` in shared
+// memory (every element read from global memory once per block instead of 64 times), then each of the
+// 256 threads accumulates a 4 x 4 patch of `out` in registers (register tiling: every value loaded from shared
+// memory is used 4 times).  Thread (tx, ty) owns rows ty + 16*i and columns tx + 16*j of the tile: consecutive
+// threads own consecutive columns, so both the shared-memory reads and the final global stores are contiguous.
+// Out-of-range elements are staged as zeros, so any m, n, p work.
+
+constexpr int kMmTileRows = 64;                                    // rows of `out` per block
+constexpr int kMmTileCols = 64;                                    // columns of `out` per block
+constexpr int kMmTileDepth = 16;                                   // slice of n staged per step
+constexpr int kMmThreadRows = 4;                                   // each thread: 4 x 4 outputs
+constexpr int kMmThreadCols = 4;
+constexpr int kMmThreadsX = kMmTileCols / kMmThreadCols;           // 16
+constexpr int kMmThreadsY = kMmTileRows / kMmThreadRows;           // 16
+constexpr int kMmThreads = kMmThreadsX * kMmThreadsY;              // 256
+constexpr int64_t kMaxGridY = 65535;                               // hardware limit of gridDim.y
+// a_tile is stored transposed (k-major) so the inner loop reads columns of the a slice contiguously.  Its
+// loads write (16 k's x 2 rows) per warp; rows padded to 64 + 2 floats put those 32 stores in 32 distinct banks.
+constexpr int kMmATilePitch = kMmTileRows + 2;
+
+__global__ void __launch_bounds__(kMmThreads)
+    matmul_kernel(const float* a, const float* b, float* out, int64_t m, int64_t n, int64_t p) {
+  __shared__ float a_tile[kMmTileDepth][kMmATilePitch];
+  __shared__ float b_tile[kMmTileDepth][kMmTileCols];
+
+  const int tid = static_cast<int>(threadIdx.x);
+  const int tx = tid % kMmThreadsX;
+  const int ty = tid / kMmThreadsX;
+  const int64_t row0 = int64_t(blockIdx.x) * kMmTileRows;  // first row of this block's tile of `out`
+  const int64_t col0 = int64_t(blockIdx.y) * kMmTileCols;  // first column
+
+  float acc[kMmThreadRows][kMmThreadCols] = {};
+  for (int64_t k0 = 0; k0 < n; k0 += kMmTileDepth) {
+    // Stage a[row0 : row0+64, k0 : k0+16] (consecutive threads read consecutive k: coalesced).
+    for (int e = tid; e < kMmTileRows * kMmTileDepth; e += kMmThreads) {
+      const int r = e / kMmTileDepth;
+      const int k = e % kMmTileDepth;
+      const int64_t gr = row0 + r;
+      const int64_t gk = k0 + k;
+      a_tile[k][r] = (gr < m && gk < n) ? a[gr * n + gk] : 0.0f;
+    }
+    // Stage b[k0 : k0+16, col0 : col0+64] (consecutive threads read consecutive columns: coalesced).
+    for (int e = tid; e < kMmTileDepth * kMmTileCols; e += kMmThreads) {
+      const int k = e / kMmTileCols;
+      const int c = e % kMmTileCols;
+      const int64_t gk = k0 + k;
+      const int64_t gc = col0 + c;
+      b_tile[k][c] = (gk < n && gc < p) ? b[gk * p + gc] : 0.0f;
+    }
+    __syncthreads();  // the slices are complete before anyone reads them
+
+#pragma unroll
+    for (int k = 0; k < kMmTileDepth; ++k) {
+      float a_frag[kMmThreadRows];
+      float b_frag[kMmThreadCols];
+#pragma unroll
+      for (int i = 0; i < kMmThreadRows; ++i) a_frag[i] = a_tile[k][ty + i * kMmThreadsY];
+#pragma unroll
+      for (int j = 0; j < kMmThreadCols; ++j) b_frag[j] = b_tile[k][tx + j * kMmThreadsX];
+#pragma unroll
+      for (int i = 0; i < kMmThreadRows; ++i) {
+#pragma unroll
+        for (int j = 0; j < kMmThreadCols; ++j) acc[i][j] += a_frag[i] * b_frag[j];
+      }
+    }
+    __syncthreads();  // everyone is done reading before the next slice overwrites the tiles
+  }
+
+#pragma unroll
+  for (int i = 0; i < kMmThreadRows; ++i) {
+#pragma unroll
+    for (int j = 0; j < kMmThreadCols; ++j) {
+      const int64_t gr = row0 + ty + i * kMmThreadsY;
+      const int64_t gc = col0 + tx + j * kMmThreadsX;
+      if (gr < m && gc < p) out[gr * p + gc] = acc[i][j];
+    }
+  }
+}
+
+// The course's tiled layout: an (R, C) matrix stored as an (R/T, C/T, T, T) array, i.e. tile (ti, tj) is a
+// compact T x T block at ((ti * (C/T) + tj) * T * T), and element (r, c) of a tile sits at r * T + c.
+// a is (m/T, n/T, T, T), b is (n/T, p/T, T, T) and out is (m/T, p/T, T, T).  One thread per output element:
+// simple rather than fast; `matmul` is the fast kernel.
+constexpr int kTile = 8;
+
+__global__ void matmul_tiled_kernel(const float* a, const float* b, float* out, int64_t m, int64_t n, int64_t p) {
+  constexpr int64_t kTileElems = int64_t(kTile) * kTile;
+  const int64_t n_tiles = n / kTile;
+  const int64_t p_tiles = p / kTile;
+  const int64_t total = m * p;
+  for (int64_t e = first_index(); e < total; e += grid_stride()) {
+    const int64_t tile = e / kTileElems;  // which tile of out: (ti, tj)
+    const int64_t ti = tile / p_tiles;
+    const int64_t tj = tile % p_tiles;
+    const int r = static_cast<int>(e % kTileElems) / kTile;  // position inside that tile
+    const int c = static_cast<int>(e % kTileElems) % kTile;
+    float acc = 0.0f;
+    for (int64_t kt = 0; kt < n_tiles; ++kt) {
+      const float* a_tile = a + (ti * n_tiles + kt) * kTileElems;
+      const float* b_tile = b + (kt * p_tiles + tj) * kTileElems;
+#pragma unroll
+      for (int k = 0; k < kTile; ++k) acc += a_tile[r * kTile + k] * b_tile[k * kTile + c];
+    }
+    out[e] = acc;
+  }
+}
+
+// ---- Row gather / scatter (embeddings) --------------------------------------------------------------------
+// Indices arrive as float32 values already checked on the host to be integers in range.
+
+// out[i, j] = a[idx[i], j]; one thread per output element, consecutive threads along a row (coalesced).
+__global__ void take_rows_kernel(const float* a, const float* idx, float* out, int64_t n, int64_t row_size) {
+  for (int64_t e = first_index(); e < n; e += grid_stride()) {
+    const int64_t i = e / row_size;
+    const int64_t j = e % row_size;
+    out[e] = a[static_cast<int64_t>(idx[i]) * row_size + j];
+  }
+}
+
+// out[idx[i], j] += src[i, j] for i = 0, 1, 2, ... in order.  One thread per column j walks all i itself:
+// with repeated indices, atomicAdd from many threads would sum in a different order each run (float addition
+// is not associative), so results would not be reproducible.  Here every column is summed in index order.
+__global__ void scatter_add_rows_kernel(const float* src, const float* idx, float* out, int64_t num_idx,
+                                        int64_t row_size) {
+  for (int64_t j = first_index(); j < row_size; j += grid_stride()) {
+    for (int64_t i = 0; i < num_idx; ++i) {
+      out[static_cast<int64_t>(idx[i]) * row_size + j] += src[i * row_size + j];
+    }
+  }
+}
+
+// ------------------------------------------------------------------------------------------------------------
+// 6. Host wrappers
+// ------------------------------------------------------------------------------------------------------------
+//
+// Python validates views before they get here; these checks are the cheap second line that keeps a bug on the
+// Python side from becoming a device fault.  py::value_error becomes ValueError, py::index_error IndexError.
+
+int64_t as_int64(size_t n) { return static_cast<int64_t>(n); }
+
+void check_size(const char* fn, const char* what, size_t actual, size_t expected) {
+  if (actual != expected) {
+    throw py::value_error(std::string("needle cuda: ") + fn + ": " + what + " has " + std::to_string(actual) +
+                          " elements, expected " + std::to_string(expected));
+  }
+}
+
+// Builds the kernel-side view and checks that every element it reaches lies inside a buffer of buffer_size.
+// Returns the number of elements of the view in *count.
+StridedView make_view(const char* fn, size_t buffer_size, const std::vector<int64_t>& shape,
+                      const std::vector<int64_t>& strides, int64_t offset, int64_t* count) {
+  if (shape.size() != strides.size()) {
+    throw py::value_error(std::string("needle cuda: ") + fn + ": shape and strides differ in length");
+  }
+  if (shape.size() > static_cast<size_t>(kMaxDims)) {
+    throw py::value_error(std::string("needle cuda: ") + fn + ": " + std::to_string(shape.size()) +
+                          " dimensions, at most " + std::to_string(kMaxDims) + " are supported");
+  }
+  StridedView view{};
+  view.ndim = static_cast<int>(shape.size());
+  view.offset = offset;
+  *count = 1;
+  int64_t lowest = offset;  // smallest and largest buffer positions the view reaches
+  int64_t highest = offset;
+  for (int k = 0; k < view.ndim; ++k) {
+    if (shape[k] < 0) throw py::value_error(std::string("needle cuda: ") + fn + ": negative shape");
+    view.shape[k] = shape[k];
+    view.strides[k] = strides[k];
+    *count *= shape[k];
+    if (shape[k] > 0) {
+      const int64_t span = (shape[k] - 1) * strides[k];  // from idx_k = 0 to idx_k = shape_k - 1
+      if (span < 0) {
+        lowest += span;  // negative strides walk backwards
+      } else {
+        highest += span;
+      }
+    }
+  }
+  if (*count > 0 && (lowest < 0 || highest >= as_int64(buffer_size))) {
+    throw py::value_error(std::string("needle cuda: ") + fn + ": view reaches elements [" +
+                          std::to_string(lowest) + ", " + std::to_string(highest) + "] of a buffer of " +
+                          std::to_string(buffer_size) + " elements");
+  }
+  return view;
+}
+
+void compact(const CudaArray& a, CudaArray& out, const std::vector<int64_t>& shape,
+             const std::vector<int64_t>& strides, int64_t offset) {
+  int64_t n = 0;
+  const StridedView view = make_view("compact", a.size, shape, strides, offset, &n);
+  check_size("compact", "out", out.size, static_cast<size_t>(n));
+  if (n == 0) return;  // a grid of zero blocks is an invalid launch
+  compact_kernel<<<grid_for(n), kBlockSize>>>(a.ptr, out.ptr, n, view);
+  check_kernel("compact");
+}
+
+void ewise_setitem(const CudaArray& a, CudaArray& out, const std::vector<int64_t>& shape,
+                   const std::vector<int64_t>& strides, int64_t offset) {
+  int64_t n = 0;
+  const StridedView view = make_view("ewise_setitem", out.size, shape, strides, offset, &n);
+  check_size("ewise_setitem", "a", a.size, static_cast<size_t>(n));
+  if (n == 0) return;
+  ewise_setitem_kernel<<<grid_for(n), kBlockSize>>>(a.ptr, out.ptr, n, view);
+  check_kernel("ewise_setitem");
+}
+
+void scalar_setitem(size_t size, float val, CudaArray& out, const std::vector<int64_t>& shape,
+                    const std::vector<int64_t>& strides, int64_t offset) {
+  int64_t n = 0;
+  const StridedView view = make_view("scalar_setitem", out.size, shape, strides, offset, &n);
+  check_size("scalar_setitem", "the view", static_cast<size_t>(n), size);
+  if (n == 0) return;
+  scalar_setitem_kernel<<<grid_for(n), kBlockSize>>>(val, out.ptr, n, view);
+  check_kernel("scalar_setitem");
+}
+
+void fill(CudaArray& out, float val) {
+  const int64_t n = as_int64(out.size);
+  if (n == 0) return;
+  fill_kernel<<<grid_for(n), kBlockSize>>>(out.ptr, n, val);
+  check_kernel("fill");
+}
+
+template <typename Op>
+void ewise_op(const char* name, const CudaArray& a, const CudaArray& b, CudaArray& out, Op op) {
+  check_size(name, "a", a.size, out.size);
+  check_size(name, "b", b.size, out.size);
+  const int64_t n = as_int64(out.size);
+  if (n == 0) return;
+  ewise_kernel<<<grid_for(n), kBlockSize>>>(a.ptr, b.ptr, out.ptr, n, op);
+  check_kernel(name);
+}
+
+template <typename Op>
+void scalar_op(const char* name, const CudaArray& a, float val, CudaArray& out, Op op) {
+  check_size(name, "a", a.size, out.size);
+  const int64_t n = as_int64(out.size);
+  if (n == 0) return;
+  scalar_kernel<<<grid_for(n), kBlockSize>>>(a.ptr, val, out.ptr, n, op);
+  check_kernel(name);
+}
+
+template <typename Op>
+void unary_op(const char* name, const CudaArray& a, CudaArray& out, Op op) {
+  check_size(name, "a", a.size, out.size);
+  const int64_t n = as_int64(out.size);
+  if (n == 0) return;
+  unary_kernel<<<grid_for(n), kBlockSize>>>(a.ptr, out.ptr, n, op);
+  check_kernel(name);
+}
+
+template <typename Op>
+void reduce_op(const char* name, const CudaArray& a, CudaArray& out, size_t reduce_size, Op op) {
+  check_size(name, "a", a.size, out.size * reduce_size);
+  const int64_t rows = as_int64(out.size);
+  if (rows == 0) return;
+  // Enough whole warps to cover a row once, at most kReduceMaxThreads: short rows do not idle 256 threads.
+  const int64_t row_threads = ceil_div(std::max<int64_t>(as_int64(reduce_size), 1), kWarpSize) * kWarpSize;
+  const int64_t threads = std::min<int64_t>(row_threads, kReduceMaxThreads);
+  const int64_t blocks = std::min(rows, kReduceMaxBlocks);
+  reduce_kernel<<<static_cast<unsigned>(blocks), static_cast<unsigned>(threads)>>>(a.ptr, out.ptr, rows,
+                                                                                   as_int64(reduce_size), op);
+  check_kernel(name);
+}
+
+void reduce_sum(const CudaArray& a, CudaArray& out, size_t reduce_size) {
+  reduce_op("reduce_sum", a, out, reduce_size, SumReduce());  // an empty row sums to 0
+}
+
+void reduce_max(const CudaArray& a, CudaArray& out, size_t reduce_size) {
+  if (reduce_size == 0 && out.size > 0) {  // as numpy: a maximum of nothing is an error, not -inf
+    throw py::value_error("needle cuda: reduce_max: cannot take the maximum of an empty row");
+  }
+  reduce_op("reduce_max", a, out, reduce_size, MaxReduce());
+}
+
+void matmul(const CudaArray& a, const CudaArray& b, CudaArray& out, size_t m, size_t n, size_t p) {
+  check_size("matmul", "a", a.size, m * n);
+  check_size("matmul", "b", b.size, n * p);
+  check_size("matmul", "out", out.size, m * p);
+  if (m == 0 || p == 0) return;  // nothing to write (n == 0 is fine: out becomes zeros)
+  const int64_t col_blocks = ceil_div(as_int64(p), kMmTileCols);
+  if (col_blocks > kMaxGridY) {
+    throw py::value_error("needle cuda: matmul: p = " + std::to_string(p) + " columns is too many for the grid");
+  }
+  // Row tiles go in grid x (limit 2^31 - 1): tall matrices are the common case.
+  const dim3 grid(static_cast<unsigned>(ceil_div(as_int64(m), kMmTileRows)), static_cast<unsigned>(col_blocks));
+  matmul_kernel<<<grid, kMmThreads>>>(a.ptr, b.ptr, out.ptr, as_int64(m), as_int64(n), as_int64(p));
+  check_kernel("matmul");
+}
+
+void matmul_tiled(const CudaArray& a, const CudaArray& b, CudaArray& out, size_t m, size_t n, size_t p) {
+  constexpr size_t tile = kTile;
+  if (m % tile != 0 || n % tile != 0 || p % tile != 0) {
+    throw py::value_error("needle cuda: matmul_tiled: m, n, p must be multiples of " + std::to_string(kTile));
+  }
+  check_size("matmul_tiled", "a", a.size, m * n);
+  check_size("matmul_tiled", "b", b.size, n * p);
+  check_size("matmul_tiled", "out", out.size, m * p);
+  const int64_t total = as_int64(m * p);
+  if (total == 0) return;
+  matmul_tiled_kernel<<<grid_for(total), kBlockSize>>>(a.ptr, b.ptr, out.ptr, as_int64(m), as_int64(n),
+                                                       as_int64(p));
+  check_kernel("matmul_tiled");
+}
+
+// Formats an index value for an error message: 7 rather than 7.000000, but 2.5 and nan as they are.
+std::string format_index(float value) {
+  std::ostringstream s;
+  if (std::isfinite(value) && value == std::floor(value)) {
+    s << static_cast<long long>(value);
+  } else {
+    s << value;
+  }
+  return s.str();
+}
+
+// Copies the indices to the host and checks each is an integer in [0, rows).  The copy waits for the device;
+// that cost buys a Python IndexError *before* any kernel could read out of bounds.
+void check_row_indices(const char* fn, const CudaArray& idx, int64_t rows) {
+  if (idx.size == 0) return;
+  std::vector<float> host(idx.size);
+  check_cuda(cudaMemcpy(host.data(), idx.ptr, idx.size * kElemSize, cudaMemcpyDeviceToHost),
+             "cudaMemcpy (reading row indices)");
+  for (size_t i = 0; i < host.size(); ++i) {
+    const float v = host[i];
+    if (!std::isfinite(v) || v != std::floor(v)) {
+      throw py::index_error(std::string("needle cuda: ") + fn + ": index " + format_index(v) + " (idx[" +
+                            std::to_string(i) + "]) is not an integer");
+    }
+    if (v < 0.0f || static_cast<double>(v) >= static_cast<double>(rows)) {  // double: exact for any row count
+      throw py::index_error(std::string("needle cuda: ") + fn + ": index " + format_index(v) + " (idx[" +
+                            std::to_string(i) + "]) is out of range for " + std::to_string(rows) + " rows");
+    }
+  }
+}
+
+void take_rows(const CudaArray& a, const CudaArray& idx, CudaArray& out, size_t row_size) {
+  if (row_size == 0) throw py::value_error("needle cuda: take_rows: row_size must be positive");
+  if (a.size % row_size != 0) {
+    throw py::value_error("needle cuda: take_rows: a has " + std::to_string(a.size) +
+                          " elements, not a multiple of row_size " + std::to_string(row_size));
+  }
+  check_size("take_rows", "out", out.size, idx.size * row_size);
+  check_row_indices("take_rows", idx, as_int64(a.size / row_size));
+  const int64_t n = as_int64(out.size);
+  if (n == 0) return;
+  take_rows_kernel<<<grid_for(n), kBlockSize>>>(a.ptr, idx.ptr, out.ptr, n, as_int64(row_size));
+  check_kernel("take_rows");
+}
+
+void scatter_add_rows(const CudaArray& src, const CudaArray& idx, CudaArray& out, size_t row_size) {
+  if (row_size == 0) throw py::value_error("needle cuda: scatter_add_rows: row_size must be positive");
+  if (out.size % row_size != 0) {
+    throw py::value_error("needle cuda: scatter_add_rows: out has " + std::to_string(out.size) +
+                          " elements, not a multiple of row_size " + std::to_string(row_size));
+  }
+  check_size("scatter_add_rows", "src", src.size, idx.size * row_size);
+  check_row_indices("scatter_add_rows", idx, as_int64(out.size / row_size));
+  if (idx.size == 0) return;
+  const int64_t columns = as_int64(row_size);
+  scatter_add_rows_kernel<<<grid_for(columns), kBlockSize>>>(src.ptr, idx.ptr, out.ptr, as_int64(idx.size),
+                                                             columns);
+  check_kernel("scatter_add_rows");
+}
+
+// True when (shape, strides) is the row-major compact layout, so the view is one contiguous run of memory.
+bool is_compact_layout(const std::vector<int64_t>& shape, const std::vector<int64_t>& strides) {
+  int64_t expected = 1;
+  for (size_t k = shape.size(); k-- > 0;) {
+    if (shape[k] != 1 && strides[k] != expected) return false;  // a size-1 dimension's stride never matters
+    expected *= shape[k];
+  }
+  return true;
+}
+
+py::array_t<float> to_numpy(const CudaArray& a, const std::vector<int64_t>& shape,
+                            const std::vector<int64_t>& strides, int64_t offset) {
+  int64_t n = 0;
+  const StridedView view = make_view("to_numpy", a.size, shape, strides, offset, &n);
+  py::array_t<float> result(std::vector<py::ssize_t>(shape.begin(), shape.end()));
+  if (n == 0) return result;
+  const size_t bytes = static_cast<size_t>(n) * kElemSize;
+  if (is_compact_layout(shape, strides)) {  // already contiguous: copy straight from the buffer
+    check_cuda(cudaMemcpy(result.mutable_data(), a.ptr + offset, bytes, cudaMemcpyDeviceToHost),
+               "cudaMemcpy (to_numpy)");
+  } else {  // compact on the device first, then one contiguous copy
+    ScratchBuffer scratch(bytes);
+    compact_kernel<<<grid_for(n), kBlockSize>>>(a.ptr, scratch.get(), n, view);
+    check_kernel("compact");
+    check_cuda(cudaMemcpy(result.mutable_data(), scratch.get(), bytes, cudaMemcpyDeviceToHost),
+               "cudaMemcpy (to_numpy)");
+  }
+  return result;
+}
+
+// forcecast: any numpy array is converted to contiguous float32 first, so the copy below is always valid.
+void from_numpy(const py::array_t<float, py::array::c_style | py::array::forcecast>& a, CudaArray& out) {
+  check_size("from_numpy", "the numpy array", static_cast<size_t>(a.size()), out.size);
+  if (out.size == 0) return;
+  check_cuda(cudaMemcpy(out.ptr, a.data(), out.size * kElemSize, cudaMemcpyHostToDevice),
+             "cudaMemcpy (from_numpy)");
+}
+
+// Number of usable GPUs; 0 (never an exception) when there is no GPU, no driver or a driver too old for this
+// build: Python calls it to decide whether the cuda device is enabled at all.
+int device_count() {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess) {
+    cudaGetLastError();  // do not leave the failure for a later check to report
+    return 0;
+  }
+  return count;
+}
+
+// Binding helpers: one per family of element-wise functions, so the table in the module body is one line per
+// function.  `name` is a string literal (static lifetime), captured for the error messages.
+template <typename Op>
+void def_ewise(py::module_& m, const char* name, Op op) {
+  m.def(name, [name, op](const CudaArray& a, const CudaArray& b, CudaArray& out) { ewise_op(name, a, b, out, op); });
+}
+
+template <typename Op>
+void def_scalar(py::module_& m, const char* name, Op op) {
+  m.def(name, [name, op](const CudaArray& a, float val, CudaArray& out) { scalar_op(name, a, val, out, op); });
+}
+
+template <typename Op>
+void def_unary(py::module_& m, const char* name, Op op) {
+  m.def(name, [name, op](const CudaArray& a, CudaArray& out) { unary_op(name, a, out, op); });
+}
+
+}  // namespace cuda
+}  // namespace needle
+
+// ------------------------------------------------------------------------------------------------------------
+// 7. Bindings
+// ------------------------------------------------------------------------------------------------------------
+
+PYBIND11_MODULE(ndarray_backend_cuda, m) {
+  using namespace needle::cuda;
+  m.doc() = "needle CUDA backend: flat float32 device buffers and the kernels of src/README.md";
+  m.attr("__device_name__") = "cuda";
+  m.attr("__tile_size__") = kTile;
+
+  // OutOfMemory -> MemoryError (pybind11 has no built-in C++ type for it).  Local: only this module's calls.
+  py::register_local_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const OutOfMemory& e) {
+      PyErr_SetString(PyExc_MemoryError, e.what());
+    }
+  });
+
+  py::class_<CudaArray>(m, "Array")
+      .def(py::init<size_t>(), py::arg("size"))
+      .def("ptr", &CudaArray::ptr_as_int)
+      .def_readonly("size", &CudaArray::size);
+
+  m.def("to_numpy", to_numpy);
+  m.def("from_numpy", from_numpy);
+  m.def("fill", fill);
+  m.def("compact", compact);
+  m.def("ewise_setitem", ewise_setitem);
+  m.def("scalar_setitem", scalar_setitem);
+
+  def_ewise(m, "ewise_add", AddOp());
+  def_ewise(m, "ewise_mul", MulOp());
+  def_ewise(m, "ewise_div", DivOp());
+  def_ewise(m, "ewise_maximum", MaximumOp());
+  def_ewise(m, "ewise_eq", EqOp());
+  def_ewise(m, "ewise_ge", GeOp());
+  def_ewise(m, "ewise_power", PowerOp());
+
+  def_scalar(m, "scalar_add", AddOp());
+  def_scalar(m, "scalar_mul", MulOp());
+  def_scalar(m, "scalar_div", DivOp());
+  def_scalar(m, "scalar_power", PowerOp());
+  def_scalar(m, "scalar_maximum", MaximumOp());
+  def_scalar(m, "scalar_eq", EqOp());
+  def_scalar(m, "scalar_ge", GeOp());
+
+  def_unary(m, "ewise_log", LogOp());
+  def_unary(m, "ewise_exp", ExpOp());
+  def_unary(m, "ewise_tanh", TanhOp());
+
+  m.def("matmul", matmul);
+  m.def("matmul_tiled", matmul_tiled);
+  m.def("reduce_sum", reduce_sum);
+  m.def("reduce_max", reduce_max);
+  m.def("take_rows", take_rows);
+  m.def("scatter_add_rows", scatter_add_rows);
+
+  m.def("memory_stats", [] {
+    const CachingAllocator& alloc = allocator();
+    py::dict stats;
+    stats["current_bytes"] = alloc.current_bytes();
+    stats["peak_bytes"] = alloc.peak_bytes();
+    stats["allocations"] = alloc.live_arrays();
+    stats["reserved_bytes"] = alloc.reserved_bytes();
+    return stats;
+  });
+  m.def("reset_peak_memory_stats", [] { allocator().reset_peak(); });
+  m.def("set_memory_limit", [](size_t nbytes) { allocator().set_limit(nbytes); }, py::arg("nbytes"));
+  m.def("empty_cache", [] { allocator().empty_cache(); });
+  m.def("device_count", device_count);
+}
