@@ -5,7 +5,7 @@
     (x * x).sum().backward()
     x.grad  # [[2., 4.]]
 """
-from . import autograd, backend_ndarray, checkpoint, data, init, nn, ops, optim
+from . import autograd, backend_ndarray, checkpoint, data, init, nn, ops, optim, viz
 from .autograd import Tensor, TensorTuple
 from .backend_selection import BACKEND, all_devices, cpu, cpu_numpy, cuda, default_device
 from .ops import (
@@ -19,5 +19,5 @@ __all__ = [
     "broadcast_to", "checkpoint", "conv", "cpu", "cpu_numpy", "cuda", "data", "default_device", "dilate", "divide",
     "divide_scalar", "exp", "flip", "init", "log", "logsoftmax", "logsumexp", "make_tuple", "matmul", "mul_scalar",
     "multiply", "negate", "nn", "ops", "optim", "power", "power_scalar", "relu", "reshape", "sigmoid", "split",
-    "stack", "summation", "tanh", "transpose", "tuple_get_item", "undilate",
+    "stack", "summation", "tanh", "transpose", "tuple_get_item", "undilate", "viz",
 ]

@@ -385,6 +385,9 @@ def compute_gradient_of_variables(output_tensor, out_grad):
     Tensors themselves (differentiable); each call replaces `.grad`, it does not accumulate.
     """
     output_tensor.realize_cached_data()  # the forward pass (in lazy mode it runs here)
+    # Gradients are built from an out_grad that requires grad, so every gradient value is a graph node that
+    # can be released after use and recomputed on demand (x.grad stays differentiable), never a stray constant.
+    out_grad = Tensor.make_const(out_grad, requires_grad=True)
     reverse_topo = list(reversed(find_topo_sort([output_tensor])))
     plan = checkpoint.BackwardPlan(reverse_topo, output_tensor)
     grads = {id(output_tensor): [out_grad]}
@@ -406,7 +409,7 @@ def compute_gradient_of_variables(output_tensor, out_grad):
                                        f"{len(node.inputs)} inputs")
                 new = []
                 for inp, g in zip(node.inputs, in_grads):
-                    if inp.requires_grad:
+                    if inp.requires_grad and g is not None:
                         g.realize_cached_data()
                         grads.setdefault(id(inp), []).append(g)
                         new.append(g)

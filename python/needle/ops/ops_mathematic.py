@@ -4,7 +4,7 @@
 `gradient` builds Tensors, so gradients are differentiable. `saves` declares which forward values the gradient
 reads (see autograd.Op); checkpointing keeps or recomputes exactly those.
 """
-from ..autograd import Tensor, TensorOp
+from ..autograd import TensorOp
 from ..backend_selection import array_api
 
 __all__ = [
@@ -20,10 +20,6 @@ __all__ = [
 def _same_shape(op, a, b):
     if tuple(a.shape) != tuple(b.shape):
         raise ValueError(f"{op}: shapes {tuple(a.shape)} and {tuple(b.shape)} differ; use broadcast_to first")
-
-
-def _constant(array):
-    return Tensor.make_const(array)
 
 
 class EWiseAdd(TensorOp):
@@ -364,7 +360,19 @@ class ReLU(TensorOp):
         return array_api.maximum(a, 0)
 
     def gradient(self, out_grad, node):
-        return out_grad * _constant(node.realize_cached_data() > 0)
+        return out_grad * Positive()(node)
+
+
+class Positive(TensorOp):
+    """1 where a > 0, else 0 (the derivative of relu);  its own derivative is 0"""
+
+    saves = "none"
+
+    def compute(self, a):
+        return a > 0
+
+    def gradient(self, out_grad, node):
+        return out_grad * 0.0
 
 
 def relu(a):
@@ -574,8 +582,7 @@ class GatherRows(TensorOp):
 
     def gradient(self, out_grad, node):
         table, ids = node.inputs
-        return scatter_add_rows(out_grad, ids, table.shape[0]), _constant(array_api.full(
-            ids.shape, 0.0, dtype=ids.dtype, device=_device_of(ids.realize_cached_data())))
+        return scatter_add_rows(out_grad, ids, table.shape[0]), None  # ids are integers: no gradient
 
 
 def gather_rows(table, ids):
@@ -593,8 +600,7 @@ class ScatterAddRows(TensorOp):
 
     def gradient(self, out_grad, node):
         rows, ids = node.inputs
-        return gather_rows(out_grad, ids), _constant(array_api.full(
-            ids.shape, 0.0, dtype=ids.dtype, device=_device_of(ids.realize_cached_data())))
+        return gather_rows(out_grad, ids), None  # ids are integers: no gradient
 
 
 def scatter_add_rows(rows, ids, num_rows):

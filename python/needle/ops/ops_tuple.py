@@ -41,11 +41,14 @@ class TupleGetItem(TensorOp):
         return a[self.index]
 
     def gradient(self, out_grad, node):
-        shapes, dtype, device = node.inputs[0].shape, out_grad.dtype, out_grad.device
+        # The other elements get zeros: a broadcast view of one zero derived from out_grad, so the gradient
+        # graph holds no constant buffers (and stays differentiable).
+        from .ops_mathematic import broadcast_to, reshape, summation
+
+        zero = summation(out_grad) * 0.0
         grads = [
-            out_grad if i == self.index else Tensor(array_api.full(shape, 0.0, dtype=dtype, device=device),
-                                                    device=device, requires_grad=False)
-            for i, shape in enumerate(shapes)
+            out_grad if i == self.index else broadcast_to(reshape(zero, (1,) * len(shape)), shape)
+            for i, shape in enumerate(node.inputs[0].shape)
         ]
         return (make_tuple(*grads),)
 

@@ -1,0 +1,82 @@
+"""Shared test helpers: the devices to parametrize over, and one gradient checker used by every test file.
+
+Tests seed their own RNGs (the `rng` fixture, or np.random.seed inside the test), never at import.
+"""
+import os
+import sys
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "python"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "apps"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import needle as ndl  # noqa: E402
+from needle import backend_ndarray as nd  # noqa: E402
+
+_CUDA_SKIP = pytest.mark.skipif(not nd.cuda().enabled(), reason="no GPU: needle's cuda() backend is not enabled")
+_CPU_SKIP = pytest.mark.skipif(not nd.cpu().enabled(), reason="C++ backend not built (run `make`)")
+
+# Backend devices: the C++ CPU backend, the NumPy reference, and CUDA (skipped cleanly without a GPU).
+DEVICES = [
+    pytest.param(nd.cpu(), id="cpu", marks=_CPU_SKIP),
+    pytest.param(nd.cpu_numpy(), id="cpu_numpy"),
+    pytest.param(nd.cuda(), id="cuda", marks=_CUDA_SKIP),
+]
+# Devices that run compiled code (the ones a model is trained on): cpu and cuda.
+COMPILED_DEVICES = [DEVICES[0], DEVICES[2]]
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(0)
+
+
+def requires_torch():
+    """Import torch, or skip the test with a clear reason (PyTorch is only a test oracle)."""
+    return pytest.importorskip("torch", reason="PyTorch is not installed (pip install torch==2.13.0)")
+
+
+def numerical_gradient(f, arrays, eps=1e-6):
+    """Central differences of the scalar f(*arrays) (float64 arrays) with respect to each array."""
+    grads = []
+    for x in arrays:
+        g = np.zeros_like(x)
+        for i in range(x.size):
+            old = x.flat[i]
+            x.flat[i] = old + eps
+            plus = f(*arrays)
+            x.flat[i] = old - eps
+            minus = f(*arrays)
+            x.flat[i] = old
+            g.flat[i] = (plus - minus) / (2 * eps)
+        grads.append(g)
+    return grads
+
+
+def check_gradients(fn, *arrays, device=None, seed=0, rtol=1e-2, atol=1e-3):
+    """Check needle's gradient of `fn` (Tensors -> Tensor) against central differences.
+
+    The output is reduced with a fixed random projection (a random direction, as JAX's check_grads), so every
+    output element's gradient is exercised. The numerical oracle runs needle's forward on the NumPy reference
+    device in float64-perturbed inputs rounded to float32, with a step large enough for float32 round-off.
+    Returns the needle output (for forward checks by the caller).
+    """
+    device = device or nd.cpu_numpy()
+    rs = np.random.RandomState(seed)
+    arrays = [np.asarray(a, dtype=np.float32) for a in arrays]
+    tensors = [ndl.Tensor(a, device=device) for a in arrays]
+    out = fn(*tensors)
+    projection = rs.randn(*out.shape).astype(np.float32)
+    (out * ndl.Tensor(projection, device=device, requires_grad=False)).sum().backward()
+
+    def scalar(*xs):
+        ts = [ndl.Tensor(x.astype(np.float32), device=nd.cpu_numpy()) for x in xs]
+        return float((fn(*ts).numpy().astype(np.float64) * projection).sum())
+
+    numeric = numerical_gradient(scalar, [a.astype(np.float64) for a in arrays], eps=1e-2)
+    for i, (t, g) in enumerate(zip(tensors, numeric)):
+        assert t.grad is not None, f"input {i} got no gradient"
+        np.testing.assert_allclose(t.grad.numpy(), g, rtol=rtol, atol=atol, err_msg=f"gradient of input {i}")
+    return out

@@ -1,0 +1,299 @@
+"""Gradient checkpointing: each test names the rule of needle/checkpoint.py that it checks.
+
+Graph-level tests build small graphs from ops and annotate regions by hand; model-level tests (LanguageModel,
+layers) are in tests/test_checkpoint_models.py.
+"""
+import gc as python_gc
+
+import numpy as np
+import pytest
+
+import needle as ndl
+from needle import autograd, checkpoint, ops
+from needle import backend_ndarray as nd
+
+from conftest import DEVICES
+
+POLICIES = [
+    dict(),
+    dict(segment_len=1),
+    dict(segment_len=2),
+    dict(segment_len=3),
+    dict(segment_len=4),
+    dict(segment_len=5),
+    dict(policy="sqrt"),
+    dict(policy="selective"),
+]
+POLICY_IDS = ["all", "seg1", "seg2", "seg3", "seg4", "seg5", "sqrt", "selective"]
+
+
+def _params(device, depth=4, width=6, seed=0):
+    rs = np.random.RandomState(seed)
+    return [ndl.Tensor(rs.randn(width, width).astype(np.float32) / width, device=device) for _ in range(depth)]
+
+
+def _block(x, w):
+    """A residual block with a norm-like interior: several cheap nodes around one matmul."""
+    h = ops.relu(x @ w)
+    mean = ops.broadcast_to(ops.reshape(ops.summation(h, (1,)) / h.shape[1], (h.shape[0], 1)), h.shape)
+    centered = h - mean
+    return x + ops.tanh(centered) * 0.5
+
+
+def _model(params, x, gc=None, segment=False):
+    """The loss of a stack of blocks; with `gc` (annotate kwargs) each block is a checkpointed region."""
+    h = x
+    for w in params:
+        out = _block(h, w)
+        if gc is not None:
+            checkpoint.annotate(out, [h], **gc)
+        h = out
+    return ops.logsumexp(h, axes=(1,)).sum()
+
+
+def _grads(device, gc, lazy, seed=0):
+    params = _params(device, seed=seed)
+    x = ndl.Tensor(np.random.RandomState(seed + 1).randn(5, 6).astype(np.float32), device=device,
+                   requires_grad=False)
+    with autograd.lazy_mode(lazy):
+        loss = _model(params, x, gc)
+        loss.backward()
+    return loss.numpy(), [p.grad.numpy() for p in params]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("lazy", [False, True], ids=["eager", "lazy"])
+@pytest.mark.parametrize("gc", POLICIES, ids=POLICY_IDS)
+def test_rule4_gradients_bit_identical(device, lazy, gc):
+    """Rule 4: gradients with checkpointing are bit-identical to those without, in both modes."""
+    loss_off, grads_off = _grads(device, None, lazy=False)
+    loss_on, grads_on = _grads(device, gc, lazy=lazy)
+    assert np.array_equal(loss_off, loss_on)
+    for g_off, g_on in zip(grads_off, grads_on):
+        assert np.array_equal(g_off, g_on)
+
+
+def _count_computes(nodes):
+    """Wrap each node's op.compute with a counter keyed by node (ops are per-node objects here)."""
+    counts = {}
+    for node in nodes:
+        compute = node.op.compute
+
+        def counted(*args, _node_id=id(node), _compute=compute):
+            counts[_node_id] = counts.get(_node_id, 0) + 1
+            return _compute(*args)
+
+        node.op.compute = counted
+    return counts
+
+
+@pytest.mark.parametrize("lazy", [False, True], ids=["eager", "lazy"])
+@pytest.mark.parametrize("gc", POLICIES, ids=POLICY_IDS)
+def test_rule2_each_dropped_node_recomputed_at_most_once(lazy, gc):
+    """Rule 2: a dropped value is recomputed at most once per backward pass (counted per node)."""
+    device = nd.cpu_numpy()
+    params = _params(device)
+    x = ndl.Tensor(np.ones((5, 6), np.float32), device=device, requires_grad=False)
+    with autograd.lazy_mode(lazy):
+        loss = _model(params, x, gc)
+        loss.realize_cached_data()
+        graph = [n for n in autograd.find_topo_sort([loss]) if not n.is_leaf()]
+        counts = _count_computes(graph)
+        loss.backward()
+    dropped = [n for n in graph if n.drop]
+    stats = checkpoint.last_backward_stats()
+    assert max(counts.values(), default=0) <= 1
+    assert all(counts.get(id(n), 0) <= 1 for n in dropped)
+    assert stats["recomputed_nodes"] == sum(counts.values())
+    assert stats["max_recomputes_per_node"] <= 1
+    if gc == {} or gc.get("policy") == "selective":
+        assert dropped and stats["recomputed_nodes"] > 0
+
+
+def test_rule2_chain_of_k_dropped_nodes_costs_k_recomputes():
+    """Rule 2: a chain of k dropped nodes costs k recomputations, not O(k^2) (the earlier project's bug)."""
+    device = nd.cpu_numpy()
+    for k in (10, 100, 1000):
+        x = ndl.Tensor(np.ones(4, np.float32), device=device)
+        h = x
+        for _ in range(k):
+            h = ops.tanh(h) * 1.0001
+        out = h * 1.0
+        checkpoint.annotate(out, [x])
+        out.sum().backward()
+        # every interior node is dropped; tanh/mul-scalar each read their input or output once
+        assert checkpoint.last_backward_stats()["recomputed_nodes"] <= 2 * k
+
+
+def test_rule1_annotate_never_drops_leaves_inputs_or_output():
+    """Rule 1: leaves (parameters, constants, masks), region inputs and the region output are never dropped."""
+    device = nd.cpu_numpy()
+    x = ndl.Tensor(np.ones((3, 3), np.float32), device=device)
+    w = ndl.Tensor(np.ones((3, 3), np.float32), device=device)
+    mask = ndl.init.randb(3, 3, p=0.5, device=device, dtype="float32")
+    a = x @ w
+    b = ops.relu(a) * mask
+    out = b + x
+    checkpoint.annotate(out, [x])
+    assert not x.drop and not w.drop and not mask.drop and not out.drop
+    assert a.drop and b.drop
+    assert x.cached_data is not None and w.cached_data is not None and mask.cached_data is not None
+
+
+def test_rule1_nested_regions_compose():
+    """Rule 1: a node dropped by an inner region stays dropped; the outer region decides the rest."""
+    device = nd.cpu_numpy()
+    x = ndl.Tensor(np.ones((2, 2), np.float32), device=device)
+    a = x * 2.0
+    b = ops.exp(a)
+    mid = b + 1.0
+    checkpoint.annotate(mid, [x])
+    out = ops.tanh(mid)
+    checkpoint.annotate(out, [x], segment_len=1)  # keeps every candidate, but cannot un-drop a and b
+    assert a.drop and b.drop
+    assert not mid.drop and not out.drop
+
+
+@pytest.mark.parametrize("lazy", [False, True], ids=["eager", "lazy"])
+def test_rule3_values_released_after_backward(lazy):
+    """Rule 3: after backward no activation is held: only leaves and the output keep their data."""
+    device = nd.cpu_numpy()
+    params = _params(device)
+    x = ndl.Tensor(np.ones((5, 6), np.float32), device=device, requires_grad=False)
+    with autograd.lazy_mode(lazy):
+        loss = _model(params, x, gc=None)
+        loss.backward()
+    for node in autograd.find_topo_sort([loss]):
+        if node.is_leaf() or node is loss:
+            assert node.cached_data is not None
+        else:
+            assert node.cached_data is None, type(node.op).__name__
+
+
+@pytest.mark.parametrize("device", [DEVICES[0], DEVICES[1]])
+@pytest.mark.parametrize("gc", [None, dict(), dict(policy="sqrt")], ids=["off", "all", "sqrt"])
+def test_rule3_memory_returns_to_baseline(device, gc):
+    """Rule 3: after a step, the allocator's current bytes return to parameters + gradients; no leak."""
+    params = _params(device)
+    x = ndl.Tensor(np.ones((5, 6), np.float32), device=device, requires_grad=False)
+    python_gc.collect()
+    baseline = nd.memory_stats(device)["current_bytes"]
+    held = []
+    for _ in range(20):
+        loss = _model(params, x, gc)
+        loss.backward()
+        held.append(nd.memory_stats(device)["current_bytes"])
+        del loss
+    grad_bytes = sum(4 * int(np.prod(p.shape)) for p in params)
+    # only the gradients (+ the scalar loss and its ones out_grad) outlive a step
+    assert held[-1] == held[1]
+    assert held[-1] - baseline <= grad_bytes + 64
+
+
+@pytest.mark.parametrize("gc", [dict(), dict(policy="sqrt"), dict(segment_len=2)], ids=["all", "sqrt", "seg2"])
+def test_rule3_dropped_values_use_less_memory_at_backward_start(gc):
+    """Rule 3: in eager mode dropped values are released when the region's output exists."""
+    device = DEVICES[0].values[0] if nd.cpu().enabled() else nd.cpu_numpy()
+    params = _params(device, width=64)
+    x = ndl.Tensor(np.ones((64, 64), np.float32), device=device, requires_grad=False)
+    python_gc.collect()
+    start = nd.memory_stats(device)["current_bytes"]
+    loss_off = _model(params, x, None)
+    held_off = nd.memory_stats(device)["current_bytes"] - start
+    del loss_off
+    python_gc.collect()
+    start = nd.memory_stats(device)["current_bytes"]
+    loss_on = _model(params, x, gc)
+    held_on = nd.memory_stats(device)["current_bytes"] - start
+    assert held_on < held_off
+
+
+def test_rule5_gradients_realized_when_backward_returns():
+    """Rule 5: in lazy mode every leaf gradient is realized when backward returns (before any update)."""
+    device = nd.cpu_numpy()
+    params = _params(device)
+    x = ndl.Tensor(np.ones((5, 6), np.float32), device=device, requires_grad=False)
+    with autograd.lazy_mode(True):
+        loss = _model(params, x, dict())
+        loss.backward()
+        for p in params:
+            assert p.grad.cached_data is not None
+
+
+@pytest.mark.parametrize("lazy", [False, True], ids=["eager", "lazy"])
+def test_rule4_adam_steps_bit_identical(lazy):
+    """Rules 4 and 5: losses of consecutive in-place updates are bit-identical with and without gc."""
+    device = nd.cpu_numpy()
+
+    def run(gc):
+        params = _params(device)
+        x = ndl.Tensor(np.random.RandomState(3).randn(5, 6).astype(np.float32), device=device,
+                       requires_grad=False)
+        losses = []
+        for _ in range(5):
+            with autograd.lazy_mode(lazy):
+                loss = _model(params, x, gc)
+                losses.append(loss.numpy().copy())
+                loss.backward()
+            for p in params:  # plain SGD on the raw data, in place of an optimizer
+                p.data = ndl.Tensor(p.realize_cached_data() - p.grad.realize_cached_data() * 0.1,
+                                    device=device, requires_grad=False)
+        return losses
+
+    assert all(np.array_equal(a, b) for a, b in zip(run(None), run(dict())))
+
+
+def test_rule4_recompute_checks_shape():
+    """Rule 4: a recomputation that produces another shape than the forward pass raises a clear error."""
+    device = nd.cpu_numpy()
+
+    class Flaky(ops.AddScalar):
+        calls = 0
+
+        def compute(self, a):
+            Flaky.calls += 1
+            return a + 1.0 if Flaky.calls == 1 else ops.ops_mathematic.array_api.reshape(a, (a.size,)) + 1.0
+
+    x = ndl.Tensor(np.ones((2, 3), np.float32), device=device)
+    h = Flaky(1.0)(x)
+    out = ops.log(h)  # log's gradient reads its input h, so the dropped h is recomputed
+    checkpoint.annotate(out, [x])
+    with pytest.raises(RuntimeError, match="rule 4"):
+        out.sum().backward()
+
+
+def test_annotate_rejects_bad_policy():
+    with pytest.raises(ValueError, match="unknown checkpoint policy"):
+        checkpoint.resolve_policy("everything")
+    with pytest.raises(ValueError, match="segment_len"):
+        checkpoint.resolve_policy(None, segment_len=0)
+
+
+def test_policies_are_pure_functions():
+    """Every policy maps a list of candidates to keep flags, deterministically."""
+    device = nd.cpu_numpy()
+    x = ndl.Tensor(np.ones((2, 2), np.float32), device=device)
+    nodes = [x @ x]
+    for _ in range(15):
+        nodes.append(nodes[-1] + 1.0)
+    assert checkpoint.nothing_saveable(nodes) == [False] * 16
+    assert checkpoint.EverySegment(4)(nodes) == [(i + 1) % 4 == 0 for i in range(16)]
+    assert checkpoint.Sqrt()(nodes) == checkpoint.EverySegment(4)(nodes)
+    assert checkpoint.dots_saveable(nodes) == [True] + [False] * 15
+
+
+def test_to_dot_marks_dropped_and_recomputed_nodes():
+    """viz.to_dot: valid DOT with kept, dropped, recomputed and leaf nodes styled apart."""
+    pydot = pytest.importorskip("pydot", reason="pydot (a DOT parser) is a test dependency")
+    device = nd.cpu_numpy()
+    x = ndl.Tensor(np.ones((2, 2), np.float32), device=device)
+    h = ops.exp(x * 2.0)
+    out = h + 1.0
+    checkpoint.annotate(out, [x])
+    loss = ops.exp(out).sum()
+    loss.backward()
+    dot = ndl.viz.to_dot(loss)
+    graphs = pydot.graph_from_dot_data(dot)
+    assert graphs and len(graphs[0].get_nodes()) >= 5
+    assert "recomputed" in dot and "leaf" in dot and "kept" in dot
+    assert dot.count("->") == sum(len(n.inputs) for n in autograd.find_topo_sort([loss]))
