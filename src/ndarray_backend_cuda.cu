@@ -571,6 +571,21 @@ __global__ void scatter_add_rows_kernel(const float* src, const float* idx, floa
   }
 }
 
+// out[i] = a[i, idx[i]] (a viewed as (n, row_size)): the logit at each row's label, with no one-hot matrix.
+__global__ void take_along_rows_kernel(const float* a, const float* idx, float* out, int64_t n, int64_t row_size) {
+  for (int64_t i = first_index(); i < n; i += grid_stride()) {
+    out[i] = a[i * row_size + static_cast<int64_t>(idx[i])];
+  }
+}
+
+// out[i, idx[i]] += src[i]: each row is touched by exactly one thread, so no atomics are needed.
+__global__ void scatter_along_rows_kernel(const float* src, const float* idx, float* out, int64_t n,
+                                          int64_t row_size) {
+  for (int64_t i = first_index(); i < n; i += grid_stride()) {
+    out[i * row_size + static_cast<int64_t>(idx[i])] += src[i];
+  }
+}
+
 // ------------------------------------------------------------------------------------------------------------
 // 6. Host wrappers
 // ------------------------------------------------------------------------------------------------------------
@@ -806,6 +821,28 @@ void scatter_add_rows(const CudaArray& src, const CudaArray& idx, CudaArray& out
   check_kernel("scatter_add_rows");
 }
 
+void take_along_rows(const CudaArray& a, const CudaArray& idx, CudaArray& out, size_t row_size) {
+  if (row_size == 0) throw py::value_error("needle cuda: take_along_rows: row_size must be positive");
+  check_size("take_along_rows", "a", a.size, idx.size * row_size);
+  check_size("take_along_rows", "out", out.size, idx.size);
+  check_row_indices("take_along_rows", idx, as_int64(row_size));
+  const int64_t n = as_int64(idx.size);
+  if (n == 0) return;
+  take_along_rows_kernel<<<grid_for(n), kBlockSize>>>(a.ptr, idx.ptr, out.ptr, n, as_int64(row_size));
+  check_kernel("take_along_rows");
+}
+
+void scatter_along_rows(const CudaArray& src, const CudaArray& idx, CudaArray& out, size_t row_size) {
+  if (row_size == 0) throw py::value_error("needle cuda: scatter_along_rows: row_size must be positive");
+  check_size("scatter_along_rows", "out", out.size, idx.size * row_size);
+  check_size("scatter_along_rows", "src", src.size, idx.size);
+  check_row_indices("scatter_along_rows", idx, as_int64(row_size));
+  const int64_t n = as_int64(idx.size);
+  if (n == 0) return;
+  scatter_along_rows_kernel<<<grid_for(n), kBlockSize>>>(src.ptr, idx.ptr, out.ptr, n, as_int64(row_size));
+  check_kernel("scatter_along_rows");
+}
+
 // True when (shape, strides) is the row-major compact layout, so the view is one contiguous run of memory.
 bool is_compact_layout(const std::vector<int64_t>& shape, const std::vector<int64_t>& strides) {
   int64_t expected = 1;
@@ -932,6 +969,8 @@ PYBIND11_MODULE(ndarray_backend_cuda, m) {
   m.def("reduce_max", reduce_max);
   m.def("take_rows", take_rows);
   m.def("scatter_add_rows", scatter_add_rows);
+  m.def("take_along_rows", take_along_rows);
+  m.def("scatter_along_rows", scatter_along_rows);
 
   m.def("memory_stats", [] {
     const CachingAllocator& alloc = allocator();

@@ -68,7 +68,7 @@ def check_gradients(fn, *arrays, device=None, seed=0, rtol=1e-2, atol=1e-3):
     arrays = [np.asarray(a, dtype=np.float32) for a in arrays]
     tensors = [ndl.Tensor(a, device=device) for a in arrays]
     out = fn(*tensors)
-    projection = rs.randn(*out.shape).astype(np.float32)
+    projection = np.asarray(rs.randn(*out.shape), dtype=np.float32)  # (randn() of shape () is a float)
     (out * ndl.Tensor(projection, device=device, requires_grad=False)).sum().backward()
 
     def scalar(*xs):

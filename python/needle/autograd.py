@@ -129,7 +129,10 @@ def _realize(target, keep):
             continue
         if node.op is None:
             raise RuntimeError("a leaf Tensor has no data (was it released?); leaves cannot be recomputed")
-        node.cached_data = node.op.compute(*[x.cached_data for x in node.inputs])
+        value = node.op.compute(*[x.cached_data for x in node.inputs])
+        if isinstance(value, numpy.generic):  # NEEDLE_BACKEND=np: NumPy turns 0-d results into scalars
+            value = numpy.asarray(value)
+        node.cached_data = value
         for inp in node.inputs:
             left = consumers.get(id(inp))
             if left is not None:
@@ -183,7 +186,8 @@ class Value:
 
     def __del__(self):
         global TENSOR_COUNTER
-        TENSOR_COUNTER -= 1
+        if hasattr(self, "inputs"):  # counted by _init (a constructor that raised before it was not)
+            TENSOR_COUNTER -= 1
 
     def _init(self, op, inputs, *, cached_data=None, requires_grad=None):
         global TENSOR_COUNTER

@@ -8,7 +8,7 @@ import numpy as np
 __all__ = [
     "Device", "all_devices", "array", "broadcast_to", "cpu", "cpu_numpy", "cuda", "default_device", "empty",
     "exp", "flip", "full", "log", "matmul", "max", "maximum", "pad", "reshape", "scatter_add_rows", "split",
-    "stack", "sum", "take_rows", "tanh", "transpose", "zeros",
+    "scatter_along_rows", "stack", "sum", "take_along_rows", "take_rows", "tanh", "transpose", "zeros",
 ]
 
 
@@ -119,4 +119,18 @@ def take_rows(table, ids):
 def scatter_add_rows(rows, ids, num_rows):
     out = np.zeros((num_rows,) + rows.shape[1:], dtype=rows.dtype)
     np.add.at(out, np.asarray(ids).astype(np.int64), rows)
+    return out
+
+
+def take_along_rows(table, ids):
+    cols = np.asarray(ids).astype(np.int64)
+    if cols.size and (cols.min() < 0 or cols.max() >= table.shape[1]):
+        raise IndexError(f"index {cols[(cols < 0) | (cols >= table.shape[1])][0]} is out of range for "
+                         f"{table.shape[1]} columns")
+    return table[np.arange(table.shape[0]), cols]
+
+
+def scatter_along_rows(values, ids, num_cols):
+    out = np.zeros((values.shape[0], num_cols), dtype=values.dtype)
+    out[np.arange(values.shape[0]), np.asarray(ids).astype(np.int64)] += values
     return out

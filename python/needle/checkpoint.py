@@ -29,6 +29,7 @@ The rules (each test names the rule it checks):
           place can never change a value a gradient still depends on.
 """
 import math
+import weakref
 from dataclasses import dataclass
 
 __all__ = [
@@ -43,6 +44,8 @@ __all__ = [
     "spec_of",
     "Sqrt",
     "EverySegment",
+    "keep_reason",
+    "saved_residuals",
 ]
 
 
@@ -106,18 +109,79 @@ class Sqrt:
         return EverySegment(max(1, round(math.sqrt(len(nodes)))))(nodes)
 
 
-@dataclass(frozen=True)
 class Budget:
-    """Drop the cheapest-to-recompute bytes first until the planned peak activation memory fits `bytes`.
+    """Keep the peak activation memory of a step under `bytes`, at the least recompute cost.
 
-    Planned by `plan_budget` from the graph of a traced step; see its docstring.
+    Planned from a traced step: the first step after `enable_gc(policy=Budget(b))` drops nothing and records
+    every annotated region; `plan(loss, measured_peak)` then simulates the backward schedule (`BackwardPlan`)
+    for drop sets of growing size, cheapest to recompute first (element-wise and softmax before matmul), and
+    keeps the smallest whose predicted peak fits. Predictions are calibrated by the traced step's measured peak
+    (`measured_peak`: allocator peak minus the step's starting bytes). Later steps replay the plan region by
+    region. An infeasible budget raises ValueError that names the least peak the graph can reach.
+
+        budget = Budget(200 << 20); model.enable_gc(policy=budget)
+        loss = train_step()                        # traced: nothing dropped
+        budget.plan(loss, measured_peak=peak)      # from now on steps drop what the plan says
     """
 
-    bytes: int
-    threshold: float = math.inf  # drop nodes whose recompute cost per byte is below this
+    def __init__(self, bytes):
+        self.bytes = int(bytes)
+        self.predicted_peak = None
+        self.minimum_peak = None
+        self._regions = []  # the traced step's regions: their candidate nodes (strong refs until planned)
+        self._flags = None  # after planning: keep flags per region, replayed in order every step
+        self._calls = 0
+
+    def __repr__(self):
+        return f"Budget({self.bytes})"
+
+    @property
+    def planned(self):
+        return self._flags is not None
 
     def __call__(self, nodes):
-        return [recompute_cost_per_byte(n) >= self.threshold for n in nodes]
+        if self._flags is None:
+            self._regions.append(list(nodes))
+            return [True] * len(nodes)
+        flags = self._flags[self._calls % len(self._flags)]
+        self._calls += 1
+        if len(flags) != len(nodes):
+            raise RuntimeError(f"{self!r}: region {self._calls - 1} has {len(nodes)} candidates, the planned graph "
+                               f"had {len(flags)}; the model's graph changed since planning — plan again")
+        return flags
+
+    def plan(self, root, measured_peak=None, exclude=()):
+        """Choose what to drop from the traced step whose output is `root`; returns the predicted peak."""
+        if not self._regions:
+            raise RuntimeError(f"{self!r}.plan: no region was traced; run one step with this policy first")
+        skip = {id(n) for n in exclude}
+        order, seen = [], set()
+        for region in self._regions:
+            for n in region:
+                if id(n) not in seen:
+                    seen.add(id(n))
+                    order.append(n)
+        ranked = sorted(range(len(order)), key=lambda i: (recompute_cost_per_byte(order[i]),
+                                                           -_planned_bytes(order[i]), i))
+        offset = 0 if measured_peak is None else measured_peak - simulate_peak(root, set(), skip)
+        predict = lambda t: simulate_peak(root, {id(order[i]) for i in ranked[:t]}, skip) + offset  # noqa: E731
+        self.minimum_peak = predict(len(ranked))
+        if self.minimum_peak > self.bytes:
+            raise ValueError(f"{self!r} is infeasible: the least peak activation memory this graph can reach "
+                             f"by checkpointing is {self.minimum_peak} bytes ({self.minimum_peak / 2**20:.1f} MB)")
+        lo, hi = 0, len(ranked)  # smallest t whose prediction fits: fewest drops, cheapest recomputation
+        while lo < hi:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if predict(mid) <= self.bytes else (mid + 1, hi)
+        dropped = {id(order[i]) for i in ranked[:lo]}
+        self.predicted_peak = predict(lo)
+        self._flags, gone = [], set()
+        for region in self._regions:  # replay annotate: inner regions decide first, dropped nodes stay dropped
+            candidates = [n for n in region if id(n) not in gone]
+            self._flags.append([id(n) not in dropped for n in candidates])
+            gone |= {id(n) for n in candidates if id(n) in dropped}
+        self._regions, self._calls = [], 0
+        return self.predicted_peak
 
 
 def recompute_cost_per_byte(node):
@@ -164,10 +228,62 @@ def annotate(out_node, in_nodes, segment_len=None, policy=None):
     candidates = [n for n in order if id(n) not in boundary and not n.is_leaf() and not n.drop]
     keep = resolve_policy(policy, segment_len)(candidates)
     for node, kept in zip(candidates, keep):
-        if not kept:
+        if kept:
+            _reasons[node] = "checkpoint"
+        else:
             node.drop = True
+            _reasons.pop(node, None)
             release(node)
+    for node in outs:
+        _reasons[node] = "boundary"
     return out_node
+
+
+# Why an annotated node is kept ("boundary": a region's output; "checkpoint": chosen by the policy). Read by
+# keep_reason/saved_residuals and the DOT graph; weak, so it never keeps a node alive.
+_reasons = weakref.WeakKeyDictionary()
+
+
+def keep_reason(node):
+    """'leaf', 'boundary', 'checkpoint', 'dropped' or 'not annotated' (no region covers the node)."""
+    if node.is_leaf():
+        return "leaf"
+    if node.drop:
+        return "dropped"
+    return _reasons.get(node, "not annotated")
+
+
+def _buffer_key(data):
+    # Views share a buffer: count each buffer once (NDArray handle, or a numpy array's base).
+    handle = getattr(data, "_handle", None)
+    if handle is not None:
+        return id(handle)
+    base = data
+    while getattr(base, "base", None) is not None:
+        base = base.base
+    return id(base)
+
+
+def saved_residuals(root, exclude=()):
+    """The values held in memory by the graph above `root`, one (node, reason, bytes) per buffer.
+
+    Like JAX's print_saved_residuals: what is kept for backward, and why. Views of one buffer count once;
+    `exclude` (e.g. parameters and the batch) are left out.
+    """
+    from .autograd import find_topo_sort
+
+    skip = {id(n) for n in exclude}
+    seen, rows = set(), []
+    for node in find_topo_sort([root]):
+        data = node.cached_data
+        if data is None or id(node) in skip or isinstance(data, tuple):
+            continue
+        key = _buffer_key(data)
+        if key in seen:
+            continue
+        seen.add(key)
+        rows.append((node, keep_reason(node), nbytes_of(data)))
+    return rows
 
 
 # ----- the backward plan --------------------------------------------------------------------------------------
@@ -195,6 +311,107 @@ def _reads(node):
     return node.inputs
 
 
+def _schedule(reverse_topo, available):
+    """The recomputations before each backward step, and each value's last use (see BackwardPlan).
+
+    `available`: ids of values that exist when backward starts; it is updated as the simulation recomputes.
+    """
+    from .autograd import find_topo_sort
+
+    recompute_at, last_use = {}, {}
+    for step, node in enumerate(reverse_topo):
+        if node.is_leaf() or not node.requires_grad:
+            continue
+        reads = _reads(node)
+        for v in reads:
+            last_use[id(v)] = step
+        missing = [v for v in reads if id(v) not in available]
+        if not missing:
+            continue
+        todo = []
+        for n in find_topo_sort(missing, expand=lambda n: id(n) not in available):
+            if id(n) in available:
+                continue
+            available.add(id(n))  # rule 2: from now on it exists until its last use
+            todo.append(n)
+            for inp in n.inputs:
+                last_use[id(inp)] = step
+        recompute_at[step] = todo
+    return recompute_at, last_use
+
+
+VIEW_OPS = ("Reshape", "BroadcastTo", "Transpose", "TupleGetItem", "MakeTensorTuple")
+
+
+def _planned_bytes(node):
+    """Bytes a value owns (views share their input's buffer), from its recorded shape."""
+    if node.op is not None and type(node.op).__name__ in VIEW_OPS:
+        return 0
+    shape = node.shape
+    if shape and isinstance(shape[0], tuple):
+        return 0
+    return 4 * math.prod(shape)
+
+
+def _gradient_bytes(node):
+    """Bytes of a node's gradient: its full (un-viewed) size; a tuple's gradient has one per element."""
+    shape = node.shape
+    if shape and isinstance(shape[0], tuple):
+        return sum(4 * math.prod(s) for s in shape)
+    return 4 * math.prod(shape)
+
+
+def simulate_peak(root, dropped, exclude=frozenset()):
+    """Predicted peak activation bytes of a step on the traced graph above `root` if `dropped` were dropped.
+
+    Forward as lazy realization (dropped values freed after their last consumer), then the backward schedule
+    of `_schedule` with its recomputations and releases, plus the gradients alive at each step. Leaves in
+    `exclude` (parameters, the batch) are the baseline and not counted.
+    """
+    from .autograd import find_topo_sort
+
+    topo = find_topo_sort([root])
+    size = {id(n): _planned_bytes(n) for n in topo}
+    consumers = {}
+    for n in topo:
+        for inp in n.inputs:
+            consumers[id(inp)] = consumers.get(id(inp), 0) + 1
+    live = peak = 0
+    for n in topo:
+        if id(n) in exclude:
+            continue
+        live += size[id(n)]
+        peak = max(peak, live)
+        for inp in n.inputs:
+            consumers[id(inp)] -= 1
+            if consumers[id(inp)] == 0 and id(inp) in dropped:
+                live -= size[id(inp)]
+    reverse = list(reversed(topo))
+    available = {id(n) for n in topo if n.is_leaf() or id(n) not in dropped}
+    recompute_at, last_use = _schedule(reverse, available)
+    release_at = {}
+    for n in topo:
+        if not n.is_leaf() and n is not root:
+            release_at.setdefault(last_use.get(id(n), -1), []).append(n)
+    live -= sum(size[id(n)] for n in release_at.get(-1, ()))
+    grad_bytes = {id(root): size[id(root)]}
+    grads_live = size[id(root)]
+    for step, node in enumerate(reverse):
+        if id(node) not in grad_bytes or node.is_leaf():
+            live -= sum(size[id(n)] for n in release_at.get(step, ()))
+            continue
+        live += sum(size[id(n)] for n in recompute_at.get(step, ()))
+        for inp in node.inputs:
+            if inp.requires_grad:
+                full = _gradient_bytes(inp)
+                grad_bytes[id(inp)] = grad_bytes.get(id(inp), 0) + full
+                grads_live += full
+        peak = max(peak, live + grads_live)
+        grads_live -= grad_bytes.pop(id(node))
+        live -= sum(size[id(n)] for n in release_at.get(step, ()))
+    return peak
+
+
 class BackwardPlan:
     """Which dropped values to recompute before each step of backward, and when each value is released.
 
@@ -206,36 +423,15 @@ class BackwardPlan:
     """
 
     def __init__(self, reverse_topo, root):
-        from .autograd import find_topo_sort
-
         self.root = root
         self.forward_ids = {id(n) for n in reverse_topo}
-        self.recompute_at = {}
         self.release_at = {}
         self.unused = []
         self.pending = {}
         self.stats = {"recomputed_nodes": 0, "recomputed_bytes": 0, "released_bytes": 0,
                       "max_recomputes_per_node": 0, "recomputed_ids": set()}
         available = {id(n) for n in reverse_topo if n.cached_data is not None}
-        last_use = {}
-        for step, node in enumerate(reverse_topo):
-            if node.is_leaf() or not node.requires_grad:
-                continue
-            reads = _reads(node)
-            for v in reads:
-                last_use[id(v)] = step
-            missing = [v for v in reads if id(v) not in available]
-            if not missing:
-                continue
-            todo = []
-            for n in find_topo_sort(missing, expand=lambda n: id(n) not in available):
-                if id(n) in available:
-                    continue
-                available.add(id(n))
-                todo.append(n)
-                for inp in n.inputs:
-                    last_use[id(inp)] = step
-            self.recompute_at[step] = todo
+        self.recompute_at, last_use = _schedule(reverse_topo, available)
         for node in reverse_topo:
             if node.is_leaf() or node is root:
                 continue
@@ -297,8 +493,9 @@ class BackwardPlan:
         new_ids = {id(g) for g in new}
         part_ids = {id(g) for g in parts}
         forward = self.forward_ids
-        made = find_topo_sort(new + [grad], expand=lambda n: id(n) in new_ids or not (
-            id(n) in forward or id(n) in part_ids))
+        # Expand only what this step made: never a forward value or a part (a `new` entry may be a part, e.g.
+        # an add passing out_grad through, and expanding it would re-walk every earlier step: O(n^2)).
+        made = find_topo_sort(new + [grad], expand=lambda n: not (id(n) in forward or id(n) in part_ids))
         for node in made:
             if (id(node) not in self.forward_ids and id(node) not in new_ids and not node.is_leaf()
                     and self.pending.get(id(node), 0) <= 0):

@@ -27,6 +27,11 @@ def node_kind(node, recomputed_ids=frozenset()):
     return "dropped" if node.drop else "kept"
 
 
+def _label(node, kind):
+    reason = checkpoint.keep_reason(node)
+    return kind if kind != "kept" else f"kept ({reason})"
+
+
 def to_dot(tensor, name="needle"):
     """DOT text for the graph above `tensor` (a Tensor or a list of them)."""
     roots = list(tensor) if isinstance(tensor, (list, tuple)) else [tensor]
@@ -38,7 +43,7 @@ def to_dot(tensor, name="needle"):
         kind = node_kind(node, recomputed)
         label = "leaf" if node.is_leaf() else type(node.op).__name__
         shape = node._spec[0] if node.cached_data is None and node._spec else getattr(node.cached_data, "shape", "")
-        lines.append(f'  n{number[id(node)]} [label="{label}\\n{tuple(shape) if shape != "" else ""}\\n{kind}", '
+        lines.append(f'  n{number[id(node)]} [label="{label}\\n{tuple(shape) if shape != "" else ""}\\n{_label(node, kind)}", '
                      f"{_STYLES[kind]}];")
     for node in order:
         for inp in node.inputs:

@@ -36,10 +36,12 @@ __all__ = [
     "reset_peak_memory_stats",
     "reshape",
     "scatter_add_rows",
+    "scatter_along_rows",
     "set_memory_limit",
     "split",
     "stack",
     "sum",
+    "take_along_rows",
     "take_rows",
     "tanh",
     "transpose",
@@ -203,7 +205,7 @@ class NDArray:
         else:
             if isinstance(other, np.ndarray) and other.dtype.kind not in "biuf":
                 raise TypeError(f"NDArray cannot hold numpy dtype {other.dtype}")
-            data = np.ascontiguousarray(np.asarray(other, dtype=np.float32))
+            data = np.asarray(other, dtype=np.float32, order="C")  # (ascontiguousarray would make 0-d 1-d)
             device = device or default_device()
             device._require()
             arr = NDArray.make(data.shape, device=device)
@@ -488,6 +490,12 @@ class NDArray:
             # (..., m, n) @ (n, p) is one (prod(...)*m, n) @ (n, p) product.
             flat = self.compact().reshape((prod(batch) * m, n)) @ other
             return flat.reshape(batch + (m, p))
+        if self.ndim == 2 and len(batch) == other.ndim - 2:
+            # (m, n) @ (..., n, p) is one (m, n) @ (n, prod(...)*p) product, its columns laid out batch-major.
+            k = prod(batch)
+            cols = other.compact().reshape((k, n, p)).permute((1, 0, 2)).compact().reshape((n, k * p))
+            out = (self @ cols).reshape((m, k, p)).permute((1, 0, 2)).compact()
+            return out.reshape(batch + (m, p))
         a = self.broadcast_to(batch + (m, n)).compact().reshape((prod(batch), m, n))
         b = other.broadcast_to(batch + (n, p)).compact().reshape((prod(batch), n, p))
         out = NDArray.make((prod(batch), m, p), device=self.device)
@@ -686,3 +694,23 @@ def scatter_add_rows(rows, ids, num_rows):
     rows.device.mod.scatter_add_rows(rows.compact()._handle, ids.compact()._handle, out._handle, rows.shape[1])
     return out
 
+
+
+def take_along_rows(table, ids):
+    """table (n, c), ids (n,) of integer values in [0, c) -> (n,): table[i, ids[i]]."""
+    if ids.device != table.device:
+        raise ValueError(f"take_along_rows: table on {table.device} but ids on {ids.device}")
+    if table.ndim != 2 or ids.shape != (table.shape[0],):
+        raise ValueError(f"take_along_rows: need table (n, c) and ids (n,), got {table.shape} and {ids.shape}")
+    out = NDArray.make((table.shape[0],), device=table.device)
+    table.device.mod.take_along_rows(table.compact()._handle, ids.compact()._handle, out._handle, table.shape[1])
+    return out
+
+
+def scatter_along_rows(values, ids, num_cols):
+    """The adjoint of take_along_rows: a (n, num_cols) array of zeros with values[i] at [i, ids[i]]."""
+    if ids.device != values.device:
+        raise ValueError(f"scatter_along_rows: values on {values.device} but ids on {ids.device}")
+    out = zeros((values.shape[0], num_cols), device=values.device)
+    values.device.mod.scatter_along_rows(values.compact()._handle, ids.compact()._handle, out._handle, num_cols)
+    return out

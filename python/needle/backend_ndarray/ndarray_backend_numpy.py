@@ -175,7 +175,7 @@ def _row_indices(idx, num_rows):
     ints = rows.astype(np.int64)
     bad = np.nonzero((ints != rows) | (ints < 0) | (ints >= num_rows))[0]
     if bad.size:
-        raise IndexError(f"index {rows[bad[0]]:g} is out of range for {num_rows} rows")
+        raise IndexError(f"index {rows[bad[0]]:g} is out of range for {num_rows} rows (or not an integer)")
     return ints
 
 
@@ -188,3 +188,13 @@ def scatter_add_rows(src, idx, out, row_size):
     rows = _row_indices(idx, out.size // row_size)
     table = out.array.reshape(-1, row_size)
     np.add.at(table, rows, src.array[: rows.size * row_size].reshape(-1, row_size))
+
+
+def take_along_rows(a, idx, out, row_size):
+    cols = _row_indices(idx, row_size)
+    out.array[: cols.size] = a.array[: cols.size * row_size].reshape(-1, row_size)[np.arange(cols.size), cols]
+
+
+def scatter_along_rows(src, idx, out, row_size):
+    cols = _row_indices(idx, row_size)
+    out.array[: cols.size * row_size].reshape(-1, row_size)[np.arange(cols.size), cols] += src.array[: cols.size]

@@ -9,10 +9,12 @@ from ..backend_selection import array_api
 
 __all__ = [
     "AddScalar", "BroadcastTo", "Conv", "Dilate", "DivScalar", "EWiseAdd", "EWiseDiv", "EWiseMul", "EWisePow",
-    "Exp", "Flip", "GatherRows", "Log", "MatMul", "MulScalar", "Negate", "Pad", "PowerScalar", "ReLU",
+    "Exp", "Flip", "GatherRows", "Log", "MatMul", "MulScalar", "Negate", "Pad", "PickColumns", "PowerScalar",
+    "ReLU", "ScatterColumns",
     "Reshape", "ScatterAddRows", "Sigmoid", "Slice", "Summation", "Tanh", "Transpose", "UnDilate",
     "add", "add_scalar", "broadcast_to", "conv", "dilate", "divide", "divide_scalar", "exp", "flip",
-    "gather_rows", "log", "matmul", "mul_scalar", "multiply", "negate", "pad", "power", "power_scalar", "relu",
+    "gather_rows", "log", "matmul", "mul_scalar", "multiply", "negate", "pad", "pick_columns", "power",
+    "power_scalar", "relu", "scatter_columns",
     "reshape", "scatter_add_rows", "sigmoid", "slice_window", "summation", "tanh", "transpose", "undilate",
 ]
 
@@ -533,26 +535,29 @@ class Conv(TensorOp):
         self.padding = padding
 
     def compute(self, Z, W):
-        if len(Z.shape) != 4 or len(W.shape) != 4 or Z.shape[3] != W.shape[2] or W.shape[0] != W.shape[1]:
+        # The kernel may be rectangular (KH, KW): the weight gradient of a non-square image convolves with one.
+        if len(Z.shape) != 4 or len(W.shape) != 4 or Z.shape[3] != W.shape[2]:
             raise ValueError(f"Conv: input {tuple(Z.shape)} (N, H, W, C_in) and weight {tuple(W.shape)} "
-                             f"(K, K, C_in, C_out) do not match")
+                             f"(KH, KW, C_in, C_out) do not match")
         p, s = self.padding, self.stride
         if p:
             Z = array_api.pad(Z, ((0, 0), (p, p), (p, p), (0, 0)))
         N, H, Wd, C = Z.shape
-        K, _, _, C_out = W.shape
-        if H < K or Wd < K:
-            raise ValueError(f"Conv: kernel {K} larger than the padded input {(H, Wd)}")
-        H_out, W_out = (H - K) // s + 1, (Wd - K) // s + 1
+        KH, KW, _, C_out = W.shape
+        if H < KH or Wd < KW:
+            raise ValueError(f"Conv: kernel {(KH, KW)} larger than the padded input {(H, Wd)}")
+        H_out, W_out = (H - KH) // s + 1, (Wd - KW) // s + 1
         # im2col: element (n, i, j, di, dj, c) of the view is Z[n, i*s + di, j*s + dj, c]; no copy until compact.
         Ns, Hs, Ws, Cs = _strides(Z)
-        cols = _as_strided(Z, (N, H_out, W_out, K, K, C), (Ns, Hs * s, Ws * s, Hs, Ws, Cs))
-        cols = array_api.reshape(cols, (N * H_out * W_out, K * K * C))
-        out = array_api.matmul(cols, array_api.reshape(W, (K * K * C, C_out)))
+        cols = _as_strided(Z, (N, H_out, W_out, KH, KW, C), (Ns, Hs * s, Ws * s, Hs, Ws, Cs))
+        cols = array_api.reshape(cols, (N * H_out * W_out, KH * KW * C))
+        out = array_api.matmul(cols, array_api.reshape(W, (KH * KW * C, C_out)))
         return array_api.reshape(out, (N, H_out, W_out, C_out))
 
     def gradient(self, out_grad, node):
         Z, W = node.inputs
+        if W.shape[0] != W.shape[1]:
+            raise NotImplementedError(f"Conv: the gradient needs a square kernel, got {tuple(W.shape[:2])}")
         K, p, s = W.shape[0], self.padding, self.stride
         H, Wd = Z.shape[1] + 2 * p, Z.shape[2] + 2 * p
         if s > 1:
@@ -605,6 +610,42 @@ class ScatterAddRows(TensorOp):
 
 def scatter_add_rows(rows, ids, num_rows):
     return ScatterAddRows(num_rows)(rows, ids)
+
+
+class PickColumns(TensorOp):
+    """a[i, ids[i]] for a (n, c) and integer-valued ids (n,) -> (n,);  d/da puts out_grad[i] at [i, ids[i]]"""
+
+    saves = "inputs"
+
+    def compute(self, a, ids):
+        if len(a.shape) != 2 or tuple(ids.shape) != (a.shape[0],):
+            raise ValueError(f"PickColumns: need a (n, c) and ids (n,), got {tuple(a.shape)} and {tuple(ids.shape)}")
+        return array_api.take_along_rows(a, ids)
+
+    def gradient(self, out_grad, node):
+        a, ids = node.inputs
+        return scatter_columns(out_grad, ids, a.shape[1]), None  # ids are integers: no gradient
+
+
+def pick_columns(a, ids):
+    return PickColumns()(a, ids)
+
+
+class ScatterColumns(TensorOp):
+    """A (n, num_cols) zero array with values[i] at [i, ids[i]];  d/dvalues = out_grad[i, ids[i]]"""
+
+    def __init__(self, num_cols):
+        self.num_cols = num_cols
+
+    def compute(self, values, ids):
+        return array_api.scatter_along_rows(values, ids, self.num_cols)
+
+    def gradient(self, out_grad, node):
+        return pick_columns(out_grad, node.inputs[1]), None
+
+
+def scatter_columns(values, ids, num_cols):
+    return ScatterColumns(num_cols)(values, ids)
 
 
 # ----- small helpers that hide the one difference between NDArray and numpy.ndarray that ops meet -----------------

@@ -1,0 +1,57 @@
+# needle build entry points.  `make` builds the compiled backends into python/needle/backend_ndarray/.
+PYTHON ?= python3
+BUILD_DIR ?= build
+BUILD_TYPE ?= Release
+JOBS ?= 2
+CMAKE_ARGS ?=
+
+# Re-installing is skipped while this stamp is newer than pyproject.toml and the package is still installed.
+DEPS_STAMP := $(BUILD_DIR)/.deps-installed
+
+.PHONY: lib cuda-off install-deps deps test demo clean
+
+lib: pybind11
+	cmake -S . -B $(BUILD_DIR) -DCMAKE_BUILD_TYPE=$(BUILD_TYPE) -DPython_EXECUTABLE="$$(command -v $(PYTHON))" $(CMAKE_ARGS)
+	cmake --build $(BUILD_DIR) -j$(JOBS)
+
+cuda-off:
+	$(MAKE) lib CMAKE_ARGS="$(CMAKE_ARGS) -DNEEDLE_CUDA=OFF"
+
+# The in-tree build needs pybind11 in this interpreter (pip-installed if missing).
+.PHONY: pybind11
+pybind11:
+	@$(PYTHON) -c "import pybind11" 2>/dev/null || $(PYTHON) -m pip install pybind11
+
+# Everything pyproject.toml declares: the package (editable), its dependencies and the test + torch extras.
+# The editable build skips CUDA: `make lib` (next step of test/demo) builds it in build/ anyway, so CUDA code
+# is compiled once, not twice.
+install-deps:
+	NEEDLE_CUDA=OFF $(PYTHON) -m pip install -e ".[test,torch]"
+	@mkdir -p $(BUILD_DIR) && touch $(DEPS_STAMP)
+
+$(DEPS_STAMP): pyproject.toml
+	$(MAKE) install-deps
+
+# Like install-deps, but quick when nothing changed since the last install.  An editable install's import hook
+# wins over sys.path, so the check also makes sure `needle` resolves to *this* checkout (not another clone).
+deps: $(DEPS_STAMP)
+	@$(PYTHON) -c "$$NEEDLE_IS_HERE" 2>/dev/null || $(MAKE) install-deps
+
+define NEEDLE_IS_HERE
+import importlib.util, os, sys
+spec = importlib.util.find_spec("needle")
+sys.exit(not (spec and spec.origin and os.path.samefile(spec.origin, "python/needle/__init__.py")))
+endef
+export NEEDLE_IS_HERE
+
+test: deps
+	$(MAKE) lib
+	$(PYTHON) -m pytest -q
+
+demo: deps
+	$(MAKE) lib
+	$(if $(wildcard gc.py),$(PYTHON) gc.py,$(PYTHON) apps/train_demo.py)
+
+clean:
+	rm -rf $(BUILD_DIR) python/needle/backend_ndarray/*.so
+	find . -name __pycache__ -type d -prune -exec rm -rf {} +

@@ -1,0 +1,83 @@
+"""The course's models: ResNet9 for CIFAR-10 and an Embedding -> RNN/LSTM/Transformer -> Linear language model."""
+import needle as ndl
+from needle import nn
+
+__all__ = ["ConvBN", "LanguageModel", "ResNet9"]
+
+
+class ConvBN(nn.Module):
+    """Conv -> BatchNorm2d -> ReLU on NCHW input."""
+
+    def __init__(self, in_channels, out_channels, kernel_size, stride, device=None, dtype="float32"):
+        super().__init__()
+        self.conv = nn.Conv(in_channels, out_channels, kernel_size, stride=stride, device=device, dtype=dtype)
+        self.bn = nn.BatchNorm2d(out_channels, device=device, dtype=dtype)
+        self.relu = nn.ReLU()
+
+    def forward(self, x):
+        return self.relu(self.bn(self.conv(x)))
+
+
+class ResNet9(nn.Module):
+    """The course's small ResNet for 32 x 32 images: (N, 3, 32, 32) -> logits (N, 10)."""
+
+    def __init__(self, device=None, dtype="float32"):
+        super().__init__()
+
+        def conv_bn(a, b, k, s):
+            return ConvBN(a, b, k, s, device=device, dtype=dtype)
+
+        self.model = nn.Sequential(
+            conv_bn(3, 16, 7, 4),
+            conv_bn(16, 32, 3, 2),
+            nn.Residual(nn.Sequential(conv_bn(32, 32, 3, 1), conv_bn(32, 32, 3, 1))),
+            conv_bn(32, 64, 3, 2),
+            conv_bn(64, 128, 3, 2),
+            nn.Residual(nn.Sequential(conv_bn(128, 128, 3, 1), conv_bn(128, 128, 3, 1))),
+            nn.Flatten(),
+            nn.Linear(128, 128, device=device, dtype=dtype),
+            nn.ReLU(),
+            nn.Linear(128, 10, device=device, dtype=dtype),
+        )
+
+    def forward(self, x):
+        return self.model(x)
+
+
+class LanguageModel(nn.Module):
+    """Next-word prediction: Embedding -> sequence model ('rnn', 'lstm' or 'transformer') -> Linear.
+
+    forward(x (T, B) word ids, h=None) -> (logits (T*B, output_size), h), where h is the sequence model's final
+    state (for the transformer a placeholder of zeros). `use_gc=True` turns gradient checkpointing on for the
+    whole model at construction (`enable_gc(segment_len=segment_len)`); `enable_gc(segment_len, policy)` can
+    also be called later (it is Module's). `num_head`, `dim_head` and `dropout` configure the transformer (the
+    course's defaults: 8 heads of 32).
+    """
+
+    def __init__(self, embedding_size, output_size, hidden_size, num_layers=1, seq_model="rnn", seq_len=40,
+                 device=None, dtype="float32", use_gc=False, segment_len=None, num_head=8, dim_head=32,
+                 dropout=0.0):
+        super().__init__()
+        self.embedding = nn.Embedding(output_size, embedding_size, device=device, dtype=dtype)
+        if seq_model == "rnn":
+            self.seq_model = nn.RNN(embedding_size, hidden_size, num_layers, device=device, dtype=dtype)
+        elif seq_model == "lstm":
+            self.seq_model = nn.LSTM(embedding_size, hidden_size, num_layers, device=device, dtype=dtype)
+        elif seq_model == "transformer":
+            self.seq_model = nn.Transformer(embedding_size, hidden_size, num_layers, device=device, dtype=dtype,
+                                            sequence_len=seq_len, num_head=num_head,
+                                            dim_head=dim_head, dropout=dropout)
+            hidden_size = embedding_size  # the transformer keeps the embedding width
+        else:
+            raise ValueError(f"LanguageModel: seq_model must be 'rnn', 'lstm' or 'transformer', got {seq_model!r}")
+        self.hidden_size = hidden_size
+        self.output_size = output_size
+        self.linear = nn.Linear(hidden_size, output_size, device=device, dtype=dtype)
+        if use_gc:
+            self.enable_gc(segment_len=segment_len)
+
+    def forward(self, x, h=None):
+        seq_len, batch = x.shape
+        out, h = self.seq_model(self.embedding(x), h)
+        logits = self.linear(ndl.reshape(out, (seq_len * batch, self.hidden_size)))
+        return logits, h

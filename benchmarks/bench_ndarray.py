@@ -1,0 +1,89 @@
+"""needle's C++ backend vs NumPy (OpenBLAS) on the same machine, same thread count, in one run.
+
+    python benchmarks/bench_ndarray.py              # threads = OMP_NUM_THREADS (default: all cores)
+    OMP_NUM_THREADS=1 python benchmarks/bench_ndarray.py
+
+Prints matmul GFLOP/s (square 256/512/1024 and the language model's shapes) and element-wise / reduction
+throughput (GB/s), each the median of repeated runs after a warm-up, with the ratio needle / NumPy.
+"""
+import os
+import statistics
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+threads = os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count()))
+os.environ.setdefault("OPENBLAS_NUM_THREADS", threads)  # before numpy is imported
+sys.path.insert(0, os.path.join(ROOT, "python"))
+
+import numpy as np  # noqa: E402
+
+from needle import backend_ndarray as nd  # noqa: E402
+
+
+def median_time(fn, repeats=7, min_time=0.05):
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        n, start = 0, time.perf_counter()
+        while True:
+            fn()
+            n += 1
+            elapsed = time.perf_counter() - start
+            if elapsed >= min_time:
+                break
+        times.append(elapsed / n)
+    return statistics.median(times)
+
+
+def bench_matmul(shapes):
+    print(f"matmul (float32, {threads} thread(s)), GFLOP/s — median of 7 after warm-up")
+    print(f"{'shape':>26s}{'needle':>10s}{'numpy':>10s}{'ratio':>8s}")
+    rows = []
+    for m, n, p in shapes:
+        a, b = np.random.randn(m, n).astype(np.float32), np.random.randn(n, p).astype(np.float32)
+        A, B = nd.array(a, device=nd.cpu()), nd.array(b, device=nd.cpu())
+        flops = 2.0 * m * n * p
+        t_needle = median_time(lambda: A @ B)
+        t_numpy = median_time(lambda: a @ b)
+        ratio = t_numpy / t_needle
+        rows.append((m, n, p, flops / t_needle / 1e9, flops / t_numpy / 1e9, ratio))
+        print(f"{f'{m}x{n} @ {n}x{p}':>26s}{rows[-1][3]:10.1f}{rows[-1][4]:10.1f}{ratio:8.2f}")
+    return rows
+
+
+def bench_elementwise(size=1 << 22):
+    print(f"\nelement-wise and reductions on {size:,} float32, GB/s moved — median of 7 after warm-up")
+    print(f"{'op':>26s}{'needle':>10s}{'numpy':>10s}{'ratio':>8s}")
+    x, y = np.random.rand(size).astype(np.float32) + 0.5, np.random.rand(size).astype(np.float32) + 0.5
+    X, Y = nd.array(x, device=nd.cpu()), nd.array(y, device=nd.cpu())
+    x2, X2 = x.reshape(1024, -1), X.reshape((1024, size // 1024))
+    cases = [
+        ("a + b", lambda: X + Y, lambda: x + y, 3),
+        ("a * b", lambda: X * Y, lambda: x * y, 3),
+        ("a + 1.0", lambda: X + 1.0, lambda: x + np.float32(1.0), 2),
+        ("maximum(a, 0)", lambda: X.maximum(0.0), lambda: np.maximum(x, np.float32(0)), 2),
+        ("exp(a)", lambda: X.exp(), lambda: np.exp(x), 2),
+        ("tanh(a)", lambda: X.tanh(), lambda: np.tanh(x), 2),
+        ("sum (rows)", lambda: X2.sum(axis=1), lambda: x2.sum(axis=1), 1),
+        ("max (rows)", lambda: X2.max(axis=1), lambda: x2.max(axis=1), 1),
+    ]
+    rows = []
+    for name, f_needle, f_numpy, arrays in cases:
+        nbytes = arrays * 4 * size
+        t_needle, t_numpy = median_time(f_needle), median_time(f_numpy)
+        rows.append((name, nbytes / t_needle / 1e9, nbytes / t_numpy / 1e9, t_numpy / t_needle))
+        print(f"{name:>26s}{rows[-1][1]:10.1f}{rows[-1][2]:10.1f}{rows[-1][3]:8.2f}")
+    return rows
+
+
+def main():
+    if not nd.cpu().enabled():
+        raise SystemExit("bench_ndarray: the C++ backend is not built; run `make` first")
+    np.random.seed(0)
+    bench_matmul([(256, 256, 256), (512, 512, 512), (1024, 1024, 1024), (4096, 256, 1024), (4096, 256, 10000)])
+    bench_elementwise()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,79 @@
+"""Penn Treebank (Mikolov's split) for language modelling: a vocabulary, token ids, and BPTT batches."""
+import os
+
+import numpy as np
+
+from ...autograd import Tensor
+from ..data_basic import missing_data_error
+
+__all__ = ["Corpus", "Dictionary", "batchify", "get_batch"]
+
+
+class Dictionary:
+    """A vocabulary: `word2idx` maps a word to its id, `idx2word` lists the words in order of first appearance."""
+
+    def __init__(self):
+        self.word2idx = {}
+        self.idx2word = []
+
+    def add_word(self, word):
+        """The id of `word`, adding it at the end if it is new."""
+        if word not in self.word2idx:
+            self.word2idx[word] = len(self.idx2word)
+            self.idx2word.append(word)
+        return self.word2idx[word]
+
+    def __len__(self):
+        return len(self.idx2word)
+
+
+class Corpus:
+    """`train` and `test` token-id lists read from base_dir/{train,test}.txt, with one shared `dictionary`.
+
+    Words are separated by whitespace and an `<eos>` token ends every line. `max_lines` reads only the first
+    lines of each file.
+    """
+
+    def __init__(self, base_dir, max_lines=None):
+        self.dictionary = Dictionary()
+        self.train = self.tokenize(os.path.join(base_dir, "train.txt"), max_lines)
+        self.test = self.tokenize(os.path.join(base_dir, "test.txt"), max_lines)
+
+    def tokenize(self, path, max_lines=None):
+        """The list of word ids of the file at `path` (first `max_lines` lines), adding new words."""
+        if not os.path.exists(path):
+            raise missing_data_error(path, "ptb", os.path.dirname(os.path.dirname(os.path.normpath(path))))
+        ids = []
+        with open(path, encoding="utf-8") as f:
+            for i, line in enumerate(f):
+                if max_lines is not None and i >= max_lines:
+                    break
+                ids.extend(self.dictionary.add_word(w) for w in line.split() + ["<eos>"])
+        return ids
+
+
+def batchify(data, batch_size, device, dtype):
+    """Arrange a token-id list in `batch_size` columns: a NumPy array (nbatch, batch_size).
+
+    Column j holds the consecutive tokens data[j*nbatch:(j+1)*nbatch] (column-major); the remainder that does not
+    fill a whole row is dropped. `device` is unused (the array stays in NumPy until get_batch).
+    """
+    nbatch = len(data) // batch_size
+    if nbatch == 0:
+        raise ValueError(f"batchify: {len(data)} tokens are fewer than batch_size={batch_size}")
+    array = np.asarray(data[:nbatch * batch_size], dtype=dtype)
+    return np.ascontiguousarray(array.reshape(batch_size, nbatch).T)
+
+
+def get_batch(batches, i, bptt, device=None, dtype=None):
+    """The BPTT window starting at row i: inputs X (seq_len, B) and next-token targets y (seq_len * B,).
+
+    seq_len = min(bptt, len(batches) - 1 - i); both are Tensors on `device` that do not require grad.
+    """
+    seq_len = min(bptt, len(batches) - 1 - i)
+    if seq_len < 1:
+        raise IndexError(f"get_batch: row {i} leaves no target in {len(batches)} rows")
+    data = batches[i:i + seq_len]
+    target = batches[i + 1:i + 1 + seq_len].reshape(-1)
+    return (Tensor(data, device=device, dtype=dtype, requires_grad=False),
+            Tensor(target, device=device, dtype=dtype, requires_grad=False))

@@ -1,0 +1,251 @@
+"""The basic layers: linear maps, activations, containers, normalizations, dropout and the softmax loss.
+
+Every layer reads only shapes in `forward` (never values), so it builds the same graph in eager and lazy mode.
+A layer whose interior is worth recomputing calls `self.checkpoint(out, inputs)` last (see Module.checkpoint):
+`inputs` are all the Tensors it was called with, never its parameters. Containers (Sequential, Residual) do not
+annotate: that would turn their children's boundaries into interior nodes.
+"""
+import math
+
+import numpy as np
+
+from .. import init, ops
+from ..autograd import Tensor
+from ..backend_selection import BACKEND
+from .nn_module import Module, Parameter
+
+__all__ = [
+    "BatchNorm1d", "BatchNorm2d", "Dropout", "Flatten", "Identity", "LayerNorm1d", "Linear", "ReLU", "Residual",
+    "Sequential", "Sigmoid", "SoftmaxLoss", "Tanh",
+]
+
+
+def _prod(shape):
+    return math.prod(shape)
+
+
+def _expect(module, ok, expected, got):
+    """Raise ValueError naming the module, the expected and the actual input shape, unless `ok`."""
+    if not ok:
+        raise ValueError(f"{module}: expected input {expected}, got {tuple(got)}")
+
+
+def _row(vector, ndim):
+    """A (d,) Tensor viewed as (1, ..., 1, d), ready to broadcast over `ndim` axes."""
+    return ops.reshape(vector, (1,) * (ndim - 1) + (vector.shape[0],))
+
+
+def _assign(buffer, value):
+    """Replace a plain Tensor's value by the raw `value` (no graph), keeping the buffer's dtype."""
+    if BACKEND == "np":
+        value = value.astype(buffer.cached_data.dtype, copy=False)
+    buffer.cached_data = value
+
+
+class Identity(Module):
+    def forward(self, x):
+        return x
+
+
+class Linear(Module):
+    """y = x W + b, for x of shape (..., in_features); W (in, out), b (1, out) broadcast (a view, no copy)."""
+
+    def __init__(self, in_features, out_features, bias=True, device=None, dtype="float32"):
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.weight = Parameter(init.kaiming_uniform(in_features, out_features, device=device, dtype=dtype))
+        self.bias = None
+        if bias:
+            b = init.kaiming_uniform(out_features, 1, device=device, dtype=dtype)
+            self.bias = Parameter(ops.reshape(b, (1, out_features)))
+
+    def forward(self, X):
+        shape = X.shape
+        _expect("Linear", len(shape) >= 1 and shape[-1] == self.in_features, f"(..., {self.in_features})", shape)
+        rows = _prod(shape[:-1])
+        x = X if len(shape) == 2 else ops.reshape(X, (rows, self.in_features))
+        out = ops.matmul(x, self.weight)
+        if self.bias is not None:
+            out = out + ops.broadcast_to(self.bias, (rows, self.out_features))
+        if len(shape) != 2:
+            out = ops.reshape(out, tuple(shape[:-1]) + (self.out_features,))
+        return self.checkpoint(out, [X])
+
+
+class Flatten(Module):
+    """(B, d1, d2, ...) -> (B, d1 * d2 * ...)."""
+
+    def forward(self, X):
+        shape = X.shape
+        _expect("Flatten", len(shape) >= 1, "(B, ...)", shape)
+        return ops.reshape(X, (shape[0], _prod(shape[1:])))
+
+
+class ReLU(Module):
+    def forward(self, x):
+        return self.checkpoint(ops.relu(x), [x])
+
+
+class Tanh(Module):
+    def forward(self, x):
+        return ops.tanh(x)
+
+
+class Sigmoid(Module):
+    def forward(self, x):
+        return ops.sigmoid(x)
+
+
+class Sequential(Module):
+    """modules applied in order."""
+
+    def __init__(self, *modules):
+        super().__init__()
+        self.modules = modules
+
+    def forward(self, x):
+        for module in self.modules:
+            x = module(x)
+        return x
+
+
+class Residual(Module):
+    """fn(x) + x."""
+
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, x):
+        return self.fn(x) + x
+
+
+class SoftmaxLoss(Module):
+    """mean over the batch of logsumexp(z) - z_y, for logits z (N, C) and integer class ids y (N,).
+
+    z_y is picked per row (ops.pick_columns): no (N, C) one-hot is ever built.
+    """
+
+    def forward(self, logits, y):
+        if not isinstance(y, Tensor):
+            y = Tensor(y, device=logits.device, requires_grad=False)
+        shape, y_shape = logits.shape, y.shape
+        if len(shape) != 2 or tuple(y_shape) != (shape[0],):
+            raise ValueError(f"SoftmaxLoss: expected logits (N, C) and labels (N,), got {tuple(shape)} and "
+                             f"{tuple(y_shape)}")
+        N, C = shape
+        _check_labels(y, C)
+        if y.requires_grad:
+            y = y.detach()
+        return ops.summation(ops.logsumexp(logits, axes=(1,)) - ops.pick_columns(logits, y)) / N
+
+
+def _check_labels(y, num_classes):
+    # A bad label gets an IndexError naming the loss here, where y's values already exist (a leaf, as data is),
+    # so no computation is forced; the backend checks again in any case.
+    if y.cached_data is None:
+        return
+    labels = y.numpy()
+    bad = (labels < 0) | (labels >= num_classes) | (labels != np.floor(labels))
+    if bad.any():
+        raise IndexError(f"SoftmaxLoss: label {labels[bad][0]:g} is not a class id in [0, {num_classes})")
+
+
+class BatchNorm1d(Module):
+    """(x - mean) / sqrt(var + eps) * weight + bias over the batch axis of (N, dim) input.
+
+    Train mode uses the batch statistics and updates running = (1 - m) running + m batch_stat (biased batch
+    variance); eval mode uses the running statistics. The running buffers are plain Tensors updated on raw
+    data, so the graph never grows across steps.
+    """
+
+    def __init__(self, dim, eps=1e-5, momentum=0.1, device=None, dtype="float32"):
+        super().__init__()
+        self.dim = dim
+        self.eps = eps
+        self.momentum = momentum
+        self.weight = Parameter(init.ones(dim, device=device, dtype=dtype))
+        self.bias = Parameter(init.zeros(dim, device=device, dtype=dtype))
+        self.running_mean = init.zeros(dim, device=device, dtype=dtype)
+        self.running_var = init.ones(dim, device=device, dtype=dtype)
+
+    def _check(self, shape):
+        _expect("BatchNorm1d", len(shape) == 2 and shape[1] == self.dim, f"(N, {self.dim})", shape)
+
+    def forward(self, x):
+        shape = x.shape
+        self._check(shape)
+        N, dim = shape
+        if self.training:
+            mean = ops.summation(x, (0,)) / N
+            centered = x - ops.broadcast_to(_row(mean, 2), shape)
+            var = ops.summation(centered * centered, (0,)) / N
+            m = self.momentum
+            # The running update needs the batch statistics' values (lazy mode computes them here).
+            _assign(self.running_mean, self.running_mean.realize_cached_data() * (1 - m)
+                    + mean.realize_cached_data() * m)
+            _assign(self.running_var, self.running_var.realize_cached_data() * (1 - m)
+                    + var.realize_cached_data() * m)
+        else:
+            centered = x - ops.broadcast_to(_row(self.running_mean, 2), shape)
+            var = self.running_var
+        std = ops.broadcast_to(_row((var + self.eps) ** 0.5, 2), shape)
+        weight = ops.broadcast_to(_row(self.weight, 2), shape)
+        bias = ops.broadcast_to(_row(self.bias, 2), shape)
+        return weight * (centered / std) + bias
+
+
+class BatchNorm2d(BatchNorm1d):
+    """BatchNorm1d over the channels of NCHW input: (N, C, H, W) is normalized as (N*H*W, C)."""
+
+    def forward(self, x):
+        shape = x.shape
+        _expect("BatchNorm2d", len(shape) == 4 and shape[1] == self.dim, f"(N, {self.dim}, H, W)", shape)
+        N, C, H, W = shape
+        nhwc = ops.transpose(ops.transpose(x, (1, 2)), (2, 3))
+        y = super().forward(ops.reshape(nhwc, (N * H * W, C)))
+        y = ops.reshape(y, (N, H, W, C))
+        return ops.transpose(ops.transpose(y, (2, 3)), (1, 2))
+
+
+class LayerNorm1d(Module):
+    """(x - mean) / sqrt(var + eps) * weight + bias over the last axis (biased variance, eps inside the sqrt)."""
+
+    def __init__(self, dim, eps=1e-5, device=None, dtype="float32"):
+        super().__init__()
+        self.dim = dim
+        self.eps = eps
+        self.weight = Parameter(init.ones(dim, device=device, dtype=dtype))
+        self.bias = Parameter(init.zeros(dim, device=device, dtype=dtype))
+
+    def forward(self, x):
+        shape = x.shape
+        _expect("LayerNorm1d", len(shape) >= 1 and shape[-1] == self.dim, f"(..., {self.dim})", shape)
+        last, kept = len(shape) - 1, tuple(shape[:-1]) + (1,)
+        mean = ops.reshape(ops.summation(x, (last,)) / self.dim, kept)
+        centered = x - ops.broadcast_to(mean, shape)
+        var = ops.reshape(ops.summation(centered * centered, (last,)) / self.dim, kept)
+        std = ops.broadcast_to((var + self.eps) ** 0.5, shape)
+        weight = ops.broadcast_to(_row(self.weight, len(shape)), shape)
+        bias = ops.broadcast_to(_row(self.bias, len(shape)), shape)
+        return self.checkpoint(weight * (centered / std) + bias, [x])
+
+
+class Dropout(Module):
+    """Train: x * mask / (1 - p), mask = randb(x.shape, p=1 - p) (one np.random.rand of x's shape, a leaf).
+
+    Eval: the identity. Being a leaf, the mask is reused, never redrawn, when checkpointing recomputes.
+    """
+
+    def __init__(self, p=0.5):
+        super().__init__()
+        self.p = p
+
+    def forward(self, x):
+        if not self.training:
+            return x
+        mask = init.randb(*x.shape, p=1 - self.p, device=x.device, dtype=x.dtype)
+        if self.p >= 1:
+            return x * mask
+        return x * mask / (1 - self.p)

@@ -1,0 +1,170 @@
+"""Attention and the (pre-norm, decoder-style) Transformer.
+
+Checkpointing: MultiHeadAttention, AttentionLayer and TransformerLayer each annotate their own interior; the
+Transformer annotates only its glue (adding positions) and leaves each layer to annotate itself, so every
+layer's output stays a boundary and backward recomputes one layer at a time.
+"""
+import math
+
+import numpy as np
+
+from .. import init, ops
+from ..autograd import Tensor
+from .nn_basic import Dropout, LayerNorm1d, Linear, ReLU
+from .nn_module import Module
+from .nn_sequence import Embedding
+
+__all__ = ["AttentionLayer", "MultiHeadAttention", "Transformer", "TransformerLayer"]
+
+
+class MultiHeadAttention(Module):
+    """softmax(q k^T / sqrt(D) + causal mask) v on (B, H, T, D) inputs; returns (result, probs).
+
+    probs are the attention probabilities after dropout (the dropout mask is a leaf, so recomputation under
+    checkpointing reuses it).
+    """
+
+    def __init__(self, *, dropout=0.0, causal=False, device=None, dtype="float32"):
+        super().__init__()
+        self.device = device
+        self.dtype = dtype
+        self.causal = causal
+        self.dropout = Dropout(dropout)
+
+    def create_causal_mask(self, i, j, device):
+        """(1, 1, i, j) constant: -max float32 where key position > query position (keys aligned at the end)."""
+        mask = -np.finfo(np.float32).max * np.triu(np.ones((1, 1, i, j), dtype=np.float32), j - i + 1)
+        return Tensor(mask, device=device, dtype=self.dtype, requires_grad=False)
+
+    def matmul(self, a, b_transpose):
+        """a (..., i, d) times b_transpose (..., j, d), transposed: (..., i, j), a batched MatMul."""
+        return ops.matmul(a, ops.transpose(b_transpose))
+
+    def softmax(self, logit):
+        """Softmax over the last axis, max-shifted: exp(logsoftmax(z)), logsoftmax = z - m - log sum exp(z - m)."""
+        return ops.exp(ops.logsoftmax(logit))
+
+    def forward(self, q, k, v):
+        q_shape, k_shape, v_shape = tuple(q.shape), tuple(k.shape), tuple(v.shape)
+        if (len(q_shape) != 4 or len(k_shape) != 4 or len(v_shape) != 4 or q_shape[-1] != k_shape[-1]
+                or k_shape[:3] != v_shape[:3] or q_shape[:2] != k_shape[:2]):
+            raise ValueError(f"MultiHeadAttention: expected q (B, H, T, D), k (B, H, S, D), v (B, H, S, Dv), "
+                             f"got {q_shape}, {k_shape}, {v_shape}")
+        B, H, T, D = q_shape
+        S = k_shape[2]
+        scores = self.matmul(q, k) / math.sqrt(D)
+        if self.causal:
+            mask = self.create_causal_mask(T, S, q.device)
+            scores = scores + ops.broadcast_to(mask, (B, H, T, S))
+        probs = self.dropout(self.softmax(scores))
+        result = ops.matmul(probs, v)
+        self.checkpoint([result, probs], [q, k, v])
+        return result, probs
+
+
+class AttentionLayer(Module):
+    """Pre-norm multi-head attention on (B, T, features): LayerNorm, project to heads, attend, project out."""
+
+    def __init__(self, q_features, num_head, dim_head, *, k_features=None, v_features=None, out_features=None,
+                 dropout=0.0, causal=True, device=None, dtype="float32"):
+        super().__init__()
+        k_features = q_features if k_features is None else k_features
+        v_features = q_features if v_features is None else v_features
+        out_features = q_features if out_features is None else out_features
+        self.q_features, self.k_features, self.v_features = q_features, k_features, v_features
+        self.out_features = out_features
+        self.num_head = num_head
+        self.dim_head = dim_head
+        self.prenorm_q = LayerNorm1d(q_features, device=device, dtype=dtype)
+        self.prenorm_k = LayerNorm1d(k_features, device=device, dtype=dtype)
+        self.prenorm_v = LayerNorm1d(v_features, device=device, dtype=dtype)
+        inner = num_head * dim_head
+        self.q_projection = Linear(q_features, inner, bias=False, device=device, dtype=dtype)
+        self.k_projection = Linear(k_features, inner, bias=False, device=device, dtype=dtype)
+        self.v_projection = Linear(v_features, inner, bias=False, device=device, dtype=dtype)
+        self.attn = MultiHeadAttention(dropout=dropout, causal=causal, device=device, dtype=dtype)
+        self.out_projection = Linear(inner, out_features, bias=False, device=device, dtype=dtype)
+
+    def _heads(self, x, batch, length):
+        """(B, T, H * Dh) -> (B, H, T, Dh)."""
+        return ops.transpose(ops.reshape(x, (batch, length, self.num_head, self.dim_head)), (1, 2))
+
+    def forward(self, q, k=None, v=None):
+        """q (B, T, q_features); k, v (B, S, k/v_features), defaulting to q -> (B, T, out_features)."""
+        inputs = [q] + [x for x in (k, v) if x is not None and x is not q]
+        k = q if k is None else k
+        v = q if v is None else v
+        q_shape, k_shape, v_shape = tuple(q.shape), tuple(k.shape), tuple(v.shape)
+        if (len(q_shape) != 3 or len(k_shape) != 3 or len(v_shape) != 3 or q_shape[2] != self.q_features
+                or k_shape[2] != self.k_features or v_shape[2] != self.v_features or k_shape[:2] != v_shape[:2]
+                or k_shape[0] != q_shape[0]):
+            raise ValueError(f"AttentionLayer: expected q (B, T, {self.q_features}), k (B, S, {self.k_features}), "
+                             f"v (B, S, {self.v_features}), got {q_shape}, {k_shape}, {v_shape}")
+        B, T, _ = q_shape
+        S = k_shape[1]
+        q_heads = self._heads(self.q_projection(self.prenorm_q(q)), B, T)
+        k_heads = self._heads(self.k_projection(self.prenorm_k(k)), B, S)
+        v_heads = self._heads(self.v_projection(self.prenorm_v(v)), B, S)
+        result, _ = self.attn(q_heads, k_heads, v_heads)
+        merged = ops.reshape(ops.transpose(result, (1, 2)), (B, T, self.num_head * self.dim_head))
+        out = self.out_projection(merged)
+        return self.checkpoint(out, inputs)
+
+
+class TransformerLayer(Module):
+    """x + Dropout(Attention(x)), then x + Dropout(Linear2(Dropout(ReLU(Linear1(LayerNorm(x))))))."""
+
+    def __init__(self, q_features, num_head, dim_head, hidden_size, *, dropout=0.0, causal=True, device=None,
+                 dtype="float32"):
+        super().__init__()
+        self.attention = AttentionLayer(q_features, num_head, dim_head, dropout=dropout, causal=causal,
+                                        device=device, dtype=dtype)
+        self.layernorm = LayerNorm1d(q_features, device=device, dtype=dtype)
+        self.linear1 = Linear(q_features, hidden_size, device=device, dtype=dtype)
+        self.linear2 = Linear(hidden_size, q_features, device=device, dtype=dtype)
+        self.relu = ReLU()
+        self.dropout = Dropout(dropout)
+
+    def forward(self, x):
+        """x (B, T, q_features) -> (B, T, q_features)."""
+        h = x + self.dropout(self.attention(x))
+        out = h + self.dropout(self.linear2(self.dropout(self.relu(self.linear1(self.layernorm(h))))))
+        return self.checkpoint(out, [x])
+
+
+class Transformer(Module):
+    """A learned positional embedding, then `num_layers` TransformerLayers (no final norm).
+
+    forward(x, h=None): x (T, B, D), or (B, T, D) with batch_first -> (output of x's layout, zeros_like(output)).
+    """
+
+    def __init__(self, embedding_size, hidden_size, num_layers, *, num_head=8, dim_head=32, dropout=0.0,
+                 causal=True, device=None, dtype="float32", batch_first=False, sequence_len=2048):
+        super().__init__()
+        self.device = device
+        self.dtype = dtype
+        self.embedding_size = embedding_size
+        self.batch_first = batch_first
+        self.sequence_len = sequence_len
+        self.positional_embedding = Embedding(sequence_len, embedding_size, device=device, dtype=dtype)
+        self.layers = [TransformerLayer(embedding_size, num_head, dim_head, hidden_size, dropout=dropout,
+                                        causal=causal, device=device, dtype=dtype) for _ in range(num_layers)]
+
+    def forward(self, x, h=None):
+        shape = tuple(x.shape)
+        if len(shape) != 3 or shape[2] != self.embedding_size:
+            layout = "B, T" if self.batch_first else "T, B"
+            raise ValueError(f"Transformer: expected input ({layout}, {self.embedding_size}), got {shape}")
+        B, T = (shape[0], shape[1]) if self.batch_first else (shape[1], shape[0])
+        if T > self.sequence_len:
+            raise ValueError(f"Transformer: sequence length {T} exceeds sequence_len={self.sequence_len}")
+        # One position row per step, gathered once and broadcast over the batch.
+        positions = Tensor(np.arange(T).reshape(T, 1), device=x.device, dtype=self.dtype, requires_grad=False)
+        pos = ops.reshape(self.positional_embedding(positions), (1, T, self.embedding_size))
+        seq = x if self.batch_first else ops.transpose(x, (0, 1))
+        y = self.checkpoint(seq + ops.broadcast_to(pos, (B, T, self.embedding_size)), [x])
+        for layer in self.layers:
+            y = layer(y)
+        if not self.batch_first:
+            y = ops.transpose(y, (0, 1))
+        return y, init.zeros(*shape, device=x.device, dtype=x.dtype)

@@ -1,0 +1,968 @@
+// needle's C++ CPU backend: the pybind11 module `ndarray_backend_cpu`.
+//
+// It implements exactly the functions listed in src/README.md (the NumPy module ndarray_backend_numpy.py is the
+// executable specification).  Python owns shape / strides / offset; this module only ever sees flat float32
+// buffers (`Array`) plus the (shape, strides, offset) of a view, all in *elements*.  Python checks every view
+// before it gets here; we still check cheap invariants (sizes, view bounds, index ranges) and raise Python
+// exceptions (ValueError / IndexError / MemoryError) instead of crashing.
+//
+// Layout of this file:
+//   1. Array + memory accounting
+//   2. strided views: compact / ewise_setitem / scalar_setitem / to_numpy
+//   3. element-wise and scalar ops, reductions, gathers and scatters (take_rows, take_along_rows, ...)
+//   4. matmul (the fast, cache-blocked, packed, register-tiled GEMM) and matmul_tiled (the course's version)
+//   5. the pybind11 module definition
+
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <mutex>
+#include <new>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+namespace needle {
+namespace cpu {
+
+namespace py = pybind11;
+
+typedef float scalar_t;
+constexpr size_t ELEM_SIZE = sizeof(scalar_t);
+// Every buffer starts on a 64-byte boundary (one cache line).  Nothing below relies on it for correctness:
+// views carry offsets, so kernels always use unaligned loads/stores.
+constexpr size_t ALIGNMENT = 64;
+constexpr int TILE = 8;  // __tile_size__ of matmul_tiled
+
+// ------------------------------------------------------------------------------------------------------------
+// 1. Array + memory accounting
+// ------------------------------------------------------------------------------------------------------------
+
+// Raised by the allocator; translated to Python's MemoryError (with this message) in the module definition.
+class NeedleMemoryError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// Accounting counts the *requested* bytes, size * sizeof(float), of every live Array: not the bytes the
+// allocator really reserves (rounded up to a multiple of ALIGNMENT, at least ALIGNMENT).  So current_bytes is
+// exactly the sum of 4*size over live Arrays, which is what tests and users can predict.
+struct MemoryStats {
+  std::mutex mu;
+  size_t current_bytes = 0;
+  size_t peak_bytes = 0;
+  size_t allocations = 0;  // number of live Arrays
+  size_t limit_bytes = 0;  // 0 = no limit
+};
+
+// Never destroyed, so Arrays that die during interpreter shutdown still find it.
+static MemoryStats& stats() {
+  static MemoryStats* s = new MemoryStats();
+  return *s;
+}
+
+struct Array {
+  explicit Array(size_t n) : size(n) {
+    // Bytes that aligned_alloc gets: a non-zero multiple of ALIGNMENT, as C11/C++17 require.
+    if (n > (std::numeric_limits<size_t>::max() - ALIGNMENT) / ELEM_SIZE) {
+      std::ostringstream msg;
+      msg << "needle cpu: cannot allocate an array of " << n << " float32 elements (size overflows)";
+      throw NeedleMemoryError(msg.str());
+    }
+    const size_t bytes = n * ELEM_SIZE;
+    const size_t alloc_bytes = std::max(ALIGNMENT, (bytes + ALIGNMENT - 1) / ALIGNMENT * ALIGNMENT);
+    MemoryStats& s = stats();
+    std::lock_guard<std::mutex> lock(s.mu);
+    if (s.limit_bytes != 0 && bytes > s.limit_bytes - std::min(s.limit_bytes, s.current_bytes)) {
+      std::ostringstream msg;
+      msg << "needle cpu: cannot allocate " << bytes << " bytes: " << s.current_bytes << " bytes held, limit "
+          << s.limit_bytes << " bytes";
+      throw NeedleMemoryError(msg.str());
+    }
+    ptr = static_cast<scalar_t*>(std::aligned_alloc(ALIGNMENT, alloc_bytes));
+    if (ptr == nullptr) {
+      std::ostringstream msg;
+      msg << "needle cpu: cannot allocate " << bytes << " bytes: " << s.current_bytes
+          << " bytes held, the system is out of memory";
+      throw NeedleMemoryError(msg.str());
+    }
+    s.current_bytes += bytes;
+    s.peak_bytes = std::max(s.peak_bytes, s.current_bytes);
+    s.allocations += 1;
+  }
+  ~Array() {
+    std::free(ptr);
+    MemoryStats& s = stats();
+    std::lock_guard<std::mutex> lock(s.mu);
+    s.current_bytes -= size * ELEM_SIZE;
+    s.allocations -= 1;
+  }
+  Array(const Array&) = delete;
+  Array& operator=(const Array&) = delete;
+
+  size_t ptr_as_int() const { return reinterpret_cast<size_t>(ptr); }
+
+  scalar_t* ptr = nullptr;
+  size_t size;
+};
+
+static py::dict memory_stats() {
+  MemoryStats& s = stats();
+  std::lock_guard<std::mutex> lock(s.mu);
+  py::dict d;
+  d["current_bytes"] = s.current_bytes;
+  d["peak_bytes"] = s.peak_bytes;
+  d["allocations"] = s.allocations;
+  return d;
+}
+
+static void reset_peak_memory_stats() {
+  MemoryStats& s = stats();
+  std::lock_guard<std::mutex> lock(s.mu);
+  s.peak_bytes = s.current_bytes;
+}
+
+static void set_memory_limit(int64_t nbytes) {
+  if (nbytes < 0) throw py::value_error("set_memory_limit: nbytes must be >= 0 (0 removes the limit)");
+  MemoryStats& s = stats();
+  std::lock_guard<std::mutex> lock(s.mu);
+  s.limit_bytes = static_cast<size_t>(nbytes);
+}
+
+// ------------------------------------------------------------------------------------------------------------
+// small helpers
+// ------------------------------------------------------------------------------------------------------------
+
+[[noreturn]] static void fail(const std::string& msg) { throw py::value_error(msg); }
+
+static void check_size(const char* fn, const char* what, size_t got, size_t expected) {
+  if (got != expected) {
+    std::ostringstream msg;
+    msg << fn << ": " << what << " has " << got << " elements, expected " << expected;
+    fail(msg.str());
+  }
+}
+
+static inline int num_threads() {
+#ifdef _OPENMP
+  return omp_get_max_threads();  // OMP_NUM_THREADS, default: number of cores
+#else
+  return 1;
+#endif
+}
+
+// Element-wise loops this long (or longer) of expensive functions (exp, log, tanh, pow) run on all threads.
+constexpr size_t PARALLEL_TRANSCENDENTAL = 1 << 15;
+
+// ------------------------------------------------------------------------------------------------------------
+// 2. Strided views
+// ------------------------------------------------------------------------------------------------------------
+
+// A checked, simplified strided view.  Simplification does not change which elements are visited nor their
+// row-major order: dimensions of extent 1 are dropped, and neighbouring dimensions k, k+1 with
+// strides[k] == strides[k+1] * shape[k+1] are merged into one.  A contiguous view thus becomes one dimension of
+// stride 1 (the memcpy fast path), and a transposed matrix stays two dimensions.
+struct View {
+  std::vector<int64_t> shape;
+  std::vector<int64_t> strides;
+  int64_t offset = 0;
+  size_t size = 0;  // number of elements
+};
+
+static View make_view(const char* fn, const std::vector<int64_t>& shape, const std::vector<int64_t>& strides,
+                      int64_t offset, size_t buffer_size) {
+  if (shape.size() != strides.size()) {
+    std::ostringstream msg;
+    msg << fn << ": shape has " << shape.size() << " dimensions but strides has " << strides.size();
+    fail(msg.str());
+  }
+  View v;
+  v.offset = offset;
+  int64_t size = 1, lo = offset, hi = offset;
+  bool overflow = false;
+  for (size_t k = 0; k < shape.size(); ++k) {
+    if (shape[k] < 0) fail(std::string(fn) + ": negative extent in shape");
+    overflow |= __builtin_mul_overflow(size, shape[k], &size);
+  }
+  if (overflow) fail(std::string(fn) + ": shape is too large");
+  v.size = static_cast<size_t>(size);
+  if (size == 0) return v;
+  for (size_t k = 0; k < shape.size(); ++k) {
+    int64_t reach;  // (shape-1)*stride: how far this dimension moves from the first element
+    overflow |= __builtin_mul_overflow(shape[k] - 1, strides[k], &reach);
+    overflow |= __builtin_add_overflow(reach < 0 ? lo : hi, reach, reach < 0 ? &lo : &hi);
+  }
+  if (overflow || lo < 0 || hi >= static_cast<int64_t>(buffer_size)) {
+    std::ostringstream msg;
+    msg << fn << ": strided view (offset " << offset << ") reaches elements [" << lo << ", " << hi
+        << "], outside the buffer of " << buffer_size << " elements";
+    fail(msg.str());
+  }
+  for (size_t k = 0; k < shape.size(); ++k) {
+    if (shape[k] == 1) continue;
+    if (!v.shape.empty() && v.strides.back() == strides[k] * shape[k]) {
+      v.shape.back() *= shape[k];
+      v.strides.back() = strides[k];
+    } else {
+      v.shape.push_back(shape[k]);
+      v.strides.push_back(strides[k]);
+    }
+  }
+  if (v.shape.empty()) {  // a single element
+    v.shape.push_back(1);
+    v.strides.push_back(1);
+  }
+  return v;
+}
+
+// Visits the view row by row: calls inner(pos, i, len, stride) for each run of the innermost dimension, where
+// `pos` is the buffer index of the run's first element, `i` its row-major (compact) index, `len` the run length
+// and `stride` the innermost stride.
+//
+// Index arithmetic: the multi-index idx (all dimensions but the innermost) is an odometer.  The buffer position
+// pos = offset + sum_k idx[k] * strides[k] is kept up to date incrementally: incrementing idx[k] adds
+// strides[k]; when idx[k] reaches shape[k] it wraps to 0, which subtracts (shape[k] - 1) * strides[k], and the
+// next dimension to the left is incremented.  The compact index simply advances by len per run.
+template <class F>
+static void for_each_run(const View& v, F inner) {
+  if (v.size == 0) return;
+  const int rank = static_cast<int>(v.shape.size());
+  const int64_t len = v.shape[rank - 1], stride = v.strides[rank - 1];
+  const size_t runs = v.size / static_cast<size_t>(len);
+  std::vector<int64_t> idx(rank, 0);
+  int64_t pos = v.offset;
+  for (size_t r = 0; r < runs; ++r) {
+    inner(pos, r * static_cast<size_t>(len), len, stride);
+    for (int k = rank - 2; k >= 0; --k) {
+      if (++idx[k] < v.shape[k]) {
+        pos += v.strides[k];
+        break;
+      }
+      pos -= (v.shape[k] - 1) * v.strides[k];
+      idx[k] = 0;
+    }
+  }
+}
+
+// out[i] = a[view element i]
+static void compact_into(const scalar_t* a, scalar_t* out, const View& v) {
+  for_each_run(v, [&](int64_t pos, size_t i, int64_t len, int64_t stride) {
+    const scalar_t* src = a + pos;
+    scalar_t* dst = out + i;
+    if (stride == 1) {
+      std::memcpy(dst, src, static_cast<size_t>(len) * ELEM_SIZE);
+    } else if (stride == 0) {
+      std::fill(dst, dst + len, *src);
+    } else {
+      for (int64_t j = 0; j < len; ++j) dst[j] = src[j * stride];
+    }
+  });
+}
+
+static void compact(const Array& a, Array& out, const std::vector<int64_t>& shape,
+                    const std::vector<int64_t>& strides, int64_t offset) {
+  View v = make_view("compact", shape, strides, offset, a.size);
+  check_size("compact", "out", out.size, v.size);
+  compact_into(a.ptr, out.ptr, v);
+}
+
+static void ewise_setitem(const Array& a, Array& out, const std::vector<int64_t>& shape,
+                          const std::vector<int64_t>& strides, int64_t offset) {
+  View v = make_view("ewise_setitem", shape, strides, offset, out.size);
+  check_size("ewise_setitem", "a", a.size, v.size);
+  const scalar_t* src0 = a.ptr;
+  scalar_t* base = out.ptr;
+  for_each_run(v, [&](int64_t pos, size_t i, int64_t len, int64_t stride) {
+    const scalar_t* src = src0 + i;
+    scalar_t* dst = base + pos;
+    if (stride == 1) {
+      std::memmove(dst, src, static_cast<size_t>(len) * ELEM_SIZE);  // a may be out itself (x[:] = x)
+    } else {
+      for (int64_t j = 0; j < len; ++j) dst[j * stride] = src[j];
+    }
+  });
+}
+
+static void scalar_setitem(int64_t size, scalar_t val, Array& out, const std::vector<int64_t>& shape,
+                           const std::vector<int64_t>& strides, int64_t offset) {
+  View v = make_view("scalar_setitem", shape, strides, offset, out.size);
+  if (size < 0 || static_cast<size_t>(size) != v.size) {
+    std::ostringstream msg;
+    msg << "scalar_setitem: size is " << size << " but the view has " << v.size << " elements";
+    fail(msg.str());
+  }
+  scalar_t* base = out.ptr;
+  for_each_run(v, [&](int64_t pos, size_t, int64_t len, int64_t stride) {
+    scalar_t* dst = base + pos;
+    if (stride == 1) {
+      std::fill(dst, dst + len, val);
+    } else {
+      for (int64_t j = 0; j < len; ++j) dst[j * stride] = val;
+    }
+  });
+}
+
+static py::array_t<scalar_t> to_numpy(const Array& a, const std::vector<int64_t>& shape,
+                                      const std::vector<int64_t>& strides, int64_t offset) {
+  View v = make_view("to_numpy", shape, strides, offset, a.size);
+  std::vector<py::ssize_t> np_shape(shape.begin(), shape.end());
+  py::array_t<scalar_t> result(np_shape);
+  compact_into(a.ptr, result.mutable_data(), v);
+  return result;
+}
+
+static void from_numpy(py::array_t<scalar_t, py::array::c_style | py::array::forcecast> a, Array& out) {
+  check_size("from_numpy", "the numpy array", static_cast<size_t>(a.size()), out.size);
+  if (out.size) std::memcpy(out.ptr, a.data(), out.size * ELEM_SIZE);
+}
+
+static void fill(Array& out, scalar_t val) { std::fill(out.ptr, out.ptr + out.size, val); }
+
+// ------------------------------------------------------------------------------------------------------------
+// 3. Element-wise ops, reductions, gathers
+// ------------------------------------------------------------------------------------------------------------
+// Plain loops over compact buffers; with -O3 GCC vectorizes the cheap ones (out may be the same buffer as an
+// input, so there is no __restrict: GCC adds a runtime overlap check).  Comparisons produce 1.0f / 0.0f.
+// maximum propagates NaN like numpy.maximum.
+
+static inline scalar_t max_nan(scalar_t x, scalar_t y) { return (x > y || x != x) ? x : y; }
+
+template <class F>
+static void ewise_binary(const char* fn, const Array& a, const Array& b, Array& out, F f, bool expensive = false) {
+  check_size(fn, "b", b.size, a.size);
+  check_size(fn, "out", out.size, a.size);
+  const scalar_t* pa = a.ptr;
+  const scalar_t* pb = b.ptr;
+  scalar_t* po = out.ptr;
+  const int64_t n = static_cast<int64_t>(a.size);
+  if (expensive && a.size >= PARALLEL_TRANSCENDENTAL) {
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < n; ++i) po[i] = f(pa[i], pb[i]);
+  } else {
+    for (int64_t i = 0; i < n; ++i) po[i] = f(pa[i], pb[i]);
+  }
+}
+
+template <class F>
+static void ewise_unary(const char* fn, const Array& a, Array& out, F f, bool expensive = false) {
+  check_size(fn, "out", out.size, a.size);
+  const scalar_t* pa = a.ptr;
+  scalar_t* po = out.ptr;
+  const int64_t n = static_cast<int64_t>(a.size);
+  if (expensive && a.size >= PARALLEL_TRANSCENDENTAL) {
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < n; ++i) po[i] = f(pa[i]);
+  } else {
+    for (int64_t i = 0; i < n; ++i) po[i] = f(pa[i]);
+  }
+}
+
+static void ewise_add(const Array& a, const Array& b, Array& out) {
+  ewise_binary("ewise_add", a, b, out, [](scalar_t x, scalar_t y) { return x + y; });
+}
+static void ewise_mul(const Array& a, const Array& b, Array& out) {
+  ewise_binary("ewise_mul", a, b, out, [](scalar_t x, scalar_t y) { return x * y; });
+}
+static void ewise_div(const Array& a, const Array& b, Array& out) {
+  ewise_binary("ewise_div", a, b, out, [](scalar_t x, scalar_t y) { return x / y; });
+}
+static void ewise_maximum(const Array& a, const Array& b, Array& out) {
+  ewise_binary("ewise_maximum", a, b, out, max_nan);
+}
+static void ewise_eq(const Array& a, const Array& b, Array& out) {
+  ewise_binary("ewise_eq", a, b, out, [](scalar_t x, scalar_t y) { return scalar_t(x == y); });
+}
+static void ewise_ge(const Array& a, const Array& b, Array& out) {
+  ewise_binary("ewise_ge", a, b, out, [](scalar_t x, scalar_t y) { return scalar_t(x >= y); });
+}
+static void ewise_power(const Array& a, const Array& b, Array& out) {
+  ewise_binary("ewise_power", a, b, out, [](scalar_t x, scalar_t y) { return std::pow(x, y); }, true);
+}
+
+static void scalar_add(const Array& a, scalar_t val, Array& out) {
+  ewise_unary("scalar_add", a, out, [val](scalar_t x) { return x + val; });
+}
+static void scalar_mul(const Array& a, scalar_t val, Array& out) {
+  ewise_unary("scalar_mul", a, out, [val](scalar_t x) { return x * val; });
+}
+static void scalar_div(const Array& a, scalar_t val, Array& out) {
+  ewise_unary("scalar_div", a, out, [val](scalar_t x) { return x / val; });
+}
+static void scalar_maximum(const Array& a, scalar_t val, Array& out) {
+  ewise_unary("scalar_maximum", a, out, [val](scalar_t x) { return max_nan(x, val); });
+}
+static void scalar_eq(const Array& a, scalar_t val, Array& out) {
+  ewise_unary("scalar_eq", a, out, [val](scalar_t x) { return scalar_t(x == val); });
+}
+static void scalar_ge(const Array& a, scalar_t val, Array& out) {
+  ewise_unary("scalar_ge", a, out, [val](scalar_t x) { return scalar_t(x >= val); });
+}
+static void scalar_power(const Array& a, scalar_t val, Array& out) {
+  if (val == 2.0f) {
+    ewise_unary("scalar_power", a, out, [](scalar_t x) { return x * x; });
+  } else if (val == 1.0f) {
+    ewise_unary("scalar_power", a, out, [](scalar_t x) { return x; });
+  } else {
+    ewise_unary("scalar_power", a, out, [val](scalar_t x) { return std::pow(x, val); }, true);
+  }
+}
+
+static void ewise_log(const Array& a, Array& out) {
+  ewise_unary("ewise_log", a, out, [](scalar_t x) { return std::log(x); }, true);
+}
+static void ewise_exp(const Array& a, Array& out) {
+  ewise_unary("ewise_exp", a, out, [](scalar_t x) { return std::exp(x); }, true);
+}
+static void ewise_tanh(const Array& a, Array& out) {
+  ewise_unary("ewise_tanh", a, out, [](scalar_t x) { return std::tanh(x); }, true);
+}
+
+static void check_reduce(const char* fn, const Array& a, const Array& out, int64_t reduce_size) {
+  if (reduce_size < 0) fail(std::string(fn) + ": reduce_size must be >= 0");
+  if (static_cast<size_t>(reduce_size) * out.size != a.size) {
+    std::ostringstream msg;
+    msg << fn << ": a has " << a.size << " elements, expected out.size * reduce_size = " << out.size << " * "
+        << reduce_size;
+    fail(msg.str());
+  }
+}
+
+// Sums accumulate in double: more accurate than a float chain, and independent of vectorization.
+static void reduce_sum(const Array& a, Array& out, int64_t reduce_size) {
+  check_reduce("reduce_sum", a, out, reduce_size);
+  const size_t r = static_cast<size_t>(reduce_size);
+  for (size_t i = 0; i < out.size; ++i) {
+    const scalar_t* row = a.ptr + i * r;
+    double s = 0.0;
+#pragma omp simd reduction(+ : s)
+    for (size_t j = 0; j < r; ++j) s += row[j];
+    out.ptr[i] = static_cast<scalar_t>(s);
+  }
+}
+
+// Max of each row; a NaN anywhere in a row gives NaN, as numpy's max does.
+static void reduce_max(const Array& a, Array& out, int64_t reduce_size) {
+  check_reduce("reduce_max", a, out, reduce_size);
+  if (reduce_size == 0 && out.size != 0) fail("reduce_max: cannot reduce over zero elements");
+  const size_t r = static_cast<size_t>(reduce_size);
+  for (size_t i = 0; i < out.size; ++i) {
+    const scalar_t* row = a.ptr + i * r;
+    scalar_t m = row[0];
+    int nan = 0;
+#pragma omp simd reduction(max : m) reduction(| : nan)
+    for (size_t j = 0; j < r; ++j) {
+      m = std::max(m, row[j]);
+      nan |= (row[j] != row[j]);
+    }
+    out.ptr[i] = nan ? std::numeric_limits<scalar_t>::quiet_NaN() : m;
+  }
+}
+
+// Converts every idx value to a row (or column) number, raising IndexError (before anything is written) for a
+// value that is not an integer or not in [0, rows).
+static std::vector<size_t> check_indices(const char* fn, const Array& idx, size_t rows) {
+  std::vector<size_t> out(idx.size);
+  for (size_t i = 0; i < idx.size; ++i) {
+    const scalar_t v = idx.ptr[i];
+    const bool integer = std::isfinite(v) && v == std::floor(v);
+    if (!integer || v < 0.0f || v >= static_cast<scalar_t>(rows) || static_cast<size_t>(v) >= rows) {
+      std::ostringstream msg;
+      msg << fn << ": index " << v << (integer ? " is out of range for " : " is not an integer, for ") << rows
+          << " rows";
+      throw py::index_error(msg.str());
+    }
+    out[i] = static_cast<size_t>(v);
+  }
+  return out;
+}
+
+static void check_row_size(const char* fn, int64_t row_size, const Array& table) {
+  if (row_size <= 0) fail(std::string(fn) + ": row_size must be positive");
+  if (table.size % static_cast<size_t>(row_size) != 0) {
+    std::ostringstream msg;
+    msg << fn << ": a buffer of " << table.size << " elements is not a whole number of rows of " << row_size;
+    fail(msg.str());
+  }
+}
+
+// out[i, :] = a[idx[i], :]
+static void take_rows(const Array& a, const Array& idx, Array& out, int64_t row_size) {
+  check_row_size("take_rows", row_size, a);
+  const size_t r = static_cast<size_t>(row_size);
+  check_size("take_rows", "out", out.size, idx.size * r);
+  std::vector<size_t> rows = check_indices("take_rows", idx, a.size / r);
+  for (size_t i = 0; i < rows.size(); ++i) std::memcpy(out.ptr + i * r, a.ptr + rows[i] * r, r * ELEM_SIZE);
+}
+
+// out[idx[i], :] += src[i, :], in order of i
+static void scatter_add_rows(const Array& src, const Array& idx, Array& out, int64_t row_size) {
+  check_row_size("scatter_add_rows", row_size, out);
+  const size_t r = static_cast<size_t>(row_size);
+  check_size("scatter_add_rows", "src", src.size, idx.size * r);
+  std::vector<size_t> rows = check_indices("scatter_add_rows", idx, out.size / r);
+  for (size_t i = 0; i < rows.size(); ++i) {
+    scalar_t* dst = out.ptr + rows[i] * r;
+    const scalar_t* s = src.ptr + i * r;
+    for (size_t j = 0; j < r; ++j) dst[j] += s[j];
+  }
+}
+
+// out[i] = a[i, idx[i]], a viewed as (idx.size, row_size)
+static void take_along_rows(const Array& a, const Array& idx, Array& out, int64_t row_size) {
+  if (row_size < 0) fail("take_along_rows: row_size must be >= 0");
+  const size_t r = static_cast<size_t>(row_size);
+  check_size("take_along_rows", "a", a.size, idx.size * r);
+  check_size("take_along_rows", "out", out.size, idx.size);
+  std::vector<size_t> cols = check_indices("take_along_rows", idx, r);
+  for (size_t i = 0; i < cols.size(); ++i) out.ptr[i] = a.ptr[i * r + cols[i]];
+}
+
+// out[i, idx[i]] += src[i], out viewed as (idx.size, row_size)
+static void scatter_along_rows(const Array& src, const Array& idx, Array& out, int64_t row_size) {
+  if (row_size < 0) fail("scatter_along_rows: row_size must be >= 0");
+  const size_t r = static_cast<size_t>(row_size);
+  check_size("scatter_along_rows", "src", src.size, idx.size);
+  check_size("scatter_along_rows", "out", out.size, idx.size * r);
+  std::vector<size_t> cols = check_indices("scatter_along_rows", idx, r);
+  for (size_t i = 0; i < cols.size(); ++i) out.ptr[i * r + cols[i]] += src.ptr[i];
+}
+
+// ------------------------------------------------------------------------------------------------------------
+// 4. Matrix multiplication
+// ------------------------------------------------------------------------------------------------------------
+//
+// C (m x p) = A (m x n) @ B (n x p).  The classic Goto/BLIS scheme:
+//
+//   for jc in [0, p) step NC                      columns of C and B  (B block KC x NC lives in L3/L2)
+//     for pc in [0, n) step KC                    the shared dimension
+//       pack B[pc:pc+KC, jc:jc+NC] into micro-panels of NR columns:   Bp[panel][k][0..NR)   (all threads)
+//       for ic in [0, m) step MC      (OpenMP)    row blocks of C and A, one thread each
+//         pack A[ic:ic+MC, pc:pc+KC] into micro-panels of MR rows:    Ap[panel][k][0..MR)   (thread-local)
+//         for jr in [0, NC) step NR               one B micro-panel (KC x NR) stays in L1 ...
+//           for ir in [0, MC) step MR             ... while the A micro-panels stream from L2
+//             micro-kernel: C[ir:ir+MR, jr:jr+NR] (+)= Ap[ir] @ Bp[jr]  (MR x NR sums held in registers)
+//
+// Packing copies each operand once per block into the exact order the micro-kernel reads it (unit stride,
+// zero-padded to whole MR / NR panels, so the micro-kernel never branches on edges in its k loop).  The first
+// KC block stores into C, later ones accumulate.  Threads (OpenMP, OMP_NUM_THREADS) pack the shared B block
+// together and then take row blocks (about 4 per thread, so small m still splits evenly); the only
+// synchronisation is the two barriers around each B block.  Every element of C is produced by one thread with
+// the same order of additions, so results do not depend on the thread count.
+//
+// The micro-kernel keeps an MR x NR tile of C in vector registers (GCC vector extensions, no intrinsics): per k
+// it loads NR/VL vectors of B and, for each of the MR rows, broadcasts one A value and does NR/VL FMAs.
+// Three builds of it exist: AVX-512 (12 x 32, 24 zmm accumulators), AVX2+FMA (6 x 16, 12 ymm accumulators) and
+// a portable 128-bit one (6 x 8).  The AVX ones are compiled with per-function `target` attributes and chosen at
+// run time with __builtin_cpu_supports (which also checks that the OS saves the registers), so the module
+// itself needs no -march flag and runs on any x86-64 CPU.  NEEDLE_CPU_MATMUL_KERNEL=avx512|avx2|generic forces
+// a choice (for tests and benchmarks).
+
+// C[i * ldc + j] (+)= sum_k Ap[k * MR + i] * Bp[k * NR + j]  for i < mr, j < nr
+typedef void (*ukernel_fn)(int64_t kc, const scalar_t* Ap, const scalar_t* Bp, scalar_t* C, int64_t ldc,
+                           int64_t mr, int64_t nr, bool accumulate);
+
+template <class V, int MR, int NV>
+static inline __attribute__((always_inline)) void ukernel_body(int64_t kc, const scalar_t* __restrict Ap,
+                                                                const scalar_t* __restrict Bp,
+                                                                scalar_t* __restrict C, int64_t ldc, int64_t mr,
+                                                                int64_t nr, bool accumulate) {
+  constexpr int VL = sizeof(V) / sizeof(scalar_t);
+  constexpr int NR = NV * VL;
+  V acc[MR][NV];
+#pragma GCC unroll 16
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 16
+    for (int j = 0; j < NV; ++j) acc[i][j] = V{};
+  for (int64_t k = 0; k < kc; ++k) {
+    V b[NV];
+#pragma GCC unroll 16
+    for (int j = 0; j < NV; ++j) __builtin_memcpy(&b[j], Bp + j * VL, sizeof(V));
+#pragma GCC unroll 16
+    for (int i = 0; i < MR; ++i) {
+      const scalar_t a = Ap[i];
+#pragma GCC unroll 16
+      for (int j = 0; j < NV; ++j) acc[i][j] += a * b[j];
+    }
+    Ap += MR;
+    Bp += NR;
+  }
+  if (mr == MR && nr == NR) {
+#pragma GCC unroll 16
+    for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 16
+      for (int j = 0; j < NV; ++j) {
+        scalar_t* c = C + i * ldc + j * VL;
+        if (accumulate) {
+          V old;
+          __builtin_memcpy(&old, c, sizeof(V));
+          acc[i][j] += old;
+        }
+        __builtin_memcpy(c, &acc[i][j], sizeof(V));
+      }
+  } else {  // edge tile: only mr x nr of the computed tile belong to C
+    scalar_t tile[MR * NR];
+#pragma GCC unroll 16
+    for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 16
+      for (int j = 0; j < NV; ++j) __builtin_memcpy(tile + i * NR + j * VL, &acc[i][j], sizeof(V));
+    for (int64_t i = 0; i < mr; ++i)
+      for (int64_t j = 0; j < nr; ++j) {
+        scalar_t& c = C[i * ldc + j];
+        c = (accumulate ? c : 0.0f) + tile[i * NR + j];
+      }
+  }
+}
+
+typedef scalar_t v4sf __attribute__((vector_size(16)));
+constexpr int GENERIC_MR = 6, GENERIC_NR = 8;
+static void ukernel_generic(int64_t kc, const scalar_t* Ap, const scalar_t* Bp, scalar_t* C, int64_t ldc,
+                            int64_t mr, int64_t nr, bool accumulate) {
+  ukernel_body<v4sf, GENERIC_MR, GENERIC_NR / 4>(kc, Ap, Bp, C, ldc, mr, nr, accumulate);
+}
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define NEEDLE_X86_DISPATCH 1
+typedef scalar_t v8sf __attribute__((vector_size(32)));
+typedef scalar_t v16sf __attribute__((vector_size(64)));
+constexpr int AVX2_MR = 6, AVX2_NR = 16;
+constexpr int AVX512_MR = 12, AVX512_NR = 32;
+__attribute__((target("avx2,fma"))) static void ukernel_avx2(int64_t kc, const scalar_t* Ap, const scalar_t* Bp,
+                                                             scalar_t* C, int64_t ldc, int64_t mr, int64_t nr,
+                                                             bool accumulate) {
+  ukernel_body<v8sf, AVX2_MR, AVX2_NR / 8>(kc, Ap, Bp, C, ldc, mr, nr, accumulate);
+}
+__attribute__((target("avx512f,avx512vl,avx2,fma"))) static void ukernel_avx512(
+    int64_t kc, const scalar_t* Ap, const scalar_t* Bp, scalar_t* C, int64_t ldc, int64_t mr, int64_t nr,
+    bool accumulate) {
+  ukernel_body<v16sf, AVX512_MR, AVX512_NR / 16>(kc, Ap, Bp, C, ldc, mr, nr, accumulate);
+}
+#endif
+
+// A grow-only, 64-byte aligned scratch buffer, thread_local to the calling thread and reused across calls so
+// that packing never pays for fresh pages.  Not counted in memory_stats (that counts Arrays only).
+class Scratch {
+ public:
+  ~Scratch() { std::free(ptr_); }
+  scalar_t* get(size_t n) {
+    if (n > cap_) {
+      std::free(ptr_);
+      const size_t bytes = (n * ELEM_SIZE + ALIGNMENT - 1) / ALIGNMENT * ALIGNMENT;
+      ptr_ = static_cast<scalar_t*>(std::aligned_alloc(ALIGNMENT, bytes));
+      cap_ = ptr_ == nullptr ? 0 : n;
+    }
+    return ptr_;
+  }
+
+ private:
+  scalar_t* ptr_ = nullptr;
+  size_t cap_ = 0;
+};
+
+constexpr int64_t KC = 256;   // depth of one packed block: a KC x NR B micro-panel (32 KiB at NR=32) fits L1
+constexpr int64_t MC_MAX = 96;  // rows of A per packed block (MC x KC floats: 96 KiB, in L2)
+constexpr int64_t NC = 3072;  // columns of B per packed block (KC x NC floats: 3 MiB, in L2/L3)
+
+static inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// Ap[k][i] = A[r0 + i][c0 + k]: one MR-row micro-panel of A (rows past `rows` are zero).
+template <int MR>
+static void pack_a_panel(const scalar_t* A, int64_t lda, int64_t r0, int64_t rows, int64_t c0, int64_t kc,
+                         scalar_t* Ap) {
+  const scalar_t* src = A + r0 * lda + c0;
+  if (rows == MR) {
+    for (int64_t k = 0; k < kc; ++k)
+      for (int i = 0; i < MR; ++i) Ap[k * MR + i] = src[i * lda + k];
+  } else {
+    for (int64_t k = 0; k < kc; ++k)
+      for (int i = 0; i < MR; ++i) Ap[k * MR + i] = i < rows ? src[i * lda + k] : 0.0f;
+  }
+}
+
+// Bp[k][j] = B[r0 + k][c0 + j]: one NR-column micro-panel of B (columns past `cols` are zero).
+template <int NR>
+static void pack_b_panel(const scalar_t* B, int64_t ldb, int64_t r0, int64_t kc, int64_t c0, int64_t cols,
+                         scalar_t* Bp) {
+  const scalar_t* src = B + r0 * ldb + c0;
+  for (int64_t k = 0; k < kc; ++k) {
+    std::memcpy(Bp + k * NR, src + k * ldb, static_cast<size_t>(cols) * ELEM_SIZE);
+    for (int64_t j = cols; j < NR; ++j) Bp[k * NR + j] = 0.0f;
+  }
+}
+
+// C (m x p) = A (m x n) @ B (n x p), all compact row-major.
+template <int MR, int NR, ukernel_fn UK>
+static void gemm_packed(const scalar_t* A, const scalar_t* B, scalar_t* C, int64_t m, int64_t n, int64_t p,
+                        int nthreads) {
+  // Row blocks: about 4 per thread for balance, a multiple of MR, at most MC_MAX.
+  const int64_t mc_max = std::min(MC_MAX, ceil_div(ceil_div(m, 4 * nthreads), MR) * MR);
+  const int64_t nblocks = ceil_div(m, mc_max);
+  const int64_t nc_max = std::min(NC, ceil_div(p, NR) * NR);
+  const int64_t kc_max = std::min(KC, n);
+  // The packed B block is shared by the threads (the calling thread's buffer); each thread packs its own A.
+  static thread_local Scratch b_scratch;
+  scalar_t* Bp = b_scratch.get(static_cast<size_t>(kc_max * nc_max));
+  if (Bp == nullptr) throw std::bad_alloc();
+  int failed = 0;
+
+#pragma omp parallel num_threads(nthreads) if (nthreads > 1)
+  {
+    static thread_local Scratch a_scratch;
+    scalar_t* Ap = a_scratch.get(static_cast<size_t>(mc_max * kc_max));
+    if (Ap == nullptr) {
+#pragma omp atomic write
+      failed = 1;
+    }
+    for (int64_t jc = 0; jc < p; jc += NC) {
+      const int64_t nc = std::min(NC, p - jc);
+      const int64_t n_jr = ceil_div(nc, NR);
+      for (int64_t pc = 0; pc < n; pc += KC) {
+        const int64_t kc = std::min(KC, n - pc);
+#pragma omp for schedule(static)
+        for (int64_t jp = 0; jp < n_jr; ++jp)
+          pack_b_panel<NR>(B, p, pc, kc, jc + jp * NR, std::min<int64_t>(NR, nc - jp * NR), Bp + jp * NR * kc);
+        // (barrier: B is packed before anyone uses it)  Row blocks go to whichever thread is free, so the
+        // threads stay balanced even when another process shares a core.
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t blk = 0; blk < nblocks; ++blk) {
+          if (Ap == nullptr) continue;
+          const int64_t ic = blk * mc_max, mc = std::min(mc_max, m - ic);
+          for (int64_t ir = 0; ir < mc; ir += MR)
+            pack_a_panel<MR>(A, n, ic + ir, std::min<int64_t>(MR, mc - ir), pc, kc, Ap + ir * kc);
+          for (int64_t jr = 0; jr < nc; jr += NR)
+            for (int64_t ir = 0; ir < mc; ir += MR)
+              UK(kc, Ap + ir * kc, Bp + jr * kc, C + (ic + ir) * p + jc + jr, p, std::min<int64_t>(MR, mc - ir),
+                 std::min<int64_t>(NR, nc - jr), pc > 0);
+        }
+        // (barrier: nobody still reads Bp when it is packed again)
+      }
+    }
+  }
+  if (failed) throw std::bad_alloc();
+}
+
+// Small products, and those with very few rows: no packing.  Columns are taken in chunks of JB so that the
+// rows of C being summed stay in L1 while B's chunk is read once per group of up to 4 rows.
+static void gemm_small(const scalar_t* __restrict A, const scalar_t* __restrict B, scalar_t* __restrict C,
+                       int64_t m, int64_t n, int64_t p, int nthreads) {
+  constexpr int64_t JB = 512, IB = 4;
+  const int64_t chunks = ceil_div(p, JB);
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1 && chunks > 1)
+  for (int64_t jb = 0; jb < chunks; ++jb) {
+    const int64_t j0 = jb * JB, len = std::min(JB, p - j0);
+    for (int64_t i0 = 0; i0 < m; i0 += IB) {
+      const int64_t rows = std::min(IB, m - i0);
+      for (int64_t i = i0; i < i0 + rows; ++i) std::fill(C + i * p + j0, C + i * p + j0 + len, 0.0f);
+      for (int64_t k = 0; k < n; ++k) {
+        const scalar_t* b = B + k * p + j0;
+        for (int64_t i = i0; i < i0 + rows; ++i) {
+          const scalar_t a = A[i * n + k];
+          scalar_t* c = C + i * p + j0;
+          for (int64_t j = 0; j < len; ++j) c[j] += a * b[j];
+        }
+      }
+    }
+  }
+}
+
+// p == 1: one dot product per row of A.
+static void gemv(const scalar_t* A, const scalar_t* x, scalar_t* y, int64_t m, int64_t n, int nthreads) {
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)
+  for (int64_t i = 0; i < m; ++i) {
+    const scalar_t* a = A + i * n;
+    scalar_t s = 0.0f;
+#pragma omp simd reduction(+ : s)
+    for (int64_t k = 0; k < n; ++k) s += a[k] * x[k];
+    y[i] = s;
+  }
+}
+
+typedef void (*gemm_fn)(const scalar_t*, const scalar_t*, scalar_t*, int64_t, int64_t, int64_t, int);
+
+struct MatmulKernel {
+  const char* name;
+  gemm_fn gemm;
+  int mr, nr;
+};
+
+static const MatmulKernel KERNEL_GENERIC = {
+    "generic", gemm_packed<GENERIC_MR, GENERIC_NR, ukernel_generic>, GENERIC_MR, GENERIC_NR};
+#ifdef NEEDLE_X86_DISPATCH
+static const MatmulKernel KERNEL_AVX2 = {"avx2", gemm_packed<AVX2_MR, AVX2_NR, ukernel_avx2>, AVX2_MR, AVX2_NR};
+static const MatmulKernel KERNEL_AVX512 = {"avx512", gemm_packed<AVX512_MR, AVX512_NR, ukernel_avx512>,
+                                           AVX512_MR, AVX512_NR};
+#endif
+
+static bool cpu_has(const char* name) {
+#ifdef NEEDLE_X86_DISPATCH
+  __builtin_cpu_init();
+  if (std::strcmp(name, "avx512") == 0) return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl");
+  if (std::strcmp(name, "avx2") == 0) return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#endif
+  return std::strcmp(name, "generic") == 0;
+}
+
+static const MatmulKernel* kernel_by_name(const std::string& name) {
+  if (!cpu_has(name.c_str())) return nullptr;
+#ifdef NEEDLE_X86_DISPATCH
+  if (name == "avx512") return &KERNEL_AVX512;
+  if (name == "avx2") return &KERNEL_AVX2;
+#endif
+  return &KERNEL_GENERIC;
+}
+
+static const MatmulKernel* g_kernel = nullptr;  // chosen at import
+
+static void choose_kernel() {
+  const char* env = std::getenv("NEEDLE_CPU_MATMUL_KERNEL");
+  if (env != nullptr && *env != '\0') {
+    g_kernel = kernel_by_name(env);
+    if (g_kernel != nullptr) return;
+  }
+  for (const char* name : {"avx512", "avx2", "generic"}) {
+    g_kernel = kernel_by_name(name);
+    if (g_kernel != nullptr) return;
+  }
+}
+
+static void set_matmul_kernel(const std::string& name) {
+  const MatmulKernel* k = kernel_by_name(name);
+  if (k == nullptr) fail("set_matmul_kernel: '" + name + "' is unknown or not supported by this CPU");
+  g_kernel = k;
+}
+
+static void check_matmul(const char* fn, const Array& a, const Array& b, const Array& out, int64_t m, int64_t n,
+                         int64_t p) {
+  if (m < 0 || n < 0 || p < 0) fail(std::string(fn) + ": m, n, p must be >= 0");
+  check_size(fn, "a", a.size, static_cast<size_t>(m) * static_cast<size_t>(n));
+  check_size(fn, "b", b.size, static_cast<size_t>(n) * static_cast<size_t>(p));
+  check_size(fn, "out", out.size, static_cast<size_t>(m) * static_cast<size_t>(p));
+  if (out.size != 0 && (out.ptr == a.ptr || out.ptr == b.ptr))
+    fail(std::string(fn) + ": out must not be one of the inputs");
+}
+
+static void matmul(const Array& a, const Array& b, Array& out, int64_t m, int64_t n, int64_t p) {
+  check_matmul("matmul", a, b, out, m, n, p);
+  if (m == 0 || p == 0) return;
+  if (n == 0) {
+    fill(out, 0.0f);
+    return;
+  }
+  const MatmulKernel* k = g_kernel;
+  const double flops = 2.0 * double(m) * double(n) * double(p);
+  // Threads pay off past ~0.5 MFLOP.
+  const int nthreads = flops < 2.0 * 64 * 64 * 64 ? 1 : num_threads();
+  py::gil_scoped_release release;
+  if (p == 1) {
+    gemv(a.ptr, b.ptr, out.ptr, m, n, nthreads);
+  } else if (flops < 2.0 * 32 * 32 * 32 || (m < k->mr / 2 && m < p)) {
+    gemm_small(a.ptr, b.ptr, out.ptr, m, n, p, nthreads);
+  } else {
+    k->gemm(a.ptr, b.ptr, out.ptr, m, n, p, nthreads);
+  }
+}
+
+// The course's tiled matmul: a is (m/T, n/T, T, T), b is (n/T, p/T, T, T), out is (m/T, p/T, T, T).
+static void matmul_tiled(const Array& a, const Array& b, Array& out, int64_t m, int64_t n, int64_t p) {
+  check_matmul("matmul_tiled", a, b, out, m, n, p);
+  if (m % TILE || n % TILE || p % TILE) fail("matmul_tiled: m, n, p must be multiples of __tile_size__ (8)");
+  const int64_t mt = m / TILE, nt = n / TILE, pt = p / TILE;
+  for (int64_t i = 0; i < mt; ++i) {
+    for (int64_t j = 0; j < pt; ++j) {
+      scalar_t* __restrict o = out.ptr + (i * pt + j) * TILE * TILE;
+      std::fill(o, o + TILE * TILE, 0.0f);
+      for (int64_t k = 0; k < nt; ++k) {
+        const scalar_t* __restrict at = a.ptr + (i * nt + k) * TILE * TILE;
+        const scalar_t* __restrict bt = b.ptr + (k * pt + j) * TILE * TILE;
+        for (int r = 0; r < TILE; ++r)
+          for (int s = 0; s < TILE; ++s)
+            for (int c = 0; c < TILE; ++c) o[r * TILE + c] += at[r * TILE + s] * bt[s * TILE + c];
+      }
+    }
+  }
+}
+
+}  // namespace cpu
+}  // namespace needle
+
+// ------------------------------------------------------------------------------------------------------------
+// 5. The module
+// ------------------------------------------------------------------------------------------------------------
+
+PYBIND11_MODULE(ndarray_backend_cpu, m) {
+  namespace py = pybind11;
+  using namespace needle::cpu;
+
+  m.doc() = "needle's C++ CPU backend (see src/README.md for the contract)";
+  m.attr("__device_name__") = "cpu";
+  m.attr("__tile_size__") = TILE;
+
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const NeedleMemoryError& e) {
+      PyErr_SetString(PyExc_MemoryError, e.what());
+    }
+  });
+
+  py::class_<Array>(m, "Array")
+      .def(py::init<size_t>(), py::return_value_policy::take_ownership, py::arg("size"))
+      .def("ptr", &Array::ptr_as_int)
+      .def_readonly("size", &Array::size);
+
+  m.def("to_numpy", to_numpy);
+  m.def("from_numpy", from_numpy);
+  m.def("fill", fill);
+  m.def("compact", compact);
+  m.def("ewise_setitem", ewise_setitem);
+  m.def("scalar_setitem", scalar_setitem);
+
+  m.def("ewise_add", ewise_add);
+  m.def("scalar_add", scalar_add);
+  m.def("ewise_mul", ewise_mul);
+  m.def("scalar_mul", scalar_mul);
+  m.def("ewise_div", ewise_div);
+  m.def("scalar_div", scalar_div);
+  m.def("scalar_power", scalar_power);
+  m.def("ewise_power", ewise_power);
+  m.def("ewise_maximum", ewise_maximum);
+  m.def("scalar_maximum", scalar_maximum);
+  m.def("ewise_eq", ewise_eq);
+  m.def("scalar_eq", scalar_eq);
+  m.def("ewise_ge", ewise_ge);
+  m.def("scalar_ge", scalar_ge);
+  m.def("ewise_log", ewise_log);
+  m.def("ewise_exp", ewise_exp);
+  m.def("ewise_tanh", ewise_tanh);
+
+  m.def("matmul", matmul);
+  m.def("matmul_tiled", matmul_tiled);
+  m.def("reduce_max", reduce_max);
+  m.def("reduce_sum", reduce_sum);
+  m.def("take_rows", take_rows);
+  m.def("scatter_add_rows", scatter_add_rows);
+  m.def("take_along_rows", take_along_rows);
+  m.def("scatter_along_rows", scatter_along_rows);
+
+  m.def("memory_stats", memory_stats);
+  m.def("reset_peak_memory_stats", reset_peak_memory_stats);
+  m.def("set_memory_limit", set_memory_limit);
+
+  // Extras beyond the contract (diagnostics for tests and benchmarks).
+  choose_kernel();
+  m.def("matmul_kernel", []() { return std::string(g_kernel->name); },
+        "the matmul micro-kernel in use: avx512, avx2 or generic");
+  m.def("set_matmul_kernel", set_matmul_kernel, "force a matmul micro-kernel (avx512, avx2, generic)");
+  m.def("num_threads", num_threads, "threads used by matmul (OMP_NUM_THREADS, default: all cores)");
+}

@@ -1,0 +1,84 @@
+"""The float64 NumPy oracle: every op gradient case of test_autograd.OP_CASES under NEEDLE_BACKEND=np.
+
+Not collected by a plain `pytest` run (the name does not match test_*.py): NEEDLE_BACKEND is read once, at import,
+so these checks need their own interpreter. `test_autograd.py::test_float64_oracle_under_np_backend` runs
+
+    NEEDLE_BACKEND=np python -m pytest tests/np_backend_checks.py
+
+Values are plain float64 numpy.ndarray here, so central differences with eps=1e-6 agree with the analytic
+gradients to ~1e-6 relative (float32 checks need eps=1e-2 and 1e-2 tolerances).
+"""
+import numpy as np
+import pytest
+
+import needle as ndl
+from needle.backend_selection import BACKEND
+
+from conftest import numerical_gradient
+
+if BACKEND != "np":
+    pytest.skip("run with NEEDLE_BACKEND=np (see the module docstring)", allow_module_level=True)
+
+from test_autograd import OP_CASES  # noqa: E402  (only under NEEDLE_BACKEND=np)
+
+
+def check_gradients_float64(fn, *arrays, seed=0, rtol=1e-6, atol=1e-7):
+    """needle's gradient of fn against central differences (eps 1e-6) in float64, in a random direction."""
+    rs = np.random.RandomState(seed)
+    tensors = [ndl.Tensor(a) for a in arrays]
+    out = fn(*tensors)
+    assert out.dtype == np.float64
+    projection = rs.randn(*out.shape)
+    (out * ndl.Tensor(projection, requires_grad=False)).sum().backward()
+
+    def scalar(*xs):
+        return float((fn(*[ndl.Tensor(x) for x in xs]).numpy() * projection).sum())
+
+    numeric = numerical_gradient(scalar, [a.copy() for a in arrays], eps=1e-6)
+    for i, (t, g) in enumerate(zip(tensors, numeric)):
+        assert t.grad is not None, f"input {i} got no gradient"
+        assert t.grad.dtype == np.float64 and isinstance(t.grad.realize_cached_data(), np.ndarray)
+        np.testing.assert_allclose(t.grad.numpy(), g, rtol=rtol, atol=atol, err_msg=f"gradient of input {i}")
+    return out
+
+
+@pytest.mark.parametrize("name", list(OP_CASES))
+def test_op_gradient_float64(name):
+    case = OP_CASES[name]
+    arrays = case.make(np.random.default_rng(sum(map(ord, name))))
+    out = check_gradients_float64(case.fn, *arrays)
+    if case.ref is not None:
+        np.testing.assert_allclose(out.numpy(), case.ref(*arrays), rtol=1e-12, atol=1e-12)
+
+
+def test_float64_stays_float64_and_values_are_numpy():
+    x = ndl.Tensor(np.array([[1.0, 2.0]], dtype=np.float64))
+    assert x.dtype == np.float64 and type(x.realize_cached_data()) is np.ndarray
+    assert ndl.Tensor(np.ones(2, dtype=np.float32)).dtype == np.float32
+    y = (x * x).sum()
+    assert y.dtype == np.float64 and isinstance(y.realize_cached_data(), np.ndarray)
+    y.backward()
+    assert x.grad.dtype == np.float64
+    np.testing.assert_array_equal(x.grad.numpy(), [[2.0, 4.0]])
+
+
+def test_course_style_finite_differences_perturb_cached_data_in_place():
+    rng = np.random.default_rng(0)
+    a = ndl.Tensor(rng.standard_normal((3, 4)))
+    b = ndl.Tensor(rng.standard_normal((4, 2)))
+
+    def f():
+        return float(ndl.tanh(a @ b).sum().numpy())
+
+    ndl.tanh(a @ b).sum().backward()
+    data = a.realize_cached_data()
+    assert data.flags.writeable
+    numeric = np.zeros(a.shape)
+    for j in range(data.size):
+        data.flat[j] += 1e-6
+        plus = f()
+        data.flat[j] -= 2e-6
+        minus = f()
+        data.flat[j] += 1e-6
+        numeric.flat[j] = (plus - minus) / 2e-6
+    np.testing.assert_allclose(a.grad.numpy(), numeric, rtol=1e-6, atol=1e-8)

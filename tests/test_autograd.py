@@ -1,0 +1,586 @@
+"""The graph core: every op's gradient against central differences, and the course's autograd behaviours.
+
+`OP_CASES` is one table of gradient cases, at least one per op class in `needle.ops` (a test checks that none is
+missing). `test_op_gradient` runs each case in float32 on every NDArray device through `conftest.check_gradients`;
+`np_backend_checks.py` runs the same table in float64 under NEEDLE_BACKEND=np (eps 1e-6, tolerance ~1e-6), which
+`test_float64_oracle_under_np_backend` launches in a subprocess, because NEEDLE_BACKEND is read at import.
+"""
+import gc
+import os
+import subprocess
+import sys
+from collections import namedtuple
+
+import numpy as np
+import pytest
+
+import needle as ndl
+from needle import autograd, ops
+from needle import backend_ndarray as nd
+
+from conftest import DEVICES, check_gradients, numerical_gradient
+
+REPO = os.path.join(os.path.dirname(__file__), "..")
+
+# op: the op class name the case covers; fn: Tensors -> Tensor; make(rng) -> the input arrays (float64);
+# ref: the forward in NumPy (None where the forward is checked elsewhere, e.g. test_ndarray.py).
+OpCase = namedtuple("OpCase", "op fn make ref")
+
+
+def _n(*shape):
+    return lambda rng: rng.standard_normal(shape)
+
+
+def _pos(*shape):
+    return lambda rng: rng.uniform(0.5, 2.0, shape)
+
+
+def _nonzero(*shape):
+    # |x| >= 0.3: away from the kinks of relu and the pole of 1/x
+    return lambda rng: rng.uniform(0.3, 1.5, shape) * rng.choice([-1.0, 1.0], shape)
+
+
+def _inputs(*makers):
+    return lambda rng: [m(rng) for m in makers]
+
+
+def _conv_ref(z, w, stride, padding):
+    z = np.pad(z, ((0, 0), (padding, padding), (padding, padding), (0, 0)))
+    N, H, W, _ = z.shape
+    K, _, _, C_out = w.shape
+    Ho, Wo = (H - K) // stride + 1, (W - K) // stride + 1
+    out = np.zeros((N, Ho, Wo, C_out))
+    for i in range(K):
+        for j in range(K):
+            out += z[:, i:i + stride * Ho:stride, j:j + stride * Wo:stride, :] @ w[i, j]
+    return out
+
+
+def _lse_ref(axes):
+    def ref(z):
+        m = z.max(axis=axes, keepdims=True)
+        return (np.log(np.exp(z - m).sum(axis=axes, keepdims=True)) + m).squeeze(axis=axes)
+    return ref
+
+
+def _gather(ids):
+    def fn(table):
+        return ops.gather_rows(table, ndl.Tensor(np.array(ids, dtype=np.float64), device=table.device,
+                                                  requires_grad=False))
+    return fn
+
+
+def _scatter(ids, num_rows):
+    def fn(rows):
+        return ops.scatter_add_rows(rows, ndl.Tensor(np.array(ids, dtype=np.float64), device=rows.device,
+                                                     requires_grad=False), num_rows)
+    return fn
+
+
+def _pick(ids):
+    def fn(a):
+        return ops.pick_columns(a, ndl.Tensor(np.array(ids, dtype=np.float64), device=a.device, requires_grad=False))
+    return fn
+
+
+def _scatter_columns(ids, num_cols):
+    def fn(values):
+        return ops.scatter_columns(values, ndl.Tensor(np.array(ids, dtype=np.float64), device=values.device,
+                                                      requires_grad=False), num_cols)
+    return fn
+
+
+def _split_combine(a):
+    parts = ndl.split(a, 1)
+    return parts[0] * 2.0 + parts[1] * parts[2] - parts[3]
+
+
+def _tuple_items(a, b):
+    t = ndl.make_tuple(a, b)
+    first = ops.TupleGetItem(0)(t, fold_const=False)  # no folding: the TupleGetItem node itself is differentiated
+    second = ops.TupleGetItem(1)(t, fold_const=False)
+    return first * second + first
+
+
+def _conv_case(N, H, C, C_out, K, stride, padding):
+    return OpCase("Conv", lambda z, w: ndl.conv(z, w, stride=stride, padding=padding),
+                  _inputs(_n(N, H, H, C), _n(K, K, C, C_out)),
+                  lambda z, w: _conv_ref(z, w, stride, padding))
+
+
+OP_CASES = {
+    "add": OpCase("EWiseAdd", lambda a, b: a + b, _inputs(_n(3, 4), _n(3, 4)), lambda a, b: a + b),
+    "add_fn": OpCase("EWiseAdd", ndl.add, _inputs(_n(2, 3, 2), _n(2, 3, 2)), lambda a, b: a + b),
+    "add_scalar": OpCase("AddScalar", lambda a: a + 1.5, _inputs(_n(3, 4)), lambda a: a + 1.5),
+    "add_scalar_fn": OpCase("AddScalar", lambda a: ndl.add_scalar(a, -2), _inputs(_n(5,)), lambda a: a - 2),
+    "sub": OpCase("Negate", lambda a, b: a - b, _inputs(_n(3, 4), _n(3, 4)), lambda a, b: a - b),
+    "rsub": OpCase("AddScalar", lambda a: 2.0 - a, _inputs(_n(3, 4)), lambda a: 2 - a),
+    "mul": OpCase("EWiseMul", lambda a, b: a * b, _inputs(_n(3, 4), _n(3, 4)), lambda a, b: a * b),
+    "mul_self": OpCase("EWiseMul", lambda a: a * a, _inputs(_n(3, 4)), lambda a: a * a),
+    "mul_scalar": OpCase("MulScalar", lambda a: 3 * a, _inputs(_n(3, 4)), lambda a: 3 * a),
+    "mul_scalar_fn": OpCase("MulScalar", lambda a: ndl.mul_scalar(a, -0.5), _inputs(_n(4,)), lambda a: -0.5 * a),
+    "power": OpCase("EWisePow", ndl.power, _inputs(_pos(3, 4), _n(3, 4)), np.power),
+    "power_scalar": OpCase("PowerScalar", lambda a: a**3, _inputs(_n(3, 4)), lambda a: a**3),
+    "power_scalar_neg": OpCase("PowerScalar", lambda a: ndl.power_scalar(a, -1.5), _inputs(_pos(3, 4)),
+                               lambda a: a**-1.5),
+    "power_scalar_half": OpCase("PowerScalar", lambda a: a**0.5, _inputs(_pos(2, 5)), np.sqrt),
+    "divide": OpCase("EWiseDiv", lambda a, b: a / b, _inputs(_n(3, 4), _nonzero(3, 4)), lambda a, b: a / b),
+    "divide_fn": OpCase("EWiseDiv", ndl.divide, _inputs(_nonzero(2, 3), _nonzero(2, 3)), lambda a, b: a / b),
+    "divide_scalar": OpCase("DivScalar", lambda a: a / 4.0, _inputs(_n(3, 4)), lambda a: a / 4),
+    "divide_scalar_fn": OpCase("DivScalar", lambda a: ndl.divide_scalar(a, -3), _inputs(_n(3,)), lambda a: a / -3),
+    "negate": OpCase("Negate", lambda a: -a, _inputs(_n(3, 4)), lambda a: -a),
+    "negate_fn": OpCase("Negate", ndl.negate, _inputs(_n(2, 2)), lambda a: -a),
+    "matmul": OpCase("MatMul", lambda a, b: a @ b, _inputs(_n(3, 4), _n(4, 5)), np.matmul),
+    "matmul_vector_like": OpCase("MatMul", ndl.matmul, _inputs(_n(1, 7), _n(7, 1)), np.matmul),
+    "matmul_batched": OpCase("MatMul", ndl.matmul, _inputs(_n(2, 3, 4), _n(2, 4, 5)), np.matmul),
+    "matmul_broadcast_lhs": OpCase("MatMul", ndl.matmul, _inputs(_n(6, 6, 5, 4), _n(4, 3)), np.matmul),
+    "matmul_broadcast_rhs": OpCase("MatMul", ndl.matmul, _inputs(_n(5, 4), _n(6, 6, 4, 3)), np.matmul),
+    "matmul_broadcast_ones": OpCase("MatMul", ndl.matmul, _inputs(_n(2, 1, 3, 4), _n(3, 4, 2)), np.matmul),
+    "summation_all": OpCase("Summation", ndl.summation, _inputs(_n(3, 4, 5)), np.sum),
+    "summation_int": OpCase("Summation", lambda a: ndl.summation(a, axes=1), _inputs(_n(3, 4, 5)),
+                            lambda a: a.sum(axis=1)),
+    "summation_neg": OpCase("Summation", lambda a: a.sum(-1), _inputs(_n(3, 4, 5)), lambda a: a.sum(axis=-1)),
+    "summation_tuple": OpCase("Summation", lambda a: ndl.summation(a, axes=(0, 2)), _inputs(_n(3, 4, 5)),
+                              lambda a: a.sum(axis=(0, 2))),
+    "summation_tuple_unsorted": OpCase("Summation", lambda a: ndl.summation(a, axes=(2, 0)),
+                                       _inputs(_n(3, 4, 5)), lambda a: a.sum(axis=(0, 2))),
+    "broadcast_cols": OpCase("BroadcastTo", lambda a: ndl.broadcast_to(a, (3, 4)), _inputs(_n(3, 1)),
+                             lambda a: np.broadcast_to(a, (3, 4))),
+    "broadcast_rows": OpCase("BroadcastTo", lambda a: a.broadcast_to((3, 4)), _inputs(_n(1, 4)),
+                             lambda a: np.broadcast_to(a, (3, 4))),
+    "broadcast_lead": OpCase("BroadcastTo", lambda a: ndl.broadcast_to(a, (2, 3, 4)), _inputs(_n(4,)),
+                             lambda a: np.broadcast_to(a, (2, 3, 4))),
+    "broadcast_mixed": OpCase("BroadcastTo", lambda a: ndl.broadcast_to(a, (4, 2, 5, 3)), _inputs(_n(2, 1, 3)),
+                              lambda a: np.broadcast_to(a, (4, 2, 5, 3))),
+    "broadcast_same": OpCase("BroadcastTo", lambda a: ndl.broadcast_to(a, (1, 3)), _inputs(_n(1, 3)),
+                             lambda a: a),
+    "reshape": OpCase("Reshape", lambda a: ndl.reshape(a, (2, 6)), _inputs(_n(3, 4)), lambda a: a.reshape(2, 6)),
+    "reshape_method": OpCase("Reshape", lambda a: a.reshape((4, 6)), _inputs(_n(2, 3, 4)),
+                             lambda a: a.reshape(4, 6)),
+    "reshape_of_transpose": OpCase("Reshape", lambda a: ndl.reshape(ndl.transpose(a), (12,)),
+                                   _inputs(_n(3, 4)), lambda a: a.T.reshape(12)),
+    "transpose_default": OpCase("Transpose", ndl.transpose, _inputs(_n(2, 3, 4)), lambda a: a.swapaxes(1, 2)),
+    "transpose_pair": OpCase("Transpose", lambda a: ndl.transpose(a, (0, 2)), _inputs(_n(2, 3, 4)),
+                             lambda a: a.swapaxes(0, 2)),
+    "transpose_method": OpCase("Transpose", lambda a: a.transpose((1, 0)), _inputs(_n(3, 5)), lambda a: a.T),
+    "log": OpCase("Log", ndl.log, _inputs(_pos(3, 4)), np.log),
+    "exp": OpCase("Exp", ndl.exp, _inputs(_n(3, 4)), np.exp),
+    "relu": OpCase("ReLU", ndl.relu, _inputs(_nonzero(3, 4)), lambda a: np.maximum(a, 0)),
+    "tanh": OpCase("Tanh", ndl.tanh, _inputs(_n(3, 4)), np.tanh),
+    "sigmoid": OpCase("Sigmoid", ndl.sigmoid, _inputs(_n(3, 4)), lambda a: 1 / (1 + np.exp(-a))),
+    "logsumexp_all": OpCase("LogSumExp", ndl.logsumexp, _inputs(_n(3, 4, 5)), _lse_ref(None)),
+    "logsumexp_int": OpCase("LogSumExp", lambda a: ndl.logsumexp(a, axes=1), _inputs(_n(3, 4, 5)), _lse_ref(1)),
+    "logsumexp_tuple": OpCase("LogSumExp", lambda a: ndl.logsumexp(a, axes=(0, 2)), _inputs(_n(3, 4, 5)),
+                              _lse_ref((0, 2))),
+    "logsumexp_large": OpCase("LogSumExp", lambda a: ndl.logsumexp(a * 100.0, axes=(1,)), _inputs(_n(2, 4)),
+                              lambda a: _lse_ref(1)(a * 100)),
+    "logsoftmax": OpCase("LogSoftmax", ndl.logsoftmax, _inputs(_n(4, 5)),
+                         lambda a: a - _lse_ref(1)(a)[:, None]),
+    "stack_0": OpCase("Stack", lambda a, b, c: ndl.stack([a, b, c], 0), _inputs(_n(3, 4), _n(3, 4), _n(3, 4)),
+                      lambda a, b, c: np.stack([a, b, c], 0)),
+    "stack_2": OpCase("Stack", lambda a, b: ndl.stack([a, b * b], 2), _inputs(_n(3, 4), _n(3, 4)),
+                      lambda a, b: np.stack([a, b * b], 2)),
+    "stack_make_tuple": OpCase("MakeTensorTuple", lambda a, b: ndl.stack([a, b], 1), _inputs(_n(2, 3), _n(2, 3)),
+                               lambda a, b: np.stack([a, b], 1)),
+    "split": OpCase("Split", _split_combine, _inputs(_n(3, 4, 2)),
+                    lambda a: a[:, 0] * 2 + a[:, 1] * a[:, 2] - a[:, 3]),
+    "split_get_item": OpCase("TupleGetItem", lambda a: ndl.tuple_get_item(ndl.split(a, 0), 1),
+                             _inputs(_n(3, 2)), lambda a: a[1]),
+    "tuple_items": OpCase("TupleGetItem", _tuple_items, _inputs(_n(2, 3), _n(2, 3)), lambda a, b: a * b + a),
+    "flip_0": OpCase("Flip", lambda a: ndl.flip(a, (0,)), _inputs(_n(3, 4)), lambda a: np.flip(a, 0)),
+    "flip_12": OpCase("Flip", lambda a: ndl.flip(a, (1, 2)), _inputs(_n(2, 3, 4)), lambda a: np.flip(a, (1, 2))),
+    "dilate_01": OpCase("Dilate", lambda a: ndl.dilate(a, (0, 1), 1), _inputs(_n(3, 2)), None),
+    "dilate_1": OpCase("Dilate", lambda a: ndl.dilate(a, (1,), 2), _inputs(_n(2, 3, 2)), None),
+    "undilate_0": OpCase("UnDilate", lambda a: ndl.undilate(a, (0,), 1), _inputs(_n(6, 4)), lambda a: a[::2]),
+    "undilate_01": OpCase("UnDilate", lambda a: ndl.undilate(a, (0, 1), 2), _inputs(_n(6, 6)),
+                          lambda a: a[::3, ::3]),
+    "pad": OpCase("Pad", lambda a: ops.pad(a, ((1, 0), (0, 2))), _inputs(_n(3, 4)),
+                  lambda a: np.pad(a, ((1, 0), (0, 2)))),
+    "slice": OpCase("Slice", lambda a: ops.slice_window(a, (1, 0, 2), (2, 3, 2)), _inputs(_n(4, 3, 5)),
+                    lambda a: a[1:3, 0:3, 2:4]),
+    "conv_k3": _conv_case(2, 5, 3, 4, 3, 1, 0),
+    "conv_k3_p1": _conv_case(2, 5, 3, 4, 3, 1, 1),
+    "conv_k1": _conv_case(1, 4, 2, 3, 1, 1, 0),
+    "conv_k5_p2": _conv_case(1, 5, 1, 2, 5, 1, 2),
+    "conv_k2_even": _conv_case(1, 5, 2, 2, 2, 1, 1),
+    "conv_s2_odd_p1": _conv_case(1, 7, 2, 3, 3, 2, 1),
+    "conv_s2_odd_p0": _conv_case(2, 7, 2, 2, 3, 2, 0),
+    "conv_s2_even": _conv_case(1, 6, 2, 2, 3, 2, 1),
+    "conv_s3": _conv_case(1, 8, 2, 2, 3, 3, 1),
+    "gather_rows": OpCase("GatherRows", _gather([4, 0, 4, 2]), _inputs(_n(5, 3)),
+                          lambda t: t[[4, 0, 4, 2]]),
+    "scatter_add_rows": OpCase("ScatterAddRows", _scatter([1, 0, 1, 3], 5), _inputs(_n(4, 3)), None),
+    "pick_columns": OpCase("PickColumns", _pick([2, 0, 4, 2]), _inputs(_n(4, 5)),
+                           lambda a: a[np.arange(4), [2, 0, 4, 2]]),
+    "scatter_columns": OpCase("ScatterColumns", _scatter_columns([2, 0, 4, 2], 5), _inputs(_n(4,)), None),
+    "composite": OpCase("EWiseMul", lambda a, b: ndl.logsoftmax(ndl.relu(a @ b) * (a @ b)) + ndl.tanh(a @ b),
+                        _inputs(_n(3, 4), _n(4, 5)), None),
+}
+
+
+def test_every_op_class_has_a_gradient_case():
+    op_classes = {name for name in dir(ops) if isinstance(getattr(ops, name), type)
+                  and issubclass(getattr(ops, name), autograd.Op)}
+    assert {"EWiseAdd", "Conv", "MakeTensorTuple", "TupleGetItem", "GatherRows"} <= op_classes
+    assert op_classes - {case.op for case in OP_CASES.values()} == set()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", list(OP_CASES))
+def test_op_gradient(device, name):
+    case = OP_CASES[name]
+    arrays = case.make(np.random.default_rng(sum(map(ord, name))))
+    out = check_gradients(case.fn, *arrays, device=device)
+    assert out.device == device and out.dtype == "float32"
+    if case.ref is not None:
+        expected = case.ref(*[a.astype(np.float32).astype(np.float64) for a in arrays])
+        np.testing.assert_allclose(out.numpy(), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_float64_oracle_under_np_backend():
+    """Run np_backend_checks.py (the OP_CASES in float64, eps 1e-6) in a fresh interpreter with NEEDLE_BACKEND=np."""
+    env = dict(os.environ, NEEDLE_BACKEND="np")
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", os.path.join("tests", "np_backend_checks.py")],
+        check=False, cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+    )
+    summary = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else ""
+    assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-2000:]
+    assert " passed" in summary and "skipped" not in summary and "failed" not in summary, summary
+
+
+def test_op_errors_are_value_and_type_errors():
+    a = ndl.Tensor(np.ones((2, 3)))
+    b = ndl.Tensor(np.ones((3, 2)))
+    for bad in [lambda: a + b, lambda: a * b, lambda: a / b, lambda: a**b, lambda: a @ a,
+                lambda: ndl.summation(a, axes=2), lambda: ndl.logsumexp(a, axes=(0, 3)),
+                lambda: ndl.reshape(a, (4, 2)), lambda: ndl.broadcast_to(a, (3, 3)),
+                lambda: ndl.transpose(a, (0, 2)), lambda: ndl.stack([a, b], 0), lambda: ops.pad(a, ((1, 1),)),
+                lambda: ops.slice_window(a, (1, 0), (2, 3)), lambda: ndl.conv(a, b)]:
+        with pytest.raises(ValueError):
+            bad()
+    with pytest.raises(TypeError):
+        ops.EWiseAdd()(a, np.ones((2, 3)))
+    with pytest.raises(TypeError):
+        ops.TupleGetItem(0)(a)
+
+
+# ----- the course's graph API -------------------------------------------------------------------------------------
+def test_find_topo_sort_post_order():
+    a1 = ndl.Tensor(np.asarray([[0.88282157]]))
+    b1 = ndl.Tensor(np.asarray([[0.90170084]]))
+    s1 = 3 * a1
+    m1 = s1 * a1
+    s2 = 4 * b1
+    m2 = s2 * a1
+    x = m1 + m2
+    c1 = x - a1  # c1 = 3 * a1 * a1 + 4 * b1 * a1 - a1
+    neg = c1.inputs[1]
+    order = autograd.find_topo_sort([c1])
+    assert [id(n) for n in order] == [id(n) for n in [a1, s1, m1, b1, s2, m2, x, neg, c1]]
+    expected = [[[0.88282157]], [[2.64846471]], [[2.33812177]], [[0.90170084]], [[3.60680336]], [[3.1841638]],
+                [[5.52228558]], [[-0.88282157]], [[4.63946401]]]
+    np.testing.assert_allclose([n.numpy() for n in order], expected, rtol=1e-6)
+    # several roots and a shared node: each node once, in first-visit post-order
+    d = ndl.exp(a1)
+    e = d + d
+    f = d * b1
+    order = autograd.find_topo_sort([e, f])
+    assert [id(n) for n in order] == [id(n) for n in [a1, d, e, b1, f]]
+
+
+def test_operator_overloads_build_the_course_graph():
+    a = ndl.Tensor(np.ones((2, 2)))
+    b = ndl.Tensor(np.ones((2, 2)))
+    diff = a - b
+    assert isinstance(diff.op, ops.EWiseAdd) and diff.inputs[0] is a
+    assert isinstance(diff.inputs[1].op, ops.Negate) and diff.inputs[1].inputs[0] is b
+    three_a = 3 * a
+    assert isinstance(three_a.op, ops.MulScalar) and three_a.op.scalar == 3 and three_a.inputs == (a,)
+    plus = a + 1.5
+    assert isinstance(plus.op, ops.AddScalar) and plus.op.scalar == 1.5 and plus.inputs == (a,)
+    assert len(autograd.find_topo_sort([plus])) == 2 and len(autograd.find_topo_sort([three_a])) == 2
+    rsub = 2 - a
+    assert isinstance(rsub.op, ops.AddScalar) and isinstance(rsub.inputs[0].op, ops.Negate)
+    np.testing.assert_array_equal(rsub.numpy(), np.ones((2, 2)))
+    assert isinstance((a / b).op, ops.EWiseDiv) and isinstance((a / 2).op, ops.DivScalar)
+    assert isinstance((a ** b).op, ops.EWisePow) and isinstance((a ** 2).op, ops.PowerScalar)
+    assert isinstance((a @ b).op, ops.MatMul) and isinstance((-a).op, ops.Negate)
+    assert isinstance((1.5 + a).op, ops.AddScalar) and isinstance((a * b).op, ops.EWiseMul)
+
+
+def test_gradients_are_differentiable_second_derivative():
+    """x.grad is a Tensor in a graph: differentiating it again gives the Hessian-vector product."""
+    rng = np.random.default_rng(1)
+    x0 = rng.uniform(0.3, 1.2, (2, 3))
+    v = rng.standard_normal((2, 3))
+
+    def grad_dot_v(x_values):  # <∇f(x), v> with f(x) = Σ x³ tanh(x)
+        x = ndl.Tensor(x_values.astype(np.float32), device=nd.cpu_numpy())
+        (x * x * x * ndl.tanh(x)).sum().backward()
+        return x, (x.grad * ndl.Tensor(v.astype(np.float32), device=nd.cpu_numpy(), requires_grad=False)).sum()
+
+    x, s = grad_dot_v(x0)
+    first = x.grad.numpy()
+    t = np.tanh(x0)
+    np.testing.assert_allclose(first, 3 * x0**2 * t + x0**3 * (1 - t**2), rtol=1e-5)
+    assert x.grad.requires_grad and not x.grad.is_leaf()
+    s.backward()  # x.grad is now H v
+    numeric = numerical_gradient(lambda xv: float(grad_dot_v(xv)[1].numpy()), [x0.copy()], eps=1e-3)[0]
+    np.testing.assert_allclose(x.grad.numpy(), numeric, rtol=1e-2, atol=1e-3)
+    assert not np.allclose(x.grad.numpy(), first)
+
+
+def test_x_grad_backward_simple():
+    x = ndl.Tensor([[1.0, 2.0, 3.0]])
+    (x * x * x).sum().backward()  # 3x²
+    np.testing.assert_allclose(x.grad.numpy(), [[3.0, 12.0, 27.0]])
+    x.grad.backward()  # Σ 3x² -> 6x
+    np.testing.assert_allclose(x.grad.numpy(), [[6.0, 12.0, 18.0]])
+
+
+def test_backward_replaces_grad_and_non_scalar_output_gets_ones():
+    x = ndl.Tensor(np.arange(6.0).reshape(2, 3))
+    y = x * 2.0
+    y.backward()  # non-scalar: implicit ones
+    np.testing.assert_array_equal(x.grad.numpy(), np.full((2, 3), 2.0))
+    y.backward()  # again: replaced, not accumulated
+    np.testing.assert_array_equal(x.grad.numpy(), np.full((2, 3), 2.0))
+    y.backward(ndl.Tensor(np.arange(6.0).reshape(2, 3), requires_grad=False))
+    np.testing.assert_array_equal(x.grad.numpy(), 2 * np.arange(6.0).reshape(2, 3))
+    z = (x * x).sum()
+    z.backward()
+    np.testing.assert_array_equal(x.grad.numpy(), 2 * np.arange(6.0).reshape(2, 3))
+
+
+def test_gradient_of_a_shared_input_sums_its_uses():
+    x = ndl.Tensor([2.0, -1.0])
+    w = ndl.Tensor([3.0, 4.0], requires_grad=False)
+    y = (x * w + x * x + ndl.exp(x)).sum()
+    y.backward()
+    np.testing.assert_allclose(x.grad.numpy(), [3 + 4 + np.exp(2.0), 4 - 2 + np.exp(-1.0)], rtol=1e-6)
+    assert w.grad is None
+
+
+def test_gradient_as_tuple_is_callable_on_any_node():
+    a = ndl.Tensor(np.ones((2, 3)))
+    b = ndl.Tensor(np.full((3, 4), 2.0))
+    c = a @ b
+    grads = c.op.gradient_as_tuple(ndl.Tensor(np.ones((2, 4)), requires_grad=False), c)
+    assert isinstance(grads, tuple) and len(grads) == 2
+    np.testing.assert_array_equal(grads[0].numpy(), np.full((2, 3), 8.0))
+    np.testing.assert_array_equal(grads[1].numpy(), np.full((3, 4), 2.0))
+    neg = -a
+    assert len(neg.op.gradient_as_tuple(ndl.Tensor(np.ones((2, 3))), neg)) == 1
+
+
+def test_tensor_counter_returns_to_baseline():
+    gc.collect()
+    baseline = autograd.TENSOR_COUNTER
+    x = ndl.Tensor(np.ones((3, 4)))
+    w = ndl.Tensor(np.ones((4, 2)))
+    loss = ndl.logsumexp(ndl.relu(x @ w), axes=1).sum()
+    loss.backward()
+    assert autograd.TENSOR_COUNTER > baseline + 4
+    del x, w, loss
+    gc.collect()
+    assert autograd.TENSOR_COUNTER == baseline
+    # a constructor that raises counts nothing
+    for bad in [lambda: ndl.Tensor(np.ones(3), dtype="float64"), lambda: ndl.Tensor(np.array(["a"])),
+                lambda: ndl.Tensor(np.ones(3)) + ndl.Tensor(np.ones(4))]:
+        with pytest.raises((TypeError, ValueError)):
+            bad()
+    gc.collect()
+    assert autograd.TENSOR_COUNTER == baseline
+
+
+def test_tensor_construction_and_dtypes():
+    for value in [np.ones((2, 3)), np.ones((2, 3), dtype=np.float64), np.ones((2, 3), dtype=np.int64),
+                  [[1, 2, 3], [4, 5, 6]], nd.array(np.ones((2, 3)))]:
+        t = ndl.Tensor(value)
+        assert t.dtype == "float32" and t.shape == (2, 3) and isinstance(t.cached_data, nd.NDArray)
+        assert t.is_leaf() and t.requires_grad and t.device == ndl.default_device()
+    s = ndl.Tensor(2.5)
+    assert s.shape == () and s.numpy() == np.float32(2.5)
+    assert ndl.Tensor(np.float32(1.5)).shape == ()
+    t = ndl.Tensor(np.ones(3), device=ndl.cpu_numpy(), requires_grad=False)
+    assert t.device == ndl.cpu_numpy() and not t.requires_grad
+    copy = ndl.Tensor(t)
+    assert copy.device == t.device and copy.numpy().tolist() == [1, 1, 1]
+    with pytest.raises(TypeError):
+        ndl.Tensor(np.ones(3), dtype="float64")
+    if ndl.cpu().enabled():
+        moved = ndl.Tensor(t, device=ndl.cpu())
+        assert moved.device == ndl.cpu() and moved.numpy().tolist() == [1, 1, 1]
+    assert isinstance(t.numpy(), np.ndarray) and np.asarray(t).dtype == np.float32
+
+
+def test_detach_and_data_setter():
+    x = ndl.Tensor(np.arange(4.0))
+    y = x * 2
+    d = y.detach()
+    assert d.is_leaf() and not d.requires_grad and d.op is None and d.inputs == ()
+    np.testing.assert_array_equal(d.numpy(), [0, 2, 4, 6])
+    data = x.data
+    assert data.is_leaf() and not data.requires_grad
+    x.data = ndl.Tensor(np.ones(4))
+    np.testing.assert_array_equal(x.numpy(), np.ones(4))
+    np.testing.assert_array_equal(data.numpy(), np.arange(4.0))  # the old data did not change
+    assert x.requires_grad and x.is_leaf()
+    with pytest.raises(TypeError):
+        x.data = np.ones(4)
+    z = (x * 3).sum()
+    z.backward()
+    np.testing.assert_array_equal(x.grad.numpy(), np.full(4, 3.0))
+
+
+def test_requires_grad_false_inputs_make_constants():
+    a = ndl.Tensor(np.ones(3), requires_grad=False)
+    b = a * 2 + 1
+    assert not b.requires_grad and b.is_leaf()  # eager mode: no graph kept for constants
+    np.testing.assert_array_equal(b.numpy(), np.full(3, 3.0))
+
+
+# ----- LAZY_MODE ----------------------------------------------------------------------------------------------------
+def _mlp_step(device, counter=None):
+    rng = np.random.default_rng(7)
+    X = ndl.Tensor(rng.standard_normal((8, 5)), device=device, requires_grad=False)
+    W1 = ndl.Tensor(rng.standard_normal((5, 6)), device=device)
+    b1 = ndl.Tensor(rng.standard_normal((1, 6)), device=device)
+    W2 = ndl.Tensor(rng.standard_normal((6, 3)), device=device)
+    h = ndl.relu(X @ W1 + ndl.broadcast_to(b1, (8, 6)))
+    logits = ndl.tanh(h) @ W2
+    loss = (ndl.logsumexp(logits, axes=1) - ndl.logsoftmax(logits).sum(axes=1) / 3).sum() / 8
+    return loss, h, logits, (W1, b1, W2)
+
+
+class _ComputeCounter:
+    """Counts Op.compute calls, per op class, by wrapping every op class's compute."""
+
+    def __init__(self, monkeypatch):
+        self.calls = {}
+        for name in ops.__all__:
+            cls = getattr(ops, name)
+            if isinstance(cls, type) and issubclass(cls, autograd.Op) and "compute" in vars(cls):
+                monkeypatch.setattr(cls, "compute", self._wrap(name, vars(cls)["compute"]))
+
+    def _wrap(self, name, compute):
+        def counted(op, *args):
+            self.calls[name] = self.calls.get(name, 0) + 1
+            return compute(op, *args)
+        return counted
+
+    def total(self):
+        return sum(self.calls.values())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_lazy_and_eager_give_identical_numbers(device, monkeypatch):
+    results = {}
+    for lazy in (False, True):
+        monkeypatch.setattr(autograd, "LAZY_MODE", lazy)
+        counter = _ComputeCounter(monkeypatch)
+        loss, h, logits, params = _mlp_step(device)
+        if lazy:  # nothing computed until needed
+            assert counter.total() == 0
+            assert loss.cached_data is None and h.cached_data is None and logits.cached_data is None
+        else:
+            assert loss.cached_data is not None and counter.total() > 0
+        loss.backward()
+        results[lazy] = [loss.numpy()] + [p.grad.numpy() for p in params]
+        monkeypatch.undo()
+    for eager_value, lazy_value in zip(results[False], results[True]):
+        assert np.array_equal(eager_value, lazy_value)
+    assert autograd.LAZY_MODE is False
+
+
+def test_lazy_mode_context_manager_and_realize():
+    with autograd.lazy_mode():
+        assert autograd.LAZY_MODE is True
+        x = ndl.Tensor(np.array([1.0, 2.0]), requires_grad=False)
+        y = ndl.exp(x) + 1.0
+        assert y.cached_data is None and y.inputs[0].cached_data is None
+        assert y.shape == (2,)  # shape needs the value: realized here
+        np.testing.assert_allclose(y.numpy(), np.exp([1.0, 2.0]) + 1, rtol=1e-6)
+        assert y.cached_data is not None
+    assert autograd.LAZY_MODE is False
+    with pytest.raises(ZeroDivisionError), autograd.lazy_mode():
+        raise ZeroDivisionError
+    assert autograd.LAZY_MODE is False
+
+
+# ----- deep graphs: iterative traversals, linear work ------------------------------------------------------------
+@pytest.mark.parametrize("lazy", [False, True])
+def test_deep_chain_100k_ops_forward_and_backward(lazy, monkeypatch):
+    """No RecursionError anywhere (build, realize, topo sort, backward, teardown); the backward computes one
+    gradient op per node."""
+    n = 100_000
+    monkeypatch.setattr(autograd, "LAZY_MODE", lazy)
+    counter = _ComputeCounter(monkeypatch)
+    x = ndl.Tensor(np.array([1.0, 2.0]), device=nd.cpu_numpy())
+    y = x
+    for _ in range(n):
+        y = y * 1.00001
+    assert counter.calls.get("MulScalar", 0) == (0 if lazy else n)
+    factor = float(np.float32(1.00001)) ** n  # the scalar is rounded to float32, as the data
+    np.testing.assert_allclose(y.numpy(), np.array([1.0, 2.0]) * factor, rtol=1e-3)
+    assert counter.calls["MulScalar"] == n  # realized once, in both modes
+    y.backward()
+    assert counter.calls["MulScalar"] == 2 * n  # backward: out_grad * c, once per node
+    assert counter.total() == 2 * n
+    np.testing.assert_allclose(x.grad.numpy(), np.full(2, factor), rtol=1e-3)
+    del y
+    gc.collect()
+
+
+def _chain(n):
+    """A chain of 3n ops mixing a scalar op, a pass-through gradient (add) and a new leaf at every step."""
+    x = ndl.Tensor(np.array([0.5]), device=nd.cpu_numpy())
+    y = x
+    for _ in range(n):
+        w = ndl.Tensor(np.array([1.01]), device=nd.cpu_numpy())
+        y = ndl.tanh(y * 1.5 + 1.0) * w
+    return x, y
+
+
+@pytest.mark.parametrize("lazy", [False, True])
+def test_backward_work_is_linear_in_depth(lazy, monkeypatch):
+    """Count the nodes every find_topo_sort call visits and the ops computed during backward: both grow linearly
+    with the depth (doubling the depth doubles the work), even with a leaf at every step."""
+    visited = []
+    real_topo_sort = autograd.find_topo_sort
+
+    def counting_topo_sort(node_list, expand=None):
+        order = real_topo_sort(node_list, expand)
+        visited.append(len(order))
+        return order
+
+    monkeypatch.setattr(autograd, "LAZY_MODE", lazy)
+    work = {}
+    for n in (1_000, 2_000):
+        _, y = _chain(n)
+        y.realize_cached_data()
+        num_nodes = len(real_topo_sort([y]))
+        assert num_nodes == 1 + 5 * n  # x, then one leaf and four ops per step
+        counter = _ComputeCounter(monkeypatch)
+        visited.clear()
+        monkeypatch.setattr(autograd, "find_topo_sort", counting_topo_sort)
+        y.backward()
+        monkeypatch.setattr(autograd, "find_topo_sort", real_topo_sort)
+        assert max(visited) == num_nodes  # the one full walk; every other walk is local to one step
+        assert sum(visited) <= 10 * num_nodes  # a bounded walk per step
+        assert counter.total() <= 4 * num_nodes
+        work[n] = (sum(visited), counter.total())
+    assert work[2_000][0] <= 2 * work[1_000][0] + 10
+    assert work[2_000][1] <= 2 * work[1_000][1] + 10
+
+
+def test_find_topo_sort_deep_and_wide():
+    x = ndl.Tensor(np.array([1.0]), device=nd.cpu_numpy(), requires_grad=True)
+    with autograd.lazy_mode():
+        y = x
+        for _ in range(50_000):
+            y = y + x  # every node also reaches back to the leaf
+        order = autograd.find_topo_sort([y])
+    assert len(order) == 50_001 and order[0] is x and order[-1] is y
+    np.testing.assert_array_equal(y.numpy(), [50_001.0])

@@ -1,0 +1,231 @@
+"""Memory accounting is exact: every live buffer counts 4 bytes per float32 element, views count nothing.
+
+Each test takes its own baseline after gc.collect() (other tests may hold arrays), then checks exact byte deltas
+of `memory_stats(device)` for allocations, frees, views, the temporaries inside an operation, the limit, and a
+whole training step of Tensors.
+"""
+import gc
+
+import numpy as np
+import pytest
+
+import needle as ndl
+from needle import backend_ndarray as nd
+
+from conftest import DEVICES
+
+F32 = 4
+
+
+@pytest.fixture(autouse=True)
+def _no_limit_left_behind():
+    yield
+    for device in (nd.cpu(), nd.cpu_numpy(), nd.cuda()):
+        if device.enabled():
+            nd.set_memory_limit(0, device=device)
+
+
+def stats(device):
+    gc.collect()
+    return nd.memory_stats(device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_stats_fields(device):
+    s = stats(device)
+    assert {"current_bytes", "peak_bytes", "allocations"} <= set(s)
+    assert s["peak_bytes"] >= s["current_bytes"] >= 0 and s["allocations"] >= 0
+    assert device.memory_stats() == nd.memory_stats(device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("shape", [(3, 5), (1,), (7, 1, 9), (0, 4), ()])
+def test_new_array_adds_exactly_its_bytes_and_freeing_returns_them(device, shape):
+    before = stats(device)
+    a = nd.array(np.ones(shape), device=device)
+    after = stats(device)
+    size = int(np.prod(shape))
+    assert after["current_bytes"] - before["current_bytes"] == F32 * size
+    assert after["allocations"] - before["allocations"] == 1
+    del a
+    freed = stats(device)
+    assert freed["current_bytes"] == before["current_bytes"]
+    assert freed["allocations"] == before["allocations"]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_creation_functions_allocate_once(device):
+    before = stats(device)
+    arrays = [nd.empty((4, 4), device=device), nd.full((2, 8), 1.0, device=device), device.rand(16),
+              device.randn(2, 2, 4), device.one_hot(4, [0, 1, 2, 3]), nd.zeros((16,), device=device)]
+    after = stats(device)
+    assert after["current_bytes"] - before["current_bytes"] == 6 * 16 * F32
+    assert after["allocations"] - before["allocations"] == 6
+    del arrays
+    assert stats(device)["current_bytes"] == before["current_bytes"]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_views_add_zero_bytes(device):
+    a = nd.array(np.arange(24, dtype=np.float32).reshape(2, 3, 4), device=device)
+    before = stats(device)
+    views = [a.reshape((6, 4)), a.permute((2, 0, 1)), a[:, 1:, ::2], a[1], a[-1, 2, 3:],
+             a.reshape((2, 3, 1, 4)).broadcast_to((5, 2, 3, 7, 4)), a.as_strided((4, 6), (6, 1)), a.flat,
+             nd.transpose(a, (1, 0, 2)), nd.broadcast_to(a, (3, 2, 3, 4))]
+    views.append(views[1][::-1, 1])  # a view of a view
+    after = stats(device)
+    assert after["current_bytes"] == before["current_bytes"]
+    assert after["allocations"] == before["allocations"]
+    del views
+    assert stats(device)["current_bytes"] == before["current_bytes"]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_reset_peak_sets_peak_to_current(device):
+    gc.collect()
+    nd.reset_peak_memory_stats(device)
+    s = nd.memory_stats(device)
+    assert s["peak_bytes"] == s["current_bytes"]
+    big = nd.empty((100,), device=device)
+    del big
+    gc.collect()
+    s = nd.memory_stats(device)
+    assert s["peak_bytes"] == s["current_bytes"] + 100 * F32  # the peak remembers the freed buffer
+    nd.reset_peak_memory_stats(device)
+    s = nd.memory_stats(device)
+    assert s["peak_bytes"] == s["current_bytes"]
+    small = nd.empty((3,), device=device)
+    device.reset_peak_memory_stats()
+    assert device.memory_stats()["peak_bytes"] == device.memory_stats()["current_bytes"]
+    del small
+
+
+def _peak_and_kept(device, fn):
+    """Run fn(); return (peak rise above the bytes held before, bytes still held after, fn's result)."""
+    gc.collect()
+    nd.reset_peak_memory_stats(device)
+    before = nd.memory_stats(device)["current_bytes"]
+    result = fn()
+    gc.collect()
+    s = nd.memory_stats(device)
+    return s["peak_bytes"] - before, s["current_bytes"] - before, result
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_peak_of_operations_counts_exactly_their_temporaries(device):
+    rng = np.random.default_rng(0)
+    a = nd.array(rng.standard_normal((6, 5)), device=device)
+    b = nd.array(rng.standard_normal((6, 5)), device=device)
+    n = 30 * F32
+    # compact operands: only the output
+    assert _peak_and_kept(device, lambda: a + b)[:2] == (n, n)
+    assert _peak_and_kept(device, lambda: a * 2.0)[:2] == (n, n)
+    assert _peak_and_kept(device, lambda: a.exp())[:2] == (n, n)
+    # a non-compact operand is compacted into a temporary of its size first; the temporary dies at the end
+    at = nd.array(rng.standard_normal((5, 6)), device=device).permute((1, 0))
+    assert _peak_and_kept(device, lambda: at + b)[:2] == (2 * n, n)
+    assert _peak_and_kept(device, lambda: at + at)[:2] == (3 * n, n)
+    # views cost nothing
+    assert _peak_and_kept(device, lambda: a.permute((1, 0)))[:2] == (0, 0)
+    # reducing the last axis reads the array as it is: only the (6,) output
+    assert _peak_and_kept(device, lambda: a.sum(axis=1))[:2] == (6 * F32, 6 * F32)
+    # reducing axis 0 first moves it last: a (5, 6) compact copy, then the (5,) output
+    assert _peak_and_kept(device, lambda: a.sum(axis=0))[:2] == (n + 5 * F32, 5 * F32)
+    # 2-D matmul of compact operands: the output only
+    c = nd.array(rng.standard_normal((5, 7)), device=device)
+    assert _peak_and_kept(device, lambda: a @ c)[:2] == (42 * F32, 42 * F32)
+    # setitem writes in place: nothing
+    assert _peak_and_kept(device, lambda: a.__setitem__((slice(1, 3),), 0.5))[:2] == (0, 0)
+    # compact() of a compact array is the array itself; of a view, one copy
+    assert _peak_and_kept(device, lambda: a.compact())[:2] == (0, 0)
+    assert _peak_and_kept(device, lambda: at.compact())[:2] == (n, n)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_allocations_count_live_buffers(device):
+    before = stats(device)["allocations"]
+    arrays = [nd.empty((k + 1,), device=device) for k in range(5)]
+    views = [x.reshape((1, -1)) for x in arrays]
+    assert stats(device)["allocations"] == before + 5
+    del arrays[:2]
+    assert stats(device)["allocations"] == before + 5  # the views keep two buffers alive
+    del views[:2]
+    assert stats(device)["allocations"] == before + 3
+    del arrays, views
+    assert stats(device)["allocations"] == before
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_memory_limit(device):
+    held = stats(device)["current_bytes"]
+    limit = held + 100 * F32
+    nd.set_memory_limit(limit, device=device)
+    ok = nd.empty((100,), device=device)  # exactly at the limit is allowed
+    with pytest.raises(MemoryError) as info:
+        nd.empty((30,), device=device)
+    message = str(info.value)
+    for number in (30 * F32, held + 100 * F32, limit):
+        assert str(number) in message, message
+    assert "limit" in message
+    assert stats(device)["current_bytes"] == held + 100 * F32  # the failed allocation left no trace
+    del ok
+    gc.collect()
+    c = nd.empty((30,), device=device)  # fits again
+    del c
+    nd.set_memory_limit(0, device=device)  # 0 removes the limit
+    big = nd.empty((10_000,), device=device)
+    assert stats(device)["current_bytes"] == held + 10_000 * F32
+    del big
+    assert stats(device)["current_bytes"] == held
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_memory_error_inside_an_operation_leaks_nothing(device):
+    a = nd.array(np.ones((10, 10)), device=device)
+    held = stats(device)["current_bytes"]
+    nd.set_memory_limit(held + 50 * F32, device=device)
+    with pytest.raises(MemoryError):
+        a + 1.0
+    with pytest.raises(MemoryError):
+        a.permute((1, 0)).sum(axis=1)
+    nd.set_memory_limit(0, device=device)
+    assert stats(device)["current_bytes"] == held
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_tensor_training_step_returns_to_baseline(device):
+    rng = np.random.default_rng(0)
+    baseline = stats(device)
+
+    def step():
+        X = ndl.Tensor(rng.standard_normal((8, 5)), device=device, requires_grad=False)
+        W1 = ndl.Tensor(rng.standard_normal((5, 16)), device=device)
+        W2 = ndl.Tensor(rng.standard_normal((16, 3)), device=device)
+        y = ndl.Tensor(np.eye(3)[rng.integers(0, 3, 8)], device=device, requires_grad=False)
+        logits = ndl.relu(X @ W1) @ W2
+        loss = (ndl.logsumexp(logits, axes=(1,)) - (logits * y).sum(axes=(1,))).sum() / 8
+        loss.backward()
+        assert W1.grad.shape == (5, 16) and W2.grad.shape == (16, 3)
+        W1.data = W1 - W1.grad * 0.1  # an SGD update through the data setter
+        return float(loss.numpy())
+
+    losses = [step() for _ in range(3)]
+    assert all(np.isfinite(losses))
+    after = stats(device)
+    assert after["current_bytes"] == baseline["current_bytes"]
+    assert after["allocations"] == baseline["allocations"]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_tensor_level_views_and_backward_release(device):
+    baseline = stats(device)
+    x = ndl.Tensor(np.ones((4, 6)), device=device)
+    held = stats(device)["current_bytes"]
+    assert held - baseline["current_bytes"] == 24 * F32
+    y = ndl.reshape(x, (6, 4))  # a view: no new bytes
+    t = ndl.transpose(y)
+    assert stats(device)["current_bytes"] == held
+    (t * 2.0).sum().backward()
+    np.testing.assert_array_equal(x.grad.numpy(), np.full((4, 6), 2.0))
+    del x, y, t
+    assert stats(device)["current_bytes"] == baseline["current_bytes"]
