@@ -3,6 +3,7 @@ PYTHON ?= python3
 BUILD_DIR ?= build
 BUILD_TYPE ?= Release
 JOBS ?= 2
+NEEDLE_CUDA ?= ON
 CMAKE_ARGS ?=
 
 # Re-installing is skipped while this stamp is newer than pyproject.toml and the package is still installed.
@@ -11,11 +12,12 @@ DEPS_STAMP := $(BUILD_DIR)/.deps-installed
 .PHONY: lib cuda-off install-deps deps test demo clean
 
 lib: pybind11
-	cmake -S . -B $(BUILD_DIR) -DCMAKE_BUILD_TYPE=$(BUILD_TYPE) -DPython_EXECUTABLE="$$(command -v $(PYTHON))" $(CMAKE_ARGS)
+	cmake -S . -B $(BUILD_DIR) -DCMAKE_BUILD_TYPE=$(BUILD_TYPE) -DNEEDLE_CUDA=$(NEEDLE_CUDA) \
+	  -DPython_EXECUTABLE="$$(command -v $(PYTHON))" $(CMAKE_ARGS)
 	cmake --build $(BUILD_DIR) -j$(JOBS)
 
 cuda-off:
-	$(MAKE) lib CMAKE_ARGS="$(CMAKE_ARGS) -DNEEDLE_CUDA=OFF"
+	$(MAKE) lib NEEDLE_CUDA=OFF
 
 # The in-tree build needs pybind11 in this interpreter (pip-installed if missing).
 .PHONY: pybind11

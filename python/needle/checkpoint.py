@@ -253,36 +253,41 @@ def keep_reason(node):
     return _reasons.get(node, "not annotated")
 
 
-def _buffer_key(data):
-    # Views share a buffer: count each buffer once (NDArray handle, or a numpy array's base).
+def _buffer(data):
+    """The buffer under a value: views share one (an NDArray's handle, a numpy array's base)."""
     handle = getattr(data, "_handle", None)
     if handle is not None:
-        return id(handle)
+        return handle, 4 * handle.size
     base = data
     while getattr(base, "base", None) is not None:
         base = base.base
-    return id(base)
+    return base, int(base.nbytes)
+
+
+def _buffer_key(data):
+    return id(_buffer(data)[0])
 
 
 def saved_residuals(root, exclude=()):
-    """The values held in memory by the graph above `root`, one (node, reason, bytes) per buffer.
+    """The buffers held in memory by the graph above `root`, one (node, reason, bytes) per buffer.
 
-    Like JAX's print_saved_residuals: what is kept for backward, and why. Views of one buffer count once;
+    Like JAX's print_saved_residuals: what is kept for backward, and why. Views of one buffer count once, at
+    the buffer's size (a broadcast view costs what its base costs);
     `exclude` (e.g. parameters and the batch) are left out.
     """
     from .autograd import find_topo_sort
 
-    skip = {id(n) for n in exclude}
-    seen, rows = set(), []
+    seen = {_buffer_key(n.cached_data) for n in exclude if n.cached_data is not None}  # and views of them
+    rows = []
     for node in find_topo_sort([root]):
         data = node.cached_data
-        if data is None or id(node) in skip or isinstance(data, tuple):
+        if data is None or isinstance(data, tuple):
             continue
-        key = _buffer_key(data)
-        if key in seen:
+        buffer, nbytes = _buffer(data)
+        if id(buffer) in seen:
             continue
-        seen.add(key)
-        rows.append((node, keep_reason(node), nbytes_of(data)))
+        seen.add(id(buffer))
+        rows.append((node, keep_reason(node), nbytes))
     return rows
 
 
