@@ -111,19 +111,20 @@ def find_topo_sort(node_list, expand=None):
     return order
 
 
-def _realize(target, keep):
-    """Compute `target` and every missing value it needs, in topological order; return target's value.
+def _realize(targets, keep):
+    """Compute `targets` and every missing value they need, in topological order; return their values.
 
     A computed value is kept if `keep(node)`; otherwise it is released as soon as its last consumer in this
-    realization has been computed (rule 3 of checkpoint.py).
+    realization has been computed (rule 3 of checkpoint.py). Targets are returned even if not kept.
     """
-    order = find_topo_sort([target], expand=lambda n: n.cached_data is None)
+    order = find_topo_sort(targets, expand=lambda n: n.cached_data is None)
     consumers = {}
     for node in order:
         if node.cached_data is None:
             for inp in node.inputs:
                 if inp.cached_data is None:
                     consumers[id(inp)] = consumers.get(id(inp), 0) + 1
+    target_ids = {id(t) for t in targets}
     for node in order:
         if node.cached_data is not None:
             continue
@@ -137,12 +138,13 @@ def _realize(target, keep):
             left = consumers.get(id(inp))
             if left is not None:
                 consumers[id(inp)] = left - 1
-                if left == 1 and inp is not target and not keep(inp):
+                if left == 1 and id(inp) not in target_ids and not keep(inp):
                     checkpoint.release(inp)
-    value = target.cached_data
-    if not keep(target):
-        checkpoint.release(target)
-    return value
+    values = [t.cached_data for t in targets]
+    for t in targets:
+        if not keep(t):
+            checkpoint.release(t)
+    return values
 
 
 def _keep_forward(node):
@@ -160,7 +162,7 @@ class Value:
         A dropped node's value is computed and returned but not kept.
         """
         if self.cached_data is None:
-            return _realize(self, _keep_forward)
+            return _realize([self], _keep_forward)[0]
         return self.cached_data
 
     def is_leaf(self):
@@ -400,23 +402,27 @@ def compute_gradient_of_variables(output_tensor, out_grad):
         parts = grads.pop(id(node), None)
         if parts is not None:
             plan.consume(parts)
-            grad = sum_node_list(parts)
-            grad.realize_cached_data()
             if node.is_leaf():
+                with lazy_mode(True):
+                    grad = sum_node_list(parts)
+                _realize([grad], lambda n: n is grad)
                 node.grad = grad
                 plan.release_gradient_temporaries([grad], parts, grad)
             else:
                 plan.recompute(step)
-                in_grads = node.op.gradient_as_tuple(grad, node)
+                # Built lazily and realized together, so each temporary dies as soon as it has been consumed.
+                with lazy_mode(True):
+                    grad = sum_node_list(parts)
+                    in_grads = node.op.gradient_as_tuple(grad, node)
                 if len(in_grads) != len(node.inputs):
                     raise RuntimeError(f"{type(node.op).__name__}.gradient returned {len(in_grads)} values for "
                                        f"{len(node.inputs)} inputs")
-                new = []
+                new = [g for inp, g in zip(node.inputs, in_grads) if inp.requires_grad and g is not None]
+                keep_ids = {id(g) for g in new}
+                _realize(new, lambda n: id(n) in keep_ids)
                 for inp, g in zip(node.inputs, in_grads):
                     if inp.requires_grad and g is not None:
-                        g.realize_cached_data()
                         grads.setdefault(id(inp), []).append(g)
-                        new.append(g)
                 plan.release_gradient_temporaries(new, parts, grad)
         plan.release(step)
     plan.finish()
