@@ -18,6 +18,7 @@
 #include <pybind11/stl.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -33,6 +34,7 @@
 #ifdef _OPENMP
 #include <omp.h>
 #endif
+#include <pthread.h>
 
 namespace needle {
 namespace cpu {
@@ -155,8 +157,13 @@ static void check_size(const char* fn, const char* what, size_t got, size_t expe
   }
 }
 
+// libgomp's thread pool does not survive fork(): a child that opened a parallel region would wait forever for
+// threads that exist only in the parent.  So a forked child (multiprocessing workers, say) runs single-threaded.
+static std::atomic<bool> g_forked{false};
+
 static inline int num_threads() {
 #ifdef _OPENMP
+  if (g_forked.load(std::memory_order_relaxed)) return 1;
   return omp_get_max_threads();  // OMP_NUM_THREADS, default: number of cores
 #else
   return 1;
@@ -347,8 +354,9 @@ static void ewise_binary(const char* fn, const Array& a, const Array& b, Array& 
   const scalar_t* pb = b.ptr;
   scalar_t* po = out.ptr;
   const int64_t n = static_cast<int64_t>(a.size);
-  if (expensive && a.size >= PARALLEL_TRANSCENDENTAL) {
-#pragma omp parallel for schedule(static)
+  const int nthreads = expensive && a.size >= PARALLEL_TRANSCENDENTAL ? num_threads() : 1;
+  if (nthreads > 1) {
+#pragma omp parallel for schedule(static) num_threads(nthreads)
     for (int64_t i = 0; i < n; ++i) po[i] = f(pa[i], pb[i]);
   } else {
     for (int64_t i = 0; i < n; ++i) po[i] = f(pa[i], pb[i]);
@@ -361,8 +369,9 @@ static void ewise_unary(const char* fn, const Array& a, Array& out, F f, bool ex
   const scalar_t* pa = a.ptr;
   scalar_t* po = out.ptr;
   const int64_t n = static_cast<int64_t>(a.size);
-  if (expensive && a.size >= PARALLEL_TRANSCENDENTAL) {
-#pragma omp parallel for schedule(static)
+  const int nthreads = expensive && a.size >= PARALLEL_TRANSCENDENTAL ? num_threads() : 1;
+  if (nthreads > 1) {
+#pragma omp parallel for schedule(static) num_threads(nthreads)
     for (int64_t i = 0; i < n; ++i) po[i] = f(pa[i]);
   } else {
     for (int64_t i = 0; i < n; ++i) po[i] = f(pa[i]);
@@ -961,6 +970,7 @@ PYBIND11_MODULE(ndarray_backend_cpu, m) {
 
   // Extras beyond the contract (diagnostics for tests and benchmarks).
   choose_kernel();
+  pthread_atfork(nullptr, nullptr, [] { g_forked.store(true); });
   m.def("matmul_kernel", []() { return std::string(g_kernel->name); },
         "the matmul micro-kernel in use: avx512, avx2 or generic");
   m.def("set_matmul_kernel", set_matmul_kernel, "force a matmul micro-kernel (avx512, avx2, generic)");

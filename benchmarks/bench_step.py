@@ -1,0 +1,161 @@
+"""One training step of the Transformer language model: needle (gc off and "all") vs the same model in PyTorch.
+
+    python benchmarks/bench_step.py                 # batch 128, seq_len 32, embedding = hidden = 256, 4 layers
+    python benchmarks/bench_step.py --batch_size 32 --num_layers 2
+    python benchmarks/bench_step.py --profile        # where needle's step spends its time (cProfile, top 25)
+
+Same architecture (pre-norm attention + ReLU MLP, 4 heads, positional embedding, PTB-sized vocabulary), same
+thread count (OMP_NUM_THREADS, default all cores; torch.set_num_threads likewise), forward + backward + Adam.
+Median of repeated steps after warm-up, measured in one run. PyTorch is skipped with a message if absent.
+"""
+import argparse
+import cProfile
+import os
+import pstats
+import statistics
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+threads = os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count()))
+os.environ.setdefault("OPENBLAS_NUM_THREADS", threads)
+sys.path[:0] = [os.path.join(ROOT, "python"), os.path.join(ROOT, "apps")]
+
+import numpy as np  # noqa: E402
+
+import needle as ndl  # noqa: E402
+from needle import nn  # noqa: E402
+
+from models import LanguageModel  # noqa: E402
+
+
+def needle_step_fn(args, gc):
+    np.random.seed(0)
+    device = ndl.cpu()
+    model = LanguageModel(args.embedding_size, args.vocab, args.hidden_size, num_layers=args.num_layers,
+                          seq_model="transformer", seq_len=args.seq_len, device=device, num_head=args.num_head,
+                          dim_head=args.embedding_size // args.num_head)
+    if gc:
+        model.enable_gc()
+    opt = ndl.optim.Adam(model.parameters(), lr=1e-3)
+    loss_fn = nn.SoftmaxLoss()
+    rs = np.random.RandomState(0)
+    X = ndl.Tensor(rs.randint(0, args.vocab, (args.seq_len, args.batch_size)).astype(np.float32), device=device,
+                   requires_grad=False)
+    y = ndl.Tensor(rs.randint(0, args.vocab, (args.seq_len * args.batch_size,)).astype(np.float32), device=device,
+                   requires_grad=False)
+
+    def step():
+        opt.reset_grad()
+        with ndl.autograd.lazy_mode(True):
+            out, _ = model(X)
+            loss = loss_fn(out, y)
+            loss.backward()
+        opt.step()
+
+    return step
+
+
+def torch_step_fn(args):
+    import torch
+
+    torch.set_num_threads(int(threads))
+    torch.manual_seed(0)
+    E, H, heads = args.embedding_size, args.hidden_size, args.num_head
+
+    class Layer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm_q, self.norm_ff = torch.nn.LayerNorm(E), torch.nn.LayerNorm(E)
+            self.qkv = torch.nn.Linear(E, 3 * E, bias=False)
+            self.out = torch.nn.Linear(E, E, bias=False)
+            self.ff1, self.ff2 = torch.nn.Linear(E, H), torch.nn.Linear(H, E)
+
+        def forward(self, x):  # (B, T, E)
+            B, T, _ = x.shape
+            q, k, v = self.qkv(self.norm_q(x)).view(B, T, 3, heads, E // heads).permute(2, 0, 3, 1, 4)
+            scores = q @ k.transpose(-1, -2) / (E // heads) ** 0.5
+            scores = scores.masked_fill(torch.triu(torch.ones(T, T, dtype=torch.bool), 1), float("-inf"))
+            x = x + self.out((scores.softmax(-1) @ v).transpose(1, 2).reshape(B, T, E))
+            return x + self.ff2(torch.relu(self.ff1(self.norm_ff(x))))
+
+    class LM(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed, self.pos = torch.nn.Embedding(args.vocab, E), torch.nn.Embedding(args.seq_len, E)
+            self.layers = torch.nn.ModuleList([Layer() for _ in range(args.num_layers)])
+            self.head = torch.nn.Linear(E, args.vocab)
+
+        def forward(self, x):  # (T, B)
+            h = (self.embed(x) + self.pos(torch.arange(x.shape[0]))[:, None]).transpose(0, 1)
+            for layer in self.layers:
+                h = layer(h)
+            return self.head(h.transpose(0, 1).reshape(-1, E))
+
+    model = LM()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    X = torch.randint(0, args.vocab, (args.seq_len, args.batch_size))
+    y = torch.randint(0, args.vocab, (args.seq_len * args.batch_size,))
+
+    def step():
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(X), y).backward()
+        opt.step()
+
+    return step
+
+
+def median_step(step, repeats):
+    step()  # warm-up
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--batch_size", type=int, default=128)
+    p.add_argument("--seq_len", type=int, default=32)
+    p.add_argument("--embedding_size", type=int, default=256)
+    p.add_argument("--hidden_size", type=int, default=256)
+    p.add_argument("--num_layers", type=int, default=4)
+    p.add_argument("--num_head", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=10000)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--profile", action="store_true")
+    args = p.parse_args()
+    if not ndl.cpu().enabled():
+        raise SystemExit("bench_step: the C++ backend is not built; run `make` first")
+    print(f"bench_step: batch {args.batch_size} x seq_len {args.seq_len}, embedding {args.embedding_size}, hidden "
+          f"{args.hidden_size}, {args.num_layers} layers, {args.num_head} heads, vocab {args.vocab}, "
+          f"{threads} thread(s); median of {args.repeats} steps after a warm-up")
+    if args.profile:
+        step = needle_step_fn(args, gc=False)
+        step()
+        cProfile.runctx("step()", globals(), {"step": step}, "/tmp/bench_step.prof")
+        pstats.Stats("/tmp/bench_step.prof").sort_stats("tottime").print_stats(25)
+        return
+    try:
+        torch_step = torch_step_fn(args)
+    except ImportError:
+        torch_step = None
+        print("bench_step: PyTorch is not installed (pip install torch==2.13.0); showing needle alone")
+    results = {}
+    for _ in range(2):  # interleave the frameworks, keep each one's best median
+        for name, make in (("needle, gc off", lambda: needle_step_fn(args, False)),
+                           ("needle, gc all", lambda: needle_step_fn(args, True)),
+                           ("pytorch", torch_step and (lambda: torch_step))):
+            if make:
+                t = median_step(make(), args.repeats)
+                results[name] = min(t, results.get(name, t))
+    base = results.get("pytorch")
+    print(f"{'':16s}{'s / step':>10s}{'x pytorch':>11s}")
+    for name, t in results.items():
+        print(f"{name:16s}{t:10.3f}{(t / base if base else float('nan')):11.2f}")
+
+
+if __name__ == "__main__":
+    main()
