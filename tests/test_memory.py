@@ -229,3 +229,53 @@ def test_tensor_level_views_and_backward_release(device):
     np.testing.assert_array_equal(x.grad.numpy(), np.full((4, 6), 2.0))
     del x, y, t
     assert stats(device)["current_bytes"] == baseline["current_bytes"]
+
+
+# ----- the CUDA caching allocator (skipped cleanly without a GPU) ------------------------------------------------
+cuda_only = pytest.mark.skipif(not nd.cuda().enabled(), reason="no GPU: needle's cuda() backend is not enabled")
+
+
+@cuda_only
+def test_cuda_reuse_of_a_freed_block_does_not_grow_reserved_bytes():
+    device = nd.cuda()
+    import gc as python_gc
+
+    python_gc.collect()
+    a = nd.empty((1024, 1024), device=device)
+    reserved = device.memory_stats()["reserved_bytes"]
+    del a
+    python_gc.collect()
+    for _ in range(10):  # same size class: the cached block comes back, the driver is not asked again
+        b = nd.empty((1024, 1024), device=device)
+        del b
+    assert device.memory_stats()["reserved_bytes"] == reserved
+
+
+@cuda_only
+def test_cuda_current_and_peak_exact_and_empty_cache():
+    device = nd.cuda()
+    import gc as python_gc
+
+    python_gc.collect()
+    device.reset_peak_memory_stats()
+    before = device.memory_stats()
+    a = nd.empty((1000, 3), device=device)
+    b = nd.empty((7,), device=device)
+    stats = device.memory_stats()
+    assert stats["current_bytes"] - before["current_bytes"] == 4 * (3000 + 7)
+    assert stats["peak_bytes"] >= stats["current_bytes"]
+    assert stats["reserved_bytes"] >= stats["current_bytes"]
+    del a, b
+    python_gc.collect()
+    device.mod.empty_cache()
+    assert device.memory_stats()["reserved_bytes"] == device.memory_stats()["current_bytes"] or \
+        device.memory_stats()["reserved_bytes"] < stats["reserved_bytes"]
+
+
+@cuda_only
+def test_cuda_out_of_memory_raises_memory_error_with_sizes():
+    device = nd.cuda()
+    with pytest.raises(MemoryError, match="asked"):
+        nd.empty((1 << 40,), device=device)  # 4 TiB: more than any GPU has
+    a = nd.empty((10,), device=device)  # and the allocator still works afterwards
+    assert a.shape == (10,)
