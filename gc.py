@@ -275,9 +275,14 @@ def _child(args, overrides, use_gc, out_dir, timeout=1800):
     return proc.returncode, proc.stdout + proc.stderr
 
 
+def _read_json(path):
+    with open(path) as f:
+        return json.load(f)
+
+
 def _latest_json(out_dir, before):
     files = sorted(set(os.listdir(out_dir)) - before)
-    return [json.load(open(os.path.join(out_dir, f))) for f in files if f.endswith(".json")]
+    return [_read_json(os.path.join(out_dir, f)) for f in files if f.endswith(".json")]
 
 
 def main_sweep(args):

@@ -29,7 +29,8 @@ def gc_run(model_args, use_gc, policy=None, extra=(), out=None):
     if proc.returncode != 0:
         raise SystemExit(f"bench_gc: {' '.join(cmd)} failed:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
     (name,) = [f for f in set(os.listdir(out)) - before if f.endswith(".json")]
-    return json.load(open(os.path.join(out, name)))
+    with open(os.path.join(out, name)) as f:
+        return json.load(f)
 
 
 def mb(x):
