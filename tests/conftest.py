@@ -80,3 +80,20 @@ def check_gradients(fn, *arrays, device=None, seed=0, rtol=1e-2, atol=1e-3):
         assert t.grad is not None, f"input {i} got no gradient"
         np.testing.assert_allclose(t.grad.numpy(), g, rtol=rtol, atol=atol, err_msg=f"gradient of input {i}")
     return out
+
+
+def count_computes(nodes):
+    """Wrap each node's op.compute with a counter; returns {id(node): calls} (filled as computes happen).
+
+    Counting beats eyeballing: the checkpoint tests assert that no node is computed twice in one backward.
+    """
+    counts = {}
+    for node in nodes:
+        compute = node.op.compute
+
+        def counted(*args, _node_id=id(node), _compute=compute):
+            counts[_node_id] = counts.get(_node_id, 0) + 1
+            return _compute(*args)
+
+        node.op.compute = counted
+    return counts

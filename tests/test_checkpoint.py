@@ -13,7 +13,7 @@ import needle as ndl
 from needle import autograd, checkpoint, ops
 from needle import backend_ndarray as nd
 
-from conftest import DEVICES
+from conftest import DEVICES, count_computes
 
 POLICIES = [
     dict(),
@@ -74,20 +74,6 @@ def test_rule4_gradients_bit_identical(device, lazy, gc):
         assert np.array_equal(g_off, g_on)
 
 
-def _count_computes(nodes):
-    """Wrap each node's op.compute with a counter keyed by node (ops are per-node objects here)."""
-    counts = {}
-    for node in nodes:
-        compute = node.op.compute
-
-        def counted(*args, _node_id=id(node), _compute=compute):
-            counts[_node_id] = counts.get(_node_id, 0) + 1
-            return _compute(*args)
-
-        node.op.compute = counted
-    return counts
-
-
 @pytest.mark.parametrize("lazy", [False, True], ids=["eager", "lazy"])
 @pytest.mark.parametrize("gc", POLICIES, ids=POLICY_IDS)
 def test_rule2_each_dropped_node_recomputed_at_most_once(lazy, gc):
@@ -99,7 +85,7 @@ def test_rule2_each_dropped_node_recomputed_at_most_once(lazy, gc):
         loss = _model(params, x, gc)
         loss.realize_cached_data()
         graph = [n for n in autograd.find_topo_sort([loss]) if not n.is_leaf()]
-        counts = _count_computes(graph)
+        counts = count_computes(graph)
         loss.backward()
     dropped = [n for n in graph if n.drop]
     stats = checkpoint.last_backward_stats()

@@ -12,6 +12,7 @@ import needle as ndl
 from needle import autograd, checkpoint, nn
 from needle import backend_ndarray as nd
 
+from conftest import count_computes
 from models import LanguageModel
 
 GC_SETTINGS = [dict(segment_len=k) for k in range(1, 6)] + [
@@ -169,16 +170,8 @@ def test_rule2_language_model_recomputes_each_dropped_node_at_most_once():
         out, _ = model(X)
         loss = nn.SoftmaxLoss()(out, y)
         loss.realize_cached_data()
-    counts = {}
     nodes = [n for n in autograd.find_topo_sort([loss]) if not n.is_leaf()]
-    for node in nodes:
-        compute = node.op.compute
-
-        def counted(*args, _id=id(node), _compute=compute):
-            counts[_id] = counts.get(_id, 0) + 1
-            return _compute(*args)
-
-        node.op.compute = counted
+    counts = count_computes(nodes)
     loss.backward()
     dropped = [n for n in nodes if n.drop]
     assert dropped
