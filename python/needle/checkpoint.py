@@ -346,6 +346,9 @@ def _schedule(reverse_topo, available):
 
 
 VIEW_OPS = ("Reshape", "BroadcastTo", "Transpose", "TupleGetItem", "MakeTensorTuple")
+# Ops whose gradient hands out_grad on unchanged, or as a view (summation broadcasts it back): no new bytes.
+PASS_THROUGH_OPS = ("EWiseAdd", "AddScalar", "Reshape", "Transpose", "Summation")
+ROW_REDUCTION_OPS = ("LogSumExp", "LogSoftmax")
 
 
 def _planned_bytes(node):
@@ -386,7 +389,9 @@ def simulate_peak(root, dropped, exclude=frozenset()):
         if id(n) in exclude:
             continue
         live += size[id(n)]
-        peak = max(peak, live)
+        # a max-shifted log-sum-exp holds z - max and exp(z - max), each the size of its input, while it runs
+        workspace = 2 * size[id(n.inputs[0])] if type(n.op).__name__ in ROW_REDUCTION_OPS else 0
+        peak = max(peak, live + workspace)
         for inp in n.inputs:
             consumers[id(inp)] -= 1
             if consumers[id(inp)] == 0 and id(inp) in dropped:
@@ -399,20 +404,35 @@ def simulate_peak(root, dropped, exclude=frozenset()):
         if not n.is_leaf() and n is not root:
             release_at.setdefault(last_use.get(id(n), -1), []).append(n)
     live -= sum(size[id(n)] for n in release_at.get(-1, ()))
-    grad_bytes = {id(root): size[id(root)]}
+    grad_bytes, parts = {id(root): size[id(root)]}, {}
     grads_live = size[id(root)]
     for step, node in enumerate(reverse):
         if id(node) not in grad_bytes or node.is_leaf():
             live -= sum(size[id(n)] for n in release_at.get(step, ()))
             continue
         live += sum(size[id(n)] for n in recompute_at.get(step, ()))
-        for inp in node.inputs:
-            if inp.requires_grad:
+        node_grad = grad_bytes.pop(id(node))
+        if parts.pop(id(node), 1) > 1:  # summing the parts allocates the sum while the parts still live
+            total = _gradient_bytes(node)
+            peak = max(peak, live + grads_live + total)
+            grads_live += total - node_grad
+            node_grad = total
+        targets = [inp for inp in node.inputs if inp.requires_grad]
+        if type(node.op).__name__ in PASS_THROUGH_OPS:  # the input's gradient is out_grad itself, or a view of it
+            for k, inp in enumerate(targets):
+                grad_bytes[id(inp)] = grad_bytes.get(id(inp), 0) + (node_grad if k == 0 else 0)
+                parts[id(inp)] = parts.get(id(inp), 0) + 1
+            peak = max(peak, live + grads_live)
+        else:
+            made = 0
+            for inp in targets:
                 full = _gradient_bytes(inp)
                 grad_bytes[id(inp)] = grad_bytes.get(id(inp), 0) + full
-                grads_live += full
-        peak = max(peak, live + grads_live)
-        grads_live -= grad_bytes.pop(id(node))
+                parts[id(inp)] = parts.get(id(inp), 0) + 1
+                made += full
+            # while a gradient is computed, one temporary of its size lives beside it (e.g. exp(z - lse))
+            peak = max(peak, live + grads_live + 2 * made)
+            grads_live += made - node_grad
         live -= sum(size[id(n)] for n in release_at.get(step, ()))
     return peak
 
