@@ -382,7 +382,7 @@ def parse_args(argv=None):
     p.add_argument("--lazy", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--device", default=None, choices=[None, "cpu", "cuda", "cpu_numpy"])
     p.add_argument("--epochs", type=int, default=1)
-    p.add_argument("--max_batches", type=int, default=12)
+    p.add_argument("--max_batches", type=int, default=8)
     p.add_argument("--warmup", type=int, default=2, help="steps left out of the time median")
     p.add_argument("--accumulation_steps", type=int, default=1)
     p.add_argument("--lr", type=float, default=1e-3)
