@@ -418,6 +418,73 @@ def test_unary(device, name, ours, theirs, layout, rng):
     assert_same(ours(A), theirs(a), rtol=2e-6)
 
 
+# The C++ backend has one exp/log/tanh/sum/max implementation per instruction set: check each this CPU runs.
+@pytest.fixture(params=["default", "generic", "avx2", "avx512"])
+def vector_isa(request, device):
+    if request.param == "default":
+        yield request.param
+        return
+    mod = device.mod
+    if not hasattr(mod, "set_vector_isa"):
+        pytest.skip(f"{device} has a single implementation")
+    original = mod.vector_isa()
+    try:
+        mod.set_vector_isa(request.param)
+    except ValueError:
+        pytest.skip(f"this CPU cannot run the {request.param} kernels")
+    yield request.param
+    mod.set_vector_isa(original)
+
+
+SPECIAL_VALUES = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 1e-40, -1e-40, 1.0, -1.0, 0.5, 0.625, -0.625,
+                           9.0, 9.1, -9.1, 20.0, 44.0, 88.0, 88.72283, 88.72284, 89.0, -87.0, -103.0, -104.0, 150.0,
+                           -150.0, 1e30, 3.4e38, 1.17549435e-38, 2.0**-149], dtype=np.float32)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", ["exp", "log", "tanh"])
+def test_unary_special_values_and_accuracy(device, vector_isa, name, rng):
+    func = getattr(np, name)
+    with np.errstate(all="ignore"):  # overflow, log of negatives: the NumPy backend would warn too
+        expected = func(SPECIAL_VALUES)
+        got = getattr(nd.array(SPECIAL_VALUES, device=device), name)().numpy()
+    np.testing.assert_allclose(got, expected, rtol=3e-7, atol=0)  # NaN where NumPy has NaN, inf where inf
+    assert np.array_equal(np.signbit(got[:2]), np.signbit(expected[:2]))  # the sign of zero
+    if name == "tanh":
+        assert np.all(got[SPECIAL_VALUES >= 10] == 1.0) and np.all(got[SPECIAL_VALUES <= -10] == -1.0)  # saturated
+    # many values, an odd count (vector tails) past the threshold where the C++ backend uses threads,
+    # compared with float64 references: the compiled backends within 2 float32 ulp (NumPy's own float32
+    # functions, which the reference backend calls, within 4)
+    max_ulp = 4 if device.name == "cpu_numpy" else 2
+    lo, hi = {"exp": (-100.0, 88.0), "log": (1e-30, 1e30), "tanh": (-10.0, 10.0)}[name]
+    x = rng.uniform(lo, hi, 100_003).astype(np.float32)
+    if name == "log":
+        x = np.exp(rng.uniform(np.log(1e-30), np.log(1e30), x.size)).astype(np.float32)
+    x[:5000] = rng.uniform(-1.0, 1.0, 5000) if name != "log" else rng.uniform(0.5, 2.0, 5000)
+    exact = func(x.astype(np.float64))
+    got = getattr(nd.array(x, device=device), name)().numpy()
+    tiny = np.abs(exact) < np.finfo(np.float32).tiny  # denormal results: compare absolutely
+    ulp = np.spacing(np.abs(exact.astype(np.float32)))
+    assert np.all(np.abs(got - exact)[~tiny] <= max_ulp * ulp[~tiny])
+    assert np.all(np.abs(got - exact)[tiny] <= max_ulp * np.finfo(np.float32).smallest_subnormal)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("row", [1, 3, 7, 15, 16, 17, 31, 63, 64, 65, 127, 1000, 4099])
+def test_row_reductions_every_length_and_nan(device, vector_isa, row, rng):
+    a = rng.standard_normal((9, row)).astype(np.float32)
+    a[2] -= 100.0  # an all-negative row
+    a[4, row - 1] = 50.0  # the maximum in the last (tail) element
+    a[6, row // 2] = np.nan
+    a[7, 0] = np.inf
+    a[8, row - 1] = -np.inf
+    A = nd.array(a, device=device)
+    np.testing.assert_array_equal(A.max(axis=1).numpy(), a.max(axis=1))
+    np.testing.assert_allclose(A.sum(axis=1).numpy(), a.astype(np.float64).sum(axis=1), rtol=1e-6, atol=1e-5)
+    big = rng.standard_normal((300, row)).astype(np.float32)  # enough rows for threads
+    np.testing.assert_array_equal(nd.array(big, device=device).max(axis=1).numpy(), big.max(axis=1))
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_ewise_results_are_new_compact_arrays(device, rng):
     A, a = make_view((3, 4), "permuted", device, rng)
