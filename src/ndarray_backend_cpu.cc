@@ -9,8 +9,9 @@
 // Layout of this file:
 //   1. Array + memory accounting
 //   2. strided views: compact / ewise_setitem / scalar_setitem / to_numpy
-//   3. element-wise and scalar ops, reductions, gathers and scatters (take_rows, take_along_rows, ...)
-//   4. matmul (the fast, cache-blocked, packed, register-tiled GEMM) and matmul_tiled (the course's version)
+//   3. element-wise and scalar ops (on compact buffers and on strided views), reductions, gathers and scatters
+//   4. matmul (the fast, cache-blocked, packed, register-tiled GEMM), matmul_batched and matmul_tiled (the
+//      course's version)
 //   5. the pybind11 module definition
 
 #include <pybind11/numpy.h>
@@ -403,7 +404,9 @@ static void fill(Array& out, scalar_t val) { std::fill(out.ptr, out.ptr + out.si
 // 3a. Vector math: exp, log, tanh, row sums and row maxima written once over a GCC vector type F (4, 8 or 16
 //     floats; no intrinsics), compiled once per instruction set and picked at import.
 // 3b. Element-wise ops on compact buffers (the ewise_* and scalar_* functions).
-// 3c. Reductions, gathers and scatters.
+// 3c. Element-wise ops on strided views (ewise_strided, scalar_strided, unary_strided): broadcast or
+//     transposed operands are read in place, never compacted first.
+// 3d. Reductions, gathers and scatters.
 //
 // Comparisons produce 1.0f / 0.0f; maximum propagates NaN like numpy.maximum.
 
@@ -722,11 +725,15 @@ static void set_vector_isa(const std::string& name) {
 
 static inline scalar_t max_nan(scalar_t x, scalar_t y) { return (x > y || x != x) ? x : y; }
 
-// The binary operations of the ewise_* and scalar_* functions.  `expensive` ones get threads from
-// PARALLEL_TRANSCENDENTAL elements on.
+// The binary operations, shared by the compact (ewise_*, scalar_*) and strided (ewise_strided, scalar_strided)
+// entry points.  `expensive` ones get threads from PARALLEL_TRANSCENDENTAL elements on.
 struct AddOp {
   static constexpr bool expensive = false;
   scalar_t operator()(scalar_t x, scalar_t y) const { return x + y; }
+};
+struct SubOp {
+  static constexpr bool expensive = false;
+  scalar_t operator()(scalar_t x, scalar_t y) const { return x - y; }
 };
 struct MulOp {
   static constexpr bool expensive = false;
@@ -830,7 +837,109 @@ static void ewise_log(const Array& a, Array& out) { ewise_vector("ewise_log", a,
 static void ewise_exp(const Array& a, Array& out) { ewise_vector("ewise_exp", a, out, g_vector->exp); }
 static void ewise_tanh(const Array& a, Array& out) { ewise_vector("ewise_tanh", a, out, g_vector->tanh); }
 
-// ---- 3c. Reductions, gathers and scatters --------------------------------------------------------------------
+// ---- 3c. Element-wise ops on strided views -------------------------------------------------------------------
+//
+// out (compact, `shape`) = op(a view, b view) without compacting either view: a Walk over the two operands
+// (section 2) hands each run to binary_run, whose inner loop is specialised for the stride pairs that occur in
+// practice: (1, 1) both contiguous, (1, 0) / (0, 1) one side broadcast along the run (a row vector or a
+// scalar: the Z - broadcast(lse) of a softmax), and anything else (transposed views) element by element.
+// out must not share a buffer with a or b (checked), so the loops may use __restrict.
+
+template <class Op>
+static inline void binary_run(const scalar_t* __restrict a, int64_t sa, const scalar_t* __restrict b, int64_t sb,
+                              scalar_t* __restrict out, int64_t n, Op f) {
+  if (sa == 1 && sb == 1) {
+    for (int64_t j = 0; j < n; ++j) out[j] = f(a[j], b[j]);
+  } else if (sa == 1 && sb == 0) {
+    const scalar_t y = *b;
+    for (int64_t j = 0; j < n; ++j) out[j] = f(a[j], y);
+  } else if (sa == 0 && sb == 1) {
+    const scalar_t x = *a;
+    for (int64_t j = 0; j < n; ++j) out[j] = f(x, b[j]);
+  } else {
+    for (int64_t j = 0; j < n; ++j) out[j] = f(a[j * sa], b[j * sb]);
+  }
+}
+
+// Calls visit(op) with the functor of the binary operation named `name`.
+template <class V>
+static void with_binary_op(const char* fn, const std::string& name, V visit) {
+  if (name == "add") return visit(AddOp());
+  if (name == "sub") return visit(SubOp());
+  if (name == "mul") return visit(MulOp());
+  if (name == "div") return visit(DivOp());
+  if (name == "power") return visit(PowerOp());
+  if (name == "maximum") return visit(MaximumOp());
+  if (name == "eq") return visit(EqOp());
+  if (name == "ge") return visit(GeOp());
+  fail(std::string(fn) + ": unknown op '" + name + "' (expected add, sub, mul, div, power, maximum, eq or ge)");
+}
+
+static void check_out(const char* fn, const Array& out, size_t size, const Array* inputs[], int count) {
+  check_size(fn, "out", out.size, size);
+  for (int k = 0; k < count; ++k)
+    if (out.size != 0 && out.ptr == inputs[k]->ptr) fail(std::string(fn) + ": out must not be one of the inputs");
+}
+
+// out[i] = op(a[a view element i], b[b view element i]); operand 0 of the walk is a, operand 1 is b.
+static void strided_binary(const char* fn, const std::string& op, const scalar_t* a, const scalar_t* b,
+                           const Walk<2>& w, Array& out) {
+  scalar_t* po = out.ptr;
+  with_binary_op(fn, op, [&](auto f) {
+    parallel_range(w.size, threads_for(w.size, decltype(f)::expensive), [&](size_t begin, size_t end) {
+      for_each_run(w, begin, end, [&](const int64_t* pos, size_t i, int64_t len, const int64_t* step) {
+        binary_run(a + pos[0], step[0], b + pos[1], step[1], po + i, len, f);
+      });
+    });
+  });
+}
+
+static void ewise_strided(const std::string& op, const Array& a, const std::vector<int64_t>& a_strides,
+                          int64_t a_offset, const Array& b, const std::vector<int64_t>& b_strides, int64_t b_offset,
+                          Array& out, const std::vector<int64_t>& shape) {
+  const Operand ops[2] = {{"a", &a_strides, a_offset, a.size}, {"b", &b_strides, b_offset, b.size}};
+  const Walk<2> w = make_walk("ewise_strided", shape, ops);
+  const Array* inputs[] = {&a, &b};
+  check_out("ewise_strided", out, w.size, inputs, 2);
+  strided_binary("ewise_strided", op, a.ptr, b.ptr, w, out);
+}
+
+// The scalar is operand b of the same walk: one element with stride 0 along every dimension.
+static void scalar_strided(const std::string& op, const Array& a, const std::vector<int64_t>& strides,
+                           int64_t offset, scalar_t val, Array& out, const std::vector<int64_t>& shape) {
+  const std::vector<int64_t> zeros(shape.size(), 0);
+  const Operand ops[2] = {{"a", &strides, offset, a.size}, {"val", &zeros, 0, 1}};
+  const Walk<2> w = make_walk("scalar_strided", shape, ops);
+  const Array* inputs[] = {&a};
+  check_out("scalar_strided", out, w.size, inputs, 1);
+  strided_binary("scalar_strided", op, a.ptr, &val, w, out);
+}
+
+// out[i] = f(a[view element i]) for f in log, exp, tanh: each run is mapped straight from a when it is
+// contiguous, otherwise first gathered into its place in out and mapped there.
+static void unary_strided(const std::string& op, const Array& a, const std::vector<int64_t>& strides,
+                          int64_t offset, Array& out, const std::vector<int64_t>& shape) {
+  vector_fn kernel = op == "log" ? g_vector->log : op == "exp" ? g_vector->exp : op == "tanh" ? g_vector->tanh
+                                                                                              : nullptr;
+  if (kernel == nullptr) fail("unary_strided: unknown op '" + op + "' (expected log, exp or tanh)");
+  const Walk<1> w = make_view("unary_strided", shape, strides, offset, a.size);
+  const Array* inputs[] = {&a};
+  check_out("unary_strided", out, w.size, inputs, 1);
+  const scalar_t* pa = a.ptr;
+  scalar_t* po = out.ptr;
+  parallel_range(w.size, threads_for(w.size, true), [&](size_t begin, size_t end) {
+    for_each_run(w, begin, end, [&](const int64_t* pos, size_t i, int64_t len, const int64_t* step) {
+      if (step[0] == 1) {
+        kernel(pa + pos[0], po + i, len);
+      } else {
+        for (int64_t j = 0; j < len; ++j) po[i + j] = pa[pos[0] + j * step[0]];
+        kernel(po + i, po + i, len);
+      }
+    });
+  });
+}
+
+// ---- 3d. Reductions, gathers and scatters --------------------------------------------------------------------
 
 static void check_reduce(const char* fn, const Array& a, const Array& out, int64_t reduce_size) {
   if (reduce_size < 0) fail(std::string(fn) + ": reduce_size must be >= 0");
@@ -1266,6 +1375,42 @@ static void matmul(const Array& a, const Array& b, Array& out, int64_t m, int64_
   gemm(a.ptr, b.ptr, out.ptr, m, n, p, matmul_threads(m, n, p));
 }
 
+// out[i] = a[i] @ b[i] for i < batch: a is (batch, m, n), b (batch, n, p), out (batch, m, p), all compact.
+// Products big enough to use all threads on their own run one after another (as `matmul` would run them);
+// smaller ones, the attention case of many small matrices, are spread over the threads one whole product
+// each, so no per-product threading overhead is paid.  Either way each product is computed exactly as
+// `matmul` computes it, so a batch gives the same bits as a loop of matmuls.
+static void matmul_batched(const Array& a, const Array& b, Array& out, int64_t batch, int64_t m, int64_t n,
+                           int64_t p) {
+  if (batch < 0) fail("matmul_batched: batch must be >= 0");
+  if (m < 0 || n < 0 || p < 0) fail("matmul_batched: m, n, p must be >= 0");
+  const size_t nb = static_cast<size_t>(batch);
+  check_size("matmul_batched", "a", a.size, nb * static_cast<size_t>(m) * static_cast<size_t>(n));
+  check_size("matmul_batched", "b", b.size, nb * static_cast<size_t>(n) * static_cast<size_t>(p));
+  check_size("matmul_batched", "out", out.size, nb * static_cast<size_t>(m) * static_cast<size_t>(p));
+  if (out.size != 0 && (out.ptr == a.ptr || out.ptr == b.ptr))
+    fail("matmul_batched: out must not be one of the inputs");
+  if (out.size == 0) return;
+  if (n == 0) {
+    fill(out, 0.0f);
+    return;
+  }
+  const int per_product = matmul_threads(m, n, p);
+  const int nthreads = per_product > 1 || batch == 1 ? 1 : num_threads();
+  py::gil_scoped_release release;
+  int failed = 0;  // an exception must not leave an OpenMP region: note it, rethrow after
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads) if (nthreads > 1)
+  for (int64_t i = 0; i < batch; ++i) {
+    try {
+      gemm(a.ptr + i * m * n, b.ptr + i * n * p, out.ptr + i * m * p, m, n, p, per_product);
+    } catch (...) {
+#pragma omp atomic write
+      failed = 1;
+    }
+  }
+  if (failed) throw std::bad_alloc();
+}
+
 // The course's tiled matmul: a is (m/T, n/T, T, T), b is (n/T, p/T, T, T), out is (m/T, p/T, T, T).
 static void matmul_tiled(const Array& a, const Array& b, Array& out, int64_t m, int64_t n, int64_t p) {
   check_matmul("matmul_tiled", a, b, out, m, n, p);
@@ -1338,8 +1483,12 @@ PYBIND11_MODULE(ndarray_backend_cpu, m) {
   m.def("ewise_log", ewise_log);
   m.def("ewise_exp", ewise_exp);
   m.def("ewise_tanh", ewise_tanh);
+  m.def("ewise_strided", ewise_strided);
+  m.def("scalar_strided", scalar_strided);
+  m.def("unary_strided", unary_strided);
 
   m.def("matmul", matmul);
+  m.def("matmul_batched", matmul_batched);
   m.def("matmul_tiled", matmul_tiled);
   m.def("reduce_max", reduce_max);
   m.def("reduce_sum", reduce_sum);

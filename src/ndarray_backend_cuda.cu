@@ -338,6 +338,9 @@ __global__ void fill_kernel(float* out, int64_t n, float val) {
 struct AddOp {
   __device__ float operator()(float a, float b) const { return a + b; }
 };
+struct SubOp {
+  __device__ float operator()(float a, float b) const { return a - b; }
+};
 struct MulOp {
   __device__ float operator()(float a, float b) const { return a * b; }
 };
@@ -380,6 +383,27 @@ __global__ void scalar_kernel(const float* a, float val, float* out, int64_t n, 
 template <typename Op>
 __global__ void unary_kernel(const float* a, float* out, int64_t n, Op op) {
   for (int64_t i = first_index(); i < n; i += grid_stride()) out[i] = op(a[i]);
+}
+
+// The same three on strided views (ewise_strided, scalar_strided, unary_strided): every operand is a view of
+// the output's shape, read at strided_index(view, i), so a broadcast operand (stride 0) or a transposed one is
+// never copied first.  out is compact: consecutive threads still write consecutive floats.
+template <typename Op>
+__global__ void ewise_strided_kernel(const float* a, StridedView va, const float* b, StridedView vb, float* out,
+                                     int64_t n, Op op) {
+  for (int64_t i = first_index(); i < n; i += grid_stride()) {
+    out[i] = op(a[strided_index(va, i)], b[strided_index(vb, i)]);
+  }
+}
+
+template <typename Op>
+__global__ void scalar_strided_kernel(const float* a, StridedView va, float val, float* out, int64_t n, Op op) {
+  for (int64_t i = first_index(); i < n; i += grid_stride()) out[i] = op(a[strided_index(va, i)], val);
+}
+
+template <typename Op>
+__global__ void unary_strided_kernel(const float* a, StridedView va, float* out, int64_t n, Op op) {
+  for (int64_t i = first_index(); i < n; i += grid_stride()) out[i] = op(a[strided_index(va, i)]);
 }
 
 // ---- Reductions -------------------------------------------------------------------------------------------
@@ -439,7 +463,9 @@ __global__ void reduce_kernel(const float* a, float* out, int64_t rows, int64_t 
 
 // ---- Matrix multiplication --------------------------------------------------------------------------------
 //
-// out (m x p) = a (m x n) @ b (n x p), all compact row-major.  Each block computes a 64 x 64 tile of `out`.
+// out (m x p) = a (m x n) @ b (n x p), all compact row-major, for each of `batch` consecutive triples of matrices
+// (matmul is the batch of one; matmul_batched uses blockIdx.z for the batch index, grid-stride past the
+// 65535 limit of gridDim.z).  Each block computes a 64 x 64 tile of `out`.
 // It walks along n in slices of 16: the block stages a 64 x 16 slice of `a` and a 16 x 64 slice of `b` in shared
 // memory (every element read from global memory once per block instead of 64 times), then each of the
 // 256 threads accumulates a 4 x 4 patch of `out` in registers (register tiling: every value loaded from shared
@@ -456,12 +482,23 @@ constexpr int kMmThreadsX = kMmTileCols / kMmThreadCols;           // 16
 constexpr int kMmThreadsY = kMmTileRows / kMmThreadRows;           // 16
 constexpr int kMmThreads = kMmThreadsX * kMmThreadsY;              // 256
 constexpr int64_t kMaxGridY = 65535;                               // hardware limit of gridDim.y
+constexpr int64_t kMaxGridZ = 65535;                               // and of gridDim.z
 // a_tile is stored transposed (k-major) so the inner loop reads columns of the a slice contiguously.  Its
 // loads write (16 k's x 2 rows) per warp; rows padded to 64 + 2 floats put those 32 stores in 32 distinct banks.
 constexpr int kMmATilePitch = kMmTileRows + 2;
 
+__device__ void matmul_tile(const float* a, const float* b, float* out, int64_t m, int64_t n, int64_t p);
+
 __global__ void __launch_bounds__(kMmThreads)
-    matmul_kernel(const float* a, const float* b, float* out, int64_t m, int64_t n, int64_t p) {
+    matmul_kernel(const float* a, const float* b, float* out, int64_t batch, int64_t m, int64_t n, int64_t p) {
+  // Every thread of a block runs the same iterations, so the __syncthreads inside matmul_tile are reached by all.
+  for (int64_t z = blockIdx.z; z < batch; z += gridDim.z) {
+    matmul_tile(a + z * m * n, b + z * n * p, out + z * m * p, m, n, p);
+  }
+}
+
+// This block's 64 x 64 tile of one product.
+__device__ void matmul_tile(const float* a, const float* b, float* out, int64_t m, int64_t n, int64_t p) {
   __shared__ float a_tile[kMmTileDepth][kMmATilePitch];
   __shared__ float b_tile[kMmTileDepth][kMmTileCols];
 
@@ -641,6 +678,117 @@ StridedView make_view(const char* fn, size_t buffer_size, const std::vector<int6
   return view;
 }
 
+// One operand of an element-wise op on strided views: its strides and offset over the common shape, and the
+// buffer it must stay inside.
+struct Operand {
+  const char* what;
+  const std::vector<int64_t>* strides;
+  int64_t offset;
+  size_t buffer_size;
+};
+
+// Kernel-side views of N operands over one shape, simplified together (as the CPU backend does): dimensions
+// of extent 1 are dropped, and neighbouring dimensions j, j+1 are merged when every operand has
+// strides[j] == strides[j+1] * shape[j+1].  Neither changes which elements are visited nor their order, and
+// fewer dimensions mean fewer divisions in strided_index (compact operands collapse to one dimension).
+// Each simplified view is then checked against its buffer by make_view.  Returns the element count in *count.
+template <int N>
+void make_views(const char* fn, const std::vector<int64_t>& shape, const Operand (&ops)[N], StridedView (&views)[N],
+                int64_t* count) {
+  std::vector<int64_t> merged_shape;
+  std::vector<int64_t> merged_strides[N];
+  for (int k = 0; k < N; ++k) {
+    if (ops[k].strides->size() != shape.size()) {
+      throw py::value_error(std::string("needle cuda: ") + fn + ": " + ops[k].what +
+                            " has strides of another rank than the shape");
+    }
+  }
+  for (size_t j = 0; j < shape.size(); ++j) {
+    if (shape[j] == 1) continue;
+    bool merge = !merged_shape.empty() && shape[j] > 0 && merged_shape.back() > 0;
+    for (int k = 0; k < N && merge; ++k) merge = merged_strides[k].back() == (*ops[k].strides)[j] * shape[j];
+    if (merge) {
+      merged_shape.back() *= shape[j];
+      for (int k = 0; k < N; ++k) merged_strides[k].back() = (*ops[k].strides)[j];
+    } else {
+      merged_shape.push_back(shape[j]);
+      for (int k = 0; k < N; ++k) merged_strides[k].push_back((*ops[k].strides)[j]);
+    }
+  }
+  for (int k = 0; k < N; ++k) {
+    views[k] = make_view(fn, ops[k].buffer_size, merged_shape, merged_strides[k], ops[k].offset, count);
+  }
+}
+
+void check_out(const char* fn, const CudaArray& out, int64_t count, const CudaArray& a, const CudaArray* b) {
+  check_size(fn, "out", out.size, static_cast<size_t>(count));
+  if (out.size != 0 && (out.ptr == a.ptr || (b != nullptr && out.ptr == b->ptr))) {
+    throw py::value_error(std::string("needle cuda: ") + fn + ": out must not be one of the inputs");
+  }
+}
+
+// Calls visit(op) with the functor of the binary operation named `name`.
+template <typename Visit>
+void with_binary_op(const char* fn, const std::string& name, Visit visit) {
+  if (name == "add") return visit(AddOp());
+  if (name == "sub") return visit(SubOp());
+  if (name == "mul") return visit(MulOp());
+  if (name == "div") return visit(DivOp());
+  if (name == "power") return visit(PowerOp());
+  if (name == "maximum") return visit(MaximumOp());
+  if (name == "eq") return visit(EqOp());
+  if (name == "ge") return visit(GeOp());
+  throw py::value_error(std::string("needle cuda: ") + fn + ": unknown op '" + name +
+                        "' (expected add, sub, mul, div, power, maximum, eq or ge)");
+}
+
+void ewise_strided(const std::string& op, const CudaArray& a, const std::vector<int64_t>& a_strides,
+                   int64_t a_offset, const CudaArray& b, const std::vector<int64_t>& b_strides, int64_t b_offset,
+                   CudaArray& out, const std::vector<int64_t>& shape) {
+  const Operand ops[2] = {{"a", &a_strides, a_offset, a.size}, {"b", &b_strides, b_offset, b.size}};
+  StridedView views[2];
+  int64_t n = 0;
+  make_views("ewise_strided", shape, ops, views, &n);
+  check_out("ewise_strided", out, n, a, &b);
+  with_binary_op("ewise_strided", op, [&](auto f) {
+    if (n == 0) return;
+    ewise_strided_kernel<<<grid_for(n), kBlockSize>>>(a.ptr, views[0], b.ptr, views[1], out.ptr, n, f);
+    check_kernel("ewise_strided");
+  });
+}
+
+void scalar_strided(const std::string& op, const CudaArray& a, const std::vector<int64_t>& strides, int64_t offset,
+                    float val, CudaArray& out, const std::vector<int64_t>& shape) {
+  const Operand ops[1] = {{"a", &strides, offset, a.size}};
+  StridedView views[1];
+  int64_t n = 0;
+  make_views("scalar_strided", shape, ops, views, &n);
+  check_out("scalar_strided", out, n, a, nullptr);
+  with_binary_op("scalar_strided", op, [&](auto f) {
+    if (n == 0) return;
+    scalar_strided_kernel<<<grid_for(n), kBlockSize>>>(a.ptr, views[0], val, out.ptr, n, f);
+    check_kernel("scalar_strided");
+  });
+}
+
+void unary_strided(const std::string& op, const CudaArray& a, const std::vector<int64_t>& strides, int64_t offset,
+                   CudaArray& out, const std::vector<int64_t>& shape) {
+  const Operand ops[1] = {{"a", &strides, offset, a.size}};
+  StridedView views[1];
+  int64_t n = 0;
+  make_views("unary_strided", shape, ops, views, &n);
+  check_out("unary_strided", out, n, a, nullptr);
+  auto launch = [&](auto f) {
+    if (n == 0) return;
+    unary_strided_kernel<<<grid_for(n), kBlockSize>>>(a.ptr, views[0], out.ptr, n, f);
+    check_kernel("unary_strided");
+  };
+  if (op == "log") return launch(LogOp());
+  if (op == "exp") return launch(ExpOp());
+  if (op == "tanh") return launch(TanhOp());
+  throw py::value_error("needle cuda: unary_strided: unknown op '" + op + "' (expected log, exp or tanh)");
+}
+
 void compact(const CudaArray& a, CudaArray& out, const std::vector<int64_t>& shape,
              const std::vector<int64_t>& strides, int64_t offset) {
   int64_t n = 0;
@@ -742,8 +890,30 @@ void matmul(const CudaArray& a, const CudaArray& b, CudaArray& out, size_t m, si
   }
   // Row tiles go in grid x (limit 2^31 - 1): tall matrices are the common case.
   const dim3 grid(static_cast<unsigned>(ceil_div(as_int64(m), kMmTileRows)), static_cast<unsigned>(col_blocks));
-  matmul_kernel<<<grid, kMmThreads>>>(a.ptr, b.ptr, out.ptr, as_int64(m), as_int64(n), as_int64(p));
+  matmul_kernel<<<grid, kMmThreads>>>(a.ptr, b.ptr, out.ptr, 1, as_int64(m), as_int64(n), as_int64(p));
   check_kernel("matmul");
+}
+
+// out[i] = a[i] @ b[i] for a (batch, m, n), b (batch, n, p), out (batch, m, p): one launch, the batch in grid z.
+void matmul_batched(const CudaArray& a, const CudaArray& b, CudaArray& out, size_t batch, size_t m, size_t n,
+                    size_t p) {
+  check_size("matmul_batched", "a", a.size, batch * m * n);
+  check_size("matmul_batched", "b", b.size, batch * n * p);
+  check_size("matmul_batched", "out", out.size, batch * m * p);
+  if (out.size != 0 && (out.ptr == a.ptr || out.ptr == b.ptr)) {
+    throw py::value_error("needle cuda: matmul_batched: out must not be one of the inputs");
+  }
+  if (out.size == 0) return;
+  const int64_t col_blocks = ceil_div(as_int64(p), kMmTileCols);
+  if (col_blocks > kMaxGridY) {
+    throw py::value_error("needle cuda: matmul_batched: p = " + std::to_string(p) +
+                          " columns is too many for the grid");
+  }
+  const dim3 grid(static_cast<unsigned>(ceil_div(as_int64(m), kMmTileRows)), static_cast<unsigned>(col_blocks),
+                  static_cast<unsigned>(std::min<int64_t>(as_int64(batch), kMaxGridZ)));
+  matmul_kernel<<<grid, kMmThreads>>>(a.ptr, b.ptr, out.ptr, as_int64(batch), as_int64(m), as_int64(n),
+                                      as_int64(p));
+  check_kernel("matmul_batched");
 }
 
 void matmul_tiled(const CudaArray& a, const CudaArray& b, CudaArray& out, size_t m, size_t n, size_t p) {
@@ -963,7 +1133,12 @@ PYBIND11_MODULE(ndarray_backend_cuda, m) {
   def_unary(m, "ewise_exp", ExpOp());
   def_unary(m, "ewise_tanh", TanhOp());
 
+  m.def("ewise_strided", ewise_strided);
+  m.def("scalar_strided", scalar_strided);
+  m.def("unary_strided", unary_strided);
+
   m.def("matmul", matmul);
+  m.def("matmul_batched", matmul_batched);
   m.def("matmul_tiled", matmul_tiled);
   m.def("reduce_sum", reduce_sum);
   m.def("reduce_max", reduce_max);

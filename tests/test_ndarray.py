@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 import needle as ndl
 from needle import backend_ndarray as nd
 
-from conftest import DEVICES
+from conftest import COMPILED_DEVICES, DEVICES
 
 HYPOTHESIS = settings(derandomize=True, max_examples=40, deadline=None, database=None,
                       suppress_health_check=[HealthCheck.too_slow])
@@ -418,6 +418,113 @@ def test_unary(device, name, ours, theirs, layout, rng):
     assert_same(ours(A), theirs(a), rtol=2e-6)
 
 
+# Broadcast operands are read in place (stride 0) by the backends' strided entry points: every op, either side.
+BROADCASTS = [((64, 1), (64, 100)), ((1, 100), (64, 100)), ((1, 1), (64, 100)), ((5, 1, 7), (3, 5, 4, 7)),
+              ((1,), (3, 1, 2))]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", ["add", "sub", "mul", "div", "pow", "maximum", "eq", "ge"])
+@pytest.mark.parametrize("small,shape", BROADCASTS, ids=repr)
+def test_ewise_with_broadcast_operands(device, name, small, shape, rng):
+    ours, theirs = EWISE_OPS[name]
+    z = rng.uniform(0.5, 2.0, shape).astype(np.float32)
+    b = rng.uniform(0.5, 2.0, small).astype(np.float32)
+    b.flat[0] = z.flat[0]  # some equal elements for eq / ge
+    Z, B = nd.array(z, device=device), nd.array(b, device=device).broadcast_to(shape)
+    bb = np.broadcast_to(b, shape)
+    assert_same(ours(Z, B), theirs(z, bb))
+    assert_same(ours(B, Z), theirs(bb, z))
+    assert_same(ours(B, B), theirs(bb, bb))
+    assert_same(ours(Z.permute(tuple(reversed(range(Z.ndim)))), B.permute(tuple(reversed(range(B.ndim))))),
+                theirs(z.T, bb.T))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("small,shape", BROADCASTS, ids=repr)
+def test_scalar_and_unary_ops_on_broadcast_views(device, small, shape, rng):
+    b = rng.uniform(0.5, 2.0, small).astype(np.float32)
+    B, bb = nd.array(b, device=device).broadcast_to(shape), np.broadcast_to(b, shape)
+    assert_same(B * 3.0, bb * np.float32(3.0))
+    assert_same(2.0 - B, np.float32(2.0) - bb)
+    assert_same(B**2.0, bb**2)
+    assert_same(B**0.5, bb ** np.float32(0.5))
+    assert_same(B.maximum(1.0), np.maximum(bb, np.float32(1.0)))
+    for ours, theirs in [(nd.exp, np.exp), (nd.log, np.log), (nd.tanh, np.tanh)]:
+        assert_same(ours(B), theirs(bb), rtol=2e-6)
+
+
+def _strided_operand(device, rng, layout):
+    """(backend handle, strides, offset, numpy view) of a (6, 7) operand laid out as `layout`."""
+    if layout == "compact":
+        base = rng.uniform(0.5, 2.0, (6, 7)).astype(np.float32)
+        return nd.array(base, device=device)._handle, [7, 1], 0, base
+    if layout == "reversed":  # negative strides, the offset at the far end
+        base = rng.uniform(0.5, 2.0, (6, 7)).astype(np.float32)
+        return nd.array(base, device=device)._handle, [-7, -1], 41, base[::-1, ::-1]
+    if layout == "transposed":
+        base = rng.uniform(0.5, 2.0, (7, 6)).astype(np.float32)
+        return nd.array(base, device=device)._handle, [1, 6], 0, base.T
+    if layout == "column":  # one value per row, repeated along the row (inner stride 0), at an offset
+        base = rng.uniform(0.5, 2.0, 9).astype(np.float32)
+        return nd.array(base, device=device)._handle, [1, 0], 2, np.broadcast_to(base[2:8, None], (6, 7))
+    raise AssertionError(layout)
+
+
+STRIDED_LAYOUTS = ["compact", "reversed", "transposed", "column"]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("layout_a", STRIDED_LAYOUTS)
+@pytest.mark.parametrize("layout_b", STRIDED_LAYOUTS)
+def test_backend_strided_functions(device, layout_a, layout_b, rng):
+    """ewise_strided / scalar_strided / unary_strided called directly, against NumPy on the same views."""
+    mod = device.mod
+    ha, sa, oa, a = _strided_operand(device, rng, layout_a)
+    hb, sb, ob, b = _strided_operand(device, rng, layout_b)
+    out = nd.empty((6, 7), device=device)
+    binary = {"add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.divide, "power": np.power,
+              "maximum": np.maximum, "eq": np.equal, "ge": np.greater_equal}
+    for op, func in binary.items():
+        mod.ewise_strided(op, ha, sa, oa, hb, sb, ob, out._handle, [6, 7])
+        assert_same(out, func(a, b).astype(np.float32), rtol=2e-6)
+        mod.scalar_strided(op, ha, sa, oa, 1.25, out._handle, [6, 7])
+        assert_same(out, func(a, np.float32(1.25)).astype(np.float32), rtol=2e-6)
+    for op, func in {"log": np.log, "exp": np.exp, "tanh": np.tanh}.items():
+        mod.unary_strided(op, hb, sb, ob, out._handle, [6, 7])
+        assert_same(out, func(b), rtol=2e-6)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_backend_strided_functions_reject_bad_calls(device):
+    mod = device.mod
+    a = nd.array(np.ones((2, 3)), device=device)
+    out = nd.empty((2, 3), device=device)
+    with pytest.raises(ValueError, match="unknown op"):
+        mod.ewise_strided("min", a._handle, [3, 1], 0, a._handle, [3, 1], 0, out._handle, [2, 3])
+    with pytest.raises(ValueError, match="unknown op"):
+        mod.scalar_strided("sub_", a._handle, [3, 1], 0, 1.0, out._handle, [2, 3])
+    with pytest.raises(ValueError, match="unknown op"):
+        mod.unary_strided("sqrt", a._handle, [3, 1], 0, out._handle, [2, 3])
+    with pytest.raises(ValueError, match="out must not be one of the inputs"):
+        mod.ewise_strided("add", a._handle, [1, 2], 0, a._handle, [3, 1], 0, a._handle, [2, 3])
+    with pytest.raises(ValueError, match="out must not be one of the inputs"):
+        mod.unary_strided("exp", a._handle, [0, 1], 0, a._handle, [2, 3])
+
+
+@pytest.mark.parametrize("device", COMPILED_DEVICES)
+def test_compiled_strided_functions_check_view_bounds(device):
+    mod = device.mod
+    a = nd.array(np.ones((2, 3)), device=device)
+    out = nd.empty((2, 3), device=device)
+    with pytest.raises(ValueError):
+        mod.ewise_strided("add", a._handle, [3, 1], 1, a._handle, [3, 1], 0, out._handle, [2, 3])
+    with pytest.raises(ValueError):
+        mod.scalar_strided("add", a._handle, [4, 1], 0, 1.0, out._handle, [2, 3])
+    with pytest.raises(ValueError):
+        mod.unary_strided("exp", a._handle, [-3, 1], 0, out._handle, [2, 3])
+
+
 # The C++ backend has one exp/log/tanh/sum/max implementation per instruction set: check each this CPU runs.
 @pytest.fixture(params=["default", "generic", "avx2", "avx512"])
 def vector_isa(request, device):
@@ -562,6 +669,39 @@ def test_matmul_batched_and_broadcast(device, shape_a, shape_b, rng):
         tuple(range(a.ndim - 2)) + (a.ndim - 1, a.ndim - 2))
     assert not A.is_compact() or min(a.shape[-2:]) == 1
     assert_same(A @ nd.array(b, device=device), a @ b, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("batch,m,n,p", [(1, 3, 4, 5), (7, 5, 3, 4), (64, 16, 8, 16), (5, 1, 9, 1), (3, 70, 65, 130),
+                                         (4, 0, 3, 2), (2, 3, 0, 4), (0, 2, 2, 2)])
+def test_backend_matmul_batched(device, batch, m, n, p, rng):
+    a = rng.standard_normal((batch, m, n)).astype(np.float32)
+    b = rng.standard_normal((batch, n, p)).astype(np.float32)
+    A, B = nd.array(a, device=device), nd.array(b, device=device)
+    out = nd.empty((batch, m, p), device=device)
+    device.mod.matmul_batched(A._handle, B._handle, out._handle, batch, m, n, p)
+    assert_same(out, a @ b, rtol=1e-4, atol=1e-4)
+    assert_same(A @ B, a @ b, rtol=1e-4, atol=1e-4)
+    if device.name == "cpu" and batch:  # each product is computed exactly as a 2-D matmul would
+        loop = np.stack([(A[i] @ B[i]).numpy() for i in range(batch)])
+        np.testing.assert_array_equal(out.numpy(), loop)
+    if device.name != "cpu_numpy":  # (the reference does not check sizes)
+        with pytest.raises(ValueError):
+            device.mod.matmul_batched(A._handle, B._handle, out._handle, batch + 1, m, n, p)
+    X = nd.array(rng.standard_normal((2, 3, 3)), device=device)
+    with pytest.raises(ValueError, match="out must not be one of the inputs"):
+        device.mod.matmul_batched(X._handle, X._handle, X._handle, 2, 3, 3, 3)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_attention_shaped_batched_matmul(device, rng):
+    """(batch, heads, T, d) @ (batch, heads, d, T) and back: many small products in one backend call."""
+    q = rng.standard_normal((4, 8, 32, 16)).astype(np.float32)
+    k = rng.standard_normal((4, 8, 32, 16)).astype(np.float32)
+    Q, K = nd.array(q, device=device), nd.array(k, device=device)
+    scores = Q @ K.permute((0, 1, 3, 2))
+    assert_same(scores, q @ np.swapaxes(k, -1, -2), rtol=1e-4, atol=1e-4)
+    assert_same(scores @ K, (q @ np.swapaxes(k, -1, -2)) @ k, rtol=1e-3, atol=1e-3)
 
 
 @pytest.mark.parametrize("device", DEVICES)

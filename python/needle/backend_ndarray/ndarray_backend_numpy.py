@@ -142,6 +142,42 @@ def scalar_ge(a, val, out):
     out.array[:] = a.array >= val
 
 
+# ----- element-wise on strided views: out (compact, `shape`) = op(views), nothing materialized ------------------
+_BINARY = {"add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.divide, "power": np.power,
+           "maximum": np.maximum, "eq": np.equal, "ge": np.greater_equal}
+_UNARY = {"log": np.log, "exp": np.exp, "tanh": np.tanh}
+
+
+def _op(table, op, fn):
+    if op not in table:
+        raise ValueError(f"{fn}: unknown op {op!r} (expected {', '.join(table)})")
+    return table[op]
+
+
+def _out_view(fn, out, shape, *inputs):
+    if out.size != int(np.prod(shape)):
+        raise ValueError(f"{fn}: out has {out.size} elements, expected {int(np.prod(shape))}")
+    if any(out is a for a in inputs):
+        raise ValueError(f"{fn}: out must not be one of the inputs")
+    return out.array.reshape(shape)
+
+
+def ewise_strided(op, a, a_strides, a_offset, b, b_strides, b_offset, out, shape):
+    func = _op(_BINARY, op, "ewise_strided")
+    func(_view(a, shape, a_strides, a_offset), _view(b, shape, b_strides, b_offset),
+         out=_out_view("ewise_strided", out, shape, a, b))
+
+
+def scalar_strided(op, a, strides, offset, val, out, shape):
+    func = _op(_BINARY, op, "scalar_strided")
+    func(_view(a, shape, strides, offset), np.float32(val), out=_out_view("scalar_strided", out, shape, a))
+
+
+def unary_strided(op, a, strides, offset, out, shape):
+    func = _op(_UNARY, op, "unary_strided")
+    func(_view(a, shape, strides, offset), out=_out_view("unary_strided", out, shape, a))
+
+
 def ewise_log(a, out):
     out.array[:] = np.log(a.array)
 
@@ -156,6 +192,13 @@ def ewise_tanh(a, out):
 
 def matmul(a, b, out, m, n, p):
     out.array[:] = (a.array[: m * n].reshape(m, n) @ b.array[: n * p].reshape(n, p)).reshape(-1)
+
+
+def matmul_batched(a, b, out, batch, m, n, p):
+    if out is a or out is b:
+        raise ValueError("matmul_batched: out must not be one of the inputs")
+    np.matmul(a.array[: batch * m * n].reshape(batch, m, n), b.array[: batch * n * p].reshape(batch, n, p),
+              out=out.array[: batch * m * p].reshape(batch, m, p))
 
 
 def matmul_tiled(a, b, out, m, n, p):
