@@ -121,10 +121,13 @@ def test_peak_of_operations_counts_exactly_their_temporaries(device):
     assert _peak_and_kept(device, lambda: a + b)[:2] == (n, n)
     assert _peak_and_kept(device, lambda: a * 2.0)[:2] == (n, n)
     assert _peak_and_kept(device, lambda: a.exp())[:2] == (n, n)
-    # a non-compact operand is compacted into a temporary of its size first; the temporary dies at the end
+    # a non-compact operand is read in place (the backend's strided entry points): still only the output
     at = nd.array(rng.standard_normal((5, 6)), device=device).permute((1, 0))
-    assert _peak_and_kept(device, lambda: at + b)[:2] == (2 * n, n)
-    assert _peak_and_kept(device, lambda: at + at)[:2] == (3 * n, n)
+    assert _peak_and_kept(device, lambda: at + b)[:2] == (n, n)
+    assert _peak_and_kept(device, lambda: at + at)[:2] == (n, n)
+    assert _peak_and_kept(device, lambda: at * 2.0)[:2] == (n, n)
+    assert _peak_and_kept(device, lambda: at.exp())[:2] == (n, n)
+    assert _peak_and_kept(device, lambda: a - at)[:2] == (n, n)  # one pass, no negated temporary
     # views cost nothing
     assert _peak_and_kept(device, lambda: a.permute((1, 0)))[:2] == (0, 0)
     # reducing the last axis reads the array as it is: only the (6,) output
@@ -139,6 +142,46 @@ def test_peak_of_operations_counts_exactly_their_temporaries(device):
     # compact() of a compact array is the array itself; of a view, one copy
     assert _peak_and_kept(device, lambda: a.compact())[:2] == (0, 0)
     assert _peak_and_kept(device, lambda: at.compact())[:2] == (n, n)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("op", ["add", "sub", "mul", "div", "maximum", "ge", "rsub_scalar", "exp"])
+def test_broadcast_operand_is_never_materialized(device, op):
+    """a (op) b.broadcast_to(shape) allocates exactly the output: the broadcast is read with stride 0."""
+    rng = np.random.default_rng(0)
+    z = nd.array(rng.standard_normal((64, 100)), device=device)
+    row = nd.array(rng.standard_normal((64, 1)) + 3.0, device=device)
+    col = nd.array(rng.standard_normal((1, 100)) + 3.0, device=device)
+    out_bytes = 64 * 100 * F32
+    ops = {
+        "add": lambda b: z + b, "sub": lambda b: z - b, "mul": lambda b: b * z, "div": lambda b: z / b,
+        "maximum": lambda b: b.maximum(z), "ge": lambda b: z >= b, "rsub_scalar": lambda b: b - 1.0,
+        "exp": lambda b: b.exp(),
+    }
+    for small in (row, col):
+        b = small.broadcast_to((64, 100))
+        peak, kept, result = _peak_and_kept(device, lambda b=b: ops[op](b))
+        assert (peak, kept) == (out_bytes, out_bytes), (small.shape, peak, kept)
+        assert result.is_compact() and result.shape == (64, 100)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_batched_matmul_allocates_only_the_output_unless_a_side_is_broadcast(device):
+    rng = np.random.default_rng(0)
+    a = nd.array(rng.standard_normal((6, 4, 5)), device=device)
+    b = nd.array(rng.standard_normal((6, 5, 3)), device=device)
+    out_bytes = 6 * 4 * 3 * F32
+    assert _peak_and_kept(device, lambda: a @ b)[:2] == (out_bytes, out_bytes)
+    # one matrix for the whole batch, given 2-D or broadcast along the batch, is one flat product: the output only
+    w = nd.array(rng.standard_normal((5, 3)), device=device)
+    assert _peak_and_kept(device, lambda: a @ w)[:2] == (out_bytes, out_bytes)
+    assert _peak_and_kept(device, lambda: a @ w.broadcast_to((6, 5, 3)))[:2] == (out_bytes, out_bytes)
+    # sides that are broadcast along different batch axes are materialized once each (the backend takes
+    # compact (batch, m, n) operands)
+    a2 = nd.array(rng.standard_normal((2, 1, 4, 5)), device=device)
+    b2 = nd.array(rng.standard_normal((1, 3, 5, 3)), device=device)
+    expected = (6 * 4 * 3 + 6 * 4 * 5 + 6 * 5 * 3) * F32
+    assert _peak_and_kept(device, lambda: a2 @ b2)[:2] == (expected, out_bytes)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -5,9 +5,9 @@ offset) of a view (the contract is in src/README.md). Every view is bounds-check
 ever handed one that reaches outside its buffer.
 """
 import builtins
+import functools
 import importlib
-import operator
-from functools import reduce
+import math
 
 import numpy as np
 
@@ -54,8 +54,7 @@ BUILD_HINT = (
 )
 
 
-def prod(x):
-    return reduce(operator.mul, x, 1)
+prod = math.prod
 
 
 def _load(name):
@@ -73,6 +72,7 @@ class BackendDevice:
         self.name = name
         self.mod = mod
         self._missing_module = missing_module
+        self._enabled = None  # computed on first use: every new array asks
 
     def __eq__(self, other):
         return isinstance(other, BackendDevice) and self.name == other.name
@@ -91,10 +91,10 @@ class BackendDevice:
         return getattr(mod, name)
 
     def enabled(self):
-        if self.mod is None:
-            return False
-        count = getattr(self.mod, "device_count", None)
-        return count is None or count() > 0
+        if self._enabled is None:
+            count = getattr(self.mod, "device_count", None)
+            self._enabled = self.mod is not None and (count is None or count() > 0)
+        return self._enabled
 
     def _require(self):
         if not self.enabled():
@@ -180,6 +180,7 @@ def _check_dtype(dtype):
         raise TypeError(f"NDArray supports only float32, got dtype {dtype!r}")
 
 
+@functools.lru_cache(maxsize=4096)
 def _compact_strides(shape):
     stride, res = 1, []
     for dim in reversed(shape):
@@ -237,6 +238,18 @@ class NDArray:
         else:
             _check_view(shape, array._strides, array._offset, handle.size)
         array._handle = handle
+        return array
+
+    @staticmethod
+    def _empty(shape, device):
+        """A fresh compact array for an operation's result: `make` without re-checking a shape that came from an
+        NDArray (a tuple of non-negative ints) on a device that already holds arrays."""
+        array = object.__new__(NDArray)
+        array._shape = shape
+        array._strides = _compact_strides(shape)
+        array._offset = 0
+        array._device = device
+        array._handle = device.mod.Array(prod(shape))
         return array
 
     # ----- properties ---------------------------------------------------------------------------------------
@@ -297,7 +310,7 @@ class NDArray:
         """This array if it is compact, else a compact copy."""
         if self.is_compact():
             return self
-        out = NDArray.make(self.shape, device=self.device)
+        out = NDArray._empty(self._shape, self._device)
         self.device.mod.compact(self._handle, out._handle, list(self._shape), list(self._strides), self._offset)
         return out
 
@@ -392,18 +405,40 @@ class NDArray:
                                            list(view.strides), view._offset)
 
     # ----- element-wise and scalar arithmetic ---------------------------------------------------------------
+    # Operands that are not compact (broadcast, transposed, sliced views) are read in place through the backend's
+    # strided entry points (ewise_strided / scalar_strided / unary_strided), so an operation allocates only its
+    # output: `Z - broadcast_to(lse)` never materializes the broadcast.  A backend without them gets compact
+    # copies instead.
     def ewise_or_scalar(self, other, ewise_func, scalar_func, name="op"):
-        """Apply `ewise_func` to two arrays of equal shape, or `scalar_func` to this array and a number."""
-        out = NDArray.make(self.shape, device=self.device)
+        """Apply `ewise_func` to two arrays of equal shape, or `scalar_func` to this array and a number.
+
+        `name` is the operation's name in the strided entry points (add, mul, div, power, maximum, eq, ge)."""
         if isinstance(other, NDArray):
-            if other.shape != self.shape:
-                raise ValueError(f"{name}: shapes {self.shape} and {other.shape} differ; broadcast explicitly")
-            if other.device != self.device:
-                raise ValueError(f"{name}: operands on {self.device} and {other.device}")
-            ewise_func(self.compact()._handle, other.compact()._handle, out._handle)
+            self._check_operand(other, name)
+        out = NDArray._empty(self._shape, self._device)
+        mod = self._device.mod
+        if isinstance(other, NDArray):
+            if self.is_compact() and other.is_compact():
+                ewise_func(self._handle, other._handle, out._handle)
+            elif hasattr(mod, "ewise_strided"):
+                mod.ewise_strided(name, self._handle, list(self._strides), self._offset, other._handle,
+                                  list(other._strides), other._offset, out._handle, list(self._shape))
+            else:
+                ewise_func(self.compact()._handle, other.compact()._handle, out._handle)
+        elif self.is_compact():
+            scalar_func(self._handle, float(other), out._handle)
+        elif hasattr(mod, "scalar_strided"):
+            mod.scalar_strided(name, self._handle, list(self._strides), self._offset, float(other), out._handle,
+                               list(self._shape))
         else:
             scalar_func(self.compact()._handle, float(other), out._handle)
         return out
+
+    def _check_operand(self, other, name):
+        if other._shape != self._shape:
+            raise ValueError(f"{name}: shapes {self.shape} and {other.shape} differ; broadcast explicitly")
+        if other._device != self._device:
+            raise ValueError(f"{name}: operands on {self.device} and {other.device}")
 
     def __add__(self, other):
         return self.ewise_or_scalar(other, self.device.mod.ewise_add, self.device.mod.scalar_add, "add")
@@ -411,6 +446,14 @@ class NDArray:
     __radd__ = __add__
 
     def __sub__(self, other):
+        mod = self._device.mod
+        if isinstance(other, NDArray) and hasattr(mod, "ewise_strided"):
+            # One pass, no negated temporary; the contract has no compact ewise_sub, and a - b == a + (-b) exactly.
+            self._check_operand(other, "sub")
+            out = NDArray._empty(self._shape, self._device)
+            mod.ewise_strided("sub", self._handle, list(self._strides), self._offset, other._handle,
+                              list(other._strides), other._offset, out._handle, list(self._shape))
+            return out
         return self + (-other)
 
     def __rsub__(self, other):
@@ -457,19 +500,25 @@ class NDArray:
 
     __hash__ = None
 
-    def _unary(self, func):
-        out = NDArray.make(self.shape, device=self.device)
-        func(self.compact()._handle, out._handle)
+    def _unary(self, func, name):
+        out = NDArray._empty(self._shape, self._device)
+        mod = self._device.mod
+        if self.is_compact():
+            func(self._handle, out._handle)
+        elif hasattr(mod, "unary_strided"):
+            mod.unary_strided(name, self._handle, list(self._strides), self._offset, out._handle, list(self._shape))
+        else:
+            func(self.compact()._handle, out._handle)
         return out
 
     def log(self):
-        return self._unary(self.device.mod.ewise_log)
+        return self._unary(self.device.mod.ewise_log, "log")
 
     def exp(self):
-        return self._unary(self.device.mod.ewise_exp)
+        return self._unary(self.device.mod.ewise_exp, "exp")
 
     def tanh(self):
-        return self._unary(self.device.mod.ewise_tanh)
+        return self._unary(self.device.mod.ewise_tanh, "tanh")
 
     # ----- matrix multiplication ----------------------------------------------------------------------------
     def __matmul__(self, other):
@@ -482,26 +531,35 @@ class NDArray:
             raise ValueError(f"matmul: shapes {self.shape} and {other.shape} are not aligned")
         m, n, p = self.shape[-2], self.shape[-1], other.shape[-1]
         if self.ndim == 2 and other.ndim == 2:
-            out = NDArray.make((m, p), device=self.device)
+            out = NDArray._empty((m, p), self._device)
             self.device.mod.matmul(self.compact()._handle, other.compact()._handle, out._handle, m, n, p)
             return out
-        batch = np.broadcast_shapes(self.shape[:-2], other.shape[:-2])
-        if other.ndim == 2 and len(batch) == self.ndim - 2:
-            # (..., m, n) @ (n, p) is one (prod(...)*m, n) @ (n, p) product.
-            flat = self.compact().reshape((prod(batch) * m, n)) @ other
+        batch = tuple(np.broadcast_shapes(self.shape[:-2], other.shape[:-2]))
+        k = prod(batch)
+        a, b = self.broadcast_to(batch + (m, n)), other.broadcast_to(batch + (n, p))
+        if k == 0:
+            return NDArray._empty(batch + (m, p), self._device)
+        if _one_matrix(b):
+            # (..., m, n) @ one (n, p) matrix (repeated by broadcasting) is a single (k*m, n) @ (n, p) product.
+            flat = a.compact().reshape((k * m, n)) @ b[(0,) * len(batch)]
             return flat.reshape(batch + (m, p))
-        if self.ndim == 2 and len(batch) == other.ndim - 2:
-            # (m, n) @ (..., n, p) is one (m, n) @ (n, prod(...)*p) product, its columns laid out batch-major.
-            k = prod(batch)
-            cols = other.compact().reshape((k, n, p)).permute((1, 0, 2)).compact().reshape((n, k * p))
-            out = (self @ cols).reshape((m, k, p)).permute((1, 0, 2)).compact()
+        if _one_matrix(a):
+            # one (m, n) @ (..., n, p) is a single (m, n) @ (n, k*p) product, its columns laid out batch-major.
+            cols = b.compact().reshape((k, n, p)).permute((1, 0, 2)).compact().reshape((n, k * p))
+            out = (a[(0,) * len(batch)] @ cols).reshape((m, k, p)).permute((1, 0, 2)).compact()
             return out.reshape(batch + (m, p))
-        a = self.broadcast_to(batch + (m, n)).compact().reshape((prod(batch), m, n))
-        b = other.broadcast_to(batch + (n, p)).compact().reshape((prod(batch), n, p))
-        out = NDArray.make((prod(batch), m, p), device=self.device)
-        for i in range(prod(batch)):
-            out[i] = a[i] @ b[i]
-        return out.reshape(batch + (m, p))
+        # One backend call for the whole batch.  compact() copies only a side that really is broadcast (or not
+        # compact); a compact operand of the full batch shape is used as it is.
+        a, b = a.compact(), b.compact()
+        out = NDArray._empty(batch + (m, p), self._device)
+        mod = self._device.mod
+        if hasattr(mod, "matmul_batched"):
+            mod.matmul_batched(a._handle, b._handle, out._handle, k, m, n, p)
+            return out
+        a, b, flat = a.reshape((k, m, n)), b.reshape((k, n, p)), out.reshape((k, m, p))
+        for i in range(k):
+            flat[i] = a[i] @ b[i]
+        return out
 
     # ----- reductions ---------------------------------------------------------------------------------------
     def _reduce(self, func, axis, keepdims, name):
@@ -517,7 +575,7 @@ class NDArray:
         # Move the reduced axes last, so each output element reduces one contiguous row.
         view = self.permute(kept + axes).compact()
         out_shape = tuple(self._shape[i] for i in kept)
-        out = NDArray.make(out_shape, device=self.device)
+        out = NDArray._empty(out_shape, self._device)
         func(view._handle, out._handle, reduce_size)
         if keepdims:
             out = out.reshape(tuple(1 if i in axes else s for i, s in enumerate(self._shape)))
@@ -554,6 +612,11 @@ class NDArray:
         out = self.device.full(tuple(s + lo + hi for s, (lo, hi) in zip(self.shape, axes)), 0.0)
         out[tuple(slice(lo, lo + s) for s, (lo, _) in zip(self.shape, axes))] = self
         return out
+
+
+def _one_matrix(view):
+    """Whether every batch index of a (..., rows, cols) view selects the same matrix (stride 0 or extent 1)."""
+    return all(st == 0 or sh == 1 for sh, st in zip(view.shape[:-2], view.strides[:-2]))
 
 
 def _normalize_axis(axis, ndim, name):
