@@ -174,6 +174,23 @@ static inline int num_threads() {
 // Element-wise loops this long (or longer) of expensive functions (exp, log, tanh, pow) run on all threads.
 constexpr size_t PARALLEL_TRANSCENDENTAL = 1 << 15;
 
+// Runs body(begin, end) over [0, n): on one thread, or split into one contiguous chunk per thread (chunks are
+// whole multiples of 64 elements, so no two threads write into one cache line of a compact output).
+template <class F>
+static void parallel_range(size_t n, int nthreads, F body) {
+  if (nthreads <= 1 || n < 2 * 64) {
+    body(size_t(0), n);
+    return;
+  }
+  const size_t chunk = (n / static_cast<size_t>(nthreads) + 64) / 64 * 64;
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+  for (int t = 0; t < nthreads; ++t) {
+    const size_t begin = std::min(n, static_cast<size_t>(t) * chunk);
+    const size_t end = std::min(n, begin + chunk);
+    if (begin < end) body(begin, end);
+  }
+}
+
 // ------------------------------------------------------------------------------------------------------------
 // 2. Strided views
 // ------------------------------------------------------------------------------------------------------------
@@ -277,7 +294,7 @@ static Walk<N> make_walk(const char* fn, const std::vector<int64_t>& shape, cons
 // (shape[j] - 1) * strides[k][j], and the next dimension to the left is incremented.  Only the starting point
 // is computed from scratch, by reading the digits of begin / len off like those of a number.
 template <int N, class F>
-static void for_each_run(const Walk<N>& w, size_t begin, size_t end, F inner) {
+static void for_each_run_in_range(const Walk<N>& w, size_t begin, size_t end, F inner) {
   if (begin >= end) return;
   const int outer = static_cast<int>(w.shape.size()) - 1;
   const size_t len = static_cast<size_t>(w.shape[outer]);
@@ -311,9 +328,83 @@ static void for_each_run(const Walk<N>& w, size_t begin, size_t end, F inner) {
   }
 }
 
+// Rows of a walk: the runs of its innermost dimension.
+template <int N>
+static size_t walk_rows(const Walk<N>& w) {
+  return w.size / static_cast<size_t>(w.shape.back());
+}
+
+// Whether some operand moves across memory along the runs (|stride| > 1), as a transposed view does.  Walking
+// such a view row by row touches a new cache line (often a new page) for every element; for_each_tile_run
+// visits the same runs in cache-sized tiles instead.
+template <int N>
+static bool wants_tiles(const Walk<N>& w) {
+  if (w.size == 0 || w.shape.size() < 2 || w.shape.back() < 2) return false;
+  for (int k = 0; k < N; ++k) {
+    const int64_t step = w.strides[k].back();
+    if (step > 1 || step < -1) return true;
+  }
+  return false;
+}
+
+// Like for_each_run_in_range over whole rows [row_begin, row_end), but in tiles of TILE_ROWS rows x TILE_COLS columns:
+// the start positions of TILE_ROWS consecutive rows are taken from the odometer first, then each column
+// stretch of the tile is visited row after row.  In a transposed operand consecutive rows are neighbours in
+// memory, so a tile reads whole cache lines of it while the compact side stays in L1.  Every run is still a
+// piece of one row, so the callback's (pos, i, len, step) mean what they mean for for_each_run_in_range.
+constexpr int64_t TILE_ROWS = 32, TILE_COLS = 32;
+
 template <int N, class F>
-static void for_each_run(const Walk<N>& w, F inner) {
-  for_each_run(w, 0, w.size, inner);
+static void for_each_tile_run(const Walk<N>& w, size_t row_begin, size_t row_end, F inner) {
+  if (row_begin >= row_end) return;
+  const int outer = static_cast<int>(w.shape.size()) - 1;
+  const int64_t len = w.shape[outer];
+  std::vector<int64_t> idx(outer, 0);
+  int64_t pos[N], step[N];
+  for (int k = 0; k < N; ++k) {
+    pos[k] = w.offset[k];
+    step[k] = w.strides[k][outer];
+  }
+  size_t rest = row_begin;
+  for (int j = outer - 1; j >= 0; --j) {
+    idx[j] = static_cast<int64_t>(rest % static_cast<size_t>(w.shape[j]));
+    rest /= static_cast<size_t>(w.shape[j]);
+    for (int k = 0; k < N; ++k) pos[k] += idx[j] * w.strides[k][j];
+  }
+  int64_t row_pos[TILE_ROWS][N];
+  for (size_t r0 = row_begin; r0 < row_end; r0 += TILE_ROWS) {
+    const int64_t rows = static_cast<int64_t>(std::min<size_t>(TILE_ROWS, row_end - r0));
+    for (int64_t t = 0; t < rows; ++t) {
+      for (int k = 0; k < N; ++k) row_pos[t][k] = pos[k];
+      for (int j = outer - 1; j >= 0; --j) {  // the odometer, as in for_each_run_in_range
+        if (++idx[j] < w.shape[j]) {
+          for (int k = 0; k < N; ++k) pos[k] += w.strides[k][j];
+          break;
+        }
+        for (int k = 0; k < N; ++k) pos[k] -= (w.shape[j] - 1) * w.strides[k][j];
+        idx[j] = 0;
+      }
+    }
+    for (int64_t c0 = 0; c0 < len; c0 += TILE_COLS) {
+      const int64_t n = std::min(TILE_COLS, len - c0);
+      for (int64_t t = 0; t < rows; ++t) {
+        int64_t start[N];
+        for (int k = 0; k < N; ++k) start[k] = row_pos[t][k] + c0 * step[k];
+        inner(start, (r0 + static_cast<size_t>(t)) * static_cast<size_t>(len) + static_cast<size_t>(c0), n, step);
+      }
+    }
+  }
+}
+
+// Every run of the walk, each exactly once, on `nthreads` threads: tiled when wants_tiles, else row by row.
+template <int N, class F>
+static void for_each_run(const Walk<N>& w, int nthreads, F inner) {
+  if (wants_tiles(w)) {
+    parallel_range(walk_rows(w), nthreads,
+                   [&](size_t begin, size_t end) { for_each_tile_run(w, begin, end, inner); });
+  } else {
+    parallel_range(w.size, nthreads, [&](size_t begin, size_t end) { for_each_run_in_range(w, begin, end, inner); });
+  }
 }
 
 // A walk over the single view (shape, strides, offset) of a buffer of buffer_size elements.
@@ -325,7 +416,7 @@ static Walk<1> make_view(const char* fn, const std::vector<int64_t>& shape, cons
 
 // out[i] = a[view element i]
 static void compact_into(const scalar_t* a, scalar_t* out, const Walk<1>& v) {
-  for_each_run(v, [&](const int64_t* pos, size_t i, int64_t len, const int64_t* step) {
+  for_each_run(v, 1, [&](const int64_t* pos, size_t i, int64_t len, const int64_t* step) {
     const scalar_t* src = a + pos[0];
     scalar_t* dst = out + i;
     if (step[0] == 1) {
@@ -351,7 +442,7 @@ static void ewise_setitem(const Array& a, Array& out, const std::vector<int64_t>
   check_size("ewise_setitem", "a", a.size, v.size);
   const scalar_t* src0 = a.ptr;
   scalar_t* base = out.ptr;
-  for_each_run(v, [&](const int64_t* pos, size_t i, int64_t len, const int64_t* step) {
+  for_each_run(v, 1, [&](const int64_t* pos, size_t i, int64_t len, const int64_t* step) {
     const scalar_t* src = src0 + i;
     scalar_t* dst = base + pos[0];
     if (step[0] == 1) {
@@ -371,7 +462,7 @@ static void scalar_setitem(int64_t size, scalar_t val, Array& out, const std::ve
     fail(msg.str());
   }
   scalar_t* base = out.ptr;
-  for_each_run(v, [&](const int64_t* pos, size_t, int64_t len, const int64_t* step) {
+  for_each_run(v, 1, [&](const int64_t* pos, size_t, int64_t len, const int64_t* step) {
     scalar_t* dst = base + pos[0];
     if (step[0] == 1) {
       std::fill(dst, dst + len, val);
@@ -409,23 +500,6 @@ static void fill(Array& out, scalar_t val) { std::fill(out.ptr, out.ptr + out.si
 // 3d. Reductions, gathers and scatters.
 //
 // Comparisons produce 1.0f / 0.0f; maximum propagates NaN like numpy.maximum.
-
-// Runs body(begin, end) over [0, n): on one thread, or split into one contiguous chunk per thread (chunks are
-// whole multiples of 64 elements, so no two threads write into one cache line of a compact output).
-template <class F>
-static void parallel_range(size_t n, int nthreads, F body) {
-  if (nthreads <= 1 || n < 2 * 64) {
-    body(size_t(0), n);
-    return;
-  }
-  const size_t chunk = (n / static_cast<size_t>(nthreads) + 64) / 64 * 64;
-#pragma omp parallel for schedule(static) num_threads(nthreads)
-  for (int t = 0; t < nthreads; ++t) {
-    const size_t begin = std::min(n, static_cast<size_t>(t) * chunk);
-    const size_t end = std::min(n, begin + chunk);
-    if (begin < end) body(begin, end);
-  }
-}
 
 // Threads for an element-wise loop over n elements: expensive functions (exp, log, tanh, pow) are split from
 // PARALLEL_TRANSCENDENTAL elements on; cheap ones (add, max, ...) are limited by memory bandwidth and only pay
@@ -886,11 +960,10 @@ static void strided_binary(const char* fn, const std::string& op, const scalar_t
                            const Walk<2>& w, Array& out) {
   scalar_t* po = out.ptr;
   with_binary_op(fn, op, [&](auto f) {
-    parallel_range(w.size, threads_for(w.size, decltype(f)::expensive), [&](size_t begin, size_t end) {
-      for_each_run(w, begin, end, [&](const int64_t* pos, size_t i, int64_t len, const int64_t* step) {
-        binary_run(a + pos[0], step[0], b + pos[1], step[1], po + i, len, f);
-      });
-    });
+    for_each_run(w, threads_for(w.size, decltype(f)::expensive),
+                 [&](const int64_t* pos, size_t i, int64_t len, const int64_t* step) {
+                   binary_run(a + pos[0], step[0], b + pos[1], step[1], po + i, len, f);
+                 });
   });
 }
 
@@ -927,15 +1000,13 @@ static void unary_strided(const std::string& op, const Array& a, const std::vect
   check_out("unary_strided", out, w.size, inputs, 1);
   const scalar_t* pa = a.ptr;
   scalar_t* po = out.ptr;
-  parallel_range(w.size, threads_for(w.size, true), [&](size_t begin, size_t end) {
-    for_each_run(w, begin, end, [&](const int64_t* pos, size_t i, int64_t len, const int64_t* step) {
-      if (step[0] == 1) {
-        kernel(pa + pos[0], po + i, len);
-      } else {
-        for (int64_t j = 0; j < len; ++j) po[i + j] = pa[pos[0] + j * step[0]];
-        kernel(po + i, po + i, len);
-      }
-    });
+  for_each_run(w, threads_for(w.size, true), [&](const int64_t* pos, size_t i, int64_t len, const int64_t* step) {
+    if (step[0] == 1) {
+      kernel(pa + pos[0], po + i, len);
+    } else {
+      for (int64_t j = 0; j < len; ++j) po[i + j] = pa[pos[0] + j * step[0]];
+      kernel(po + i, po + i, len);
+    }
   });
 }
 
@@ -1203,6 +1274,16 @@ static void pack_b_panel(const scalar_t* B, int64_t ldb, int64_t r0, int64_t kc,
   }
 }
 
+// The calling thread's buffers for packed A panels and for the packed B block.
+static Scratch& a_scratch() {
+  static thread_local Scratch scratch;
+  return scratch;
+}
+static Scratch& b_scratch() {
+  static thread_local Scratch scratch;
+  return scratch;
+}
+
 // C (m x p) = A (m x n) @ B (n x p), all compact row-major.
 template <int MR, int NR, ukernel_fn UK>
 static void gemm_packed(const scalar_t* A, const scalar_t* B, scalar_t* C, int64_t m, int64_t n, int64_t p,
@@ -1213,15 +1294,41 @@ static void gemm_packed(const scalar_t* A, const scalar_t* B, scalar_t* C, int64
   const int64_t nc_max = std::min(NC, ceil_div(p, NR) * NR);
   const int64_t kc_max = std::min(KC, n);
   // The packed B block is shared by the threads (the calling thread's buffer); each thread packs its own A.
-  static thread_local Scratch b_scratch;
-  scalar_t* Bp = b_scratch.get(static_cast<size_t>(kc_max * nc_max));
+  scalar_t* Bp = b_scratch().get(static_cast<size_t>(kc_max * nc_max));
   if (Bp == nullptr) throw std::bad_alloc();
-  int failed = 0;
 
-#pragma omp parallel num_threads(nthreads) if (nthreads > 1)
+  // The two steps of each (jc, pc) block: pack B micro-panel jp, and compute row block blk of C with Ap.
+  auto pack_b = [&](int64_t jc, int64_t nc, int64_t pc, int64_t kc, int64_t jp) {
+    pack_b_panel<NR>(B, p, pc, kc, jc + jp * NR, std::min<int64_t>(NR, nc - jp * NR), Bp + jp * NR * kc);
+  };
+  auto row_block = [&](scalar_t* Ap, int64_t jc, int64_t nc, int64_t pc, int64_t kc, int64_t blk) {
+    const int64_t ic = blk * mc_max, mc = std::min(mc_max, m - ic);
+    for (int64_t ir = 0; ir < mc; ir += MR)
+      pack_a_panel<MR>(A, n, ic + ir, std::min<int64_t>(MR, mc - ir), pc, kc, Ap + ir * kc);
+    for (int64_t jr = 0; jr < nc; jr += NR)
+      for (int64_t ir = 0; ir < mc; ir += MR)
+        UK(kc, Ap + ir * kc, Bp + jr * kc, C + (ic + ir) * p + jc + jr, p, std::min<int64_t>(MR, mc - ir),
+           std::min<int64_t>(NR, nc - jr), pc > 0);
+  };
+
+  if (nthreads == 1) {  // no OpenMP region at all: even an inactive one costs about as much as a small product
+    scalar_t* Ap = a_scratch().get(static_cast<size_t>(mc_max * kc_max));
+    if (Ap == nullptr) throw std::bad_alloc();
+    for (int64_t jc = 0; jc < p; jc += NC) {
+      const int64_t nc = std::min(NC, p - jc);
+      for (int64_t pc = 0; pc < n; pc += KC) {
+        const int64_t kc = std::min(KC, n - pc);
+        for (int64_t jp = 0; jp < ceil_div(nc, NR); ++jp) pack_b(jc, nc, pc, kc, jp);
+        for (int64_t blk = 0; blk < nblocks; ++blk) row_block(Ap, jc, nc, pc, kc, blk);
+      }
+    }
+    return;
+  }
+
+  int failed = 0;
+#pragma omp parallel num_threads(nthreads)
   {
-    static thread_local Scratch a_scratch;
-    scalar_t* Ap = a_scratch.get(static_cast<size_t>(mc_max * kc_max));
+    scalar_t* Ap = a_scratch().get(static_cast<size_t>(mc_max * kc_max));
     if (Ap == nullptr) {
 #pragma omp atomic write
       failed = 1;
@@ -1232,20 +1339,12 @@ static void gemm_packed(const scalar_t* A, const scalar_t* B, scalar_t* C, int64
       for (int64_t pc = 0; pc < n; pc += KC) {
         const int64_t kc = std::min(KC, n - pc);
 #pragma omp for schedule(static)
-        for (int64_t jp = 0; jp < n_jr; ++jp)
-          pack_b_panel<NR>(B, p, pc, kc, jc + jp * NR, std::min<int64_t>(NR, nc - jp * NR), Bp + jp * NR * kc);
+        for (int64_t jp = 0; jp < n_jr; ++jp) pack_b(jc, nc, pc, kc, jp);
         // (barrier: B is packed before anyone uses it)  Row blocks go to whichever thread is free, so the
         // threads stay balanced even when another process shares a core.
 #pragma omp for schedule(dynamic, 1)
         for (int64_t blk = 0; blk < nblocks; ++blk) {
-          if (Ap == nullptr) continue;
-          const int64_t ic = blk * mc_max, mc = std::min(mc_max, m - ic);
-          for (int64_t ir = 0; ir < mc; ir += MR)
-            pack_a_panel<MR>(A, n, ic + ir, std::min<int64_t>(MR, mc - ir), pc, kc, Ap + ir * kc);
-          for (int64_t jr = 0; jr < nc; jr += NR)
-            for (int64_t ir = 0; ir < mc; ir += MR)
-              UK(kc, Ap + ir * kc, Bp + jr * kc, C + (ic + ir) * p + jc + jr, p, std::min<int64_t>(MR, mc - ir),
-                 std::min<int64_t>(NR, nc - jr), pc > 0);
+          if (Ap != nullptr) row_block(Ap, jc, nc, pc, kc, blk);
         }
         // (barrier: nobody still reads Bp when it is packed again)
       }
@@ -1260,8 +1359,7 @@ static void gemm_small(const scalar_t* __restrict A, const scalar_t* __restrict 
                        int64_t m, int64_t n, int64_t p, int nthreads) {
   constexpr int64_t JB = 512, IB = 4;
   const int64_t chunks = ceil_div(p, JB);
-#pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1 && chunks > 1)
-  for (int64_t jb = 0; jb < chunks; ++jb) {
+  auto chunk = [&](int64_t jb) {
     const int64_t j0 = jb * JB, len = std::min(JB, p - j0);
     for (int64_t i0 = 0; i0 < m; i0 += IB) {
       const int64_t rows = std::min(IB, m - i0);
@@ -1275,6 +1373,12 @@ static void gemm_small(const scalar_t* __restrict A, const scalar_t* __restrict 
         }
       }
     }
+  };
+  if (nthreads > 1 && chunks > 1) {
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t jb = 0; jb < chunks; ++jb) chunk(jb);
+  } else {  // no OpenMP region at all: even an inactive one costs ~1 us, more than a small product
+    for (int64_t jb = 0; jb < chunks; ++jb) chunk(jb);
   }
 }
 
@@ -1352,7 +1456,7 @@ static void gemm(const scalar_t* A, const scalar_t* B, scalar_t* C, int64_t m, i
   const double flops = 2.0 * double(m) * double(n) * double(p);
   if (p == 1) {
     gemv(A, B, C, m, n, nthreads);
-  } else if (flops < 2.0 * 32 * 32 * 32 || (m < k->mr / 2 && m < p)) {
+  } else if (flops < 2.0 * 8 * 8 * 8 || (m < k->mr / 2 && m < p)) {
     gemm_small(A, B, C, m, n, p, nthreads);
   } else {
     k->gemm(A, B, C, m, n, p, nthreads);
@@ -1376,10 +1480,10 @@ static void matmul(const Array& a, const Array& b, Array& out, int64_t m, int64_
 }
 
 // out[i] = a[i] @ b[i] for i < batch: a is (batch, m, n), b (batch, n, p), out (batch, m, p), all compact.
-// Products big enough to use all threads on their own run one after another (as `matmul` would run them);
-// smaller ones, the attention case of many small matrices, are spread over the threads one whole product
-// each, so no per-product threading overhead is paid.  Either way each product is computed exactly as
-// `matmul` computes it, so a batch gives the same bits as a loop of matmuls.
+// Products of up to ~256^3 multiply-adds, the attention case of many small matrices, are spread over the
+// threads one whole product each, which pays no per-product threading cost; bigger ones run one after another,
+// each on all threads (as `matmul` runs them).  A product's bits do not depend on its thread count, so a batch
+// gives exactly what a loop of matmuls gives.
 static void matmul_batched(const Array& a, const Array& b, Array& out, int64_t batch, int64_t m, int64_t n,
                            int64_t p) {
   if (batch < 0) fail("matmul_batched: batch must be >= 0");
@@ -1395,8 +1499,9 @@ static void matmul_batched(const Array& a, const Array& b, Array& out, int64_t b
     fill(out, 0.0f);
     return;
   }
-  const int per_product = matmul_threads(m, n, p);
-  const int nthreads = per_product > 1 || batch == 1 ? 1 : num_threads();
+  const bool spread = batch > 1 && 2.0 * double(m) * double(n) * double(p) < 2.0 * 256 * 256 * 256;
+  const int per_product = spread ? 1 : matmul_threads(m, n, p);
+  const int nthreads = spread ? num_threads() : 1;
   py::gil_scoped_release release;
   int failed = 0;  // an exception must not leave an OpenMP region: note it, rethrow after
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads) if (nthreads > 1)

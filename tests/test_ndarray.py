@@ -525,6 +525,27 @@ def test_compiled_strided_functions_check_view_bounds(device):
         mod.unary_strided("exp", a._handle, [-3, 1], 0, out._handle, [2, 3])
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("shape,axes", [((70, 45), (1, 0)), ((5, 40, 33), (2, 0, 1)), ((1100, 1000), (1, 0))],
+                         ids=repr)
+def test_transposed_views_of_many_tiles(device, shape, axes, rng):
+    """Transposed operands are walked in tiles (C++): partial tiles, several outer dims, threads (1.1M elements)."""
+    a = rng.uniform(0.5, 2.0, shape).astype(np.float32)
+    A = nd.array(a, device=device).permute(axes)
+    at = a.transpose(axes)
+    b = rng.standard_normal(at.shape).astype(np.float32)
+    B = nd.array(b, device=device)
+    assert_same(A.compact(), at, rtol=0, atol=0)
+    assert_same(A + B, at + b, rtol=0, atol=0)
+    assert_same(B - A, b - at, rtol=0, atol=0)
+    assert_same(A * 3.0, at * np.float32(3.0), rtol=0, atol=0)
+    assert_same(A.log(), np.log(at), rtol=2e-6)
+    out = nd.array(np.zeros(shape), device=device)
+    view = out.permute(axes)
+    view[tuple(slice(None) for _ in axes)] = B  # ewise_setitem into a transposed view
+    np.testing.assert_array_equal(out.numpy(), b.transpose(np.argsort(axes)))
+
+
 # The C++ backend has one exp/log/tanh/sum/max implementation per instruction set: check each this CPU runs.
 @pytest.fixture(params=["default", "generic", "avx2", "avx512"])
 def vector_isa(request, device):
@@ -673,7 +694,7 @@ def test_matmul_batched_and_broadcast(device, shape_a, shape_b, rng):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("batch,m,n,p", [(1, 3, 4, 5), (7, 5, 3, 4), (64, 16, 8, 16), (5, 1, 9, 1), (3, 70, 65, 130),
-                                         (4, 0, 3, 2), (2, 3, 0, 4), (0, 2, 2, 2)])
+                                         (2, 256, 256, 260), (4, 0, 3, 2), (2, 3, 0, 4), (0, 2, 2, 2)])
 def test_backend_matmul_batched(device, batch, m, n, p, rng):
     a = rng.standard_normal((batch, m, n)).astype(np.float32)
     b = rng.standard_normal((batch, n, p)).astype(np.float32)
