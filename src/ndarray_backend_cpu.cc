@@ -174,20 +174,22 @@ static inline int num_threads() {
 // Element-wise loops this long (or longer) of expensive functions (exp, log, tanh, pow) run on all threads.
 constexpr size_t PARALLEL_TRANSCENDENTAL = 1 << 15;
 
-// Runs body(begin, end) over [0, n): on one thread, or split into one contiguous chunk per thread (chunks are
-// whole multiples of 64 elements, so no two threads write into one cache line of a compact output).
+// Runs body(begin, end) over [0, n): on one thread, or on `nthreads` taking chunks of about n / (8 nthreads)
+// elements (whole multiples of 64, so no two threads write into one cache line of a compact output) as they
+// become free.  Chunks rather than one share per thread: on a shared machine a thread may start late or be
+// preempted, and the others then take over its share instead of waiting for it.
 template <class F>
 static void parallel_range(size_t n, int nthreads, F body) {
   if (nthreads <= 1 || n < 2 * 64) {
     body(size_t(0), n);
     return;
   }
-  const size_t chunk = (n / static_cast<size_t>(nthreads) + 64) / 64 * 64;
-#pragma omp parallel for schedule(static) num_threads(nthreads)
-  for (int t = 0; t < nthreads; ++t) {
-    const size_t begin = std::min(n, static_cast<size_t>(t) * chunk);
-    const size_t end = std::min(n, begin + chunk);
-    if (begin < end) body(begin, end);
+  const size_t chunk = std::max<size_t>(64, (n / (8 * static_cast<size_t>(nthreads)) + 63) / 64 * 64);
+  const int64_t chunks = static_cast<int64_t>((n + chunk - 1) / chunk);
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
+  for (int64_t c = 0; c < chunks; ++c) {
+    const size_t begin = static_cast<size_t>(c) * chunk;
+    body(begin, std::min(n, begin + chunk));
   }
 }
 
