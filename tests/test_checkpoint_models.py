@@ -235,3 +235,21 @@ def test_budget_plan_fits_and_replays():
     assert any(n.drop for n in autograd.find_topo_sort([loss]))
     loss.backward()
     assert checkpoint.last_backward_stats()["recomputed_nodes"] > 0
+
+
+def test_rule2_lazy_forward_computes_each_node_once_with_gc():
+    """Rule 2 for the forward: layers read their inputs' shapes while the lazy graph is built; shape inference
+    answers without computing, so a dropped region is not computed once early and again for its boundary."""
+    computed = []
+    for gc in (None, dict()):
+        model = _lm(gc, dropout=0.0)
+        X, y = _batch(0)
+        with autograd.lazy_mode(True):
+            loss = nn.SoftmaxLoss()(model(X)[0], y)
+            graph = [n for n in autograd.find_topo_sort([loss]) if not n.is_leaf()]
+            assert all(n.cached_data is None for n in graph)  # nothing computed while building
+            counts = count_computes(graph)
+            loss.realize_cached_data()
+        computed.append(sum(counts.values()))
+        assert max(counts.values()) == 1
+    assert computed[0] == computed[1]

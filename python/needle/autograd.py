@@ -75,6 +75,13 @@ class Op:
 class TensorOp(Op):
     """An op whose output is a Tensor."""
 
+    # Shape inference lets a lazy graph be built without computing it (layers read their inputs' shapes):
+    # element-wise ops keep their first input's shape; others override `infer_shape`; None means "compute it".
+    elementwise = False
+
+    def infer_shape(self, *input_shapes):
+        return input_shapes[0] if self.elementwise else None
+
     def __call__(self, *args):
         return Tensor.make_from_op(self, args)
 
@@ -147,6 +154,26 @@ def _realize(targets, keep):
     return values
 
 
+def _infer_specs(target):
+    """Fill `_spec` (shape, dtype, device) of `target` and its unrealized ancestors without computing them.
+
+    Stops (leaving `_spec` None) at the first op that cannot infer its shape; the caller then computes.
+    """
+    order = find_topo_sort([target], expand=lambda n: n.cached_data is None and n._spec is None)
+    for node in order:
+        if node.cached_data is not None or node._spec is not None:
+            continue
+        if node.op is None or not isinstance(node.op, TensorOp):
+            return
+        specs = [x._spec if x.cached_data is None else checkpoint.spec_of(x.cached_data) for x in node.inputs]
+        if not specs or any(s is None or (s[0] and isinstance(s[0][0], tuple)) for s in specs):
+            return
+        shape = node.op.infer_shape(*[s[0] for s in specs])
+        if shape is None:
+            return
+        node._spec = (tuple(shape), specs[0][1], specs[0][2])
+
+
 def _keep_forward(node):
     return not node.drop
 
@@ -169,9 +196,13 @@ class Value:
         return self.op is None
 
     def _spec_or_data(self):
-        # A released value still knows its shape, dtype and device (recorded when it was released).
-        if self.cached_data is None and self._spec is not None:
-            return self._spec
+        # A released value still knows its shape, dtype and device (recorded when it was released); an
+        # unrealized one gets them from shape inference, and is computed only where an op cannot infer.
+        if self.cached_data is None:
+            if self._spec is None:
+                _infer_specs(self)
+            if self._spec is not None:
+                return self._spec
         return checkpoint.spec_of(self.realize_cached_data())
 
     @property

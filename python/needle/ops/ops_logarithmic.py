@@ -18,6 +18,10 @@ class LogSumExp(TensorOp):
     def __init__(self, axes=None):
         self.axes = axes
 
+    def infer_shape(self, shape):
+        axes = _normalize_axes(self.axes, len(shape), "LogSumExp")
+        return tuple(n for i, n in enumerate(shape) if i not in axes)
+
     def compute(self, Z):
         axes = _normalize_axes(self.axes, len(Z.shape), "LogSumExp")
         m = array_api.max(Z, axis=axes, keepdims=True)
@@ -41,6 +45,7 @@ class LogSoftmax(TensorOp):
     """z - logsumexp(z) over the last axis;  d/dz = out_grad - softmax(z) * Σ out_grad"""
 
     saves = "output"
+    elementwise = True  # the output has the input's shape
 
     def compute(self, Z):
         axis = len(Z.shape) - 1

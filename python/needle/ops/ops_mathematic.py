@@ -4,6 +4,10 @@
 `gradient` builds Tensors, so gradients are differentiable. `saves` declares which forward values the gradient
 reads (see autograd.Op); checkpointing keeps or recomputes exactly those.
 """
+import math
+
+import numpy as np
+
 from ..autograd import TensorOp
 from ..backend_selection import array_api
 
@@ -27,6 +31,8 @@ def _same_shape(op, a, b):
 class EWiseAdd(TensorOp):
     """a + b;  d/da = d/db = out_grad"""
 
+    elementwise = True
+
     saves = "none"
 
     def compute(self, a, b):
@@ -43,6 +49,8 @@ def add(a, b):
 
 class AddScalar(TensorOp):
     """a + c;  d/da = out_grad"""
+
+    elementwise = True
 
     saves = "none"
 
@@ -63,6 +71,8 @@ def add_scalar(a, scalar):
 class EWiseMul(TensorOp):
     """a * b;  d/da = out_grad * b, d/db = out_grad * a"""
 
+    elementwise = True
+
     def compute(self, a, b):
         _same_shape("EWiseMul", a, b)
         return a * b
@@ -78,6 +88,8 @@ def multiply(a, b):
 
 class MulScalar(TensorOp):
     """a * c;  d/da = out_grad * c"""
+
+    elementwise = True
 
     saves = "none"
 
@@ -98,6 +110,8 @@ def mul_scalar(a, scalar):
 class EWisePow(TensorOp):
     """a ** b;  d/da = out_grad * b * a^(b-1), d/db = out_grad * a^b * log(a)"""
 
+    elementwise = True
+
     saves = "both"
 
     def compute(self, a, b):
@@ -115,6 +129,8 @@ def power(a, b):
 
 class PowerScalar(TensorOp):
     """a ** c for a number c;  d/da = out_grad * c * a^(c-1)"""
+
+    elementwise = True
 
     def __init__(self, scalar):
         self.scalar = scalar
@@ -134,6 +150,8 @@ def power_scalar(a, scalar):
 class EWiseDiv(TensorOp):
     """a / b;  d/da = out_grad / b, d/db = -out_grad * a / b^2"""
 
+    elementwise = True
+
     def compute(self, a, b):
         _same_shape("EWiseDiv", a, b)
         return a / b
@@ -149,6 +167,8 @@ def divide(a, b):
 
 class DivScalar(TensorOp):
     """a / c;  d/da = out_grad / c"""
+
+    elementwise = True
 
     saves = "none"
 
@@ -168,6 +188,8 @@ def divide_scalar(a, scalar):
 
 class Negate(TensorOp):
     """-a;  d/da = -out_grad"""
+
+    elementwise = True
 
     saves = "none"
 
@@ -202,6 +224,9 @@ class Transpose(TensorOp):
         perm[i], perm[j] = perm[j], perm[i]
         return tuple(perm)
 
+    def infer_shape(self, shape):
+        return tuple(shape[i] for i in self._permutation(len(shape)))
+
     def compute(self, a):
         return array_api.transpose(a, self._permutation(len(a.shape)))
 
@@ -220,6 +245,10 @@ class Reshape(TensorOp):
 
     def __init__(self, shape):
         self.shape = tuple(shape)
+
+    def infer_shape(self, shape):
+        known = -math.prod(self.shape) if -1 in self.shape else None
+        return tuple(math.prod(shape) // known if n == -1 else n for n in self.shape)
 
     def compute(self, a):
         try:
@@ -242,6 +271,9 @@ class BroadcastTo(TensorOp):
 
     def __init__(self, shape):
         self.shape = tuple(shape)
+
+    def infer_shape(self, shape):
+        return self.shape
 
     def compute(self, a):
         try:
@@ -281,6 +313,10 @@ class Summation(TensorOp):
     def __init__(self, axes=None):
         self.axes = axes
 
+    def infer_shape(self, shape):
+        axes = _normalize_axes(self.axes, len(shape), "Summation")
+        return tuple(n for i, n in enumerate(shape) if i not in axes)
+
     def compute(self, a):
         axes = _normalize_axes(self.axes, len(a.shape), "Summation")
         return array_api.sum(a, axis=axes)
@@ -298,6 +334,11 @@ def summation(a, axes=None):
 
 class MatMul(TensorOp):
     """a @ b (batch axes broadcast);  d/da = out_grad @ b^T, d/db = a^T @ out_grad, summed to each shape"""
+
+    def infer_shape(self, a, b):
+        if len(a) < 2 or len(b) < 2 or a[-1] != b[-2]:
+            return None  # let compute raise its error
+        return tuple(np.broadcast_shapes(a[:-2], b[:-2])) + (a[-2], b[-1])
 
     def compute(self, a, b):
         if len(a.shape) < 2 or len(b.shape) < 2 or a.shape[-1] != b.shape[-2]:
@@ -326,6 +367,8 @@ def matmul(a, b):
 class Log(TensorOp):
     """log(a);  d/da = out_grad / a"""
 
+    elementwise = True
+
     def compute(self, a):
         return array_api.log(a)
 
@@ -339,6 +382,8 @@ def log(a):
 
 class Exp(TensorOp):
     """exp(a);  d/da = out_grad * exp(a)"""
+
+    elementwise = True
 
     saves = "output"
 
@@ -356,6 +401,8 @@ def exp(a):
 class ReLU(TensorOp):
     """max(a, 0);  d/da = out_grad * (a > 0)"""
 
+    elementwise = True
+
     saves = "output"
 
     def compute(self, a):
@@ -367,6 +414,8 @@ class ReLU(TensorOp):
 
 class Positive(TensorOp):
     """1 where a > 0, else 0 (the derivative of relu);  its own derivative is 0"""
+
+    elementwise = True
 
     saves = "none"
 
@@ -384,6 +433,8 @@ def relu(a):
 class Tanh(TensorOp):
     """tanh(a);  d/da = out_grad * (1 - tanh(a)^2)"""
 
+    elementwise = True
+
     saves = "output"
 
     def compute(self, a):
@@ -400,6 +451,8 @@ def tanh(a):
 class Sigmoid(TensorOp):
     """1 / (1 + exp(-a));  d/da = out_grad * s * (1 - s)"""
 
+    elementwise = True
+
     saves = "output"
 
     def compute(self, a):
@@ -415,6 +468,8 @@ def sigmoid(a):
 
 class Flip(TensorOp):
     """a reversed along `axes`;  the gradient flips back"""
+
+    elementwise = True
 
     saves = "none"
 
@@ -580,6 +635,9 @@ def conv(a, b, stride=1, padding=0):
 class GatherRows(TensorOp):
     """table[ids] for a (n, d) table and integer-valued ids (k,) -> (k, d);  d/dtable scatter-adds out_grad"""
 
+    def infer_shape(self, table, ids):
+        return (ids[0], table[1]) if len(table) == 2 and len(ids) == 1 else None
+
     def compute(self, table, ids):
         if len(table.shape) != 2 or len(ids.shape) != 1:
             raise ValueError(f"GatherRows: table {tuple(table.shape)} must be 2-D and ids {tuple(ids.shape)} 1-D")
@@ -600,6 +658,9 @@ class ScatterAddRows(TensorOp):
     def __init__(self, num_rows):
         self.num_rows = num_rows
 
+    def infer_shape(self, rows, ids):
+        return (self.num_rows, rows[1])
+
     def compute(self, rows, ids):
         return array_api.scatter_add_rows(rows, ids, self.num_rows)
 
@@ -616,6 +677,9 @@ class PickColumns(TensorOp):
     """a[i, ids[i]] for a (n, c) and integer-valued ids (n,) -> (n,);  d/da puts out_grad[i] at [i, ids[i]]"""
 
     saves = "inputs"
+
+    def infer_shape(self, a, ids):
+        return (a[0],)
 
     def compute(self, a, ids):
         if len(a.shape) != 2 or tuple(ids.shape) != (a.shape[0],):
@@ -636,6 +700,9 @@ class ScatterColumns(TensorOp):
 
     def __init__(self, num_cols):
         self.num_cols = num_cols
+
+    def infer_shape(self, values, ids):
+        return (values[0], self.num_cols)
 
     def compute(self, values, ids):
         return array_api.scatter_along_rows(values, ids, self.num_cols)
