@@ -573,7 +573,8 @@ class NDArray:
         if reduce_size == 0:
             raise ValueError(f"{name}: cannot reduce over a zero-size axis of shape {self.shape}")
         # Move the reduced axes last, so each output element reduces one contiguous row.
-        view = self.permute(kept + axes).compact()
+        order = kept + axes
+        view = (self if order == tuple(range(self.ndim)) else self.permute(order)).compact()
         out_shape = tuple(self._shape[i] for i in kept)
         out = NDArray._empty(out_shape, self._device)
         func(view._handle, out._handle, reduce_size)
