@@ -90,7 +90,7 @@ def main():
     try:
         gc_run(model_args, True, "budget", extra=["--budget_mb", "1"], out=out)
     except SystemExit as err:
-        line = [x for x in str(err).splitlines() if "infeasible" in x]
+        line = [x for x in str(err).splitlines() if x.startswith("ValueError") and "infeasible" in x]
         print(f"  Budget(1 MB): {line[0].strip() if line else 'failed'}")
 
     if not args.skip_max_batch:

@@ -572,12 +572,19 @@ class NDArray:
         reduce_size = prod(self._shape[i] for i in axes)
         if reduce_size == 0:
             raise ValueError(f"{name}: cannot reduce over a zero-size axis of shape {self.shape}")
-        # Move the reduced axes last, so each output element reduces one contiguous row.
-        order = kept + axes
-        view = (self if order == tuple(range(self.ndim)) else self.permute(order)).compact()
         out_shape = tuple(self._shape[i] for i in kept)
-        out = NDArray._empty(out_shape, self._device)
-        func(view._handle, out._handle, reduce_size)
+        if func is self.device.mod.reduce_sum and kept and axes == tuple(range(len(axes))) and self.is_compact():
+            # A sum over leading axes (a bias gradient) is ones(1, R) @ A(R, K): one pass through the fast
+            # matmul instead of a transposed copy of the whole array.
+            ones = NDArray._empty((1, reduce_size), self._device)
+            ones.fill(1.0)
+            out = (ones @ self.reshape((reduce_size, prod(out_shape)))).reshape(out_shape)
+        else:
+            # Move the reduced axes last, so each output element reduces one contiguous row.
+            order = kept + axes
+            view = (self if order == tuple(range(self.ndim)) else self.permute(order)).compact()
+            out = NDArray._empty(out_shape, self._device)
+            func(view._handle, out._handle, reduce_size)
         if keepdims:
             out = out.reshape(tuple(1 if i in axes else s for i, s in enumerate(self._shape)))
         return out
