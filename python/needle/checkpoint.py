@@ -103,10 +103,35 @@ class EverySegment:
 
 @dataclass(frozen=True)
 class Sqrt:
-    """Chen's O(sqrt n) schedule: checkpoints every ~sqrt(n) of the region's n candidates."""
+    """Chen's O(sqrt n) schedule: one checkpoint in every window of ~sqrt(n) of the region's n candidates.
+
+    Within a window it keeps the smallest value (the last one on a tie), since any node of the window bounds
+    the recomputation equally well and a small one costs least to keep. Sizes come from shape inference, so a
+    lazy graph is not computed to choose.
+    """
 
     def __call__(self, nodes):
-        return EverySegment(max(1, round(math.sqrt(len(nodes)))))(nodes)
+        k = max(1, round(math.sqrt(len(nodes))))
+        keep = [False] * len(nodes)
+        for start in range(0, len(nodes), k):
+            window = range(start, min(start + k, len(nodes)))
+            if len(window) < k:  # a short last window: its nodes are recomputed from the previous checkpoint
+                break
+            keep[min(window, key=lambda i: (_known_bytes(nodes[i]), -i))] = True
+        return keep
+
+
+def _known_bytes(node):
+    """A node's size from its data or its inferred shape, without computing it (unknown: infinity)."""
+    if node.cached_data is None and node._spec is None:
+        from .autograd import _infer_specs
+
+        _infer_specs(node)
+    if node.cached_data is not None:
+        return nbytes_of(node.cached_data)
+    if node._spec is None or (node._spec[0] and isinstance(node._spec[0][0], tuple)):
+        return math.inf
+    return 4 * math.prod(node._spec[0])
 
 
 class Budget:
