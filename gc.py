@@ -18,7 +18,6 @@ Both runs release every activation after its last backward use, so the differenc
 import argparse
 import gc as python_gc  # the standard module (built in, so this file's name does not shadow it)
 import json
-import math
 import os
 import statistics
 import subprocess

@@ -11,7 +11,6 @@ import pytest
 import needle as ndl
 from needle import autograd, checkpoint, nn
 from needle import backend_ndarray as nd
-from needle.nn import nn_basic
 
 from conftest import DEVICES, requires_torch
 
