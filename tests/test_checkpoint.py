@@ -266,9 +266,30 @@ def test_policies_are_pure_functions():
         nodes.append(nodes[-1] + 1.0)
     assert checkpoint.nothing_saveable(nodes) == [False] * 16
     assert checkpoint.EverySegment(4)(nodes) == [(i + 1) % 4 == 0 for i in range(16)]
-    assert checkpoint.Sqrt()(nodes) == checkpoint.EverySegment(4)(nodes)
+    # segments of ceil(sqrt 16) = 4; the last ends at the region output, which is kept anyway
+    assert checkpoint.Sqrt()(nodes) == [i in (3, 7, 11) for i in range(16)]
+    assert checkpoint.Sqrt()(nodes[:2]) == [False, False]
     assert checkpoint.dots_saveable(nodes) == [True] + [False] * 15
 
+
+def test_sqrt_prefers_cuts_and_never_keeps_a_view_of_a_leaf():
+    """Sqrt: segments of ceil(sqrt n); per segment a cut first, then the cheapest; views of leaves never."""
+    device = nd.cpu_numpy()
+    x = ndl.Tensor(np.ones((2, 2), np.float32), device=device)
+    h0 = x * 2.0
+    h1 = h0 + 1.0
+    h2 = ops.exp(h0)  # the edge h0 -> h2 jumps over h1, and h1, h2 -> h3 jump over h2: only h0 cuts segment 0
+    h3 = h1 * h2
+    h4 = h3 + 1.0
+    h5 = h4 * 2.0
+    h6 = h5 + 1.0
+    h7 = h6 + 1.0
+    h8 = h7 + 1.0
+    nodes = [h0, h1, h2, h3, h4, h5, h6, h7, h8]
+    assert checkpoint.Sqrt()(nodes) == [n is h0 or n is h5 for n in nodes]  # the last segment gets none
+    w = ndl.Tensor(np.ones((2,), np.float32), device=device)
+    bias = ops.broadcast_to(ops.reshape(w, (1, 2)), (2, 2))
+    assert checkpoint.Sqrt()([bias.inputs[0], bias, h0, h1]) == [False, False, False, False]
 
 def test_to_dot_marks_dropped_and_recomputed_nodes():
     """viz.to_dot: valid DOT with kept, dropped, recomputed and leaf nodes styled apart."""
