@@ -206,8 +206,12 @@ class Budget:
                 if id(n) not in seen:
                     seen.add(id(n))
                     order.append(n)
+        from .autograd import find_topo_sort
+
+        owner, size = buffer_sizes(find_topo_sort([root]))
+        buffer_bytes = lambda n: size[owner[id(n)]]  # noqa: E731  (a view frees its base's bytes)
         ranked = sorted(range(len(order)), key=lambda i: (recompute_cost_per_byte(order[i]),
-                                                           -_planned_bytes(order[i]), i))
+                                                           -buffer_bytes(order[i]), i))
         offset = 0 if measured_peak is None else measured_peak - simulate_peak(root, set(), skip)
         predict = lambda t: simulate_peak(root, {id(order[i]) for i in ranked[:t]}, skip) + offset  # noqa: E731
         self.minimum_peak = predict(len(ranked))
@@ -396,16 +400,6 @@ PASS_THROUGH_OPS = ("EWiseAdd", "AddScalar", "Reshape", "Transpose", "Summation"
 ROW_REDUCTION_OPS = ("LogSumExp", "LogSoftmax")
 
 
-def _planned_bytes(node):
-    """Bytes a value owns (views share their input's buffer), from its recorded shape."""
-    if node.op is not None and type(node.op).__name__ in VIEW_OPS:
-        return 0
-    shape = node.shape
-    if shape and isinstance(shape[0], tuple):
-        return 0
-    return 4 * math.prod(shape)
-
-
 def _gradient_bytes(node):
     """Bytes of a node's gradient: its full (un-viewed) size; a tuple's gradient has one per element."""
     shape = node.shape
@@ -414,33 +408,103 @@ def _gradient_bytes(node):
     return 4 * math.prod(shape)
 
 
+def _compact_strides(shape):
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= n
+    return tuple(reversed(strides))
+
+
+def buffer_owners(topo):
+    """For each node (in topological order), the node whose buffer its value lives in (itself if it owns one).
+
+    Transpose and BroadcastTo are views (new strides, same buffer). Reshape is a view of a compact input and a
+    compact copy of any other (NDArray.reshape requires compactness), so strides are followed to tell which.
+    """
+    owner, strides = {}, {}
+    for n in topo:
+        name = type(n.op).__name__ if n.op is not None else None
+        shape = n.shape
+        if name in ("Transpose", "BroadcastTo", "Reshape") and id(n.inputs[0]) in strides:
+            inp = n.inputs[0]
+            owner[id(n)], s = owner[id(inp)], strides[id(inp)]
+            if name == "Transpose":
+                s = tuple(s[k] for k in n.op._permutation(len(s)))
+            elif name == "BroadcastTo":
+                lead = len(shape) - len(s)
+                s = (0,) * lead + tuple(0 if a != b else x for x, a, b in zip(s, inp.shape, shape[lead:]))
+            elif s != _compact_strides(inp.shape):  # a Reshape that compacts first: a new buffer
+                owner[id(n)], s = id(n), _compact_strides(shape)
+            else:
+                s = _compact_strides(shape)
+            strides[id(n)] = s
+        elif name == "TupleGetItem" and type(n.inputs[0].op).__name__ == "MakeTensorTuple":
+            owner[id(n)] = owner[id(n.inputs[0].inputs[n.op.index])]
+        else:  # a fresh buffer (a tuple's elements are counted by the values that hold them)
+            owner[id(n)] = id(n)
+            if not (shape and isinstance(shape[0], tuple)):
+                strides[id(n)] = _compact_strides(shape)
+    return owner
+
+
+def buffer_sizes(topo):
+    """(owner, size): the buffer each node's value lives in (see buffer_owners), and each buffer's bytes."""
+    owner = buffer_owners(topo)
+    size = {id(n): 0 if owner[id(n)] != id(n) or (n.shape and isinstance(n.shape[0], tuple))
+            else 4 * math.prod(n.shape) for n in topo}
+    return owner, size
+
+
 def simulate_peak(root, dropped, exclude=frozenset()):
     """Predicted peak activation bytes of a step on the traced graph above `root` if `dropped` were dropped.
 
     Forward as lazy realization (dropped values freed after their last consumer), then the backward schedule
-    of `_schedule` with its recomputations and releases, plus the gradients alive at each step. Leaves in
-    `exclude` (parameters, the batch) are the baseline and not counted.
+    of `_schedule` with its recomputations and releases, plus the gradients alive at each step. Memory is
+    counted per buffer: a buffer lives while any value viewing it is held (a kept reshape of a dropped value
+    keeps that value's bytes). Leaves in `exclude` (parameters, the batch) are the baseline and not counted.
     """
     from .autograd import find_topo_sort
 
     topo = find_topo_sort([root])
-    size = {id(n): _planned_bytes(n) for n in topo}
+    owner, size = buffer_sizes(topo)
+    excluded = {owner[i] for i in exclude if i in owner}
+    holders, held = {}, set()  # buffer -> number of held values on it; ids of held values
+    live = peak = 0
+
+    def hold(n):
+        nonlocal live
+        b = owner[id(n)]
+        if id(n) in held or b in excluded:
+            return
+        held.add(id(n))
+        holders[b] = holders.get(b, 0) + 1
+        if holders[b] == 1:
+            live += size[b]
+
+    def free(n):
+        nonlocal live
+        b = owner[id(n)]
+        if id(n) not in held:
+            return
+        held.discard(id(n))
+        holders[b] -= 1
+        if holders[b] == 0:
+            live -= size[b]
+
     consumers = {}
     for n in topo:
         for inp in n.inputs:
             consumers[id(inp)] = consumers.get(id(inp), 0) + 1
-    live = peak = 0
     for n in topo:
-        if id(n) in exclude:
-            continue
-        live += size[id(n)]
+        hold(n)
         # a max-shifted log-sum-exp holds z - max and exp(z - max), each the size of its input, while it runs
-        workspace = 2 * size[id(n.inputs[0])] if type(n.op).__name__ in ROW_REDUCTION_OPS else 0
+        workspace = 2 * _gradient_bytes(n.inputs[0]) if type(n.op).__name__ in ROW_REDUCTION_OPS else 0
         peak = max(peak, live + workspace)
         for inp in n.inputs:
             consumers[id(inp)] -= 1
             if consumers[id(inp)] == 0 and id(inp) in dropped:
-                live -= size[id(inp)]
+                free(inp)
     reverse = list(reversed(topo))
     available = {id(n) for n in topo if n.is_leaf() or id(n) not in dropped}
     recompute_at, last_use = _schedule(reverse, available)
@@ -448,14 +512,18 @@ def simulate_peak(root, dropped, exclude=frozenset()):
     for n in topo:
         if not n.is_leaf() and n is not root:
             release_at.setdefault(last_use.get(id(n), -1), []).append(n)
-    live -= sum(size[id(n)] for n in release_at.get(-1, ()))
-    grad_bytes, parts = {id(root): size[id(root)]}, {}
-    grads_live = size[id(root)]
+    for n in release_at.get(-1, ()):
+        free(n)
+    root_bytes = _gradient_bytes(root)
+    grad_bytes, parts = {id(root): root_bytes}, {}
+    grads_live = root_bytes
     for step, node in enumerate(reverse):
         if id(node) not in grad_bytes or node.is_leaf():
-            live -= sum(size[id(n)] for n in release_at.get(step, ()))
+            for n in release_at.get(step, ()):
+                free(n)
             continue
-        live += sum(size[id(n)] for n in recompute_at.get(step, ()))
+        for n in recompute_at.get(step, ()):
+            hold(n)
         node_grad = grad_bytes.pop(id(node))
         if parts.pop(id(node), 1) > 1:  # summing the parts allocates the sum while the parts still live
             total = _gradient_bytes(node)
@@ -478,7 +546,8 @@ def simulate_peak(root, dropped, exclude=frozenset()):
             # while a gradient is computed, one temporary of its size lives beside it (e.g. exp(z - lse))
             peak = max(peak, live + grads_live + 2 * made)
             grads_live += made - node_grad
-        live -= sum(size[id(n)] for n in release_at.get(step, ()))
+        for n in release_at.get(step, ()):
+            free(n)
     return peak
 
 
