@@ -208,12 +208,15 @@ class Budget:
                     order.append(n)
         from .autograd import find_topo_sort
 
-        owner, size = buffer_sizes(find_topo_sort([root]))
+        topo = find_topo_sort([root])
+        owner, size, _ = buffer_sizes(topo)
         buffer_bytes = lambda n: size[owner[id(n)]]  # noqa: E731  (a view frees its base's bytes)
+        footprints = {id(n): gradient_footprint(n) for n in topo if n.requires_grad and not n.is_leaf()}
         ranked = sorted(range(len(order)), key=lambda i: (recompute_cost_per_byte(order[i]),
                                                            -buffer_bytes(order[i]), i))
-        offset = 0 if measured_peak is None else measured_peak - simulate_peak(root, set(), skip)
-        predict = lambda t: simulate_peak(root, {id(order[i]) for i in ranked[:t]}, skip) + offset  # noqa: E731
+        simulate = lambda dropped: simulate_peak(root, dropped, skip, footprints)  # noqa: E731
+        offset = 0 if measured_peak is None else measured_peak - simulate(set())
+        predict = lambda t: simulate({id(order[i]) for i in ranked[:t]}) + offset  # noqa: E731
         self.minimum_peak = predict(len(ranked))
         if self.minimum_peak > self.bytes:
             raise ValueError(f"{self!r} is infeasible: the least peak activation memory this graph can reach "
@@ -395,9 +398,7 @@ def _schedule(reverse_topo, available):
 
 
 VIEW_OPS = ("Reshape", "BroadcastTo", "Transpose", "TupleGetItem", "MakeTensorTuple")
-# Ops whose gradient hands out_grad on unchanged, or as a view (summation broadcasts it back): no new bytes.
-PASS_THROUGH_OPS = ("EWiseAdd", "AddScalar", "Reshape", "Transpose", "Summation")
-ROW_REDUCTION_OPS = ("LogSumExp", "LogSoftmax")
+COMPACTING_OPS = ("MatMul",)  # ops whose compute copies a strided operand into a compact temporary
 
 
 def _gradient_bytes(node):
@@ -417,7 +418,8 @@ def _compact_strides(shape):
 
 
 def buffer_owners(topo):
-    """For each node (in topological order), the node whose buffer its value lives in (itself if it owns one).
+    """For each node (in topological order), the node whose buffer its value lives in (itself if it owns one),
+    and the element strides of its value (where known).
 
     Transpose and BroadcastTo are views (new strides, same buffer). Reshape is a view of a compact input and a
     compact copy of any other (NDArray.reshape requires compactness), so strides are followed to tell which.
@@ -445,66 +447,124 @@ def buffer_owners(topo):
             owner[id(n)] = id(n)
             if not (shape and isinstance(shape[0], tuple)):
                 strides[id(n)] = _compact_strides(shape)
-    return owner
+    return owner, strides
 
 
 def buffer_sizes(topo):
-    """(owner, size): the buffer each node's value lives in (see buffer_owners), and each buffer's bytes."""
-    owner = buffer_owners(topo)
+    """(owner, size, workspace): the buffer each node's value lives in (see buffer_owners), each buffer's bytes,
+    and the bytes each node's compute allocates besides its result (a compact copy of a strided operand)."""
+    owner, strides = buffer_owners(topo)
     size = {id(n): 0 if owner[id(n)] != id(n) or (n.shape and isinstance(n.shape[0], tuple))
             else 4 * math.prod(n.shape) for n in topo}
-    return owner, size
+    strided = lambda x: id(x) in strides and strides[id(x)] != _compact_strides(x.shape)  # noqa: E731
+    workspace = {}
+    for n in topo:
+        if type(n.op).__name__ in COMPACTING_OPS:
+            workspace[id(n)] = sum(4 * math.prod(x.shape) for x in n.inputs if strided(x))
+    return owner, size, workspace
 
 
-def simulate_peak(root, dropped, exclude=frozenset()):
+class _Ledger:
+    """Bytes held by a set of values, counted per buffer: a buffer is held while any value on it is."""
+
+    def __init__(self, owner, size, excluded=()):
+        self.owner, self.size, self.excluded = owner, size, set(excluded)
+        self.holders, self.held, self.live = {}, set(), 0
+
+    def hold(self, n):
+        b = self.owner[id(n)]
+        if id(n) in self.held or b in self.excluded:
+            return
+        self.held.add(id(n))
+        self.holders[b] = self.holders.get(b, 0) + 1
+        if self.holders[b] == 1:
+            self.live += self.size[b]
+
+    def free(self, n):
+        if id(n) not in self.held:
+            return
+        b = self.owner[id(n)]
+        self.held.discard(id(n))
+        self.holders[b] -= 1
+        if self.holders[b] == 0:
+            self.live -= self.size[b]
+
+
+def gradient_footprint(node):
+    """What realizing `node`'s gradient allocates, read off its lazy gradient graph (nothing is computed).
+
+    Returns (peak, made): the most bytes the gradient graph holds at once beyond out_grad (its temporaries and
+    results), and for each input that requires grad the bytes its new gradient owns (0 for out_grad passed on,
+    or a view of it, which keeps out_grad's bytes). None where a shape cannot be inferred (the caller guesses).
+    """
+    from .autograd import Tensor, _infer_specs, find_topo_sort, lazy_mode
+
+    if node.is_leaf() or (node.shape and isinstance(node.shape[0], tuple)):
+        return None
+    out_grad = Tensor.__new__(Tensor)  # a placeholder: shape, dtype and device, no data
+    out_grad._init(None, [], requires_grad=True)
+    out_grad._spec = (tuple(node.shape), node.dtype, node.device)
+    with lazy_mode(True):
+        grads = node.op.gradient_as_tuple(out_grad, node)
+    targets = [g for x, g in zip(node.inputs, grads) if x.requires_grad and g is not None]
+    old = {id(out_grad), id(node)} | {id(x) for x in node.inputs}
+    new = [n for n in find_topo_sort(targets, expand=lambda n: id(n) not in old) if id(n) not in old]
+    for n in new:
+        if n._spec is None:
+            _infer_specs(n)
+        if n._spec is None or (n._spec[0] and isinstance(n._spec[0][0], tuple)):
+            return None
+    owner, size, workspace = buffer_sizes([out_grad, *node.inputs, node] + new)
+    ledger = _Ledger(owner, size, excluded=[owner[i] for i in old])
+    target_ids = {id(g) for g in targets}
+    consumers = {}
+    for n in new:
+        for x in n.inputs:
+            consumers[id(x)] = consumers.get(id(x), 0) + 1
+    peak = 0
+    for n in new:  # as _realize runs it: each temporary freed after its last consumer
+        ledger.hold(n)
+        peak = max(peak, ledger.live + workspace.get(id(n), 0))
+        for x in n.inputs:
+            consumers[id(x)] = consumers.get(id(x), 0) - 1
+            if consumers[id(x)] == 0 and id(x) not in target_ids:
+                ledger.free(x)
+    made, counted = [], set()
+    for g in targets:
+        b = owner[id(g)]
+        made.append(size[b] if b not in counted and b not in ledger.excluded else 0)
+        counted.add(b)
+    return peak, made
+
+
+def simulate_peak(root, dropped, exclude=frozenset(), footprints=None):
     """Predicted peak activation bytes of a step on the traced graph above `root` if `dropped` were dropped.
 
     Forward as lazy realization (dropped values freed after their last consumer), then the backward schedule
-    of `_schedule` with its recomputations and releases, plus the gradients alive at each step. Memory is
-    counted per buffer: a buffer lives while any value viewing it is held (a kept reshape of a dropped value
-    keeps that value's bytes). Leaves in `exclude` (parameters, the batch) are the baseline and not counted.
+    of `_schedule` with its recomputations and releases, plus the gradients alive at each step and what each
+    step's gradient graph allocates (`gradient_footprint`, or `footprints` computed once by the caller).
+    Memory is counted per buffer: a buffer lives while any value viewing it is held (a kept reshape of a
+    dropped value keeps that value's bytes). Leaves in `exclude` (parameters, the batch) are not counted.
     """
     from .autograd import find_topo_sort
 
     topo = find_topo_sort([root])
-    owner, size = buffer_sizes(topo)
-    excluded = {owner[i] for i in exclude if i in owner}
-    holders, held = {}, set()  # buffer -> number of held values on it; ids of held values
-    live = peak = 0
-
-    def hold(n):
-        nonlocal live
-        b = owner[id(n)]
-        if id(n) in held or b in excluded:
-            return
-        held.add(id(n))
-        holders[b] = holders.get(b, 0) + 1
-        if holders[b] == 1:
-            live += size[b]
-
-    def free(n):
-        nonlocal live
-        b = owner[id(n)]
-        if id(n) not in held:
-            return
-        held.discard(id(n))
-        holders[b] -= 1
-        if holders[b] == 0:
-            live -= size[b]
-
+    owner, size, workspace = buffer_sizes(topo)
+    if footprints is None:
+        footprints = {id(n): gradient_footprint(n) for n in topo if n.requires_grad and not n.is_leaf()}
+    act = _Ledger(owner, size, excluded={owner[i] for i in exclude if i in owner})
+    peak = 0
     consumers = {}
     for n in topo:
         for inp in n.inputs:
             consumers[id(inp)] = consumers.get(id(inp), 0) + 1
     for n in topo:
-        hold(n)
-        # a max-shifted log-sum-exp holds z - max and exp(z - max), each the size of its input, while it runs
-        workspace = 2 * _gradient_bytes(n.inputs[0]) if type(n.op).__name__ in ROW_REDUCTION_OPS else 0
-        peak = max(peak, live + workspace)
+        act.hold(n)
+        peak = max(peak, act.live + workspace.get(id(n), 0))
         for inp in n.inputs:
             consumers[id(inp)] -= 1
             if consumers[id(inp)] == 0 and id(inp) in dropped:
-                free(inp)
+                act.free(inp)
     reverse = list(reversed(topo))
     available = {id(n) for n in topo if n.is_leaf() or id(n) not in dropped}
     recompute_at, last_use = _schedule(reverse, available)
@@ -513,41 +573,37 @@ def simulate_peak(root, dropped, exclude=frozenset()):
         if not n.is_leaf() and n is not root:
             release_at.setdefault(last_use.get(id(n), -1), []).append(n)
     for n in release_at.get(-1, ()):
-        free(n)
+        act.free(n)
     root_bytes = _gradient_bytes(root)
     grad_bytes, parts = {id(root): root_bytes}, {}
     grads_live = root_bytes
     for step, node in enumerate(reverse):
-        if id(node) not in grad_bytes or node.is_leaf():
-            for n in release_at.get(step, ()):
-                free(n)
-            continue
-        for n in recompute_at.get(step, ()):
-            hold(n)
-        node_grad = grad_bytes.pop(id(node))
-        if parts.pop(id(node), 1) > 1:  # summing the parts allocates the sum while the parts still live
-            total = _gradient_bytes(node)
-            peak = max(peak, live + grads_live + total)
-            grads_live += total - node_grad
-            node_grad = total
-        targets = [inp for inp in node.inputs if inp.requires_grad]
-        if type(node.op).__name__ in PASS_THROUGH_OPS:  # the input's gradient is out_grad itself, or a view of it
-            for k, inp in enumerate(targets):
-                grad_bytes[id(inp)] = grad_bytes.get(id(inp), 0) + (node_grad if k == 0 else 0)
+        if id(node) in grad_bytes and not node.is_leaf():
+            for n in recompute_at.get(step, ()):
+                act.hold(n)
+            node_grad = grad_bytes.pop(id(node))
+            if parts.pop(id(node), 1) > 1:  # summing the parts allocates the sum while the parts still live
+                total = _gradient_bytes(node)
+                peak = max(peak, act.live + grads_live + total)
+                grads_live += total - node_grad
+                node_grad = total
+            targets = [inp for inp in node.inputs if inp.requires_grad]
+            footprint = footprints.get(id(node))
+            if footprint is None:  # unknown shapes: one temporary beside each new gradient of full size
+                made = [_gradient_bytes(inp) for inp in targets]
+                peak = max(peak, act.live + grads_live + 2 * sum(made))
+            else:
+                step_peak, made = footprint
+                peak = max(peak, act.live + grads_live + step_peak)
+            passed_on = False  # out_grad's bytes move to the first input whose gradient is out_grad (or a view)
+            for inp, new_bytes in zip(targets, made):
+                carried = node_grad if new_bytes == 0 and not passed_on else 0
+                passed_on = passed_on or carried > 0
+                grad_bytes[id(inp)] = grad_bytes.get(id(inp), 0) + new_bytes + carried
                 parts[id(inp)] = parts.get(id(inp), 0) + 1
-            peak = max(peak, live + grads_live)
-        else:
-            made = 0
-            for inp in targets:
-                full = _gradient_bytes(inp)
-                grad_bytes[id(inp)] = grad_bytes.get(id(inp), 0) + full
-                parts[id(inp)] = parts.get(id(inp), 0) + 1
-                made += full
-            # while a gradient is computed, one temporary of its size lives beside it (e.g. exp(z - lse))
-            peak = max(peak, live + grads_live + 2 * made)
-            grads_live += made - node_grad
+            grads_live += sum(made) - (0 if passed_on else node_grad)
         for n in release_at.get(step, ()):
-            free(n)
+            act.free(n)
     return peak
 
 
