@@ -730,6 +730,34 @@ static NEEDLE_ALWAYS_INLINE scalar_t max_run(const scalar_t* a, int64_t n) {
   return any_nan ? std::numeric_limits<scalar_t>::quiet_NaN() : m;
 }
 
+// Σ exp(a[i] - m) for i < n (m = the row's maximum, so every term is in [0, 1]): the exp of ExpFn on W lanes at a
+// time, four float accumulators (at most n / 4W terms each), summed in double at the end.  The last partial
+// vector is padded with -inf, whose exp is 0.
+template <class F>
+static NEEDLE_ALWAYS_INLINE double sum_exp_run(const scalar_t* a, int64_t n, scalar_t m) {
+  constexpr int64_t W = sizeof(F) / sizeof(scalar_t);
+  F acc[4] = {};
+  int64_t i = 0;
+  for (; i + W <= n; i += W) {
+    F x;
+    __builtin_memcpy(&x, a + i, sizeof(F));
+    x = x - m;
+    ExpFn::apply(x);
+    acc[(i / W) & 3] += x;
+  }
+  if (i < n) {
+    F x = F{} - __builtin_inff();
+    __builtin_memcpy(&x, a + i, static_cast<size_t>(n - i) * ELEM_SIZE);
+    x = x - m;
+    ExpFn::apply(x);
+    acc[0] += x;
+  }
+  double s = 0.0;
+  for (int u = 0; u < 4; ++u)
+    for (int64_t l = 0; l < W; ++l) s += acc[u][l];
+  return s;
+}
+
 // One set of the kernels above per instruction set: the same template bodies instantiated inside functions
 // compiled for AVX-512 (16 lanes), AVX2 + FMA (8 lanes) or the baseline (4 lanes, SSE2 on x86-64) with
 // per-function `target` attributes, as the matmul micro-kernels are (section 4).  The widest set the CPU
@@ -742,6 +770,7 @@ struct VectorKernels {
   void (*tanh)(const scalar_t*, scalar_t*, int64_t);
   double (*sum)(const scalar_t*, int64_t);
   scalar_t (*max)(const scalar_t*, int64_t);
+  double (*sum_exp)(const scalar_t*, int64_t, scalar_t);
 };
 
 #define NEEDLE_VECTOR_KERNELS(ISA, TARGET, F, FH, D)                                                         \
@@ -750,7 +779,11 @@ struct VectorKernels {
   TARGET static void tanh_##ISA(const scalar_t* a, scalar_t* o, int64_t n) { map_run<F, TanhFn>(a, o, n); } \
   TARGET static double sum_##ISA(const scalar_t* a, int64_t n) { return sum_run<FH, D>(a, n); }             \
   TARGET static scalar_t max_##ISA(const scalar_t* a, int64_t n) { return max_run<F>(a, n); }               \
-  static const VectorKernels VECTOR_##ISA = {#ISA, exp_##ISA, log_##ISA, tanh_##ISA, sum_##ISA, max_##ISA};
+  TARGET static double sum_exp_##ISA(const scalar_t* a, int64_t n, scalar_t m) {                            \
+    return sum_exp_run<F>(a, n, m);                                                                         \
+  }                                                                                                         \
+  static const VectorKernels VECTOR_##ISA = {#ISA,      exp_##ISA, log_##ISA, tanh_##ISA,                   \
+                                             sum_##ISA, max_##ISA, sum_exp_##ISA};
 
 NEEDLE_VECTOR_KERNELS(generic, , v4sf, v4sf, v4df)
 #ifdef NEEDLE_X86_DISPATCH
@@ -1116,6 +1149,47 @@ static void scatter_along_rows(const Array& src, const Array& idx, Array& out, i
   check_size("scatter_along_rows", "out", out.size, idx.size * r);
   std::vector<size_t> cols = check_indices("scatter_along_rows", idx, r);
   for (size_t i = 0; i < cols.size(); ++i) out.ptr[i * r + cols[i]] += src.ptr[i];
+}
+
+// log Σ_j exp(a[i, j]) of each row, max-shifted: m + log Σ exp(a - m), so exp never overflows.  A row whose
+// maximum is not finite gives that maximum (+inf, -inf for a row of -inf) or NaN.
+static scalar_t row_logsumexp(const scalar_t* row, int64_t n) {
+  const scalar_t m = g_vector->max(row, n);
+  if (!std::isfinite(m)) return m;
+  return m + static_cast<scalar_t>(std::log(g_vector->sum_exp(row, n, m)));
+}
+
+static void reduce_logsumexp(const Array& a, Array& out, int64_t reduce_size) {
+  check_reduce("reduce_logsumexp", a, out, reduce_size);
+  if (reduce_size == 0 && out.size != 0) fail("reduce_logsumexp: cannot reduce over zero elements");
+  const size_t r = static_cast<size_t>(reduce_size);
+  parallel_range(out.size, threads_for(a.size, true), [&](size_t begin, size_t end) {
+    for (size_t i = begin; i < end; ++i) out.ptr[i] = row_logsumexp(a.ptr + i * r, reduce_size);
+  });
+}
+
+// The gradient of the softmax cross-entropy loss_i = logsumexp(a[i]) - a[i, idx[i]] for an upstream g (one
+// value per row): out[i, j] = g[i] * (softmax(a[i])_j - [j == idx[i]]).  One pass per row, the row in cache:
+// its log-sum-exp, then exp(a - lse) written, scaled and the label's entry lowered, with no temporary array.
+static void softmax_xent_grad(const Array& a, const Array& idx, const Array& g, Array& out, int64_t row_size) {
+  if (row_size <= 0) fail("softmax_xent_grad: row_size must be positive");
+  const size_t r = static_cast<size_t>(row_size);
+  check_size("softmax_xent_grad", "a", a.size, idx.size * r);
+  check_size("softmax_xent_grad", "g", g.size, idx.size);
+  check_size("softmax_xent_grad", "out", out.size, idx.size * r);
+  std::vector<size_t> cols = check_indices("softmax_xent_grad", idx, r);
+  parallel_range(idx.size, threads_for(a.size, true), [&](size_t begin, size_t end) {
+    for (size_t i = begin; i < end; ++i) {
+      const scalar_t* row = a.ptr + i * r;
+      scalar_t* o = out.ptr + i * r;
+      const scalar_t lse = row_logsumexp(row, row_size);
+      for (size_t j = 0; j < r; ++j) o[j] = row[j] - lse;
+      g_vector->exp(o, o, row_size);
+      const scalar_t gi = g.ptr[i];
+      for (size_t j = 0; j < r; ++j) o[j] *= gi;
+      o[cols[i]] -= gi;
+    }
+  });
 }
 
 // ------------------------------------------------------------------------------------------------------------
@@ -1599,6 +1673,8 @@ PYBIND11_MODULE(ndarray_backend_cpu, m) {
   m.def("matmul_tiled", matmul_tiled);
   m.def("reduce_max", reduce_max);
   m.def("reduce_sum", reduce_sum);
+  m.def("reduce_logsumexp", reduce_logsumexp);
+  m.def("softmax_xent_grad", softmax_xent_grad);
   m.def("take_rows", take_rows);
   m.def("scatter_add_rows", scatter_add_rows);
   m.def("take_along_rows", take_along_rows);

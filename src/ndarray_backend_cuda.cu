@@ -461,6 +461,54 @@ __global__ void reduce_kernel(const float* a, float* out, int64_t rows, int64_t 
   }
 }
 
+// The same three stages for a whole block, the result handed to every thread (through shared memory).
+template <typename Op>
+__device__ float block_reduce(float acc, Op op) {
+  __shared__ float partial[kReduceMaxThreads / kWarpSize];
+  __shared__ float result;
+  const int lane = static_cast<int>(threadIdx.x) % kWarpSize;
+  const int warp = static_cast<int>(threadIdx.x) / kWarpSize;
+  const int num_warps = static_cast<int>(blockDim.x) / kWarpSize;
+  acc = warp_reduce(acc, op);
+  if (lane == 0) partial[warp] = acc;
+  __syncthreads();
+  if (warp == 0) {
+    acc = lane < num_warps ? partial[lane] : Op::identity();
+    acc = warp_reduce(acc, op);
+    if (lane == 0) result = acc;
+  }
+  __syncthreads();
+  const float value = result;
+  __syncthreads();  // partial and result are reused by the next call
+  return value;
+}
+
+// One block per row of `a` (rows, reduce_size): lse = m + log Σ exp(x - m), m the row's maximum (a row whose
+// maximum is not finite gives m).  Writes lse[row] if `lse` is given; if `grad` is given, also the softmax
+// cross-entropy gradient grad[row, j] = g[row] * (exp(x_j - lse) - [j == idx[row]]), the row read again.
+__global__ void logsumexp_rows_kernel(const float* a, float* lse, const float* idx, const float* g, float* grad,
+                                      int64_t rows, int64_t reduce_size) {
+  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
+    const float* in = a + row * reduce_size;
+    float m = MaxReduce::identity();
+    for (int64_t j = threadIdx.x; j < reduce_size; j += blockDim.x) m = MaxReduce()(m, in[j]);
+    m = block_reduce(m, MaxReduce());
+    float total = 0.0f;
+    if (isfinite(m)) {
+      for (int64_t j = threadIdx.x; j < reduce_size; j += blockDim.x) total += expf(in[j] - m);
+    }
+    total = block_reduce(total, SumReduce());
+    const float row_lse = isfinite(m) ? m + logf(total) : m;
+    if (lse != nullptr && threadIdx.x == 0) lse[row] = row_lse;
+    if (grad != nullptr) {
+      const int64_t label = static_cast<int64_t>(idx[row]);
+      for (int64_t j = threadIdx.x; j < reduce_size; j += blockDim.x) {
+        grad[row * reduce_size + j] = g[row] * (expf(in[j] - row_lse) - (j == label ? 1.0f : 0.0f));
+      }
+    }
+  }
+}
+
 // ---- Matrix multiplication --------------------------------------------------------------------------------
 //
 // out (m x p) = a (m x n) @ b (n x p), all compact row-major, for each of `batch` consecutive triples of matrices
@@ -991,6 +1039,36 @@ void scatter_add_rows(const CudaArray& src, const CudaArray& idx, CudaArray& out
   check_kernel("scatter_add_rows");
 }
 
+// Threads per row as reduce_op chooses them, blocks up to kReduceMaxBlocks (grid-stride over more rows).
+void logsumexp_rows(const char* name, const CudaArray& a, float* lse, const float* idx, const float* g,
+                    float* grad, int64_t rows, size_t reduce_size) {
+  if (rows == 0) return;
+  const int64_t row_threads = ceil_div(std::max<int64_t>(as_int64(reduce_size), 1), kWarpSize) * kWarpSize;
+  const int64_t threads = std::min<int64_t>(row_threads, kReduceMaxThreads);
+  const int64_t blocks = std::min(rows, kReduceMaxBlocks);
+  logsumexp_rows_kernel<<<static_cast<unsigned>(blocks), static_cast<unsigned>(threads)>>>(
+      a.ptr, lse, idx, g, grad, rows, as_int64(reduce_size));
+  check_kernel(name);
+}
+
+void reduce_logsumexp(const CudaArray& a, CudaArray& out, size_t reduce_size) {
+  if (reduce_size == 0 && out.size > 0) {
+    throw py::value_error("needle cuda: reduce_logsumexp: cannot reduce over zero elements");
+  }
+  check_size("reduce_logsumexp", "a", a.size, out.size * reduce_size);
+  logsumexp_rows("reduce_logsumexp", a, out.ptr, nullptr, nullptr, nullptr, as_int64(out.size), reduce_size);
+}
+
+void softmax_xent_grad(const CudaArray& a, const CudaArray& idx, const CudaArray& g, CudaArray& out,
+                       size_t row_size) {
+  if (row_size == 0) throw py::value_error("needle cuda: softmax_xent_grad: row_size must be positive");
+  check_size("softmax_xent_grad", "a", a.size, idx.size * row_size);
+  check_size("softmax_xent_grad", "g", g.size, idx.size);
+  check_size("softmax_xent_grad", "out", out.size, idx.size * row_size);
+  check_row_indices("softmax_xent_grad", idx, as_int64(row_size));
+  logsumexp_rows("softmax_xent_grad", a, nullptr, idx.ptr, g.ptr, out.ptr, as_int64(idx.size), row_size);
+}
+
 void take_along_rows(const CudaArray& a, const CudaArray& idx, CudaArray& out, size_t row_size) {
   if (row_size == 0) throw py::value_error("needle cuda: take_along_rows: row_size must be positive");
   check_size("take_along_rows", "a", a.size, idx.size * row_size);
@@ -1142,6 +1220,8 @@ PYBIND11_MODULE(ndarray_backend_cuda, m) {
   m.def("matmul_tiled", matmul_tiled);
   m.def("reduce_sum", reduce_sum);
   m.def("reduce_max", reduce_max);
+  m.def("reduce_logsumexp", reduce_logsumexp);
+  m.def("softmax_xent_grad", softmax_xent_grad);
   m.def("take_rows", take_rows);
   m.def("scatter_add_rows", scatter_add_rows);
   m.def("take_along_rows", take_along_rows);

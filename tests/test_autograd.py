@@ -83,6 +83,24 @@ def _pick(ids):
     return fn
 
 
+def _labels(ids, like):
+    return ndl.Tensor(np.array(ids, dtype=np.float64), device=like.device, requires_grad=False)
+
+
+def _xent(ids):
+    return lambda z: ops.softmax_cross_entropy(z, _labels(ids, z))
+
+
+def _xent_ref(z, ids):
+    m = z.max(axis=1)
+    return m + np.log(np.exp(z - m[:, None]).sum(axis=1)) - z[np.arange(len(ids)), ids]
+
+
+def _xent_grad(ids):
+    """The fused gradient as an op of its own (its gradient is what a second derivative of the loss uses)."""
+    return lambda z, g: ops.SoftmaxCrossEntropyGrad()(z, _labels(ids, z), g)
+
+
 def _scatter_columns(ids, num_cols):
     def fn(values):
         return ops.scatter_columns(values, ndl.Tensor(np.array(ids, dtype=np.float64), device=values.device,
@@ -213,6 +231,11 @@ OP_CASES = {
     "pick_columns": OpCase("PickColumns", _pick([2, 0, 4, 2]), _inputs(_n(4, 5)),
                            lambda a: a[np.arange(4), [2, 0, 4, 2]]),
     "scatter_columns": OpCase("ScatterColumns", _scatter_columns([2, 0, 4, 2], 5), _inputs(_n(4,)), None),
+    "subtract": OpCase("EWiseSub", ndl.ops.subtract, _inputs(_n(3, 4), _n(3, 4)), lambda a, b: a - b),
+    "softmax_cross_entropy": OpCase("SoftmaxCrossEntropy", _xent([2, 0, 4, 2]), _inputs(_n(4, 5)),
+                                    lambda z: _xent_ref(z, [2, 0, 4, 2])),
+    "softmax_cross_entropy_grad": OpCase("SoftmaxCrossEntropyGrad", _xent_grad([2, 0, 4, 2]),
+                                         _inputs(_n(4, 5), _n(4,)), None),
     "composite": OpCase("EWiseMul", lambda a, b: ndl.logsoftmax(ndl.relu(a @ b) * (a @ b)) + ndl.tanh(a @ b),
                         _inputs(_n(3, 4), _n(4, 5)), None),
 }

@@ -824,6 +824,44 @@ def test_take_along_rows_and_scatter_along_rows(device, layout, rng):
         nd.take_along_rows(T, nd.array(np.array([0, 4, 0, 0, 0.0]), device=device))
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("layout", ["compact", "permuted", "sliced"])
+@pytest.mark.parametrize("axis", [None, 0, 1, (0, 1)])
+def test_logsumexp_matches_numpy(device, layout, axis, rng):
+    A, a = make_view((6, 37), layout, device, rng)
+    a = a.astype(np.float64) * 30  # large values: a naive log(sum(exp)) would overflow
+    A = nd.array(a.astype(np.float32), device=device)
+    m = a.max(axis=axis, keepdims=True)
+    expected = m + np.log(np.exp(a - m).sum(axis=axis, keepdims=True))
+    assert_same(A.logsumexp(axis=axis, keepdims=True), expected, rtol=1e-5, atol=1e-5)
+    assert_same(nd.logsumexp(A, axis=axis), np.squeeze(expected, axis=axis), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_logsumexp_special_values(device):
+    a = np.array([[-np.inf, -np.inf], [np.inf, 1.0], [np.nan, 1.0], [0.0, -np.inf]], dtype=np.float32)
+    got = nd.logsumexp(nd.array(a, device=device), axis=1).numpy()
+    np.testing.assert_array_equal(got, np.array([-np.inf, np.inf, np.nan, 0.0], dtype=np.float32))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("layout", ["compact", "permuted", "sliced"])
+def test_softmax_xent_grad_matches_numpy(device, layout, rng):
+    Z, z = make_view((5, 33), layout, device, rng)
+    ids = np.array([3, 0, 32, 2, 1], dtype=np.float32)
+    g = rng.standard_normal(5).astype(np.float32)
+    got = nd.softmax_xent_grad(Z, nd.array(ids, device=device), nd.array(g, device=device))
+    z = z.astype(np.float64)
+    expected = np.exp(z - z.max(1, keepdims=True))
+    expected = expected / expected.sum(1, keepdims=True)
+    expected[np.arange(5), ids.astype(int)] -= 1
+    assert_same(got, expected * g[:, None], rtol=1e-5, atol=1e-6)
+    with pytest.raises(IndexError):
+        nd.softmax_xent_grad(Z, nd.array(np.array([0, 33, 0, 0, 0.0]), device=device), nd.array(g, device=device))
+    with pytest.raises(ValueError, match="softmax_xent_grad"):
+        nd.softmax_xent_grad(Z, nd.array(ids[:4], device=device), nd.array(g, device=device))
+
+
 # ----- property-based tests (hypothesis, derandomized: the same examples every run) --------------------------------
 @st.composite
 def strided_views(draw, max_ndim=4, max_side=5):

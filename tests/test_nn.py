@@ -617,7 +617,7 @@ def test_softmax_loss_matches_one_hot_and_torch(device):
 
 
 def test_softmax_loss_builds_no_one_hot():
-    """No (N, C) value other than the logits is in the loss graph: the label's logit is picked per row."""
+    """No (N, C) value other than the logits is in the loss graph, and the gradient is one fused (N, C) value."""
     from needle import autograd
 
     rs = np.random.RandomState(20)
@@ -626,7 +626,10 @@ def test_softmax_loss_builds_no_one_hot():
     loss = nn.SoftmaxLoss()(z, tensor(rs.randint(0, C, size=N), nd.cpu_numpy(), requires_grad=False))
     shapes = [tuple(n.shape) for n in autograd.find_topo_sort([loss]) if n is not z]
     assert (N, C) not in shapes
-    assert any(isinstance(n.op, ndl.ops.PickColumns) for n in autograd.find_topo_sort([loss]))
+    assert any(isinstance(n.op, ndl.ops.SoftmaxCrossEntropy) for n in autograd.find_topo_sort([loss]))
+    loss.backward()
+    assert isinstance(z.grad.op, ndl.ops.SoftmaxCrossEntropyGrad)
+    assert [tuple(n.shape) for n in autograd.find_topo_sort([z.grad])].count((N, C)) == 2  # z and its gradient
 
 
 def test_softmax_loss_rejects_bad_labels_and_shapes():

@@ -7,8 +7,9 @@ import numpy as np
 
 __all__ = [
     "Device", "all_devices", "array", "broadcast_to", "cpu", "cpu_numpy", "cuda", "default_device", "empty",
-    "exp", "flip", "full", "log", "matmul", "max", "maximum", "pad", "reshape", "scatter_add_rows", "split",
-    "scatter_along_rows", "stack", "sum", "take_along_rows", "take_rows", "tanh", "transpose", "zeros",
+    "exp", "flip", "full", "log", "logsumexp", "matmul", "max", "maximum", "pad", "reshape", "scatter_add_rows",
+    "scatter_along_rows", "softmax_xent_grad", "split", "stack", "sum", "take_along_rows", "take_rows", "tanh",
+    "transpose", "zeros",
 ]
 
 
@@ -133,4 +134,20 @@ def take_along_rows(table, ids):
 def scatter_along_rows(values, ids, num_cols):
     out = np.zeros((values.shape[0], num_cols), dtype=values.dtype)
     out[np.arange(values.shape[0]), np.asarray(ids).astype(np.int64)] += values
+    return out
+
+
+def logsumexp(a, axis=None, keepdims=False):
+    """m + log Σ exp(a - m) over the axes, m the maximum; where m is not finite, m."""
+    m = np.max(a, axis=axis, keepdims=True)
+    shift = np.where(np.isfinite(m), m, 0)
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        out = np.where(np.isfinite(m), shift + np.log(np.sum(np.exp(a - shift), axis=axis, keepdims=True)), m)
+    return out if keepdims else np.squeeze(out, axis=axis)
+
+
+def softmax_xent_grad(logits, ids, g):
+    take_along_rows(logits, ids)  # raises IndexError for an id outside [0, c)
+    out = np.exp(logits - logsumexp(logits, axis=1, keepdims=True)) * g[:, None]
+    out[np.arange(logits.shape[0]), np.asarray(ids).astype(np.int64)] -= g
     return out

@@ -28,6 +28,7 @@ __all__ = [
     "flip",
     "full",
     "log",
+    "logsumexp",
     "matmul",
     "max",
     "maximum",
@@ -38,6 +39,7 @@ __all__ = [
     "scatter_add_rows",
     "scatter_along_rows",
     "set_memory_limit",
+    "softmax_xent_grad",
     "split",
     "stack",
     "sum",
@@ -595,6 +597,10 @@ class NDArray:
     def max(self, axis=None, keepdims=False):
         return self._reduce(self.device.mod.reduce_max, axis, keepdims, "max")
 
+    def logsumexp(self, axis=None, keepdims=False):
+        """log Σ exp over the axes, max-shifted per output element (one fused pass, no temporary array)."""
+        return self._reduce(self.device.mod.reduce_logsumexp, axis, keepdims, "logsumexp")
+
     # ----- flip and pad -------------------------------------------------------------------------------------
     def flip(self, axes):
         """A compact copy with the given axes reversed (a negative-stride view, then compact)."""
@@ -718,6 +724,10 @@ def sum(a, axis=None, keepdims=False):
     return a.sum(axis=axis, keepdims=keepdims)
 
 
+def logsumexp(a, axis=None, keepdims=False):
+    return a.logsumexp(axis=axis, keepdims=keepdims)
+
+
 def max(a, axis=None, keepdims=False):
     return a.max(axis=axis, keepdims=keepdims)
 
@@ -784,4 +794,18 @@ def scatter_along_rows(values, ids, num_cols):
         raise ValueError(f"scatter_along_rows: values on {values.device} but ids on {ids.device}")
     out = zeros((values.shape[0], num_cols), device=values.device)
     values.device.mod.scatter_along_rows(values.compact()._handle, ids.compact()._handle, out._handle, num_cols)
+    return out
+
+
+def softmax_xent_grad(logits, ids, g):
+    """logits (n, c), ids (n,), g (n,) -> (n, c): g[i] * (softmax(logits[i]) - onehot(ids[i])), fused."""
+    if ids.device != logits.device or g.device != logits.device:
+        raise ValueError(f"softmax_xent_grad: logits on {logits.device}, ids on {ids.device}, g on {g.device}")
+    n = logits.shape[0] if logits.ndim == 2 else -1
+    if logits.ndim != 2 or ids.shape != (n,) or g.shape != (n,):
+        raise ValueError(f"softmax_xent_grad: need logits (n, c), ids (n,) and g (n,), got {logits.shape}, "
+                         f"{ids.shape} and {g.shape}")
+    out = NDArray.make(logits.shape, device=logits.device)
+    logits.device.mod.softmax_xent_grad(logits.compact()._handle, ids.compact()._handle, g.compact()._handle,
+                                        out._handle, logits.shape[1])
     return out

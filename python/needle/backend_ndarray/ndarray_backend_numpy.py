@@ -213,6 +213,19 @@ def reduce_sum(a, out, reduce_size):
     out.array[:] = a.array[: out.size * reduce_size].reshape(-1, reduce_size).sum(axis=1)
 
 
+def _logsumexp_rows(rows):
+    """m + log Σ exp(row - m) per row; a row whose max m is not finite gives m (as the C++ backend)."""
+    m = rows.max(axis=1, keepdims=True)
+    shift = np.where(np.isfinite(m), m, 0)
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        lse = shift + np.log(np.exp(rows - shift).sum(axis=1, keepdims=True))
+    return np.where(np.isfinite(m), lse, m)[:, 0]
+
+
+def reduce_logsumexp(a, out, reduce_size):
+    out.array[:] = _logsumexp_rows(a.array[: out.size * reduce_size].reshape(-1, reduce_size))
+
+
 def _row_indices(idx, num_rows):
     rows = idx.array
     ints = rows.astype(np.int64)
@@ -241,3 +254,11 @@ def take_along_rows(a, idx, out, row_size):
 def scatter_along_rows(src, idx, out, row_size):
     cols = _row_indices(idx, row_size)
     out.array[: cols.size * row_size].reshape(-1, row_size)[np.arange(cols.size), cols] += src.array[: cols.size]
+
+
+def softmax_xent_grad(a, idx, g, out, row_size):
+    cols = _row_indices(idx, row_size)
+    rows = a.array[: cols.size * row_size].reshape(-1, row_size)
+    grad = np.exp(rows - _logsumexp_rows(rows)[:, None]) * g.array[: cols.size, None]
+    grad[np.arange(cols.size), cols] -= g.array[: cols.size]
+    out.array[: cols.size * row_size] = grad.reshape(-1)

@@ -124,7 +124,8 @@ class Residual(Module):
 class SoftmaxLoss(Module):
     """mean over the batch of logsumexp(z) - z_y, for logits z (N, C) and integer class ids y (N,).
 
-    z_y is picked per row (ops.pick_columns): no (N, C) one-hot is ever built.
+    One op per row (ops.softmax_cross_entropy): no (N, C) one-hot is ever built, and the gradient is a single
+    fused pass over the logits.
     """
 
     def forward(self, logits, y):
@@ -138,7 +139,7 @@ class SoftmaxLoss(Module):
         _check_labels(y, C)
         if y.requires_grad:
             y = y.detach()
-        return ops.summation(ops.logsumexp(logits, axes=(1,)) - ops.pick_columns(logits, y)) / N
+        return ops.summation(ops.softmax_cross_entropy(logits, y)) / N
 
 
 def _check_labels(y, num_classes):
@@ -179,7 +180,7 @@ class BatchNorm1d(Module):
         N, dim = shape
         if self.training:
             mean = ops.summation(x, (0,)) / N
-            centered = x - ops.broadcast_to(_row(mean, 2), shape)
+            centered = ops.subtract(x, ops.broadcast_to(_row(mean, 2), shape))
             var = ops.summation(centered * centered, (0,)) / N
             m = self.momentum
             # The running update needs the batch statistics' values (lazy mode computes them here).
@@ -188,7 +189,7 @@ class BatchNorm1d(Module):
             _assign(self.running_var, self.running_var.realize_cached_data() * (1 - m)
                     + var.realize_cached_data() * m)
         else:
-            centered = x - ops.broadcast_to(_row(self.running_mean, 2), shape)
+            centered = ops.subtract(x, ops.broadcast_to(_row(self.running_mean, 2), shape))
             var = self.running_var
         std = ops.broadcast_to(_row((var + self.eps) ** 0.5, 2), shape)
         weight = ops.broadcast_to(_row(self.weight, 2), shape)
@@ -224,7 +225,7 @@ class LayerNorm1d(Module):
         _expect("LayerNorm1d", len(shape) >= 1 and shape[-1] == self.dim, f"(..., {self.dim})", shape)
         last, kept = len(shape) - 1, tuple(shape[:-1]) + (1,)
         mean = ops.reshape(ops.summation(x, (last,)) / self.dim, kept)
-        centered = x - ops.broadcast_to(mean, shape)
+        centered = ops.subtract(x, ops.broadcast_to(mean, shape))
         var = ops.reshape(ops.summation(centered * centered, (last,)) / self.dim, kept)
         std = ops.broadcast_to((var + self.eps) ** 0.5, shape)
         weight = ops.broadcast_to(_row(self.weight, len(shape)), shape)

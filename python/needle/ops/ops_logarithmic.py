@@ -1,9 +1,12 @@
 """Numerically stable log-sum-exp and log-softmax (max-shifted, so exp never overflows)."""
 from ..autograd import TensorOp
 from ..backend_selection import array_api
-from .ops_mathematic import _normalize_axes, broadcast_to, exp, reshape, summation
+from .ops_mathematic import _normalize_axes, broadcast_to, exp, pick_columns, reshape, subtract, summation
 
-__all__ = ["LogSoftmax", "LogSumExp", "logsoftmax", "logsumexp"]
+__all__ = [
+    "LogSoftmax", "LogSumExp", "SoftmaxCrossEntropy", "SoftmaxCrossEntropyGrad", "logsoftmax", "logsumexp",
+    "softmax_cross_entropy",
+]
 
 
 def _kept_shape(shape, axes):
@@ -23,18 +26,14 @@ class LogSumExp(TensorOp):
         return tuple(n for i, n in enumerate(shape) if i not in axes)
 
     def compute(self, Z):
-        axes = _normalize_axes(self.axes, len(Z.shape), "LogSumExp")
-        m = array_api.max(Z, axis=axes, keepdims=True)
-        shifted = Z - array_api.broadcast_to(m, Z.shape)
-        lse = array_api.log(array_api.sum(array_api.exp(shifted), axis=axes, keepdims=True)) + m
-        return array_api.reshape(lse, tuple(n for i, n in enumerate(Z.shape) if i not in axes))
+        return array_api.logsumexp(Z, axis=_normalize_axes(self.axes, len(Z.shape), "LogSumExp"))
 
     def gradient(self, out_grad, node):
         Z = node.inputs[0]
         axes = _normalize_axes(self.axes, len(Z.shape), "LogSumExp")
         kept = _kept_shape(Z.shape, axes)
         lse = broadcast_to(reshape(node, kept), Z.shape)
-        return broadcast_to(reshape(out_grad, kept), Z.shape) * exp(Z - lse)
+        return broadcast_to(reshape(out_grad, kept), Z.shape) * exp(subtract(Z, lse))
 
 
 def logsumexp(a, axes=None):
@@ -48,17 +47,61 @@ class LogSoftmax(TensorOp):
     elementwise = True  # the output has the input's shape
 
     def compute(self, Z):
-        axis = len(Z.shape) - 1
-        m = array_api.max(Z, axis=axis, keepdims=True)
-        shifted = Z - array_api.broadcast_to(m, Z.shape)
-        lse = array_api.log(array_api.sum(array_api.exp(shifted), axis=axis, keepdims=True))
-        return shifted - array_api.broadcast_to(lse, Z.shape)
+        lse = array_api.logsumexp(Z, axis=len(Z.shape) - 1, keepdims=True)
+        return Z - array_api.broadcast_to(lse, Z.shape)
 
     def gradient(self, out_grad, node):
         axis = len(node.shape) - 1
         total = broadcast_to(reshape(summation(out_grad, axis), _kept_shape(node.shape, (axis,))), node.shape)
-        return out_grad - exp(node) * total
+        return subtract(out_grad, exp(node) * total)
 
 
 def logsoftmax(a):
     return LogSoftmax()(a)
+
+
+class SoftmaxCrossEntropy(TensorOp):
+    """logsumexp(z_i) - z_i[y_i] for logits z (n, c), labels y (n,);  d/dz_i = g_i (softmax(z_i) - onehot(y_i))
+
+    The loss of SoftmaxLoss as one op: its gradient is one fused pass over the logits (SoftmaxCrossEntropyGrad)
+    instead of the exp, products, one-hot scatter and sum that logsumexp(z) - pick_columns(z, y) takes.
+    """
+
+    saves = "inputs"
+
+    def infer_shape(self, z, y):
+        return (z[0],)
+
+    def compute(self, Z, y):
+        if len(Z.shape) != 2 or tuple(y.shape) != (Z.shape[0],):
+            raise ValueError(f"SoftmaxCrossEntropy: need logits (n, c) and labels (n,), got {tuple(Z.shape)} and "
+                             f"{tuple(y.shape)}")
+        return array_api.logsumexp(Z, axis=1) - array_api.take_along_rows(Z, y)
+
+    def gradient(self, out_grad, node):
+        Z, y = node.inputs
+        return SoftmaxCrossEntropyGrad()(Z, y, out_grad), None  # labels are integers: no gradient
+
+
+def softmax_cross_entropy(logits, y):
+    return SoftmaxCrossEntropy()(logits, y)
+
+
+class SoftmaxCrossEntropyGrad(TensorOp):
+    """g_i (softmax(z_i) - onehot(y_i));  s = softmax(z), r_i = Σ_j u_ij s_ij: d/dz = g s (u - r), d/dg = r - u[y]"""
+
+    saves = "inputs"
+
+    def infer_shape(self, z, y, g):
+        return z
+
+    def compute(self, Z, y, g):
+        return array_api.softmax_xent_grad(Z, y, g)
+
+    def gradient(self, out_grad, node):
+        Z, y, g = node.inputs
+        n, c = Z.shape
+        s = exp(logsoftmax(Z))
+        r = summation(out_grad * s, axes=(1,))
+        rows = lambda v: broadcast_to(reshape(v, (n, 1)), (n, c))  # noqa: E731
+        return rows(g) * s * subtract(out_grad, rows(r)), None, subtract(r, pick_columns(out_grad, y))

@@ -13,13 +13,12 @@ from ..backend_selection import array_api
 
 __all__ = [
     "AddScalar", "BroadcastTo", "Conv", "Dilate", "DivScalar", "EWiseAdd", "EWiseDiv", "EWiseMul", "EWisePow",
-    "Exp", "Flip", "GatherRows", "Log", "MatMul", "MulScalar", "Negate", "Pad", "PickColumns", "PowerScalar",
-    "ReLU", "ScatterColumns",
-    "Reshape", "ScatterAddRows", "Sigmoid", "Slice", "Summation", "Tanh", "Transpose", "UnDilate",
-    "add", "add_scalar", "broadcast_to", "conv", "dilate", "divide", "divide_scalar", "exp", "flip",
-    "gather_rows", "log", "matmul", "mul_scalar", "multiply", "negate", "pad", "pick_columns", "power",
-    "power_scalar", "relu", "scatter_columns",
-    "reshape", "scatter_add_rows", "sigmoid", "slice_window", "summation", "tanh", "transpose", "undilate",
+    "EWiseSub", "Exp", "Flip", "GatherRows", "Log", "MatMul", "MulScalar", "Negate", "Pad", "PickColumns",
+    "PowerScalar", "ReLU", "Reshape", "ScatterAddRows", "ScatterColumns", "Sigmoid", "Slice", "Summation", "Tanh",
+    "Transpose", "UnDilate", "add", "add_scalar", "broadcast_to", "conv", "dilate", "divide", "divide_scalar",
+    "exp", "flip", "gather_rows", "log", "matmul", "mul_scalar", "multiply", "negate", "pad", "pick_columns",
+    "power", "power_scalar", "relu", "reshape", "scatter_add_rows", "scatter_columns", "sigmoid", "slice_window",
+    "subtract", "summation", "tanh", "transpose", "undilate",
 ]
 
 
@@ -45,6 +44,25 @@ class EWiseAdd(TensorOp):
 
 def add(a, b):
     return EWiseAdd()(a, b)
+
+
+class EWiseSub(TensorOp):
+    """a - b;  d/da = out_grad, d/db = -out_grad"""
+
+    elementwise = True
+
+    saves = "none"
+
+    def compute(self, a, b):
+        _same_shape("EWiseSub", a, b)
+        return a - b
+
+    def gradient(self, out_grad, node):
+        return out_grad, -out_grad
+
+
+def subtract(a, b):
+    return EWiseSub()(a, b)
 
 
 class AddScalar(TensorOp):
