@@ -36,6 +36,7 @@
 #include <omp.h>
 #endif
 #include <pthread.h>
+#include <sys/mman.h>
 
 namespace needle {
 namespace cpu {
@@ -76,6 +77,22 @@ static MemoryStats& stats() {
   return *s;
 }
 
+// A large buffer is fresh memory from the kernel (glibc maps it on its own), and first touching it faults in
+// one 4 KiB page at a time.  Asking for transparent huge pages on its 2 MiB-aligned interior, as NumPy does
+// for its large arrays, makes that 512 times fewer faults.  Only a hint: ignored where THP is off.
+static void advise_huge_pages(void* ptr, size_t bytes) {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  constexpr size_t HUGE_PAGE = size_t(2) << 20;
+  if (bytes < 2 * HUGE_PAGE) return;
+  const uintptr_t begin = (reinterpret_cast<uintptr_t>(ptr) + HUGE_PAGE - 1) & ~(HUGE_PAGE - 1);
+  const uintptr_t end = (reinterpret_cast<uintptr_t>(ptr) + bytes) & ~(HUGE_PAGE - 1);
+  if (end > begin) madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);
+#else
+  (void)ptr;
+  (void)bytes;
+#endif
+}
+
 struct Array {
   explicit Array(size_t n) : size(n) {
     // Bytes that aligned_alloc gets: a non-zero multiple of ALIGNMENT, as C11/C++17 require.
@@ -101,6 +118,7 @@ struct Array {
           << " bytes held, the system is out of memory";
       throw NeedleMemoryError(msg.str());
     }
+    advise_huge_pages(ptr, alloc_bytes);
     s.current_bytes += bytes;
     s.peak_bytes = std::max(s.peak_bytes, s.current_bytes);
     s.allocations += 1;
