@@ -50,13 +50,15 @@ def synthetic_corpus(num_tokens=200_000, vocab=PTB_VOCAB, seed=0):
     return rs.choice(vocab, size=num_tokens, p=p / p.sum()).astype(np.float32), vocab
 
 
-def load_data(path, quiet=False):
+def has_ptb(path):
+    return os.path.exists(os.path.join(path, "train.txt"))
+
+
+def load_data(path):
     """(train token ids, vocabulary size) from a PTB folder, or the synthetic corpus if it is absent."""
-    if os.path.exists(os.path.join(path, "train.txt")):
+    if has_ptb(path):
         corpus = Corpus(path)
         return np.array(corpus.train, dtype=np.float32), len(corpus.dictionary)
-    if not quiet:
-        print(f"gc.py: {path}/train.txt not found; using a synthetic Zipf corpus with a PTB-sized vocabulary")
     return synthetic_corpus()
 
 
@@ -95,7 +97,7 @@ def run(args, use_gc, out_dir=None, quiet=False):
     """Train for a few batches with checkpointing off or on; return the measured record (also as JSON)."""
     python_gc.collect()  # a previous run's model and optimizer must not count in this run's memory
     device = pick_device(args.device)
-    data, vocab = load_data(args.data, quiet=quiet)
+    data, vocab = load_data(args.data)
     np.random.seed(args.seed)
     model = LanguageModel(args.embedding_size, vocab, args.hidden_size, num_layers=args.num_layers,
                           seq_model="transformer", seq_len=args.seq_len, device=device, num_head=args.num_head,
@@ -249,6 +251,8 @@ def main_run(args):
     print(f"gc.py: Transformer LM, batch {args.batch_size} x seq_len {args.seq_len}, embedding {args.embedding_size}, "
           f"hidden {args.hidden_size}, {args.num_layers} layers, {args.num_head} heads, device {pick_device(args.device)}, "
           f"lazy={args.lazy}, policy={args.policy or 'all'}, segment_len={args.segment_len}")
+    if not has_ptb(args.data):
+        print(f"gc.py: {args.data}/train.txt not found; using a synthetic Zipf corpus with a PTB-sized vocabulary")
     which = [False, True] if args.use_gc is None else [bool(args.use_gc)]
     results = {}
     for use_gc in which:
@@ -384,7 +388,7 @@ def parse_args(argv=None):
     p.add_argument("--lazy", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--device", default=None, choices=[None, "cpu", "cuda", "cpu_numpy"])
     p.add_argument("--epochs", type=int, default=1)
-    p.add_argument("--max_batches", type=int, default=8)
+    p.add_argument("--max_batches", type=int, default=30)
     p.add_argument("--warmup", type=int, default=2, help="steps left out of the time median")
     p.add_argument("--accumulation_steps", type=int, default=1)
     p.add_argument("--lr", type=float, default=1e-3)
