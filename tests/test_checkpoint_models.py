@@ -261,6 +261,42 @@ def test_budget_plan_fits_and_replays():
     assert checkpoint.last_backward_stats()["recomputed_nodes"] > 0
 
 
+def _budget_step_peak(fraction, off_peak):
+    """(budget, measured peak) of the step after planning Budget(fraction * off_peak) on the traced step."""
+    model = _lm(None, dropout=0.0, layers=2)
+    X, y = _batch(0, T=6, B=16)
+    params = model.parameters()
+    budget = checkpoint.Budget(int(off_peak * fraction))
+    model.enable_gc(policy=budget)
+    peaks = []
+    for _ in range(2):  # the traced step (nothing dropped), then the planned one
+        python_gc.collect()
+        nd.reset_peak_memory_stats(DEVICE)
+        base = nd.memory_stats(DEVICE)["current_bytes"]
+        with autograd.lazy_mode(True):
+            out = model(X)[0]
+            loss = nn.SoftmaxLoss()(out, y)
+            del out
+            loss.backward()
+        peaks.append(nd.memory_stats(DEVICE)["peak_bytes"] - base)
+        if not budget.planned:
+            budget.plan(loss, measured_peak=peaks[-1], exclude=params + [X, y])
+        del loss
+    return budget, peaks[-1]
+
+
+def test_budget_measured_peak_stays_under_the_budget_and_shrinks_with_it():
+    """Budget(b): the planned step's measured peak is within 5% of b and of the prediction, and a smaller b never
+    gives a larger peak."""
+    _, off_peak, _ = _step_memory(None, batch=16)
+    measured = []
+    for fraction in (0.9, 0.75, 0.6):
+        budget, peak = _budget_step_peak(fraction, off_peak)
+        assert peak <= 1.05 * budget.bytes, (fraction, peak, budget.bytes)
+        assert abs(budget.predicted_peak / peak - 1) <= 0.05, (fraction, budget.predicted_peak, peak)
+        measured.append(peak)
+    assert measured == sorted(measured, reverse=True)
+
 def test_rule2_lazy_forward_computes_each_node_once_with_gc():
     """Rule 2 for the forward: layers read their inputs' shapes while the lazy graph is built; shape inference
     answers without computing, so a dropped region is not computed once early and again for its boundary."""
