@@ -532,6 +532,33 @@ def test_lazy_mode_context_manager_and_realize():
     assert autograd.LAZY_MODE is False
 
 
+
+def _shape_graph(x, w):
+    """Every op whose output shape is not its input's: conv, dilate, pad, slice, stack/split and tuples."""
+    c = ndl.conv(x, w, stride=2, padding=1)                       # (2, 3, 3, 4)
+    d = ops.undilate(ops.dilate(c, (1, 2), 1), (1, 2), 1)         # (2, 6, 6, 4) -> (2, 3, 3, 4)
+    p = ops.slice_window(ops.pad(d, ((0, 0), (1, 1), (0, 2), (0, 0))), (0, 1, 0, 0), (2, 3, 5, 4))
+    parts = ops.split(p, axis=3)                                  # 4 x (2, 3, 5)
+    t = ops.make_tuple(parts[0], parts[3])
+    return ops.stack([ops.tuple_get_item(t, 1), parts[1]], axis=1).sum()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_lazy_shape_inference_covers_every_shape_changing_op(device, monkeypatch):
+    """In lazy mode every intermediate's shape is known without computing anything, and equals the eager one."""
+    rng = np.random.default_rng(7)
+    x_np, w_np = rng.standard_normal((2, 5, 5, 3)), rng.standard_normal((3, 3, 3, 4))
+    counter = _ComputeCounter(monkeypatch)
+    with autograd.lazy_mode():
+        x, w = ndl.Tensor(x_np, device=device), ndl.Tensor(w_np, device=device)
+        out = _shape_graph(x, w)
+        graph = autograd.find_topo_sort([out])
+        lazy_shapes = [tuple(n.shape) for n in graph]
+        assert counter.total() == 0 and all(n.cached_data is None for n in graph if not n.is_leaf())
+    monkeypatch.undo()
+    eager = autograd.find_topo_sort([_shape_graph(ndl.Tensor(x_np, device=device), ndl.Tensor(w_np, device=device))])
+    assert lazy_shapes == [tuple(n.shape) for n in eager]
+
 # ----- deep graphs: iterative traversals, linear work ------------------------------------------------------------
 @pytest.mark.parametrize("lazy", [False, True])
 def test_deep_chain_100k_ops_forward_and_backward(lazy, monkeypatch):

@@ -87,7 +87,10 @@ class TensorOp(Op):
 
 
 class TensorTupleOp(Op):
-    """An op whose output is a TensorTuple."""
+    """An op whose output is a TensorTuple (its shape: a tuple of its elements' shapes)."""
+
+    def infer_shape(self, *input_shapes):
+        return None
 
     def __call__(self, *args):
         return TensorTuple.make_from_op(self, args)
@@ -163,12 +166,12 @@ def _infer_specs(target):
     for node in order:
         if node.cached_data is not None or node._spec is not None:
             continue
-        if node.op is None or not isinstance(node.op, TensorOp):
+        if node.op is None:
             return
         specs = [x._spec if x.cached_data is None else checkpoint.spec_of(x.cached_data) for x in node.inputs]
-        if not specs or any(s is None or (s[0] and isinstance(s[0][0], tuple)) for s in specs):
+        if not specs or any(s is None for s in specs):
             return
-        shape = node.op.infer_shape(*[s[0] for s in specs])
+        shape = node.op.infer_shape(*[s[0] for s in specs])  # a tuple op's shape: a tuple of shapes
         if shape is None:
             return
         node._spec = (tuple(shape), specs[0][1], specs[0][2])
@@ -263,7 +266,7 @@ class TensorTuple(Value):
     __slots__ = ()
 
     def __len__(self):
-        return len(self.realize_cached_data())
+        return len(self.shape)  # one shape per element, inferred without computing where possible
 
     def __getitem__(self, index):
         from .ops import tuple_get_item

@@ -515,6 +515,10 @@ class Dilate(TensorOp):
         self.axes = (axes,) if isinstance(axes, int) else tuple(axes)
         self.dilation = dilation
 
+    def infer_shape(self, shape):
+        axes = _normalize_axes(self.axes, len(shape), "Dilate")
+        return tuple(n * (self.dilation + 1) if i in axes else n for i, n in enumerate(shape))
+
     def compute(self, a):
         shape = list(a.shape)
         axes = _normalize_axes(self.axes, len(shape), "Dilate")
@@ -541,6 +545,10 @@ class UnDilate(TensorOp):
         self.axes = (axes,) if isinstance(axes, int) else tuple(axes)
         self.dilation = dilation
 
+    def infer_shape(self, shape):
+        axes = _normalize_axes(self.axes, len(shape), "UnDilate")
+        return tuple(len(range(0, n, self.dilation + 1)) if i in axes else n for i, n in enumerate(shape))
+
     def compute(self, a):
         axes = _normalize_axes(self.axes, len(a.shape), "UnDilate")
         index = tuple(slice(None, None, self.dilation + 1) if i in axes else slice(None) for i in range(len(a.shape)))
@@ -562,6 +570,11 @@ class Pad(TensorOp):
     def __init__(self, axes):
         self.axes = tuple(tuple(p) for p in axes)
 
+    def infer_shape(self, shape):
+        if len(self.axes) != len(shape):
+            return None  # compute raises the error
+        return tuple(n + lo + hi for n, (lo, hi) in zip(shape, self.axes))
+
     def compute(self, a):
         if len(self.axes) != len(a.shape):
             raise ValueError(f"Pad: {len(self.axes)} (before, after) pairs for shape {tuple(a.shape)}")
@@ -582,6 +595,9 @@ class Slice(TensorOp):
 
     def __init__(self, starts, sizes):
         self.starts, self.sizes = tuple(starts), tuple(sizes)
+
+    def infer_shape(self, shape):
+        return self.sizes if len(self.sizes) == len(shape) else None
 
     def compute(self, a):
         if any(s < 0 or s + n > m for s, n, m in zip(self.starts, self.sizes, a.shape)):
@@ -606,6 +622,12 @@ class Conv(TensorOp):
     def __init__(self, stride=1, padding=0):
         self.stride = stride
         self.padding = padding
+
+    def infer_shape(self, z, w):
+        if len(z) != 4 or len(w) != 4 or z[3] != w[2]:
+            return None  # compute raises the error
+        H, Wd = z[1] + 2 * self.padding, z[2] + 2 * self.padding
+        return (z[0], (H - w[0]) // self.stride + 1, (Wd - w[1]) // self.stride + 1, w[3])
 
     def compute(self, Z, W):
         # The kernel may be rectangular (KH, KW): the weight gradient of a non-square image convolves with one.

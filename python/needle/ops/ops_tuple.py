@@ -10,6 +10,9 @@ class MakeTensorTuple(TensorTupleOp):
 
     saves = "none"
 
+    def infer_shape(self, *shapes):
+        return shapes
+
     def compute(self, *args):
         return tuple(args)
 
@@ -36,6 +39,9 @@ class TupleGetItem(TensorOp):
         if fold_const and isinstance(a.op, MakeTensorTuple):
             return a.inputs[self.index]
         return Tensor.make_from_op(self, [a])
+
+    def infer_shape(self, shapes):
+        return shapes[self.index]
 
     def compute(self, a):
         return a[self.index]
@@ -65,6 +71,12 @@ class Stack(TensorOp):
     def __init__(self, axis):
         self.axis = axis
 
+    def infer_shape(self, shapes):
+        if not shapes or len(set(shapes)) != 1:
+            return None  # compute raises the error
+        axis = self.axis % (len(shapes[0]) + 1)
+        return shapes[0][:axis] + (len(shapes),) + shapes[0][axis:]
+
     def compute(self, args):
         if not args:
             raise ValueError("stack: needs at least one array")
@@ -88,6 +100,10 @@ class Split(TensorTupleOp):
 
     def __init__(self, axis):
         self.axis = axis
+
+    def infer_shape(self, shape):
+        axis = self.axis % len(shape)
+        return (shape[:axis] + shape[axis + 1:],) * shape[axis]
 
     def compute(self, A):
         return tuple(array_api.split(A, axis=self.axis))
