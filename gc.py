@@ -241,7 +241,8 @@ def print_table(off, on):
     print(f"{'loss (last step)':18s}{off['loss']:12.4f}{on['loss']:12.4f}")
     print(f"{'recomputed nodes':18s}{off['recomputed_nodes']:12d}{on['recomputed_nodes']:12d}")
     if off.get("steps") and off["steps"][0].get("gpu_memory_mb") is not None:
-        print(f"{'GPUtil used (MB)':18s}{off['steps'][-1]['gpu_memory_mb']:12.0f}{on['steps'][-1]['gpu_memory_mb']:12.0f}")
+        used = [r["steps"][-1]["gpu_memory_mb"] for r in (off, on)]
+        print(f"{'GPUtil used (MB)':18s}{used[0]:12.0f}{used[1]:12.0f}")
     print(f"\nactivation memory at backward start: {(1 - on['activation_bytes'] / off['activation_bytes']) * 100:.1f}% "
           f"lower; step peak: {(1 - on['peak_activation_bytes'] / off['peak_activation_bytes']) * 100:.1f}% lower; "
           f"time overhead {(on['time'] / off['time'] - 1) * 100:+.1f}%")
@@ -249,7 +250,8 @@ def print_table(off, on):
 
 def main_run(args):
     print(f"gc.py: Transformer LM, batch {args.batch_size} x seq_len {args.seq_len}, embedding {args.embedding_size}, "
-          f"hidden {args.hidden_size}, {args.num_layers} layers, {args.num_head} heads, device {pick_device(args.device)}, "
+          f"hidden {args.hidden_size}, {args.num_layers} layers, {args.num_head} heads, "
+          f"device {pick_device(args.device)}, "
           f"lazy={args.lazy}, policy={args.policy or 'all'}, segment_len={args.segment_len}")
     if not has_ptb(args.data):
         print(f"gc.py: {args.data}/train.txt not found; using a synthetic Zipf corpus with a PTB-sized vocabulary")

@@ -43,7 +43,8 @@ def to_dot(tensor, name="needle"):
         kind = node_kind(node, recomputed)
         label = "leaf" if node.is_leaf() else type(node.op).__name__
         shape = node._spec[0] if node.cached_data is None and node._spec else getattr(node.cached_data, "shape", "")
-        lines.append(f'  n{number[id(node)]} [label="{label}\\n{tuple(shape) if shape != "" else ""}\\n{_label(node, kind)}", '
+        shape_text = tuple(shape) if shape != "" else ""
+        lines.append(f'  n{number[id(node)]} [label="{label}\\n{shape_text}\\n{_label(node, kind)}", '
                      f"{_STYLES[kind]}];")
     for node in order:
         for inp in node.inputs:
