@@ -908,6 +908,10 @@ struct GeOp {
   static constexpr bool expensive = false;
   scalar_t operator()(scalar_t x, scalar_t y) const { return scalar_t(x >= y); }
 };
+struct GtOp {
+  static constexpr bool expensive = false;
+  scalar_t operator()(scalar_t x, scalar_t y) const { return scalar_t(x > y); }
+};
 
 template <class Op>
 static void ewise_binary(const char* fn, const Array& a, const Array& b, Array& out, Op f) {
@@ -939,6 +943,7 @@ static void ewise_maximum(const Array& a, const Array& b, Array& out) {
 }
 static void ewise_eq(const Array& a, const Array& b, Array& out) { ewise_binary("ewise_eq", a, b, out, EqOp()); }
 static void ewise_ge(const Array& a, const Array& b, Array& out) { ewise_binary("ewise_ge", a, b, out, GeOp()); }
+static void ewise_gt(const Array& a, const Array& b, Array& out) { ewise_binary("ewise_gt", a, b, out, GtOp()); }
 static void ewise_power(const Array& a, const Array& b, Array& out) {
   ewise_binary("ewise_power", a, b, out, PowerOp());
 }
@@ -951,6 +956,7 @@ static void scalar_maximum(const Array& a, scalar_t val, Array& out) {
 }
 static void scalar_eq(const Array& a, scalar_t val, Array& out) { scalar_binary("scalar_eq", a, val, out, EqOp()); }
 static void scalar_ge(const Array& a, scalar_t val, Array& out) { scalar_binary("scalar_ge", a, val, out, GeOp()); }
+static void scalar_gt(const Array& a, scalar_t val, Array& out) { scalar_binary("scalar_gt", a, val, out, GtOp()); }
 
 // x^2 and x^1 are common (squared errors, norms) and need no pow call.
 struct SquareOp {
@@ -1021,7 +1027,8 @@ static void with_binary_op(const char* fn, const std::string& name, V visit) {
   if (name == "maximum") return visit(MaximumOp());
   if (name == "eq") return visit(EqOp());
   if (name == "ge") return visit(GeOp());
-  fail(std::string(fn) + ": unknown op '" + name + "' (expected add, sub, mul, div, power, maximum, eq or ge)");
+  if (name == "gt") return visit(GtOp());
+  fail(std::string(fn) + ": unknown op '" + name + "' (expected add, sub, mul, div, power, maximum, eq, ge or gt)");
 }
 
 static void check_out(const char* fn, const Array& out, size_t size, const Array* inputs[], int count) {
@@ -1700,7 +1707,9 @@ PYBIND11_MODULE(ndarray_backend_cpu, m) {
   m.def("ewise_eq", ewise_eq);
   m.def("scalar_eq", scalar_eq);
   m.def("ewise_ge", ewise_ge);
+  m.def("ewise_gt", ewise_gt);
   m.def("scalar_ge", scalar_ge);
+  m.def("scalar_gt", scalar_gt);
   m.def("ewise_log", ewise_log);
   m.def("ewise_exp", ewise_exp);
   m.def("ewise_tanh", ewise_tanh);

@@ -360,6 +360,9 @@ struct EqOp {
 struct GeOp {
   __device__ float operator()(float a, float b) const { return a >= b ? 1.0f : 0.0f; }
 };
+struct GtOp {
+  __device__ float operator()(float a, float b) const { return a > b ? 1.0f : 0.0f; }
+};
 struct LogOp {
   __device__ float operator()(float a) const { return logf(a); }
 };
@@ -786,8 +789,9 @@ void with_binary_op(const char* fn, const std::string& name, Visit visit) {
   if (name == "maximum") return visit(MaximumOp());
   if (name == "eq") return visit(EqOp());
   if (name == "ge") return visit(GeOp());
+  if (name == "gt") return visit(GtOp());
   throw py::value_error(std::string("needle cuda: ") + fn + ": unknown op '" + name +
-                        "' (expected add, sub, mul, div, power, maximum, eq or ge)");
+                        "' (expected add, sub, mul, div, power, maximum, eq, ge or gt)");
 }
 
 void ewise_strided(const std::string& op, const CudaArray& a, const std::vector<int64_t>& a_strides,
@@ -1197,6 +1201,7 @@ PYBIND11_MODULE(ndarray_backend_cuda, m) {
   def_ewise(m, "ewise_maximum", MaximumOp());
   def_ewise(m, "ewise_eq", EqOp());
   def_ewise(m, "ewise_ge", GeOp());
+  def_ewise(m, "ewise_gt", GtOp());
   def_ewise(m, "ewise_power", PowerOp());
 
   def_scalar(m, "scalar_add", AddOp());
@@ -1206,6 +1211,7 @@ PYBIND11_MODULE(ndarray_backend_cuda, m) {
   def_scalar(m, "scalar_maximum", MaximumOp());
   def_scalar(m, "scalar_eq", EqOp());
   def_scalar(m, "scalar_ge", GeOp());
+  def_scalar(m, "scalar_gt", GtOp());
 
   def_unary(m, "ewise_log", LogOp());
   def_unary(m, "ewise_exp", ExpOp());

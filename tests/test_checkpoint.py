@@ -291,6 +291,22 @@ def test_sqrt_prefers_cuts_and_never_keeps_a_view_of_a_leaf():
     bias = ops.broadcast_to(ops.reshape(w, (1, 2)), (2, 2))
     assert checkpoint.Sqrt()([bias.inputs[0], bias, h0, h1]) == [False, False, False, False]
 
+
+def test_budget_plans_a_region_whose_second_output_the_loss_does_not_use():
+    """A region output outside the loss graph frees nothing when dropped; planning skips it (no KeyError)."""
+    device = nd.cpu_numpy()
+    budget = checkpoint.Budget(10**9)
+    x = ndl.Tensor(np.ones((4, 5), np.float32), device=device)
+    w = ndl.Tensor(np.ones((5, 5), np.float32), device=device)
+    with autograd.lazy_mode(True):
+        h = ops.relu(x @ w)
+        a, b = ops.tanh(h), ops.exp(h) * 2.0
+        checkpoint.annotate([a, b], [x], policy=budget)
+        loss = a.sum()
+        loss.backward()
+    assert budget.plan(loss, exclude=[x, w]) <= budget.bytes
+    assert budget.planned
+
 def test_to_dot_marks_dropped_and_recomputed_nodes():
     """viz.to_dot: valid DOT with kept, dropped, recomputed and leaf nodes styled apart."""
     pydot = pytest.importorskip("pydot", reason="pydot (a DOT parser) is a test dependency")

@@ -82,6 +82,10 @@ class TensorOp(Op):
     def infer_shape(self, *input_shapes):
         return input_shapes[0] if self.elementwise else None
 
+    def workspace(self, *input_shapes):
+        """Bytes `compute` allocates besides its result (temporaries), for checkpoint planning; usually 0."""
+        return 0
+
     def __call__(self, *args):
         return Tensor.make_from_op(self, args)
 

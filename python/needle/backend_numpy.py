@@ -148,6 +148,7 @@ def logsumexp(a, axis=None, keepdims=False):
 
 def softmax_xent_grad(logits, ids, g):
     take_along_rows(logits, ids)  # raises IndexError for an id outside [0, c)
-    out = np.exp(logits - logsumexp(logits, axis=1, keepdims=True)) * g[:, None]
+    with np.errstate(invalid="ignore"):  # a row of -inf: NaN, as on the other backends
+        out = np.exp(logits - logsumexp(logits, axis=1, keepdims=True)) * g[:, None]
     out[np.arange(logits.shape[0]), np.asarray(ids).astype(np.int64)] -= g
     return out

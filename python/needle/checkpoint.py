@@ -197,6 +197,8 @@ class Budget:
 
     def plan(self, root, measured_peak=None, exclude=()):
         """Choose what to drop from the traced step whose output is `root`; returns the predicted peak."""
+        from .autograd import find_topo_sort
+
         if not self._regions:
             raise RuntimeError(f"{self!r}.plan: no region was traced; run one step with this policy first")
         skip = {id(n) for n in exclude}
@@ -206,17 +208,20 @@ class Budget:
                 if id(n) not in seen:
                     seen.add(id(n))
                     order.append(n)
-        from .autograd import find_topo_sort
-
         topo = find_topo_sort([root])
         owner, size, _ = buffer_sizes(topo)
-        buffer_bytes = lambda n: size[owner[id(n)]]  # noqa: E731  (a view frees its base's bytes)
+        order = [n for n in order if id(n) in owner]  # a region output the loss never uses frees nothing
         footprints = {id(n): gradient_footprint(n) for n in topo if n.requires_grad and not n.is_leaf()}
-        ranked = sorted(range(len(order)), key=lambda i: (recompute_cost_per_byte(order[i]),
-                                                           -buffer_bytes(order[i]), i))
-        simulate = lambda dropped: simulate_peak(root, dropped, skip, footprints)  # noqa: E731
-        offset = 0 if measured_peak is None else measured_peak - simulate(set())
-        predict = lambda t: simulate({id(order[i]) for i in ranked[:t]}) + offset  # noqa: E731
+
+        def cheapest_first(i):  # a view's bytes are its base's: dropping both frees them
+            return recompute_cost_per_byte(order[i]), -size[owner[id(order[i])]], i
+
+        def predict(t):  # the peak with the t cheapest candidates dropped
+            dropped = {id(order[i]) for i in ranked[:t]}
+            return simulate_peak(root, dropped, skip, footprints) + offset
+
+        ranked = sorted(range(len(order)), key=cheapest_first)
+        offset = 0 if measured_peak is None else measured_peak - simulate_peak(root, set(), skip, footprints)
         self.minimum_peak = predict(len(ranked))
         if self.minimum_peak > self.bytes:
             raise ValueError(f"{self!r} is infeasible: the least peak activation memory this graph can reach "
@@ -398,7 +403,8 @@ def _schedule(reverse_topo, available):
 
 
 VIEW_OPS = ("Reshape", "BroadcastTo", "Transpose", "TupleGetItem", "MakeTensorTuple")
-COMPACTING_OPS = ("MatMul",)  # ops whose compute copies a strided operand into a compact temporary
+# Ops whose compute copies a strided (transposed, broadcast) operand into a compact temporary first.
+COMPACTING_OPS = ("MatMul", "Summation", "LogSumExp", "SoftmaxCrossEntropy", "SoftmaxCrossEntropyGrad")
 
 
 def _gradient_bytes(node):
@@ -417,12 +423,19 @@ def _compact_strides(shape):
     return tuple(reversed(strides))
 
 
+def _is_tuple(node):
+    shape = node.shape
+    return bool(shape) and isinstance(shape[0], tuple)
+
+
 def buffer_owners(topo):
     """For each node (in topological order), the node whose buffer its value lives in (itself if it owns one),
     and the element strides of its value (where known).
 
     Transpose and BroadcastTo are views (new strides, same buffer). Reshape is a view of a compact input and a
     compact copy of any other (NDArray.reshape requires compactness), so strides are followed to tell which.
+    An element of make_tuple(...) is that value itself; an element of another tuple (split) lives in the
+    tuple's buffers.
     """
     owner, strides = {}, {}
     for n in topo:
@@ -441,26 +454,47 @@ def buffer_owners(topo):
             else:
                 s = _compact_strides(shape)
             strides[id(n)] = s
-        elif name == "TupleGetItem" and type(n.inputs[0].op).__name__ == "MakeTensorTuple":
-            owner[id(n)] = owner[id(n.inputs[0].inputs[n.op.index])]
-        else:  # a fresh buffer (a tuple's elements are counted by the values that hold them)
+        elif name == "TupleGetItem":
+            tup = n.inputs[0]
+            element = tup.inputs[n.op.index] if type(tup.op).__name__ == "MakeTensorTuple" else None
+            owner[id(n)] = owner.get(id(element), id(element)) if element is not None else owner.get(id(tup), id(tup))
+            strides[id(n)] = _compact_strides(shape)
+        else:  # a fresh buffer
             owner[id(n)] = id(n)
-            if not (shape and isinstance(shape[0], tuple)):
+            if not _is_tuple(n):
                 strides[id(n)] = _compact_strides(shape)
     return owner, strides
 
 
+def _own_bytes(node):
+    """Bytes of the buffer a value owns: a make_tuple owns none (its elements do), another tuple all of them."""
+    if not _is_tuple(node):
+        return 4 * math.prod(node.shape)
+    if type(node.op).__name__ == "MakeTensorTuple":
+        return 0
+    return sum(4 * math.prod(s) for s in node.shape)
+
+
 def buffer_sizes(topo):
     """(owner, size, workspace): the buffer each node's value lives in (see buffer_owners), each buffer's bytes,
-    and the bytes each node's compute allocates besides its result (a compact copy of a strided operand)."""
+    and the bytes each node's compute allocates besides its result: what the op declares
+    (`TensorOp.workspace`) plus a compact copy of each strided operand of an op that needs compact ones."""
     owner, strides = buffer_owners(topo)
-    size = {id(n): 0 if owner[id(n)] != id(n) or (n.shape and isinstance(n.shape[0], tuple))
-            else 4 * math.prod(n.shape) for n in topo}
-    strided = lambda x: id(x) in strides and strides[id(x)] != _compact_strides(x.shape)  # noqa: E731
+    size = {id(n): _own_bytes(n) if owner[id(n)] == id(n) else 0 for n in topo}
+
+    def strided(x):
+        return id(x) in strides and strides[id(x)] != _compact_strides(x.shape)
+
     workspace = {}
     for n in topo:
+        if n.op is None:
+            continue
+        declared = getattr(n.op, "workspace", None)
+        extra = declared(*[x.shape for x in n.inputs]) if declared else 0
         if type(n.op).__name__ in COMPACTING_OPS:
-            workspace[id(n)] = sum(4 * math.prod(x.shape) for x in n.inputs if strided(x))
+            extra += sum(4 * math.prod(x.shape) for x in n.inputs if strided(x))
+        if extra:
+            workspace[id(n)] = extra
     return owner, size, workspace
 
 
@@ -494,14 +528,16 @@ def gradient_footprint(node):
     """What realizing `node`'s gradient allocates, read off its lazy gradient graph (nothing is computed).
 
     Returns (peak, made): the most bytes the gradient graph holds at once beyond out_grad (its temporaries and
-    results), and for each input that requires grad the bytes its new gradient owns (0 for out_grad passed on,
-    or a view of it, which keeps out_grad's bytes). None where a shape cannot be inferred (the caller guesses).
+    results), and per input the bytes its new gradient owns (0 for out_grad passed on, or a view of it, which
+    keeps out_grad's bytes; None for an input that gets no gradient). None where a shape cannot be inferred
+    (the caller then guesses).
     """
-    from .autograd import Tensor, _infer_specs, find_topo_sort, lazy_mode
+    from .autograd import Tensor, TensorTuple, _infer_specs, find_topo_sort, lazy_mode
 
-    if node.is_leaf() or (node.shape and isinstance(node.shape[0], tuple)):
+    if node.is_leaf():
         return None
-    out_grad = Tensor.__new__(Tensor)  # a placeholder: shape, dtype and device, no data
+    placeholder = TensorTuple if _is_tuple(node) else Tensor
+    out_grad = placeholder.__new__(placeholder)  # shape, dtype and device, no data
     out_grad._init(None, [], requires_grad=True)
     out_grad._spec = (tuple(node.shape), node.dtype, node.device)
     with lazy_mode(True):
@@ -512,7 +548,7 @@ def gradient_footprint(node):
     for n in new:
         if n._spec is None:
             _infer_specs(n)
-        if n._spec is None or (n._spec[0] and isinstance(n._spec[0][0], tuple)):
+        if n._spec is None:
             return None
     owner, size, workspace = buffer_sizes([out_grad, *node.inputs, node] + new)
     ledger = _Ledger(owner, size, excluded=[owner[i] for i in old])
@@ -530,7 +566,10 @@ def gradient_footprint(node):
             if consumers[id(x)] == 0 and id(x) not in target_ids:
                 ledger.free(x)
     made, counted = [], set()
-    for g in targets:
+    for x, g in zip(node.inputs, grads):
+        if not x.requires_grad or g is None:
+            made.append(None)
+            continue
         b = owner[id(g)]
         made.append(size[b] if b not in counted and b not in ledger.excluded else 0)
         counted.add(b)
@@ -587,21 +626,22 @@ def simulate_peak(root, dropped, exclude=frozenset(), footprints=None):
                 peak = max(peak, act.live + grads_live + total)
                 grads_live += total - node_grad
                 node_grad = total
-            targets = [inp for inp in node.inputs if inp.requires_grad]
             footprint = footprints.get(id(node))
             if footprint is None:  # unknown shapes: one temporary beside each new gradient of full size
-                made = [_gradient_bytes(inp) for inp in targets]
-                peak = max(peak, act.live + grads_live + 2 * sum(made))
+                made = [_gradient_bytes(x) if x.requires_grad else None for x in node.inputs]
+                peak = max(peak, act.live + grads_live + 2 * sum(b for b in made if b))
             else:
-                step_peak, made = footprint
+                step_peak, made = footprint  # one entry per input: None where it gets no gradient
                 peak = max(peak, act.live + grads_live + step_peak)
             passed_on = False  # out_grad's bytes move to the first input whose gradient is out_grad (or a view)
-            for inp, new_bytes in zip(targets, made):
+            for inp, new_bytes in zip(node.inputs, made):
+                if new_bytes is None:
+                    continue
                 carried = node_grad if new_bytes == 0 and not passed_on else 0
                 passed_on = passed_on or carried > 0
                 grad_bytes[id(inp)] = grad_bytes.get(id(inp), 0) + new_bytes + carried
                 parts[id(inp)] = parts.get(id(inp), 0) + 1
-            grads_live += sum(made) - (0 if passed_on else node_grad)
+            grads_live += sum(b for b in made if b) - (0 if passed_on else node_grad)
         for n in release_at.get(step, ()):
             act.free(n)
     return peak

@@ -414,7 +414,7 @@ class NDArray:
     def ewise_or_scalar(self, other, ewise_func, scalar_func, name="op"):
         """Apply `ewise_func` to two arrays of equal shape, or `scalar_func` to this array and a number.
 
-        `name` is the operation's name in the strided entry points (add, mul, div, power, maximum, eq, ge)."""
+        `name` is the operation's name in the strided entry points (add, mul, div, power, maximum, eq, ge, gt)."""
         if isinstance(other, NDArray):
             self._check_operand(other, name)
         out = NDArray._empty(self._shape, self._device)
@@ -492,7 +492,7 @@ class NDArray:
         return 1 - (self == other)
 
     def __gt__(self, other):
-        return (self >= other) * (self != other)
+        return self.ewise_or_scalar(other, self.device.mod.ewise_gt, self.device.mod.scalar_gt, "gt")
 
     def __lt__(self, other):
         return 1 - (self >= other)

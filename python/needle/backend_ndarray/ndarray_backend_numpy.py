@@ -142,9 +142,18 @@ def scalar_ge(a, val, out):
     out.array[:] = a.array >= val
 
 
+def ewise_gt(a, b, out):
+    out.array[:] = a.array > b.array
+
+
+def scalar_gt(a, val, out):
+    out.array[:] = a.array > val
+
+
 # ----- element-wise on strided views: out (compact, `shape`) = op(views), nothing materialized ------------------
 _BINARY = {"add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.divide, "power": np.power,
-           "maximum": np.maximum, "eq": np.equal, "ge": np.greater_equal}
+           "maximum": np.maximum, "eq": np.equal, "ge": np.greater_equal,
+           "gt": np.greater}
 _UNARY = {"log": np.log, "exp": np.exp, "tanh": np.tanh}
 
 
@@ -257,8 +266,11 @@ def scatter_along_rows(src, idx, out, row_size):
 
 
 def softmax_xent_grad(a, idx, g, out, row_size):
+    if row_size <= 0:
+        raise ValueError("softmax_xent_grad: row_size must be positive")
     cols = _row_indices(idx, row_size)
     rows = a.array[: cols.size * row_size].reshape(-1, row_size)
-    grad = np.exp(rows - _logsumexp_rows(rows)[:, None]) * g.array[: cols.size, None]
+    with np.errstate(invalid="ignore"):  # a row of -inf: NaN, as on the other backends
+        grad = np.exp(rows - _logsumexp_rows(rows)[:, None]) * g.array[: cols.size, None]
     grad[np.arange(cols.size), cols] -= g.array[: cols.size]
     out.array[: cols.size * row_size] = grad.reshape(-1)

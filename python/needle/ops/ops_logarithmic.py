@@ -1,4 +1,6 @@
 """Numerically stable log-sum-exp and log-softmax (max-shifted, so exp never overflows)."""
+import math
+
 from ..autograd import TensorOp
 from ..backend_selection import array_api
 from .ops_mathematic import _normalize_axes, broadcast_to, exp, pick_columns, reshape, subtract, summation
@@ -46,9 +48,15 @@ class LogSoftmax(TensorOp):
     saves = "output"
     elementwise = True  # the output has the input's shape
 
+    def workspace(self, shape):
+        return 4 * math.prod(shape)  # z - m lives beside exp(z - m), then beside the result
+
     def compute(self, Z):
-        lse = array_api.logsumexp(Z, axis=len(Z.shape) - 1, keepdims=True)
-        return Z - array_api.broadcast_to(lse, Z.shape)
+        # (z - m) - log Σ exp(z - m), not z - logsumexp(z): for large |z| the latter cancels away the low bits.
+        axis = len(Z.shape) - 1
+        shifted = Z - array_api.broadcast_to(array_api.max(Z, axis=axis, keepdims=True), Z.shape)
+        lse = array_api.log(array_api.sum(array_api.exp(shifted), axis=axis, keepdims=True))
+        return shifted - array_api.broadcast_to(lse, Z.shape)
 
     def gradient(self, out_grad, node):
         axis = len(node.shape) - 1

@@ -335,6 +335,14 @@ class Summation(TensorOp):
         axes = _normalize_axes(self.axes, len(shape), "Summation")
         return tuple(n for i, n in enumerate(shape) if i not in axes)
 
+    def workspace(self, shape):
+        axes = _normalize_axes(self.axes, len(shape), "Summation")
+        if axes == tuple(range(len(shape) - len(axes), len(shape))):
+            return 0  # trailing axes: each output reduces one contiguous row in place
+        if axes == tuple(range(len(axes))):
+            return 4 * math.prod(shape[i] for i in axes)  # leading axes: ones @ a, the ones row
+        return 4 * math.prod(shape)  # other axes are moved last: a permuted copy
+
     def compute(self, a):
         axes = _normalize_axes(self.axes, len(a.shape), "Summation")
         return array_api.sum(a, axis=axes)
@@ -473,6 +481,9 @@ class Sigmoid(TensorOp):
 
     saves = "output"
 
+    def workspace(self, a):
+        return 4 * math.prod(a)  # one temporary of a's size beside the result
+
     def compute(self, a):
         return (array_api.exp(a * -1) + 1) ** -1
 
@@ -571,7 +582,7 @@ class Pad(TensorOp):
         self.axes = tuple(tuple(p) for p in axes)
 
     def infer_shape(self, shape):
-        if len(self.axes) != len(shape):
+        if len(self.axes) != len(shape) or any(lo < 0 or hi < 0 for lo, hi in self.axes):
             return None  # compute raises the error
         return tuple(n + lo + hi for n, (lo, hi) in zip(shape, self.axes))
 
@@ -597,7 +608,9 @@ class Slice(TensorOp):
         self.starts, self.sizes = tuple(starts), tuple(sizes)
 
     def infer_shape(self, shape):
-        return self.sizes if len(self.sizes) == len(shape) else None
+        fits = len(self.sizes) == len(shape) and all(s >= 0 and s + n <= m for s, n, m in
+                                                      zip(self.starts, self.sizes, shape))
+        return self.sizes if fits else None  # compute raises the error
 
     def compute(self, a):
         if any(s < 0 or s + n > m for s, n, m in zip(self.starts, self.sizes, a.shape)):
@@ -627,7 +640,16 @@ class Conv(TensorOp):
         if len(z) != 4 or len(w) != 4 or z[3] != w[2]:
             return None  # compute raises the error
         H, Wd = z[1] + 2 * self.padding, z[2] + 2 * self.padding
+        if H < w[0] or Wd < w[1]:
+            return None
         return (z[0], (H - w[0]) // self.stride + 1, (Wd - w[1]) // self.stride + 1, w[3])
+
+    def workspace(self, z, w):
+        out = self.infer_shape(z, w)
+        if out is None:
+            return 0
+        padded = 4 * z[0] * (z[1] + 2 * self.padding) * (z[2] + 2 * self.padding) * z[3] if self.padding else 0
+        return padded + 4 * out[0] * out[1] * out[2] * w[0] * w[1] * z[3]  # the padded input and im2col's rows
 
     def compute(self, Z, W):
         # The kernel may be rectangular (KH, KW): the weight gradient of a non-square image convolves with one.

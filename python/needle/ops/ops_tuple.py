@@ -72,7 +72,7 @@ class Stack(TensorOp):
         self.axis = axis
 
     def infer_shape(self, shapes):
-        if not shapes or len(set(shapes)) != 1:
+        if not shapes or len(set(shapes)) != 1 or not -len(shapes[0]) - 1 <= self.axis <= len(shapes[0]):
             return None  # compute raises the error
         axis = self.axis % (len(shapes[0]) + 1)
         return shapes[0][:axis] + (len(shapes),) + shapes[0][axis:]
@@ -102,6 +102,8 @@ class Split(TensorTupleOp):
         self.axis = axis
 
     def infer_shape(self, shape):
+        if not -len(shape) <= self.axis < len(shape):
+            return None  # compute raises the error
         axis = self.axis % len(shape)
         return (shape[:axis] + shape[axis + 1:],) * shape[axis]
 
