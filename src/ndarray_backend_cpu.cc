@@ -77,9 +77,10 @@ static MemoryStats& stats() {
   return *s;
 }
 
-// A large buffer is fresh memory from the kernel (glibc maps it on its own), and first touching it faults in
-// one 4 KiB page at a time.  Asking for transparent huge pages on its 2 MiB-aligned interior, as NumPy does
-// for its large arrays, makes that 512 times fewer faults.  Only a hint: ignored where THP is off.
+// A large buffer is often fresh memory from the kernel (glibc maps big blocks on their own, above a threshold
+// that grows to 32 MiB), and first touching it faults in one 4 KiB page at a time.  Asking for transparent
+// huge pages on its 2 MiB-aligned interior, as NumPy does for its large arrays, makes that 512 times fewer
+// faults.  Only a hint: ignored where THP is off, harmless for memory the heap reuses.
 static void advise_huge_pages(void* ptr, size_t bytes) {
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
   constexpr size_t HUGE_PAGE = size_t(2) << 20;
@@ -1216,8 +1217,9 @@ static void reduce_logsumexp(const Array& a, Array& out, int64_t reduce_size) {
 }
 
 // The gradient of the softmax cross-entropy loss_i = logsumexp(a[i]) - a[i, idx[i]] for an upstream g (one
-// value per row): out[i, j] = g[i] * (softmax(a[i])_j - [j == idx[i]]).  One pass per row, the row in cache:
-// its log-sum-exp, then exp(a - lse) written, scaled and the label's entry lowered, with no temporary array.
+// value per row): out[i, j] = g[i] * (softmax(a[i])_j - [j == idx[i]]).  Row by row, so the row stays in cache
+// through the five sweeps (max, Σ exp, a - lse, exp, scale) and the logits are read from memory once, with no
+// temporary array.
 static void softmax_xent_grad(const Array& a, const Array& idx, const Array& g, Array& out, int64_t row_size) {
   if (row_size <= 0) fail("softmax_xent_grad: row_size must be positive");
   const size_t r = static_cast<size_t>(row_size);

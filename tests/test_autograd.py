@@ -532,7 +532,6 @@ def test_lazy_mode_context_manager_and_realize():
     assert autograd.LAZY_MODE is False
 
 
-
 def _shape_graph(x, w):
     """Every op whose output shape is not its input's: conv, dilate, pad, slice, stack/split and tuples."""
     c = ndl.conv(x, w, stride=2, padding=1)                       # (2, 3, 3, 4)
@@ -558,6 +557,7 @@ def test_lazy_shape_inference_covers_every_shape_changing_op(device, monkeypatch
     monkeypatch.undo()
     eager = autograd.find_topo_sort([_shape_graph(ndl.Tensor(x_np, device=device), ndl.Tensor(w_np, device=device))])
     assert lazy_shapes == [tuple(n.shape) for n in eager]
+
 
 # ----- deep graphs: iterative traversals, linear work ------------------------------------------------------------
 @pytest.mark.parametrize("lazy", [False, True])

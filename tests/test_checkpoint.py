@@ -307,6 +307,7 @@ def test_budget_plans_a_region_whose_second_output_the_loss_does_not_use():
     assert budget.plan(loss, exclude=[x, w]) <= budget.bytes
     assert budget.planned
 
+
 def test_to_dot_marks_dropped_and_recomputed_nodes():
     """viz.to_dot: valid DOT with kept, dropped, recomputed and leaf nodes styled apart."""
     pydot = pytest.importorskip("pydot", reason="pydot (a DOT parser) is a test dependency")

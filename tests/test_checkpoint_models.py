@@ -242,6 +242,7 @@ def test_simulated_peak_matches_the_allocator(gc):
     measured = nd.memory_stats(DEVICE)["peak_bytes"] - base
     assert abs(predicted / measured - 1) <= 0.01, (predicted, measured)
 
+
 def test_budget_plan_fits_and_replays():
     """Budget: the plan's predicted peak fits the budget; later steps replay it and drop nodes."""
     model = _lm(None, dropout=0.0)
@@ -259,7 +260,6 @@ def test_budget_plan_fits_and_replays():
     assert any(n.drop for n in autograd.find_topo_sort([loss]))
     loss.backward()
     assert checkpoint.last_backward_stats()["recomputed_nodes"] > 0
-
 
 
 def _relu_mlp():
@@ -297,6 +297,7 @@ def test_simulated_peak_matches_the_allocator_beyond_the_transformer(build, gc):
     measured = nd.memory_stats(DEVICE)["peak_bytes"] - base
     assert abs(predicted / measured - 1) <= 0.01, (predicted, measured)
 
+
 def _budget_step_peak(fraction, off_peak):
     """(budget, measured peak) of the step after planning Budget(fraction * off_peak) on the traced step."""
     model = _lm(None, dropout=0.0, layers=2)
@@ -322,8 +323,8 @@ def _budget_step_peak(fraction, off_peak):
 
 
 def test_budget_measured_peak_stays_under_the_budget_and_shrinks_with_it():
-    """Budget(b): the planned step's measured peak is within 5% of b and of the prediction, and a smaller b never
-    gives a larger peak."""
+    """Budget(b): the planned step's measured peak is at most 1.05 b and within 5% of the prediction (the targets
+    of bench_gc.py), and a smaller b never gives a larger peak."""
     _, off_peak, _ = _step_memory(None, batch=16)
     measured = []
     for fraction in (0.9, 0.75, 0.6):
@@ -332,6 +333,7 @@ def test_budget_measured_peak_stays_under_the_budget_and_shrinks_with_it():
         assert abs(budget.predicted_peak / peak - 1) <= 0.05, (fraction, budget.predicted_peak, peak)
         measured.append(peak)
     assert measured == sorted(measured, reverse=True)
+
 
 def test_rule2_lazy_forward_computes_each_node_once_with_gc():
     """Rule 2 for the forward: layers read their inputs' shapes while the lazy graph is built; shape inference

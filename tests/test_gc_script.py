@@ -14,6 +14,7 @@ spec = importlib.util.spec_from_file_location("gc_script", os.path.join(ROOT, "g
 gc_script = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(gc_script)
 
+
 def _read(path):
     with open(path) as f:
         return json.load(f)

@@ -776,7 +776,6 @@ def scatter_add_rows(rows, ids, num_rows):
     return out
 
 
-
 def take_along_rows(table, ids):
     """table (n, c), ids (n,) of integer values in [0, c) -> (n,): table[i, ids[i]]."""
     if ids.device != table.device:

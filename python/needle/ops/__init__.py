@@ -1,7 +1,28 @@
 """needle's ops: each a class with `compute` and `gradient`, plus the lower-case helper that applies it."""
-from . import ops_logarithmic, ops_mathematic, ops_tuple
-from .ops_logarithmic import *  # noqa: F401,F403  (each module lists its ops in __all__)
-from .ops_mathematic import *  # noqa: F401,F403
-from .ops_tuple import *  # noqa: F401,F403
+from .ops_logarithmic import (
+    LogSoftmax, LogSumExp, SoftmaxCrossEntropy, SoftmaxCrossEntropyGrad, logsoftmax, logsumexp,
+    softmax_cross_entropy,
+)
+from .ops_mathematic import (
+    AddScalar, BroadcastTo, Conv, Dilate, DivScalar, EWiseAdd, EWiseDiv, EWiseMul, EWisePow, EWiseSub, Exp, Flip,
+    GatherRows, Log, MatMul, MulScalar, Negate, Pad, PickColumns, PowerScalar, ReLU, Reshape, ScatterAddRows,
+    ScatterColumns, Sigmoid, Slice, Summation, Tanh, Transpose, UnDilate, add, add_scalar, broadcast_to, conv,
+    dilate, divide, divide_scalar, exp, flip, gather_rows, log, matmul, mul_scalar, multiply, negate, pad,
+    pick_columns, power, power_scalar, relu, reshape, scatter_add_rows, scatter_columns, sigmoid, slice_window,
+    subtract, summation, tanh, transpose, undilate,
+)
+from .ops_tuple import (
+    MakeTensorTuple, Split, Stack, TupleGetItem, make_tuple, split, stack, tuple_get_item,
+)
 
-__all__ = ops_mathematic.__all__ + ops_logarithmic.__all__ + ops_tuple.__all__
+__all__ = [
+    "AddScalar", "BroadcastTo", "Conv", "Dilate", "DivScalar", "EWiseAdd", "EWiseDiv", "EWiseMul", "EWisePow",
+    "EWiseSub", "Exp", "Flip", "GatherRows", "Log", "LogSoftmax", "LogSumExp", "MakeTensorTuple", "MatMul",
+    "MulScalar", "Negate", "Pad", "PickColumns", "PowerScalar", "ReLU", "Reshape", "ScatterAddRows",
+    "ScatterColumns", "Sigmoid", "Slice", "SoftmaxCrossEntropy", "SoftmaxCrossEntropyGrad", "Split", "Stack",
+    "Summation", "Tanh", "Transpose", "TupleGetItem", "UnDilate", "add", "add_scalar", "broadcast_to", "conv",
+    "dilate", "divide", "divide_scalar", "exp", "flip", "gather_rows", "log", "logsoftmax", "logsumexp",
+    "make_tuple", "matmul", "mul_scalar", "multiply", "negate", "pad", "pick_columns", "power", "power_scalar",
+    "relu", "reshape", "scatter_add_rows", "scatter_columns", "sigmoid", "slice_window", "softmax_cross_entropy",
+    "split", "stack", "subtract", "summation", "tanh", "transpose", "tuple_get_item", "undilate",
+]

@@ -109,7 +109,10 @@ class SoftmaxCrossEntropyGrad(TensorOp):
     def gradient(self, out_grad, node):
         Z, y, g = node.inputs
         n, c = Z.shape
+
+        def per_row(v):  # (n,) -> (n, c), v[i] along row i
+            return broadcast_to(reshape(v, (n, 1)), (n, c))
+
         s = exp(logsoftmax(Z))
         r = summation(out_grad * s, axes=(1,))
-        rows = lambda v: broadcast_to(reshape(v, (n, 1)), (n, c))  # noqa: E731
-        return rows(g) * s * subtract(out_grad, rows(r)), None, subtract(r, pick_columns(out_grad, y))
+        return per_row(g) * s * subtract(out_grad, per_row(r)), None, subtract(r, pick_columns(out_grad, y))
