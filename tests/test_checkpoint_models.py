@@ -226,21 +226,23 @@ def test_simulated_peak_matches_the_allocator(gc):
     It counts buffers, not values: a kept reshape of a dropped value holds that value's bytes, and a reshape
     of a transposed value owns a copy. Budget plans rest on this prediction.
     """
-    model = _lm(gc, dropout=0.1, layers=2)
     X, y = _batch(0, T=6, B=16)
+    predicted, measured = _predicted_and_measured_peak(_lm(gc, dropout=0.1, layers=2), lambda m, X: m(X)[0], X, y)
+    assert abs(predicted / measured - 1) <= 0.01, (predicted, measured)
+
+
+def _predicted_and_measured_peak(model, forward, X, y):
+    """simulate_peak's prediction for one lazy training step of `model`, and the allocator's peak over it."""
     params = model.parameters()
     python_gc.collect()
     nd.reset_peak_memory_stats(DEVICE)
     base = nd.memory_stats(DEVICE)["current_bytes"]
     with autograd.lazy_mode(True):
-        out = model(X)[0]
-        loss = nn.SoftmaxLoss()(out, y)
-        del out
+        loss = nn.SoftmaxLoss()(forward(model, X), y)
         dropped = {id(n) for n in autograd.find_topo_sort([loss]) if n.drop}
         predicted = checkpoint.simulate_peak(loss, dropped, {id(p) for p in params + [X, y]})
         loss.backward()
-    measured = nd.memory_stats(DEVICE)["peak_bytes"] - base
-    assert abs(predicted / measured - 1) <= 0.01, (predicted, measured)
+    return predicted, nd.memory_stats(DEVICE)["peak_bytes"] - base
 
 
 def test_budget_plan_fits_and_replays():
@@ -285,16 +287,7 @@ def test_simulated_peak_matches_the_allocator_beyond_the_transformer(build, gc):
         model.enable_gc(**gc)
     X = ndl.Tensor(x.astype(np.float32), device=DEVICE, requires_grad=False)
     y = ndl.Tensor(y.astype(np.float32), device=DEVICE, requires_grad=False)
-    params = model.parameters()
-    python_gc.collect()
-    nd.reset_peak_memory_stats(DEVICE)
-    base = nd.memory_stats(DEVICE)["current_bytes"]
-    with autograd.lazy_mode(True):
-        loss = nn.SoftmaxLoss()(forward(model, X), y)
-        dropped = {id(n) for n in autograd.find_topo_sort([loss]) if n.drop}
-        predicted = checkpoint.simulate_peak(loss, dropped, {id(p) for p in params + [X, y]})
-        loss.backward()
-    measured = nd.memory_stats(DEVICE)["peak_bytes"] - base
+    predicted, measured = _predicted_and_measured_peak(model, forward, X, y)
     assert abs(predicted / measured - 1) <= 0.01, (predicted, measured)
 
 

@@ -32,6 +32,8 @@ import math
 import weakref
 from dataclasses import dataclass
 
+from .backend_ndarray.ndarray import _compact_strides  # the strides NDArray gives a compact array
+
 __all__ = [
     "Budget",
     "BackwardPlan",
@@ -211,7 +213,7 @@ class Budget:
         topo = find_topo_sort([root])
         owner, size, _ = buffer_sizes(topo)
         order = [n for n in order if id(n) in owner]  # a region output the loss never uses frees nothing
-        footprints = {id(n): gradient_footprint(n) for n in topo if n.requires_grad and not n.is_leaf()}
+        footprints = gradient_footprints(topo)
 
         def cheapest_first(i):  # a view's bytes are its base's: dropping both frees them
             return recompute_cost_per_byte(order[i]), -size[owner[id(order[i])]], i
@@ -415,14 +417,6 @@ def _gradient_bytes(node):
     return 4 * math.prod(shape)
 
 
-def _compact_strides(shape):
-    strides, step = [], 1
-    for n in reversed(shape):
-        strides.append(step)
-        step *= n
-    return tuple(reversed(strides))
-
-
 def _is_tuple(node):
     shape = node.shape
     return bool(shape) and isinstance(shape[0], tuple)
@@ -456,8 +450,8 @@ def buffer_owners(topo):
             strides[id(n)] = s
         elif name == "TupleGetItem":
             tup = n.inputs[0]
-            element = tup.inputs[n.op.index] if type(tup.op).__name__ == "MakeTensorTuple" else None
-            owner[id(n)] = owner.get(id(element), id(element)) if element is not None else owner.get(id(tup), id(tup))
+            source = tup.inputs[n.op.index] if type(tup.op).__name__ == "MakeTensorTuple" else tup
+            owner[id(n)] = owner.get(id(source), id(source))
             strides[id(n)] = _compact_strides(shape)
         else:  # a fresh buffer
             owner[id(n)] = id(n)
@@ -576,6 +570,11 @@ def gradient_footprint(node):
     return peak, made
 
 
+def gradient_footprints(topo):
+    """`gradient_footprint` of every node of `topo` that backward differentiates, by id."""
+    return {id(n): gradient_footprint(n) for n in topo if n.requires_grad and not n.is_leaf()}
+
+
 def simulate_peak(root, dropped, exclude=frozenset(), footprints=None):
     """Predicted peak activation bytes of a step on the traced graph above `root` if `dropped` were dropped.
 
@@ -590,7 +589,7 @@ def simulate_peak(root, dropped, exclude=frozenset(), footprints=None):
     topo = find_topo_sort([root])
     owner, size, workspace = buffer_sizes(topo)
     if footprints is None:
-        footprints = {id(n): gradient_footprint(n) for n in topo if n.requires_grad and not n.is_leaf()}
+        footprints = gradient_footprints(topo)
     act = _Ledger(owner, size, excluded={owner[i] for i in exclude if i in owner})
     peak = 0
     consumers = {}

@@ -54,7 +54,8 @@ class LogSoftmax(TensorOp):
     def compute(self, Z):
         # (z - m) - log Σ exp(z - m), not z - logsumexp(z): for large |z| the latter cancels away the low bits.
         axis = len(Z.shape) - 1
-        shifted = Z - array_api.broadcast_to(array_api.max(Z, axis=axis, keepdims=True), Z.shape)
+        m = array_api.max(Z, axis=axis, keepdims=True)
+        shifted = Z - array_api.broadcast_to(m, Z.shape)
         lse = array_api.log(array_api.sum(array_api.exp(shifted), axis=axis, keepdims=True))
         return shifted - array_api.broadcast_to(lse, Z.shape)
 
