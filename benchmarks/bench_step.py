@@ -126,6 +126,8 @@ def main():
     p.add_argument("--vocab", type=int, default=10000)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--no-torch", "--no_torch", dest="no_torch", action="store_true", help="needle alone")
+    p.add_argument("--rounds", type=int, default=2, help="interleaved rounds; each framework keeps its best median")
     args = p.parse_args()
     if not ndl.cpu().enabled():
         raise SystemExit("bench_step: the C++ backend is not built; run `make` first")
@@ -139,12 +141,14 @@ def main():
         pstats.Stats("/tmp/bench_step.prof").sort_stats("tottime").print_stats(25)
         return
     try:
+        if args.no_torch:
+            raise ImportError
         torch_step = torch_step_fn(args)
     except ImportError:
         torch_step = None
-        print("bench_step: PyTorch is not installed (pip install torch==2.13.0); showing needle alone")
+        print("bench_step: PyTorch left out (pip install torch==2.13.0 if absent); showing needle alone")
     results = {}
-    for _ in range(2):  # interleave the frameworks, keep each one's best median
+    for _ in range(args.rounds):  # interleave the frameworks, keep each one's best median
         for name, make in (("needle, gc off", lambda: needle_step_fn(args, False)),
                            ("needle, gc all", lambda: needle_step_fn(args, True)),
                            ("pytorch", torch_step and (lambda: torch_step))):

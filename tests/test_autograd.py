@@ -457,6 +457,56 @@ def test_detach_and_data_setter():
     np.testing.assert_array_equal(x.grad.numpy(), np.full(4, 3.0))
 
 
+def test_backward_checks_out_grad_shape_and_that_something_requires_grad():
+    x = ndl.Tensor(np.ones((2, 3), np.float32))
+    with pytest.raises(ValueError, match=r"out_grad has shape \(3, 2\), but the output has shape \(2, 3\)"):
+        (x * 2).backward(ndl.Tensor(np.ones((3, 2), np.float32), requires_grad=False))
+    assert x.grad is None
+    with pytest.raises(TypeError, match="out_grad must be a Tensor"):
+        (x * 2).backward(np.ones((2, 3), np.float32))
+    constant = ndl.Tensor(np.ones(3), requires_grad=False)
+    with pytest.raises(RuntimeError, match="does not require grad"):
+        (constant * 2).sum().backward()
+
+
+def test_versions_count_in_place_writes():
+    """Rule 4c's counter: replacing data or writing into it bumps the version; computing or releasing does not."""
+    x = ndl.Tensor(np.zeros((2, 3), np.float32))
+    y = ops.exp(x)
+    assert (x.version, y.version) == (0, 0) and y._input_versions == (0,)
+    x.data = x.data + 1.0
+    x[0:1, 0:2] = 3.0
+    x.cached_data = x.cached_data + 1.0  # course code writes cached_data directly, as an optimizer does
+    assert x.version == 3 and y._input_versions == (0,)
+    np.testing.assert_array_equal(x.numpy(), [[4, 4, 2], [2, 2, 2]])
+    with autograd.lazy_mode(True):
+        z = ops.exp(x)
+        assert z._input_versions is None  # nothing computed yet: nothing read
+        z.realize_cached_data()
+    assert z._input_versions == (3,)
+
+
+@pytest.mark.parametrize("copier", ["pickle", "deepcopy"])
+def test_tensors_and_models_copy_by_value(copier):
+    import copy
+    import pickle
+
+    def dup(obj):
+        return pickle.loads(pickle.dumps(obj)) if copier == "pickle" else copy.deepcopy(obj)
+
+    x = ndl.Tensor(np.arange(6, dtype=np.float32).reshape(2, 3))
+    y = dup(x * 2)
+    assert type(y) is ndl.Tensor and y.is_leaf() and y.requires_grad
+    np.testing.assert_array_equal(y.numpy(), np.arange(6).reshape(2, 3) * 2)
+    np.random.seed(0)
+    model = ndl.nn.Sequential(ndl.nn.Linear(3, 2), ndl.nn.ReLU())
+    model.parameters()  # names the parameters
+    clone = dup(model)
+    for p, q in zip(model.parameters(), clone.parameters()):
+        assert type(q) is ndl.nn.Parameter and q is not p and q.name == p.name
+        np.testing.assert_array_equal(p.numpy(), q.numpy())
+
+
 def test_requires_grad_false_inputs_make_constants():
     a = ndl.Tensor(np.ones(3), requires_grad=False)
     b = a * 2 + 1

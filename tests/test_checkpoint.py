@@ -325,3 +325,103 @@ def test_to_dot_marks_dropped_and_recomputed_nodes():
     assert graphs and len(graphs[0].get_nodes()) >= 5
     assert "recomputed" in dot and "leaf" in dot and "kept" in dot
     assert dot.count("->") == sum(len(n.inputs) for n in autograd.find_topo_sort([loss]))
+
+
+# ----- rule 4c: backward reads what the forward pass read ------------------------------------------------------
+GC_CHOICES = [None, dict(), dict(segment_len=2), dict(policy="sqrt"), dict(policy="selective")]
+GC_IDS = ["off", "all", "seg2", "sqrt", "selective"]
+
+
+def _mlp(device, gc):
+    np.random.seed(0)
+    model = ndl.nn.Sequential(ndl.nn.Linear(6, 8, device=device), ndl.nn.ReLU(), ndl.nn.Linear(8, 3, device=device))
+    if gc is not None:
+        model.enable_gc(**gc)
+    x = ndl.Tensor(np.random.RandomState(1).randn(4, 6).astype(np.float32), device=device, requires_grad=False)
+    return model, x
+
+
+def _write_sgd(model, x):
+    opt = ndl.optim.SGD(model.parameters(), lr=0.5)
+    model(x).sum().backward()  # gradients to step with
+    return opt.step
+
+
+def _write_data(model, x):
+    w = model.modules[2].weight
+    return lambda: setattr(w, "data", w.data * 2.0)
+
+
+def _write_item(model, x):
+    w = model.modules[2].weight
+    return lambda: w.__setitem__((slice(0, 1), slice(0, 1)), 5.0)
+
+
+@pytest.mark.parametrize("lazy", [False, True], ids=["eager", "lazy"])
+@pytest.mark.parametrize("gc", GC_CHOICES, ids=GC_IDS)
+@pytest.mark.parametrize("write", [_write_sgd, _write_data, _write_item], ids=["optimizer", "data", "setitem"])
+def test_rule4c_value_modified_between_forward_and_backward_raises(lazy, gc, write):
+    """Rule 4c: an in-place write between forward and backward raises, naming the op, tensor and fix."""
+    model, x = _mlp(nd.cpu_numpy(), gc)
+    modify = write(model, x)
+    with autograd.lazy_mode(lazy):
+        loss = model(x).sum()
+        loss.realize_cached_data()  # the forward pass reads the weights now
+        modify()
+        with pytest.raises(RuntimeError, match=r"modified in place.*backward\(\) before optimizer\.step\(\)") as e:
+            loss.backward()
+    assert "MatMul" in str(e.value) and "(8, 3)" in str(e.value) and "'modules.2.weight'" in str(e.value)
+
+
+@pytest.mark.parametrize("lazy", [False, True], ids=["eager", "lazy"])
+@pytest.mark.parametrize("gc", GC_CHOICES, ids=GC_IDS)
+def test_rule4c_writes_after_backward_and_before_forward_are_fine(lazy, gc):
+    """Rule 4c: the usual loop (forward, backward, step) never trips the check; versions count the writes."""
+    model, x = _mlp(nd.cpu_numpy(), gc)
+    opt = ndl.optim.Adam(model.parameters(), lr=0.01)
+    w = model.modules[0].weight
+    for step in range(3):
+        with autograd.lazy_mode(lazy):
+            model(x).sum().backward()
+        opt.step()
+        assert w.version == step + 1
+
+
+def test_rule4c_recompute_reads_forward_version():
+    """Rule 4c: a dropped value whose input changed is not silently recomputed from the new input.
+
+    tanh's gradient reads only its output and the add's gradient reads nothing, so with checkpointing off the
+    write is harmless (and allowed); with the region dropped, recomputing the output would read the new w.
+    """
+    device = nd.cpu_numpy()
+    for gc in (False, True):
+        x = ndl.Tensor(np.ones((2, 3), np.float32), device=device)
+        w = ndl.Tensor(np.full((2, 3), 0.5, np.float32), device=device)
+        out = ops.tanh(x + w)
+        loss = ops.summation(out * 2.0)
+        if gc:
+            checkpoint.annotate(loss, [x, w])
+        w.data = w.data * 3.0
+        if gc:
+            with pytest.raises(RuntimeError, match="EWiseAdd: cannot recompute it.*rule 4c"):
+                loss.backward()
+        else:
+            loss.backward()
+            np.testing.assert_allclose(x.grad.numpy(), 2 * (1 - np.tanh(1.5) ** 2), rtol=1e-6)
+
+
+def test_rule2_statistics_count_recomputations_per_node():
+    """Rule 2's statistic is counted, not set: a node recomputed twice in one pass reports 2."""
+    device = nd.cpu_numpy()
+    x = ndl.Tensor(np.ones((2, 3), np.float32), device=device)
+    out = ops.log(ops.exp(x) + 1.0)
+    checkpoint.annotate(out, [x])
+    reverse = list(reversed(autograd.find_topo_sort([out])))
+    plan = checkpoint.BackwardPlan(reverse, out)
+    step = next(s for s in sorted(plan.recompute_at) if plan.recompute_at[s])
+    plan.recompute(step)
+    assert plan.stats["max_recomputes_per_node"] == 1
+    for node in plan.recompute_at[step]:
+        checkpoint.release(node)
+    plan.recompute(step)
+    assert plan.stats["max_recomputes_per_node"] == 2

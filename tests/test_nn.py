@@ -719,3 +719,19 @@ def test_eager_and_lazy_give_identical_results(device, case):
     lazy, _ = _grads_of(make, x_np, gc=False, lazy=True, device=device)
     for i, (a, b) in enumerate(zip(eager, lazy)):
         assert np.array_equal(a, b), f"array {i} differs in lazy mode"
+
+
+@pytest.mark.parametrize("kind", ["rnn", "lstm"])
+@pytest.mark.parametrize("seq_len", [1, 3])
+def test_recurrent_layers_without_initial_state_give_every_parameter_a_gradient(kind, seq_len):
+    """h0=None is a zero state (as PyTorch): W_hh gets a gradient, exactly zero when seq_len == 1."""
+    np.random.seed(0)
+    model = nn.RNN(3, 4, num_layers=2) if kind == "rnn" else nn.LSTM(3, 4, num_layers=2)
+    x = ndl.Tensor(np.random.randn(seq_len, 2, 3).astype(np.float32), requires_grad=False)
+    out, _ = model(x)
+    out.sum().backward()
+    for p in model.parameters():
+        assert p.grad is not None and p.grad.shape == p.shape
+    cells = model.rnn_cells if kind == "rnn" else model.lstm_cells
+    if seq_len == 1:
+        assert not np.any(cells[0].W_hh.grad.numpy())

@@ -2,7 +2,10 @@
 
 A Value is a handful of fields: the `op` that made it, its `inputs`, its `cached_data` (None until realized, or
 after it was released), `requires_grad`, and `drop` (gradient checkpointing: do not keep this value after the
-forward pass; recompute it during backward). Every walk over the graph is the one iterative `find_topo_sort`.
+forward pass; recompute it during backward). Its `version` counts the in-place writes to its data (replacing it
+through `.data =`, an optimizer's update, `t[idx] = ...`); backward compares it with the version the forward pass
+read, so a value changed in between raises instead of giving a wrong gradient (rule 4 of checkpoint.py).
+Every walk over the graph is the one iterative `find_topo_sort`.
 The checkpointing rules (what is released when, what is recomputed) live in `checkpoint.py`.
 """
 import contextlib
@@ -148,6 +151,8 @@ def _realize(targets, keep):
         if isinstance(value, numpy.generic):  # NEEDLE_BACKEND=np: NumPy turns 0-d results into scalars
             value = numpy.asarray(value)
         node.cached_data = value
+        if node._input_versions is None:  # the first computation is the forward pass: what backward must see
+            node._input_versions = tuple(x.version for x in node.inputs)
         for inp in node.inputs:
             left = consumers.get(id(inp))
             if left is not None:
@@ -188,7 +193,19 @@ def _keep_forward(node):
 class Value:
     """A node of the computational graph."""
 
-    __slots__ = ("op", "inputs", "cached_data", "requires_grad", "drop", "grad", "_spec", "__weakref__")
+    __slots__ = ("op", "inputs", "_data", "requires_grad", "drop", "grad", "_spec", "version", "_input_versions",
+                 "__weakref__")
+
+    @property
+    def cached_data(self):
+        return self._data
+
+    @cached_data.setter
+    def cached_data(self, data):
+        # Computing a missing value or releasing one is not a write; replacing a value by another one is.
+        if self._data is not None and data is not None and data is not self._data:
+            self.version += 1
+        self._data = data
 
     def realize_cached_data(self):
         """The value of this node, computed (iteratively, with what it needs) if it is not cached.
@@ -236,11 +253,13 @@ class Value:
             requires_grad = any(x.requires_grad for x in inputs)
         self.op = op
         self.inputs = tuple(inputs)
-        self.cached_data = cached_data
+        self._data = cached_data
         self.requires_grad = requires_grad
         self.drop = False
         self.grad = None
         self._spec = None
+        self.version = 0
+        self._input_versions = None  # the versions of `inputs` its (forward) computation read
 
     @classmethod
     def make_const(cls, data, requires_grad=False):
@@ -336,7 +355,21 @@ class Tensor(Value):
             raise TypeError(f"Tensor.data must be set to a Tensor, got {type(value).__name__}")
         if value.dtype != self.dtype:
             raise TypeError(f"Tensor.data: dtype {value.dtype} differs from {self.dtype}")
-        self.cached_data = value.realize_cached_data()
+        data = value.realize_cached_data()
+        if data is self.cached_data:  # `t.data = t.data` still counts as a write, as an optimizer's would
+            self.version += 1
+        self.cached_data = data
+
+    def __setitem__(self, index, value):
+        """Write `value` (a Tensor or a scalar) into this Tensor's array in place, outside the graph."""
+        data = self.realize_cached_data()
+        data[index] = value.realize_cached_data() if isinstance(value, Tensor) else value
+        self.version += 1
+
+    def __reduce__(self):
+        # By value: a pickled or deep-copied Tensor is a leaf holding the same numbers (its graph is not kept).
+        state = getattr(self, "__dict__", None)  # a Parameter's name
+        return _rebuild_tensor, (type(self), self.numpy(), self.device, self.requires_grad), state
 
     def detach(self):
         """A new leaf holding this Tensor's value, outside the graph."""
@@ -348,6 +381,9 @@ class Tensor(Value):
 
     def backward(self, out_grad=None):
         """Fill `.grad` of every leaf that requires grad; a non-scalar output gets an implicit ones gradient."""
+        if not self.requires_grad:
+            raise RuntimeError(f"backward(): this Tensor (shape {tuple(self.shape)}) does not require grad: no leaf "
+                               "of its graph has requires_grad=True, so there is nothing to differentiate")
         if out_grad is None:
             out_grad = Tensor(array_api.full(self.shape, 1.0, dtype=self.dtype, device=self.device),
                               device=self.device, requires_grad=False)
@@ -428,6 +464,11 @@ def compute_gradient_of_variables(output_tensor, out_grad):
     that gradient reads, and after it releases every value whose last backward use has passed. Gradients are
     Tensors themselves (differentiable); each call replaces `.grad`, it does not accumulate.
     """
+    if not isinstance(out_grad, Value):
+        raise TypeError(f"backward(): out_grad must be a Tensor, got {type(out_grad).__name__}")
+    if tuple(out_grad.shape) != tuple(output_tensor.shape):
+        raise ValueError(f"backward(): out_grad has shape {tuple(out_grad.shape)}, but the output has shape "
+                         f"{tuple(output_tensor.shape)}; they must be equal")
     output_tensor.realize_cached_data()  # the forward pass (in lazy mode it runs here)
     # Gradients are built from an out_grad that requires grad, so every gradient value is a graph node that
     # can be released after use and recomputed on demand (x.grad stays differentiable), never a stray constant.
@@ -448,6 +489,8 @@ def compute_gradient_of_variables(output_tensor, out_grad):
                 plan.release_gradient_temporaries([grad], parts, grad)
             else:
                 plan.recompute(step)
+                saves = node.op.saves
+                checkpoint.check_unchanged(node, inputs=saves in ("inputs", "both"), output=saves in ("output", "both"))
                 # Built lazily and realized together, so each temporary dies as soon as it has been consumed.
                 with lazy_mode(True):
                     grad = sum_node_list(parts)
@@ -464,6 +507,10 @@ def compute_gradient_of_variables(output_tensor, out_grad):
                 plan.release_gradient_temporaries(new, parts, grad)
         plan.release(step)
     plan.finish()
+
+
+def _rebuild_tensor(cls, array, device, requires_grad):
+    return cls(array, device=device, requires_grad=requires_grad)
 
 
 def sum_node_list(node_list):

@@ -23,8 +23,14 @@ The rules (each test names the rule it checks):
           values (eager: as soon as the region's output exists; lazy: after its last consumer is computed), and
           in backward for every value after the last gradient that reads it. Gradient-graph temporaries are
           released after the step that made them.
-  Rule 4. Recomputation is exact: a recomputed value has the shape, dtype and device it had in the forward
-          pass (checked every time), and eager and lazy mode give bit-identical numbers.
+  Rule 4. Recomputation and differentiation are exact:
+          (a) a recomputed value has the shape, dtype and device it had in the forward pass (checked every time);
+          (b) eager and lazy mode give bit-identical numbers;
+          (c) backward reads what the forward pass read. Every value has a version, bumped by each in-place write
+              (`.data =`, an optimizer's update, `t[idx] = ...`); each node records the versions of the inputs
+              its forward computation read. Before a gradient reads forward values (`Op.saves`) and before a
+              dropped value is recomputed from its inputs, the versions are compared, and a mismatch raises
+              RuntimeError — with checkpointing off too (a MatMul's gradient reads its weight).
   Rule 5. When backward returns, every leaf gradient is realized, so an optimizer that updates parameters in
           place can never change a value a gradient still depends on.
 """
@@ -77,6 +83,23 @@ def release(node):
     if node.cached_data is not None:
         node._spec = spec_of(node.cached_data)
         node.cached_data = None
+
+
+def check_unchanged(node, inputs=True, output=False, action="differentiate"):
+    """Rule 4c: `node`'s inputs (and its own value) still hold the versions its forward computation read."""
+    read = node._input_versions
+    suspects = [(x, v) for x, v in zip(node.inputs, read or ()) if inputs] + ([(node, 0)] if output else [])
+    for x, version in suspects:
+        if x.version != version:
+            what = "its output" if x is node else "one of its inputs"
+            name = getattr(x, "name", None)
+            kind = f"{type(x).__name__} {name!r}" if name else type(x).__name__
+            raise RuntimeError(
+                f"{type(node.op).__name__}: cannot {action} it: {what}, a {kind} of shape {tuple(x.shape)}, was "
+                f"modified in place after the forward pass read it (version {x.version}, the forward pass read "
+                f"version {version}), so the result would be wrong. Call backward() before optimizer.step(), or "
+                f"don't modify it in place (rule 4c)"
+            )
 
 
 # ----- policies: small pure functions from the candidate nodes of a region to keep/drop flags ------------------
@@ -358,7 +381,7 @@ def last_backward_stats():
     """Statistics of the last backward pass: recomputed nodes and bytes, released bytes, the allocator's peak.
 
     `peak_bytes` is the device allocator's peak since its last reset (reset it at the start of a step to
-    get the step's peak); `max_recomputes_per_node` is 1 at most (rule 2).
+    get the step's peak); `max_recomputes_per_node` is counted per node (rule 2 says it is at most 1).
     """
     return dict(_last_stats)
 
@@ -662,6 +685,7 @@ class BackwardPlan:
         self.release_at = {}
         self.unused = []
         self.pending = {}
+        self.recompute_counts = {}
         self.stats = {"recomputed_nodes": 0, "recomputed_bytes": 0, "released_bytes": 0,
                       "max_recomputes_per_node": 0, "recomputed_ids": set()}
         available = {id(n) for n in reverse_topo if n.cached_data is not None}
@@ -690,6 +714,7 @@ class BackwardPlan:
             if any(x.cached_data is None for x in node.inputs):
                 raise RuntimeError(f"checkpoint plan violated: an input of {type(node.op).__name__} is missing "
                                    "at its recomputation (rule 2)")
+            check_unchanged(node, action="recompute")
             value = node.op.compute(*[x.cached_data for x in node.inputs])
             expected = node._spec
             if expected is not None and spec_of(value)[:2] != expected[:2]:
@@ -702,8 +727,8 @@ class BackwardPlan:
             self.stats["recomputed_nodes"] += 1
             self.stats["recomputed_bytes"] += nbytes_of(value)
             self.stats["recomputed_ids"].add(id(node))
-        if self.recompute_at.get(step):
-            self.stats["max_recomputes_per_node"] = 1
+            count = self.recompute_counts[id(node)] = self.recompute_counts.get(id(node), 0) + 1
+            self.stats["max_recomputes_per_node"] = max(self.stats["max_recomputes_per_node"], count)
 
     def release(self, step):
         for node in self.release_at.get(step, ()):

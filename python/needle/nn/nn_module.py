@@ -6,18 +6,24 @@ __all__ = ["Module", "Parameter"]
 
 
 class Parameter(Tensor):
-    """A Tensor that is a trainable parameter of a Module (found by `Module.parameters()`)."""
+    """A Tensor that is a trainable parameter of a Module (found by `Module.parameters()`).
+
+    `name` is its dotted path in the first module that listed it ("layers.0.weight"), for error messages.
+    """
+
+    name = None
 
 
-def _unpack_params(value):
+def _unpack_params(value, prefix=""):
+    """(dotted name, Parameter) pairs found in `value`, in order of definition."""
     if isinstance(value, Parameter):
-        return [value]
+        return [(prefix, value)]
     if isinstance(value, Module):
-        return value.parameters()
+        value = value.__dict__
     if isinstance(value, dict):
-        return [p for v in value.values() for p in _unpack_params(v)]
+        return [p for k, v in value.items() for p in _unpack_params(v, f"{prefix}.{k}" if prefix else str(k))]
     if isinstance(value, (list, tuple)):
-        return [p for v in value for p in _unpack_params(v)]
+        return [p for i, v in enumerate(value) for p in _unpack_params(v, f"{prefix}.{i}" if prefix else str(i))]
     return []
 
 
@@ -45,14 +51,20 @@ class Module:
         self.segment_len = None
         self.policy = None
 
-    def parameters(self):
-        """Every Parameter of this module and its children, in order of definition."""
-        params, seen = [], set()
-        for p in _unpack_params(self.__dict__):
+    def named_parameters(self):
+        """(dotted name, Parameter) for every Parameter of this module and its children, in order of definition."""
+        named, seen = [], set()
+        for name, p in _unpack_params(self.__dict__):
             if id(p) not in seen:
                 seen.add(id(p))
-                params.append(p)
-        return params
+                named.append((name, p))
+                if p.name is None:
+                    p.name = name
+        return named
+
+    def parameters(self):
+        """Every Parameter of this module and its children, in order of definition."""
+        return [p for _, p in self.named_parameters()]
 
     def _children(self):
         return _child_modules(self.__dict__)
@@ -88,4 +100,7 @@ class Module:
         return out
 
     def __call__(self, *args, **kwargs):
+        if "_named" not in self.__dict__:  # the outermost module runs first: its names are the full paths
+            self.named_parameters()
+            self._named = True
         return self.forward(*args, **kwargs)

@@ -17,14 +17,16 @@ def _uniform(*shape, bound, device, dtype):
 
 
 def _affine(X, h, W_ih, W_hh, bias_ih, bias_hh, batch, width):
-    """X W_ih + h W_hh + bias_ih + bias_hh; a missing (None) state or bias term is left out."""
-    out = ops.matmul(X, W_ih)
-    if h is not None:
-        out = out + ops.matmul(h, W_hh)
+    """X W_ih + h W_hh + bias_ih + bias_hh; a missing (None) bias term is left out."""
+    out = ops.matmul(X, W_ih) + ops.matmul(h, W_hh)
     for bias in (bias_ih, bias_hh):
         if bias is not None:
             out = out + ops.broadcast_to(ops.reshape(bias, (1, width)), (batch, width))
     return out
+
+
+def _zeros_like_state(X, batch, hidden):
+    return init.zeros(batch, hidden, device=X.device, dtype=X.dtype)
 
 
 def _check_state(module, name, state, expected):
@@ -55,9 +57,11 @@ class RNNCell(Module):
             raise ValueError(f"RNNCell: expected input (B, {self.input_size}), got {tuple(shape)}")
         batch = shape[0]
         _check_state("RNNCell", "h", h, (batch, self.hidden_size))
+        if h is None:  # zeros, as PyTorch: W_hh still gets its (zero) gradient
+            h = _zeros_like_state(X, batch, self.hidden_size)
         pre = _affine(X, h, self.W_ih, self.W_hh, self.bias_ih, self.bias_hh, batch, self.hidden_size)
         out = ops.tanh(pre) if self.nonlinearity == "tanh" else ops.relu(pre)
-        return self.checkpoint(out, [X] + ([h] if h is not None else []))
+        return self.checkpoint(out, [X, h])
 
 
 class RNN(Module):
@@ -111,14 +115,15 @@ class LSTMCell(Module):
         h0, c0 = (None, None) if h is None else h
         _check_state("LSTMCell", "h0", h0, (batch, hidden))
         _check_state("LSTMCell", "c0", c0, (batch, hidden))
+        h0 = _zeros_like_state(X, batch, hidden) if h0 is None else h0  # zeros, as PyTorch (W_hh gets a gradient)
+        c0 = _zeros_like_state(X, batch, hidden) if c0 is None else c0
         gates = _affine(X, h0, self.W_ih, self.W_hh, self.bias_ih, self.bias_hh, batch, 4 * hidden)
         parts = ops.split(ops.reshape(gates, (batch, 4, hidden)), 1)
         i, f, g, o = (ops.tuple_get_item(parts, k) for k in range(4))
         i, f, g, o = ops.sigmoid(i), ops.sigmoid(f), ops.tanh(g), ops.sigmoid(o)
-        c = i * g if c0 is None else f * c0 + i * g
+        c = f * c0 + i * g
         h_out = o * ops.tanh(c)
-        inputs = [X] + [s for s in (h0, c0) if s is not None]
-        self.checkpoint([h_out, c], inputs)
+        self.checkpoint([h_out, c], [X, h0, c0])
         return h_out, c
 
 
