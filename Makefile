@@ -13,7 +13,7 @@ DEPS_STAMP := $(BUILD_DIR)/.deps-installed
 
 lib: pybind11
 	cmake -S . -B $(BUILD_DIR) -DCMAKE_BUILD_TYPE=$(BUILD_TYPE) -DNEEDLE_CUDA=$(NEEDLE_CUDA) \
-	  -DPython_EXECUTABLE="$$(command -v $(PYTHON))" $(CMAKE_ARGS)
+	  -DNEEDLE_INSTALL_INTO_PACKAGE=ON -DPython_EXECUTABLE="$$(command -v $(PYTHON))" $(CMAKE_ARGS)
 	cmake --build $(BUILD_DIR) -j$(JOBS)
 
 cuda-off:

@@ -1176,3 +1176,102 @@ def test_import_without_compiled_module():
                             text=True, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.strip() == "OK"
+
+
+# ----- devices and arrays as Python values (copy, pickle, introspection) ----------------------------------------------
+def _pickle_round_trip(value):
+    import pickle
+
+    return pickle.loads(pickle.dumps(value))
+
+
+def _assert_plain_value(device):
+    """What Python's protocols and pytest ask of any object: optional dunders are absent, copies and pickles equal."""
+    import copy
+
+    assert getattr(device, "__name__", None) is None  # pytest's parametrize ids ask this
+    assert not hasattr(device, "no_such_attribute")
+    with pytest.raises(AttributeError, match="no_such_attribute"):
+        device.no_such_attribute
+    assert repr(device) == device.name + "()" and device == getattr(nd, device.name)()
+    assert copy.copy(device) == device and copy.deepcopy(device) == device
+    assert _pickle_round_trip(device) == device
+
+
+@pytest.mark.parametrize("name", ["cpu", "cuda", "cpu_numpy"])
+def test_devices_are_plain_values(name):
+    """Every device as this machine has it (here the cuda module may be built while no GPU exists)."""
+    device = getattr(nd, name)()
+    _assert_plain_value(device)
+    assert _pickle_round_trip(device) is device  # a pickle names the device; loading it gives the same one
+
+
+@pytest.mark.parametrize("name", ["cpu", "cuda"])
+def test_device_without_its_module_is_a_plain_value_and_backend_calls_say_how_to_build(name, monkeypatch):
+    device = getattr(nd, name)()
+    monkeypatch.setattr(device, "mod", None)  # how a device whose compiled module failed to import looks
+    assert not device.enabled()
+    _assert_plain_value(device)
+    # Only backend functions raise the build hint, as an error that getattr(..., default) and hasattr do not hide.
+    for use in [lambda: device.ewise_add, lambda: device.__tile_size__, lambda: getattr(device, "matmul", None),
+                lambda: nd.array(np.zeros(2), device=device), lambda: nd.memory_stats(device)]:
+        with pytest.raises(nd.BackendNotBuiltError, match="make") as err:
+            use()
+        assert not isinstance(err.value, AttributeError) and isinstance(err.value, RuntimeError)
+
+
+def test_parametrize_over_cpu_and_cuda_collects_without_compiled_modules(tmp_path):
+    """A course test file parametrizes over [ndl.cpu(), ndl.cuda()]; pytest must collect it without any build."""
+    (tmp_path / "conftest.py").write_text(textwrap.dedent(f"""
+        import sys
+        from importlib.abc import MetaPathFinder
+
+        class Hide(MetaPathFinder):
+            def find_spec(self, name, path=None, target=None):
+                if name.startswith("needle.backend_ndarray.ndarray_backend_c"):
+                    raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
+                return None
+
+        sys.meta_path.insert(0, Hide())
+        sys.path.insert(0, {os.path.join(os.path.abspath(REPO), "python")!r})
+    """))
+    (tmp_path / "test_course.py").write_text(textwrap.dedent("""
+        import pytest
+        import needle as ndl
+
+        @pytest.mark.parametrize("device", [ndl.cpu(), ndl.cuda()])
+        def test_device(device):
+            assert not device.enabled()
+    """))
+    env = dict(os.environ, NEEDLE_BACKEND="nd")
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)],
+                            check=False, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and "2 passed" in result.stdout, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_ndarray_pickles_and_copies_by_value(device, layout, rng):
+    import copy
+
+    A, a = make_view((3, 4), layout, device, rng)
+    for B in [_pickle_round_trip(A), copy.deepcopy(A), copy.copy(A)]:
+        # The values, shape and device; a non-compact view comes back as its compact values, in a new buffer.
+        assert B.shape == A.shape and B.device == device and B.is_compact()
+        np.testing.assert_array_equal(B.numpy(), a)
+        B.fill(7.0)
+        np.testing.assert_array_equal(A.numpy(), a)  # the copy is independent of the original's buffer
+    negative_zero = nd.array(np.float32(-0.0), device=device)
+    assert np.signbit(copy.copy(negative_zero).numpy())  # a bit-exact copy, not `A + 0.0`
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("index", [True, False, np.bool_(True), np.False_, (0, True), (slice(None), np.True_)],
+                         ids=["True", "False", "np.True_", "np.False_", "(0, True)", "(:, np.True_)"])
+def test_bool_index_raises_instead_of_acting_as_int(device, index):
+    A = nd.array(np.arange(6).reshape(2, 3), device=device)
+    with pytest.raises(TypeError, match="NDArray ind.*bool"):
+        A[index]
+    with pytest.raises(TypeError, match="NDArray ind.*bool"):
+        A[index] = 1.0
+    np.testing.assert_array_equal(A.numpy(), np.arange(6).reshape(2, 3))

@@ -1,6 +1,7 @@
 """needle's arrays: NDArray views over flat device buffers, and the devices that own the buffers."""
 from .ndarray import (
     BackendDevice,
+    BackendNotBuiltError,
     NDArray,
     all_devices,
     array,
@@ -38,6 +39,7 @@ from .ndarray import (
 
 __all__ = [
     "BackendDevice",
+    "BackendNotBuiltError",
     "NDArray",
     "all_devices",
     "array",

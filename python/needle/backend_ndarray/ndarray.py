@@ -15,6 +15,7 @@ from . import ndarray_backend_numpy
 
 __all__ = [
     "BackendDevice",
+    "BackendNotBuiltError",
     "NDArray",
     "all_devices",
     "array",
@@ -56,6 +57,24 @@ BUILD_HINT = (
 )
 
 
+class BackendNotBuiltError(RuntimeError):
+    """A device's compiled backend module is missing: build it (the message says how).
+
+    A RuntimeError, not an AttributeError, so `getattr(device, name, default)` and `hasattr` never mistake
+    "not built" for "no such attribute" and hide the build hint."""
+
+
+# What a backend module provides (src/README.md): the contract, whose executable specification is the NumPy
+# reference module, plus the functions only one compiled backend has. On a device whose module is not built,
+# asking for one of these raises the build hint; any other name is simply an unknown attribute.
+_BACKEND_NAMES = frozenset(
+    [name for name, value in vars(ndarray_backend_numpy).items() if not name.startswith("_") and callable(value)]
+    + ["__device_name__", "__tile_size__"]
+    + ["device_count", "empty_cache"]  # CUDA only
+    + ["matmul_kernel", "set_matmul_kernel", "vector_isa", "set_vector_isa", "num_threads"]  # C++ CPU only
+)
+
+
 prod = math.prod
 
 
@@ -68,7 +87,10 @@ def _load(name):
 
 
 class BackendDevice:
-    """A device: a name plus the backend module that implements the contract for it."""
+    """A device: a name plus the backend module that implements the contract for it.
+
+    Backend functions are reached as attributes of the device (`device.matmul_tiled`, `device.__tile_size__`).
+    A device is a plain value otherwise: it compares by name, copies as itself and pickles by name."""
 
     def __init__(self, name, mod, missing_module=None):
         self.name = name
@@ -86,22 +108,51 @@ class BackendDevice:
         return self.name + "()"
 
     def __getattr__(self, name):
-        # Forward everything else (matmul_tiled, __tile_size__, ...) to the backend module.
+        # Reached only when normal lookup fails. Python's protocols probe optional dunders with getattr(x, name,
+        # default) -- copy (__deepcopy__), pickle (__setstate__, on an instance whose __dict__ is still empty),
+        # pytest's parametrize ids (__name__) -- so those must get AttributeError, never a module's attribute or a
+        # build error. Fields are read through __dict__: `self.mod` here would recurse when it is not set yet.
+        if name.startswith("__") and name not in _BACKEND_NAMES:
+            raise AttributeError(self._no_attribute(name))
         mod = self.__dict__.get("mod")
-        if mod is None:
-            raise RuntimeError(BUILD_HINT.format(name=self.__dict__.get("_missing_module")))
-        return getattr(mod, name)
+        if mod is not None:
+            try:
+                return getattr(mod, name)
+            except AttributeError:
+                raise AttributeError(self._no_attribute(name)) from None
+        if name in _BACKEND_NAMES:
+            raise BackendNotBuiltError(BUILD_HINT.format(name=self.__dict__.get("_missing_module")))
+        raise AttributeError(self._no_attribute(name))
+
+    def _no_attribute(self, name):
+        return f"device {self.__dict__.get('name', '?')}() has no attribute {name!r}"
+
+    # A device names a backend, which is global state (its buffers, its allocator): a copy is the same device,
+    # and a pickle stores only the name, so it loads on machines where the module is built elsewhere or not at all.
+    def __copy__(self):
+        return self
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def __reduce__(self):
+        if self.name not in _DEVICES:
+            raise TypeError(f"cannot pickle device {self!r}: only {', '.join(map(repr, _DEVICES.values()))} "
+                            "are pickled (by name)")
+        return _device_named, (self.name,)
 
     def enabled(self):
-        if self._enabled is None:
+        if self.mod is None:
+            return False
+        if self._enabled is None:  # asked once: the GPU count does not change while needle runs
             count = getattr(self.mod, "device_count", None)
-            self._enabled = self.mod is not None and (count is None or count() > 0)
+            self._enabled = count is None or count() > 0
         return self._enabled
 
     def _require(self):
         if not self.enabled():
             if self.mod is None:
-                raise RuntimeError(BUILD_HINT.format(name=self._missing_module))
+                raise BackendNotBuiltError(BUILD_HINT.format(name=self._missing_module))
             raise RuntimeError(f"device {self!r} is not available on this machine (no GPU found)")
 
     def randn(self, *shape, dtype="float32"):
@@ -136,6 +187,12 @@ class BackendDevice:
 _CPU = BackendDevice("cpu", _load("ndarray_backend_cpu"), "ndarray_backend_cpu")
 _CUDA = BackendDevice("cuda", _load("ndarray_backend_cuda"), "ndarray_backend_cuda")
 _CPU_NUMPY = BackendDevice("cpu_numpy", ndarray_backend_numpy)
+_DEVICES = {device.name: device for device in (_CPU, _CUDA, _CPU_NUMPY)}
+
+
+def _device_named(name):
+    """The device of that name (what a pickled device loads as)."""
+    return _DEVICES[name]
 
 
 def cpu():
@@ -295,6 +352,21 @@ class NDArray:
     def __array__(self, dtype=None, copy=None):
         return self.numpy() if dtype is None else self.numpy().astype(dtype)
 
+    # ----- copying and pickling ----------------------------------------------------------------------------
+    # By value, as NumPy's arrays: the copy owns a new compact buffer on the same device (a view copies only the
+    # elements it shows), and a pickle holds the values, the shape and the device's name.
+    def __copy__(self):
+        out = NDArray._empty(self._shape, self._device)
+        # compact() always writes `out`, also for a compact source: a bit-exact copy (`self + 0.0` is not: -0.0).
+        self._device.mod.compact(self._handle, out._handle, list(self._shape), list(self._strides), self._offset)
+        return out
+
+    def __deepcopy__(self, memo):
+        return self.__copy__()
+
+    def __reduce__(self):
+        return NDArray, (self.numpy(), self._device)
+
     # ----- moving data --------------------------------------------------------------------------------------
     def fill(self, value):
         self.device.mod.fill(self._handle, float(value))
@@ -373,6 +445,12 @@ class NDArray:
         """A view of the selected elements. Ints drop their axis and slices keep it, as in NumPy."""
         if not isinstance(idxs, tuple):
             idxs = (idxs,)
+        for idx in idxs:
+            # bool is an int to Python, so a[True] would silently mean a[1]; NumPy gives it a different meaning
+            # (a boolean mask), which NDArray does not implement.
+            if isinstance(idx, (bool, np.bool_)):
+                raise TypeError(f"NDArray indices must be ints or slices, not bool: got {idx!r} in index "
+                                f"{idxs!r} (boolean indexing is not supported)")
         if len(idxs) > self.ndim:
             raise IndexError(f"too many indices ({len(idxs)}) for array of shape {self.shape}")
         idxs = idxs + (slice(None),) * (self.ndim - len(idxs))
