@@ -82,3 +82,62 @@ def test_course_style_finite_differences_perturb_cached_data_in_place():
         data.flat[j] += 1e-6
         numeric.flat[j] = (plus - minus) / 2e-6
     np.testing.assert_allclose(a.grad.numpy(), numeric, rtol=1e-6, atol=1e-8)
+
+
+# ----- broadcasting: element-wise ops under NEEDLE_BACKEND=np broadcast as NumPy does --------------------------------
+# (The course's NumPy backend let numpy.ndarray broadcast; the nd backend keeps its equal-shapes rule, see
+# test_np_broadcast.py.) Each gradient is summed back to its input's shape: over added leading axes and over
+# size-1 axes that were stretched.
+BROADCAST_SHAPES = [((1, 3), (3,)), ((3,), (2, 3)), ((2, 1, 4), (3, 1)), ((4, 1), (1, 5)), ((2, 3), ())]
+BROADCAST_OPS = {
+    "add": (ndl.add, np.add),
+    "add_operator": (lambda a, b: a + b, np.add),
+    "subtract": (ndl.ops.subtract, np.subtract),
+    "sub_operator": (lambda a, b: a - b, np.subtract),
+    "multiply": (ndl.multiply, np.multiply),
+    "divide": (ndl.divide, np.divide),
+    "power": (ndl.power, np.power),
+}
+
+
+@pytest.mark.parametrize("shapes", BROADCAST_SHAPES, ids=str)
+@pytest.mark.parametrize("name", list(BROADCAST_OPS))
+def test_elementwise_ops_broadcast_like_numpy(name, shapes):
+    fn, ref = BROADCAST_OPS[name]
+    rng = np.random.default_rng(sum(map(ord, name)))
+    # Positive inputs away from 0: valid bases for power and divisors for divide.
+    a, b = (rng.uniform(0.5, 2.0, shape) for shape in shapes)
+    out = check_gradients_float64(fn, a, b)  # values against central differences, float64
+    np.testing.assert_allclose(out.numpy(), ref(a, b), rtol=1e-12, atol=1e-12)
+    assert out.shape == np.broadcast_shapes(a.shape, b.shape)
+    ta, tb = ndl.Tensor(a), ndl.Tensor(b)
+    fn(ta, tb).sum().backward()
+    assert ta.grad.shape == a.shape and tb.grad.shape == b.shape
+
+
+def test_power_of_a_row_by_a_vector_the_course_example():
+    a, b = ndl.Tensor([[1.0, 2.0, 3.0]]), ndl.Tensor(np.ones(3) * 2)
+    out = ndl.power(a, b)
+    np.testing.assert_array_equal(out.numpy(), [[1.0, 4.0, 9.0]])
+    out.sum().backward()
+    np.testing.assert_allclose(a.grad.numpy(), [[2.0, 4.0, 6.0]])
+    np.testing.assert_allclose(b.grad.numpy(), [0.0, 4 * np.log(2), 9 * np.log(3)])
+
+
+def test_broadcast_gradients_are_differentiable():
+    # x.grad is itself a graph (summed back to x's shape): its gradient must reach x and w too.
+    rng = np.random.default_rng(1)
+    x, w = ndl.Tensor(rng.standard_normal((3,))), ndl.Tensor(rng.standard_normal((2, 3)))
+    (x * x * w).sum().backward()  # x.grad = sum over rows of 2 x w
+    np.testing.assert_allclose(x.grad.numpy(), (2 * x.numpy() * w.numpy()).sum(0), rtol=1e-12)
+    x.grad.sum().backward()  # d/dx sum_j 2 x_j sum_i w_ij = 2 sum_i w_ij
+    np.testing.assert_allclose(x.grad.numpy(), 2 * w.numpy().sum(0), rtol=1e-12)
+    np.testing.assert_allclose(w.grad.numpy(), 2 * np.broadcast_to(x.numpy(), (2, 3)), rtol=1e-12)
+
+
+def test_broadcast_shapes_in_lazy_mode():
+    # Shape inference must not take the first input's shape when the two differ.
+    with ndl.autograd.lazy_mode(True):
+        out = ndl.Tensor(np.ones(3)) * ndl.Tensor(np.ones((2, 3)))
+        assert out.shape == (2, 3)
+    np.testing.assert_array_equal(out.numpy(), np.ones((2, 3)))

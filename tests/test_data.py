@@ -8,6 +8,7 @@ import hashlib
 import io
 import os
 import pickle
+import re
 import struct
 import tarfile
 
@@ -449,3 +450,130 @@ def test_download_table_is_complete():
             algorithm, digest = r.digest
             assert r.url.startswith("https://") and r.size > 0
             assert len(digest) == {"sha256": 64, "md5": 32}[algorithm] and int(digest, 16) >= 0
+
+
+# ----- corrupt files: a clear error naming the file, never garbage, a NumPy reshape error or a crash -------------
+def write_gz(path, content):
+    with gzip.open(path, "wb") as f:
+        f.write(content)
+    return str(path)
+
+
+def test_mnist_rejects_an_image_file_shorter_than_its_header_says(tmp_path):
+    image_path, label_path = write_mnist(tmp_path, np.zeros((3, 28, 28)), np.zeros(3))
+    with gzip.open(image_path, "rb") as f:
+        content = f.read()
+    write_gz(image_path, content[:-28 * 28])  # the last image is missing
+    expected = f"{image_path}: the header gives sizes [3, 28, 28], i.e. 2352 bytes of data, but the file has 1568"
+    with pytest.raises(ValueError, match=re.escape(expected + " after the header (truncated)")):
+        ndl.data.MNISTDataset(image_path, label_path)
+
+
+def test_mnist_rejects_a_label_file_longer_than_its_header_says(tmp_path):
+    image_path, label_path = write_mnist(tmp_path, np.zeros((2, 28, 28)), np.zeros(2))
+    write_gz(label_path, struct.pack(">ii", 2049, 2) + bytes(5))
+    expected = f"{label_path}: the header gives sizes [2], i.e. 2 bytes of data, but the file has 5 after the header"
+    with pytest.raises(ValueError, match=re.escape(expected + " (too long)")):
+        ndl.data.parse_mnist(image_path, label_path)
+
+
+def test_mnist_rejects_image_and_label_counts_that_differ(tmp_path):
+    image_path, label_path = write_mnist(tmp_path, np.zeros((3, 28, 28)), np.zeros(3))
+    write_gz(label_path, struct.pack(">ii", 2049, 2) + bytes(2))  # a valid file of 2 labels
+    with pytest.raises(ValueError, match=re.escape(f"{image_path} holds 3 images but {label_path} holds 2 labels")):
+        ndl.data.MNISTDataset(image_path, label_path)
+
+
+def test_mnist_rejects_a_file_shorter_than_the_header(tmp_path):
+    image_path, label_path = write_mnist(tmp_path, np.zeros((1, 28, 28)), np.zeros(1))
+    write_gz(image_path, struct.pack(">ii", 2051, 1))  # magic and count, no rows/cols
+    with pytest.raises(ValueError, match=re.escape(f"{image_path}: 8 bytes, shorter than the 16-byte idx header")):
+        ndl.data.parse_mnist(image_path, label_path)
+
+
+def test_mnist_rejects_sizes_below_one_in_the_header(tmp_path):
+    image_path, label_path = write_mnist(tmp_path, np.zeros((1, 28, 28)), np.zeros(1))
+    for sizes in [[-1, 28, 28], [1, 0, 28]]:
+        write_gz(image_path, struct.pack(">iiii", 2051, *sizes))
+        expected = f"{image_path}: the header gives sizes {sizes}; each must be at least 1"
+        with pytest.raises(ValueError, match=re.escape(expected)):
+            ndl.data.parse_mnist(image_path, label_path)
+
+
+def test_mnist_rejects_a_file_that_is_not_complete_gzip(tmp_path):
+    image_path, label_path = write_mnist(tmp_path, np.zeros((1, 28, 28)), np.zeros(1))
+    with open(image_path, "rb") as f:
+        compressed = f.read()
+    for content in [b"plain bytes, not gzip", compressed[:len(compressed) // 2]]:
+        with open(image_path, "wb") as f:
+            f.write(content)
+        with pytest.raises(ValueError, match=re.escape(f"{image_path}: not a complete gzip file")):
+            ndl.data.parse_mnist(image_path, label_path)
+
+
+def test_mnist_images_need_not_be_square(tmp_path):
+    # The header's rows and cols give the H x W that transforms see.
+    image_path, label_path = str(tmp_path / "images.gz"), str(tmp_path / "labels.gz")
+    images = np.arange(2 * 3 * 4).reshape(2, 3, 4)
+    write_gz(image_path, struct.pack(">iiii", 2051, 2, 3, 4) + images.astype(np.uint8).tobytes())
+    write_gz(label_path, struct.pack(">ii", 2049, 2) + bytes([7, 1]))
+    dataset = ndl.data.MNISTDataset(image_path, label_path, transforms=[ndl.data.RandomFlipHorizontal(p=1.0)])
+    x, y = dataset[1]
+    assert x.shape == (12,) and y == 1
+    np.testing.assert_allclose(x.reshape(3, 4), images[1][:, ::-1] / 255.0, rtol=1e-6)
+
+
+def write_cifar_test_batch(tmp_path, content):
+    folder = tmp_path / "cifar-10-batches-py"
+    folder.mkdir(exist_ok=True)
+    (folder / "test_batch").write_bytes(official_pickle(content))
+    return str(folder), os.path.join(str(folder), "test_batch")
+
+
+def test_cifar10_rejects_image_and_label_counts_that_differ(tmp_path):
+    data = np.zeros((3, 3072), dtype=np.uint8)
+    folder, path = write_cifar_test_batch(tmp_path, {b"data": data, b"labels": [1, 2]})
+    with pytest.raises(ValueError, match=re.escape(f"{path}: 3 images but 2 labels")):
+        ndl.data.CIFAR10Dataset(folder, train=False)
+
+
+def test_cifar10_rejects_labels_outside_0_to_9(tmp_path):
+    data = np.zeros((3, 3072), dtype=np.uint8)
+    for labels, bad in [([1, 10, 2], 10), ([-1, 0, 0], -1)]:
+        folder, path = write_cifar_test_batch(tmp_path, {b"data": data, b"labels": labels})
+        expected = f"{path}: labels must be class ids 0..9; 1 are not (e.g. {bad})"
+        with pytest.raises(ValueError, match=re.escape(expected)):
+            ndl.data.CIFAR10Dataset(folder, train=False)
+
+
+def test_cifar10_rejects_data_of_the_wrong_shape_or_content(tmp_path):
+    cases = [
+        ({b"data": np.zeros((2, 3000), dtype=np.uint8), b"labels": [0, 1]}, "data is uint8 of shape (2, 3000)"),
+        ({b"data": np.full((1, 3072), 300), b"labels": [0]}, "pixel values must lie in 0..255, found 300..300"),
+        ({b"labels": [0]}, "not a CIFAR-10 batch"),
+    ]
+    for content, message in cases:
+        folder, path = write_cifar_test_batch(tmp_path, content)
+        with pytest.raises(ValueError, match=re.escape(f"{path}: {message}")):
+            ndl.data.CIFAR10Dataset(folder, train=False)
+
+
+def test_cifar10_truncated_batch_names_the_file(tmp_path):
+    content = official_pickle({b"data": np.zeros((2, 3072), dtype=np.uint8), b"labels": [0, 1]})
+    path = tmp_path / "test_batch"
+    for cut in [0, 100, len(content) - 1]:
+        path.write_bytes(content[:cut])
+        with pytest.raises(pickle.UnpicklingError, match=re.escape(f"{path}: ")):
+            ndl.data.load_cifar_batch(str(path))
+
+
+def test_get_batch_rejects_rows_out_of_range():
+    batches = ndl.data.batchify(list(range(20)), batch_size=2, device=None, dtype="float32")  # (10, 2)
+    for i in [-1, -9, 9, 10, 100]:
+        expected = f"get_batch: i={i} is out of range for 10 rows of batches (valid: 0..8;"
+        with pytest.raises(IndexError, match=re.escape(expected)):
+            ndl.data.get_batch(batches, i, 4)
+    with pytest.raises(ValueError, match="bptt=0 must be at least 1"):
+        ndl.data.get_batch(batches, 0, 0)
+    X, y = ndl.data.get_batch(batches, 8, 4)  # the last row with a target
+    assert X.shape == (1, 2) and y.shape == (2,)

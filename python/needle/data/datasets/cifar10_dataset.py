@@ -41,7 +41,31 @@ class RestrictedUnpickler(pickle.Unpickler):
 def load_cifar_batch(path):
     """The dict of one CIFAR-10 batch file: {b"data": uint8 (n, 3072), b"labels": [...], ...}."""
     with open(path, "rb") as f:
-        return RestrictedUnpickler(f, encoding="bytes").load()
+        try:
+            return RestrictedUnpickler(f, encoding="bytes").load()
+        except (EOFError, pickle.UnpicklingError) as err:  # truncated, or refused by RestrictedUnpickler
+            raise pickle.UnpicklingError(f"{path}: {err}") from err
+
+
+def _images_and_labels(path, batch):
+    """The images uint8 (n, 3, 32, 32) and labels int64 (n,) of one loaded batch, checked: a batch that is not
+    the official layout raises a ValueError naming the file instead of loading mismatched or out-of-range data."""
+    if not isinstance(batch, dict) or b"data" not in batch or b"labels" not in batch:
+        raise ValueError(f"{path}: not a CIFAR-10 batch (expected a dict with b'data' and b'labels')")
+    data, labels = np.asarray(batch[b"data"]), np.asarray(batch[b"labels"])
+    if data.ndim != 2 or data.shape[1] != 3 * 32 * 32 or not np.issubdtype(data.dtype, np.integer):
+        raise ValueError(f"{path}: data is {data.dtype} of shape {data.shape}, expected integers of shape "
+                         f"(n, 3072): n images of 3 x 32 x 32")
+    if data.dtype != np.uint8 and data.size and (data.min() < 0 or data.max() > 255):
+        raise ValueError(f"{path}: pixel values must lie in 0..255, found {data.min()}..{data.max()}")
+    if labels.ndim != 1 or len(labels) != len(data):
+        raise ValueError(f"{path}: {len(data)} images but {labels.size} labels")
+    if labels.size and not np.issubdtype(labels.dtype, np.integer):
+        raise ValueError(f"{path}: labels are {labels.dtype}, expected integer class ids 0..9")
+    bad = labels[(labels < 0) | (labels > 9)]
+    if bad.size:
+        raise ValueError(f"{path}: labels must be class ids 0..9; {bad.size} are not (e.g. {bad[0]})")
+    return data.astype(np.uint8, copy=False).reshape(-1, 3, 32, 32), labels.astype(np.int64)
 
 
 class CIFAR10Dataset(Dataset):
@@ -60,9 +84,9 @@ class CIFAR10Dataset(Dataset):
             path = os.path.join(base_folder, name)
             if not os.path.exists(path):
                 raise missing_data_error(path, "cifar10", os.path.dirname(os.path.normpath(base_folder)))
-            batch = load_cifar_batch(path)
-            xs.append(np.asarray(batch[b"data"], dtype=np.uint8).reshape(-1, 3, 32, 32))
-            ys.append(np.asarray(batch[b"labels"], dtype=np.int64))
+            images, labels = _images_and_labels(path, load_cifar_batch(path))
+            xs.append(images)
+            ys.append(labels)
         self.X = np.concatenate(xs).astype(np.float32) / 255.0
         self.y = np.concatenate(ys)
 

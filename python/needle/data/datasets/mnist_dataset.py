@@ -1,6 +1,8 @@
 """MNIST from the four gzip-compressed idx files of the official distribution."""
 import gzip
+import math
 import os
+import zlib
 
 import numpy as np
 
@@ -11,25 +13,51 @@ __all__ = ["MNISTDataset", "parse_mnist"]
 _IMAGES_MAGIC, _LABELS_MAGIC = 2051, 2049  # idx3 (unsigned bytes, 3 dims) and idx1 headers
 
 
-def _read_idx(filename, magic, header_ints):
+def _read_idx(filename, magic, ndim):
+    """The sizes in the header of an idx file of unsigned bytes with `ndim` dimensions, and its data (uint8, flat).
+
+    The header is the magic number and one big-endian int32 size per dimension; the data must hold exactly their
+    product of bytes. A file that breaks this (truncated download, wrong file) raises a ValueError naming it,
+    rather than reading garbage.
+    """
     if not os.path.exists(filename):
         raise missing_data_error(filename, "mnist", os.path.dirname(filename))
-    with gzip.open(filename, "rb") as f:
-        raw = f.read()
-    header = np.frombuffer(raw, dtype=">i4", count=header_ints)
+    try:
+        with gzip.open(filename, "rb") as f:
+            raw = f.read()
+    except (gzip.BadGzipFile, EOFError, zlib.error) as err:  # not gzip, or a cut-off / corrupted stream
+        raise ValueError(f"{filename}: not a complete gzip file ({err})") from err
+    header_bytes = 4 * (1 + ndim)
+    if len(raw) < header_bytes:
+        raise ValueError(f"{filename}: {len(raw)} bytes, shorter than the {header_bytes}-byte idx header")
+    header = [int(v) for v in np.frombuffer(raw, dtype=">i4", count=1 + ndim)]
     if header[0] != magic:
         raise ValueError(f"{filename}: magic number {header[0]}, expected {magic} (is it an MNIST idx file?)")
-    return header, np.frombuffer(raw, dtype=np.uint8, offset=4 * header_ints)
+    sizes = header[1:]
+    if min(sizes) < 1:
+        raise ValueError(f"{filename}: the header gives sizes {sizes}; each must be at least 1")
+    data = np.frombuffer(raw, dtype=np.uint8, offset=header_bytes)
+    expected = math.prod(sizes)
+    if data.size != expected:
+        raise ValueError(f"{filename}: the header gives sizes {sizes}, i.e. {expected} bytes of data, but the file "
+                         f"has {data.size} after the header ({'truncated' if data.size < expected else 'too long'})")
+    return sizes, data
+
+
+def _read_mnist(image_filename, label_filename):
+    """(X float32 (n, rows*cols) in [0, 1], y uint8 (n,), (rows, cols)) from a pair of idx files."""
+    (n, rows, cols), pixels = _read_idx(image_filename, _IMAGES_MAGIC, 3)
+    (n_labels,), labels = _read_idx(label_filename, _LABELS_MAGIC, 1)
+    if n != n_labels:
+        raise ValueError(f"{image_filename} holds {n} images but {label_filename} holds {n_labels} labels")
+    X = pixels.reshape(n, rows * cols).astype(np.float32) / 255.0
+    return X, labels.copy(), (rows, cols)
 
 
 def parse_mnist(image_filename, label_filename):
     """Read MNIST idx files: X float32 (n, rows*cols) scaled to [0, 1], y uint8 (n,)."""
-    (_, n, rows, cols), pixels = _read_idx(image_filename, _IMAGES_MAGIC, 4)
-    (_, n_labels), labels = _read_idx(label_filename, _LABELS_MAGIC, 2)
-    if n != n_labels or pixels.size != n * rows * cols or labels.size != n:
-        raise ValueError(f"{image_filename} ({n} images) and {label_filename} ({n_labels} labels) do not match")
-    X = pixels.reshape(n, rows * cols).astype(np.float32) / 255.0
-    return X, labels.copy()
+    X, y, _ = _read_mnist(image_filename, label_filename)
+    return X, y
 
 
 class MNISTDataset(Dataset):
@@ -41,7 +69,7 @@ class MNISTDataset(Dataset):
 
     def __init__(self, image_filename, label_filename, transforms=None):
         super().__init__(transforms)
-        self.images, self.labels = parse_mnist(image_filename, label_filename)
+        self.images, self.labels, self.image_size = _read_mnist(image_filename, label_filename)
 
     def __len__(self):
         return len(self.labels)
@@ -49,7 +77,6 @@ class MNISTDataset(Dataset):
     def __getitem__(self, index):
         x, y = self.images[index], self.labels[index]
         if self.transforms:
-            side = int(round(np.sqrt(self.images.shape[1])))
-            images = x.reshape(-1, side, side, 1)
+            images = x.reshape(-1, *self.image_size, 1)
             x = np.stack([self.apply_transforms(img) for img in images]).reshape(x.shape)
         return x, y

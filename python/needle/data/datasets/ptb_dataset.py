@@ -70,9 +70,14 @@ def get_batch(batches, i, bptt, device=None, dtype=None):
 
     seq_len = min(bptt, len(batches) - 1 - i); both are Tensors on `device` that do not require grad.
     """
-    seq_len = min(bptt, len(batches) - 1 - i)
-    if seq_len < 1:
-        raise IndexError(f"get_batch: row {i} leaves no target in {len(batches)} rows")
+    n = len(batches)
+    # Row i needs row i + 1 for its targets. A negative i would slice from the end and give an empty batch.
+    if not 0 <= i < n - 1:
+        raise IndexError(f"get_batch: i={i} is out of range for {n} rows of batches (valid: 0..{n - 2}; "
+                         f"the last row has no next-token target)")
+    if bptt < 1:
+        raise ValueError(f"get_batch: bptt={bptt} must be at least 1")
+    seq_len = min(bptt, n - 1 - i)
     data = batches[i:i + seq_len]
     target = batches[i + 1:i + 1 + seq_len].reshape(-1)
     return (Tensor(data, device=device, dtype=dtype, requires_grad=False),
