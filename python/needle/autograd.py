@@ -6,14 +6,22 @@ forward pass; recompute it during backward). Its `version` counts the in-place w
 through `.data =`, an optimizer's update, `t[idx] = ...`); backward compares it with the version the forward pass
 read, so a value changed in between raises instead of giving a wrong gradient (rule 4 of checkpoint.py).
 Every walk over the graph is the one iterative `find_topo_sort`.
-The checkpointing rules (what is released when, what is recomputed) live in `checkpoint.py`.
+
+Backward is planned, then executed. `plan_backward(root)` is plain data: one `Step` per value to differentiate,
+each naming the values to recompute before it (missing values its gradient reads: dropped by checkpointing or
+released earlier) and the values to release after it (whose last use it is). `run_backward` walks that plan with a
+machine: `Compute` does the work; checkpoint_budget's ledger walks the very same loop and only counts bytes, so
+what the Budget predicts and what runs cannot drift apart. A dropped value is just a missing value here; what to
+drop is decided in checkpoint.py, whose numbered rules this file enforces.
 """
 import contextlib
+import math
+import weakref
+from dataclasses import dataclass, field
 
 import numpy
 
-from . import checkpoint
-from .backend_selection import BACKEND, NDArray, array_api, default_device
+from .backend_selection import BACKEND, NDArray, array_api, default_device, device_of
 
 __all__ = [
     "LAZY_MODE",
@@ -28,14 +36,20 @@ __all__ = [
     "find_topo_sort",
     "last_backward_stats",
     "lazy_mode",
+    "plan_backward",
+    "run_backward",
+    "release",
+    "spec_of",
+    "itemsize",
+    "Step",
+    "BackwardPlan",
+    "Compute",
 ]
 
 # When True, ops only record the graph; values are computed when something asks for them.
 LAZY_MODE = False
 # The number of live graph values (course code checks it for leaks).
 TENSOR_COUNTER = 0
-
-last_backward_stats = checkpoint.last_backward_stats
 
 
 @contextlib.contextmanager
@@ -55,6 +69,18 @@ class Op:
     # Which forward values `gradient` reads — "inputs", "output", "both" or "none" (shapes are always
     # available). The backward plan keeps exactly these alive, and recomputes them if they were dropped.
     saves = "inputs"
+    # Facts the checkpointing policies and the Budget's memory ledger read (each op declares its own):
+    saveable = False  # expensive to recompute (matmul, conv): the "selective" policy keeps it
+    view = False  # the output lives in its input's buffer (when `view_strides` says so), or a tuple's
+    compacts_inputs = False  # compute first copies a strided (transposed, broadcast) operand into a compact one
+
+    def view_strides(self, shape, strides, out_shape):
+        """For a view op: the output's element strides given its input's, or None where compute must copy."""
+        return None
+
+    def workspace(self, *input_shapes):
+        """Elements `compute` allocates besides its result (temporaries), for the Budget's ledger; usually 0."""
+        return 0
 
     def __call__(self, *args):
         raise NotImplementedError()
@@ -84,10 +110,6 @@ class TensorOp(Op):
 
     def infer_shape(self, *input_shapes):
         return input_shapes[0] if self.elementwise else None
-
-    def workspace(self, *input_shapes):
-        """Bytes `compute` allocates besides its result (temporaries), for checkpoint planning; usually 0."""
-        return 0
 
     def __call__(self, *args):
         return Tensor.make_from_op(self, args)
@@ -128,41 +150,170 @@ def find_topo_sort(node_list, expand=None):
     return order
 
 
-def _realize(targets, keep):
-    """Compute `targets` and every missing value they need, in topological order; return their values.
+# ----- values in memory -----------------------------------------------------------------------------------------
+def spec_of(data):
+    """(shape, dtype, device) of a raw array, or of a tuple of them (its shape: a tuple of shapes)."""
+    if isinstance(data, tuple):
+        specs = [spec_of(x) for x in data]
+        return tuple(s[0] for s in specs), specs[0][1] if specs else "float32", specs[0][2] if specs else None
+    return tuple(data.shape), data.dtype, device_of(data)
 
-    A computed value is kept if `keep(node)`; otherwise it is released as soon as its last consumer in this
-    realization has been computed (rule 3 of checkpoint.py). Targets are returned even if not kept.
+
+def itemsize(dtype):
+    """Bytes per element of a dtype ("float32", or a NumPy dtype)."""
+    return numpy.dtype(dtype).itemsize
+
+
+def nbytes_of(data):
+    if data is None:
+        return 0
+    if isinstance(data, tuple):
+        return sum(nbytes_of(x) for x in data)
+    return int(data.nbytes)
+
+
+def release(node):
+    """Forget a node's value (it can be recomputed from its inputs); remember its shape, dtype and device."""
+    if node.cached_data is not None:
+        node._spec = spec_of(node.cached_data)
+        node.cached_data = None
+
+
+class Compute:
+    """The machine that runs realization and backward for real: it computes, checks and releases values.
+
+    `checkpoint_budget.Ledger` has the same methods and only counts bytes; `_realize` and `run_backward` are
+    written once against this interface.
     """
-    order = find_topo_sort(targets, expand=lambda n: n.cached_data is None)
-    consumers = {}
-    for node in order:
-        if node.cached_data is None:
-            for inp in node.inputs:
-                if inp.cached_data is None:
-                    consumers[id(inp)] = consumers.get(id(inp), 0) + 1
-    target_ids = {id(t) for t in targets}
-    for node in order:
-        if node.cached_data is not None:
-            continue
-        if node.op is None:
-            raise RuntimeError("a leaf Tensor has no data (was it released?); leaves cannot be recomputed")
+
+    def __init__(self):
+        self.stats = {"recomputed_nodes": 0, "recomputed_bytes": 0, "released_bytes": 0,
+                      "max_recomputes_per_node": 0}
+        self.recomputed = {}  # id -> count, this pass
+
+    def has(self, node):
+        return node.cached_data is not None
+
+    def compute(self, node):
         value = node.op.compute(*[x.cached_data for x in node.inputs])
         if isinstance(value, numpy.generic):  # NEEDLE_BACKEND=np: NumPy turns 0-d results into scalars
             value = numpy.asarray(value)
         node.cached_data = value
         if node._input_versions is None:  # the first computation is the forward pass: what backward must see
             node._input_versions = tuple(x.version for x in node.inputs)
-        for inp in node.inputs:
-            left = consumers.get(id(inp))
-            if left is not None:
-                consumers[id(inp)] = left - 1
-                if left == 1 and id(inp) not in target_ids and not keep(inp):
-                    checkpoint.release(inp)
-    values = [t.cached_data for t in targets]
+
+    def recompute(self, node):
+        """Rule 4: a recomputation reads the versions the forward pass read and gives the same shape and dtype."""
+        if any(x.cached_data is None for x in node.inputs):
+            raise RuntimeError(f"backward plan violated: an input of {type(node.op).__name__} is missing at its "
+                               "recomputation (rule 2)")
+        check_unchanged(node, action="recompute")
+        expected = node._spec
+        self.compute(node)
+        got = spec_of(node.cached_data)
+        if expected is not None and got != expected:
+            raise RuntimeError(
+                f"checkpoint: recomputing {type(node.op).__name__} gave shape/dtype/device {got}, but the forward "
+                f"pass had {expected} (rule 4a). Does the op's compute depend on state other than its inputs, "
+                f"e.g. a global RNG? Make that state a leaf input.")
+        count = self.recomputed[id(node)] = self.recomputed.get(id(node), 0) + 1
+        self.stats["recomputed_nodes"] += 1
+        self.stats["recomputed_bytes"] += nbytes_of(node.cached_data)
+        self.stats["max_recomputes_per_node"] = max(self.stats["max_recomputes_per_node"], count)
+
+    def check_reads(self, node):
+        saves = node.op.saves
+        check_unchanged(node, inputs=saves in ("inputs", "both"), output=saves in ("output", "both"))
+
+    def free(self, node):
+        self.stats["released_bytes"] += nbytes_of(node.cached_data)
+        release(node)
+
+    def set_grad(self, node, grad):
+        node.grad = grad
+
+    def value(self, node):
+        return node.cached_data
+
+
+def check_unchanged(node, inputs=True, output=False, action="differentiate"):
+    """Rule 4c: `node`'s inputs (and its own value) still hold the versions its forward computation read."""
+    read = node._input_versions
+    suspects = [(x, v) for x, v in zip(node.inputs, read or ()) if inputs] + ([(node, 0)] if output else [])
+    for x, version in suspects:
+        if x.version != version:
+            what = "its output" if x is node else "one of its inputs"
+            name = getattr(x, "name", None)
+            kind = f"{type(x).__name__} {name!r}" if name else type(x).__name__
+            raise RuntimeError(
+                f"{type(node.op).__name__}: cannot {action} it: {what}, a {kind} of shape {tuple(x.shape)}, was "
+                f"modified in place after the forward pass read it (version {x.version}, the forward pass read "
+                f"version {version}), so the result would be wrong. Call backward() before optimizer.step(), or "
+                f"don't modify it in place (rule 4c)"
+            )
+
+
+# ----- realization ------------------------------------------------------------------------------------------------
+# Deferred decisions: a callback registered on a node runs once, before realization first computes that node.
+# checkpoint_budget uses it to choose what to drop from the whole lazy graph before any of it is computed. Keyed
+# weakly by node, so a graph that is never realized takes its callbacks with it.
+_deferred = weakref.WeakKeyDictionary()
+
+
+def defer_until_realized(node, callback):
+    """Call `callback(roots)` before `node` is first computed (or before a backward through it begins)."""
+    _deferred[node] = callback
+
+
+def _run_deferred(order, roots, pending_only=True):
+    for node in order:
+        if (not pending_only or node.cached_data is None) and node in _deferred:
+            _deferred.pop(node)(roots)
+
+
+def last_consumers(order, computed):
+    """For a topological `order` of values to compute: position -> the inputs whose last consumer sits there.
+
+    Only values computed in this walk (not `computed` beforehand) are listed: they are the ones a walk may free.
+    This is the one "count the consumers, free at zero" loop: realization and the Budget's ledger use it.
+    """
+    last = {}
+    for i, node in enumerate(order):
+        if not computed(node):
+            for inp in node.inputs:
+                if not computed(inp):
+                    last[id(inp)] = (i, inp)
+    frees = {}
+    for i, inp in last.values():
+        frees.setdefault(i, []).append(inp)
+    return frees
+
+
+def _realize(targets, keep, machine=None):
+    """Compute `targets` and every missing value they need, in topological order; return their values.
+
+    A computed value is kept if `keep(node)`; otherwise it is released as soon as its last consumer in this
+    realization has been computed (rule 3 of checkpoint.py). Targets are returned even if not kept.
+    """
+    machine = machine or _COMPUTE
+    order = find_topo_sort(targets, expand=lambda n: not machine.has(n))
+    if _deferred and machine is _COMPUTE:
+        _run_deferred(order, targets)
+    frees = last_consumers(order, machine.has)
+    target_ids = {id(t) for t in targets}
+    for i, node in enumerate(order):
+        if machine.has(node):
+            continue
+        if node.op is None:
+            raise RuntimeError("a leaf Tensor has no data (was it released?); leaves cannot be recomputed")
+        machine.compute(node)
+        for inp in frees.get(i, ()):
+            if id(inp) not in target_ids and not keep(inp):
+                machine.free(inp)
+    values = [machine.value(t) for t in targets]
     for t in targets:
         if not keep(t):
-            checkpoint.release(t)
+            machine.free(t)
     return values
 
 
@@ -177,13 +328,22 @@ def _infer_specs(target):
             continue
         if node.op is None:
             return
-        specs = [x._spec if x.cached_data is None else checkpoint.spec_of(x.cached_data) for x in node.inputs]
+        specs = [x._spec if x.cached_data is None else spec_of(x.cached_data) for x in node.inputs]
         if not specs or any(s is None for s in specs):
             return
         shape = node.op.infer_shape(*[s[0] for s in specs])  # a tuple op's shape: a tuple of shapes
         if shape is None:
             return
         node._spec = (tuple(shape), specs[0][1], specs[0][2])
+
+
+def infer_spec(node):
+    """(shape, dtype, device) of `node` without computing anything, or None where an op cannot infer it."""
+    if node.cached_data is not None:
+        return spec_of(node.cached_data)
+    if node._spec is None:
+        _infer_specs(node)
+    return node._spec
 
 
 def _keep_forward(node):
@@ -227,7 +387,7 @@ class Value:
                 _infer_specs(self)
             if self._spec is not None:
                 return self._spec
-        return checkpoint.spec_of(self.realize_cached_data())
+        return spec_of(self.realize_cached_data())
 
     @property
     def shape(self):
@@ -457,56 +617,175 @@ class Tensor(Value):
     __hash__ = object.__hash__
 
 
+# ----- backward: a plan, then one loop that runs it ---------------------------------------------------------------
+@dataclass
+class Step:
+    """One step of backward: differentiate `node` (a leaf: sum its gradient parts into `.grad`)."""
+
+    node: "Value"
+    recompute: list = field(default_factory=list)  # missing values its gradient reads, and their missing ancestors
+    release: list = field(default_factory=list)  # forward values whose last use is this step: released after it
+
+
+@dataclass
+class BackwardPlan:
+    """The whole backward pass as data: what to release first, then the steps in reverse topological order."""
+
+    root: "Value"
+    unused: list  # values no gradient reads: released before the first step (rule 3)
+    steps: list
+
+    def recomputed(self):
+        return [n for step in self.steps for n in step.recompute]
+
+
+def reads(node):
+    """The forward values whose data `node.op.gradient` reads, as the op declares (`saves`)."""
+    saves = node.op.saves
+    return {"none": (), "output": (node,), "both": node.inputs + (node,)}.get(saves, node.inputs)
+
+
+def plan_backward(root, has=None):
+    """The backward plan of the graph above `root`, given which values exist when it starts (`has`).
+
+    Simulates the pass in reverse topological order. Before a node's gradient, the values it reads must exist;
+    missing ones, and the missing ancestors they need, are recomputed at that step and from then on count as
+    available, so nothing is recomputed twice (rule 2). A value's last use is the last step that reads it or
+    recomputes a consumer from it; it is released right after (rule 3). Leaves and the root are never released
+    (rule 1).
+    """
+    has = has or _COMPUTE.has
+    reverse = list(reversed(find_topo_sort([root])))
+    available = {id(n) for n in reverse if has(n)}
+    steps, last_use = [], {}
+    for node in reverse:
+        if not node.requires_grad:
+            continue
+        step = Step(node)
+        steps.append(step)
+        if node.is_leaf():
+            continue
+        needed = reads(node)
+        for v in needed:
+            last_use[id(v)] = step
+        missing = [v for v in needed if id(v) not in available]
+        for n in find_topo_sort(missing, expand=lambda n: id(n) not in available):
+            if id(n) in available:
+                continue
+            available.add(id(n))  # rule 2: from now on it exists until its last use
+            step.recompute.append(n)
+            for inp in n.inputs:
+                last_use[id(inp)] = step
+    unused = []
+    for node in reverse:
+        if node.is_leaf() or node is root:
+            continue
+        if id(node) in last_use:
+            last_use[id(node)].release.append(node)
+        else:
+            unused.append(node)
+    return BackwardPlan(root, unused, steps)
+
+
+def run_backward(plan, out_grad, machine=None):
+    """Walk `plan`: recompute, differentiate, release. Gradients are graph nodes built lazily, realized per step.
+
+    Each step's gradient graph is built lazily and realized together, so its temporaries die as soon as they are
+    consumed; afterwards everything the step made is released unless a later step awaits it (rule 3).
+    """
+    machine = machine or Compute()
+    forward = {id(s.node) for s in plan.steps} | {id(n) for s in plan.steps for n in s.node.inputs}
+    grads = {id(plan.root): [out_grad]}
+    awaited = {}  # gradient node id -> how many later steps will consume it
+    for node in plan.unused:
+        machine.free(node)
+    for step in plan.steps:
+        node = step.node
+        for n in step.recompute:
+            machine.recompute(n)
+        parts = grads.pop(id(node), None)
+        if parts is not None:
+            for g in parts:
+                awaited[id(g)] = awaited.get(id(g), 0) - 1
+            with lazy_mode(True):
+                grad = sum_node_list(parts)
+            if node.is_leaf():
+                new = [grad]
+                _realize(new, lambda n: n is grad, machine)
+                machine.set_grad(node, grad)
+            else:
+                machine.check_reads(node)
+                with lazy_mode(True):
+                    in_grads = node.op.gradient_as_tuple(grad, node)
+                if len(in_grads) != len(node.inputs):
+                    raise RuntimeError(f"{type(node.op).__name__}.gradient returned {len(in_grads)} values for "
+                                       f"{len(node.inputs)} inputs")
+                pairs = [(x, g) for x, g in zip(node.inputs, in_grads) if x.requires_grad and g is not None]
+                new = [g for _, g in pairs]
+                keep_ids = {id(g) for g in new}
+                _realize(new, lambda n: id(n) in keep_ids, machine)
+                for x, g in pairs:
+                    grads.setdefault(id(x), []).append(g)
+            for g in new:
+                awaited[id(g)] = awaited.get(id(g), 0) + 1
+            _free_step_temporaries(new, parts, grad, forward, awaited, machine)
+        for n in step.release:
+            machine.free(n)
+
+
+def _free_step_temporaries(new, parts, grad, forward, awaited, machine):
+    """Free what a step made and consumed: its gradient graph's nodes, except the results later steps await."""
+    part_ids = {id(g) for g in parts}
+    new_ids = {id(g) for g in new}
+    # Expand only what this step made: never a forward value or a part (a `new` entry may be a part, e.g. an
+    # add passing out_grad through, and expanding it would re-walk every earlier step: O(n^2)).
+    made = find_topo_sort(new + [grad], expand=lambda n: not (id(n) in forward or id(n) in part_ids))
+    # The parts are listed too: summing tuple gradients folds them away (make_tuple's elements are used directly),
+    # so the walk from the sum may not reach them, yet this step consumed them.
+    for n in list(parts) + made:
+        if id(n) not in forward and id(n) not in new_ids and not n.is_leaf() and awaited.get(id(n), 0) <= 0:
+            machine.free(n)
+
+
+_COMPUTE = Compute()  # realization outside backward (statistics unused)
+_last_stats = {}
+
+
+def last_backward_stats():
+    """Statistics of the last backward pass: recomputed nodes and bytes, released bytes, the allocator's peak.
+
+    `peak_bytes` is the device allocator's peak since its last reset (reset it when a step starts to read that
+    step's peak: `backend_ndarray.reset_peak_memory_stats(device)`);
+    `max_recomputes_per_node` is counted per node (rule 2 says it is at most 1).
+    """
+    return dict(_last_stats)
+
+
 def compute_gradient_of_variables(output_tensor, out_grad):
     """Reverse-mode differentiation: fill `.grad` of every leaf above `output_tensor` that requires grad.
 
-    Runs the plan of `checkpoint.BackwardPlan`: before each node's gradient it recomputes the dropped values
-    that gradient reads, and after it releases every value whose last backward use has passed. Gradients are
-    Tensors themselves (differentiable); each call replaces `.grad`, it does not accumulate.
+    Realizes the forward pass (lazy mode computes it here), plans the backward pass (`plan_backward`) and runs
+    it (`run_backward`). Gradients are Tensors themselves (differentiable); each call replaces `.grad`, it does
+    not accumulate.
     """
     if not isinstance(out_grad, Value):
         raise TypeError(f"backward(): out_grad must be a Tensor, got {type(out_grad).__name__}")
     if tuple(out_grad.shape) != tuple(output_tensor.shape):
         raise ValueError(f"backward(): out_grad has shape {tuple(out_grad.shape)}, but the output has shape "
                          f"{tuple(output_tensor.shape)}; they must be equal")
+    if _deferred:  # decisions waiting for the whole graph (a Budget's), before anything more is computed
+        _run_deferred(find_topo_sort([output_tensor]), [output_tensor], pending_only=False)
     output_tensor.realize_cached_data()  # the forward pass (in lazy mode it runs here)
     # Gradients are built from an out_grad that requires grad, so every gradient value is a graph node that
     # can be released after use and recomputed on demand (x.grad stays differentiable), never a stray constant.
     out_grad = Tensor.make_const(out_grad, requires_grad=True)
-    reverse_topo = list(reversed(find_topo_sort([output_tensor])))
-    plan = checkpoint.BackwardPlan(reverse_topo, output_tensor)
-    grads = {id(output_tensor): [out_grad]}
-    plan.release_unused()
-    for step, node in enumerate(reverse_topo):
-        parts = grads.pop(id(node), None)
-        if parts is not None:
-            plan.consume(parts)
-            if node.is_leaf():
-                with lazy_mode(True):
-                    grad = sum_node_list(parts)
-                _realize([grad], lambda n: n is grad)
-                node.grad = grad
-                plan.release_gradient_temporaries([grad], parts, grad)
-            else:
-                plan.recompute(step)
-                saves = node.op.saves
-                checkpoint.check_unchanged(node, inputs=saves in ("inputs", "both"), output=saves in ("output", "both"))
-                # Built lazily and realized together, so each temporary dies as soon as it has been consumed.
-                with lazy_mode(True):
-                    grad = sum_node_list(parts)
-                    in_grads = node.op.gradient_as_tuple(grad, node)
-                if len(in_grads) != len(node.inputs):
-                    raise RuntimeError(f"{type(node.op).__name__}.gradient returned {len(in_grads)} values for "
-                                       f"{len(node.inputs)} inputs")
-                new = [g for inp, g in zip(node.inputs, in_grads) if inp.requires_grad and g is not None]
-                keep_ids = {id(g) for g in new}
-                _realize(new, lambda n: id(n) in keep_ids)
-                for inp, g in zip(node.inputs, in_grads):
-                    if inp.requires_grad and g is not None:
-                        grads.setdefault(id(inp), []).append(g)
-                plan.release_gradient_temporaries(new, parts, grad)
-        plan.release(step)
-    plan.finish()
+    device = device_of(output_tensor.cached_data)
+    machine = Compute()
+    run_backward(plan_backward(output_tensor), out_grad, machine)
+    stats = dict(machine.stats)
+    stats["peak_bytes"] = device.memory_stats()["peak_bytes"] if hasattr(device, "memory_stats") else None
+    _last_stats.clear()
+    _last_stats.update(stats)
 
 
 def _rebuild_tensor(cls, array, device, requires_grad):

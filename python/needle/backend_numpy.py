@@ -6,11 +6,16 @@ dtypes follow NumPy, so float64 input stays float64.
 import numpy as np
 
 __all__ = [
-    "Device", "all_devices", "array", "broadcast_to", "cpu", "cpu_numpy", "cuda", "default_device", "empty",
+    "Device", "all_devices", "array", "device_of", "broadcast_to", "cpu", "cpu_numpy", "cuda", "default_device", "empty",
     "exp", "flip", "full", "log", "logsumexp", "matmul", "max", "maximum", "pad", "reshape", "scatter_add_rows",
     "scatter_along_rows", "softmax_xent_grad", "split", "stack", "sum", "take_along_rows", "take_rows", "tanh",
     "transpose", "zeros",
 ]
+
+
+def device_of(array):
+    """The device a value lives on: a numpy.ndarray always lives on cpu()."""
+    return cpu()
 
 
 class Device:

@@ -18,15 +18,19 @@ if BACKEND == "nd":
         cuda,
         default_device,
     )
+
+    def device_of(array):
+        return array.device
+
 elif BACKEND == "np":
     import numpy
 
     from . import backend_numpy as array_api
-    from .backend_numpy import Device, all_devices, cpu, cpu_numpy, cuda, default_device
+    from .backend_numpy import Device, all_devices, cpu, cpu_numpy, cuda, default_device, device_of
 
     NDArray = numpy.ndarray
 else:
     raise RuntimeError(f"NEEDLE_BACKEND must be 'nd' or 'np', got {BACKEND!r}")
 
 __all__ = ["BACKEND", "Device", "NDArray", "all_devices", "array_api", "cpu", "cpu_numpy", "cuda",
-           "default_device"]
+           "default_device", "device_of"]

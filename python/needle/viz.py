@@ -2,11 +2,12 @@
 
     print(needle.viz.to_dot(loss))   # paste into `dot -Tpng` or any Graphviz viewer
 
-Kept values are solid boxes, dropped ones dashed grey, values recomputed by the last backward pass orange,
-leaves (parameters, inputs, constants) green ellipses.
+Kept values are solid boxes, dropped ones dashed grey, dropped values that backward recomputes orange (read
+off the backward plan of this very graph, so the marking cannot go stale), leaves (parameters, inputs,
+constants) green ellipses.
 """
 from . import checkpoint
-from .autograd import find_topo_sort
+from .autograd import find_topo_sort, plan_backward
 
 __all__ = ["to_dot"]
 
@@ -35,7 +36,9 @@ def _label(node, kind):
 def to_dot(tensor, name="needle"):
     """DOT text for the graph above `tensor` (a Tensor or a list of them)."""
     roots = list(tensor) if isinstance(tensor, (list, tuple)) else [tensor]
-    recomputed = checkpoint.last_backward_stats().get("recomputed_ids", frozenset())
+    # What backward recomputes: the plan's recomputations when only leaves and kept values exist.
+    recomputed = {id(n) for r in roots if r.requires_grad
+                  for n in plan_backward(r, lambda n: n.is_leaf() or not n.drop).recomputed()}
     order = find_topo_sort(roots)
     number = {id(n): i for i, n in enumerate(order)}
     lines = [f"digraph {name} {{", "  rankdir=BT;", '  node [fontname="Helvetica", fontsize=10];']

@@ -19,6 +19,7 @@ class LogSumExp(TensorOp):
     """log Σ_axes exp(z) = m + log Σ exp(z - m), m = max_axes z;  d/dz = out_grad * exp(z - lse)"""
 
     saves = "both"
+    compacts_inputs = True
 
     def __init__(self, axes=None):
         self.axes = axes
@@ -49,7 +50,7 @@ class LogSoftmax(TensorOp):
     elementwise = True  # the output has the input's shape
 
     def workspace(self, shape):
-        return 4 * math.prod(shape)  # z - m lives beside exp(z - m), then beside the result
+        return math.prod(shape)  # z - m lives beside exp(z - m), then beside the result
 
     def compute(self, Z):
         # (z - m) - log Σ exp(z - m), not z - logsumexp(z): for large |z| the latter cancels away the low bits.
@@ -77,6 +78,7 @@ class SoftmaxCrossEntropy(TensorOp):
     """
 
     saves = "inputs"
+    compacts_inputs = True
 
     def infer_shape(self, z, y):
         return (z[0],)
@@ -100,6 +102,7 @@ class SoftmaxCrossEntropyGrad(TensorOp):
     """g_i (softmax(z_i) - onehot(y_i));  s = softmax(z), r_i = Σ_j u_ij s_ij: d/dz = g s (u - r), d/dg = r - u[y]"""
 
     saves = "inputs"
+    compacts_inputs = True
 
     def infer_shape(self, z, y, g):
         return z

@@ -9,7 +9,7 @@ import math
 import numpy as np
 
 from ..autograd import TensorOp
-from ..backend_selection import array_api
+from ..backend_selection import array_api, device_of
 
 __all__ = [
     "AddScalar", "BroadcastTo", "Conv", "Dilate", "DivScalar", "EWiseAdd", "EWiseDiv", "EWiseMul", "EWisePow",
@@ -22,43 +22,66 @@ __all__ = [
 ]
 
 
-def _same_shape(op, a, b):
-    if tuple(a.shape) != tuple(b.shape):
-        raise ValueError(f"{op}: shapes {tuple(a.shape)} and {tuple(b.shape)} differ; use broadcast_to first")
-
-
-class EWiseAdd(TensorOp):
-    """a + b;  d/da = d/db = out_grad"""
+# Two-input element-wise ops follow the shape rule of the array library they run on: numpy.ndarray
+# (NEEDLE_BACKEND=np) broadcasts as NumPy does, as the course's NumPy backend did; NDArray requires equal shapes
+# and raises a ValueError naming both (broadcast explicitly with broadcast_to). Their gradients therefore go
+# through _sum_to_inputs, which undoes a broadcast and is a no-op when there was none.
+class _EWiseBinary(TensorOp):
+    """Base of the two-input element-wise ops (not an op itself)."""
 
     elementwise = True
+
+    def infer_shape(self, a, b):
+        # Equal shapes give the output's; otherwise compute decides (NumPy broadcasts, NDArray raises).
+        return a if tuple(a) == tuple(b) else None
+
+
+def _sum_to_shape(grad, shape, grad_shape):
+    """`grad` (of shape `grad_shape`) summed back to an input's `shape`: over the leading axes broadcasting added
+    and the size-1 axes it stretched, then reshaped. `grad` itself when the shapes match: no extra graph node."""
+    shape, grad_shape = tuple(shape), tuple(grad_shape)
+    if grad_shape == shape:
+        return grad
+    lead = len(grad_shape) - len(shape)
+    axes = tuple(range(lead)) + tuple(lead + i for i, n in enumerate(shape) if n == 1 and grad_shape[lead + i] != 1)
+    return reshape(summation(grad, axes), shape)
+
+
+def _sum_to_inputs(node, *grads):
+    """The gradients of `node`'s inputs, each summed back to its input's shape.
+
+    The shapes are read from the forward values (kept, or recorded when checkpointing released them), never
+    from the lazily built gradients, so asking for them computes nothing.
+    """
+    return tuple(_sum_to_shape(g, x.shape, node.shape) for g, x in zip(grads, node.inputs))
+
+
+class EWiseAdd(_EWiseBinary):
+    """a + b;  d/da = d/db = out_grad"""
 
     saves = "none"
 
     def compute(self, a, b):
-        _same_shape("EWiseAdd", a, b)
         return a + b
 
     def gradient(self, out_grad, node):
-        return out_grad, out_grad
+        return _sum_to_inputs(node, out_grad, out_grad)
 
 
 def add(a, b):
     return EWiseAdd()(a, b)
 
 
-class EWiseSub(TensorOp):
+class EWiseSub(_EWiseBinary):
     """a - b;  d/da = out_grad, d/db = -out_grad"""
-
-    elementwise = True
 
     saves = "none"
 
     def compute(self, a, b):
-        _same_shape("EWiseSub", a, b)
         return a - b
 
     def gradient(self, out_grad, node):
-        return out_grad, -out_grad
+        return _sum_to_inputs(node, out_grad, -out_grad)
 
 
 def subtract(a, b):
@@ -86,18 +109,15 @@ def add_scalar(a, scalar):
     return AddScalar(scalar)(a)
 
 
-class EWiseMul(TensorOp):
+class EWiseMul(_EWiseBinary):
     """a * b;  d/da = out_grad * b, d/db = out_grad * a"""
 
-    elementwise = True
-
     def compute(self, a, b):
-        _same_shape("EWiseMul", a, b)
         return a * b
 
     def gradient(self, out_grad, node):
         lhs, rhs = node.inputs
-        return out_grad * rhs, out_grad * lhs
+        return _sum_to_inputs(node, out_grad * rhs, out_grad * lhs)
 
 
 def multiply(a, b):
@@ -125,20 +145,17 @@ def mul_scalar(a, scalar):
     return MulScalar(scalar)(a)
 
 
-class EWisePow(TensorOp):
+class EWisePow(_EWiseBinary):
     """a ** b;  d/da = out_grad * b * a^(b-1), d/db = out_grad * a^b * log(a)"""
-
-    elementwise = True
 
     saves = "both"
 
     def compute(self, a, b):
-        _same_shape("EWisePow", a, b)
         return a**b
 
     def gradient(self, out_grad, node):
         a, b = node.inputs
-        return out_grad * b * a ** (b - 1), out_grad * node * log(a)
+        return _sum_to_inputs(node, out_grad * b * a ** (b - 1), out_grad * node * log(a))
 
 
 def power(a, b):
@@ -165,18 +182,15 @@ def power_scalar(a, scalar):
     return PowerScalar(scalar)(a)
 
 
-class EWiseDiv(TensorOp):
+class EWiseDiv(_EWiseBinary):
     """a / b;  d/da = out_grad / b, d/db = -out_grad * a / b^2"""
 
-    elementwise = True
-
     def compute(self, a, b):
-        _same_shape("EWiseDiv", a, b)
         return a / b
 
     def gradient(self, out_grad, node):
         a, b = node.inputs
-        return out_grad / b, -out_grad * a / (b * b)
+        return _sum_to_inputs(node, out_grad / b, -out_grad * a / (b * b))
 
 
 def divide(a, b):
@@ -226,6 +240,10 @@ class Transpose(TensorOp):
     """Swap two axes (the last two by default);  the gradient swaps them back"""
 
     saves = "none"
+    view = True
+
+    def view_strides(self, shape, strides, out_shape):
+        return tuple(strides[i] for i in self._permutation(len(shape)))  # NDArray.permute
 
     def __init__(self, axes=None):
         if axes is not None and len(axes) != 2:
@@ -260,6 +278,11 @@ class Reshape(TensorOp):
     """a viewed with a new shape (same number of elements);  the gradient reshapes back"""
 
     saves = "none"
+    view = True
+
+    def view_strides(self, shape, strides, out_shape):
+        # NDArray.reshape views compact arrays only; a strided one is compacted (copied) first.
+        return _compact_strides(out_shape) if tuple(strides) == _compact_strides(shape) else None
 
     def __init__(self, shape):
         self.shape = tuple(shape)
@@ -286,6 +309,12 @@ class BroadcastTo(TensorOp):
     """a repeated along size-1 (or new leading) axes;  the gradient sums over those axes"""
 
     saves = "none"
+    view = True
+
+    def view_strides(self, shape, strides, out_shape):
+        # NDArray.broadcast_to: new leading axes and stretched size-1 axes get stride 0.
+        lead = len(out_shape) - len(shape)
+        return (0,) * lead + tuple(0 if n != m else st for st, n, m in zip(strides, shape, out_shape[lead:]))
 
     def __init__(self, shape):
         self.shape = tuple(shape)
@@ -313,6 +342,15 @@ def broadcast_to(a, shape):
     return BroadcastTo(shape)(a)
 
 
+def _compact_strides(shape):
+    """Row-major element strides of a compact array of `shape` (as NDArray gives it)."""
+    strides, stride = [], 1
+    for n in reversed(shape):
+        strides.append(stride)
+        stride *= n
+    return tuple(reversed(strides))
+
+
 def _normalize_axes(axes, ndim, op):
     if axes is None:
         return tuple(range(ndim))
@@ -327,6 +365,7 @@ class Summation(TensorOp):
     """Sum over `axes` (None: all), dropping them;  the gradient broadcasts out_grad back"""
 
     saves = "none"
+    compacts_inputs = True
 
     def __init__(self, axes=None):
         self.axes = axes
@@ -340,8 +379,8 @@ class Summation(TensorOp):
         if axes == tuple(range(len(shape) - len(axes), len(shape))):
             return 0  # trailing axes: each output reduces one contiguous row in place
         if axes == tuple(range(len(axes))):
-            return 4 * math.prod(shape[i] for i in axes)  # leading axes: ones @ a, the ones row
-        return 4 * math.prod(shape)  # other axes are moved last: a permuted copy
+            return math.prod(shape[i] for i in axes)  # leading axes: ones @ a, the ones row
+        return math.prod(shape)  # other axes are moved last: a permuted copy
 
     def compute(self, a):
         axes = _normalize_axes(self.axes, len(a.shape), "Summation")
@@ -360,6 +399,9 @@ def summation(a, axes=None):
 
 class MatMul(TensorOp):
     """a @ b (batch axes broadcast);  d/da = out_grad @ b^T, d/db = a^T @ out_grad, summed to each shape"""
+
+    saveable = True
+    compacts_inputs = True
 
     def infer_shape(self, a, b):
         if len(a) < 2 or len(b) < 2 or a[-1] != b[-2]:
@@ -482,7 +524,7 @@ class Sigmoid(TensorOp):
     saves = "output"
 
     def workspace(self, a):
-        return 4 * math.prod(a)  # one temporary of a's size beside the result
+        return math.prod(a)  # one temporary of a's size beside the result
 
     def compute(self, a):
         return (array_api.exp(a * -1) + 1) ** -1
@@ -632,6 +674,8 @@ class Conv(TensorOp):
     d/dZ is the full convolution of the (dilated) out_grad with the flipped weight; d/dW correlates Z with it.
     """
 
+    saveable = True
+
     def __init__(self, stride=1, padding=0):
         self.stride = stride
         self.padding = padding
@@ -648,8 +692,8 @@ class Conv(TensorOp):
         out = self.infer_shape(z, w)
         if out is None:
             return 0
-        padded = 4 * z[0] * (z[1] + 2 * self.padding) * (z[2] + 2 * self.padding) * z[3] if self.padding else 0
-        return padded + 4 * out[0] * out[1] * out[2] * w[0] * w[1] * z[3]  # the padded input and im2col's rows
+        padded = z[0] * (z[1] + 2 * self.padding) * (z[2] + 2 * self.padding) * z[3] if self.padding else 0
+        return padded + out[0] * out[1] * out[2] * w[0] * w[1] * z[3]  # the padded input and im2col's rows
 
     def compute(self, Z, W):
         # The kernel may be rectangular (KH, KW): the weight gradient of a non-square image convolves with one.
@@ -697,6 +741,8 @@ def conv(a, b, stride=1, padding=0):
 class GatherRows(TensorOp):
     """table[ids] for a (n, d) table and integer-valued ids (k,) -> (k, d);  d/dtable scatter-adds out_grad"""
 
+    compacts_inputs = True
+
     def infer_shape(self, table, ids):
         return (ids[0], table[1]) if len(table) == 2 and len(ids) == 1 else None
 
@@ -716,6 +762,8 @@ def gather_rows(table, ids):
 
 class ScatterAddRows(TensorOp):
     """A (num_rows, d) zero table with rows[i] added at row ids[i];  d/drows = out_grad[ids]"""
+
+    compacts_inputs = True
 
     def __init__(self, num_rows):
         self.num_rows = num_rows
@@ -739,6 +787,7 @@ class PickColumns(TensorOp):
     """a[i, ids[i]] for a (n, c) and integer-valued ids (n,) -> (n,);  d/da puts out_grad[i] at [i, ids[i]]"""
 
     saves = "inputs"
+    compacts_inputs = True
 
     def infer_shape(self, a, ids):
         return (a[0],)
@@ -760,6 +809,8 @@ def pick_columns(a, ids):
 class ScatterColumns(TensorOp):
     """A (n, num_cols) zero array with values[i] at [i, ids[i]];  d/dvalues = out_grad[i, ids[i]]"""
 
+    compacts_inputs = True
+
     def __init__(self, num_cols):
         self.num_cols = num_cols
 
@@ -779,9 +830,7 @@ def scatter_columns(values, ids, num_cols):
 
 # ----- small helpers that hide the one difference between NDArray and numpy.ndarray that ops meet -----------------
 def _device_of(array):
-    from ..checkpoint import spec_of
-
-    return spec_of(array)[2]
+    return device_of(array)
 
 
 def _copy(view):

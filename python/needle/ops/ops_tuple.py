@@ -9,6 +9,7 @@ class MakeTensorTuple(TensorTupleOp):
     """(a_1, ..., a_n) -> a TensorTuple;  d/da_i = out_grad[i]"""
 
     saves = "none"
+    view = True
 
     def infer_shape(self, *shapes):
         return shapes
@@ -28,6 +29,7 @@ class TupleGetItem(TensorOp):
     """t -> t[index];  the gradient is out_grad at `index` and zeros elsewhere"""
 
     saves = "none"
+    view = True
 
     def __init__(self, index):
         self.index = index

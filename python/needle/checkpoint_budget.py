@@ -1,0 +1,295 @@
+"""Budget(b): checkpoint so that a step's activation peak stays under b bytes, planned before anything is computed.
+
+What it bounds is M_peak: the allocator's peak during forward + backward minus the bytes held when the step
+starts (parameters, optimizer state, the batch). It counts every value the step creates — activations, dropout
+masks and other constants, gradients — and the batch too (so it errs by the batch's bytes, on the safe side).
+
+    model.enable_gc(policy=checkpoint.Budget(256 << 20))    # that is all: no plan() call
+    loss = loss_fn(model(x), y); loss.backward()             # every lazy step stays under 256 MB
+
+How: layers annotate their regions as usual. For a region it has not seen, Budget keeps everything for now and
+defers the decision to the moment the graph is first realized (lazy mode: before anything is computed; eager
+mode: when backward starts, so the first eager step traces and only later ones are bounded). Then it predicts
+the step's peak for drop sets of growing size — cheapest to recompute first — and keeps the smallest that fits.
+The prediction walks the very plan autograd will execute (`autograd._realize`, `plan_backward`,
+`run_backward`) with a `Ledger` in place of the machine that computes: the ledger holds buffers and counts
+bytes from the ops' own declarations (`view`/`view_strides`, `compacts_inputs`, `workspace`, the dtype's size).
+The decisions are frozen into a table keyed by each region's structure (its candidates' ops and shapes), so
+later steps replay them with no counters and no references to old graphs: an eval forward, a failed step or a
+change of batch size never derails it (a new structure is simply planned again).
+"""
+import math
+import weakref
+
+from .autograd import (Tensor, _realize, defer_until_realized, find_topo_sort, infer_spec, itemsize, plan_backward,
+                       release, run_backward)
+from .ops import MakeTensorTuple, TupleGetItem
+
+__all__ = ["Budget", "Ledger", "predict_peak"]
+
+
+def _compact_strides(shape):
+    strides, stride = [], 1
+    for n in reversed(shape):
+        strides.append(stride)
+        stride *= n
+    return tuple(reversed(strides))
+
+
+def _spec(node):
+    spec = infer_spec(node)
+    if spec is None:
+        raise RuntimeError(f"Budget: cannot infer the shape of {type(node.op).__name__} without computing it; "
+                           f"give the op an infer_shape")
+    return spec
+
+
+def _elements(shape):
+    """Elements of a value's shape, or of a tuple value's shapes."""
+    if shape and isinstance(shape[0], tuple):
+        return sum(math.prod(s) for s in shape)
+    return math.prod(shape)
+
+
+class Ledger:
+    """A backward machine that computes nothing: it tracks which values would exist and the bytes they hold.
+
+    Memory is counted per buffer, as the allocator does: a view (`op.view`, and `op.view_strides` not None for
+    its input's strides) holds its base's buffer; a tuple's elements are buffers of their own. Values that exist
+    when the walk starts are leaves; those that require grad (parameters) are not counted (they are held before
+    the step starts), the others (batch, masks, constants) are.
+    """
+
+    def __init__(self, root, out_grad):
+        self.present, self.holders, self.size, self.buffers, self.strides = set(), {}, {}, {}, {}
+        self.live = self.peak = 0
+        self.seen = []  # every node the walk met, kept alive so that no id is reused while the ledger counts it
+        for node in find_topo_sort([root]) + [out_grad]:
+            if node.is_leaf():
+                self._own(node)
+                self.present.add(id(node))
+                if node.requires_grad and node is not out_grad:  # a parameter: held before the step, not counted
+                    for key in self.buffers[id(node)]:
+                        self.size[key] = 0
+                self._hold(node)
+
+    # -- buffers
+    def _own(self, node):
+        """Fresh buffers for `node`'s value: one per tuple element, else one."""
+        self.seen.append(node)
+        shape, dtype, _ = _spec(node)
+        if shape and isinstance(shape[0], tuple):
+            keys = [(id(node), k) for k in range(len(shape))]
+            for key, s in zip(keys, shape):
+                self.size[key] = math.prod(s) * itemsize(dtype)
+        else:
+            keys = [(id(node), 0)]
+            self.size[keys[0]] = math.prod(shape) * itemsize(dtype)
+            self.strides[id(node)] = _compact_strides(shape)
+        self.buffers[id(node)] = keys
+
+    def _alias(self, node):
+        """The buffers a view's value lives in, or False if computing it makes a fresh buffer."""
+        op = node.op
+        if not op.view:
+            return False
+        if isinstance(op, MakeTensorTuple):  # packs its inputs' buffers
+            self.buffers[id(node)] = [b for x in node.inputs for b in self.buffers[id(x)]]
+            return True
+        inp = node.inputs[0]
+        if isinstance(op, TupleGetItem):  # an element of a tuple
+            self.buffers[id(node)] = [self.buffers[id(inp)][op.index]]
+            self.strides[id(node)] = _compact_strides(_spec(node)[0])
+            return True
+        strides = self.strides.get(id(inp))
+        out = strides and op.view_strides(_spec(inp)[0], strides, _spec(node)[0])
+        if out is None or strides is None:
+            return False
+        self.buffers[id(node)], self.strides[id(node)] = self.buffers[id(inp)], out
+        return True
+
+    def _hold(self, node):
+        for key in self.buffers[id(node)]:
+            self.holders[key] = self.holders.get(key, 0) + 1
+            if self.holders[key] == 1:
+                self.live += self.size[key]
+
+    def _workspace(self, node):
+        """Bytes compute allocates besides its result: declared temporaries and compact copies of strided inputs."""
+        shapes = [_spec(x)[0] for x in node.inputs]
+        extra = node.op.workspace(*shapes)
+        if node.op.compacts_inputs:
+            for x, shape in zip(node.inputs, shapes):
+                strides = self.strides.get(id(x))
+                if strides is not None and strides != _compact_strides(shape):
+                    extra += _elements(shape)
+        return extra * itemsize(_spec(node)[1])
+
+    # -- the machine interface of autograd.Compute
+    def has(self, node):
+        if node.is_leaf() and id(node) not in self.present:  # a constant a gradient made: it exists, and counts
+            self._own(node)
+            self.present.add(id(node))
+            self._hold(node)
+        return id(node) in self.present
+
+    def compute(self, node):
+        if not self._alias(node):
+            self._own(node)
+        self.seen.append(node)
+        self.present.add(id(node))
+        self._hold(node)
+        self.peak = max(self.peak, self.live + self._workspace(node))
+
+    recompute = compute
+
+    def free(self, node):
+        if id(node) not in self.present:
+            return
+        self.present.discard(id(node))
+        for key in self.buffers[id(node)]:
+            self.holders[key] -= 1
+            if self.holders[key] == 0:
+                self.live -= self.size[key]
+
+    def check_reads(self, node):
+        pass
+
+    def set_grad(self, node, grad):
+        pass
+
+    def value(self, node):
+        return None
+
+
+def predict_peak(root, dropped, regions=None):
+    """Predicted M_peak of a step on the graph above `root` if the values whose ids are in `dropped` were dropped.
+
+    The forward pass is modelled as the executor runs it: lazy (`regions` None) — realization releases a dropped
+    value after its last consumer; eager (`regions`: [(outputs, candidates)] in the order they ran) — every value
+    lives until its region's output exists. Then the backward plan runs on the ledger. Nothing is computed.
+    """
+    out_grad = Tensor.__new__(Tensor)  # shape, dtype and device of the root's gradient, no data
+    out_grad._init(None, [], requires_grad=True)
+    out_grad._spec = _spec(root)
+    ledger = Ledger(root, out_grad)
+    if regions is None:
+        _realize([root], lambda n: id(n) not in dropped, ledger)
+    else:
+        ends = {}
+        for outputs, candidates in regions:
+            ends.setdefault(id(outputs[-1]), []).extend(candidates)
+        for node in find_topo_sort([root]):
+            if not ledger.has(node):
+                ledger.compute(node)
+            for n in ends.get(id(node), ()):
+                if id(n) in dropped:
+                    ledger.free(n)
+    run_backward(plan_backward(root, ledger.has), out_grad, ledger)
+    return ledger.peak
+
+
+def _structure(nodes):
+    """A region's key: its candidates' ops and shapes (what a replay must match)."""
+    return tuple((type(n.op).__name__, tuple(_spec(n)[0])) for n in nodes)
+
+
+def recompute_cost_per_byte(node):
+    """A node's recompute cost relative to the bytes that dropping it saves (matmul/conv cost the most)."""
+    return 64.0 if node.op.saveable else 1.0
+
+
+class Budget:
+    """Keep the step's activation peak M_peak at or under `bytes`, at the least recompute cost (see the module doc).
+
+    `plan(root)` may also be called by hand on a traced graph; it returns the frozen decisions (`planned`).
+    An infeasible budget raises ValueError naming the least peak the graph can reach by checkpointing.
+    """
+
+    def __init__(self, bytes):
+        self.bytes = int(bytes)
+        self.planned = {}  # region structure -> keep flags: the frozen policy
+        self.predicted_peak = None
+        self.minimum_peak = None
+        self._pending = []  # regions not yet decided: (weak refs to outputs, weak refs to candidates)
+
+    def __repr__(self):
+        return f"Budget({self.bytes})"
+
+    def __call__(self, nodes, outputs=()):
+        flags = self.planned.get(_structure(nodes))
+        if flags is not None:
+            return list(flags)
+        self._pending = [r for r in self._pending if all(ref() is not None for ref in r[1])]
+        self._pending.append(([weakref.ref(n) for n in outputs], [weakref.ref(n) for n in nodes]))
+        for n in nodes[:1]:  # the region's first value: realization reaches it before the rest
+            defer_until_realized(n, self._decide)
+        return [True] * len(nodes)
+
+    def _decide(self, roots):
+        if self._pending:
+            self.plan(roots[0])
+
+    def _regions_above(self, root):
+        """The pending regions in the graph above `root`, in the order they were annotated."""
+        above = {id(n) for n in find_topo_sort([root])}
+        regions, rest = [], []
+        for outs, cands in self._pending:
+            outputs, candidates = [r() for r in outs], [r() for r in cands]
+            if any(n is None for n in candidates):
+                continue  # that graph is gone
+            if any(id(n) in above for n in candidates):
+                regions.append((outputs, candidates))
+            else:
+                rest.append((outs, cands))
+        self._pending = rest
+        return regions
+
+    def plan(self, root):
+        """Choose what to drop in the graph above `root` (nothing computed), apply it, and freeze it; returns the
+        frozen table (region structure -> keep flags)."""
+        regions = self._regions_above(root)
+        if not regions:
+            return dict(self.planned)
+        # Group a node by the first region that lists it and its place there: regions of one structure (the
+        # layers of a stack) get one decision per place, so the frozen table replays them all.
+        above = {id(n) for n in find_topo_sort([root])}
+        group_of, groups = {}, {}
+        for _, candidates in regions:
+            key = _structure(candidates)
+            for position, n in enumerate(candidates):
+                if id(n) not in group_of and id(n) in above:  # a value outside the step frees nothing
+                    group_of[id(n)] = (key, position)
+                    groups.setdefault((key, position), []).append(n)
+        ranked = sorted(groups.values(), key=lambda ns: (recompute_cost_per_byte(ns[0]), -_bytes(ns[0])))
+        # Model the forward pass the way later steps will run it: lazily if this one has not been computed yet.
+        eager = None if root.cached_data is None else [([o for o in outs if o is not None], c) for outs, c in regions]
+
+        def predict(t):  # the peak with the t cheapest groups dropped
+            return predict_peak(root, {id(n) for ns in ranked[:t] for n in ns}, eager)
+
+        self.minimum_peak = predict(len(ranked))
+        if self.minimum_peak > self.bytes:
+            raise ValueError(f"{self!r} is infeasible: the least peak activation memory this graph can reach "
+                             f"by checkpointing is {self.minimum_peak} bytes ({self.minimum_peak / 2**20:.1f} MB)")
+        lo, hi = 0, len(ranked)  # the fewest groups (cheapest recomputation) whose prediction fits
+        while lo < hi:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if predict(mid) <= self.bytes else (mid + 1, hi)
+        self.predicted_peak = predict(lo)
+        dropped = {id(n) for ns in ranked[:lo] for n in ns}
+        gone = set()
+        for _, candidates in regions:  # replay annotate's order: inner regions decide first, drops stay dropped
+            remaining = [n for n in candidates if id(n) not in gone]
+            self.planned[_structure(remaining)] = tuple(id(n) not in dropped for n in remaining)
+            for n in remaining:
+                if id(n) in dropped:
+                    n.drop = True
+                    release(n)  # eager mode computed it already; backward recomputes it when needed
+                    gone.add(id(n))
+        return dict(self.planned)
+
+
+def _bytes(node):
+    shape, dtype, _ = _spec(node)
+    return _elements(shape) * itemsize(dtype)
