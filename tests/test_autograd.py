@@ -184,6 +184,7 @@ OP_CASES = {
     "log": OpCase("Log", ndl.log, _inputs(_pos(3, 4)), np.log),
     "exp": OpCase("Exp", ndl.exp, _inputs(_n(3, 4)), np.exp),
     "relu": OpCase("ReLU", ndl.relu, _inputs(_nonzero(3, 4)), lambda a: np.maximum(a, 0)),
+    "positive": OpCase("Positive", lambda a: ops.positive(a) * a, _inputs(_nonzero(3, 4)), lambda a: (a > 0) * a),
     "tanh": OpCase("Tanh", ndl.tanh, _inputs(_n(3, 4)), np.tanh),
     "sigmoid": OpCase("Sigmoid", ndl.sigmoid, _inputs(_n(3, 4)), lambda a: 1 / (1 + np.exp(-a))),
     "logsumexp_all": OpCase("LogSumExp", ndl.logsumexp, _inputs(_n(3, 4, 5)), _lse_ref(None)),
@@ -684,3 +685,137 @@ def test_find_topo_sort_deep_and_wide():
         order = autograd.find_topo_sort([y])
     assert len(order) == 50_001 and order[0] is x and order[-1] is y
     np.testing.assert_array_equal(y.numpy(), [50_001.0])
+
+
+# ----- the op contract: `gradient` returns one entry per input; `saves` tells the truth ---------------------------
+def _case_nodes(name):
+    """The op nodes of OP_CASES[name]'s forward graph, built eagerly on the NumPy reference device."""
+    case = OP_CASES[name]
+    arrays = case.make(np.random.default_rng(sum(map(ord, name))))
+    out = case.fn(*[ndl.Tensor(a.astype(np.float32), device=nd.cpu_numpy()) for a in arrays])
+    nodes = [n for n in autograd.find_topo_sort([out]) if not n.is_leaf() and n.requires_grad]
+    assert case.op in {type(n.op).__name__ for n in nodes}, f"{name}: no {case.op} node in the graph"
+    return nodes
+
+
+def _out_grad(node, rng):
+    """A random out_grad for `node`, as run_backward passes it (a TensorTuple of them for a tuple-valued node)."""
+    def tensor(shape):
+        return ndl.Tensor(np.asarray(rng.standard_normal(shape), dtype=np.float32), device=nd.cpu_numpy())
+
+    if isinstance(node, ndl.TensorTuple):
+        return ndl.make_tuple(*[tensor(shape) for shape in node.shape])
+    return tensor(node.shape)
+
+
+@pytest.mark.parametrize("name", list(OP_CASES))
+def test_gradient_returns_a_tuple_with_one_entry_per_input(name):
+    """STYLE.md's op contract, checked on `gradient` itself (not only through gradient_as_tuple)."""
+    rng = np.random.default_rng(0)
+    for node in _case_nodes(name):
+        with autograd.lazy_mode(True):
+            grads = node.op.gradient(_out_grad(node, rng), node)
+        assert type(grads) is tuple, f"{type(node.op).__name__}.gradient returned a {type(grads).__name__}"
+        assert len(grads) == len(node.inputs), type(node.op).__name__
+        assert all(g is None or isinstance(g, autograd.Value) for g in grads), type(node.op).__name__
+
+
+class _HiddenRead(Exception):
+    """A gradient needed the data of a forward value its op does not declare in `saves`."""
+
+
+class _Hidden(autograd.TensorOp):
+    """The op of a stand-in for a hidden forward value: computing it is reading the hidden value."""
+
+    def __init__(self, what):
+        self.what = what
+
+    def compute(self, *args):
+        raise _HiddenRead(self.what)
+
+
+def _stand_in(value, what, inputs=()):
+    """A node of `value`'s type and spec (shape, dtype, device) but no data, which raises when computed."""
+    node = type(value).__new__(type(value))
+    node._init(_Hidden(what), inputs, requires_grad=value.requires_grad)
+    node._spec = autograd.spec_of(value.realize_cached_data())
+    return node
+
+
+def _as_numpy(data):
+    return tuple(_as_numpy(x) for x in data) if isinstance(data, tuple) else np.asarray(data.numpy())
+
+
+def _gradient_values(op, out_grad, node):
+    """`op`'s gradient at `node`, built lazily (as run_backward builds it), then realized: NumPy arrays."""
+    with autograd.lazy_mode(True):
+        grads = op.gradient_as_tuple(out_grad, node)
+    return [None if g is None else _as_numpy(g.realize_cached_data()) for g in grads]
+
+
+def _same(a, b):
+    if a is None or b is None:
+        return a is b
+    if isinstance(a, tuple) or isinstance(b, tuple):
+        return isinstance(a, tuple) and isinstance(b, tuple) and len(a) == len(b) and all(map(_same, a, b))
+    return a.dtype == b.dtype and np.array_equal(a, b)
+
+
+def _saves_violation(node, out_grad):
+    """None if `node.op.gradient` reads no forward data beyond what its `saves` declares; else what went wrong.
+
+    The gradient is built on a probe: a node like `node` whose undeclared inputs, and whose output unless declared,
+    are stand-ins (same spec, no data, raise when computed); declared values are the real ones. Shapes stay
+    readable, as autograd keeps `_spec` for released values. The probe's gradient must equal the gradient built on
+    `node` itself, bit for bit.
+    """
+    op = node.op
+    declared = {id(v) for v in autograd.reads(node)}
+    stand_ins = {}
+    inputs = [x if id(x) in declared else stand_ins.setdefault(id(x), _stand_in(x, f"input {i}"))
+              for i, x in enumerate(node.inputs)]
+    probe = _stand_in(node, "its output", inputs)
+    if id(node) in declared:
+        probe.cached_data = node.cached_data
+    try:
+        got = _gradient_values(op, out_grad, probe)
+    except _HiddenRead as hidden:
+        return f"{type(op).__name__} declares saves={op.saves!r}, but its gradient read {hidden}"
+    expected = _gradient_values(op, out_grad, node)
+    if len(got) != len(expected) or not all(map(_same, got, expected)):
+        return f"{type(op).__name__}: the gradient with only its declared values differs from the full one"
+    return None
+
+
+@pytest.mark.parametrize("name", list(OP_CASES))
+def test_saves_declares_every_forward_value_the_gradient_reads(name):
+    """`saves` is what the backward plan keeps or recomputes (autograd.reads), so a gradient reading anything else
+    would read a released value. Every op node of every case is checked with the undeclared values hidden."""
+    rng = np.random.default_rng(0)
+    violations = [_saves_violation(node, _out_grad(node, rng)) for node in _case_nodes(name)]
+    assert [v for v in violations if v is not None] == []
+
+
+class _MulSavingNothing(ops.EWiseMul):
+    saves = "none"  # a lie: d/da = out_grad * b reads the inputs
+
+
+class _ExpSavingItsInput(ops.Exp):
+    saves = "inputs"  # a lie: d/da = out_grad * exp(a) reads the output
+
+
+class _ExpSavingBoth(ops.Exp):
+    saves = "both"  # more than it reads: wasteful, but true
+
+
+def test_saves_checker_reports_an_op_that_reads_undeclared_values():
+    """The checker above catches both kinds of lie (a hidden input, a hidden output) and accepts a superset."""
+    rng = np.random.default_rng(0)
+    a, b = (ndl.Tensor(rng.standard_normal((2, 3)).astype(np.float32), device=nd.cpu_numpy()) for _ in range(2))
+    g = ndl.Tensor(rng.standard_normal((2, 3)).astype(np.float32), device=nd.cpu_numpy())
+    assert _saves_violation(ops.EWiseMul()(a, b), g) is None
+    lying_mul = _saves_violation(_MulSavingNothing()(a, b), g)
+    assert lying_mul is not None and "saves='none'" in lying_mul and "read input" in lying_mul
+    lying_exp = _saves_violation(_ExpSavingItsInput()(a), g)
+    assert lying_exp is not None and "saves='inputs'" in lying_exp and "read its output" in lying_exp
+    assert _saves_violation(_ExpSavingBoth()(a), g) is None

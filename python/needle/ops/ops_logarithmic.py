@@ -36,7 +36,7 @@ class LogSumExp(TensorOp):
         axes = _normalize_axes(self.axes, len(Z.shape), "LogSumExp")
         kept = _kept_shape(Z.shape, axes)
         lse = broadcast_to(reshape(node, kept), Z.shape)
-        return broadcast_to(reshape(out_grad, kept), Z.shape) * exp(subtract(Z, lse))
+        return (broadcast_to(reshape(out_grad, kept), Z.shape) * exp(subtract(Z, lse)),)
 
 
 def logsumexp(a, axes=None):
@@ -63,7 +63,7 @@ class LogSoftmax(TensorOp):
     def gradient(self, out_grad, node):
         axis = len(node.shape) - 1
         total = broadcast_to(reshape(summation(out_grad, axis), _kept_shape(node.shape, (axis,))), node.shape)
-        return subtract(out_grad, exp(node) * total)
+        return (subtract(out_grad, exp(node) * total),)
 
 
 def logsoftmax(a):

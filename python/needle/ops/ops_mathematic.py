@@ -14,11 +14,11 @@ from ..backend_selection import array_api, device_of
 __all__ = [
     "AddScalar", "BroadcastTo", "Conv", "Dilate", "DivScalar", "EWiseAdd", "EWiseDiv", "EWiseMul", "EWisePow",
     "EWiseSub", "Exp", "Flip", "GatherRows", "Log", "MatMul", "MulScalar", "Negate", "Pad", "PickColumns",
-    "PowerScalar", "ReLU", "Reshape", "ScatterAddRows", "ScatterColumns", "Sigmoid", "Slice", "Summation", "Tanh",
-    "Transpose", "UnDilate", "add", "add_scalar", "broadcast_to", "conv", "dilate", "divide", "divide_scalar",
-    "exp", "flip", "gather_rows", "log", "matmul", "mul_scalar", "multiply", "negate", "pad", "pick_columns",
-    "power", "power_scalar", "relu", "reshape", "scatter_add_rows", "scatter_columns", "sigmoid", "slice_window",
-    "subtract", "summation", "tanh", "transpose", "undilate",
+    "Positive", "PowerScalar", "ReLU", "Reshape", "ScatterAddRows", "ScatterColumns", "Sigmoid", "Slice",
+    "Summation", "Tanh", "Transpose", "UnDilate", "add", "add_scalar", "broadcast_to", "conv", "dilate", "divide",
+    "divide_scalar", "exp", "flip", "gather_rows", "log", "matmul", "mul_scalar", "multiply", "negate", "pad",
+    "pick_columns", "positive", "power", "power_scalar", "relu", "reshape", "scatter_add_rows", "scatter_columns",
+    "sigmoid", "slice_window", "subtract", "summation", "tanh", "transpose", "undilate",
 ]
 
 
@@ -102,7 +102,7 @@ class AddScalar(TensorOp):
         return a + self.scalar
 
     def gradient(self, out_grad, node):
-        return out_grad
+        return (out_grad,)
 
 
 def add_scalar(a, scalar):
@@ -138,7 +138,7 @@ class MulScalar(TensorOp):
         return a * self.scalar
 
     def gradient(self, out_grad, node):
-        return out_grad * self.scalar
+        return (out_grad * self.scalar,)
 
 
 def mul_scalar(a, scalar):
@@ -175,7 +175,7 @@ class PowerScalar(TensorOp):
 
     def gradient(self, out_grad, node):
         a = node.inputs[0]
-        return out_grad * self.scalar * a ** (self.scalar - 1)
+        return (out_grad * self.scalar * a ** (self.scalar - 1),)
 
 
 def power_scalar(a, scalar):
@@ -211,7 +211,7 @@ class DivScalar(TensorOp):
         return a / self.scalar
 
     def gradient(self, out_grad, node):
-        return out_grad / self.scalar
+        return (out_grad / self.scalar,)
 
 
 def divide_scalar(a, scalar):
@@ -229,7 +229,7 @@ class Negate(TensorOp):
         return a * -1
 
     def gradient(self, out_grad, node):
-        return -out_grad
+        return (-out_grad,)
 
 
 def negate(a):
@@ -267,7 +267,7 @@ class Transpose(TensorOp):
         return array_api.transpose(a, self._permutation(len(a.shape)))
 
     def gradient(self, out_grad, node):
-        return transpose(out_grad, self.axes)
+        return (transpose(out_grad, self.axes),)
 
 
 def transpose(a, axes=None):
@@ -298,7 +298,7 @@ class Reshape(TensorOp):
             raise ValueError(f"Reshape: cannot reshape {tuple(a.shape)} into {self.shape}") from err
 
     def gradient(self, out_grad, node):
-        return reshape(out_grad, node.inputs[0].shape)
+        return (reshape(out_grad, node.inputs[0].shape),)
 
 
 def reshape(a, shape):
@@ -335,7 +335,7 @@ class BroadcastTo(TensorOp):
             lead + i for i, (n, m) in enumerate(zip(in_shape, self.shape[lead:])) if n == 1 and m != 1
         )
         grad = summation(out_grad, axes) if axes else out_grad
-        return reshape(grad, in_shape)
+        return (reshape(grad, in_shape),)
 
 
 def broadcast_to(a, shape):
@@ -390,7 +390,7 @@ class Summation(TensorOp):
         in_shape = node.inputs[0].shape
         axes = _normalize_axes(self.axes, len(in_shape), "Summation")
         kept = tuple(1 if i in axes else n for i, n in enumerate(in_shape))
-        return broadcast_to(reshape(out_grad, kept), in_shape)
+        return (broadcast_to(reshape(out_grad, kept), in_shape),)
 
 
 def summation(a, axes=None):
@@ -441,7 +441,7 @@ class Log(TensorOp):
         return array_api.log(a)
 
     def gradient(self, out_grad, node):
-        return out_grad / node.inputs[0]
+        return (out_grad / node.inputs[0],)
 
 
 def log(a):
@@ -459,7 +459,7 @@ class Exp(TensorOp):
         return array_api.exp(a)
 
     def gradient(self, out_grad, node):
-        return out_grad * node
+        return (out_grad * node,)
 
 
 def exp(a):
@@ -477,7 +477,11 @@ class ReLU(TensorOp):
         return array_api.maximum(a, 0)
 
     def gradient(self, out_grad, node):
-        return out_grad * Positive()(node)
+        return (out_grad * positive(node),)
+
+
+def relu(a):
+    return ReLU()(a)
 
 
 class Positive(TensorOp):
@@ -491,11 +495,11 @@ class Positive(TensorOp):
         return a > 0
 
     def gradient(self, out_grad, node):
-        return out_grad * 0.0
+        return (out_grad * 0.0,)
 
 
-def relu(a):
-    return ReLU()(a)
+def positive(a):
+    return Positive()(a)
 
 
 class Tanh(TensorOp):
@@ -509,7 +513,7 @@ class Tanh(TensorOp):
         return array_api.tanh(a)
 
     def gradient(self, out_grad, node):
-        return out_grad * (1 - node * node)
+        return (out_grad * (1 - node * node),)
 
 
 def tanh(a):
@@ -530,7 +534,7 @@ class Sigmoid(TensorOp):
         return (array_api.exp(a * -1) + 1) ** -1
 
     def gradient(self, out_grad, node):
-        return out_grad * node * (1 - node)
+        return (out_grad * node * (1 - node),)
 
 
 def sigmoid(a):
@@ -552,7 +556,7 @@ class Flip(TensorOp):
         return array_api.flip(a, axes)
 
     def gradient(self, out_grad, node):
-        return flip(out_grad, self.axes)
+        return (flip(out_grad, self.axes),)
 
 
 def flip(a, axes):
@@ -582,7 +586,7 @@ class Dilate(TensorOp):
         return out
 
     def gradient(self, out_grad, node):
-        return undilate(out_grad, self.axes, self.dilation)
+        return (undilate(out_grad, self.axes, self.dilation),)
 
 
 def dilate(a, axes, dilation):
@@ -608,7 +612,7 @@ class UnDilate(TensorOp):
         return _copy(a[index])
 
     def gradient(self, out_grad, node):
-        return dilate(out_grad, self.axes, self.dilation)
+        return (dilate(out_grad, self.axes, self.dilation),)
 
 
 def undilate(a, axes, dilation):
@@ -634,7 +638,7 @@ class Pad(TensorOp):
         return array_api.pad(a, self.axes)
 
     def gradient(self, out_grad, node):
-        return slice_window(out_grad, tuple(lo for lo, _ in self.axes), node.inputs[0].shape)
+        return (slice_window(out_grad, tuple(lo for lo, _ in self.axes), node.inputs[0].shape),)
 
 
 def pad(a, axes):
@@ -661,7 +665,7 @@ class Slice(TensorOp):
 
     def gradient(self, out_grad, node):
         shape = node.inputs[0].shape
-        return pad(out_grad, tuple((s, m - s - n) for s, n, m in zip(self.starts, self.sizes, shape)))
+        return (pad(out_grad, tuple((s, m - s - n) for s, n, m in zip(self.starts, self.sizes, shape))),)
 
 
 def slice_window(a, starts, sizes):

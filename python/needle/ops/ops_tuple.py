@@ -88,7 +88,7 @@ class Stack(TensorOp):
         return array_api.stack(args, axis=self.axis)
 
     def gradient(self, out_grad, node):
-        return split(out_grad, self.axis)
+        return (split(out_grad, self.axis),)
 
 
 def stack(args, axis):
@@ -113,7 +113,7 @@ class Split(TensorTupleOp):
         return tuple(array_api.split(A, axis=self.axis))
 
     def gradient(self, out_grad, node):
-        return stack([out_grad[i] for i in range(len(out_grad))], self.axis)
+        return (stack([out_grad[i] for i in range(len(out_grad))], self.axis),)
 
 
 def split(a, axis):
