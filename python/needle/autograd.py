@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy
 
-from .backend_selection import BACKEND, NDArray, array_api, default_device, device_of
+from .backend_selection import NDArray, array_api, default_device, device_of
 
 __all__ = [
     "LAZY_MODE",
@@ -491,19 +491,16 @@ class Tensor(Value):
                 cached_data = Tensor._array_from_numpy(array.numpy(), device=device, dtype=dtype)
         else:
             if device is None:
-                device = array.device if isinstance(array, NDArray) and BACKEND == "nd" else default_device()
+                device = device_of(array) if isinstance(array, NDArray) else default_device()
             cached_data = Tensor._array_from_numpy(array, device=device, dtype=dtype)
         self._init(None, [], cached_data=cached_data, requires_grad=requires_grad)
 
     @staticmethod
     def _array_from_numpy(numpy_array, device, dtype):
-        if BACKEND == "np":
-            return numpy.array(numpy_array, dtype=dtype)
-        if dtype not in (None, "float32", "bool", numpy.float32, bool):
-            raise TypeError(f"Tensor: the '{BACKEND}' backend stores float32 only, got dtype {dtype!r}")
-        if isinstance(numpy_array, NDArray):
-            return numpy_array if numpy_array.device == device else numpy_array.to(device)
-        return array_api.array(numpy_array, device=device)
+        try:
+            return array_api.tensor_data(numpy_array, dtype=dtype, device=device)
+        except TypeError as err:
+            raise TypeError(f"Tensor: {err}") from err
 
     @property
     def data(self):
@@ -557,7 +554,7 @@ class Tensor(Value):
 
     def numpy(self):
         data = self.realize_cached_data()
-        return data if BACKEND == "np" else data.numpy()
+        return array_api.to_numpy(data)
 
     def __array__(self, dtype=None, copy=None):
         return numpy.asarray(self.numpy(), dtype=dtype)

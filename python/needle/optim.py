@@ -5,16 +5,14 @@ parameter's array by a new one, never writes into `param.grad`, and keeps the pa
 are plain Python floats, so float32 stays float32 under NEEDLE_BACKEND=np as well). Parameters without a
 gradient are skipped.
 """
-from .backend_selection import BACKEND
+from .backend_selection import array_api
 
 __all__ = ["Adam", "Optimizer", "SGD"]
 
 
 def _as_dtype(array, like):
-    """`array` in the dtype of `like` (NDArrays are float32 only; numpy arrays may have been promoted)."""
-    if BACKEND == "np":
-        return array.astype(like.dtype, copy=False)
-    return array
+    """`array` in the dtype of `like` (arithmetic with Python floats may have promoted a numpy array)."""
+    return array_api.cast_like(array, like)
 
 
 class Optimizer:

@@ -33,6 +33,9 @@ from .ndarray import (
     take_along_rows,
     take_rows,
     tanh,
+    tensor_data,
+    to_numpy,
+    cast_like,
     transpose,
     zeros,
 )
@@ -71,6 +74,9 @@ __all__ = [
     "take_along_rows",
     "take_rows",
     "tanh",
+    "tensor_data",
+    "to_numpy",
+    "cast_like",
     "transpose",
     "zeros",
 ]

@@ -754,6 +754,24 @@ def array(a, dtype="float32", device=None):
     return NDArray(a, device=device)
 
 
+def tensor_data(a, dtype=None, device=None):
+    """The array a Tensor stores for `a` (array-like or NDArray): an NDArray already on `device` is kept as is."""
+    if dtype not in (None, "bool", bool):  # bool data (randb's masks) is stored as float32 0/1
+        _check_dtype(dtype)
+    if isinstance(a, NDArray):
+        return a if device is None or a.device == device else a.to(device)
+    return NDArray(a, device=device)
+
+
+def to_numpy(a):
+    return a.numpy()
+
+
+def cast_like(a, like):
+    """`a` in the dtype of `like` (NDArrays are float32, so nothing to do)."""
+    return a
+
+
 def empty(shape, dtype="float32", device=None):
     return (device or default_device()).empty(shape, dtype)
 

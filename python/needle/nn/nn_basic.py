@@ -11,7 +11,7 @@ import numpy as np
 
 from .. import init, ops
 from ..autograd import Tensor
-from ..backend_selection import BACKEND
+from ..backend_selection import array_api
 from .nn_module import Module, Parameter
 
 __all__ = [
@@ -37,9 +37,7 @@ def _row(vector, ndim):
 
 def _assign(buffer, value):
     """Replace a plain Tensor's value by the raw `value` (no graph), keeping the buffer's dtype."""
-    if BACKEND == "np":
-        value = value.astype(buffer.cached_data.dtype, copy=False)
-    buffer.cached_data = value
+    buffer.cached_data = array_api.cast_like(value, buffer.cached_data)
 
 
 class Identity(Module):
