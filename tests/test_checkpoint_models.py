@@ -270,11 +270,20 @@ def _lstm_lm():
     return _rnn_lm("lstm")
 
 
+def _conv_net():
+    np.random.seed(0)
+    model = nn.Sequential(nn.Conv(3, 8, 3, device=DEVICE), nn.ReLU(), nn.Conv(8, 8, 3, stride=2, device=DEVICE),
+                          nn.ReLU(), nn.Flatten(), nn.Linear(8 * 4 * 4, 10, device=DEVICE))
+    rs = np.random.RandomState(0)
+    return model, lambda m, X: m(X), (rs.randn(4, 3, 8, 8), rs.randint(0, 10, 4))
+
+
 @pytest.mark.parametrize("gc", [None, dict(), dict(policy="sqrt")], ids=["off", "all", "sqrt"])
-@pytest.mark.parametrize("build", [_relu_mlp, _rnn_lm, _lstm_lm], ids=["relu_sigmoid_mlp", "rnn_lm", "lstm_lm"])
+@pytest.mark.parametrize("build", [_relu_mlp, _rnn_lm, _lstm_lm, _conv_net],
+                         ids=["relu_sigmoid_mlp", "rnn_lm", "lstm_lm", "conv_net"])
 def test_predicted_peak_matches_the_allocator_beyond_the_transformer(build, gc):
     """The same within 1% for an MLP (ReLU's mask and Sigmoid's temporary are counted), an RNN and an LSTM
-    (tuples, and sums of tuple gradients)."""
+    (tuples, and sums of tuple gradients) and a strided conv net (im2col, dilated and sliced gradients)."""
     model, forward, (x, y) = build()
     if gc is not None:
         model.enable_gc(**gc)

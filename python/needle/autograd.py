@@ -72,7 +72,7 @@ class Op:
     # Facts the checkpointing policies and the Budget's memory ledger read (each op declares its own):
     saveable = False  # expensive to recompute (matmul, conv): the "selective" policy keeps it
     view = False  # the output lives in its input's buffer (when `view_strides` says so), or a tuple's
-    compacts_inputs = False  # compute first copies a strided (transposed, broadcast) operand into a compact one
+    compacts_inputs = False  # compute copies a strided operand into a compact one first (True, or input positions)
 
     def view_strides(self, shape, strides, out_shape):
         """For a view op: the output's element strides given its input's, or None where compute must copy."""

@@ -118,8 +118,9 @@ class Ledger:
         """Bytes compute allocates besides its result: declared temporaries and compact copies of strided inputs."""
         shapes = [_spec(x)[0] for x in node.inputs]
         extra = node.op.workspace(*shapes)
-        if node.op.compacts_inputs:
-            for x, shape in zip(node.inputs, shapes):
+        compacted = node.op.compacts_inputs  # True (every input) or the positions of the inputs it compacts
+        for i, (x, shape) in enumerate(zip(node.inputs, shapes)):
+            if compacted is True or (compacted and i in compacted):
                 strides = self.strides.get(id(x))
                 if strides is not None and strides != _compact_strides(shape):
                     extra += _elements(shape)

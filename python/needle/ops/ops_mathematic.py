@@ -649,6 +649,11 @@ class Slice(TensorOp):
     """The window a[start_i : start_i + size_i] on every axis i;  the gradient zero-pads it back"""
 
     saves = "none"
+    view = True
+
+    def view_strides(self, shape, strides, out_shape):
+        # compute copies the window, unless it is the whole (compact) array: then compact() returns it as is.
+        return strides if tuple(out_shape) == tuple(shape) and strides == _compact_strides(shape) else None
 
     def __init__(self, starts, sizes):
         self.starts, self.sizes = tuple(starts), tuple(sizes)
@@ -679,6 +684,7 @@ class Conv(TensorOp):
     """
 
     saveable = True
+    compacts_inputs = (1,)  # the weight: reshaped for the matmul (the input is read through a strided view)
 
     def __init__(self, stride=1, padding=0):
         self.stride = stride
