@@ -496,3 +496,28 @@ def test_predictor_and_executor_walk_the_same_plan():
             autograd._realize([loss], lambda n: not n.drop, run)
             autograd.run_backward(autograd.plan_backward(loss), out_grad, run)
         assert predicted == executed and len(executed) > len(graph)
+
+
+def test_no_import_cycle_involves_the_checkpointing_modules():
+    """Imports go one way: checkpoint -> checkpoint_budget -> autograd (and ops); autograd imports neither."""
+    import ast
+    import pathlib
+
+    package = pathlib.Path(ndl.__file__).parent
+
+    def imported(module):
+        tree = ast.parse((package / f"{module}.py").read_text())
+        names = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.level == 1:
+                names |= {node.module} if node.module else {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("needle."):
+                names.add(node.module.split(".")[1])
+        return names
+
+    assert not imported("autograd") & {"checkpoint", "checkpoint_budget"}
+    assert "checkpoint" not in imported("checkpoint_budget")
+    for name in ("ops_mathematic", "ops_logarithmic", "ops_tuple"):
+        tree = ast.parse((package / "ops" / f"{name}.py").read_text())
+        modules = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+        assert not any("checkpoint" in m for m in modules), name
