@@ -10,6 +10,10 @@ backward recomputes them from their nearest kept ancestors (the checkpoints) jus
     loss.backward()                       # dropped values are recomputed here, each at most once
     checkpoint.last_backward_stats()      # {"recomputed_nodes": ..., "released_bytes": ..., ...}
 
+    y = checkpoint.checkpoint(block, x)   # without enable_gc: drop one function's interior (torch's API)
+    y = checkpoint.checkpoint_sequential(layers, 4, x)    # a stack of layers in 4 checkpointed chunks
+    checkpoint.print_saved_residuals(loss)                # what backward will find in memory, and why
+
 This file decides *what* is dropped: `annotate` and the policies. Backward itself (what to recompute before
 each step, when each value dies) is autograd's plan, which treats a dropped value as a missing one; the memory
 budget planner is `checkpoint_budget.Budget`.
@@ -36,11 +40,12 @@ The rules (enforced where noted; each test names the rule it checks):
   Rule 5. When backward returns, every leaf gradient is realized, so an optimizer that updates parameters in
           place can never change a value a gradient still depends on.
 """
+import itertools
 import math
 import weakref
 from dataclasses import dataclass
 
-from .autograd import find_topo_sort, infer_spec, itemsize, last_backward_stats, release
+from .autograd import Value, find_topo_sort, infer_spec, itemsize, last_backward_stats, release
 from .checkpoint_budget import Budget
 
 __all__ = [
@@ -48,10 +53,14 @@ __all__ = [
     "EverySegment",
     "Sqrt",
     "annotate",
+    "checkpoint",
+    "checkpoint_sequential",
     "dots_saveable",
     "keep_reason",
     "last_backward_stats",
     "nothing_saveable",
+    "print_saved_residuals",
+    "region_of",
     "resolve_policy",
     "saved_residuals",
 ]
@@ -140,7 +149,7 @@ def resolve_policy(policy=None, segment_len=None):
     return _POLICIES[policy]
 
 
-def annotate(out_node, in_nodes, segment_len=None, policy=None):
+def annotate(out_node, in_nodes, segment_len=None, policy=None, label=None):
     """Mark the nodes strictly between `in_nodes` and `out_node` as dropped, except the policy's checkpoints.
 
     Trade-off: every dropped node saves its bytes between the forward pass and its use in backward, and costs
@@ -148,7 +157,8 @@ def annotate(out_node, in_nodes, segment_len=None, policy=None):
     ("sqrt", "selective", a Budget or any callable nodes -> keep flags) chooses checkpoints otherwise.
     Rule 1: leaves, `in_nodes` and `out_node` are never dropped. A node once dropped stays dropped, so nested
     regions compose (the inner region decides first). Eager mode releases the dropped values at once (the
-    region's output exists); lazy mode releases them as they are consumed.
+    region's output exists); lazy mode releases them as they are consumed. `label` (a module's class name)
+    only names the region in the DOT graph.
 
         x = ndl.Tensor(...); h = ops.relu(x @ w); y = h @ v
         annotate(y, [x])           # x @ w and relu(...) are recomputed in backward
@@ -169,12 +179,24 @@ def annotate(out_node, in_nodes, segment_len=None, policy=None):
             release(node)
     for node in outs:
         _reasons[node] = "boundary"
+    region = (label or "region", next(_region_numbers))
+    for node in order:  # the inner region ran first and keeps its nodes
+        if id(node) not in stop and not node.is_leaf():
+            _regions.setdefault(node, region)
     return out_node
 
 
 # Why an annotated node is kept ("boundary": a region's output; "checkpoint": chosen by the policy). Read by
 # keep_reason/saved_residuals and the DOT graph; weak, so it never keeps a node alive.
 _reasons = weakref.WeakKeyDictionary()
+# The innermost annotated region that made a node: (label, number), for the DOT graph's clusters. Weak as well.
+_regions = weakref.WeakKeyDictionary()
+_region_numbers = itertools.count()
+
+
+def region_of(node):
+    """(label, number) of the innermost annotated region that contains `node` (its output included), or None."""
+    return _regions.get(node)
 
 
 def keep_reason(node):
@@ -216,3 +238,89 @@ def saved_residuals(root, exclude=()):
         seen.add(id(buffer))
         rows.append((node, keep_reason(node), nbytes))
     return rows
+
+
+def print_saved_residuals(loss, exclude=()):
+    """Print the buffers the graph above `loss` holds for backward, one row each, and why (as JAX's).
+
+    Columns: a parameter's name (else the op that made the value, or "leaf"), shape, bytes, reason (see
+    `keep_reason`), then the total. Call it between the forward pass and backward; `exclude` as in
+    `saved_residuals`.
+    """
+    rows = [(getattr(node, "name", None) or ("leaf" if node.is_leaf() else type(node.op).__name__),
+             str(tuple(node.cached_data.shape)), f"{nbytes:,}", reason)
+            for node, reason, nbytes in saved_residuals(loss, exclude)]
+    table = [("name/op", "shape", "bytes", "reason")] + rows
+    widths = [max(len(row[i]) for row in table) for i in range(4)]
+    for name, shape, nbytes, reason in table:
+        print(f"{name:<{widths[0]}}  {shape:<{widths[1]}}  {nbytes:>{widths[2]}}  {reason}")
+    total = sum(int(row[2].replace(",", "")) for row in rows)
+    print(f"total: {len(rows)} buffers, {total:,} bytes ({total / 2**20:.2f} MiB)")
+
+
+# ----- checkpointing a function or a stack of layers (PyTorch's torch.utils.checkpoint) ------------------------
+def checkpoint(fn, *args, segment_len=None, policy=None):
+    """Run `fn(*args)` without keeping its intermediate values; backward recomputes them from `args`.
+
+    Trade-off: the values `fn` computes between its Tensor arguments and its output are freed as soon as the
+    output exists (eager) or consumed (lazy), instead of living until backward; backward runs that part of
+    `fn` once more, just before it needs it. Gradients are bit-identical to calling `fn(*args)` (rule 4b).
+
+    Args:
+        fn: a function or Module from Tensors to a Tensor or a tuple/list of Tensors. The Tensors it reads
+            besides `args` should be leaves (parameters, constants): a computed Tensor captured from outside
+            counts as interior (annotate's walk stops only at `args`), so pass it as an argument.
+        *args: passed to `fn`; the Tensors among them are the region's inputs, kept (rule 1).
+        segment_len, policy: which interior values to keep anyway, as for `annotate` (default: none).
+    Returns `fn`'s output, itself kept (rule 1).
+
+        h = checkpoint.checkpoint(lambda x: ops.relu(x @ w1) @ w2, x)
+        h.sum().backward()      # x @ w1 and relu(...) are recomputed here
+    """
+    out = fn(*args)
+    outs = [o for o in (out if isinstance(out, (list, tuple)) else [out]) if isinstance(o, Value)]
+    inputs = [a for a in args if isinstance(a, Value)]
+    label = getattr(fn, "__name__", None) or type(fn).__name__  # a function's name, a module's class
+    annotate(outs, inputs, segment_len=segment_len, policy=policy, label=label)
+    return out
+
+
+def checkpoint_sequential(modules, segments, x, segment_len=None, policy=None):
+    """Run `modules` one after the other on `x`, as `segments` consecutive checkpointed chunks.
+
+    Trade-off: only the chunk boundaries (and leaves) stay in memory after the forward pass; backward
+    recomputes one chunk's interior at a time, so the peak holds `segments` boundaries plus one chunk: for n
+    layers, segments ~ sqrt(n) keeps O(sqrt n) activations for about one extra forward pass. Gradients are
+    bit-identical to running the modules plainly.
+
+    Args:
+        modules: an nn.Sequential or a list/tuple of modules (any callables Tensor -> Tensor).
+        segments: the number of chunks, 1 <= segments <= len(modules); their lengths differ by at most one.
+        x: the input Tensor (kept).
+        segment_len, policy: passed to each chunk's `checkpoint`.
+    Returns the last module's output.
+
+        model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU())
+        y = checkpoint.checkpoint_sequential(model, 2, x)     # boundaries: x, model.modules[1]'s output, y
+    """
+    modules = list(getattr(modules, "modules", modules))  # nn.Sequential keeps its layers in `.modules`
+    if not 1 <= segments <= len(modules):
+        raise ValueError(f"checkpoint_sequential: segments must be between 1 and the number of modules "
+                         f"({len(modules)}), got {segments}")
+    bounds = [i * len(modules) // segments for i in range(segments + 1)]
+    for start, end in zip(bounds, bounds[1:]):
+        x = checkpoint(_Chunk(modules[start:end], f"modules[{start}:{end}]"), x,
+                       segment_len=segment_len, policy=policy)
+    return x
+
+
+class _Chunk:
+    """Consecutive modules applied in order: one checkpoint region, named after their slice."""
+
+    def __init__(self, modules, name):
+        self.modules, self.__name__ = modules, name
+
+    def __call__(self, x):
+        for module in self.modules:
+            x = module(x)
+        return x

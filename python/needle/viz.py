@@ -1,13 +1,19 @@
 """Graphviz DOT text of a graph, so a student can see what checkpointing keeps, drops and recomputes.
 
-    print(needle.viz.to_dot(loss))   # paste into `dot -Tpng` or any Graphviz viewer
+    open("graph.dot", "w").write(needle.viz.to_dot(loss))
+    # then, in a shell (Graphviz):  dot -Tpng graph.dot -o graph.png     or paste it into any DOT viewer
 
 Kept values are solid boxes, dropped ones dashed grey, dropped values that backward recomputes orange (read
 off the backward plan of this very graph, so the marking cannot go stale), leaves (parameters, inputs,
-constants) green ellipses.
+constants) green ellipses; a legend repeats this. Each node shows its op (a parameter: its name), shape and
+bytes. The nodes of one annotated region (a module's forward when checkpointing is on, a `checkpoint()` call)
+are boxed together under the module's class name. `hide_views=True` leaves out view nodes (reshape, broadcast,
+transpose: no buffer of their own) and draws their inputs straight to their consumers.
 """
+import math
+
 from . import checkpoint
-from .autograd import find_topo_sort, plan_backward
+from .autograd import find_topo_sort, infer_spec, itemsize, plan_backward
 
 __all__ = ["to_dot"]
 
@@ -16,6 +22,12 @@ _STYLES = {
     "kept": 'shape=box, style=filled, fillcolor="#dde8f7"',
     "dropped": 'shape=box, style="dashed,filled", fillcolor="#eeeeee", color="#888888"',
     "recomputed": 'shape=box, style="filled,bold", fillcolor="#ffcc80", color="#e65100"',
+}
+_LEGEND = {
+    "leaf": "leaf: parameter, input, constant",
+    "kept": "kept for backward",
+    "dropped": "dropped, not needed again",
+    "recomputed": "dropped, recomputed in backward",
 }
 
 
@@ -33,24 +45,67 @@ def _label(node, kind):
     return kind if kind != "kept" else f"kept ({reason})"
 
 
-def to_dot(tensor, name="needle"):
-    """DOT text for the graph above `tensor` (a Tensor or a list of them)."""
+def _size(node):
+    """Shape text and bytes of a node's value, from shape inference (nothing is computed); '?' if unknown."""
+    spec = infer_spec(node)
+    if spec is None:
+        return "?", "?"
+    shape, dtype = spec[0], spec[1]
+    shapes = shape if shape and isinstance(shape[0], tuple) else [shape]  # a tuple op: one shape per element
+    return str(tuple(shape)), _human(sum(math.prod(s) for s in shapes) * itemsize(dtype))
+
+
+def _human(nbytes):
+    for unit in ("B", "KB", "MB", "GB"):
+        if nbytes < 1024 or unit == "GB":
+            return f"{nbytes} B" if unit == "B" else f"{nbytes:.1f} {unit}"
+        nbytes /= 1024
+
+
+def _sources(node, hidden):
+    """`node`'s inputs, looking through hidden view nodes to the values they view."""
+    sources, stack = [], list(reversed(node.inputs))
+    while stack:
+        x = stack.pop()
+        if id(x) in hidden:
+            stack.extend(reversed(x.inputs))
+        else:
+            sources.append(x)
+    return sources
+
+
+def to_dot(tensor, name="needle", hide_views=False):
+    """DOT text for the graph above `tensor` (a Tensor or a list of them); see the module's docstring."""
     roots = list(tensor) if isinstance(tensor, (list, tuple)) else [tensor]
     # What backward recomputes: the plan's recomputations when only leaves and kept values exist.
     recomputed = {id(n) for r in roots if r.requires_grad
                   for n in plan_backward(r, lambda n: n.is_leaf() or not n.drop).recomputed()}
     order = find_topo_sort(roots)
-    number = {id(n): i for i, n in enumerate(order)}
+    root_ids = {id(r) for r in roots}
+    hidden = {id(n) for n in order if hide_views and n.op is not None and n.op.view and id(n) not in root_ids}
+    shown = [n for n in order if id(n) not in hidden]
+    number = {id(n): i for i, n in enumerate(shown)}
     lines = [f"digraph {name} {{", "  rankdir=BT;", '  node [fontname="Helvetica", fontsize=10];']
-    for node in order:
+    for node in shown:
         kind = node_kind(node, recomputed)
-        label = "leaf" if node.is_leaf() else type(node.op).__name__
-        shape = node._spec[0] if node.cached_data is None and node._spec else getattr(node.cached_data, "shape", "")
-        shape_text = tuple(shape) if shape != "" else ""
-        lines.append(f'  n{number[id(node)]} [label="{label}\\n{shape_text}\\n{_label(node, kind)}", '
-                     f"{_STYLES[kind]}];")
-    for node in order:
-        for inp in node.inputs:
-            lines.append(f"  n{number[id(inp)]} -> n{number[id(node)]};")
-    lines.append("}")
+        title = getattr(node, "name", None) or ("leaf" if node.is_leaf() else type(node.op).__name__)
+        shape, nbytes = _size(node)
+        status = "" if title == kind else f"\\n{_label(node, kind)}"
+        lines.append(f'  n{number[id(node)]} [label="{title}\\n{shape}\\n{nbytes}{status}", {_STYLES[kind]}];')
+    for node in shown:
+        for src in _sources(node, hidden):
+            lines.append(f"  n{number[id(src)]} -> n{number[id(node)]};")
+    # One cluster per annotated region; a node listed in a cluster is drawn inside it.
+    regions = {}
+    for node in shown:
+        region = checkpoint.region_of(node)
+        if region is not None:
+            regions.setdefault(region, []).append(f"n{number[id(node)]}")
+    for (label, serial), members in regions.items():
+        lines.append(f'  subgraph cluster_{serial} {{ label="{label}"; style=rounded; color="#9e9e9e"; '
+                     f"{'; '.join(members)}; }}")
+    lines.append('  subgraph cluster_legend { label="legend"; color="#bbbbbb";')
+    for kind, text in _LEGEND.items():
+        lines.append(f'    legend_{kind} [label="{text}", {_STYLES[kind]}];')
+    lines += ["  }", "}"]
     return "\n".join(lines) + "\n"

@@ -1,4 +1,8 @@
-"""Module and Parameter: the base of every layer, and the switch that turns checkpointing on."""
+"""Module and Parameter: the base of every layer, the switch that turns checkpointing on, and state dicts."""
+from collections import OrderedDict
+
+import numpy as np
+
 from .. import checkpoint
 from ..autograd import Tensor
 
@@ -14,16 +18,16 @@ class Parameter(Tensor):
     name = None
 
 
-def _unpack_params(value, prefix=""):
-    """(dotted name, Parameter) pairs found in `value`, in order of definition."""
-    if isinstance(value, Parameter):
+def _unpack_tensors(value, prefix=""):
+    """(dotted name, Tensor) pairs found in `value`'s attributes, lists, tuples and dicts, in order of definition."""
+    if isinstance(value, Tensor):
         return [(prefix, value)]
     if isinstance(value, Module):
         value = value.__dict__
     if isinstance(value, dict):
-        return [p for k, v in value.items() for p in _unpack_params(v, f"{prefix}.{k}" if prefix else str(k))]
+        return [p for k, v in value.items() for p in _unpack_tensors(v, f"{prefix}.{k}" if prefix else str(k))]
     if isinstance(value, (list, tuple)):
-        return [p for i, v in enumerate(value) for p in _unpack_params(v, f"{prefix}.{i}" if prefix else str(i))]
+        return [p for i, v in enumerate(value) for p in _unpack_tensors(v, f"{prefix}.{i}" if prefix else str(i))]
     return []
 
 
@@ -43,6 +47,8 @@ class Module:
     Checkpointing: `enable_gc(segment_len=None, policy=None)` turns it on for this module and every module
     inside it; a module then calls `self.checkpoint(out, inputs)` at the end of its forward, which marks its
     interior nodes `drop` (see needle.checkpoint.annotate).
+    Saving: `state_dict()` gives NumPy copies of the parameters and buffers by dotted name; `load_state_dict(d)`
+    copies them back in place (`ndl.save` / `ndl.load` write and read them as .npz).
     """
 
     def __init__(self):
@@ -51,20 +57,65 @@ class Module:
         self.segment_len = None
         self.policy = None
 
+    def _named_tensors(self):
+        """(dotted name, Tensor) for every Parameter and buffer, first occurrence of each, in definition order."""
+        named, seen = [], set()
+        for name, t in _unpack_tensors(self.__dict__):
+            if id(t) not in seen and (isinstance(t, Parameter) or t.is_leaf()):  # not a cached graph value
+                seen.add(id(t))
+                named.append((name, t))
+        return named
+
     def named_parameters(self):
         """(dotted name, Parameter) for every Parameter of this module and its children, in order of definition."""
-        named, seen = [], set()
-        for name, p in _unpack_params(self.__dict__):
-            if id(p) not in seen:
-                seen.add(id(p))
-                named.append((name, p))
-                if p.name is None:
-                    p.name = name
+        named = [(name, t) for name, t in self._named_tensors() if isinstance(t, Parameter)]
+        for name, p in named:
+            if p.name is None:
+                p.name = name
         return named
 
     def parameters(self):
         """Every Parameter of this module and its children, in order of definition."""
         return [p for _, p in self.named_parameters()]
+
+    def named_buffers(self):
+        """(dotted name, Tensor) for the plain leaf Tensors that are state too (BatchNorm's running_mean...)."""
+        return [(name, t) for name, t in self._named_tensors() if not isinstance(t, Parameter)]
+
+    def state_dict(self):
+        """An OrderedDict {dotted name: NumPy copy} of every parameter and buffer, in order of definition.
+
+        Names are attribute paths, as `named_parameters()` gives them ("modules.1.running_mean" in a Sequential).
+        Save it with `ndl.save(model.state_dict(), "model.npz")`.
+        """
+        self.named_parameters()  # name the parameters, as a forward pass would
+        return OrderedDict((name, np.array(t.numpy(), copy=True)) for name, t in self._named_tensors())
+
+    def load_state_dict(self, state_dict, strict=True):
+        """Copy the values of `state_dict` (NumPy arrays, Tensors or NDArrays) into this module, in place.
+
+        Each parameter and buffer keeps its identity, dtype and device (an optimizer holding it stays valid);
+        its version is bumped, as by any in-place write. `strict`: every key must match (else RuntimeError naming
+        the missing and unexpected keys); shapes must match always. Returns (missing keys, unexpected keys).
+        """
+        own = OrderedDict(self._named_tensors())
+        missing = [k for k in own if k not in state_dict]
+        unexpected = [k for k in state_dict if k not in own]
+        if strict and (missing or unexpected):
+            raise RuntimeError(f"load_state_dict for {type(self).__name__}: missing keys {missing}, unexpected keys "
+                               f"{unexpected} (keys are attribute paths, as state_dict() gives them)")
+        arrays = {}
+        for key, t in own.items():
+            if key in state_dict:
+                value = state_dict[key]
+                arrays[key] = np.asarray(value.numpy() if hasattr(value, "numpy") else value)
+                if arrays[key].shape != tuple(t.shape):
+                    raise RuntimeError(f"load_state_dict for {type(self).__name__}: {key!r} has shape "
+                                       f"{arrays[key].shape} in the state dict, but {tuple(t.shape)} in the module")
+        for key, array in arrays.items():  # all checked first: an error leaves the module unchanged
+            t = own[key]
+            t.data = Tensor(array, device=t.device, dtype=t.dtype, requires_grad=False)
+        return missing, unexpected
 
     def _children(self):
         return _child_modules(self.__dict__)
@@ -82,7 +133,14 @@ class Module:
         return self
 
     def enable_gc(self, segment_len=None, policy=None):
-        """Turn gradient checkpointing on for this module and all its children (see needle.checkpoint)."""
+        """Turn gradient checkpointing on for this module and all its children (see needle.checkpoint).
+
+        `segment_len` chooses the checkpoints of the "all" policy; any other policy chooses its own, so giving
+        both is an error (it used to ignore `segment_len` silently).
+        """
+        if segment_len is not None and policy not in (None, "all"):
+            raise ValueError(f"enable_gc: segment_len={segment_len} and policy={policy!r} conflict: segment_len "
+                             f"sets the checkpoints of the 'all' policy, {policy!r} chooses its own; pass only one")
         checkpoint.resolve_policy(policy, segment_len)  # fail now on a bad policy, not in forward
         for m in [self] + self._children():
             m.gc, m.segment_len, m.policy = True, segment_len, policy
@@ -96,7 +154,8 @@ class Module:
     def checkpoint(self, out, inputs):
         """Mark the nodes between `inputs` and `out` as dropped when checkpointing is on; return `out`."""
         if getattr(self, "gc", False):
-            checkpoint.annotate(out, inputs, segment_len=self.segment_len, policy=self.policy)
+            checkpoint.annotate(out, inputs, segment_len=self.segment_len, policy=self.policy,
+                                label=type(self).__name__)
         return out
 
     def __call__(self, *args, **kwargs):

@@ -1,0 +1,288 @@
+"""The user-facing checkpointing API: checkpoint(), checkpoint_sequential(), print_saved_residuals(), enable_gc's
+argument check and viz.to_dot. Each test names the rule of needle/checkpoint.py it checks, where one applies."""
+import gc as python_gc
+import re
+import warnings
+
+import numpy as np
+import pytest
+
+import needle as ndl
+from needle import autograd, checkpoint, nn, ops
+from needle import backend_ndarray as nd
+
+from conftest import DEVICES
+
+
+def _weights(device, n=3, width=8, seed=0):
+    rs = np.random.RandomState(seed)
+    return [ndl.Tensor(rs.randn(width, width).astype(np.float32) / width, device=device) for _ in range(n)]
+
+
+def _chain(x, *ws):
+    """relu(... relu(relu(x @ w1) @ w2) ...): a few matmuls and relus."""
+    for w in ws:
+        x = ops.relu(x @ w)
+    return x
+
+
+def _interior(out, inputs):
+    """The non-leaf nodes strictly between `inputs` and `out`."""
+    stop = {id(n) for n in inputs}
+    order = autograd.find_topo_sort([out], expand=lambda n: id(n) not in stop)
+    return [n for n in order if id(n) not in stop and n is not out and not n.is_leaf()]
+
+
+def _parse_dot(dot):
+    pydot = pytest.importorskip("pydot", reason="pydot (a DOT parser) is a test dependency")
+    with warnings.catch_warnings():  # pydot's parser uses pyparsing names that newer pyparsing deprecates
+        warnings.simplefilter("ignore", DeprecationWarning)
+        graphs = pydot.graph_from_dot_data(dot)
+    assert graphs, "pydot could not parse the DOT text"
+    return graphs[0]
+
+
+# ----- checkpoint(fn, *args) --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("device", [DEVICES[0], DEVICES[1]])
+@pytest.mark.parametrize("lazy", [False, True], ids=["eager", "lazy"])
+def test_rule4_checkpoint_gradients_bit_identical(device, lazy):
+    """Rule 4b: checkpoint(fn, x) gives the output and gradients of fn(x) bit for bit, eager and lazy."""
+    ws = _weights(device)
+    x = ndl.Tensor(np.random.RandomState(1).randn(5, 8).astype(np.float32), device=device)
+
+    def fn(h):
+        return _chain(h, *ws)  # the weights: leaves read from the closure
+
+    results = []
+    for use_checkpoint in (False, True):
+        with autograd.lazy_mode(lazy):
+            out = checkpoint.checkpoint(fn, x) if use_checkpoint else fn(x)
+            loss = ops.logsumexp(out, axes=(1,)).sum()
+            loss.backward()
+        recomputed = checkpoint.last_backward_stats()["recomputed_nodes"]
+        results.append((loss.numpy(), x.grad.numpy(), [w.grad.numpy() for w in ws], recomputed))
+    (loss0, gx0, gw0, rec0), (loss1, gx1, gw1, rec1) = results
+    np.testing.assert_array_equal(loss0, loss1)
+    np.testing.assert_array_equal(gx0, gx1)
+    for a, b in zip(gw0, gw1):
+        np.testing.assert_array_equal(a, b)
+    assert rec0 == 0 and rec1 > 0  # the checkpointed run really recomputed its interior
+
+
+def test_rule1_checkpoint_drops_the_interior_only():
+    """Rule 1: checkpoint() drops the interior; its Tensor args, leaves and output are kept; fn's output is returned."""
+    device = nd.cpu_numpy()
+    ws = _weights(device)
+    x = ndl.Tensor(np.ones((4, 8), np.float32), device=device)
+    made = []
+    out = checkpoint.checkpoint(lambda h: made.append(_chain(h, *ws)) or made[-1], x)
+    assert out is made[0]
+    interior = _interior(out, [x])
+    assert len(interior) == 5  # matmul, relu, matmul, relu, matmul
+    assert all(n.drop and n.cached_data is None for n in interior)  # eager: released at once (rule 3)
+    assert not out.drop and not x.drop and not any(w.drop for w in ws)
+    assert checkpoint.keep_reason(out) == "boundary"
+
+
+def test_rule3_checkpoint_holds_less_memory_before_backward():
+    """Rule 3: on the C++ cpu() device, a checkpointed chain holds exactly its interior's bytes less."""
+    if not nd.cpu().enabled():
+        pytest.skip("C++ backend not built (run `make`)")
+    device = nd.cpu()
+    ws = _weights(device, n=3, width=128)
+    x = ndl.Tensor(np.ones((64, 128), np.float32), device=device, requires_grad=False)
+    held = []
+    for use_checkpoint in (False, True):
+        python_gc.collect()
+        start = nd.memory_stats(device)["current_bytes"]
+        out = checkpoint.checkpoint(_chain, x, *ws) if use_checkpoint else _chain(x, *ws)
+        held.append(nd.memory_stats(device)["current_bytes"] - start)
+        del out
+    activation = 64 * 128 * 4
+    assert held[0] == 6 * activation  # three matmul and three relu outputs
+    assert held[1] == activation  # only the output: the five interior values are gone
+
+
+def test_checkpoint_passes_policy_and_segment_len_through():
+    """checkpoint(..., segment_len=k / policy=...) keeps the policy's checkpoints, as annotate does."""
+    device = nd.cpu_numpy()
+    ws = _weights(device, n=4)
+    x = ndl.Tensor(np.ones((4, 8), np.float32), device=device)
+    out = checkpoint.checkpoint(_chain, x, *ws, segment_len=2)
+    kept = [n for n in _interior(out, [x]) if not n.drop]
+    assert [checkpoint.keep_reason(n) for n in kept] == ["checkpoint"] * 3  # every 2nd of 7 candidates
+    out = checkpoint.checkpoint(_chain, x, *ws, policy="selective")
+    assert {type(n.op).__name__ for n in _interior(out, [x]) if not n.drop} == {"MatMul"}
+
+
+def test_rule1_checkpoint_with_tuple_output_and_non_tensor_args():
+    """Rule 1: every output of a tuple-returning fn is kept; non-Tensor arguments are passed through."""
+    device = nd.cpu_numpy()
+    (w,) = _weights(device, n=1)
+    x = ndl.Tensor(np.ones((4, 8), np.float32), device=device)
+
+    def two_heads(h, scale):
+        z = ops.relu(h @ w)
+        return ops.exp(z * scale), ops.tanh(z)
+
+    a, b = checkpoint.checkpoint(two_heads, x, 0.5)
+    assert not a.drop and not b.drop
+    assert [n.drop for n in _interior(a, [x])] == [True] * 3  # matmul, relu, z * scale
+    (a.sum() + b.sum()).backward()
+    expected = (np.exp(np.maximum(x.numpy() @ w.numpy(), 0) * 0.5)).sum()
+    np.testing.assert_allclose(a.sum().numpy(), expected, rtol=1e-6)
+
+
+# ----- checkpoint_sequential(modules, segments, x) ----------------------------------------------------------------
+def _mlp(device, seed=0):
+    np.random.seed(seed)
+    return nn.Sequential(nn.Linear(8, 16, device=device), nn.ReLU(), nn.Linear(16, 16, device=device), nn.Tanh(),
+                         nn.Linear(16, 4, device=device), nn.ReLU())
+
+
+@pytest.mark.parametrize("lazy", [False, True], ids=["eager", "lazy"])
+@pytest.mark.parametrize("segments", [1, 2, 4, 6])
+def test_rule4_checkpoint_sequential_gradients_bit_identical(lazy, segments):
+    """Rule 4b: checkpoint_sequential gives the gradients of running the modules plainly, bit for bit."""
+    device = nd.cpu_numpy()
+    model = _mlp(device)
+    x = ndl.Tensor(np.random.RandomState(2).randn(5, 8).astype(np.float32), device=device)
+    grads = []
+    for use_checkpoint in (False, True):
+        with autograd.lazy_mode(lazy):
+            out = checkpoint.checkpoint_sequential(model, segments, x) if use_checkpoint else model(x)
+            out.sum().backward()
+        grads.append([x.grad.numpy()] + [p.grad.numpy() for p in model.parameters()])
+    for a, b in zip(*grads):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_rule1_checkpoint_sequential_keeps_chunk_boundaries_and_drops_interiors():
+    """Rule 1: 4 modules in 2 chunks: the output of module 2 (a boundary) is kept, modules 1 and 3's dropped."""
+    device = nd.cpu_numpy()
+    ws = _weights(device, n=4)
+    outputs = []
+
+    def layer(w):
+        return lambda h: outputs.append(ops.relu(h @ w)) or outputs[-1]
+
+    x = ndl.Tensor(np.ones((4, 8), np.float32), device=device)
+    y = checkpoint.checkpoint_sequential([layer(w) for w in ws], 2, x)
+    assert y is outputs[3]
+    assert [o.drop for o in outputs] == [True, False, True, False]
+    assert [checkpoint.region_of(o)[0] for o in outputs] == ["modules[0:2]"] * 2 + ["modules[2:4]"] * 2
+
+
+@pytest.mark.parametrize("segments", [0, -1, 7])
+def test_checkpoint_sequential_rejects_bad_segment_counts(segments):
+    model = _mlp(nd.cpu_numpy())
+    x = ndl.Tensor(np.ones((2, 8), np.float32), device=nd.cpu_numpy())
+    with pytest.raises(ValueError, match=r"segments must be between 1 and the number of modules \(6\), got"):
+        checkpoint.checkpoint_sequential(model, segments, x)
+
+
+# ----- print_saved_residuals ----------------------------------------------------------------------------------------
+def test_print_saved_residuals_table(capsys):
+    """One row per buffer of saved_residuals, parameter names, op names, shapes, bytes, reasons and the total."""
+    device = nd.cpu_numpy()
+    model = _mlp(device).enable_gc()
+    x = ndl.Tensor(np.ones((5, 8), np.float32), device=device, requires_grad=False)
+    loss = model(x).sum()
+    assert checkpoint.print_saved_residuals(loss) is None
+    lines = capsys.readouterr().out.splitlines()
+    rows = checkpoint.saved_residuals(loss)
+    assert lines[0].split() == ["name/op", "shape", "bytes", "reason"]
+    assert len(lines) == len(rows) + 2  # header, one line per buffer, total
+    assert re.fullmatch(r"modules\.0\.weight +\(8, 16\) +512 +leaf", lines[2])  # after the input x
+    assert re.fullmatch(r"leaf +\(5, 8\) +160 +leaf", lines[1])
+    assert re.fullmatch(r"EWiseAdd +\(5, 16\) +320 +boundary", lines[4])  # the Linear's output (its matmul:
+    assert re.fullmatch(r"ReLU +\(5, 16\) +320 +boundary", lines[5])  # dropped, no buffer, no row)
+    total = sum(nbytes for _, _, nbytes in rows)
+    assert lines[-1] == f"total: {len(rows)} buffers, {total:,} bytes ({total / 2**20:.2f} MiB)"
+
+    checkpoint.print_saved_residuals(loss, exclude=model.parameters() + [x])
+    out = capsys.readouterr().out
+    assert "weight" not in out and "leaf" not in out and "boundary" in out
+
+
+# ----- enable_gc(segment_len, policy) -------------------------------------------------------------------------------
+@pytest.mark.parametrize("policy", ["sqrt", "selective", checkpoint.Budget(1 << 20), checkpoint.nothing_saveable],
+                         ids=["sqrt", "selective", "budget", "callable"])
+def test_enable_gc_rejects_segment_len_with_a_policy_that_chooses_its_own(policy):
+    model = _mlp(nd.cpu_numpy())
+    with pytest.raises(ValueError, match=r"segment_len=4 and policy=.* conflict"):
+        model.enable_gc(segment_len=4, policy=policy)
+    assert not model.gc and not model.modules[0].gc  # nothing was switched on
+
+
+@pytest.mark.parametrize("kwargs", [dict(segment_len=4), dict(policy="sqrt"), dict(policy="all", segment_len=4),
+                                    dict()], ids=["segment_len", "sqrt", "all+segment_len", "default"])
+def test_enable_gc_still_accepts_one_choice(kwargs):
+    model = _mlp(nd.cpu_numpy()).enable_gc(**kwargs)
+    assert all(m.gc for m in model.modules)
+
+
+# ----- viz.to_dot ---------------------------------------------------------------------------------------------------
+def _gc_model_loss():
+    device = nd.cpu_numpy()
+    model = _mlp(device).enable_gc()
+    x = ndl.Tensor(np.ones((5, 8), np.float32), device=device, requires_grad=False)
+    return model, model(x).sum()
+
+
+def test_to_dot_legend_parameter_names_bytes_and_module_clusters():
+    """The legend shows the four styles; leaves carry parameter names; nodes their bytes; modules are clusters."""
+    _, loss = _gc_model_loss()
+    graph = _parse_dot(ndl.viz.to_dot(loss))
+    clusters = {sub.get_name(): sub for sub in graph.get_subgraphs()}
+    legend = clusters.pop("cluster_legend")
+    assert sorted(n.get_name() for n in legend.get_nodes()) == ["legend_dropped", "legend_kept", "legend_leaf",
+                                                                "legend_recomputed"]
+    labels = {n.get_name(): n.get("label").strip('"') for n in graph.get_nodes() if n.get("label")}
+    leaves = [label.split("\\n") for label in labels.values() if label.endswith("\\nleaf")]
+    assert leaves == [["modules.0.weight", "(8, 16)", "512 B", "leaf"], ["modules.0.bias", "(1, 16)", "64 B", "leaf"],
+                      ["modules.2.weight", "(16, 16)", "1.0 KB", "leaf"], ["modules.2.bias", "(1, 16)", "64 B", "leaf"],
+                      ["modules.4.weight", "(16, 4)", "256 B", "leaf"], ["modules.4.bias", "(1, 4)", "16 B", "leaf"]]
+    assert labels["n0"] == "leaf\\n(5, 8)\\n160 B"  # the input: no name
+    # three Linear, two ReLU and no Tanh region (Tanh does not annotate): one cluster each, in forward order
+    assert [c.get("label").strip('"') for c in clusters.values()] == ["Linear", "ReLU", "Linear", "Linear", "ReLU"]
+    first_linear = [n.get_name() for n in next(iter(clusters.values())).get_nodes()]
+    assert [labels[n].split("\\n")[0] for n in first_linear] == ["MatMul", "BroadcastTo", "EWiseAdd"]
+
+
+def test_to_dot_hide_views_drops_view_nodes_and_keeps_edges_consistent():
+    """hide_views=True: no Reshape/BroadcastTo/Transpose node, fewer nodes, and every edge joins shown nodes
+    along a path of the real graph (a view's input is drawn straight to the view's consumers)."""
+    _, loss = _gc_model_loss()
+    full, hidden = (_parse_dot(ndl.viz.to_dot(loss, hide_views=v)) for v in (False, True))
+    node_labels = {}
+    for graph in (full, hidden):
+        node_labels[graph] = {n.get_name(): n.get("label").strip('"').split("\\n")[0]
+                              for n in graph.get_nodes() if n.get("label")}
+    view_ops = {"Reshape", "BroadcastTo", "Transpose"}
+    n_views = sum(op in view_ops for op in node_labels[full].values())
+    assert n_views == 3  # one bias broadcast per Linear
+    assert len(node_labels[hidden]) == len(node_labels[full]) - n_views
+    assert not view_ops & set(node_labels[hidden].values())
+    edges = [(e.get_source(), e.get_destination()) for e in hidden.get_edges()]
+    assert all(s in node_labels[hidden] and d in node_labels[hidden] for s, d in edges)
+    # each Linear's bias leaf now feeds its EWiseAdd directly; edges = inputs counted through the views
+    order = autograd.find_topo_sort([loss])
+    expected = sum(1 if not (x.op is not None and x.op.view) else len(x.inputs)
+                   for n in order if not (n.op is not None and n.op.view) for x in n.inputs)
+    assert len(edges) == expected == len(full.get_edges()) - n_views
+    labels = node_labels[hidden]
+    assert sum(labels[s].endswith("bias") and labels[d] == "EWiseAdd" for s, d in edges) == 3
+
+
+def test_to_dot_styles_match_the_backward_plan_on_real_nodes():
+    """The recomputed style sits on graph nodes (not just the legend), exactly those the backward plan recomputes."""
+    device = nd.cpu_numpy()
+    x = ndl.Tensor(np.ones((2, 2), np.float32), device=device)
+    out = checkpoint.checkpoint(lambda h: ops.exp(ops.exp(h * 0.5)) + 1.0, x)
+    loss = ops.exp(out).sum()
+    graph = _parse_dot(ndl.viz.to_dot(loss))
+    recomputed = [n.get("label").strip('"').split("\\n")[0] for n in graph.get_nodes()
+                  if n.get("fillcolor") == '"#ffcc80"']
+    plan = autograd.plan_backward(loss, lambda n: n.is_leaf() or not n.drop)
+    assert sorted(recomputed) == sorted(type(n.op).__name__ for n in plan.recomputed()) and recomputed
