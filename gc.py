@@ -14,10 +14,22 @@ counts (needle.backend_ndarray.memory_stats):
           masks and constants, and the boundaries of the annotated regions);
   T_step  median step time; overhead = T_on / T_off - 1.
 Both runs release every activation after its last backward use, so the difference is checkpointing alone.
+Next to the allocator's figures, what the operating system sees:
+  RSS_peak the process's peak resident memory during the step minus its resident memory at the step's start
+          (JSON rss_peak_bytes; rss_start_bytes per step; CPU devices, null on CUDA).  Exact: the kernel's
+          high-water mark (VmHWM), reset at the step's start through /proc/self/clear_refs; where that cannot be
+          reset, the largest VmRSS of samples at the step's start, after forward, after backward and at its end
+          (a lower bound).  It counts every page the process touches, and memory that a free kept resident (in
+          a heap, a cache) and the step reuses shows as no growth: needle's C++ allocator gives buffers of 1 MiB
+          and more back to the OS, caching at most 64 MiB, so on cpu() RSS_peak follows M_peak.
+  GPUtil  on CUDA, the GPU memory the driver reports in use (gpu_memory_mb; needs the GPUtil package, else
+          null): the caching allocator's reserved blocks plus the CUDA context, not a per-step peak.
+JSON files hold null, never NaN or Infinity, where a value is not finite.
 """
 import argparse
 import gc as python_gc  # the standard module (built in, so this file's name does not shadow it)
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -84,6 +96,46 @@ def gpu_memory_mb():
     return gpus[0].memoryUsed if gpus else None
 
 
+def _proc_status():
+    """{'VmRSS': bytes, 'VmHWM': bytes} of this process from /proc/self/status; {} where there is none."""
+    try:
+        with open("/proc/self/status") as f:
+            return {line.split(":")[0]: int(line.split()[1]) * 1024
+                    for line in f if line.startswith(("VmRSS:", "VmHWM:"))}
+    except OSError:
+        return {}
+
+
+class PeakRSS:
+    """The process's peak resident memory over a step minus its resident memory at the step's start (bytes).
+
+    Exact where the kernel's high-water mark can be reset (Linux: writing 5 to /proc/self/clear_refs resets
+    VmHWM to VmRSS, about 50 us with the read); otherwise the largest VmRSS of the samples taken with sample(),
+    a lower bound.  growth() is None where /proc/self/status does not exist (not Linux)."""
+
+    def __init__(self):
+        self.start = _proc_status().get("VmRSS")
+        self.peak, self.exact = self.start, False
+        if self.start is not None:
+            try:
+                with open("/proc/self/clear_refs", "w") as f:
+                    f.write("5")  # VmHWM := VmRSS
+                self.exact = True
+            except OSError:
+                pass
+
+    def sample(self):
+        if self.start is not None and not self.exact:
+            self.peak = max(self.peak, _proc_status().get("VmRSS", 0))
+
+    def growth(self):
+        if self.start is None:
+            return None
+        self.sample()
+        peak = _proc_status().get("VmHWM", self.peak) if self.exact else self.peak
+        return max(0, peak - self.start)
+
+
 # ----- one run ------------------------------------------------------------------------------------------------
 def make_policy(args):
     if args.policy == "budget":
@@ -93,8 +145,9 @@ def make_policy(args):
     return None if args.policy in (None, "all") else args.policy
 
 
-def run(args, use_gc, out_dir=None, quiet=False):
-    """Train for a few batches with checkpointing off or on; return the measured record (also as JSON)."""
+def run(args, use_gc, out_dir=None, quiet=False, json_path=None):
+    """Train for a few batches with checkpointing off or on; return the measured record (also as JSON: to
+    json_path if given, else to a new file in out_dir if given)."""
     python_gc.collect()  # a previous run's model and optimizer must not count in this run's memory
     device = pick_device(args.device)
     data, vocab = load_data(args.data)
@@ -119,8 +172,10 @@ def run(args, use_gc, out_dir=None, quiet=False):
         "hidden_size": args.hidden_size, "num_layers": args.num_layers, "num_head": args.num_head,
         "accumulation_steps": args.accumulation_steps, "budget_mb": args.budget_mb, "steps": [],
     }
-    path = None
-    if out_dir:
+    path = json_path
+    if path:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    elif out_dir:
         os.makedirs(out_dir, exist_ok=True)
         name = f"{record['policy']}_b{args.batch_size}_h{args.hidden_size}_l{args.num_layers}_s{args.segment_len}"
         path = os.path.join(out_dir, f"{name}_{os.getpid()}.json")
@@ -143,8 +198,9 @@ def run(args, use_gc, out_dir=None, quiet=False):
         if path:
             _write_json(path, record)  # after every step: an interrupted run keeps what it measured
         if not quiet:
+            rss = "" if step["rss_peak_bytes"] is None else f"  RSS_peak {step['rss_peak_bytes'] / 2**20:8.1f} MB"
             print(f"  step {i:3d}  loss {step['loss']:.3f}  M_act {step['activation_bytes'] / 2**20:8.1f} MB  "
-                  f"M_peak {step['peak_activation_bytes'] / 2**20:8.1f} MB  {step['time']:.3f} s", flush=True)
+                  f"M_peak {step['peak_activation_bytes'] / 2**20:8.1f} MB{rss}  {step['time']:.3f} s", flush=True)
     if args.memory_limit_mb:
         nd.set_memory_limit(0, device)
     record["json"] = path
@@ -166,6 +222,7 @@ def train_step(model, loss_fn, opt, batches, start, args, device, params):
         micro = [(X_all, y_all)]
     nd.reset_peak_memory_stats(device)
     baseline = nd.memory_stats(device)["current_bytes"]
+    rss = None if device.name == "cuda" else PeakRSS()  # host RSS says nothing of GPU memory: GPUtil there
     t0 = time.perf_counter()
     act, floor, losses, recomputed, accumulated = 0, 0, [], 0, None
     for j, (X, y) in enumerate(micro):
@@ -179,9 +236,13 @@ def train_step(model, loss_fn, opt, batches, start, args, device, params):
                 t_floor = time.perf_counter()  # bookkeeping of the measurement, left out of T_step
                 floor = sum(b for _, reason, b in checkpoint.saved_residuals(loss, exclude=params + [X, y])
                             if reason in ("leaf", "boundary"))
+                if rss:
+                    rss.sample()
                 t0 += time.perf_counter() - t_floor
             loss.backward()
         recomputed += checkpoint.last_backward_stats()["recomputed_nodes"]
+        if rss:
+            rss.sample()
         if k > 1:
             grads = [p.grad.realize_cached_data() for p in params]
             accumulated = grads if accumulated is None else [a + g for a, g in zip(accumulated, grads)]
@@ -195,10 +256,12 @@ def train_step(model, loss_fn, opt, batches, start, args, device, params):
     opt.step()
     elapsed = time.perf_counter() - t0
     stats = nd.memory_stats(device)
+    rss_peak = rss.growth() if rss else None
     return {
         "loss": float(np.mean(losses)), "time": elapsed, "activation_bytes": int(act), "floor_bytes": int(floor),
         "peak_bytes": int(stats["peak_bytes"]), "peak_activation_bytes": int(stats["peak_bytes"] - baseline),
         "baseline_bytes": int(baseline), "recomputed_nodes": int(recomputed), "gpu_memory_mb": gpu_memory_mb(),
+        "rss_peak_bytes": rss_peak, "rss_start_bytes": rss.start if rss else None,
     }, loss
 
 
@@ -213,13 +276,33 @@ def _summarize(record, warmup):
         "activation_bytes": max(s["activation_bytes"] for s in steps),
         "floor_bytes": min(s["floor_bytes"] for s in steps), "loss": record["steps"][-1]["loss"],
         "recomputed_nodes": record["steps"][-1]["recomputed_nodes"],
+        "rss_peak_bytes": max((s["rss_peak_bytes"] for s in steps if s.get("rss_peak_bytes") is not None),
+                              default=None),
     })
 
 
+def _json_safe(x):
+    """x with every float that is not finite (NaN, +-Infinity) replaced by None, recursively; NumPy scalars as
+    Python numbers.  JSON has no NaN: json.dump would write a bare NaN that strict parsers reject."""
+    if isinstance(x, dict):
+        return {k: _json_safe(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_json_safe(v) for v in x]
+    if isinstance(x, np.generic):
+        x = x.item()
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    return x
+
+
+def _dump_json(obj, f):
+    json.dump(_json_safe(obj), f, indent=1, allow_nan=False)
+
+
 def _write_json(path, record):
-    tmp = path + ".tmp"
+    tmp = f"{path}.{os.getpid()}.tmp"  # whole or not at all, even with another process writing the same name
     with open(tmp, "w") as f:
-        json.dump(record, f, indent=1)
+        _dump_json(record, f)
     os.replace(tmp, path)
 
 
@@ -240,12 +323,19 @@ def print_table(off, on):
     print(f"{'T_step (s)':18s}{off['time']:12.3f}{on['time']:12.3f}{(on['time'] / off['time'] - 1) * 100:+9.1f}%")
     print(f"{'loss (last step)':18s}{off['loss']:12.4f}{on['loss']:12.4f}")
     print(f"{'recomputed nodes':18s}{off['recomputed_nodes']:12d}{on['recomputed_nodes']:12d}")
+    if off.get("rss_peak_bytes") is not None and on.get("rss_peak_bytes") is not None:
+        a, b = off["rss_peak_bytes"], on["rss_peak_bytes"]
+        change = f"{(b / a - 1) * 100:+.1f}%" if a else ""
+        print(f"{'RSS_peak (MB)':18s}{mb(a):>12s}{mb(b):>12s}{change:>10s}   (process peak RSS growth per step)")
     if off.get("steps") and off["steps"][0].get("gpu_memory_mb") is not None:
         used = [r["steps"][-1]["gpu_memory_mb"] for r in (off, on)]
         print(f"{'GPUtil used (MB)':18s}{used[0]:12.0f}{used[1]:12.0f}")
     print(f"\nactivation memory at backward start: {(1 - on['activation_bytes'] / off['activation_bytes']) * 100:.1f}% "
           f"lower; step peak: {(1 - on['peak_activation_bytes'] / off['peak_activation_bytes']) * 100:.1f}% lower; "
           f"time overhead {(on['time'] / off['time'] - 1) * 100:+.1f}%")
+    if off.get("rss_peak_bytes") and on.get("rss_peak_bytes") is not None:
+        print(f"process peak RSS growth per step (what the OS sees): "
+              f"{(1 - on['rss_peak_bytes'] / off['rss_peak_bytes']) * 100:.1f}% lower")
 
 
 def main_run(args):
@@ -256,11 +346,13 @@ def main_run(args):
     if not has_ptb(args.data):
         print(f"gc.py: {args.data}/train.txt not found; using a synthetic Zipf corpus with a PTB-sized vocabulary")
     which = [False, True] if args.use_gc is None else [bool(args.use_gc)]
+    if args.json and len(which) != 1:
+        raise SystemExit("gc.py: --json names one run's file; give --use_gc 0 or 1 with it")
     results = {}
     for use_gc in which:
         print(f"{'gc on' if use_gc else 'gc off'}:")
         try:
-            results[use_gc] = run(args, use_gc, out_dir=args.out)
+            results[use_gc] = run(args, use_gc, out_dir=args.out, json_path=args.json)
         except MemoryError as err:
             print(f"gc.py: out of memory under --memory_limit_mb {args.memory_limit_mb}: {err}")
             sys.exit(OOM_EXIT)
@@ -272,10 +364,14 @@ def main_run(args):
 
 
 # ----- sweep and max-batch: each configuration in a fresh process ---------------------------------------------
-def _child(args, overrides, use_gc, out_dir, timeout=1800):
-    cmd = [sys.executable, os.path.abspath(__file__), "--use_gc", str(int(use_gc)), "--out", out_dir]
+def _child(args, overrides, use_gc, json_path, timeout=1800):
+    """Run one configuration in a fresh process that writes its record to exactly json_path (chosen by the
+    parent, so that two sweeps sharing an --out folder never read each other's files)."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--use_gc", str(int(use_gc)),
+           "--json", os.path.abspath(json_path)]
     for key, value in {**vars(args), **overrides}.items():
-        if key in ("command", "over", "values", "repeats", "use_gc", "out", "policies", "lazy") or value is None:
+        if key in ("command", "over", "values", "repeats", "use_gc", "out", "json", "policies", "lazy") \
+                or value is None:
             continue
         cmd += [f"--{key}", str(value)]
     cmd.append("--lazy" if overrides.get("lazy", args.lazy) else "--no-lazy")
@@ -288,35 +384,36 @@ def _read_json(path):
         return json.load(f)
 
 
-def _latest_json(out_dir, before):
-    files = sorted(set(os.listdir(out_dir)) - before)
-    return [_read_json(os.path.join(out_dir, f)) for f in files if f.endswith(".json")]
+def _invocation_id():
+    """Names this sweep's (or max-batch search's) files apart from any other run's in the same folder."""
+    return f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-{os.urandom(3).hex()}"
 
 
 def main_sweep(args):
     out_dir = args.out or os.path.join("results", f"sweep_{args.over}")
     os.makedirs(out_dir, exist_ok=True)
     policies = args.policies or (["off", "all", "sqrt", "selective"] if args.over == "num_layers" else ["off", "all"])
+    sweep_id = _invocation_id()
     records = []
     for rep in range(args.repeats):
         for value in args.values:
             for policy in policies:
-                before = set(os.listdir(out_dir))
+                path = os.path.join(out_dir, f"sweep-{sweep_id}_{args.over}{value}_{policy}_rep{rep}.json")
                 overrides = {args.over: value, "policy": None if policy in ("off", "all") else policy}
-                code, log = _child(args, overrides, policy != "off", out_dir)
-                new = _latest_json(out_dir, before)
-                if code != 0 or not new:
+                code, log = _child(args, overrides, policy != "off", path)
+                if code != 0 or not os.path.exists(path):
                     print(f"  {args.over}={value} {policy}: failed (exit {code})\n{log[-2000:]}")
                     continue
-                r = new[0]
-                r["repeat"], r["label"] = rep, policy
+                r = _read_json(path)  # exactly the file this child was told to write
+                r["repeat"], r["label"], r["sweep_id"], r["json"] = rep, policy, sweep_id, path
                 records.append(r)
                 print(f"  rep {rep} {args.over}={value:>6} {policy:>9s}: M_act {mb(r['activation_bytes'])} MB  "
                       f"M_peak {mb(r['peak_activation_bytes'])} MB  T {r['time']:.3f} s", flush=True)
-    with open(os.path.join(out_dir, "sweep.json"), "w") as f:
-        json.dump(records, f, indent=1)
+    summary = os.path.join(out_dir, f"sweep-{sweep_id}.json")
+    for name in (summary, os.path.join(out_dir, "sweep.json")):  # this sweep's; sweep.json: the latest to finish
+        _write_json(name, records)
     png = plot_sweep(records, args.over, out_dir)
-    print(f"wrote {os.path.join(out_dir, 'sweep.json')} and {png}")
+    print(f"wrote {summary} (also as {os.path.join(out_dir, 'sweep.json')}) and {png}")
 
 
 def plot_sweep(records, over, out_dir):
@@ -342,9 +439,10 @@ def plot_sweep(records, over, out_dir):
     return png
 
 
-def fits(args, batch, policy, out_dir):
+def fits(args, batch, policy, out_dir, search_id):
     overrides = {"batch_size": batch, "max_batches": 2, "policy": None if policy in ("off", "all") else policy}
-    code, log = _child(args, overrides, policy != "off", out_dir)
+    code, log = _child(args, overrides, policy != "off",
+                       os.path.join(out_dir, f"max-batch-{search_id}_{policy}_b{batch}.json"))
     if code not in (0, OOM_EXIT):
         raise SystemExit(f"gc.py max-batch: run failed (exit {code}):\n{log[-2000:]}")
     return code == 0
@@ -355,21 +453,21 @@ def main_max_batch(args):
         raise SystemExit("gc.py max-batch needs --memory_limit_mb")
     out_dir = args.out or os.path.join("results", "max_batch")
     os.makedirs(out_dir, exist_ok=True)
-    best = {}
+    best, search_id = {}, _invocation_id()
     for policy in args.policies or ["off", "all", "sqrt", "selective"]:
         lo, hi = 0, 8
-        while fits(args, hi, policy, out_dir):  # double until a batch does not fit...
+        while fits(args, hi, policy, out_dir, search_id):  # double until a batch does not fit...
             lo, hi = hi, hi * 2
         while hi - lo > max(1, lo // 16):  # ...then bisect to within ~6%
             mid = (lo + hi) // 2
-            lo, hi = (mid, hi) if fits(args, mid, policy, out_dir) else (lo, mid)
+            lo, hi = (mid, hi) if fits(args, mid, policy, out_dir, search_id) else (lo, mid)
         best[policy] = lo
         print(f"  {policy:>9s}: largest batch under {args.memory_limit_mb} MB = {lo}", flush=True)
     if best.get("off"):
         for policy, b in best.items():
             print(f"  {policy:>9s}: {b / best['off']:.2f}x the batch of gc off")
-    with open(os.path.join(out_dir, "max_batch.json"), "w") as f:
-        json.dump({"memory_limit_mb": args.memory_limit_mb, "largest_batch": best}, f, indent=1)
+    _write_json(os.path.join(out_dir, "max_batch.json"), {"memory_limit_mb": args.memory_limit_mb,
+                                                            "largest_batch": best})
 
 
 def parse_args(argv=None):
@@ -396,6 +494,8 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--memory_limit_mb", type=float, default=None)
     p.add_argument("--out", default=None, help="folder for one JSON per run")
+    p.add_argument("--json", default=None, help="write the (one) run's JSON to exactly this file (sweep and "
+                   "max-batch give each child its own)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--over", default="batch_size", choices=["batch_size", "hidden_size", "segment_len", "num_layers"])
     p.add_argument("--values", type=int, nargs="+", default=[32, 64, 128, 256])

@@ -5,6 +5,7 @@ of `memory_stats(device)` for allocations, frees, views, the temporaries inside 
 whole training step of Tensors.
 """
 import gc
+import os
 
 import numpy as np
 import pytest
@@ -323,3 +324,102 @@ def test_cuda_out_of_memory_raises_memory_error_with_sizes():
         nd.empty((1 << 40,), device=device)  # 4 TiB: more than any GPU has
     a = nd.empty((10,), device=device)  # and the allocator still works afterwards
     assert a.shape == (10,)
+
+
+# ----- the CPU allocator and the operating system: resident memory follows the byte counts -------------------
+# Large buffers (1 MiB and more) are mapped from the OS and unmapped when they die; a bounded cache of freed
+# blocks (at most 64 MiB, reported as "cached_bytes") lets repeated shapes skip the page faults.
+MiB = 1 << 20
+CPU_CACHE_LIMIT = 64 * MiB
+cpu_only = pytest.mark.skipif(not nd.cpu().enabled(), reason="C++ backend not built (run `make`)")
+linux_only = pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads RSS from /proc/self/statm")
+
+
+def rss_bytes():
+    """The process's resident set size, from /proc/self/statm (resident pages * page size)."""
+    gc.collect()
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def touched(n, device):
+    """A float32 NDArray of n elements, every page written (so resident)."""
+    return nd.full((n,), 1.0, device=device)
+
+
+@cpu_only
+def test_cpu_buffers_are_aligned_and_cache_is_reported_and_bounded():
+    device = nd.cpu()
+    for n in (1, 3, 1000, 300_000, MiB // 4, MiB // 4 + 1, 3 * MiB + 5, 10 * MiB):
+        a = nd.empty((n,), device=device)
+        assert a._handle.ptr() % 64 == 0  # the alignment the allocator has always given
+        del a
+    device.mod.empty_cache()
+    s = stats(device)
+    assert s["cached_bytes"] == 0 and s["reserved_bytes"] == s["current_bytes"]
+    blocks = [nd.empty((MiB,), device=device) for _ in range(40)]  # 40 x 4 MiB
+    held = stats(device)["current_bytes"]
+    del blocks
+    s = stats(device)
+    assert s["current_bytes"] == held - 40 * 4 * MiB  # accounting is unchanged: exact requested bytes
+    assert 0 < s["cached_bytes"] <= CPU_CACHE_LIMIT
+    assert s["reserved_bytes"] == s["current_bytes"] + s["cached_bytes"]
+    cached = s["cached_bytes"]
+    again = nd.empty((MiB,), device=device)  # a cached block of that size comes back
+    assert stats(device)["cached_bytes"] == cached - 4 * MiB
+    del again
+    device.mod.empty_cache()
+    assert stats(device)["cached_bytes"] == 0
+
+
+@cpu_only
+def test_cpu_memory_limit_and_peak_unchanged_for_large_buffers():
+    device = nd.cpu()
+    before = stats(device)
+    nd.reset_peak_memory_stats(device)
+    a = touched(2 * MiB, device)  # 8 MiB: a mapped buffer
+    assert stats(device)["current_bytes"] - before["current_bytes"] == 8 * MiB
+    del a
+    s = stats(device)
+    assert s["current_bytes"] == before["current_bytes"] and s["peak_bytes"] == before["current_bytes"] + 8 * MiB
+    nd.set_memory_limit(before["current_bytes"] + 6 * MiB, device)
+    with pytest.raises(MemoryError, match="limit"):
+        nd.empty((2 * MiB,), device=device)
+    assert stats(device)["current_bytes"] == before["current_bytes"]
+
+
+@cpu_only
+@linux_only
+def test_cpu_rss_drops_when_large_arrays_are_freed():
+    device = nd.cpu()
+    start = rss_bytes()
+    sizes = [MiB // 4, MiB // 2, MiB, 2 * MiB, 4 * MiB]  # 1 MiB ... 16 MiB each
+    arrays, total = [], 0
+    while total < 512 * MiB:
+        n = sizes[len(arrays) % len(sizes)]
+        arrays.append(touched(n, device))
+        total += 4 * n
+    held = rss_bytes()
+    assert held - start >= 0.9 * total  # the pages really are resident
+    del arrays
+    freed = rss_bytes()
+    print(f"RSS: start {start / MiB:.0f} MB, holding {held / MiB:.0f} MB, after free {freed / MiB:.0f} MB")
+    assert held - freed >= 400e6, f"only {(held - freed) / 1e6:.0f} MB of {total / 1e6:.0f} MB went back to the OS"
+
+
+@cpu_only
+@linux_only
+def test_cpu_rss_returns_to_start_after_rounds_with_small_survivors():
+    device = nd.cpu()
+    start = rss_bytes()
+    survivors = []
+    for _ in range(3):
+        big = []
+        for _ in range(200):
+            big.append(touched(MiB, device))  # 4 MiB
+            survivors.append(touched(64, device))  # small, stays alive between the big ones
+        del big
+    end = rss_bytes()
+    print(f"RSS: start {start / MiB:.0f} MB, after 3 rounds {end / MiB:.0f} MB")
+    assert end - start <= 100e6, f"{(end - start) / 1e6:.0f} MB still resident with only small arrays alive"
+    del survivors
