@@ -9,7 +9,8 @@ What is measured, per training step (forward + backward + optimizer), from the d
 counts (needle.backend_ndarray.memory_stats):
   M_act   activation bytes held at the start of backward: allocator current bytes minus the baseline
           (parameters, optimizer state and the batch);
-  M_peak  the allocator's peak over the whole step (reset at the step's start) minus the same baseline;
+  M_peak  the allocator's peak over forward + backward (reset at the step's start) minus the same baseline:
+          what Budget(b) bounds (the optimizer's update follows; the JSON's step_peak_bytes includes it);
   M_floor the least M_act checkpointing could reach on this graph: what no policy can drop (leaves such as
           masks and constants, and the boundaries of the annotated regions);
   T_step  median step time; overhead = T_on / T_off - 1.
@@ -184,14 +185,19 @@ def run(args, use_gc, out_dir=None, quiet=False, json_path=None):
         raise SystemExit(f"gc.py: corpus too small for batch {args.batch_size} x seq_len {args.seq_len}")
     for i in range(nbatch * args.epochs):
         start = (i % nbatch) * args.seq_len
-        step, loss = train_step(model, loss_fn, opt, batches, start, args, device, params)
-        if isinstance(policy, checkpoint.Budget) and not policy.planned:
-            # the first step ran traced (nothing dropped); plan what to drop from its graph and measured peak
-            record["traced_peak_activation_bytes"] = step["peak_activation_bytes"]
-            record["predicted_peak_activation_bytes"] = policy.plan(loss, step["peak_activation_bytes"],
-                                                                    exclude=params)
+        try:
+            step, loss = train_step(model, loss_fn, opt, batches, start, args, device, params)
+        except ValueError as err:
+            if isinstance(policy, checkpoint.Budget) and "infeasible" in str(err):
+                print(f"gc.py: {err}", file=sys.stderr)  # planned before anything was computed
+                raise SystemExit(2) from None
+            raise
+        if isinstance(policy, checkpoint.Budget) and "predicted_peak_activation_bytes" not in record:
+            # Budget planned during this first step (lazy: before computing it; eager: at backward, after a
+            # forward that kept everything)
+            record["predicted_peak_activation_bytes"] = policy.predicted_peak
             record["budget_minimum_bytes"] = policy.minimum_peak
-            step["traced"] = True
+            step["traced"] = not args.lazy
         del loss
         record["steps"].append(step)
         _summarize(record, args.warmup)
@@ -253,13 +259,16 @@ def train_step(model, loss_fn, opt, batches, start, args, device, params):
     if k > 1:
         for p, g in zip(params, accumulated):
             p.grad = ndl.Tensor(g, device=device, requires_grad=False)
+    # M_peak is forward + backward (what Budget bounds); the optimizer's own temporaries come after it.
+    forward_backward_peak = nd.memory_stats(device)["peak_bytes"] - baseline
     opt.step()
     elapsed = time.perf_counter() - t0
     stats = nd.memory_stats(device)
     rss_peak = rss.growth() if rss else None
     return {
         "loss": float(np.mean(losses)), "time": elapsed, "activation_bytes": int(act), "floor_bytes": int(floor),
-        "peak_bytes": int(stats["peak_bytes"]), "peak_activation_bytes": int(stats["peak_bytes"] - baseline),
+        "peak_bytes": int(stats["peak_bytes"]), "peak_activation_bytes": int(forward_backward_peak),
+        "step_peak_bytes": int(stats["peak_bytes"] - baseline),
         "baseline_bytes": int(baseline), "recomputed_nodes": int(recomputed), "gpu_memory_mb": gpu_memory_mb(),
         "rss_peak_bytes": rss_peak, "rss_start_bytes": rss.start if rss else None,
     }, loss
