@@ -23,17 +23,10 @@ import weakref
 
 from .autograd import (Tensor, _realize, defer_until_realized, find_topo_sort, infer_spec, itemsize, plan_backward,
                        release, run_backward)
+from .backend_ndarray.ndarray import _compact_strides  # the strides NDArray gives a compact array
 from .ops import MakeTensorTuple, TupleGetItem
 
 __all__ = ["Budget", "Ledger", "predict_peak"]
-
-
-def _compact_strides(shape):
-    strides, stride = [], 1
-    for n in reversed(shape):
-        strides.append(stride)
-        stride *= n
-    return tuple(reversed(strides))
 
 
 def _spec(node):

@@ -9,6 +9,7 @@ import math
 import numpy as np
 
 from ..autograd import TensorOp
+from ..backend_ndarray.ndarray import _compact_strides  # the strides NDArray gives a compact array
 from ..backend_selection import array_api, device_of
 
 __all__ = [
@@ -340,15 +341,6 @@ class BroadcastTo(TensorOp):
 
 def broadcast_to(a, shape):
     return BroadcastTo(shape)(a)
-
-
-def _compact_strides(shape):
-    """Row-major element strides of a compact array of `shape` (as NDArray gives it)."""
-    strides, stride = [], 1
-    for n in reversed(shape):
-        strides.append(stride)
-        stride *= n
-    return tuple(reversed(strides))
 
 
 def _normalize_axes(axes, ndim, op):
