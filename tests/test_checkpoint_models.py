@@ -328,6 +328,13 @@ def test_budget_eager_traces_the_first_step_then_replays():
     budget, peaks = _budget_peaks(0.75, off_peak, lazy=False, steps=3)
     assert budget.planned and all(peak <= 1.05 * budget.bytes for peak in peaks[1:]), (peaks, budget.bytes)
     assert checkpoint.last_backward_stats()["recomputed_nodes"] > 0
+    # The frozen decisions are a pure policy of their own: a fresh model under it drops the same nodes.
+    frozen = budget.plan(ndl.Tensor(np.ones(()), device=DEVICE))  # nothing pending: the frozen table as it is
+    assert frozen(autograd.find_topo_sort([ndl.Tensor(np.ones(1))])) == [True]  # an unknown region keeps all
+    twin = _lm(None, dropout=0.0, layers=2).enable_gc(policy=frozen)
+    X, y = _batch(0, T=6, B=16)
+    loss = nn.SoftmaxLoss()(twin(X)[0], y)
+    assert any(n.drop for n in autograd.find_topo_sort([loss]))
 
 
 def test_budget_needs_no_plan_call_survives_eval_and_failed_steps_and_does_not_grow():

@@ -20,13 +20,14 @@ change of batch size never derails it (a new structure is simply planned again).
 """
 import math
 import weakref
+from dataclasses import dataclass
 
 from .autograd import (Tensor, _realize, defer_until_realized, find_topo_sort, infer_spec, itemsize, plan_backward,
                        release, run_backward)
 from .backend_ndarray.ndarray import _compact_strides  # the strides NDArray gives a compact array
 from .ops import MakeTensorTuple, TupleGetItem
 
-__all__ = ["Budget", "Ledger", "predict_peak"]
+__all__ = ["Budget", "Ledger", "Planned", "predict_peak"]
 
 
 def _spec(node):
@@ -193,11 +194,24 @@ def recompute_cost_per_byte(node):
     return 64.0 if node.op.saveable else 1.0
 
 
+@dataclass(frozen=True)
+class Planned:
+    """A Budget's decisions, frozen: a pure policy from a region's structure to its keep flags.
+
+    A region it has never seen keeps everything. Usable on its own: `model.enable_gc(policy=budget.plan(loss))`.
+    """
+
+    table: tuple  # ((region structure, keep flags), ...)
+
+    def __call__(self, nodes):
+        return list(dict(self.table).get(_structure(nodes), (True,) * len(nodes)))
+
+
 class Budget:
     """Keep the step's activation peak M_peak at or under `bytes`, at the least recompute cost (see the module doc).
 
-    `plan(root)` may also be called by hand on a traced graph; it returns the frozen decisions (`planned`).
-    An infeasible budget raises ValueError naming the least peak the graph can reach by checkpointing.
+    `plan(root)` may also be called by hand on a traced graph; it returns the frozen decisions as a `Planned`
+    policy. An infeasible budget raises ValueError naming the least peak the graph can reach by checkpointing.
     """
 
     def __init__(self, bytes):
@@ -241,10 +255,10 @@ class Budget:
 
     def plan(self, root):
         """Choose what to drop in the graph above `root` (nothing computed), apply it, and freeze it; returns the
-        frozen table (region structure -> keep flags)."""
+        frozen decisions (`Planned`)."""
         regions = self._regions_above(root)
         if not regions:
-            return dict(self.planned)
+            return Planned(tuple(self.planned.items()))
         # Group a node by the first region that lists it and its place there: regions of one structure (the
         # layers of a stack) get one decision per place, so the frozen table replays them all.
         above = {id(n) for n in find_topo_sort([root])}
@@ -281,7 +295,7 @@ class Budget:
                     n.drop = True
                     release(n)  # eager mode computed it already; backward recomputes it when needed
                     gone.add(id(n))
-        return dict(self.planned)
+        return Planned(tuple(self.planned.items()))
 
 
 def _bytes(node):
