@@ -15,7 +15,6 @@ what the Budget predicts and what runs cannot drift apart. A dropped value is ju
 drop is decided in checkpoint.py, whose numbered rules this file enforces.
 """
 import contextlib
-import math
 import weakref
 from dataclasses import dataclass, field
 

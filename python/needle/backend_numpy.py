@@ -6,10 +6,10 @@ dtypes follow NumPy, so float64 input stays float64.
 import numpy as np
 
 __all__ = [
-    "Device", "all_devices", "array", "cast_like", "device_of", "tensor_data", "to_numpy", "broadcast_to", "cpu", "cpu_numpy", "cuda", "default_device", "empty",
-    "exp", "flip", "full", "log", "logsumexp", "matmul", "max", "maximum", "pad", "reshape", "scatter_add_rows",
-    "scatter_along_rows", "softmax_xent_grad", "split", "stack", "sum", "take_along_rows", "take_rows", "tanh",
-    "transpose", "zeros",
+    "Device", "all_devices", "array", "broadcast_to", "cast_like", "cpu", "cpu_numpy", "cuda", "default_device",
+    "device_of", "empty", "exp", "flip", "full", "log", "logsumexp", "matmul", "max", "maximum", "pad", "reshape",
+    "scatter_add_rows", "scatter_along_rows", "softmax_xent_grad", "split", "stack", "sum", "take_along_rows",
+    "take_rows", "tanh", "tensor_data", "to_numpy", "transpose", "zeros",
 ]
 
 
