@@ -396,3 +396,20 @@ def test_rule2_lazy_forward_computes_each_node_once_with_gc():
         computed.append(sum(counts.values()))
         assert max(counts.values()) == 1
     assert computed[0] == computed[1]
+
+
+@pytest.mark.parametrize("seq_model", ["rnn", "lstm"])
+@pytest.mark.parametrize("lazy", [False, True], ids=["eager", "lazy"])
+def test_rule2_recurrent_backward_recomputes_nothing_with_gc_off(seq_model, lazy):
+    """With gc off no forward value is computed again in backward: the per-step tuple gradients (make_tuple of
+    the time step's gradient and zeros) keep their elements, so summing them never rebuilds released nodes."""
+    model, forward, (x, y) = _rnn_lm(seq_model)
+    X = ndl.Tensor(x.astype(np.float32), device=DEVICE, requires_grad=False)
+    Y = ndl.Tensor(y.astype(np.float32), device=DEVICE, requires_grad=False)
+    with autograd.lazy_mode(lazy):
+        loss = nn.SoftmaxLoss()(forward(model, X), Y)
+        loss.realize_cached_data()
+        graph = [n for n in autograd.find_topo_sort([loss]) if not n.is_leaf()]
+        counts = count_computes(graph)
+        loss.backward()
+    assert sum(counts.values()) == 0 and checkpoint.last_backward_stats()["recomputed_nodes"] == 0

@@ -733,6 +733,9 @@ def _free_step_temporaries(new, parts, grad, forward, awaited, machine):
     """Free what a step made and consumed: its gradient graph's nodes, except the results later steps await."""
     part_ids = {id(g) for g in parts}
     new_ids = {id(g) for g in new}
+    # A kept make_tuple of gradients holds its elements' data, and tuple arithmetic folds through it to the
+    # element nodes later: releasing them would free nothing now and force a recomputation then.
+    new_ids |= {id(x) for g in new if isinstance(g, TensorTuple) and g.op is not None and g.op.view for x in g.inputs}
     # Expand only what this step made: never a forward value or a part (a `new` entry may be a part, e.g. an
     # add passing out_grad through, and expanding it would re-walk every earlier step: O(n^2)).
     made = find_topo_sort(new + [grad], expand=lambda n: not (id(n) in forward or id(n) in part_ids))

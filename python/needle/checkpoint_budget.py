@@ -56,7 +56,7 @@ class Ledger:
 
     def __init__(self, root, out_grad):
         self.present, self.holders, self.size, self.buffers, self.strides = set(), {}, {}, {}, {}
-        self.live = self.peak = 0
+        self.live = self.peak = self.made = 0
         self.seen = []  # every node the walk met, kept alive so that no id is reused while the ledger counts it
         for node in find_topo_sort([root]) + [out_grad]:
             if node.is_leaf():
@@ -72,12 +72,13 @@ class Ledger:
         """Fresh buffers for `node`'s value: one per tuple element, else one."""
         self.seen.append(node)
         shape, dtype, _ = _spec(node)
+        self.made += 1  # a recomputed value gets new buffers, even while views of its old ones are held
         if shape and isinstance(shape[0], tuple):
-            keys = [(id(node), k) for k in range(len(shape))]
+            keys = [(self.made, k) for k in range(len(shape))]
             for key, s in zip(keys, shape):
                 self.size[key] = math.prod(s) * itemsize(dtype)
         else:
-            keys = [(id(node), 0)]
+            keys = [(self.made, 0)]
             self.size[keys[0]] = math.prod(shape) * itemsize(dtype)
             self.strides[id(node)] = _compact_strides(shape)
         self.buffers[id(node)] = keys
