@@ -81,3 +81,17 @@ class LanguageModel(nn.Module):
         out, h = self.seq_model(self.embedding(x), h)
         logits = self.linear(ndl.reshape(out, (seq_len * batch, self.hidden_size)))
         return logits, h
+
+    def loss(self, x, y, h=None, chunk_size=None):
+        """(mean cross-entropy of forward's logits against y (T*B,), h), the logits never materialized.
+
+        Runs the embedding and the sequence model as forward does, then the Linear head fused with the loss
+        (ops.linear_cross_entropy, chunk by chunk over tokens) on the head's own weight and bias: the same loss
+        and gradients as nn.SoftmaxLoss()(self(x, h)[0], y), with one chunk of logits alive at a time. The fused
+        head has no interior for checkpointing to drop (its logits live inside the op).
+        """
+        seq_len, batch = x.shape
+        out, h = self.seq_model(self.embedding(x), h)
+        hidden = ndl.reshape(out, (seq_len * batch, self.hidden_size))
+        loss = ndl.ops.linear_cross_entropy(hidden, self.linear.weight, self.linear.bias, y, chunk_size=chunk_size)
+        return loss, h

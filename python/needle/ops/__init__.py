@@ -1,4 +1,8 @@
-"""needle's ops: each a class with `compute` and `gradient`, plus the lower-case helper that applies it."""
+"""needle's ops: each a class with `compute` and `gradient`, plus the lower-case helper that applies it.
+
+Fused ops are exported by their helper only (`linear_cross_entropy`); their classes live in `ops.ops_fused`.
+"""
+from .ops_fused import linear_cross_entropy
 from .ops_logarithmic import (
     LogSoftmax, LogSumExp, SoftmaxCrossEntropy, SoftmaxCrossEntropyGrad, logsoftmax, logsumexp,
     softmax_cross_entropy,
@@ -21,9 +25,9 @@ __all__ = [
     "MulScalar", "Negate", "Pad", "PickColumns", "Positive", "PowerScalar", "ReLU", "Reshape", "ScatterAddRows",
     "ScatterColumns", "Sigmoid", "Slice", "SoftmaxCrossEntropy", "SoftmaxCrossEntropyGrad", "Split", "Stack",
     "Summation", "Tanh", "Transpose", "TupleGetItem", "UnDilate", "add", "add_scalar", "broadcast_to", "conv",
-    "dilate", "divide", "divide_scalar", "exp", "flip", "gather_rows", "log", "logsoftmax", "logsumexp",
-    "make_tuple", "matmul", "mul_scalar", "multiply", "negate", "pad", "pick_columns", "positive", "power",
-    "power_scalar", "relu", "reshape", "scatter_add_rows", "scatter_columns", "sigmoid", "slice_window",
+    "dilate", "divide", "divide_scalar", "exp", "flip", "gather_rows", "linear_cross_entropy", "log", "logsoftmax",
+    "logsumexp", "make_tuple", "matmul", "mul_scalar", "multiply", "negate", "pad", "pick_columns", "positive",
+    "power", "power_scalar", "relu", "reshape", "scatter_add_rows", "scatter_columns", "sigmoid", "slice_window",
     "softmax_cross_entropy", "split", "stack", "subtract", "summation", "tanh", "transpose", "tuple_get_item",
     "undilate",
 ]
