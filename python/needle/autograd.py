@@ -35,6 +35,7 @@ __all__ = [
     "find_topo_sort",
     "last_backward_stats",
     "lazy_mode",
+    "placeholder",
     "plan_backward",
     "run_backward",
     "release",
@@ -785,6 +786,14 @@ def compute_gradient_of_variables(output_tensor, out_grad):
     stats["peak_bytes"] = device.memory_stats()["peak_bytes"] if hasattr(device, "memory_stats") else None
     _last_stats.clear()
     _last_stats.update(stats)
+
+
+def placeholder(spec, requires_grad=True):
+    """A leaf Tensor with a shape, dtype and device (`spec`) but no data: a stand-in for a value to come."""
+    value = Tensor.__new__(Tensor)
+    value._init(None, [], requires_grad=requires_grad)
+    value._spec = tuple(spec)
+    return value
 
 
 def _rebuild_tensor(cls, array, device, requires_grad):

@@ -22,8 +22,8 @@ import math
 import weakref
 from dataclasses import dataclass
 
-from .autograd import (Tensor, _realize, defer_until_realized, find_topo_sort, infer_spec, itemsize, plan_backward,
-                       release, run_backward)
+from .autograd import (_realize, defer_until_realized, find_topo_sort, infer_spec, itemsize, placeholder,
+                       plan_backward, release, run_backward)
 from .backend_ndarray.ndarray import _compact_strides  # the strides NDArray gives a compact array
 from .ops import MakeTensorTuple, TupleGetItem
 
@@ -165,9 +165,7 @@ def predict_peak(root, dropped, regions=None):
     value after its last consumer; eager (`regions`: [(outputs, candidates)] in the order they ran) — every value
     lives until its region's output exists. Then the backward plan runs on the ledger. Nothing is computed.
     """
-    out_grad = Tensor.__new__(Tensor)  # shape, dtype and device of the root's gradient, no data
-    out_grad._init(None, [], requires_grad=True)
-    out_grad._spec = _spec(root)
+    out_grad = placeholder(_spec(root))  # the root's gradient: its shape, dtype and device, no data
     ledger = Ledger(root, out_grad)
     if regions is None:
         _realize([root], lambda n: id(n) not in dropped, ledger)
