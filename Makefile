@@ -6,10 +6,13 @@ JOBS ?= 2
 NEEDLE_CUDA ?= ON
 CMAKE_ARGS ?=
 
-# Re-installing is skipped while this stamp is newer than pyproject.toml and the package is still installed.
+# Re-installing is skipped while a stamp is newer than pyproject.toml and the package is still installed.
+# DEPS_STAMP: everything `make test` needs (the package, its dependencies, the test + torch extras);
+# DEMO_STAMP: what gc.py needs (the package and its runtime dependencies only).  A full install covers both.
 DEPS_STAMP := $(BUILD_DIR)/.deps-installed
+DEMO_STAMP := $(BUILD_DIR)/.deps-demo-installed
 
-.PHONY: lib cuda-off install-deps deps test demo clean
+.PHONY: lib cuda-off install-deps install-demo-deps deps demo-deps test demo clean
 
 lib: pybind11
 	cmake -S . -B $(BUILD_DIR) -DCMAKE_BUILD_TYPE=$(BUILD_TYPE) -DNEEDLE_CUDA=$(NEEDLE_CUDA) \
@@ -29,15 +32,27 @@ pybind11:
 # is compiled once, not twice.
 install-deps:
 	NEEDLE_CUDA=OFF $(PYTHON) -m pip install -e ".[test,torch]"
-	@mkdir -p $(BUILD_DIR) && touch $(DEPS_STAMP)
+	@mkdir -p $(BUILD_DIR) && touch $(DEPS_STAMP) $(DEMO_STAMP)
+
+# The demo's: the package and its runtime dependencies (numpy, tqdm, matplotlib, GPUtil), no test tools or torch.
+install-demo-deps:
+	NEEDLE_CUDA=OFF $(PYTHON) -m pip install -e .
+	@mkdir -p $(BUILD_DIR) && touch $(DEMO_STAMP)
 
 $(DEPS_STAMP): pyproject.toml
 	$(MAKE) install-deps
+
+# A full install newer than pyproject.toml already holds everything the demo needs.
+$(DEMO_STAMP): pyproject.toml
+	@if [ $(DEPS_STAMP) -nt pyproject.toml ]; then touch $@; else $(MAKE) install-demo-deps; fi
 
 # Like install-deps, but quick when nothing changed since the last install.  An editable install's import hook
 # wins over sys.path, so the check also makes sure `needle` resolves to *this* checkout (not another clone).
 deps: $(DEPS_STAMP)
 	@$(PYTHON) -c "$$NEEDLE_IS_HERE" 2>/dev/null || $(MAKE) install-deps
+
+demo-deps: $(DEMO_STAMP)
+	@$(PYTHON) -c "$$NEEDLE_IS_HERE" 2>/dev/null || $(MAKE) install-demo-deps
 
 define NEEDLE_IS_HERE
 import importlib.util, os, sys
@@ -50,7 +65,7 @@ test: deps
 	$(MAKE) lib
 	$(PYTHON) -m pytest -q
 
-demo: deps
+demo: demo-deps
 	$(MAKE) lib
 	$(if $(wildcard gc.py),$(PYTHON) gc.py,$(PYTHON) apps/train_demo.py)
 

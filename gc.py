@@ -1,43 +1,30 @@
 """gc.py — how much memory gradient checkpointing saves on a PTB Transformer language model, and what it costs.
 
-    python gc.py                          # gc off vs on, side by side (embedded default, about a minute on a CPU)
-    python gc.py --policy sqrt --batch_size 128 --hidden_size 256 --num_layers 4
-    python gc.py sweep --over batch_size --values 32 64 128 256     # fresh process per run, JSON + PNG plots
-    python gc.py max-batch --memory_limit_mb 600                     # largest batch under a memory cap
+    python gc.py                          # gc off vs on ("all"), side by side: the demo model, ~1 minute on a CPU
+    python gc.py run --policy sqrt --batch-size 128 --hidden-size 512
+    python gc.py sweep --over batch-size --values 16 32 64     # a fresh process per run; JSON as it goes, PNGs
+    python gc.py max-batch --memory-limit-mb 400                 # the largest batch under a memory cap, per policy
+    python gc.py plot results/sweep_batch_size                   # the plots of whatever gc.py JSON a folder holds
 
-What is measured, per training step (forward + backward + optimizer), from the device allocator's exact byte
-counts (needle.backend_ndarray.memory_stats):
-  M_act   activation bytes held at the start of backward: allocator current bytes minus the baseline
-          (parameters, optimizer state and the batch);
-  M_peak  the allocator's peak over forward + backward (reset at the step's start) minus the same baseline:
-          what Budget(b) bounds (the optimizer's update follows; the JSON's step_peak_bytes includes it);
-  M_floor the least M_act checkpointing could reach on this graph: what no policy can drop (leaves such as
-          masks and constants, and the boundaries of the annotated regions);
-  T_step  median step time; overhead = T_on / T_off - 1.
-Both runs release every activation after its last backward use, so the difference is checkpointing alone.
-Next to the allocator's figures, what the operating system sees:
-  RSS_peak the process's peak resident memory during the step minus its resident memory at the step's start
-          (JSON rss_peak_bytes; rss_start_bytes per step; CPU devices, null on CUDA).  Exact: the kernel's
-          high-water mark (VmHWM), reset at the step's start through /proc/self/clear_refs; where that cannot be
-          reset, the largest VmRSS of samples at the step's start, after forward, after backward and at its end
-          (a lower bound).  It counts every page the process touches, and memory that a free kept resident (in
-          a heap, a cache) and the step reuses shows as no growth: needle's C++ allocator gives buffers of 1 MiB
-          and more back to the OS, caching at most 64 MiB, so on cpu() RSS_peak follows M_peak.
-  GPUtil  on CUDA, the GPU memory the driver reports in use (gpu_memory_mb; needs the GPUtil package, else
-          null): the caching allocator's reserved blocks plus the CUDA context, not a per-step peak.
-JSON files hold null, never NaN or Infinity, where a value is not finite.
+`python gc.py CMD --help` lists CMD's flags with their defaults; every flag may be spelled with hyphens
+(--batch-size) or, as in the earlier project, underscores (--batch_size).  A bad input is one line on stderr
+and exit status 2, before any work.  MEASURES below defines what is measured (also in every --help).
 """
 import argparse
+import difflib
 import gc as python_gc  # the standard module (built in, so this file's name does not shadow it)
+import glob
 import json
 import math
 import os
 import statistics
 import subprocess
 import sys
+import textwrap
 import time
 
 import numpy as np
+from tqdm.auto import tqdm
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(ROOT, "python"))
@@ -50,8 +37,39 @@ from needle.data import Corpus, batchify, get_batch  # noqa: E402
 
 from models import LanguageModel  # noqa: E402
 
+MEASURES = """\
+What is measured, per training step (forward + backward + Adam), from the allocator's exact byte counts
+(needle.backend_ndarray.memory_stats); [JSON key]; memory in bytes, times in seconds:
+  M_act    activation bytes held at the start of backward: allocator current bytes minus the
+           baseline (parameters, optimizer state and the batch)  [activation_bytes]
+  M_peak   the allocator's peak over forward + backward (reset at the step's start) minus the same
+           baseline: what Budget(b) bounds  [peak_activation_bytes; step_peak_bytes adds Adam's update]
+  M_floor  the least M_act checkpointing could reach on this graph: what no policy can drop (leaves
+           such as masks and constants, and the boundaries of the annotated regions)  [floor_bytes]
+  T_step   median step time over the steps after --warmup; overhead = T_on / T_off - 1; flagged
+           unreliable when fewer than 3 steps were timed  [step_time_seconds, alias time]
+  RSS_peak what the OS sees: the process's peak resident memory during the step minus its resident
+           memory at the step's start (the kernel's high-water mark VmHWM, reset through
+           /proc/self/clear_refs; where it cannot be reset, a lower bound from samples); CPU only
+           [rss_peak_bytes]
+Both runs release every activation after its last backward use: the difference is checkpointing alone."""
+
 PTB_VOCAB = 10000
-OOM_EXIT = 3  # exit status of a run that hit --memory_limit_mb (max-batch reads it)
+POLICIES = ["off", "all", "sqrt", "selective", "budget"]
+SUBCOMMANDS = ["run", "sweep", "max-batch", "plot"]
+OOM_EXIT = 3  # exit status of a run that hit --memory-limit-mb (max-batch reads it)
+BAD_INPUT_EXIT = 2
+DEFAULT_DATA = [os.path.join(ROOT, "data", "ptb"), os.path.join(ROOT, "..", "shared", "data", "ptb")]
+SYNTHETIC = "synthetic"
+# The earlier project's keys, kept next to the canonical ones (README: "gc.py — the experiment").
+ALIASES = {"time": "step_time_seconds", "time_per_batch_median": "step_time_seconds", "peak memory": "peak_bytes",
+           "use_gc": "policy != 'off'"}
+
+
+def fail(message):
+    """A bad input: one line on stderr, exit status 2, no traceback."""
+    print(f"gc.py: {message}", file=sys.stderr)
+    sys.exit(BAD_INPUT_EXIT)
 
 
 # ----- data ---------------------------------------------------------------------------------------------------
@@ -64,37 +82,49 @@ def synthetic_corpus(num_tokens=200_000, vocab=PTB_VOCAB, seed=0):
 
 
 def has_ptb(path):
-    return os.path.exists(os.path.join(path, "train.txt"))
+    return all(os.path.isfile(os.path.join(path, name)) for name in ("train.txt", "test.txt"))
 
 
-def load_data(path):
-    """(train token ids, vocabulary size) from a PTB folder, or the synthetic corpus if it is absent."""
-    if has_ptb(path):
-        corpus = Corpus(path)
-        return np.array(corpus.train, dtype=np.float32), len(corpus.dictionary)
-    return synthetic_corpus()
+def resolve_data(data):
+    """The data source a run uses: a PTB folder, or SYNTHETIC.  An explicit folder must hold PTB; only the
+    default (data/ptb, then ../shared/data/ptb next to this file) falls back to the synthetic corpus."""
+    if data is None:
+        return next((os.path.normpath(p) for p in DEFAULT_DATA if has_ptb(p)), SYNTHETIC)
+    if data == SYNTHETIC or has_ptb(data):
+        return data
+    missing = "does not exist" if not os.path.exists(data) else "has no train.txt and test.txt"
+    fail(f"--data {data} {missing} (fetch PTB with: python -m needle.data.download ptb --dir data; "
+         f"or leave --data out, or give --data {SYNTHETIC}, for the synthetic corpus)")
+
+
+def load_data(source):
+    """(train token ids, vocabulary size) of a PTB folder, or of the synthetic corpus."""
+    if source == SYNTHETIC:
+        return synthetic_corpus()
+    corpus = Corpus(source)
+    return np.array(corpus.train, dtype=np.float32), len(corpus.dictionary)
 
 
 def pick_device(name):
     if name == "cuda" or (name is None and nd.cuda().enabled()):
         if not nd.cuda().enabled():
-            raise SystemExit("gc.py: --device cuda, but no GPU / CUDA build is available")
+            fail("--device cuda, but no GPU / CUDA build is available")
         return nd.cuda()
     if name == "cpu_numpy":
         return nd.cpu_numpy()
     if not nd.cpu().enabled():
-        raise SystemExit("gc.py: the C++ backend is not built; run `make` first")
+        fail("the C++ backend is not built; run `make` first (or give --device cpu_numpy)")
     return nd.cpu()
 
 
-def gpu_memory_mb():
+def gpu_memory_bytes():
     """The GPU's used memory as the driver reports it (GPUtil), as the earlier project measured; None on CPU."""
     try:
         import GPUtil
     except ImportError:
         return None
     gpus = GPUtil.getGPUs()
-    return gpus[0].memoryUsed if gpus else None
+    return int(gpus[0].memoryUsed * 2**20) if gpus else None
 
 
 def _proc_status():
@@ -137,78 +167,180 @@ class PeakRSS:
         return max(0, peak - self.start)
 
 
+# ----- what a JSON says about where it came from --------------------------------------------------------------
+_COMMIT = []
+
+
+def needle_commit():
+    """`git rev-parse HEAD` of this checkout, or None where that is unavailable (no git, not a repository)."""
+    if not _COMMIT:
+        try:
+            proc = subprocess.run(["git", "-C", ROOT, "rev-parse", "HEAD"], capture_output=True, text=True,
+                                  timeout=10)
+            _COMMIT.append(proc.stdout.strip() if proc.returncode == 0 and proc.stdout.strip() else None)
+        except (OSError, subprocess.SubprocessError):
+            _COMMIT.append(None)
+    return _COMMIT[0]
+
+
+def threads():
+    """The CPU backend's thread count: OpenMP's, i.e. OMP_NUM_THREADS, else the cores this process may use."""
+    env = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if env.isdigit() and int(env) > 0:
+        return int(env)
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+
+def config_of(args, source, vocab, device):
+    """The whole configuration of a run, as the JSON records it (memory in bytes, like every figure)."""
+    mb_to_bytes = lambda mb: None if mb is None else int(mb * 2**20)  # noqa: E731
+    batch = getattr(args, "batch_size", None)  # max-batch searches it
+    return {
+        "data": source, "vocab_size": int(vocab), "batch_size": batch, "accumulation_steps": args.accumulation_steps,
+        "effective_batch_size": None if batch is None else batch * args.accumulation_steps, "seq_len": args.seq_len,
+        "embedding_size": args.embedding_size, "hidden_size": args.hidden_size, "num_layers": args.num_layers,
+        "num_head": args.num_head, "dropout": args.dropout, "head_init_scale": args.head_init_scale,
+        "segment_len": args.segment_len, "budget_bytes": mb_to_bytes(args.budget_mb), "lazy": args.lazy,
+        "device": str(device), "threads": threads(), "epochs": args.epochs, "max_batches": args.max_batches,
+        "warmup": args.warmup, "lr": args.lr, "optimizer": "adam", "seed": args.seed,
+        "memory_limit_bytes": mb_to_bytes(args.memory_limit_mb), "needle_commit": needle_commit(),
+        "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "argv": [os.path.basename(__file__)] + sys.argv[1:],
+    }
+
+
 # ----- one run ------------------------------------------------------------------------------------------------
 def make_policy(args):
     if args.policy == "budget":
-        if args.budget_mb is None:
-            raise SystemExit("gc.py: --policy budget needs --budget_mb")
         return checkpoint.Budget(int(args.budget_mb * 2**20))
     return None if args.policy in (None, "all") else args.policy
 
 
-def run(args, use_gc, out_dir=None, quiet=False, json_path=None):
-    """Train for a few batches with checkpointing off or on; return the measured record (also as JSON: to
-    json_path if given, else to a new file in out_dir if given)."""
-    python_gc.collect()  # a previous run's model and optimizer must not count in this run's memory
-    device = pick_device(args.device)
-    data, vocab = load_data(args.data)
+def build_model(args, vocab, device, policy):
+    """The course's LanguageModel (a Transformer), seeded; checkpointing on when policy is not "off"."""
     np.random.seed(args.seed)
     model = LanguageModel(args.embedding_size, vocab, args.hidden_size, num_layers=args.num_layers,
                           seq_model="transformer", seq_len=args.seq_len, device=device, num_head=args.num_head,
                           dim_head=args.embedding_size // args.num_head, dropout=args.dropout)
-    policy = make_policy(args) if use_gc else None
-    if use_gc:
+    if args.head_init_scale != 1:
+        # The course's init gives the output layer logits with a std of several units (its input, the residual
+        # stream, is not normalized), so the loss starts far above ln(vocab), a uniform guess.  Scaled down,
+        # training starts from about that guess.  Drawn the course's way first, so the random stream is the same.
+        w = model.linear.weight
+        w.data = w.data * args.head_init_scale
+    if policy != "off":
         model.enable_gc(segment_len=args.segment_len, policy=policy)
+    return model
+
+
+def micro_batches(batches, start, args, device):
+    """The step's (X, y) micro-batches: the window at `start`, its columns split `accumulation_steps` ways."""
+    k = args.accumulation_steps
+    X_all, y_all = get_batch(batches, start, args.seq_len, device=device, dtype="float32")
+    if k == 1:
+        return [(X_all, y_all)]
+    X_np, b = X_all.numpy(), args.batch_size  # micro-batch j is columns [j*b, (j+1)*b) of the big batch
+    y_np = y_all.numpy().reshape(X_np.shape)
+    return [(ndl.Tensor(X_np[:, j * b:(j + 1) * b], device=device, requires_grad=False),
+             ndl.Tensor(y_np[:, j * b:(j + 1) * b].reshape(-1), device=device, requires_grad=False))
+            for j in range(k)]
+
+
+def check_budget(args, data, vocab, device):
+    """Fail with one line, before any work, when --budget-mb is below the least peak this graph can reach.
+
+    Budget plans on the graph of one micro-batch, exactly as the run's first step will; in lazy mode nothing
+    is computed (the planner walks the graph with a byte ledger), in eager mode one forward pass is."""
+    policy = make_policy(args)
+    model = build_model(args, vocab, device, policy)
+    model.train()
+    batches = batchify(data, args.batch_size * args.accumulation_steps, device=device, dtype="float32")
+    X, y = micro_batches(batches, 0, args, device)[0]
+    k = args.accumulation_steps
+    try:
+        with autograd.lazy_mode(args.lazy):
+            out, _ = model(X)
+            loss = nn.SoftmaxLoss()(out, y)
+            policy.plan(loss if k == 1 else loss / k)
+    except ValueError as err:
+        if "infeasible" in str(err):
+            least = policy.minimum_peak / 2**20
+            fail(f"--budget-mb {args.budget_mb:g} is infeasible: the least M_peak checkpointing can reach on this "
+                 f"model is {least:.1f} MB ({policy.minimum_peak} bytes): give --budget-mb "
+                 f"{math.ceil(least * 10) / 10:g} or more")
+        raise
+    del model, out, loss, X, y
+    python_gc.collect()
+
+
+def _progress_on(flag):
+    """--progress / --no-progress, or by default: on when stderr is a terminal or this runs in a notebook."""
+    return flag if flag is not None else (sys.stderr.isatty() or "ipykernel" in sys.modules)
+
+
+def run(args, use_gc, data, vocab, source, out_dir=None, quiet=False, json_path=None):
+    """Train for a few batches with checkpointing off or on; return the measured record (also as JSON: to
+    json_path if given, else to a new file in out_dir if given), written after every step."""
+    python_gc.collect()  # a previous run's model and optimizer must not count in this run's memory
+    device = pick_device(args.device)
+    policy = make_policy(args) if use_gc else "off"
+    model = build_model(args, vocab, device, policy)
     model.train()
     params = model.parameters()
     opt = ndl.optim.Adam(params, lr=args.lr)
     loss_fn = nn.SoftmaxLoss()
     batches = batchify(data, args.batch_size * args.accumulation_steps, device=device, dtype="float32")
-    if args.memory_limit_mb:
-        nd.set_memory_limit(int(args.memory_limit_mb * 2**20), device)
-    record = {
-        "time": None, "batch_size": args.batch_size, "peak memory": None, "use_gc": bool(use_gc),
-        "segment_len": args.segment_len, "policy": str(args.policy or "all") if use_gc else "off",
-        "device": str(device), "lazy": args.lazy, "seq_len": args.seq_len, "embedding_size": args.embedding_size,
-        "hidden_size": args.hidden_size, "num_layers": args.num_layers, "num_head": args.num_head,
-        "accumulation_steps": args.accumulation_steps, "budget_mb": args.budget_mb, "steps": [],
-    }
+    label = (args.policy or "all") if use_gc else "off"
+    record = {"kind": "run", "policy": label, "use_gc": bool(use_gc), **config_of(args, source, vocab, device),
+              "aliases": ALIASES, "steps": []}
+    if not use_gc:
+        record["budget_bytes"] = None  # the gc-off pass has no budget
     path = json_path
     if path:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     elif out_dir:
         os.makedirs(out_dir, exist_ok=True)
-        name = f"{record['policy']}_b{args.batch_size}_h{args.hidden_size}_l{args.num_layers}_s{args.segment_len}"
-        path = os.path.join(out_dir, f"{name}_{os.getpid()}.json")
+        segment = f"_s{args.segment_len}" if args.segment_len else ""
+        name = (f"{label}_b{args.batch_size}_h{args.hidden_size}_l{args.num_layers}{segment}_"
+                f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-{os.urandom(2).hex()}")
+        path = os.path.join(out_dir, f"{name}.json")
     nbatch = min(args.max_batches, (batches.shape[0] - 1) // args.seq_len)
-    if nbatch < 1:
-        raise SystemExit(f"gc.py: corpus too small for batch {args.batch_size} x seq_len {args.seq_len}")
-    for i in range(nbatch * args.epochs):
-        start = (i % nbatch) * args.seq_len
-        try:
-            step, loss = train_step(model, loss_fn, opt, batches, start, args, device, params)
-        except ValueError as err:
-            if isinstance(policy, checkpoint.Budget) and "infeasible" in str(err):
-                print(f"gc.py: {err}", file=sys.stderr)  # planned before anything was computed
-                raise SystemExit(2) from None
-            raise
-        if isinstance(policy, checkpoint.Budget) and "predicted_peak_activation_bytes" not in record:
-            # Budget planned during this first step (lazy: before computing it; eager: at backward, after a
-            # forward that kept everything)
-            record["predicted_peak_activation_bytes"] = policy.predicted_peak
-            record["budget_minimum_bytes"] = policy.minimum_peak
-            step["traced"] = not args.lazy
-        del loss
-        record["steps"].append(step)
-        _summarize(record, args.warmup)
-        if path:
-            _write_json(path, record)  # after every step: an interrupted run keeps what it measured
-        if not quiet:
-            rss = "" if step["rss_peak_bytes"] is None else f"  RSS_peak {step['rss_peak_bytes'] / 2**20:8.1f} MB"
-            print(f"  step {i:3d}  loss {step['loss']:.3f}  M_act {step['activation_bytes'] / 2**20:8.1f} MB  "
-                  f"M_peak {step['peak_activation_bytes'] / 2**20:8.1f} MB{rss}  {step['time']:.3f} s", flush=True)
     if args.memory_limit_mb:
-        nd.set_memory_limit(0, device)
+        nd.set_memory_limit(int(args.memory_limit_mb * 2**20), device)
+    bar = tqdm(total=nbatch * args.epochs, desc=f"gc {'on, ' + label if use_gc else 'off'}", unit="step",
+               file=sys.stderr, disable=not _progress_on(args.progress), leave=False, dynamic_ncols=True)
+    try:
+        for i in range(nbatch * args.epochs):
+            start = (i % nbatch) * args.seq_len
+            try:
+                step, loss = train_step(model, loss_fn, opt, batches, start, args, device, params)
+            except ValueError as err:
+                if isinstance(policy, checkpoint.Budget) and "infeasible" in str(err):
+                    fail(str(err))  # planned before anything was computed
+                raise
+            if isinstance(policy, checkpoint.Budget) and "predicted_peak_activation_bytes" not in record:
+                # Budget planned during this first step (lazy: before computing it; eager: at backward, after a
+                # forward that kept everything)
+                record["predicted_peak_activation_bytes"] = policy.predicted_peak
+                record["budget_minimum_bytes"] = policy.minimum_peak
+                step["traced"] = not args.lazy
+            del loss
+            record["steps"].append(step)
+            _summarize(record, args.warmup)
+            if path:
+                _write_json(path, record)  # after every step: an interrupted run keeps what it measured
+            bar.set_postfix(loss=f"{step['loss']:.3f}", M_peak=f"{step['peak_activation_bytes'] / 2**20:.0f}MB",
+                            refresh=False)
+            bar.update()
+            if not quiet:
+                rss = "" if step["rss_peak_bytes"] is None else \
+                    f"  RSS_peak {step['rss_peak_bytes'] / 2**20:8.1f} MB"
+                tqdm.write(f"  step {i:3d}  loss {step['loss']:.3f}  M_act {step['activation_bytes'] / 2**20:8.1f} MB"
+                           f"  M_peak {step['peak_activation_bytes'] / 2**20:8.1f} MB{rss}  "
+                           f"{step['time_seconds']:.3f} s", file=sys.stdout)
+    finally:
+        bar.close()
+        if args.memory_limit_mb:
+            nd.set_memory_limit(0, device)
     record["json"] = path
     return record
 
@@ -217,15 +349,7 @@ def train_step(model, loss_fn, opt, batches, start, args, device, params):
     """One optimizer step (of `accumulation_steps` micro-batches), with its memory and time measured."""
     k = args.accumulation_steps
     opt.reset_grad()
-    X_all, y_all = get_batch(batches, start, args.seq_len, device=device, dtype="float32")
-    if k > 1:  # micro-batch j is columns [j*b, (j+1)*b) of the big batch
-        X_np, b = X_all.numpy(), args.batch_size
-        y_np = y_all.numpy().reshape(X_np.shape)
-        micro = [(ndl.Tensor(X_np[:, j * b:(j + 1) * b], device=device, requires_grad=False),
-                  ndl.Tensor(y_np[:, j * b:(j + 1) * b].reshape(-1), device=device, requires_grad=False))
-                 for j in range(k)]
-    else:
-        micro = [(X_all, y_all)]
+    micro = micro_batches(batches, start, args, device)
     nd.reset_peak_memory_stats(device)
     baseline = nd.memory_stats(device)["current_bytes"]
     rss = None if device.name == "cuda" else PeakRSS()  # host RSS says nothing of GPU memory: GPUtil there
@@ -266,22 +390,29 @@ def train_step(model, loss_fn, opt, batches, start, args, device, params):
     stats = nd.memory_stats(device)
     rss_peak = rss.growth() if rss else None
     return {
-        "loss": float(np.mean(losses)), "time": elapsed, "activation_bytes": int(act), "floor_bytes": int(floor),
-        "peak_bytes": int(stats["peak_bytes"]), "peak_activation_bytes": int(forward_backward_peak),
-        "step_peak_bytes": int(stats["peak_bytes"] - baseline),
-        "baseline_bytes": int(baseline), "recomputed_nodes": int(recomputed), "gpu_memory_mb": gpu_memory_mb(),
+        "loss": float(np.mean(losses)), "time_seconds": elapsed, "activation_bytes": int(act),
+        "floor_bytes": int(floor), "peak_bytes": int(stats["peak_bytes"]),
+        "peak_activation_bytes": int(forward_backward_peak), "step_peak_bytes": int(stats["peak_bytes"] - baseline),
+        "baseline_bytes": int(baseline), "recomputed_nodes": int(recomputed), "gpu_memory_bytes": gpu_memory_bytes(),
         "rss_peak_bytes": rss_peak, "rss_start_bytes": rss.start if rss else None,
     }, loss
 
 
+MIN_TIMED_STEPS = 3  # a median of fewer step times is flagged as unreliable
+
+
 def _summarize(record, warmup):
     steps = [s for s in record["steps"] if not s.get("traced")]
-    steps = steps[warmup:] or steps or record["steps"]
-    med = lambda key: statistics.median(s[key] for s in steps)  # noqa: E731
+    timed = steps[warmup:]
+    steps = timed or steps or record["steps"]  # too few steps: the warm-up ones, flagged below
+    t_step = statistics.median(s["time_seconds"] for s in steps)
+    peak = max(s["peak_bytes"] for s in steps)
     record.update({
-        "time": med("time"), "time_per_batch_median": med("time"), "peak memory": max(s["peak_bytes"] for s in steps),
-        "peak_bytes": max(s["peak_bytes"] for s in steps),
+        "step_time_seconds": t_step, "timed_steps": len(timed), "step_time_reliable": len(timed) >= MIN_TIMED_STEPS,
+        "time": t_step, "time_per_batch_median": t_step,  # the earlier project's names (ALIASES)
+        "peak_bytes": peak, "peak memory": peak,
         "peak_activation_bytes": max(s["peak_activation_bytes"] for s in steps),
+        "step_peak_bytes": max(s["step_peak_bytes"] for s in steps),
         "activation_bytes": max(s["activation_bytes"] for s in steps),
         "floor_bytes": min(s["floor_bytes"] for s in steps), "loss": record["steps"][-1]["loss"],
         "recomputed_nodes": record["steps"][-1]["recomputed_nodes"],
@@ -315,9 +446,27 @@ def _write_json(path, record):
     os.replace(tmp, path)
 
 
+def _read_json(path):
+    with open(path) as f:
+        return json.load(f)
+
+
 # ----- reporting ----------------------------------------------------------------------------------------------
 def mb(x):
     return f"{x / 2**20:9.1f}"
+
+
+def _pct(new, old):
+    return f"{(new / old - 1) * 100:+.1f}%" if old else ""
+
+
+def _time_note(*records):
+    few = [r for r in records if not r.get("step_time_reliable", True)]
+    if not few:
+        return ""
+    n = min(r["timed_steps"] for r in few)
+    return (f"unreliable: from {n} timed step{'s' * (n != 1)} (< {MIN_TIMED_STEPS}); "
+            f"raise --max-batches or lower --warmup")
 
 
 def print_table(off, on):
@@ -326,71 +475,122 @@ def print_table(off, on):
     print(f"\n{'':18s}{'gc off':>12s}{'gc on':>12s}{'change':>10s}")
     for label, key in rows:
         a, b = off[key], on[key]
-        change = f"{(b / a - 1) * 100:+.1f}%" if a else ""
-        print(f"{label:18s}{mb(a):>12s}{mb(b):>12s}{change:>10s}")
+        print(f"{label:18s}{mb(a):>12s}{mb(b):>12s}{_pct(b, a):>10s}")
     print(f"{'M_floor (MB)':18s}{'':>12s}{mb(on['floor_bytes']):>12s}   (what no policy can drop)")
-    print(f"{'T_step (s)':18s}{off['time']:12.3f}{on['time']:12.3f}{(on['time'] / off['time'] - 1) * 100:+9.1f}%")
+    note = _time_note(off, on)
+    print(f"{'T_step (s)':18s}{off['time']:12.3f}{on['time']:12.3f}{_pct(on['time'], off['time']):>10s}"
+          + (f"   ({note})" if note else ""))
     print(f"{'loss (last step)':18s}{off['loss']:12.4f}{on['loss']:12.4f}")
     print(f"{'recomputed nodes':18s}{off['recomputed_nodes']:12d}{on['recomputed_nodes']:12d}")
     if off.get("rss_peak_bytes") is not None and on.get("rss_peak_bytes") is not None:
         a, b = off["rss_peak_bytes"], on["rss_peak_bytes"]
-        change = f"{(b / a - 1) * 100:+.1f}%" if a else ""
-        print(f"{'RSS_peak (MB)':18s}{mb(a):>12s}{mb(b):>12s}{change:>10s}   (process peak RSS growth per step)")
-    if off.get("steps") and off["steps"][0].get("gpu_memory_mb") is not None:
-        used = [r["steps"][-1]["gpu_memory_mb"] for r in (off, on)]
-        print(f"{'GPUtil used (MB)':18s}{used[0]:12.0f}{used[1]:12.0f}")
-    print(f"\nactivation memory at backward start: {(1 - on['activation_bytes'] / off['activation_bytes']) * 100:.1f}% "
-          f"lower; step peak: {(1 - on['peak_activation_bytes'] / off['peak_activation_bytes']) * 100:.1f}% lower; "
-          f"time overhead {(on['time'] / off['time'] - 1) * 100:+.1f}%")
+        print(f"{'RSS_peak (MB)':18s}{mb(a):>12s}{mb(b):>12s}{_pct(b, a):>10s}   (process peak RSS growth per step)")
+    if off.get("steps") and off["steps"][0].get("gpu_memory_bytes") is not None:
+        used = [r["steps"][-1]["gpu_memory_bytes"] for r in (off, on)]
+        print(f"{'GPUtil used (MB)':18s}{mb(used[0]):>12s}{mb(used[1]):>12s}")
+    lower = lambda key: (1 - on[key] / off[key]) * 100 if off[key] else 0.0  # noqa: E731
+    overhead = f"time overhead {_pct(on['time'], off['time'])}" + (" (unreliable)" if note else "")
+    print(f"\nactivation memory at backward start: {lower('activation_bytes'):.1f}% lower; step peak: "
+          f"{lower('peak_activation_bytes'):.1f}% lower; {overhead}")
     if off.get("rss_peak_bytes") and on.get("rss_peak_bytes") is not None:
-        print(f"process peak RSS growth per step (what the OS sees): "
-              f"{(1 - on['rss_peak_bytes'] / off['rss_peak_bytes']) * 100:.1f}% lower")
+        print(f"process peak RSS growth per step (what the OS sees): {lower('rss_peak_bytes'):.1f}% lower")
+
+
+def print_single(r):
+    """The summary of a run with one pass only (--use-gc, --policy off)."""
+    note = _time_note(r)
+    print(f"\n{r['policy']}: M_act {mb(r['activation_bytes']).strip()} MB, M_peak "
+          f"{mb(r['peak_activation_bytes']).strip()} MB, M_floor {mb(r['floor_bytes']).strip()} MB, "
+          f"T_step {r['time']:.3f} s{f' ({note})' if note else ''}, loss {r['loss']:.4f}")
+
+
+def _plural(n, word):
+    return f"{n} {word}{'s' * (n != 1)}"
+
+
+def batch_text(args):
+    b, k = args.batch_size, args.accumulation_steps
+    return f"batch {b}" if k == 1 else f"batch {b} x {k} = {b * k} (--accumulation-steps {k})"
 
 
 def main_run(args):
-    print(f"gc.py: Transformer LM, batch {args.batch_size} x seq_len {args.seq_len}, embedding {args.embedding_size}, "
-          f"hidden {args.hidden_size}, {args.num_layers} layers, {args.num_head} heads, "
-          f"device {pick_device(args.device)}, "
-          f"lazy={args.lazy}, policy={args.policy or 'all'}, segment_len={args.segment_len}")
-    if not has_ptb(args.data):
-        print(f"gc.py: {args.data}/train.txt not found; using a synthetic Zipf corpus with a PTB-sized vocabulary")
+    source = resolve_data(args.data)
+    data, vocab = load_data(source)
+    device = pick_device(args.device)
+    check_corpus(args, data)
     which = [False, True] if args.use_gc is None else [bool(args.use_gc)]
-    if args.json and len(which) != 1:
-        raise SystemExit("gc.py: --json names one run's file; give --use_gc 0 or 1 with it")
+    if args.policy == "off":
+        which = [False]
+    if args.budget_mb is not None and True in which:
+        check_budget(args, data, vocab, device)  # before the gc-off pass: an infeasible budget fails now
+    label = args.policy or "all"
+    print(f"gc.py: Transformer LM ({_plural(args.num_layers, 'layer')}, embedding {args.embedding_size}, "
+          f"feed-forward {args.hidden_size}, {args.num_head} heads), {batch_text(args)} x seq_len {args.seq_len}, "
+          f"device {device}, "
+          f"{'lazy' if args.lazy else 'eager'}; "
+          + {(False,): "gc off", (True,): f"gc on ({label})", (False, True): f"gc off vs on ({label})"}[tuple(which)]
+          + (f", segment_len {args.segment_len}" if args.segment_len else "")
+          + (f", budget {args.budget_mb:g} MB" if args.budget_mb is not None else ""))
+    if source == SYNTHETIC:
+        why = "--data synthetic" if args.data == SYNTHETIC else "no PTB at data/ptb or ../shared/data/ptb"
+        print(f"data: a synthetic Zipf corpus with a PTB-sized vocabulary ({why}), {vocab} words")
+    else:
+        print(f"data: {source}, {len(data)} training tokens, vocabulary {vocab}")
+    init = (f"the output layer's initial weight is scaled by {args.head_init_scale:g} (--head-init-scale 1 keeps "
+            f"the course's init, whose large logits start the loss at about twice that)"
+            if args.head_init_scale != 1 else "the course's init (--head-init-scale 1) gives logits with a std of "
+            "several units, so the loss starts far above that; the default 0.1 starts near it")
+    print(f"loss at init: about ln({vocab}) = {math.log(vocab):.2f}, a uniform guess over the vocabulary; {init}")
+    tokens = args.batch_size * args.seq_len
+    print(f"output layer: its logits ({tokens} tokens x {vocab} words x 4 bytes) are "
+          f"{tokens * vocab * 4 / 2**20:.1f} MB a copy, and checkpointing never drops them")
+    out_dir = None if args.json else (args.out or "results")
     results = {}
     for use_gc in which:
-        print(f"{'gc on' if use_gc else 'gc off'}:")
+        print(f"{f'gc on ({label})' if use_gc else 'gc off'}:", flush=True)
         try:
-            results[use_gc] = run(args, use_gc, out_dir=args.out, json_path=args.json)
+            results[use_gc] = run(args, use_gc, data, vocab, source, out_dir=out_dir, json_path=args.json)
         except MemoryError as err:
-            print(f"gc.py: out of memory under --memory_limit_mb {args.memory_limit_mb}: {err}")
+            print(f"gc.py: out of memory under --memory-limit-mb {args.memory_limit_mb:g}: {err}", file=sys.stderr)
             sys.exit(OOM_EXIT)
     if len(results) == 2:
         print_table(results[False], results[True])
+    else:
+        print_single(next(iter(results.values())))
     for r in results.values():
         if r["json"]:
             print(f"wrote {r['json']}")
+    if out_dir:
+        print(f"plots: python gc.py plot {out_dir}")
+
+
+def check_corpus(args, data):
+    rows = len(data) // (args.batch_size * args.accumulation_steps)
+    if rows - 1 < args.seq_len:
+        fail(f"the corpus ({len(data)} tokens) is too small for {batch_text(args)} x seq_len {args.seq_len}: "
+             f"a step needs {(args.seq_len + 1) * args.batch_size * args.accumulation_steps} tokens")
 
 
 # ----- sweep and max-batch: each configuration in a fresh process ---------------------------------------------
-def _child(args, overrides, use_gc, json_path, timeout=1800):
+RUN_FLAGS = ["batch_size", "seq_len", "embedding_size", "hidden_size", "num_layers", "num_head", "dropout",
+             "head_init_scale", "segment_len", "budget_mb", "device", "epochs", "max_batches", "warmup",
+             "accumulation_steps", "lr", "seed", "memory_limit_mb"]
+
+
+def _child(args, overrides, policy, json_path, timeout=1800):
     """Run one configuration in a fresh process that writes its record to exactly json_path (chosen by the
     parent, so that two sweeps sharing an --out folder never read each other's files)."""
-    cmd = [sys.executable, os.path.abspath(__file__), "--use_gc", str(int(use_gc)),
-           "--json", os.path.abspath(json_path)]
-    for key, value in {**vars(args), **overrides}.items():
-        if key in ("command", "over", "values", "repeats", "use_gc", "out", "json", "policies", "lazy") \
-                or value is None:
+    settings = {**vars(args), **overrides}
+    cmd = [sys.executable, os.path.abspath(__file__), "run", "--policy", policy, "--use-gc", str(int(policy != "off")),
+           "--json", os.path.abspath(json_path), "--data", settings["source"], "--no-progress"]
+    for key in RUN_FLAGS:
+        value = settings[key]
+        if value is None or (key == "segment_len" and policy != "all") or (key == "budget_mb" and policy != "budget"):
             continue
-        cmd += [f"--{key}", str(value)]
-    cmd.append("--lazy" if overrides.get("lazy", args.lazy) else "--no-lazy")
+        cmd += [f"--{key.replace('_', '-')}", str(value)]
+    cmd.append("--lazy" if settings["lazy"] else "--no-lazy")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     return proc.returncode, proc.stdout + proc.stderr
-
-
-def _read_json(path):
-    with open(path) as f:
-        return json.load(f)
 
 
 def _invocation_id():
@@ -398,129 +598,612 @@ def _invocation_id():
     return f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-{os.urandom(3).hex()}"
 
 
+def _note(line):
+    """A progress line on stderr, above the progress bar."""
+    tqdm.write(line, file=sys.stderr)
+
+
+def _say(line):
+    """A result line on stdout, above the progress bar."""
+    tqdm.write(line, file=sys.stdout)
+
+
+def _last_line(log):
+    lines = [ln for ln in log.strip().splitlines() if ln.strip()]
+    return lines[-1] if lines else "(no output)"
+
+
+def model_text(args, skip=()):
+    parts = [("batch_size", "batch_size" not in skip and batch_text(args)), ("seq_len", f"seq_len {args.seq_len}"),
+             ("embedding_size", f"embedding {args.embedding_size}"),
+             ("hidden_size", f"feed-forward {args.hidden_size}"), ("num_layers", _plural(args.num_layers, "layer")),
+             ("num_head", f"{args.num_head} heads")]
+    return ", ".join(text for key, text in parts if key not in skip)
+
+
 def main_sweep(args):
+    args.source = resolve_data(args.data)
+    pick_device(args.device)
+    data, _ = load_data(args.source)
+    for value in args.values:  # every configuration fits the corpus, or the sweep does not start
+        check_corpus(argparse.Namespace(**{**vars(args), args.over: value}), data)
+    del data
     out_dir = args.out or os.path.join("results", f"sweep_{args.over}")
     os.makedirs(out_dir, exist_ok=True)
     policies = args.policies or (["off", "all", "sqrt", "selective"] if args.over == "num_layers" else ["off", "all"])
     sweep_id = _invocation_id()
-    records = []
+    summary = os.path.join(out_dir, f"sweep-{sweep_id}.json")
+    total = args.repeats * len(args.values) * len(policies)
+    print(f"gc.py sweep {sweep_id}: {args.over} in {args.values}, policies {' '.join(policies)}, {args.repeats} "
+          f"repeat{'s' * (args.repeats != 1)} ({total} runs, each a fresh process); {model_text(args, {args.over})}; "
+          f"data {args.source}; writing {summary} as it goes", flush=True)
+    records, failed, n = [], 0, 0
+    bar = tqdm(total=total, desc=f"sweep {args.over}", unit="run", file=sys.stderr,
+               disable=not _progress_on(args.progress), dynamic_ncols=True)
     for rep in range(args.repeats):
         for value in args.values:
             for policy in policies:
+                n += 1
+                config = f"{args.over}={value} policy={policy} rep {rep}"
+                _note(f"  [{n}/{total}] start  {config}")
+                t0 = time.perf_counter()
                 path = os.path.join(out_dir, f"sweep-{sweep_id}_{args.over}{value}_{policy}_rep{rep}.json")
-                overrides = {args.over: value, "policy": None if policy in ("off", "all") else policy}
-                code, log = _child(args, overrides, policy != "off", path)
+                code, log = _child(args, {args.over: value}, policy, path)
+                bar.update()
                 if code != 0 or not os.path.exists(path):
-                    print(f"  {args.over}={value} {policy}: failed (exit {code})\n{log[-2000:]}")
+                    failed += 1
+                    _say(f"  [{n}/{total}] failed {config} (exit {code}): {_last_line(log)}")
                     continue
                 r = _read_json(path)  # exactly the file this child was told to write
-                r["repeat"], r["label"], r["sweep_id"], r["json"] = rep, policy, sweep_id, path
+                r.update({"repeat": rep, "label": policy, "sweep_id": sweep_id, "sweep_over": args.over, "json": path})
+                _write_json(path, r)  # the child's file says which sweep it belongs to (plot reads it)
                 records.append(r)
-                print(f"  rep {rep} {args.over}={value:>6} {policy:>9s}: M_act {mb(r['activation_bytes'])} MB  "
-                      f"M_peak {mb(r['peak_activation_bytes'])} MB  T {r['time']:.3f} s", flush=True)
-    summary = os.path.join(out_dir, f"sweep-{sweep_id}.json")
-    for name in (summary, os.path.join(out_dir, "sweep.json")):  # this sweep's; sweep.json: the latest to finish
-        _write_json(name, records)
-    png = plot_sweep(records, args.over, out_dir)
-    print(f"wrote {summary} (also as {os.path.join(out_dir, 'sweep.json')}) and {png}")
+                for name in (summary, os.path.join(out_dir, "sweep.json")):  # as it goes; sweep.json: the latest
+                    _write_json(name, records)
+                unreliable = " (T unreliable)" if not r.get("step_time_reliable", True) else ""
+                _say(f"  [{n}/{total}] done   {config}: M_act {mb(r['activation_bytes'])} MB  "
+                     f"M_peak {mb(r['peak_activation_bytes'])} MB  T {r['time']:.3f} s{unreliable}  "
+                     f"({time.perf_counter() - t0:.0f} s)")
+    bar.close()
+    if not records:
+        print(f"gc.py sweep: all {total} runs failed", file=sys.stderr)
+        sys.exit(1)
+    pngs = plot_sweep(records, out_dir)
+    print(f"wrote {summary} (also as {os.path.join(out_dir, 'sweep.json')}) and {', '.join(pngs)}")
+    if failed:
+        print(f"gc.py sweep: {failed} of {total} runs failed (see above)", file=sys.stderr)
+        sys.exit(1)
 
 
-def plot_sweep(records, over, out_dir):
+def main_max_batch(args):
+    args.source = resolve_data(args.data)
+    device = pick_device(args.device)
+    out_dir = args.out or os.path.join("results", "max_batch")
+    os.makedirs(out_dir, exist_ok=True)
+    search_id = _invocation_id()
+    policies = args.policies or ["off", "all", "sqrt", "selective"]
+    data, vocab = load_data(args.source)
+    result = {"kind": "max-batch", "max_batch_id": search_id, "policies": policies,
+              **config_of(args, args.source, vocab, device), "largest_batch": {}, "tries": []}
+    result.update(batch_size=None, effective_batch_size=None, first_batch_size=args.batch_size,
+                  max_batches=2)  # the batch is what is searched; each try trains 2 steps
+    path = os.path.join(out_dir, "max_batch.json")
+    print(f"gc.py max-batch {search_id}: the largest batch that trains under {args.memory_limit_mb:g} MB, per policy "
+          f"({' '.join(policies)}), from batch {args.batch_size} (doubled, then bisected; a fresh process per try); "
+          f"{model_text(args, {'batch_size'})}; "
+          f"data {args.source}", flush=True)
+    bar = tqdm(desc="max-batch tries", unit="try", file=sys.stderr, disable=not _progress_on(args.progress),
+               dynamic_ncols=True)
+
+    def fits(batch, policy):
+        config = f"policy={policy} batch_size={batch}"
+        _note(f"  [{len(result['tries']) + 1}] start  {config}")
+        t0 = time.perf_counter()
+        json_path = os.path.join(out_dir, f"max-batch-{search_id}_{policy}_b{batch}.json")
+        code, log = _child(args, {"batch_size": batch, "max_batches": 2}, policy, json_path)
+        bar.update()
+        if code not in (0, OOM_EXIT):
+            bar.close()
+            print(f"gc.py max-batch: the run {config} failed (exit {code}): {_last_line(log)}", file=sys.stderr)
+            sys.exit(1)
+        if os.path.exists(json_path):  # tag it: plot leaves a search's tries out of its run plots
+            _write_json(json_path, {**_read_json(json_path), "max_batch_id": search_id})
+        result["tries"].append({"policy": policy, "batch_size": batch, "fits": code == 0, "json": json_path})
+        _write_json(path, result)
+        _note(f"  [{len(result['tries'])}] done   {config}: {'fits' if code == 0 else 'out of memory'} "
+              f"({time.perf_counter() - t0:.0f} s)")
+        return code == 0
+
+    for policy in policies:
+        lo, hi = 0, args.batch_size
+        while fits(hi, policy):  # double until a batch does not fit...
+            lo, hi = hi, hi * 2
+        while hi - lo > max(1, lo // 16):  # ...then bisect to within ~6%
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if fits(mid, policy) else (lo, mid)
+        result["largest_batch"][policy] = lo
+        _write_json(path, result)
+        _say(f"  {policy:>9s}: largest batch under {args.memory_limit_mb:g} MB = {lo}")
+    bar.close()
+    best = result["largest_batch"]
+    if best.get("off"):
+        for policy, b in best.items():
+            print(f"  {policy:>9s}: {b / best['off']:.2f}x the batch of gc off")
+    png = plot_max_batch(result, out_dir)
+    print(f"wrote {path} and {png}")
+
+
+# ----- plots --------------------------------------------------------------------------------------------------
+NEUTRAL = "0.55"  # gc off: grey, drawn first
+COLOURS = {"all": "tab:blue", "sqrt": "tab:orange", "selective": "tab:green", "budget": "tab:red"}
+
+
+def _pyplot():
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for label in sorted({r["label"] for r in records}):
-        xs = sorted({r[over] for r in records if r["label"] == label})
-        for ax, key, title in ((axes[0], "peak_activation_bytes", "M_peak (MB)"), (axes[1], "time", "T_step (s)")):
-            ys = [statistics.median(r[key] for r in records if r["label"] == label and r[over] == x) for x in xs]
-            ys = [y / 2**20 for y in ys] if key != "time" else ys
-            ax.plot(xs, ys, marker="o", label=label)
+    return plt
+
+
+def _label(r):
+    """A run's curve or bar: its policy, with its segment length or budget where it has one."""
+    policy = r.get("label") or r.get("policy") or ("all" if r.get("use_gc") else "off")
+    if policy == "all" and r.get("segment_len") and r.get("sweep_over") != "segment_len":
+        return f"all, segment_len {r['segment_len']}"
+    if policy == "budget" and r.get("budget_bytes"):
+        return f"budget {r['budget_bytes'] / 2**20:g} MB"
+    return policy
+
+
+def _order(labels):
+    base = lambda label: label.split(",")[0].split(" ")[0]  # noqa: E731
+    return sorted(set(labels), key=lambda label: (POLICIES.index(base(label)) if base(label) in POLICIES else 99,
+                                                   label))
+
+
+def _colour(label):
+    base = label.split(",")[0].split(" ")[0]
+    return NEUTRAL if base == "off" else COLOURS.get(base, "tab:purple")
+
+
+def _config_text(r, skip=()):
+    """The configuration of a record as a plot's subtitle."""
+    b, k = r.get("batch_size"), r.get("accumulation_steps") or 1
+    parts = [("batch_size", f"batch {b}" if k == 1 else f"batch {b}x{k}"), ("seq_len", f"seq_len {r.get('seq_len')}"),
+             ("embedding_size", f"embedding {r.get('embedding_size')}"),
+             ("hidden_size", f"feed-forward {r.get('hidden_size')}"),
+             ("num_layers", _plural(r.get("num_layers"), "layer")), ("num_head", f"{r.get('num_head')} heads"),
+             ("vocab_size", f"vocab {r.get('vocab_size')}"),
+             ("data", "synthetic data" if r.get("data") == SYNTHETIC
+              else f"data {os.path.basename(str(r.get('data')))}"),
+             ("device", f"{r.get('device')}, {r.get('threads')} threads"),
+             ("lazy", "lazy" if r.get("lazy") else "eager"),
+             ("max_batches", f"{r.get('max_batches')} steps, warmup {r.get('warmup')}")]
+    return ", ".join(text for key, text in parts if key not in skip)
+
+
+def _spread(values):
+    """(median, [below, above]) of repeated measurements: an error bar from their min to their max."""
+    med = statistics.median(values)
+    return med, [med - min(values), max(values) - med]
+
+
+PANELS = [("activation_bytes", "M_act (MB): held at backward start", 2**20),
+          ("peak_activation_bytes", "M_peak (MB): forward + backward peak", 2**20),
+          ("time", "T_step (s): median step time", 1)]
+
+
+def _unreliable(records):
+    return any(not r.get("step_time_reliable", True) for r in records)
+
+
+def plot_sweep(records, out_dir):
+    """One PNG per sweep in `records` (by sweep_id): M_act (with M_floor), M_peak and T_step against the swept
+    parameter, a line per policy, error bars over repeats."""
+    plt = _pyplot()
+    from matplotlib.ticker import MaxNLocator
+
+    pngs = []
+    by_sweep = {}
+    for r in records:
+        by_sweep.setdefault(r.get("sweep_id", "?"), []).append(r)
+    for sweep_id, rs in by_sweep.items():
+        over = rs[0].get("sweep_over") or next(k for k in ("batch_size", "hidden_size", "segment_len", "num_layers")
+                                               if len({r.get(k) for r in rs}) > 1)
+        xs_all = sorted({r[over] for r in rs})
+        fig, axes = plt.subplots(1, 3, figsize=(14, 4.4))
+        for label in _order(_label(r) for r in rs):
+            mine = [r for r in rs if _label(r) == label]
+            xs = sorted({r[over] for r in mine})
+            for ax, (key, title, unit) in zip(axes, PANELS):
+                stats = [_spread([r[key] / unit for r in mine if r[over] == x and r.get(key) is not None]) for x in xs]
+                ax.errorbar(xs, [m for m, _ in stats], yerr=np.array([e for _, e in stats]).T, marker="o",
+                            capsize=3, color=_colour(label), label=label, zorder=3 if label == "off" else 2)
+        floors = [statistics.median(r["floor_bytes"] / 2**20 for r in rs if r[over] == x and r.get("use_gc"))
+                  if any(r[over] == x and r.get("use_gc") for r in rs) else None for x in xs_all]
+        if any(f is not None for f in floors):
+            axes[0].plot([x for x, f in zip(xs_all, floors) if f is not None], [f for f in floors if f is not None],
+                         ls="--", color="black", lw=1, label="M_floor")
+        for ax, (key, title, _) in zip(axes, PANELS):
+            ax.set_title(title + ("\n(some from < 3 timed steps: unreliable)" if key == "time" and _unreliable(rs)
+                                  else ""), fontsize=10)
             ax.set_xlabel(over)
-            ax.set_ylabel(title)
-    axes[0].legend()
-    fig.suptitle(f"needle gradient checkpointing: Transformer LM, sweep over {over}")
+            if len(xs_all) <= 12:
+                ax.set_xticks(xs_all)  # the swept values themselves: integers
+            else:
+                ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+            ax.set_ylim(bottom=0)
+            ax.grid(alpha=0.3)
+        handles, names = axes[0].get_legend_handles_labels()
+        order = sorted(range(len(names)), key=lambda i: names[i] == "M_floor")  # the policies first, "off" leading
+        axes[0].legend([handles[i] for i in order], [names[i] for i in order], fontsize=8)
+        repeats = len({r.get("repeat") for r in rs})
+        fig.suptitle(f"gc.py sweep over {over} ({repeats} repeat{'s' * (repeats != 1)}, median, bars: min-max)\n"
+                     f"{_config_text(rs[0], {over})}", fontsize=10)
+        fig.tight_layout()
+        png = os.path.join(out_dir, f"sweep_{over}-{sweep_id}.png")
+        fig.savefig(png, dpi=100)
+        plt.close(fig)
+        pngs.append(png)
+    return pngs
+
+
+RUN_CONFIG_KEYS = ["data", "vocab_size", "batch_size", "accumulation_steps", "seq_len", "embedding_size",
+                   "hidden_size", "num_layers", "num_head", "dropout", "head_init_scale", "device", "lazy", "lr",
+                   "seed", "max_batches", "epochs", "warmup"]
+
+
+def plot_runs(records, out_dir):
+    """One PNG per model configuration among `records` (`run` JSONs): a bar per policy ("off" first) for M_act
+    (M_floor marked), M_peak and T_step, error bars over repeats (runs of the same configuration)."""
+    plt = _pyplot()
+    groups = {}
+    for r in records:
+        groups.setdefault(tuple(json.dumps(r.get(k)) for k in RUN_CONFIG_KEYS), []).append(r)
+    pngs = []
+    for rs in groups.values():
+        labels = _order(_label(r) for r in rs)
+        n_repeats = max(sum(_label(r) == label for r in rs) for label in labels)
+        fig, axes = plt.subplots(1, 3, figsize=(4 + 1.6 * len(labels) * 3, 4.4))
+        for ax, (key, title, unit) in zip(axes, PANELS):
+            stats = [_spread([r[key] / unit for r in rs if _label(r) == label and r.get(key) is not None] or [0])
+                     for label in labels]
+            repeated = n_repeats > 1  # error bars only where there are repeats to spread
+            bars = ax.bar(range(len(labels)), [m for m, _ in stats], yerr=np.array([e for _, e in stats]).T
+                          if repeated else None, capsize=4, color=[_colour(label) for label in labels], zorder=2)
+            ax.bar_label(bars, labels=[f"{m:.3f}" if key == "time" or m < 10 else f"{m:.1f}" for m, _ in stats],
+                         fontsize=8, padding=2)
+            ax.margins(y=0.12)  # room for the labels
+            floors = [r["floor_bytes"] / 2**20 for r in rs if r.get("use_gc") and r.get("floor_bytes") is not None]
+            if key == "activation_bytes" and floors:  # the floor is a property of the checkpointed graph
+                ax.axhline(statistics.median(floors), color="black", ls="--", lw=1, zorder=3,
+                           label="M_floor: what no policy can drop")
+                ax.legend(fontsize=8)
+            ax.set_xticks(range(len(labels)))
+            ax.set_xticklabels(labels, fontsize=9)
+            ax.set_ylim(bottom=0)
+            ax.grid(axis="y", alpha=0.3, zorder=0)
+            ax.set_title(title + ("\n(from < 3 timed steps: unreliable)" if key == "time" and _unreliable(rs) else ""),
+                         fontsize=10)
+        spread = ", median, bars: min-max" if n_repeats > 1 else ""
+        fig.suptitle(f"gc.py run: gradient checkpointing off vs on ({n_repeats} run{'s' * (n_repeats != 1)} "
+                     f"each{spread})\n{_config_text(rs[0])}", fontsize=10)
+        fig.tight_layout()
+        r = rs[0]
+        png = os.path.join(out_dir, f"runs_b{r.get('batch_size')}x{r.get('seq_len')}_e{r.get('embedding_size')}_"
+                                    f"h{r.get('hidden_size')}_l{r.get('num_layers')}_v{r.get('vocab_size')}.png")
+        fig.savefig(png, dpi=100)
+        plt.close(fig)
+        pngs.append(png)
+    return pngs
+
+
+def plot_max_batch(result, out_dir):
+    """The largest batch per policy under the cap, "off" first, with its ratio to gc off's."""
+    plt = _pyplot()
+    from matplotlib.ticker import MaxNLocator
+
+    best = result["largest_batch"]
+    labels = _order(best)
+    fig, ax = plt.subplots(figsize=(max(7.0, 2 + 1.4 * len(labels)), 4.8))
+    ax.bar(range(len(labels)), [best[p] for p in labels], color=[_colour(p) for p in labels], zorder=2)
+    for i, p in enumerate(labels):
+        ratio = f"\n{best[p] / best['off']:.2f}x off" if best.get("off") else ""
+        ax.annotate(f"{best[p]}{ratio}", (i, best[p]), ha="center", va="bottom", fontsize=9)
+    ax.set_xticks(range(len(labels)))
+    ax.set_xticklabels(labels)
+    ax.set_ylabel("largest batch that trains")
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_ylim(0, max(list(best.values()) + [1]) * 1.25)
+    ax.grid(axis="y", alpha=0.3, zorder=0)
+    cap = result.get("memory_limit_bytes")
+    cap_text = f"{cap / 2**20:g} MB" if cap else "?"
+    config = textwrap.fill(_config_text(result, {"batch_size", "max_batches"}), 90)
+    ax.set_title(f"gc.py max-batch: the largest batch that trains under a cap of {cap_text}\n{config}", fontsize=9)
     fig.tight_layout()
-    png = os.path.join(out_dir, f"sweep_{over}.png")
+    png = os.path.join(out_dir, f"max_batch-{result.get('max_batch_id', 'result')}.png")
     fig.savefig(png, dpi=100)
+    plt.close(fig)
     return png
 
 
-def fits(args, batch, policy, out_dir, search_id):
-    overrides = {"batch_size": batch, "max_batches": 2, "policy": None if policy in ("off", "all") else policy}
-    code, log = _child(args, overrides, policy != "off",
-                       os.path.join(out_dir, f"max-batch-{search_id}_{policy}_b{batch}.json"))
-    if code not in (0, OOM_EXIT):
-        raise SystemExit(f"gc.py max-batch: run failed (exit {code}):\n{log[-2000:]}")
-    return code == 0
+def main_plot(args):
+    folder = args.dir
+    if not os.path.isdir(folder):
+        fail(f"plot: {folder} is not a folder")
+    runs, sweeps, searches, skipped = [], {}, {}, []
+    for path in sorted(glob.glob(os.path.join(folder, "*.json"))):
+        try:
+            data = _read_json(path)
+        except (OSError, ValueError):
+            skipped.append(path)
+            continue
+        if isinstance(data, list) and data and all(isinstance(r, dict) and "sweep_id" in r for r in data):
+            for r in data:
+                sweeps.setdefault(r["sweep_id"], {})[(r.get("json"), r.get("repeat"), _label(r), r.get(r.get(
+                    "sweep_over") or "batch_size"))] = r  # sweep.json repeats a sweep-<id>.json: counted once
+        elif isinstance(data, dict) and "largest_batch" in data:
+            searches[data.get("max_batch_id", path)] = data
+        elif isinstance(data, dict) and "steps" in data and "activation_bytes" in data:
+            if "sweep_id" not in data and "max_batch_id" not in data:  # those are plotted with their sweep/search
+                runs.append(data)
+        else:
+            skipped.append(path)
+    pngs = []
+    if runs:
+        pngs += plot_runs(runs, folder)
+    for rs in sweeps.values():
+        pngs += plot_sweep(list(rs.values()), folder)
+    for result in searches.values():
+        if result.get("largest_batch"):
+            pngs.append(plot_max_batch(result, folder))
+    if not pngs:
+        fail(f"plot: {folder} holds no gc.py run, sweep or max-batch JSON")
+    for path in skipped:
+        print(f"skipped {path} (not a gc.py JSON)", file=sys.stderr)
+    subfolders = [d for d in sorted(glob.glob(os.path.join(folder, "*", ""))) if glob.glob(os.path.join(d, "*.json"))]
+    for d in subfolders:
+        print(f"({d} holds JSON too: python gc.py plot {d})", file=sys.stderr)
+    print(f"wrote {', '.join(pngs)}")
 
 
-def main_max_batch(args):
-    if not args.memory_limit_mb:
-        raise SystemExit("gc.py max-batch needs --memory_limit_mb")
-    out_dir = args.out or os.path.join("results", "max_batch")
-    os.makedirs(out_dir, exist_ok=True)
-    best, search_id = {}, _invocation_id()
-    for policy in args.policies or ["off", "all", "sqrt", "selective"]:
-        lo, hi = 0, 8
-        while fits(args, hi, policy, out_dir, search_id):  # double until a batch does not fit...
-            lo, hi = hi, hi * 2
-        while hi - lo > max(1, lo // 16):  # ...then bisect to within ~6%
-            mid = (lo + hi) // 2
-            lo, hi = (mid, hi) if fits(args, mid, policy, out_dir, search_id) else (lo, mid)
-        best[policy] = lo
-        print(f"  {policy:>9s}: largest batch under {args.memory_limit_mb} MB = {lo}", flush=True)
-    if best.get("off"):
-        for policy, b in best.items():
-            print(f"  {policy:>9s}: {b / best['off']:.2f}x the batch of gc off")
-    _write_json(os.path.join(out_dir, "max_batch.json"), {"memory_limit_mb": args.memory_limit_mb,
-                                                            "largest_batch": best})
+# ----- the command line ---------------------------------------------------------------------------------------
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Each flag once, in its hyphenated spelling, with its default."""
+
+    def _format_action_invocation(self, action):
+        if not action.option_strings:
+            return super()._format_action_invocation(action)
+        shown = [s for s in action.option_strings if "_" not in s] or action.option_strings
+        if action.nargs == 0:
+            return ", ".join(shown)
+        return f"{', '.join(shown)} {self._format_args(action, self._get_default_metavar_for_optional(action))}"
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        default = action.default
+        if "default" not in text and default is not None and default is not False and default != argparse.SUPPRESS \
+                and action.option_strings:
+            text += " (default: %(default)s)"
+        return text
+
+
+def _formatter(prog):
+    import shutil
+
+    columns = shutil.get_terminal_size((106, 24)).columns  # 104 wide, or the terminal's width
+    return HelpFormatter(prog, max_help_position=28, width=max(80, min(104, columns - 2)))
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, with every error as one line on stderr (exit status 2), naming the flag and the closest one."""
+
+    def error(self, message):
+        hint = ""
+        if "unrecognized arguments" in message:
+            words = message.split(":", 1)[1].split()
+            flags = [s for a in self._actions for s in a.option_strings if "_" not in s]
+            close = [(w, difflib.get_close_matches(w.split("=")[0].replace("_", "-"), flags, n=1, cutoff=0.6))
+                     for w in words if w.startswith("--")]
+            hint = "".join(f"; did you mean {m[0]} for {w}?" for w, m in close if m)
+            misplaced = [w for w in words if w in SUBCOMMANDS]
+            if misplaced:
+                hint += f"; the subcommand goes first: python gc.py {misplaced[0]} [flags]"
+        print(f"{self.prog}: error: {message}{hint} (see python {self.prog} --help)", file=sys.stderr)
+        sys.exit(BAD_INPUT_EXIT)
+
+
+def _flag(parser, name, **kwargs):
+    """--name-with-hyphens, also accepted as --name_with_underscores (the earlier project's spelling)."""
+    names = [f"--{name.replace('_', '-')}"] + ([f"--{name}"] if "_" in name else [])
+    parser.add_argument(*names, dest=name, **kwargs)
+
+
+def _add_model_flags(p, command):
+    g = p.add_argument_group("model and data")
+    _flag(g, "data", default=None, metavar="DIR",
+          help=f"PTB folder with train.txt and test.txt, or '{SYNTHETIC}' (default: data/ptb, else ../shared/data/ptb, "
+               "else a synthetic Zipf corpus with a PTB-sized vocabulary; an explicit folder must exist)")
+    if command == "max-batch":
+        _flag(g, "batch_size", type=int, default=8, metavar="N",
+              help="the first batch tried: the search doubles it until a batch does not fit, then bisects")
+    else:
+        _flag(g, "batch_size", type=int, default=32, metavar="N", help="sequences per micro-batch")
+    _flag(g, "accumulation_steps", type=int, default=1, metavar="K",
+          help="micro-batches per optimizer step, their gradients summed: the effective batch is batch-size x K, "
+               "with about 1/K of the activation memory")
+    _flag(g, "seq_len", type=int, default=32, metavar="T", help="tokens per sequence (BPTT window)")
+    _flag(g, "embedding_size", type=int, default=256, metavar="D", help="model width")
+    _flag(g, "hidden_size", type=int, default=256, metavar="H", help="feed-forward width of each Transformer layer")
+    _flag(g, "num_layers", type=int, default=4, metavar="L", help="Transformer layers")
+    _flag(g, "num_head", type=int, default=4, metavar="N", help="attention heads; must divide --embedding-size")
+    _flag(g, "dropout", type=float, default=0.0, metavar="P", help="dropout probability, in [0, 1)")
+    _flag(g, "head_init_scale", type=float, default=0.1, metavar="S",
+          help="scale of the output layer's initial weight, so the loss starts near ln(vocab); 1 keeps the course's "
+               "init (whose logits start with a std of several units)")
+    g = p.add_argument_group("checkpointing")
+    if command == "run":
+        _flag(g, "policy", default=None, choices=POLICIES,
+              help="what gc on drops: all (every node inside each layer), sqrt (Chen's schedule), selective (keeps "
+                   "matmul outputs), budget (keeps M_peak under --budget-mb); off runs gc off alone (default: all)")
+        _flag(g, "use_gc", type=int, choices=[0, 1], default=None,
+              help="run only gc off (0) or only gc on (1) (default: both, side by side)")
+    else:
+        _flag(g, "policies", nargs="+", choices=POLICIES, default=None, metavar="POLICY",
+              help="policies to compare, from " + "|".join(POLICIES) + " (default: " +
+                   ("off all, or off all sqrt selective over num_layers" if command == "sweep"
+                    else "off all sqrt selective") + ")")
+    _flag(g, "segment_len", type=int, default=None, metavar="N",
+          help="with policy all: keep every N-th node of a region as a checkpoint (default: none kept)")
+    _flag(g, "budget_mb", type=float, default=None, metavar="MB",
+          help="the M_peak bound of policy budget, in MiB (needs --policy budget)")
+    g = p.add_argument_group("training and measurement")
+    _flag(g, "lazy", action=argparse.BooleanOptionalAction, default=True,
+          help="lazy evaluation: ops record the graph and realization computes it (default: lazy)")
+    _flag(g, "device", default=None, choices=["cpu", "cuda", "cpu_numpy"],
+          help="array backend (default: cuda when available, else cpu)")
+    _flag(g, "epochs", type=int, default=1, metavar="N", help="passes over the --max-batches windows")
+    _flag(g, "max_batches", type=int, default=30, metavar="N", help="optimizer steps per epoch (at most)")
+    _flag(g, "warmup", type=int, default=2, metavar="N", help="steps left out of the T_step median")
+    _flag(g, "lr", type=float, default=1e-3, metavar="LR", help="Adam's learning rate")
+    _flag(g, "seed", type=int, default=0, metavar="N", help="NumPy seed for the model's initialization")
+    if command == "max-batch":
+        _flag(g, "memory_limit_mb", type=float, required=True, metavar="MB",
+              help="the cap: past it the allocator raises MemoryError (required)")
+    else:
+        _flag(g, "memory_limit_mb", type=float, default=None, metavar="MB",
+              help="cap the allocator: past it a run stops with MemoryError, exit status 3 (default: no cap)")
+    g = p.add_argument_group("output")
+    default_out = {"run": "results", "sweep": "results/sweep_OVER", "max-batch": "results/max_batch"}[command]
+    _flag(g, "out", default=None, metavar="DIR", help=f"folder for the JSON (and PNG) files (default: {default_out})")
+    if command == "run":
+        _flag(g, "json", default=None, metavar="FILE",
+              help="write the one run's JSON to exactly FILE instead (needs --use-gc or --policy off; sweep and "
+                   "max-batch give each child its own)")
+    _flag(g, "progress", action=argparse.BooleanOptionalAction, default=None,
+          help="progress bars on stderr (default: when stderr is a terminal or in a notebook)")
+
+
+SWEEPABLE = ["batch_size", "hidden_size", "embedding_size", "num_layers", "seq_len", "segment_len"]
+
+
+def build_parser():
+    helps = {"run": "gc off vs on for one configuration, side by side (the default)",
+             "sweep": "one parameter over several values and policies, a fresh process per run; JSON and plots",
+             "max-batch": "the largest batch that trains under --memory-limit-mb, per policy (bisection)",
+             "plot": "draw, into DIR, the plots of the gc.py JSON files DIR holds (run, sweep, max-batch)"}
+    top = Parser(prog="gc.py", formatter_class=_formatter, usage="python gc.py [run|sweep|max-batch|plot] [flags]",
+                 description=__doc__.split("\n")[0] + "\n\nsubcommands (run is the default):\n"
+                             + "".join(f"  {c:11s}{h}\n" for c, h in helps.items()),
+                 epilog="python gc.py CMD --help lists CMD's flags and their defaults. Every flag may be spelled with\n"
+                        "hyphens or underscores (--batch-size, --batch_size).\n\n" + MEASURES,
+                 allow_abbrev=False)
+    parsers = {}
+    for command in SUBCOMMANDS:
+        epilog = MEASURES + "\n\nEvery flag may also be spelled with underscores (--batch_size)."
+        p = Parser(prog=f"gc.py {command}", description=f"python gc.py {command}: {helps[command]}.",
+                   formatter_class=_formatter, epilog=epilog if command != "plot" else None,
+                   usage=f"python gc.py {command} {'DIR' if command == 'plot' else '[flags]'}", allow_abbrev=False)
+        if command == "plot":
+            p.add_argument("dir", metavar="DIR", help="a folder of gc.py JSON (run, sweep or max-batch); the PNGs "
+                                                      "are written there")
+        else:
+            _add_model_flags(p, command)
+        if command == "sweep":
+            g = p.add_argument_group("sweep")
+            _flag(g, "over", default="batch_size", type=lambda s: s.replace("-", "_"),
+                  choices=SWEEPABLE, help="the parameter to sweep")
+            _flag(g, "values", type=int, nargs="+", default=[16, 32, 64, 128], metavar="V",
+                  help="its values (positive integers)")
+            _flag(g, "repeats", type=int, default=2, metavar="N", help="runs per value and policy (error bars)")
+        parsers[command] = p
+    return top, parsers
+
+
+def validate(args, command):
+    """Every check that needs no data or model: bad input fails here, before any work."""
+    def positive(name, value):
+        if value is not None and value < 1:
+            fail(f"--{name.replace('_', '-')} must be a positive integer, got {value}")
+
+    if command == "plot":
+        return
+    for name in ("batch_size", "seq_len", "embedding_size", "hidden_size", "num_layers", "num_head",
+                 "accumulation_steps", "epochs", "max_batches", "segment_len", "repeats"):
+        positive(name, getattr(args, name, None))
+    if args.embedding_size % args.num_head:
+        fail(f"--num-head {args.num_head} must divide --embedding-size {args.embedding_size}")
+    if args.warmup < 0:
+        fail(f"--warmup must be 0 or more, got {args.warmup}")
+    if not 0 <= args.dropout < 1:
+        fail(f"--dropout must be in [0, 1), got {args.dropout:g}")
+    if not (math.isfinite(args.lr) and args.lr > 0):
+        fail(f"--lr must be a positive number, got {args.lr:g}")
+    if not 0 <= args.seed < 2**32:
+        fail(f"--seed must be in [0, 2**32), got {args.seed}")
+    if not (math.isfinite(args.head_init_scale) and args.head_init_scale >= 0):
+        fail(f"--head-init-scale must be 0 or more, got {args.head_init_scale:g}")
+    for name in ("budget_mb", "memory_limit_mb"):
+        value = getattr(args, name)
+        if value is not None and not (math.isfinite(value) and value > 0):
+            fail(f"--{name.replace('_', '-')} must be a positive number of MiB, got {value:g}")
+    if command == "run":
+        policies = [args.policy or "all"]
+        if args.use_gc == 1 and args.policy == "off":
+            fail("--use-gc 1 runs gc on, --policy off runs gc off: give one of them")
+        if args.use_gc == 0 and args.policy not in (None, "off"):
+            fail(f"--use-gc 0 runs gc off only, so --policy {args.policy} would be ignored: leave one out")
+        if args.json and args.use_gc is None and args.policy != "off":
+            fail("--json names one run's file; give --use-gc 0 or 1 (or --policy off) with it")
+    else:
+        policies = args.policies or ["off", "all"]
+    if args.budget_mb is not None and "budget" not in policies:
+        fail("--budget-mb is the bound of --policy budget: give --policy budget with it" if command == "run" else
+             "--budget-mb is the bound of policy budget: add budget to --policies")
+    if "budget" in policies and args.budget_mb is None:
+        fail("policy budget needs --budget-mb (the M_peak bound, in MiB)")
+    if args.segment_len is not None and set(policies) - {"off", "all"}:
+        other = sorted(set(policies) - {"off", "all"})[0]
+        fail(f"--segment-len sets the checkpoints of policy all; policy {other} chooses its own: give only one")
+    if command == "sweep":
+        if any(v < 1 for v in args.values):
+            fail(f"--values must be positive integers, got {' '.join(map(str, args.values))}")
+        if args.over == "segment_len" and set(policies) - {"off", "all"}:
+            fail("a sweep over segment_len compares policies off and all only")
+        for value in args.values:  # each configuration the sweep will run must be valid too
+            trial = argparse.Namespace(**{**vars(args), args.over: value})
+            if trial.embedding_size % trial.num_head:
+                fail(f"--num-head {trial.num_head} must divide --embedding-size {trial.embedding_size} "
+                     f"(the sweep's value {value})")
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("command", nargs="?", default="run", choices=["run", "sweep", "max-batch"])
-    p.add_argument("--data", default=os.path.join("data", "ptb"), help="PTB folder (train.txt); synthetic if absent")
-    p.add_argument("--batch_size", type=int, default=256)
-    p.add_argument("--seq_len", type=int, default=20)
-    p.add_argument("--embedding_size", type=int, default=64)
-    p.add_argument("--hidden_size", type=int, default=64)
-    p.add_argument("--num_layers", type=int, default=2)
-    p.add_argument("--num_head", type=int, default=4)
-    p.add_argument("--dropout", type=float, default=0.0)
-    p.add_argument("--segment_len", type=int, default=None)
-    p.add_argument("--use_gc", type=int, choices=[0, 1], default=None, help="run only gc off (0) or on (1)")
-    p.add_argument("--policy", default=None, choices=[None, "all", "sqrt", "selective", "budget"])
-    p.add_argument("--budget_mb", type=float, default=None)
-    p.add_argument("--lazy", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--device", default=None, choices=[None, "cpu", "cuda", "cpu_numpy"])
-    p.add_argument("--epochs", type=int, default=1)
-    p.add_argument("--max_batches", type=int, default=30)
-    p.add_argument("--warmup", type=int, default=2, help="steps left out of the time median")
-    p.add_argument("--accumulation_steps", type=int, default=1)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--memory_limit_mb", type=float, default=None)
-    p.add_argument("--out", default=None, help="folder for one JSON per run")
-    p.add_argument("--json", default=None, help="write the (one) run's JSON to exactly this file (sweep and "
-                   "max-batch give each child its own)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--over", default="batch_size", choices=["batch_size", "hidden_size", "segment_len", "num_layers"])
-    p.add_argument("--values", type=int, nargs="+", default=[32, 64, 128, 256])
-    p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--policies", nargs="+", default=None)
-    return p.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    top, parsers = build_parser()
+    if argv and argv[0] in ("-h", "--help"):
+        top.print_help()
+        sys.exit(0)
+    if argv and argv[0] in SUBCOMMANDS:
+        command, rest = argv[0], argv[1:]
+    elif argv and not argv[0].startswith("-"):
+        close = difflib.get_close_matches(argv[0], SUBCOMMANDS, n=1)
+        hint = f"; did you mean {close[0]}?" if close else ""
+        print(f"gc.py: error: {argv[0]!r} is not a subcommand (run, sweep, max-batch, plot){hint} "
+              f"(see python gc.py --help)", file=sys.stderr)
+        sys.exit(BAD_INPUT_EXIT)
+    else:
+        command, rest = "run", argv
+    args = parsers[command].parse_args(rest)
+    args.command = command
+    validate(args, command)
+    return args
 
 
 def main(argv=None):
     args = parse_args(argv)
-    if args.command == "sweep":
-        main_sweep(args)
-    elif args.command == "max-batch":
-        main_max_batch(args)
-    else:
-        main_run(args)
+    {"run": main_run, "sweep": main_sweep, "max-batch": main_max_batch, "plot": main_plot}[args.command](args)
 
 
 if __name__ == "__main__":

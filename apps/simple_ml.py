@@ -74,19 +74,33 @@ def loss_err(h, y):
 
 # ----- shared pieces of the training loops ---------------------------------------------------------------------
 def _progress(iterable, total, progress):
-    """`iterable` wrapped in a tqdm bar when `progress` is truthy (a string is the bar's description)."""
+    """`iterable` wrapped in a tqdm bar on stderr when `progress` is truthy (a string is the bar's description).
+
+    tqdm.auto draws a widget in a notebook and a text bar elsewhere; the finished bar stays as the epoch's last
+    line, with the loss (and perplexity or accuracy) that the loop shows on it (`_show_metrics`)."""
     if not progress:
         return iterable
     try:
-        from tqdm import tqdm
+        from tqdm.auto import tqdm
     except ImportError:  # tqdm is a declared dependency; without it training still runs, silently
         return iterable
-    return tqdm(iterable, total=total, desc=progress if isinstance(progress, str) else None, leave=False)
+    return tqdm(iterable, total=total, desc=progress if isinstance(progress, str) else None, leave=True,
+                dynamic_ncols=True)
+
+
+def _show_metrics(bar, **metrics):
+    """Put the running metrics on a progress bar (a no-op without one); display only, nothing is computed."""
+    if hasattr(bar, "set_postfix"):
+        bar.set_postfix({k: f"{v:.4g}" for k, v in metrics.items()}, refresh=False)
+
+
+def _perplexity(avg_loss):
+    return math.exp(avg_loss) if avg_loss < 700 else float("inf")
 
 
 def _show_progress(progress):
-    """progress=None means: show a bar when stderr is a terminal."""
-    return sys.stderr.isatty() if progress is None else bool(progress)
+    """progress=None means: show a bar when stderr is a terminal, or in a notebook."""
+    return (sys.stderr.isatty() or "ipykernel" in sys.modules) if progress is None else bool(progress)
 
 
 def _item(value):
@@ -151,7 +165,8 @@ def epoch_general_cifar10(dataloader, model, loss_fn=nn.SoftmaxLoss(), opt=None,
     device = _model_device(model)
     correct = total_loss = 0.0
     seen = 0
-    for X, y in _progress(dataloader, len(dataloader), progress):
+    bar = _progress(dataloader, len(dataloader), progress)
+    for X, y in bar:
         X, y = _on_device(X, device), _on_device(y, device)
         if opt is not None:
             opt.reset_grad()
@@ -161,6 +176,7 @@ def epoch_general_cifar10(dataloader, model, loss_fn=nn.SoftmaxLoss(), opt=None,
         correct += float(np.sum(out.numpy().argmax(axis=1) == y.numpy()))
         total_loss += _item(loss) * n
         seen += n
+        _show_metrics(bar, loss=total_loss / seen, acc=correct / seen)
         if opt is not None:
             loss.backward()
             opt.step()
@@ -211,7 +227,8 @@ def epoch_general_ptb(data, model, seq_len=40, loss_fn=nn.SoftmaxLoss(), opt=Non
     correct = total_loss = 0.0
     seen = 0
     starts = range(0, nbatch - 1, seq_len)
-    for i in _progress(starts, len(starts), progress):
+    bar = _progress(starts, len(starts), progress)
+    for i in bar:
         if opt is not None:
             opt.reset_grad()
         for j, part in enumerate(columns):
@@ -228,6 +245,7 @@ def epoch_general_ptb(data, model, seq_len=40, loss_fn=nn.SoftmaxLoss(), opt=Non
                 (loss if k == 1 else loss * (1.0 / k)).backward()
                 if accumulator is not None:
                     accumulator.add()
+        _show_metrics(bar, loss=total_loss / seen, ppl=_perplexity(total_loss / seen))
         if opt is not None:
             if accumulator is not None:
                 accumulator.store()
@@ -242,7 +260,8 @@ def train_ptb(model, data, seq_len=40, n_epochs=1, optimizer=ndl.optim.SGD, lr=4
     """Train a language model for `n_epochs`; returns (avg_acc, avg_loss) of the last epoch.
 
     `accumulation_steps` (see epoch_general_ptb) trades time for activation memory without changing the updates.
-    A tqdm bar per epoch is shown when stderr is a terminal (progress=None), or as `progress` says.
+    A tqdm bar per epoch, on stderr, is shown when stderr is a terminal or in a notebook (progress=None), or as
+    `progress` says; each ends as a line with the epoch's loss and perplexity.
     """
     np.random.seed(4)
     opt = optimizer(model.parameters(), lr=lr, weight_decay=weight_decay)
@@ -254,7 +273,9 @@ def train_ptb(model, data, seq_len=40, n_epochs=1, optimizer=ndl.optim.SGD, lr=4
     return avg_acc, avg_loss
 
 
-def evaluate_ptb(model, data, seq_len=40, loss_fn=nn.SoftmaxLoss, device=None, dtype="float32"):
-    """(avg_acc, avg_loss) per token of `model` in eval mode over batchified `data`."""
+def evaluate_ptb(model, data, seq_len=40, loss_fn=nn.SoftmaxLoss, device=None, dtype="float32", progress=None):
+    """(avg_acc, avg_loss) per token of `model` in eval mode over batchified `data`; a tqdm bar as train_ptb's,
+    ending as a line with the loss and perplexity."""
     np.random.seed(4)
-    return epoch_general_ptb(data, model, seq_len, loss_fn(), None, None, device, dtype)
+    return epoch_general_ptb(data, model, seq_len, loss_fn(), None, None, device, dtype,
+                             progress=_show_progress(progress) and "eval")

@@ -53,9 +53,14 @@ def test_gc_script_runs_and_writes_the_measurements(tmp_path, capsys):
     assert on["recomputed_nodes"] > 0 and off["recomputed_nodes"] == 0
 
 
-def test_gc_script_synthetic_corpus_when_data_is_absent(tmp_path, capsys):
-    gc_script.main(TINY + ["--data", str(tmp_path / "missing"), "--use_gc", "1", "--max_batches", "1"])
+def test_gc_script_synthetic_corpus_when_data_is_absent(tmp_path, capsys, monkeypatch):
+    # Only the default path falls back to the synthetic corpus (an explicit --data must exist: see the CLI tests).
+    monkeypatch.setattr(gc_script, "DEFAULT_DATA", [str(tmp_path / "missing")])
+    out = tmp_path / "out"
+    gc_script.main(TINY + ["--use_gc", "1", "--max_batches", "1", "--out", str(out)])
     assert "synthetic" in capsys.readouterr().out
+    (name,) = os.listdir(out)
+    assert _read(out / name)["data"] == "synthetic"
 
 
 def test_interrupted_run_keeps_the_results_written(tmp_path, monkeypatch):
@@ -185,3 +190,392 @@ def test_two_concurrent_sweeps_into_one_out_folder_do_not_mix(tmp_path):
         assert sorted(r["batch_size"] for r in records) == [4, 6, 8]
         assert {r["hidden_size"] for r in records} == {hidden}, log
         assert len({r["sweep_id"] for r in records}) == 1
+
+
+# ----- the command line: subcommands, help, spellings, one-line errors ---------------------------------------------
+import math  # noqa: E402
+import shutil  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+from concurrent.futures import ThreadPoolExecutor  # noqa: E402
+
+
+def _gc(*argv, cwd=None):
+    """gc.py as a user runs it: a fresh process; (exit status, stdout, stderr)."""
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "gc.py"), *argv], capture_output=True, text=True,
+                          cwd=cwd, timeout=120)
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+def _one_line_error(code, out, err):
+    """A bad input: exit status 2, exactly one line on stderr, no traceback, nothing on stdout; the line."""
+    assert code == 2, (code, out, err)
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert out == "", out
+    return err.strip()
+
+
+def test_every_subcommand_has_help_with_defaults_and_the_definitions():
+    with ThreadPoolExecutor(5) as pool:
+        argvs = [["--help"]] + [[command, "--help"] for command in gc_script.SUBCOMMANDS]
+        results = dict(zip(["top"] + gc_script.SUBCOMMANDS, pool.map(lambda argv: _gc(*argv), argvs)))
+    for name, (code, out, err) in results.items():
+        assert code == 0 and err == "", (name, err)
+    top = results["top"][1]
+    for command in gc_script.SUBCOMMANDS:
+        assert f"  {command} " in top
+    for name in ("top", "run", "sweep", "max-batch"):  # the definitions, in the epilog
+        for measure in ("M_act", "M_peak", "M_floor", "T_step", "RSS_peak"):
+            assert measure in results[name][1], (name, measure)
+    run_help = results["run"][1]
+    assert "--batch-size N" in run_help and "(default: 32)" in run_help
+    assert "--accumulation-steps K" in run_help and "effective batch" in run_help
+    assert "--policy {off,all,sqrt,selective,budget}" in run_help and "None" not in run_help.split("--policy")[1][:40]
+    assert "--memory-limit-mb MB" in results["max-batch"][1] and "(required)" in results["max-batch"][1]
+    assert "DIR" in results["plot"][1]
+    # every flag of every subcommand has a help line, and each flag with an underscore spelling has both
+    _, parsers = gc_script.build_parser()
+    for command, parser in parsers.items():
+        for action in parser._actions:
+            assert action.help, (command, action.dest)
+            names = set(action.option_strings)
+            for name in names:
+                if "_" in name:
+                    assert name.replace("_", "-") in names, (command, name)
+                if name.startswith("--") and "-" in name[2:] and not name.startswith("--no-"):
+                    assert name.replace("-", "_").replace("__", "--", 1) in names, (command, name)
+
+
+def test_run_is_the_default_subcommand_and_both_spellings_parse_alike():
+    assert gc_script.parse_args(["--batch-size", "32"]).command == "run"
+    hyphens = vars(gc_script.parse_args(["--batch-size", "5", "--seq-len", "7", "--max-batches", "2",
+                                         "--budget-mb", "9", "--policy", "budget", "--no-lazy"]))
+    underscores = vars(gc_script.parse_args(["run", "--batch_size", "5", "--seq_len", "7", "--max_batches", "2",
+                                             "--budget_mb", "9", "--policy", "budget", "--no-lazy"]))
+    assert hyphens == underscores and hyphens["batch_size"] == 5 and hyphens["lazy"] is False
+
+
+def test_a_stray_or_misspelt_flag_is_named_in_one_line():
+    cases = {
+        ("--batchsize", "32"): "unrecognized arguments: --batchsize 32; did you mean --batch-size",
+        ("--batch-size", "32", "64"): "unrecognized arguments: 64",
+        ("32",): "'32' is not a subcommand",
+        ("swep",): "did you mean sweep?",
+        ("--data", "x", "sweep"): "the subcommand goes first",
+        ("--policy", "None"): "invalid choice: 'None'",
+        ("--batch-size", "many"): "invalid int value: 'many'",
+    }
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda argv: _gc(*argv), cases))
+    for (argv, expected), result in zip(cases.items(), results):
+        assert expected in _one_line_error(*result), argv
+
+
+def test_bad_input_is_one_line_and_exit_2_before_any_work(tmp_path):
+    data, out = _corpus(tmp_path), tmp_path / "out"
+    tiny = TINY + ["--data", data, "--out", str(out)]
+    cases = [
+        (["--batch-size", "0"], "--batch-size must be a positive integer, got 0"),
+        (["--seq-len", "-3"], "--seq-len must be a positive integer"),
+        (["--num-head", "3"], "--num-head 3 must divide --embedding-size 8"),
+        (["--num-head", "0"], "--num-head must be a positive integer"),
+        (["--accumulation-steps", "0"], "--accumulation-steps must be a positive integer"),
+        (["--epochs", "0"], "--epochs must be a positive integer"),
+        (["--max-batches", "0"], "--max-batches must be a positive integer"),
+        (["--dropout", "1"], "--dropout must be in [0, 1)"),
+        (["--dropout", "-0.1"], "--dropout must be in [0, 1)"),
+        (["--budget_mb", "5"], "--budget-mb is the bound of --policy budget"),
+        (["--policy", "budget"], "policy budget needs --budget-mb"),
+        (["--use-gc", "1", "--policy", "off"], "give one of them"),
+        (["--policy", "sqrt", "--segment-len", "2"], "--segment-len sets the checkpoints of policy all"),
+        (["--data", str(tmp_path / "missing")], "does not exist"),
+        (["--data", str(tmp_path)], "has no train.txt and test.txt"),
+        (["--batch-size", "100000"], "too small"),
+        (["--policy", "budget", "--budget-mb", "0.001"], "is infeasible: the least M_peak"),
+        (["--policy", "budget", "--budget-mb", "0.001", "--no-lazy"], "is infeasible: the least M_peak"),
+    ]
+    commands = [tiny + argv for argv, _ in cases] + [
+        ["sweep", "--values", "4", "0"] + tiny,
+        ["sweep", "--over", "segment_len", "--policies", "off", "sqrt", "--values", "2"] + tiny,
+        ["sweep", "--budget-mb", "5"] + tiny,
+        ["max-batch"] + tiny,
+        ["plot", str(tmp_path / "missing")],
+        ["plot", str(tmp_path)],  # a folder without gc.py JSON
+    ]
+    expected = [e for _, e in cases] + ["--values must be positive integers", "compares policies off and all only",
+                                        "add budget to --policies", "required: --memory-limit-mb",
+                                        "is not a folder", "holds no gc.py run, sweep or max-batch JSON"]
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda argv: _gc(*argv), commands))
+    for argv, text, result in zip(commands, expected, results):
+        line = _one_line_error(*result)
+        assert text in line, (argv, line)
+    infeasible = [line for line in (r[2] for r in results) if "infeasible" in line][0]
+    minimum = int(infeasible.split(" bytes)")[0].split("(")[-1])
+    assert minimum > 0 and "or more" in infeasible  # the one line names the minimum
+    assert not out.exists()  # no pass ran: neither gc off nor gc on wrote a JSON
+
+
+def test_the_readme_budget_example_is_feasible_at_the_size_it_shows():
+    with open(os.path.join(ROOT, "README.md")) as f:
+        (line,) = [ln for ln in f if ln.strip().startswith("python gc.py --policy budget")]
+    argv = line.split("#")[0].split()[2:]  # after "python gc.py"
+    args = gc_script.parse_args(argv)
+    data, vocab = gc_script.synthetic_corpus()  # vocabulary 10,000: the largest head of the data gc.py runs on
+    gc_script.check_budget(args, data, vocab, gc_script.pick_device(None))  # no SystemExit: feasible
+    off = gc_script.parse_args(argv + ["--budget-mb", "1"])
+    with pytest.raises(SystemExit):
+        gc_script.check_budget(off, data, vocab, gc_script.pick_device(None))
+
+
+def test_policy_off_runs_gc_off_alone(tmp_path, capsys):
+    out = tmp_path / "out"
+    gc_script.main(TINY + ["--data", _corpus(tmp_path), "--out", str(out), "--policy", "off"])
+    printed = capsys.readouterr().out
+    assert "gc off\n" in printed and "gc on" not in printed
+    (name,) = os.listdir(out)
+    record = _strict_load(out / name)
+    assert record["policy"] == "off" and record["use_gc"] is False and record["recomputed_nodes"] == 0
+
+
+def test_the_header_shows_the_effective_batch_of_accumulation(tmp_path, capsys):
+    out = tmp_path / "out"
+    gc_script.main(TINY + ["--data", _corpus(tmp_path), "--out", str(out), "--use-gc", "0", "--batch-size", "2",
+                           "--accumulation-steps", "3", "--max-batches", "1"])
+    assert "batch 2 x 3 = 6" in capsys.readouterr().out
+    (name,) = os.listdir(out)
+    record = _strict_load(out / name)
+    assert record["accumulation_steps"] == 3 and record["effective_batch_size"] == 6
+
+
+# ----- progress on stderr, tables on stdout --------------------------------------------------------------------------
+def test_progress_bars_go_to_stderr_and_tables_stay_on_stdout(tmp_path):
+    import tqdm.auto
+
+    assert gc_script.tqdm is tqdm.auto.tqdm  # a widget in a notebook, a text bar in a terminal
+    argv = TINY + ["--data", _corpus(tmp_path), "--out", str(tmp_path / "out")]
+    with ThreadPoolExecutor(2) as pool:
+        (code, out, err), (code_quiet, _, err_quiet) = pool.map(lambda a: _gc(*a), [argv + ["--progress"], argv])
+    assert code == 0 and code_quiet == 0
+    assert "gc off:" in err and "gc on, all:" in err and "step/s" in err or "s/step" in err  # bars: rate and ETA
+    assert "\r" not in out and "M_act (MB)" in out and "step   0  loss" in out
+    assert err_quiet == ""  # stderr is not a terminal: no bars unless asked
+
+
+def test_sweep_prints_a_line_per_run_as_it_starts_and_ends(tmp_path, capsys):
+    gc_script.main(["sweep", "--values", "4", "--repeats", "1", "--policies", "off", "--out", str(tmp_path / "out"),
+                    "--data", _corpus(tmp_path)] + TINY)
+    captured = capsys.readouterr()
+    assert "[1/1] start  batch_size=4 policy=off rep 0" in captured.err
+    assert "[1/1] done   batch_size=4 policy=off rep 0: M_act" in captured.out
+    assert "seq_len 5, embedding 8" in captured.out  # the rest of the configuration, once
+
+
+def test_train_and_evaluate_ptb_end_with_a_line_of_loss_and_perplexity(capsys, monkeypatch):
+    import tqdm.auto
+
+    import needle as ndl
+    import simple_ml
+    from models import LanguageModel
+
+    made = []
+
+    class Recorded(tqdm.auto.tqdm):
+        def __init__(self, *args, **kwargs):
+            made.append(kwargs.get("desc"))
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(tqdm.auto, "tqdm", Recorded)
+    device = ndl.cpu() if DEVICE == "cpu" else ndl.cpu_numpy()
+    data = ndl.data.batchify(list(np.random.RandomState(0).randint(0, 20, size=400)), 4, device, "float32")
+    model = LanguageModel(8, 20, 8, num_layers=1, seq_model="rnn", device=device)
+    simple_ml.train_ptb(model, data, seq_len=5, device=device, progress=True)
+    simple_ml.evaluate_ptb(model, data, seq_len=5, device=device, progress=True)
+    err = capsys.readouterr().err
+    assert made == ["epoch 1/1", "eval"]  # tqdm.auto's bar
+    for desc in ("epoch 1/1", "eval"):
+        final = [seg for seg in err.replace("\r", "\n").splitlines() if seg.startswith(desc)][-1]
+        assert "100%" in final and "loss=" in final and "ppl=" in final, final
+
+
+# ----- JSON: by default, self-describing, written as it goes -------------------------------------------------------
+def test_json_is_written_by_default_and_describes_itself(tmp_path, capsys, monkeypatch):
+    data = _corpus(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    gc_script.main(TINY + ["--data", data, "--seed", "3", "--lr", "0.002"])
+    printed = capsys.readouterr().out
+    files = sorted(os.listdir(tmp_path / "results"))
+    assert len(files) == 2 and f"wrote results{os.sep}" in printed
+    for name in files:
+        r = _strict_load(tmp_path / "results" / name)
+        assert r["data"] == data and r["vocab_size"] == 31 and r["seed"] == 3 and r["lr"] == 0.002  # 30 words + eos
+        assert r["device"] and r["threads"] >= 1 and r["started_at"] and r["argv"][0] == "gc.py"
+        assert r["needle_commit"] is None or len(r["needle_commit"]) == 40
+        for key in ("batch_size", "seq_len", "embedding_size", "hidden_size", "num_layers", "num_head", "dropout",
+                    "accumulation_steps", "epochs", "max_batches", "warmup", "lazy", "policy", "head_init_scale"):
+            assert key in r, key
+        # one unit per kind: bytes and seconds, no MB anywhere; the earlier project's keys are documented aliases
+        assert not [k for k in r if k.endswith("_mb")] and not [k for s in r["steps"] for k in s if k.endswith("_mb")]
+        assert r["aliases"] == gc_script.ALIASES
+        assert r["time"] == r["time_per_batch_median"] == r["step_time_seconds"]
+        assert r["peak memory"] == r["peak_bytes"] and r["use_gc"] == (r["policy"] != "off")
+        for key in ("peak_activation_bytes", "activation_bytes", "floor_bytes", "step_peak_bytes", "peak_bytes"):
+            assert isinstance(r[key], int)
+
+
+def test_needle_commit_is_none_outside_a_repository(tmp_path, monkeypatch):
+    monkeypatch.setattr(gc_script, "ROOT", str(tmp_path))
+    monkeypatch.setattr(gc_script, "_COMMIT", [])
+    assert gc_script.needle_commit() is None
+
+
+def test_sweep_json_is_written_as_the_sweep_goes(tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    real_child, seen = gc_script._child, []
+
+    def watched(*args, **kwargs):
+        path = out / "sweep.json"
+        seen.append(len(_strict_load(path)) if path.exists() else 0)  # the runs before this one are on disk
+        return real_child(*args, **kwargs)
+
+    monkeypatch.setattr(gc_script, "_child", watched)
+    gc_script.main(["sweep", "--values", "4", "6", "--repeats", "1", "--policies", "off", "all", "--out", str(out),
+                    "--data", _corpus(tmp_path)] + TINY)
+    assert seen == [0, 1, 2, 3]
+
+
+def test_t_step_from_fewer_than_3_timed_steps_is_flagged(tmp_path, capsys):
+    out = tmp_path / "out"
+    gc_script.main(TINY + ["--data", _corpus(tmp_path), "--out", str(out), "--max-batches", "3", "--warmup", "1"])
+    printed = capsys.readouterr().out
+    assert "unreliable: from 2 timed steps (< 3)" in printed and "time overhead" in printed
+    for name in os.listdir(out):
+        r = _strict_load(out / name)
+        assert r["timed_steps"] == 2 and r["step_time_reliable"] is False
+
+
+# ----- plots ---------------------------------------------------------------------------------------------------------
+def _figures(monkeypatch):
+    """The figures gc.py's plot functions draw, kept for inspection instead of closed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    kept = []
+    monkeypatch.setattr(plt, "close", kept.append)
+    return kept
+
+
+def test_plot_draws_every_kind_of_json_a_folder_holds(tmp_path, capsys, monkeypatch):
+    from matplotlib.colors import to_rgba
+
+    out = tmp_path / "out"
+    gc_script.main(TINY + ["--data", _corpus(tmp_path), "--out", str(out)])  # 3 steps, warmup 1: T unreliable
+    off, on = sorted((_read(out / f) for f in os.listdir(out)), key=lambda r: r["use_gc"])
+    # A sweep and a max-batch search, written from these records as gc.py writes them (without running them)
+    sweep = []
+    for rep in range(2):
+        for b in (4, 8):
+            for r in (on, off):
+                sweep.append({**r, "batch_size": b, "activation_bytes": r["activation_bytes"] * b // 4,
+                              "time": r["time"] * (1 + rep / 10), "repeat": rep, "label": r["policy"],
+                              "sweep_id": "s1", "sweep_over": "batch_size"})
+    gc_script._write_json(str(out / "sweep-s1.json"), sweep)
+    gc_script._write_json(str(out / "sweep.json"), sweep)  # the same sweep again: drawn once
+    gc_script._write_json(str(out / "sweep-s1_batch_size4_all_rep0.json"), sweep[0])  # a child's: not a run of its own
+    gc_script._write_json(str(out / "max_batch.json"), {**off, "kind": "max-batch", "max_batch_id": "m1", "steps": None,
+                                                      "largest_batch": {"all": 24, "off": 10}, "tries": []})
+    figures = _figures(monkeypatch)
+    capsys.readouterr()
+    gc_script.main(["plot", str(out)])
+    pngs = sorted(f for f in os.listdir(out) if f.endswith(".png"))
+    assert pngs == ["max_batch-m1.png", "runs_b4x5_e8_h8_l1_v31.png", "sweep_batch_size-s1.png"], pngs
+    for name in pngs:
+        with open(out / name, "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    runs, sweep_fig, max_fig = figures  # drawn in this order
+    for fig in figures:
+        titles = (fig._suptitle.get_text() if fig._suptitle else "") + fig.axes[0].get_title()
+        assert "embedding 8, feed-forward 8, 1 layer," in titles  # the configuration, as a subtitle
+        for ax in fig.axes:
+            assert ax.get_ylim()[0] == 0  # y from 0
+    assert "M_act" in runs.axes[0].get_title() and "M_act" in sweep_fig.axes[0].get_title()
+    assert [t.get_text() for t in runs.axes[0].get_xticklabels()] == ["off", "all"]  # off first ...
+    assert to_rgba(runs.axes[0].patches[0].get_facecolor()) == to_rgba(gc_script.NEUTRAL)  # ... in grey
+    assert [t.get_text() for t in sweep_fig.axes[0].get_legend().get_texts()][:2] == ["off", "all"]
+    assert list(sweep_fig.axes[0].get_xticks()) == [4, 8]  # integer ticks: the swept values
+    assert any(type(c).__name__ == "ErrorbarContainer" for c in sweep_fig.axes[2].containers)  # over repeats
+    assert all(float(t).is_integer() for t in max_fig.axes[0].get_yticks())
+    assert [t.get_text() for t in max_fig.axes[0].get_xticklabels()] == ["off", "all"]
+    assert "T_step" in runs.axes[2].get_title() and "unreliable" in runs.axes[2].get_title()
+
+
+# ----- the demo tells the truth --------------------------------------------------------------------------------------
+def test_the_output_layer_starts_near_a_uniform_guess_without_changing_the_rest(tmp_path):
+    import needle as ndl
+
+    data, vocab = gc_script.load_data(_corpus(tmp_path))
+    device = ndl.cpu() if DEVICE == "cpu" else ndl.cpu_numpy()
+    losses, weights = {}, {}
+    for scale in ("1", "0.1"):
+        args = gc_script.parse_args(TINY + ["--head-init-scale", scale])
+        model = gc_script.build_model(args, vocab, device, "off")
+        X, y = gc_script.micro_batches(gc_script.batchify(data, 4, device, "float32"), 0, args, device)[0]
+        losses[scale] = float(ndl.nn.SoftmaxLoss()(model(X)[0], y).numpy())
+        weights[scale] = [p.numpy() for p in model.parameters()]
+    assert abs(losses["0.1"] - math.log(vocab)) < 0.3  # a uniform guess: ln(vocab)
+    assert losses["1"] > math.log(vocab) + 1  # the course's init: far above it
+    assert gc_script.parse_args([]).head_init_scale == 0.1  # gc.py's default
+    scaled = [i for i, (a, b) in enumerate(zip(weights["1"], weights["0.1"])) if not np.array_equal(a, b)]
+    assert len(scaled) == 1 and np.allclose(weights["1"][scaled[0]] * 0.1, weights["0.1"][scaled[0]])
+
+
+def test_the_demo_model_halves_the_step_peak_and_says_where_the_loss_starts(tmp_path, capsys):
+    # The defaults are the demo (`make demo` runs `python gc.py`): one step each, on the synthetic corpus.
+    gc_script.main(["--max-batches", "1", "--warmup", "0", "--data", "synthetic", "--out", str(tmp_path)])
+    printed = capsys.readouterr().out
+    assert "loss at init: about ln(10000) = 9.21, a uniform guess" in printed
+    assert "output layer: its logits (1024 tokens x 10000 words x 4 bytes)" in printed
+    off, on = sorted((_read(tmp_path / f) for f in os.listdir(tmp_path)), key=lambda r: r["use_gc"])
+    assert 1 - on["peak_activation_bytes"] / off["peak_activation_bytes"] >= 0.5  # README: >= 50% lower
+    assert abs(off["steps"][0]["loss"] - math.log(10000)) < 0.5
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+def test_make_demo_installs_only_the_runtime_and_make_test_the_extras(tmp_path):
+    def dry_run(target, build):
+        proc = subprocess.run(["make", "-n", target, f"BUILD_DIR={build}"], cwd=ROOT, capture_output=True,
+                              text=True, timeout=60)
+        assert proc.returncode == 0, proc.stderr
+        return [ln for ln in proc.stdout.splitlines() if "pip install -e" in ln]
+
+    fresh = tmp_path / "fresh"
+    (demo_install,) = dry_run("demo", fresh)
+    assert demo_install.rstrip().endswith("pip install -e .") and "test" not in demo_install
+    assert ".[test,torch]" in dry_run("test", tmp_path / "fresh2")[0]
+    full = tmp_path / "full"  # after `make test`'s install, the demo installs nothing
+    full.mkdir()
+    (full / ".deps-installed").touch()
+    assert dry_run("demo", full) == []
+    demo_only = tmp_path / "demo_only"  # after the demo's install, `make test` still installs the extras
+    demo_only.mkdir()
+    (demo_only / ".deps-demo-installed").touch()
+    assert dry_run("demo", demo_only) == [] and ".[test,torch]" in dry_run("test", demo_only)[0]
+
+
+def test_download_without_a_network_says_so_and_which_files_go_where(tmp_path, monkeypatch, capsys):
+    import socket
+    import urllib.error
+
+    from needle.data import download
+
+    def offline(url, path):
+        raise urllib.error.URLError(socket.gaierror(-2, "Name or service not known"))
+
+    monkeypatch.setattr(download, "fetch", offline)
+    assert download.main(["ptb", "--dir", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert "no network" in err
+    for remote in download.DATASETS["ptb"]:
+        assert remote.url in err and os.path.join(str(tmp_path), remote.path) in err

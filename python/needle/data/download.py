@@ -14,6 +14,7 @@ import os
 import shutil
 import sys
 import tarfile
+import urllib.error
 import urllib.request
 from dataclasses import dataclass
 
@@ -152,6 +153,18 @@ def download(name, root="data", log=print):
     return paths
 
 
+def offline_message(name, root, error):
+    """What to do without a network: the error, then each file of data set `name`, its URL and where it goes."""
+    reason = getattr(error, "reason", error)
+    lines = [f"error: no network: could not download {name} ({reason}). Copy the files in by hand from a machine "
+             f"that has one, then run this command again to verify them:"]
+    for remote in DATASETS[name]:
+        lines.append(f"  {remote.url}\n      -> {os.path.join(root, remote.path)}  ({remote.size} bytes)")
+    folders = sorted({folder for path, folder in _EXTRACT.items() if any(r.path == path for r in DATASETS[name])})
+    lines += [f"  (the archive is unpacked into {os.path.join(root, folder)}/ when verified)" for folder in folders]
+    return "\n".join(lines)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m needle.data.download", description=__doc__.split("\n")[0])
     parser.add_argument("dataset", choices=sorted(DATASETS))
@@ -159,6 +172,12 @@ def main(argv=None):
     args = parser.parse_args(argv)
     try:
         download(args.dataset, args.dir)
+    except (urllib.error.URLError, TimeoutError, ConnectionError) as e:  # no route, no DNS, refused, timed out
+        if isinstance(e, urllib.error.HTTPError):  # the server answered: there is a network
+            print(f"error: {e}", file=sys.stderr)
+        else:
+            print(offline_message(args.dataset, args.dir, e), file=sys.stderr)
+        return 1
     except (ChecksumError, OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
