@@ -167,4 +167,7 @@ class Transformer(Module):
             y = layer(y)
         if not self.batch_first:
             y = ops.transpose(y, (0, 1))
-        return y, init.zeros(*shape, device=x.device, dtype=x.dtype)
+        # The course returns a zero state beside the output; a broadcast view of one zero costs 4 bytes, not a
+        # batch-sized buffer outside the graph (which no checkpointing plan could see).
+        zero = init.zeros(*(1,) * len(shape), device=x.device, dtype=x.dtype)
+        return y, ops.broadcast_to(zero, shape)

@@ -50,7 +50,8 @@ class LogSoftmax(TensorOp):
     elementwise = True  # the output has the input's shape
 
     def workspace(self, shape):
-        return math.prod(shape)  # z - m lives beside exp(z - m), then beside the result
+        # z - m lives beside exp(z - m), then beside the result; m and log Σ are one value per row each.
+        return math.prod(shape) + 2 * math.prod(shape[:-1])
 
     def compute(self, Z):
         # (z - m) - log Σ exp(z - m), not z - logsumexp(z): for large |z| the latter cancels away the low bits.
@@ -79,6 +80,9 @@ class SoftmaxCrossEntropy(TensorOp):
 
     saves = "inputs"
     compacts_inputs = True
+
+    def workspace(self, z, y):
+        return 2 * z[0]  # the rows' log-sum-exp and their target logits, before the difference
 
     def infer_shape(self, z, y):
         return (z[0],)
