@@ -61,8 +61,10 @@ sys.exit(not (spec and spec.origin and os.path.samefile(spec.origin, "python/nee
 endef
 export NEEDLE_IS_HERE
 
+# The linter first (seconds), then the suite, whose summary stays the last line of the output.
 test: deps
 	$(MAKE) lib
+	$(PYTHON) -m ruff check python tests apps benchmarks gc.py
 	$(PYTHON) -m pytest -q
 
 demo: demo-deps
