@@ -4,6 +4,7 @@
     python gc.py run --policy sqrt --batch-size 128 --hidden-size 512
     python gc.py sweep --over batch-size --values 16 32 64     # a fresh process per run; JSON as it goes, PNGs
     python gc.py max-batch --memory-limit-mb 400                 # the largest batch under a memory cap, per policy
+    python gc.py ablate --rows baseline all fused combined       # each technique, the same model and steps: a table
     python gc.py plot results/sweep_batch_size                   # the plots of whatever gc.py JSON a folder holds
 
 `python gc.py CMD --help` lists CMD's flags with their defaults; every flag may be spelled with hyphens
@@ -34,6 +35,7 @@ import needle as ndl  # noqa: E402
 from needle import autograd, checkpoint, nn  # noqa: E402
 from needle import backend_ndarray as nd  # noqa: E402
 from needle.data import Corpus, batchify, get_batch  # noqa: E402
+from needle.ops.ops_fused import chunk_rows  # noqa: E402
 
 from models import LanguageModel  # noqa: E402
 
@@ -56,7 +58,8 @@ Both runs release every activation after its last backward use: the difference i
 
 PTB_VOCAB = 10000
 POLICIES = ["off", "all", "sqrt", "selective", "budget"]
-SUBCOMMANDS = ["run", "sweep", "max-batch", "plot"]
+HEADS = ["full", "fused"]  # the LM head + loss: the course's SoftmaxLoss(model(x)), or model.loss(x, y) (fused)
+SUBCOMMANDS = ["run", "sweep", "max-batch", "ablate", "plot"]
 OOM_EXIT = 3  # exit status of a run that hit --memory-limit-mb (max-batch reads it)
 BAD_INPUT_EXIT = 2
 DEFAULT_DATA = [os.path.join(ROOT, "data", "ptb"), os.path.join(ROOT, "..", "shared", "data", "ptb")]
@@ -200,6 +203,7 @@ def config_of(args, source, vocab, device):
         "effective_batch_size": None if batch is None else batch * args.accumulation_steps, "seq_len": args.seq_len,
         "embedding_size": args.embedding_size, "hidden_size": args.hidden_size, "num_layers": args.num_layers,
         "num_head": args.num_head, "dropout": args.dropout, "head_init_scale": args.head_init_scale,
+        "head": getattr(args, "head", None),
         "segment_len": args.segment_len, "budget_bytes": mb_to_bytes(args.budget_mb), "lazy": args.lazy,
         "device": str(device), "threads": threads(), "epochs": args.epochs, "max_batches": args.max_batches,
         "warmup": args.warmup, "lr": args.lr, "optimizer": "adam", "seed": args.seed,
@@ -232,6 +236,19 @@ def build_model(args, vocab, device, policy):
     return model
 
 
+def make_loss(model, head):
+    """loss(X, y): the mean cross-entropy of one micro-batch through the LM head.
+
+    "full" is the course's path, nn.SoftmaxLoss()(model(X)[0], y): the (tokens x vocabulary) logits are a graph
+    value, held whole, and so is their gradient.  "fused" is model.loss(X, y), ops.linear_cross_entropy: the same
+    loss and gradients up to rounding, the logits computed a chunk of tokens at a time inside one op (again in its
+    gradient) and never held whole."""
+    if head == "fused":
+        return lambda X, y: model.loss(X, y)[0]
+    softmax_loss = nn.SoftmaxLoss()
+    return lambda X, y: softmax_loss(model(X)[0], y)
+
+
 def micro_batches(batches, start, args, device):
     """The step's (X, y) micro-batches: the window at `start`, its columns split `accumulation_steps` ways."""
     k = args.accumulation_steps
@@ -245,12 +262,12 @@ def micro_batches(batches, start, args, device):
             for j in range(k)]
 
 
-def check_budget(args, data, vocab, device):
-    """Fail with one line, before any work, when --budget-mb is below the least peak this graph can reach.
-
-    Budget plans on the graph of one micro-batch, exactly as the run's first step will; in lazy mode nothing
-    is computed (the planner walks the graph with a byte ledger), in eager mode one forward pass is."""
-    policy = make_policy(args)
+def plan_budget(args, data, vocab, device, policy):
+    """`policy`, a checkpoint.Budget, planned on the graph of the run's first micro-batch exactly as the run's
+    first step will plan it; in lazy mode nothing is computed (the planner walks the graph with a byte ledger), in
+    eager mode one forward pass is.  Its minimum_peak is the least M_peak checkpointing can reach, its
+    predicted_peak the M_peak it plans for (with a budget above gc off's peak: gc off's, nothing dropped).
+    ValueError when the budget is infeasible (minimum_peak is set then too)."""
     model = build_model(args, vocab, device, policy)
     model.train()
     batches = batchify(data, args.batch_size * args.accumulation_steps, device=device, dtype="float32")
@@ -258,9 +275,19 @@ def check_budget(args, data, vocab, device):
     k = args.accumulation_steps
     try:
         with autograd.lazy_mode(args.lazy):
-            out, _ = model(X)
-            loss = nn.SoftmaxLoss()(out, y)
+            loss = make_loss(model, args.head)(X, y)
             policy.plan(loss if k == 1 else loss / k)
+    finally:
+        del model, X, y
+        python_gc.collect()
+    return policy
+
+
+def check_budget(args, data, vocab, device):
+    """Fail with one line, before any work, when --budget-mb is below the least peak this graph can reach."""
+    policy = checkpoint.Budget(int(args.budget_mb * 2**20))
+    try:
+        plan_budget(args, data, vocab, device, policy)
     except ValueError as err:
         if "infeasible" in str(err):
             least = policy.minimum_peak / 2**20
@@ -268,8 +295,7 @@ def check_budget(args, data, vocab, device):
                  f"model is {least:.1f} MB ({policy.minimum_peak} bytes): give --budget-mb "
                  f"{math.ceil(least * 10) / 10:g} or more")
         raise
-    del model, out, loss, X, y
-    python_gc.collect()
+    return policy
 
 
 def _progress_on(flag):
@@ -287,7 +313,7 @@ def run(args, use_gc, data, vocab, source, out_dir=None, quiet=False, json_path=
     model.train()
     params = model.parameters()
     opt = ndl.optim.Adam(params, lr=args.lr)
-    loss_fn = nn.SoftmaxLoss()
+    loss_fn = make_loss(model, args.head)
     batches = batchify(data, args.batch_size * args.accumulation_steps, device=device, dtype="float32")
     label = (args.policy or "all") if use_gc else "off"
     record = {"kind": "run", "policy": label, "use_gc": bool(use_gc), **config_of(args, source, vocab, device),
@@ -346,7 +372,8 @@ def run(args, use_gc, data, vocab, source, out_dir=None, quiet=False, json_path=
 
 
 def train_step(model, loss_fn, opt, batches, start, args, device, params):
-    """One optimizer step (of `accumulation_steps` micro-batches), with its memory and time measured."""
+    """One optimizer step (of `accumulation_steps` micro-batches), with its memory and time measured; loss_fn(X, y)
+    is make_loss's (the full or the fused head)."""
     k = args.accumulation_steps
     opt.reset_grad()
     micro = micro_batches(batches, start, args, device)
@@ -357,8 +384,7 @@ def train_step(model, loss_fn, opt, batches, start, args, device, params):
     act, floor, losses, recomputed, accumulated = 0, 0, [], 0, None
     for j, (X, y) in enumerate(micro):
         with autograd.lazy_mode(args.lazy):
-            out, _ = model(X)
-            loss = loss_fn(out, y) if k == 1 else loss_fn(out, y) / k
+            loss = loss_fn(X, y) if k == 1 else loss_fn(X, y) / k
             losses.append(float(loss.numpy()) * k)
             held = nd.memory_stats(device)["current_bytes"] - baseline
             if j == 0:
@@ -378,7 +404,6 @@ def train_step(model, loss_fn, opt, batches, start, args, device, params):
             accumulated = grads if accumulated is None else [a + g for a, g in zip(accumulated, grads)]
             for p in params:
                 p.grad = None
-        del out
     del micro, X, y
     if k > 1:
         for p, g in zip(params, accumulated):
@@ -527,7 +552,7 @@ def main_run(args):
     print(f"gc.py: Transformer LM ({_plural(args.num_layers, 'layer')}, embedding {args.embedding_size}, "
           f"feed-forward {args.hidden_size}, {args.num_head} heads), {batch_text(args)} x seq_len {args.seq_len}, "
           f"device {device}, "
-          f"{'lazy' if args.lazy else 'eager'}; "
+          f"{'lazy' if args.lazy else 'eager'}, {args.head} head; "
           + {(False,): "gc off", (True,): f"gc on ({label})", (False, True): f"gc off vs on ({label})"}[tuple(which)]
           + (f", segment_len {args.segment_len}" if args.segment_len else "")
           + (f", budget {args.budget_mb:g} MB" if args.budget_mb is not None else ""))
@@ -541,9 +566,7 @@ def main_run(args):
             if args.head_init_scale != 1 else "the course's init (--head-init-scale 1) gives logits with a std of "
             "several units, so the loss starts far above that; the default 0.1 starts near it")
     print(f"loss at init: about ln({vocab}) = {math.log(vocab):.2f}, a uniform guess over the vocabulary; {init}")
-    tokens = args.batch_size * args.seq_len
-    print(f"output layer: its logits ({tokens} tokens x {vocab} words x 4 bytes) are "
-          f"{tokens * vocab * 4 / 2**20:.1f} MB a copy, and checkpointing never drops them")
+    print(head_text(args, vocab))
     out_dir = None if args.json else (args.out or "results")
     results = {}
     for use_gc in which:
@@ -564,6 +587,21 @@ def main_run(args):
         print(f"plots: python gc.py plot {out_dir}")
 
 
+def head_text(args, vocab):
+    """The header's line on the output layer: what its logits weigh, and what the head holds of them."""
+    tokens = args.batch_size * args.seq_len
+    logits = (f"output layer: its logits ({tokens} tokens x {vocab} words x 4 bytes) are "
+              f"{tokens * vocab * 4 / 2**20:.1f} MB")
+    if args.head == "full":
+        return f"{logits} a copy, and checkpointing never drops them (--head full: SoftmaxLoss(model(x)))"
+    c = chunk_rows(tokens, vocab)
+    if c == tokens:
+        return (f"{logits}; the fused head (--head fused: model.loss(x, y)) computes them in one chunk inside its op, "
+                f"never as a graph value kept for backward")
+    return (f"{logits} whole; the fused head (--head fused: model.loss(x, y)) never holds them whole: "
+            f"{c} tokens' logits ({c * vocab * 4 / 2**20:.1f} MB) at a time")
+
+
 def check_corpus(args, data):
     rows = len(data) // (args.batch_size * args.accumulation_steps)
     if rows - 1 < args.seq_len:
@@ -573,21 +611,23 @@ def check_corpus(args, data):
 
 # ----- sweep and max-batch: each configuration in a fresh process ---------------------------------------------
 RUN_FLAGS = ["batch_size", "seq_len", "embedding_size", "hidden_size", "num_layers", "num_head", "dropout",
-             "head_init_scale", "segment_len", "budget_mb", "device", "epochs", "max_batches", "warmup",
+             "head_init_scale", "head", "segment_len", "budget_mb", "device", "epochs", "max_batches", "warmup",
              "accumulation_steps", "lr", "seed", "memory_limit_mb"]
 
 
 def _child(args, overrides, policy, json_path, timeout=1800):
     """Run one configuration in a fresh process that writes its record to exactly json_path (chosen by the
-    parent, so that two sweeps sharing an --out folder never read each other's files)."""
+    parent, so that two sweeps sharing an --out folder never read each other's files).  An override that is not
+    one of RUN_FLAGS is passed on as `gc.py run`'s flag of that name (True: the bare flag)."""
     settings = {**vars(args), **overrides}
     cmd = [sys.executable, os.path.abspath(__file__), "run", "--policy", policy, "--use-gc", str(int(policy != "off")),
            "--json", os.path.abspath(json_path), "--data", settings["source"], "--no-progress"]
-    for key in RUN_FLAGS:
-        value = settings[key]
-        if value is None or (key == "segment_len" and policy != "all") or (key == "budget_mb" and policy != "budget"):
+    for key in RUN_FLAGS + [k for k in overrides if k not in RUN_FLAGS]:
+        value = settings.get(key)
+        if value is None or value is False or (key == "segment_len" and policy != "all") or \
+                (key == "budget_mb" and policy != "budget"):
             continue
-        cmd += [f"--{key.replace('_', '-')}", str(value)]
+        cmd += [f"--{key.replace('_', '-')}"] + ([] if value is True else [str(value)])
     cmd.append("--lazy" if settings["lazy"] else "--no-lazy")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     return proc.returncode, proc.stdout + proc.stderr
@@ -733,6 +773,172 @@ def main_max_batch(args):
     print(f"wrote {path} and {png}")
 
 
+# ----- ablate: every technique on the same model, the same steps, each in a fresh process --------------------
+ACCUMULATE = 4  # the accumulation rows: ACCUMULATE micro-batches of --batch-size / ACCUMULATE per optimizer step
+# row -> (what it is, the `gc.py run` flags it trains with).  A flag is named as its dest ("head": "full" is
+# --head full; True is a bare flag, and a flag that is not one of RUN_FLAGS is passed on as it is), and
+# "accumulate": K trains K micro-batches of --batch-size / K: the same effective batch.  A later technique is one
+# more line, e.g. "mixed-bf16": ("bf16 autocast, fp32 master weights", {**BASE, "precision": "mixed-bf16"}).
+BASE = {"policy": "off", "head": "full"}  # the course's step: no checkpointing, the logits held whole
+ABLATIONS = {
+    "baseline": ("gc off, full head: the course's step", BASE),
+    "accumulate": (f"gradient accumulation x{ACCUMULATE}: micro-batch = batch/{ACCUMULATE}, the same effective batch",
+                   {**BASE, "accumulate": ACCUMULATE}),
+    "all": ("checkpointing, policy all: every node inside each layer dropped", {**BASE, "policy": "all"}),
+    "sqrt": ("checkpointing, policy sqrt: Chen's schedule per layer", {**BASE, "policy": "sqrt"}),
+    "selective": ("checkpointing, policy selective: matmul outputs kept", {**BASE, "policy": "selective"}),
+    "budget": ("checkpointing, Budget(b): b midway between the least M_peak and gc off's (--budget-mb to choose)",
+               {**BASE, "policy": "budget"}),
+    "fused": ("the fused LM head (model.loss: the logits never held whole), gc off", {**BASE, "head": "fused"}),
+    "combined": (f"gc all + fused head + gradient accumulation x{ACCUMULATE}",
+                 {"policy": "all", "head": "fused", "accumulate": ACCUMULATE}),
+}
+
+
+def ablation_budget(args, data, vocab, device):
+    """(the budget row's b in bytes, how it was chosen, Budget's least M_peak, its gc-off M_peak), up front.
+
+    Without --budget-mb, b is the midpoint between the least M_peak checkpointing can reach and gc off's M_peak,
+    both as Budget's planner predicts them on the first step's graph (lazy: nothing computed; its predictions are
+    within about 1% of the allocator's peak), so it is feasible and makes Budget drop some of what "all" drops.
+    A given --budget-mb is checked the same way: below the least peak, one line and exit 2 before any row runs."""
+    trial = argparse.Namespace(**{**vars(args), "policy": "budget", "head": BASE["head"], "accumulation_steps": 1,
+                                  "segment_len": None})
+    probe = checkpoint.Budget(2**62)  # above any peak: plans to drop nothing, and measures the least peak
+    plan_budget(trial, data, vocab, device, probe)
+    least, off = probe.minimum_peak, probe.predicted_peak
+    if args.budget_mb is None:
+        return (least + off) // 2, "midway between the least M_peak and gc off's (Budget's predictions)", least, off
+    check_budget(argparse.Namespace(**{**vars(trial), "budget_mb": args.budget_mb}), data, vocab, device)
+    return int(args.budget_mb * 2**20), "--budget-mb", least, off
+
+
+def _setup_text(args, flags, budget_bytes):
+    """A row's setup in a few words: its policy, its head, its batch (micro-batches x accumulation)."""
+    policy = flags.get("policy", "off")
+    if policy == "budget":
+        policy = f"budget {budget_bytes / 2**20:.1f} MB"
+    k = flags.get("accumulate", 1)
+    batch = f"batch {args.batch_size}" if k == 1 else f"batch {args.batch_size // k} x {k} = {args.batch_size}"
+    extra = [f"{key} {value}" for key, value in flags.items() if key not in ("policy", "head", "accumulate")]
+    return ", ".join([f"gc {policy}", f"{flags.get('head', 'full')} head", batch] + extra)
+
+
+def main_ablate(args):
+    args.source = resolve_data(args.data)
+    args.max_batches = args.steps
+    device = pick_device(args.device)
+    data, vocab = load_data(args.source)
+    check_corpus(args, data)  # the effective batch: every row trains on the same windows
+    out_dir = args.out or os.path.join("results", "ablation")
+    ablation_id = _invocation_id()
+    rows = args.rows or list(ABLATIONS)
+    budget = None
+    if "budget" in rows:  # chosen and checked up front: an infeasible budget stops here, before any row runs
+        budget = ablation_budget(args, data, vocab, device)
+    del data
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, "ablation.json")
+    result = {"kind": "ablation", "ablation_id": ablation_id, **config_of(args, args.source, vocab, device),
+              "head": None, "steps_per_row": args.steps, "row_names": rows,
+              "budget_bytes": budget and budget[0], "budget_rule": budget and budget[1],
+              "budget_minimum_bytes": budget and budget[2], "budget_off_predicted_bytes": budget and budget[3],
+              "rows": []}
+    print(f"gc.py ablate {ablation_id}: {len(rows)} rows ({' '.join(rows)}), each a fresh process training "
+          f"{_plural(args.steps, 'step')} (warmup {args.warmup}); {model_text(args)}; data {args.source}; "
+          f"writing {path} as it goes", flush=True)
+    if budget:
+        print(f"budget row: b = {budget[0] / 2**20:.1f} MB ({budget[1]}; least M_peak {budget[2] / 2**20:.1f} MB, "
+              f"gc off's {budget[3] / 2**20:.1f} MB)", flush=True)
+    bar = tqdm(total=len(rows), desc="ablate", unit="row", file=sys.stderr, disable=not _progress_on(args.progress),
+               dynamic_ncols=True)
+    failed = 0
+    for n, name in enumerate(rows, 1):
+        what, flags = ABLATIONS[name]
+        flags = dict(flags)
+        policy, k = flags.pop("policy", "off"), flags.pop("accumulate", 1)
+        overrides = {**flags, "batch_size": args.batch_size // k, "accumulation_steps": k, "epochs": 1,
+                     "max_batches": args.steps, "budget_mb": budget[0] / 2**20 if policy == "budget" else None}
+        setup = _setup_text(args, ABLATIONS[name][1], budget[0] if budget else 0)
+        _note(f"  [{n}/{len(rows)}] start  {name}: {setup}")
+        t0 = time.perf_counter()
+        json_path = os.path.join(out_dir, f"ablation-{ablation_id}_{name}.json")
+        code, log = _child(args, overrides, policy, json_path)
+        bar.update()
+        row = {"row": name, "what": what, "setup": setup, "flags": ABLATIONS[name][1], "json": json_path}
+        if code != 0 or not os.path.exists(json_path):
+            failed += 1
+            row["failed"] = f"exit {code}: {_last_line(log)}"
+            _say(f"  [{n}/{len(rows)}] failed {name} ({row['failed']})")
+        else:
+            r = _read_json(json_path)
+            _write_json(json_path, {**r, "ablation_id": ablation_id, "label": name})  # plot: part of this ablation
+            row.update({key: r.get(key) for key in ABLATION_KEYS})
+            _say(f"  [{n}/{len(rows)}] done   {name}: M_act {mb(r['activation_bytes'])} MB  M_peak "
+                 f"{mb(r['peak_activation_bytes'])} MB  T {r['time']:.3f} s  loss {r['loss']:.4f}  "
+                 f"({time.perf_counter() - t0:.0f} s)")
+        result["rows"].append(row)
+        _compare_to_baseline(result["rows"])
+        _write_json(path, result)
+    bar.close()
+    print_ablation(result)
+    if not any("failed" not in r for r in result["rows"]):
+        print("gc.py ablate: every row failed", file=sys.stderr)
+        sys.exit(1)
+    png = plot_ablation(result, out_dir)
+    print(f"wrote {path} and {png}")
+    if failed:
+        print(f"gc.py ablate: {failed} of {len(rows)} rows failed (see above)", file=sys.stderr)
+        sys.exit(1)
+
+
+# what each ablation row keeps of its run's record (the run's own JSON, named by "json", has everything)
+ABLATION_KEYS = ["policy", "head", "batch_size", "accumulation_steps", "effective_batch_size", "budget_bytes",
+                 "activation_bytes", "peak_activation_bytes", "floor_bytes", "rss_peak_bytes", "step_time_seconds",
+                 "timed_steps", "step_time_reliable", "loss", "recomputed_nodes"]
+
+
+def _compare_to_baseline(rows):
+    """Each row's change from the baseline row: M_peak and T_step as ratios - 1, the final loss as a difference."""
+    base = next((r for r in rows if r["row"] == "baseline" and "failed" not in r), None)
+    for r in rows:
+        if "failed" in r:
+            continue
+        ok = base is not None
+        r["peak_change"] = r["peak_activation_bytes"] / base["peak_activation_bytes"] - 1 if ok else None
+        r["time_change"] = r["step_time_seconds"] / base["step_time_seconds"] - 1 if ok else None
+        r["loss_diff"] = r["loss"] - base["loss"] if ok and None not in (r["loss"], base["loss"]) else None
+
+
+def print_ablation(result):
+    """The ablation's table: a line per row, its change from the baseline row beside M_peak, T_step and the loss."""
+    rows = result["rows"]
+    width = max(len(r["setup"]) for r in rows) + 2
+    change = lambda r, key: "" if r.get(key) is None or r["row"] == "baseline" else f"{r[key] * 100:+.1f}%"  # noqa
+    print(f"\n{'row':11s}{'setup':{width}s}{'M_act MB':>9s}{'M_peak MB':>10s}{'vs base':>9s}{'RSS MB':>8s}"
+          f"{'T_step s':>9s}{'vs base':>9s}{'loss':>8s}{'loss-base':>10s}")
+    for r in rows:
+        if "failed" in r:
+            print(f"{r['row']:11s}{r['setup']:{width}s}failed ({r['failed']})")
+            continue
+        rss = "" if r.get("rss_peak_bytes") is None else f"{r['rss_peak_bytes'] / 2**20:.1f}"
+        loss = "" if r["loss"] is None else f"{r['loss']:.4f}"
+        diff = "" if r.get("loss_diff") is None or r["row"] == "baseline" else \
+            "0" if r["loss_diff"] == 0 else f"{r['loss_diff']:+.1e}"
+        print(f"{r['row']:11s}{r['setup']:{width}s}{r['activation_bytes'] / 2**20:9.1f}"
+              f"{r['peak_activation_bytes'] / 2**20:10.1f}{change(r, 'peak_change'):>9s}{rss:>8s}"
+              f"{r['step_time_seconds']:9.3f}{change(r, 'time_change'):>9s}{loss:>8s}{diff:>10s}")
+    note = _time_note(*[r for r in rows if "failed" not in r]).replace("--max-batches", "--steps")
+    b = result["batch_size"]
+    accumulation = (f" x {ACCUMULATE}: {ACCUMULATE} micro-batches of {b // ACCUMULATE} per step, their gradients "
+                    f"summed." if any(r.get("accumulation_steps", 1) > 1 for r in rows) else "")
+    print(textwrap.fill(
+        f"M_act, M_peak: exact allocator bytes over forward + backward, parameters and optimizer state left out; "
+        f"RSS: the process's peak resident memory growth in a step; T_step: median step time after the warm-up"
+        f"{' (' + note + ')' if note else ''}; loss: the last step's, loss-base: minus the baseline's. Every row "
+        f"trains the same {result['steps_per_row']} steps of {b} sequences each.{accumulation}", 110))
+
+
 # ----- plots --------------------------------------------------------------------------------------------------
 NEUTRAL = "0.55"  # gc off: grey, drawn first
 COLOURS = {"all": "tab:blue", "sqrt": "tab:orange", "selective": "tab:green", "budget": "tab:red"}
@@ -778,10 +984,11 @@ def _config_text(r, skip=()):
              ("vocab_size", f"vocab {r.get('vocab_size')}"),
              ("data", "synthetic data" if r.get("data") == SYNTHETIC
               else f"data {os.path.basename(str(r.get('data')))}"),
-             ("device", f"{r.get('device')}, {r.get('threads')} threads"),
+             ("device", f"{r.get('device')}, {_plural(r.get('threads'), 'thread')}"),
              ("lazy", "lazy" if r.get("lazy") else "eager"),
+             ("head", r.get("head") and f"{r['head']} head"),
              ("max_batches", f"{r.get('max_batches')} steps, warmup {r.get('warmup')}")]
-    return ", ".join(text for key, text in parts if key not in skip)
+    return ", ".join(text for key, text in parts if key not in skip and text)
 
 
 def _spread(values):
@@ -851,8 +1058,8 @@ def plot_sweep(records, out_dir):
 
 
 RUN_CONFIG_KEYS = ["data", "vocab_size", "batch_size", "accumulation_steps", "seq_len", "embedding_size",
-                   "hidden_size", "num_layers", "num_head", "dropout", "head_init_scale", "device", "lazy", "lr",
-                   "seed", "max_batches", "epochs", "warmup"]
+                   "hidden_size", "num_layers", "num_head", "dropout", "head_init_scale", "head", "device", "lazy",
+                   "lr", "seed", "max_batches", "epochs", "warmup"]
 
 
 def plot_runs(records, out_dir):
@@ -893,7 +1100,8 @@ def plot_runs(records, out_dir):
         fig.tight_layout()
         r = rs[0]
         png = os.path.join(out_dir, f"runs_b{r.get('batch_size')}x{r.get('seq_len')}_e{r.get('embedding_size')}_"
-                                    f"h{r.get('hidden_size')}_l{r.get('num_layers')}_v{r.get('vocab_size')}.png")
+                                    f"h{r.get('hidden_size')}_l{r.get('num_layers')}_v{r.get('vocab_size')}"
+                                    f"{'_full' if r.get('head', 'full') == 'full' else ''}.png")
         fig.savefig(png, dpi=100)
         plt.close(fig)
         pngs.append(png)
@@ -929,11 +1137,56 @@ def plot_max_batch(result, out_dir):
     return png
 
 
+ROW_COLOURS = {"baseline": NEUTRAL, "accumulate": "tab:brown", "fused": "tab:purple", "combined": "tab:cyan",
+               **COLOURS}
+
+
+def plot_ablation(result, out_dir):
+    """ablation.png: a bar per row (baseline on top, in grey) of M_peak (M_act inside it), peak RSS growth and
+    T_step, each labelled with its change from the baseline; the final loss beside each row's name."""
+    plt = _pyplot()
+    rows = [r for r in result["rows"] if "failed" not in r]
+    names = [f"{r['row']}\nloss {r['loss']:.4f}" if r.get("loss") is not None else r["row"] for r in rows]
+    colours = [ROW_COLOURS.get(r["row"], "tab:olive") for r in rows]
+    y = np.arange(len(rows))
+    fig, axes = plt.subplots(1, 3, figsize=(16, 1.6 + 0.62 * len(rows)), sharey=True)
+    panels = [("peak_activation_bytes", "M_peak (MB), M_act inside (hatched)", 2**20, "peak_change"),
+              ("rss_peak_bytes", "peak RSS growth per step (MB)", 2**20, None),
+              ("step_time_seconds", "T_step (s): median step time", 1, "time_change")]
+    for ax, (key, title, unit, change) in zip(axes, panels):
+        values = [(r.get(key) or 0) / unit for r in rows]
+        ax.barh(y, values, color=colours, zorder=2, height=0.7)
+        if key == "peak_activation_bytes":
+            ax.barh(y, [r["activation_bytes"] / unit for r in rows], color="none", edgecolor="black", hatch="//",
+                    height=0.35, lw=0.6, zorder=3)
+        for i, (r, v) in enumerate(zip(rows, values)):
+            text = f"{v:.3f}" if unit == 1 else f"{v:.1f}"
+            if change and r.get(change) is not None and r["row"] != "baseline":
+                text += f" ({r[change] * 100:+.0f}%)"
+            ax.annotate(text, (v, i), xytext=(3, 0), textcoords="offset points", va="center", fontsize=8)
+        ax.set_xlim(0, max(values + [1e-9]) * 1.35)
+        ax.set_title(title + ("\n(from < 3 timed steps: unreliable)" if key == "step_time_seconds"
+                              and _unreliable(rows) else ""), fontsize=10)
+        ax.grid(axis="x", alpha=0.3, zorder=0)
+    axes[0].set_yticks(y)
+    axes[0].set_yticklabels(names, fontsize=9)
+    axes[0].invert_yaxis()  # the rows in the table's order, baseline first
+    config = textwrap.fill(_config_text(result, {"max_batches"}) + f", {result.get('steps_per_row')} steps per row, "
+                           f"warmup {result.get('warmup')}", 150)
+    fig.suptitle(f"gc.py ablate: each technique trains the same model for the same steps (a fresh process per row)"
+                 f"\n{config}", fontsize=10)
+    fig.tight_layout()
+    png = os.path.join(out_dir, "ablation.png")
+    fig.savefig(png, dpi=100)
+    plt.close(fig)
+    return png
+
+
 def main_plot(args):
     folder = args.dir
     if not os.path.isdir(folder):
         fail(f"plot: {folder} is not a folder")
-    runs, sweeps, searches, skipped = [], {}, {}, []
+    runs, sweeps, searches, ablations, skipped = [], {}, {}, [], []
     for path in sorted(glob.glob(os.path.join(folder, "*.json"))):
         try:
             data = _read_json(path)
@@ -946,8 +1199,10 @@ def main_plot(args):
                     "sweep_over") or "batch_size"))] = r  # sweep.json repeats a sweep-<id>.json: counted once
         elif isinstance(data, dict) and "largest_batch" in data:
             searches[data.get("max_batch_id", path)] = data
+        elif isinstance(data, dict) and data.get("kind") == "ablation":
+            ablations.append(data)
         elif isinstance(data, dict) and "steps" in data and "activation_bytes" in data:
-            if "sweep_id" not in data and "max_batch_id" not in data:  # those are plotted with their sweep/search
+            if not {"sweep_id", "max_batch_id", "ablation_id"} & set(data):  # plotted with their sweep/search/ablation
                 runs.append(data)
         else:
             skipped.append(path)
@@ -959,8 +1214,11 @@ def main_plot(args):
     for result in searches.values():
         if result.get("largest_batch"):
             pngs.append(plot_max_batch(result, folder))
+    for result in ablations:  # ablate writes one ablation.json per folder
+        if any("failed" not in r for r in result["rows"]):
+            pngs.append(plot_ablation(result, folder))
     if not pngs:
-        fail(f"plot: {folder} holds no gc.py run, sweep or max-batch JSON")
+        fail(f"plot: {folder} holds no gc.py run, sweep, max-batch or ablation JSON")
     for path in skipped:
         print(f"skipped {path} (not a gc.py JSON)", file=sys.stderr)
     subfolders = [d for d in sorted(glob.glob(os.path.join(folder, "*", ""))) if glob.glob(os.path.join(d, "*.json"))]
@@ -1029,11 +1287,16 @@ def _add_model_flags(p, command):
     if command == "max-batch":
         _flag(g, "batch_size", type=int, default=8, metavar="N",
               help="the first batch tried: the search doubles it until a batch does not fit, then bisects")
+    elif command == "ablate":
+        _flag(g, "batch_size", type=int, default=32, metavar="N",
+              help=f"sequences per optimizer step in every row; rows with accumulation x{ACCUMULATE} train "
+                   f"micro-batches of N/{ACCUMULATE} (N must divide by {ACCUMULATE})")
     else:
         _flag(g, "batch_size", type=int, default=32, metavar="N", help="sequences per micro-batch")
-    _flag(g, "accumulation_steps", type=int, default=1, metavar="K",
-          help="micro-batches per optimizer step, their gradients summed: the effective batch is batch-size x K, "
-               "with about 1/K of the activation memory")
+    if command != "ablate":
+        _flag(g, "accumulation_steps", type=int, default=1, metavar="K",
+              help="micro-batches per optimizer step, their gradients summed: the effective batch is batch-size x "
+                   "K, with about 1/K of the activation memory")
     _flag(g, "seq_len", type=int, default=32, metavar="T", help="tokens per sequence (BPTT window)")
     _flag(g, "embedding_size", type=int, default=256, metavar="D", help="model width")
     _flag(g, "hidden_size", type=int, default=256, metavar="H", help="feed-forward width of each Transformer layer")
@@ -1043,6 +1306,14 @@ def _add_model_flags(p, command):
     _flag(g, "head_init_scale", type=float, default=0.1, metavar="S",
           help="scale of the output layer's initial weight, so the loss starts near ln(vocab); 1 keeps the course's "
                "init (whose logits start with a std of several units)")
+    if command != "ablate":
+        _flag(g, "head", default="fused", choices=HEADS,
+              help="the LM head and loss: fused is model.loss(x, y) (ops.linear_cross_entropy: the logits computed "
+                   "a chunk of tokens at a time, never held whole; the same loss and gradients); full is the "
+                   "course's SoftmaxLoss(model(x)), logits and their gradient held whole (default: fused)")
+    if command == "ablate":
+        _add_ablate_flags(p)
+        return
     g = p.add_argument_group("checkpointing")
     if command == "run":
         _flag(g, "policy", default=None, choices=POLICIES,
@@ -1086,6 +1357,32 @@ def _add_model_flags(p, command):
           help="progress bars on stderr (default: when stderr is a terminal or in a notebook)")
 
 
+def _add_ablate_flags(p):
+    g = p.add_argument_group("ablation")
+    _flag(g, "rows", nargs="+", default=None, metavar="ROW",
+          help="the rows to train, in this order, from " + " ".join(ABLATIONS) + " (default: all of them)")
+    _flag(g, "steps", type=int, default=8, metavar="N", help="optimizer steps each row trains")
+    _flag(g, "warmup", type=int, default=2, metavar="N", help="steps left out of the T_step median")
+    _flag(g, "budget_mb", type=float, default=None, metavar="MB",
+          help="the budget row's M_peak bound, in MiB (default: midway between the least M_peak checkpointing can "
+               "reach and gc off's, as Budget's planner predicts them; checked before any row runs)")
+    g = p.add_argument_group("training and measurement")
+    _flag(g, "lazy", action=argparse.BooleanOptionalAction, default=True,
+          help="lazy evaluation: ops record the graph and realization computes it (default: lazy)")
+    _flag(g, "device", default=None, choices=["cpu", "cuda", "cpu_numpy"],
+          help="array backend (default: cuda when available, else cpu)")
+    _flag(g, "lr", type=float, default=1e-3, metavar="LR", help="Adam's learning rate")
+    _flag(g, "seed", type=int, default=0, metavar="N", help="NumPy seed for the model's initialization")
+    g = p.add_argument_group("output")
+    _flag(g, "out", default=None, metavar="DIR",
+          help="folder for ablation.json, ablation.png and each row's run JSON (default: results/ablation)")
+    _flag(g, "progress", action=argparse.BooleanOptionalAction, default=None,
+          help="a progress bar on stderr (default: when stderr is a terminal or in a notebook)")
+    # what the rows set themselves, or gc.py run's defaults
+    p.set_defaults(accumulation_steps=1, epochs=1, max_batches=None, segment_len=None, memory_limit_mb=None,
+                   head=None)
+
+
 SWEEPABLE = ["batch_size", "hidden_size", "embedding_size", "num_layers", "seq_len", "segment_len"]
 
 
@@ -1093,8 +1390,10 @@ def build_parser():
     helps = {"run": "gc off vs on for one configuration, side by side (the default)",
              "sweep": "one parameter over several values and policies, a fresh process per run; JSON and plots",
              "max-batch": "the largest batch that trains under --memory-limit-mb, per policy (bisection)",
-             "plot": "draw, into DIR, the plots of the gc.py JSON files DIR holds (run, sweep, max-batch)"}
-    top = Parser(prog="gc.py", formatter_class=_formatter, usage="python gc.py [run|sweep|max-batch|plot] [flags]",
+             "ablate": "every memory technique on the same model and steps, a fresh process per row; one table",
+             "plot": "draw, into DIR, the plots of the gc.py JSON files DIR holds (run, sweep, max-batch, ablate)"}
+    top = Parser(prog="gc.py", formatter_class=_formatter,
+                 usage="python gc.py [run|sweep|max-batch|ablate|plot] [flags]",
                  description=__doc__.split("\n")[0] + "\n\nsubcommands (run is the default):\n"
                              + "".join(f"  {c:11s}{h}\n" for c, h in helps.items()),
                  epilog="python gc.py CMD --help lists CMD's flags and their defaults. Every flag may be spelled with\n"
@@ -1107,8 +1406,8 @@ def build_parser():
                    formatter_class=_formatter, epilog=epilog if command != "plot" else None,
                    usage=f"python gc.py {command} {'DIR' if command == 'plot' else '[flags]'}", allow_abbrev=False)
         if command == "plot":
-            p.add_argument("dir", metavar="DIR", help="a folder of gc.py JSON (run, sweep or max-batch); the PNGs "
-                                                      "are written there")
+            p.add_argument("dir", metavar="DIR", help="a folder of gc.py JSON (run, sweep, max-batch or ablate); the "
+                                                      "PNGs are written there")
         else:
             _add_model_flags(p, command)
         if command == "sweep":
@@ -1130,8 +1429,20 @@ def validate(args, command):
 
     if command == "plot":
         return
+    if command == "ablate":
+        unknown = [r for r in args.rows or [] if r not in ABLATIONS]
+        if unknown:
+            fail(f"ablate: unknown row{'s' * (len(unknown) > 1)} {' '.join(unknown)} (rows: {' '.join(ABLATIONS)})")
+        if len(set(args.rows or [])) < len(args.rows or []):
+            fail(f"ablate: a row is named twice in --rows {' '.join(args.rows)}")
+        accumulating = [r for r in args.rows or ABLATIONS if ABLATIONS[r][1].get("accumulate", 1) > 1]
+        if accumulating and args.batch_size % ACCUMULATE:
+            fail(f"ablate: row {accumulating[0]} trains {ACCUMULATE} micro-batches of --batch-size / {ACCUMULATE}: "
+                 f"give a --batch-size that divides by {ACCUMULATE}, not {args.batch_size}")
+        if args.budget_mb is not None and "budget" not in (args.rows or ABLATIONS):
+            fail("ablate: --budget-mb is the bound of the budget row: add budget to --rows")
     for name in ("batch_size", "seq_len", "embedding_size", "hidden_size", "num_layers", "num_head",
-                 "accumulation_steps", "epochs", "max_batches", "segment_len", "repeats"):
+                 "accumulation_steps", "epochs", "max_batches", "segment_len", "repeats", "steps"):
         positive(name, getattr(args, name, None))
     if args.embedding_size % args.num_head:
         fail(f"--num-head {args.num_head} must divide --embedding-size {args.embedding_size}")
@@ -1149,6 +1460,8 @@ def validate(args, command):
         value = getattr(args, name)
         if value is not None and not (math.isfinite(value) and value > 0):
             fail(f"--{name.replace('_', '-')} must be a positive number of MiB, got {value:g}")
+    if command == "ablate":
+        return
     if command == "run":
         policies = [args.policy or "all"]
         if args.use_gc == 1 and args.policy == "off":
@@ -1190,7 +1503,7 @@ def parse_args(argv=None):
     elif argv and not argv[0].startswith("-"):
         close = difflib.get_close_matches(argv[0], SUBCOMMANDS, n=1)
         hint = f"; did you mean {close[0]}?" if close else ""
-        print(f"gc.py: error: {argv[0]!r} is not a subcommand (run, sweep, max-batch, plot){hint} "
+        print(f"gc.py: error: {argv[0]!r} is not a subcommand ({', '.join(SUBCOMMANDS)}){hint} "
               f"(see python gc.py --help)", file=sys.stderr)
         sys.exit(BAD_INPUT_EXIT)
     else:
@@ -1203,7 +1516,8 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    {"run": main_run, "sweep": main_sweep, "max-batch": main_max_batch, "plot": main_plot}[args.command](args)
+    {"run": main_run, "sweep": main_sweep, "max-batch": main_max_batch, "ablate": main_ablate,
+     "plot": main_plot}[args.command](args)
 
 
 if __name__ == "__main__":

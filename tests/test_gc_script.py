@@ -224,13 +224,15 @@ def test_every_subcommand_has_help_with_defaults_and_the_definitions():
     top = results["top"][1]
     for command in gc_script.SUBCOMMANDS:
         assert f"  {command} " in top
-    for name in ("top", "run", "sweep", "max-batch"):  # the definitions, in the epilog
+    for name in ("top", "run", "sweep", "max-batch", "ablate"):  # the definitions, in the epilog
         for measure in ("M_act", "M_peak", "M_floor", "T_step", "RSS_peak"):
             assert measure in results[name][1], (name, measure)
     run_help = results["run"][1]
     assert "--batch-size N" in run_help and "(default: 32)" in run_help
     assert "--accumulation-steps K" in run_help and "effective batch" in run_help
     assert "--policy {off,all,sqrt,selective,budget}" in run_help and "None" not in run_help.split("--policy")[1][:40]
+    assert "--head {full,fused}" in run_help and "(default: fused)" in run_help.split("--head {full,fused}")[1]
+    assert "--rows ROW" in results["ablate"][1] and "--steps N" in results["ablate"][1]
     assert "--memory-limit-mb MB" in results["max-batch"][1] and "(required)" in results["max-batch"][1]
     assert "DIR" in results["plot"][1]
     # every flag of every subcommand has a help line, and each flag with an underscore spelling has both
@@ -301,10 +303,13 @@ def test_bad_input_is_one_line_and_exit_2_before_any_work(tmp_path):
         ["max-batch"] + tiny,
         ["plot", str(tmp_path / "missing")],
         ["plot", str(tmp_path)],  # a folder without gc.py JSON
+        ["ablate", "--batch-size", "6", "--rows", "baseline", "accumulate"],
+        ["ablate", "--rows", "baseline", "--budget-mb", "5"],
     ]
     expected = [e for _, e in cases] + ["--values must be positive integers", "compares policies off and all only",
                                         "add budget to --policies", "required: --memory-limit-mb",
-                                        "is not a folder", "holds no gc.py run, sweep or max-batch JSON"]
+                                        "is not a folder", "holds no gc.py run, sweep, max-batch or ablation JSON",
+                                        "give a --batch-size that divides by 4, not 6", "add budget to --rows"]
     with ThreadPoolExecutor(4) as pool:
         results = list(pool.map(lambda argv: _gc(*argv), commands))
     for argv, text, result in zip(commands, expected, results):
@@ -579,3 +584,59 @@ def test_download_without_a_network_says_so_and_which_files_go_where(tmp_path, m
     assert "no network" in err
     for remote in download.DATASETS["ptb"]:
         assert remote.url in err and os.path.join(str(tmp_path), remote.path) in err
+
+
+# ----- the LM head (--head full|fused) and gc.py ablate ---------------------------------------------------------------
+@pytest.mark.parametrize("policy, k", [("off", 1), ("all", 2)])
+def test_the_fused_and_the_full_head_give_the_same_first_step_loss(tmp_path, capsys, policy, k):
+    data, records = _corpus(tmp_path), {}
+    for head in ("full", "fused"):
+        path = tmp_path / f"{head}.json"
+        gc_script.main(TINY + ["--data", data, "--json", str(path), "--policy", policy, "--head", head,
+                               "--use-gc", str(int(policy != "off")),
+                               "--batch-size", str(4 // k), "--accumulation-steps", str(k), "--max-batches", "2"])
+        assert f"{head} head" in capsys.readouterr().out  # in the header
+        records[head] = _strict_load(path)
+        assert records[head]["head"] == head and records[head]["policy"] == policy
+    full, fused = records["full"], records["fused"]
+    assert abs(full["steps"][0]["loss"] - fused["steps"][0]["loss"]) < 1e-5  # the fused head is exact
+    assert abs(full["loss"] - fused["loss"]) < 1e-4  # and trains alike
+    assert gc_script.parse_args([]).head == "fused"  # the default
+
+
+ABLATE_TINY = ["--batch-size", "4", "--seq-len", "5", "--embedding-size", "8", "--hidden-size", "8",
+               "--num-layers", "1", "--num-head", "2", "--warmup", "1", "--device", DEVICE]
+
+
+def test_ablate_prints_one_table_and_writes_its_json_and_png(tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    code, printed, err = _gc("ablate", "--steps", "2", "--rows", "baseline", "fused", "--data", _corpus(tmp_path),
+                             "--out", str(out), *ABLATE_TINY)
+    assert code == 0, err
+    table = printed.split("\nrow ")[1]  # the table, after the lines each row printed as it ended
+    assert "M_act MB" in table and "M_peak MB" in table and "T_step s" in table and "loss-base" in table
+    lines = [ln.split()[0] for ln in table.splitlines()[1:3]]
+    assert lines == ["baseline", "fused"]
+    result = _strict_load(out / "ablation.json")
+    assert result["kind"] == "ablation" and result["steps_per_row"] == 2 and result["batch_size"] == 4
+    assert [r["row"] for r in result["rows"]] == ["baseline", "fused"]
+    for r in result["rows"]:
+        for key in ("setup", "policy", "head", "activation_bytes", "peak_activation_bytes", "rss_peak_bytes",
+                    "step_time_seconds", "loss", "loss_diff", "peak_change", "time_change", "json"):
+            assert key in r, key
+        assert _strict_load(r["json"])["ablation_id"] == result["ablation_id"]  # each row's own run JSON
+    base, fused = result["rows"]
+    assert (base["policy"], base["head"], fused["policy"], fused["head"]) == ("off", "full", "off", "fused")
+    assert base["loss_diff"] == 0 and abs(fused["loss_diff"]) < 1e-4
+    with open(out / "ablation.png", "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    # plot redraws the ablation, and draws no run plot of the rows' own JSON
+    os.remove(out / "ablation.png")
+    _figures(monkeypatch)
+    gc_script.main(["plot", str(out)])
+    assert sorted(f for f in os.listdir(out) if f.endswith(".png")) == ["ablation.png"]
+
+
+def test_ablate_names_an_unknown_row_in_one_line():
+    line = _one_line_error(*_gc("ablate", "--rows", "baseline", "mixed-fp64", "fused"))
+    assert "unknown row mixed-fp64" in line and "baseline accumulate all sqrt selective budget fused combined" in line
