@@ -207,7 +207,7 @@ class Compute:
         if any(x.cached_data is None for x in node.inputs):
             raise RuntimeError(f"backward plan violated: an input of {type(node.op).__name__} is missing at its "
                                "recomputation (rule 2)")
-        check_unchanged(node, action="recompute")
+        check_unchanged(node, node.inputs, action="recompute")
         expected = node._spec
         self.compute(node)
         got = spec_of(node.cached_data)
@@ -222,8 +222,7 @@ class Compute:
         self.stats["max_recomputes_per_node"] = max(self.stats["max_recomputes_per_node"], count)
 
     def check_reads(self, node):
-        saves = node.op.saves
-        check_unchanged(node, inputs=saves in ("inputs", "both"), output=saves in ("output", "both"))
+        check_unchanged(node, reads(node))
 
     def free(self, node):
         self.stats["released_bytes"] += nbytes_of(node.cached_data)
@@ -236,11 +235,12 @@ class Compute:
         return node.cached_data
 
 
-def check_unchanged(node, inputs=True, output=False, action="differentiate"):
-    """Rule 4c: `node`'s inputs (and its own value) still hold the versions its forward computation read."""
-    read = node._input_versions
-    suspects = [(x, v) for x, v in zip(node.inputs, read or ()) if inputs] + ([(node, 0)] if output else [])
-    for x, version in suspects:
+def check_unchanged(node, values, action="differentiate"):
+    """Rule 4c: `values` (inputs of `node`, or `node` itself) hold the versions its forward computation read."""
+    read = {id(x): v for x, v in zip(node.inputs, node._input_versions or ())}
+    read[id(node)] = 0  # a computed value is never written by the graph itself
+    for x in values:
+        version = read.get(id(x), x.version)
         if x.version != version:
             what = "its output" if x is node else "one of its inputs"
             name = getattr(x, "name", None)
