@@ -203,7 +203,8 @@ def config_of(args, source, vocab, device):
         "effective_batch_size": None if batch is None else batch * args.accumulation_steps, "seq_len": args.seq_len,
         "embedding_size": args.embedding_size, "hidden_size": args.hidden_size, "num_layers": args.num_layers,
         "num_head": args.num_head, "dropout": args.dropout, "head_init_scale": args.head_init_scale,
-        "head": getattr(args, "head", None),
+        "head": getattr(args, "head", None), "precision": getattr(args, "precision", "fp32"),
+        "stochastic_rounding": bool(getattr(args, "stochastic_rounding", False)),
         "segment_len": args.segment_len, "budget_bytes": mb_to_bytes(args.budget_mb), "lazy": args.lazy,
         "device": str(device), "threads": threads(), "epochs": args.epochs, "max_batches": args.max_batches,
         "warmup": args.warmup, "lr": args.lr, "optimizer": "adam", "seed": args.seed,
@@ -231,12 +232,29 @@ def build_model(args, vocab, device, policy):
         # training starts from about that guess.  Drawn the course's way first, so the random stream is the same.
         w = model.linear.weight
         w.data = w.data * args.head_init_scale
+    if getattr(args, "precision", "fp32") == "bf16":
+        model.astype("bfloat16")  # pure bf16: the weights themselves (drawn in float32 first, then rounded)
     if policy != "off":
         model.enable_gc(segment_len=args.segment_len, policy=policy)
     return model
 
 
-def make_loss(model, head):
+# --precision -> (autocast dtype or None, loss scaling?)
+PRECISIONS = ["fp32", "mixed-bf16", "mixed-fp16", "bf16"]
+AUTOCAST = {"fp32": None, "mixed-bf16": "bfloat16", "mixed-fp16": "float16", "bf16": None}
+
+
+def make_optimizer(args, params):
+    """Adam: float32 parameters for fp32 and mixed (they are the master weights); pure bf16 keeps weights and
+    moments in bfloat16, with stochastic rounding if asked."""
+    precision = getattr(args, "precision", "fp32")
+    if precision == "bf16":
+        return ndl.optim.Adam(params, lr=args.lr, master_weights=False,
+                              stochastic_rounding=getattr(args, "stochastic_rounding", False))
+    return ndl.optim.Adam(params, lr=args.lr)
+
+
+def make_loss(model, head, autocast=None):
     """loss(X, y): the mean cross-entropy of one micro-batch through the LM head.
 
     "full" is the course's path, nn.SoftmaxLoss()(model(X)[0], y): the (tokens x vocabulary) logits are a graph
@@ -244,9 +262,17 @@ def make_loss(model, head):
     loss and gradients up to rounding, the logits computed a chunk of tokens at a time inside one op (again in its
     gradient) and never held whole."""
     if head == "fused":
-        return lambda X, y: model.loss(X, y)[0]
-    softmax_loss = nn.SoftmaxLoss()
-    return lambda X, y: softmax_loss(model(X)[0], y)
+        loss = lambda X, y: model.loss(X, y)[0]  # noqa: E731
+    else:
+        softmax_loss = nn.SoftmaxLoss()
+        loss = lambda X, y: softmax_loss(model(X)[0], y)  # noqa: E731
+    if autocast is None:
+        return loss
+
+    def mixed(X, y):
+        with ndl.autocast(autocast):  # forward and loss; backward replays the graph's casts
+            return loss(X, y)
+    return mixed
 
 
 def micro_batches(batches, start, args, device):
@@ -312,8 +338,9 @@ def run(args, use_gc, data, vocab, source, out_dir=None, quiet=False, json_path=
     model = build_model(args, vocab, device, policy)
     model.train()
     params = model.parameters()
-    opt = ndl.optim.Adam(params, lr=args.lr)
-    loss_fn = make_loss(model, args.head)
+    opt = make_optimizer(args, params)
+    scaler = ndl.amp.GradScaler() if getattr(args, "precision", "fp32") == "mixed-fp16" else None
+    loss_fn = make_loss(model, args.head, AUTOCAST[getattr(args, "precision", "fp32")])
     batches = batchify(data, args.batch_size * args.accumulation_steps, device=device, dtype="float32")
     label = (args.policy or "all") if use_gc else "off"
     record = {"kind": "run", "policy": label, "use_gc": bool(use_gc), **config_of(args, source, vocab, device),
@@ -338,7 +365,7 @@ def run(args, use_gc, data, vocab, source, out_dir=None, quiet=False, json_path=
         for i in range(nbatch * args.epochs):
             start = (i % nbatch) * args.seq_len
             try:
-                step, loss = train_step(model, loss_fn, opt, batches, start, args, device, params)
+                step, loss = train_step(model, loss_fn, opt, batches, start, args, device, params, scaler)
             except ValueError as err:
                 if isinstance(policy, checkpoint.Budget) and "infeasible" in str(err):
                     fail(str(err))  # planned before anything was computed
@@ -371,9 +398,10 @@ def run(args, use_gc, data, vocab, source, out_dir=None, quiet=False, json_path=
     return record
 
 
-def train_step(model, loss_fn, opt, batches, start, args, device, params):
+def train_step(model, loss_fn, opt, batches, start, args, device, params, scaler=None):
     """One optimizer step (of `accumulation_steps` micro-batches), with its memory and time measured; loss_fn(X, y)
-    is make_loss's (the full or the fused head)."""
+    is make_loss's (the full or the fused head, under autocast for mixed precision); `scaler` a GradScaler for
+    mixed-fp16 (the step is skipped, and counted, when a gradient overflowed)."""
     k = args.accumulation_steps
     opt.reset_grad()
     micro = micro_batches(batches, start, args, device)
@@ -395,7 +423,7 @@ def train_step(model, loss_fn, opt, batches, start, args, device, params):
                 if rss:
                     rss.sample()
                 t0 += time.perf_counter() - t_floor
-            loss.backward()
+            (loss if scaler is None else scaler.scale(loss)).backward()
         recomputed += checkpoint.last_backward_stats()["recomputed_nodes"]
         if rss:
             rss.sample()
@@ -410,7 +438,12 @@ def train_step(model, loss_fn, opt, batches, start, args, device, params):
             p.grad = ndl.Tensor(g, device=device, requires_grad=False)
     # M_peak is forward + backward (what Budget bounds); the optimizer's own temporaries come after it.
     forward_backward_peak = nd.memory_stats(device)["peak_bytes"] - baseline
-    opt.step()
+    skipped = False
+    if scaler is None:
+        opt.step()
+    else:
+        skipped = not scaler.step(opt)
+        scaler.update()
     elapsed = time.perf_counter() - t0
     stats = nd.memory_stats(device)
     rss_peak = rss.growth() if rss else None
@@ -420,6 +453,9 @@ def train_step(model, loss_fn, opt, batches, start, args, device, params):
         "peak_activation_bytes": int(forward_backward_peak), "step_peak_bytes": int(stats["peak_bytes"] - baseline),
         "baseline_bytes": int(baseline), "recomputed_nodes": int(recomputed), "gpu_memory_bytes": gpu_memory_bytes(),
         "rss_peak_bytes": rss_peak, "rss_start_bytes": rss.start if rss else None,
+        "param_bytes": int(sum(p.realize_cached_data().nbytes for p in params)),
+        "optimizer_bytes": int(opt.state_bytes()), "skipped_step": skipped,
+        "loss_scale": None if scaler is None else scaler.get_scale(),
     }, loss
 
 
@@ -611,8 +647,8 @@ def check_corpus(args, data):
 
 # ----- sweep and max-batch: each configuration in a fresh process ---------------------------------------------
 RUN_FLAGS = ["batch_size", "seq_len", "embedding_size", "hidden_size", "num_layers", "num_head", "dropout",
-             "head_init_scale", "head", "segment_len", "budget_mb", "device", "epochs", "max_batches", "warmup",
-             "accumulation_steps", "lr", "seed", "memory_limit_mb"]
+             "head_init_scale", "head", "precision", "stochastic_rounding", "segment_len", "budget_mb", "device",
+             "epochs", "max_batches", "warmup", "accumulation_steps", "lr", "seed", "memory_limit_mb"]
 
 
 def _child(args, overrides, policy, json_path, timeout=1800):
@@ -1307,6 +1343,12 @@ def _add_model_flags(p, command):
           help="scale of the output layer's initial weight, so the loss starts near ln(vocab); 1 keeps the course's "
                "init (whose logits start with a std of several units)")
     if command != "ablate":
+        _flag(g, "precision", default="fp32", choices=PRECISIONS,
+              help="fp32; mixed-bf16 / mixed-fp16: ndl.autocast around forward and loss, float32 master weights "
+                   "(mixed-fp16 with ndl.amp.GradScaler); bf16: pure bfloat16 weights, activations and Adam state "
+                   "(default: fp32)")
+        _flag(g, "stochastic_rounding", action="store_true",
+              help="with --precision bf16: round each weight update stochastically (else to nearest)")
         _flag(g, "head", default="fused", choices=HEADS,
               help="the LM head and loss: fused is model.loss(x, y) (ops.linear_cross_entropy: the logits computed "
                    "a chunk of tokens at a time, never held whole; the same loss and gradients); full is the "

@@ -25,11 +25,13 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <mutex>
 #include <new>
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #ifdef _OPENMP
@@ -193,15 +195,150 @@ static void put_mapped(MemoryStats& s, void* ptr, size_t bytes) {
   s.cached_bytes += bytes;
 }
 
+// ---- dtypes --------------------------------------------------------------------------------------------------
+//
+// A buffer stores one dtype; arithmetic is always float32 (src/README.md, "Dtypes").  Kernels are written once
+// over the storage type T: they read with to_float(T), compute in float and write with from_float<T>, which for
+// T = float are the identity, so the float32 code is what it was.  bfloat16 is the upper half of a float32 (same
+// exponent, 7 mantissa bits), so widening is a shift and narrowing rounds the lower half away (nearest, ties to
+// even); float16 uses the compiler's _Float16 conversions.
+enum class DType : uint8_t { f32, f16, bf16, i8, u8, i32 };
+
+struct DTypeInfo {
+  const char* name;     // needle's name
+  const char* numpy;    // the numpy type to_numpy returns (bfloat16: its bits as uint16)
+  size_t itemsize;
+  bool floating;
+};
+constexpr DTypeInfo DTYPE_INFO[] = {{"float32", "float32", 4, true}, {"float16", "float16", 2, true},
+                                    {"bfloat16", "uint16", 2, true}, {"int8", "int8", 1, false},
+                                    {"uint8", "uint8", 1, false},    {"int32", "int32", 4, false}};
+static const DTypeInfo& info(DType d) { return DTYPE_INFO[static_cast<int>(d)]; }
+
+static DType parse_dtype(const std::string& name) {
+  for (int d = 0; d < 6; ++d)
+    if (name == DTYPE_INFO[d].name) return static_cast<DType>(d);
+  throw py::value_error("Array: unknown dtype '" + name +
+                        "' (expected float32, float16, bfloat16, int8, uint8 or int32)");
+}
+
+struct bfloat16_t {
+  uint16_t bits;
+};
+struct half_t {
+  uint16_t bits;
+};
+
+static inline float float_from_bits(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+static inline uint32_t bits_from_float(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+
+static inline float to_float(float x) { return x; }
+static inline float to_float(bfloat16_t x) { return float_from_bits(uint32_t(x.bits) << 16); }
+static inline float to_float(half_t x) {
+  _Float16 h;
+  std::memcpy(&h, &x.bits, 2);
+  return static_cast<float>(h);
+}
+template <class I, std::enable_if_t<std::is_integral<I>::value, int> = 0>
+static inline float to_float(I x) {
+  return static_cast<float>(x);
+}
+
+template <class T>
+static inline T from_float(float x);
+template <>
+inline float from_float<float>(float x) {
+  return x;
+}
+// Adding 0x7fff plus the lowest kept bit, then truncating, rounds to nearest with ties to even; a carry out of
+// the mantissa bumps the exponent, which is exactly right (up to +inf).  NaN is kept quiet, never rounded to inf.
+template <>
+inline bfloat16_t from_float<bfloat16_t>(float x) {
+  const uint32_t u = bits_from_float(x);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return {static_cast<uint16_t>((u >> 16) | 0x0040u)};
+  return {static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16)};
+}
+template <>
+inline half_t from_float<half_t>(float x) {
+  const _Float16 h = static_cast<_Float16>(x);
+  half_t r;
+  std::memcpy(&r.bits, &h, 2);
+  return r;
+}
+// Float to integer: the fraction is dropped (toward zero), values saturate, NaN is 0.
+template <class I>
+static inline I saturate_float(float x) {
+  constexpr I lo = std::numeric_limits<I>::min(), hi = std::numeric_limits<I>::max();
+  if (x != x) return 0;
+  if (x <= static_cast<float>(lo)) return lo;
+  if (x >= static_cast<float>(hi)) return hi;  // (float(INT32_MAX) rounds up to 2^31, so >= is the test)
+  return static_cast<I>(x);
+}
+template <>
+inline int8_t from_float<int8_t>(float x) {
+  return saturate_float<int8_t>(x);
+}
+template <>
+inline uint8_t from_float<uint8_t>(float x) {
+  return saturate_float<uint8_t>(x);
+}
+template <>
+inline int32_t from_float<int32_t>(float x) {
+  return saturate_float<int32_t>(x);
+}
+
+// One element of dtype From as dtype To, by the contract's rules (integers to integers saturate exactly).
+template <class To, class From>
+static inline To convert(From x) {
+  if constexpr (std::is_same<To, From>::value) {
+    return x;
+  } else if constexpr (std::is_integral<To>::value && std::is_integral<From>::value) {
+    const int64_t v = static_cast<int64_t>(x);
+    return static_cast<To>(std::min<int64_t>(std::max<int64_t>(v, std::numeric_limits<To>::min()),
+                                             std::numeric_limits<To>::max()));
+  } else {
+    return from_float<To>(to_float(x));
+  }
+}
+
+// Calls f(T()) with the storage type of dtype d: visit_float for the floating dtypes, visit_any for all.
+template <class F>
+static void visit_float(DType d, F&& f) {
+  switch (d) {
+    case DType::f32: return f(float());
+    case DType::f16: return f(half_t());
+    case DType::bf16: return f(bfloat16_t());
+    default: throw py::type_error(std::string("needle cpu: ") + info(d).name + " is not a floating dtype");
+  }
+}
+template <class F>
+static void visit_any(DType d, F&& f) {
+  switch (d) {
+    case DType::i8: return f(int8_t());
+    case DType::u8: return f(uint8_t());
+    case DType::i32: return f(int32_t());
+    default: return visit_float(d, f);
+  }
+}
+
 struct Array {
-  explicit Array(size_t n) : size(n) {
+  explicit Array(size_t n, DType dt = DType::f32) : size(n), dtype(dt), itemsize(info(dt).itemsize) {
     // Bytes that aligned_alloc gets: a non-zero multiple of ALIGNMENT, as C11/C++17 require.
-    if (n > (std::numeric_limits<size_t>::max() - 2 * HUGE_PAGE) / ELEM_SIZE) {
+    if (n > (std::numeric_limits<size_t>::max() - 2 * HUGE_PAGE) / itemsize) {
       std::ostringstream msg;
-      msg << "needle cpu: cannot allocate an array of " << n << " float32 elements (size overflows)";
+      msg << "needle cpu: cannot allocate an array of " << n << " " << info(dt).name
+          << " elements (size overflows)";
       throw NeedleMemoryError(msg.str());
     }
-    const size_t bytes = n * ELEM_SIZE;
+    const size_t bytes = n * itemsize;
     const size_t alloc_bytes = std::max(ALIGNMENT, (bytes + ALIGNMENT - 1) / ALIGNMENT * ALIGNMENT);
     MemoryStats& s = stats();
     std::lock_guard<std::mutex> lock(s.mu);
@@ -236,18 +373,46 @@ struct Array {
     } else {
       std::free(ptr);
     }
-    s.current_bytes -= size * ELEM_SIZE;
+    s.current_bytes -= size * itemsize;
     s.allocations -= 1;
   }
   Array(const Array&) = delete;
   Array& operator=(const Array&) = delete;
 
   size_t ptr_as_int() const { return reinterpret_cast<size_t>(ptr); }
+  // The elements as their storage type (T must match dtype: the visit_* functions guarantee it).
+  template <class T>
+  T* data() const {
+    return reinterpret_cast<T*>(ptr);
+  }
+  std::string dtype_name() const { return info(dtype).name; }
 
-  scalar_t* ptr = nullptr;
+  scalar_t* ptr = nullptr;  // the buffer; read as float only when dtype is float32
   size_t size;
+  DType dtype;
+  size_t itemsize;
   size_t mapped_bytes = 0;  // bytes of ptr's own mapping; 0 if ptr came from aligned_alloc
 };
+
+// TypeError unless every array is floating and of one dtype (which is returned).
+static DType same_float_dtype(const char* fn, std::initializer_list<const Array*> arrays) {
+  const DType d = (*arrays.begin())->dtype;
+  bool ok = info(d).floating;
+  for (const Array* a : arrays) ok = ok && a->dtype == d;
+  if (!ok) {
+    std::ostringstream msg;
+    msg << fn << ": needs floating arrays of one dtype, got";
+    for (const Array* a : arrays) msg << " " << info(a->dtype).name;
+    throw py::type_error(msg.str());
+  }
+  return d;
+}
+
+static void require_float32(const char* fn, std::initializer_list<const Array*> arrays) {
+  for (const Array* a : arrays)
+    if (a->dtype != DType::f32)
+      throw py::type_error(std::string(fn) + ": float32 only, got " + info(a->dtype).name);
+}
 
 static py::dict memory_stats() {
   MemoryStats& s = stats();
@@ -552,42 +717,56 @@ static Walk<1> make_view(const char* fn, const std::vector<int64_t>& shape, cons
   return make_walk(fn, shape, ops);
 }
 
-// out[i] = a[view element i]
-static void compact_into(const scalar_t* a, scalar_t* out, const Walk<1>& v) {
+// out[i] = a[view element i], converted from From to To (a plain copy when they agree)
+template <class From, class To>
+static void compact_into(const From* a, To* out, const Walk<1>& v) {
   for_each_run(v, 1, [&](const int64_t* pos, size_t i, int64_t len, const int64_t* step) {
-    const scalar_t* src = a + pos[0];
-    scalar_t* dst = out + i;
-    if (step[0] == 1) {
-      std::memcpy(dst, src, static_cast<size_t>(len) * ELEM_SIZE);
+    const From* src = a + pos[0];
+    To* dst = out + i;
+    if (std::is_same<From, To>::value && step[0] == 1) {
+      std::memcpy(static_cast<void*>(dst), src, static_cast<size_t>(len) * sizeof(To));
     } else if (step[0] == 0) {
-      std::fill(dst, dst + len, *src);
+      std::fill(dst, dst + len, convert<To>(*src));
     } else {
-      for (int64_t j = 0; j < len; ++j) dst[j] = src[j * step[0]];
+      for (int64_t j = 0; j < len; ++j) dst[j] = convert<To>(src[j * step[0]]);
     }
   });
+}
+
+// Calls f(From(), To()) with the storage types of two dtypes.
+template <class F>
+static void visit_pair(DType from, DType to, F&& f) {
+  visit_any(from, [&](auto x) { visit_any(to, [&](auto y) { f(x, y); }); });
 }
 
 static void compact(const Array& a, Array& out, const std::vector<int64_t>& shape,
                     const std::vector<int64_t>& strides, int64_t offset) {
   Walk<1> v = make_view("compact", shape, strides, offset, a.size);
   check_size("compact", "out", out.size, v.size);
-  compact_into(a.ptr, out.ptr, v);
+  visit_pair(a.dtype, out.dtype, [&](auto x, auto y) {
+    compact_into(a.data<decltype(x)>(), out.data<decltype(y)>(), v);
+  });
 }
 
 static void ewise_setitem(const Array& a, Array& out, const std::vector<int64_t>& shape,
                           const std::vector<int64_t>& strides, int64_t offset) {
   Walk<1> v = make_view("ewise_setitem", shape, strides, offset, out.size);
   check_size("ewise_setitem", "a", a.size, v.size);
-  const scalar_t* src0 = a.ptr;
-  scalar_t* base = out.ptr;
-  for_each_run(v, 1, [&](const int64_t* pos, size_t i, int64_t len, const int64_t* step) {
-    const scalar_t* src = src0 + i;
-    scalar_t* dst = base + pos[0];
-    if (step[0] == 1) {
-      std::memmove(dst, src, static_cast<size_t>(len) * ELEM_SIZE);  // a may be out itself (x[:] = x)
-    } else {
-      for (int64_t j = 0; j < len; ++j) dst[j * step[0]] = src[j];
-    }
+  visit_pair(a.dtype, out.dtype, [&](auto x, auto y) {
+    using From = decltype(x);
+    using To = decltype(y);
+    const From* src0 = a.data<From>();
+    To* base = out.data<To>();
+    for_each_run(v, 1, [&](const int64_t* pos, size_t i, int64_t len, const int64_t* step) {
+      const From* src = src0 + i;
+      To* dst = base + pos[0];
+      if (std::is_same<From, To>::value && step[0] == 1) {
+        // a may be out itself (x[:] = x)
+        std::memmove(static_cast<void*>(dst), src, static_cast<size_t>(len) * sizeof(To));
+      } else {
+        for (int64_t j = 0; j < len; ++j) dst[j * step[0]] = convert<To>(src[j]);
+      }
+    });
   });
 }
 
@@ -599,32 +778,61 @@ static void scalar_setitem(int64_t size, scalar_t val, Array& out, const std::ve
     msg << "scalar_setitem: size is " << size << " but the view has " << v.size << " elements";
     fail(msg.str());
   }
-  scalar_t* base = out.ptr;
-  for_each_run(v, 1, [&](const int64_t* pos, size_t, int64_t len, const int64_t* step) {
-    scalar_t* dst = base + pos[0];
-    if (step[0] == 1) {
-      std::fill(dst, dst + len, val);
-    } else {
-      for (int64_t j = 0; j < len; ++j) dst[j * step[0]] = val;
-    }
+  visit_any(out.dtype, [&](auto t) {
+    using T = decltype(t);
+    const T value = convert<T>(val);
+    T* base = out.data<T>();
+    for_each_run(v, 1, [&](const int64_t* pos, size_t, int64_t len, const int64_t* step) {
+      T* dst = base + pos[0];
+      if (step[0] == 1) {
+        std::fill(dst, dst + len, value);
+      } else {
+        for (int64_t j = 0; j < len; ++j) dst[j * step[0]] = value;
+      }
+    });
   });
 }
 
-static py::array_t<scalar_t> to_numpy(const Array& a, const std::vector<int64_t>& shape,
-                                      const std::vector<int64_t>& strides, int64_t offset) {
+static py::array to_numpy(const Array& a, const std::vector<int64_t>& shape, const std::vector<int64_t>& strides,
+                          int64_t offset) {
   Walk<1> v = make_view("to_numpy", shape, strides, offset, a.size);
   std::vector<py::ssize_t> np_shape(shape.begin(), shape.end());
-  py::array_t<scalar_t> result(np_shape);
-  compact_into(a.ptr, result.mutable_data(), v);
+  py::array result(py::dtype(info(a.dtype).numpy), np_shape);
+  visit_any(a.dtype, [&](auto t) {
+    using T = decltype(t);
+    compact_into(a.data<T>(), static_cast<T*>(result.mutable_data()), v);
+  });
   return result;
 }
 
-static void from_numpy(py::array_t<scalar_t, py::array::c_style | py::array::forcecast> a, Array& out) {
+// float32 buffers take any numeric numpy array (converted, as before dtypes existed); other dtypes take the
+// storage type's bytes exactly (ndarray.py converts first).
+static void from_numpy(py::array a, Array& out) {
+  if (out.dtype == DType::f32) {
+    auto f = py::array_t<scalar_t, py::array::c_style | py::array::forcecast>::ensure(a);
+    if (!f) throw py::type_error("from_numpy: cannot convert the numpy array to float32");
+    check_size("from_numpy", "the numpy array", static_cast<size_t>(f.size()), out.size);
+    if (out.size) std::memcpy(out.ptr, f.data(), out.size * sizeof(scalar_t));
+    return;
+  }
+  if (static_cast<size_t>(a.itemsize()) != out.itemsize || !(a.flags() & py::array::c_style)) {
+    std::ostringstream msg;
+    msg << "from_numpy: a " << out.dtype_name() << " buffer needs a C-contiguous array of " << out.itemsize
+        << "-byte elements, got " << a.itemsize() << "-byte elements";
+    throw py::type_error(msg.str());
+  }
   check_size("from_numpy", "the numpy array", static_cast<size_t>(a.size()), out.size);
-  if (out.size) std::memcpy(out.ptr, a.data(), out.size * ELEM_SIZE);
+  if (out.size) std::memcpy(out.ptr, a.data(), out.size * out.itemsize);
 }
 
-static void fill(Array& out, scalar_t val) { std::fill(out.ptr, out.ptr + out.size, val); }
+static void fill(Array& out, scalar_t val) {
+  visit_any(out.dtype, [&](auto t) {
+    using T = decltype(t);
+    std::fill(out.data<T>(), out.data<T>() + out.size, convert<T>(val));
+  });
+}
+
+
 
 // ------------------------------------------------------------------------------------------------------------
 // 3. Element-wise ops, reductions, gathers
@@ -645,6 +853,38 @@ static void fill(Array& out, scalar_t val) { std::fill(out.ptr, out.ptr + out.si
 constexpr size_t PARALLEL_CHEAP = size_t(1) << 20;
 static int threads_for(size_t n, bool expensive) {
   return n >= (expensive ? PARALLEL_TRANSCENDENTAL : PARALLEL_CHEAP) ? num_threads() : 1;
+}
+
+// float32 -> bfloat16, rounding up with probability equal to the discarded fraction: a 16-bit random number is
+// added to the lower half of the float32 bits before truncating (carries propagate into the exponent correctly).
+// The random number is a hash of (seed, i), so results do not depend on threads and match the other backends.
+static inline uint32_t lowbias32(uint32_t h) {
+  h ^= h >> 16;
+  h *= 0x7feb352du;
+  h ^= h >> 15;
+  h *= 0x846ca68bu;
+  h ^= h >> 16;
+  return h;
+}
+
+static void round_stochastic(const Array& a, Array& out, uint32_t seed) {
+  if (a.dtype != DType::f32 || out.dtype != DType::bf16)
+    throw py::type_error("round_stochastic: needs float32 a and bfloat16 out, got " + a.dtype_name() + " and " +
+                         out.dtype_name());
+  check_size("round_stochastic", "out", out.size, a.size);
+  const float* pa = a.data<float>();
+  bfloat16_t* po = out.data<bfloat16_t>();
+  const uint32_t key = seed * 0x9E3779B9u;
+  parallel_range(a.size, threads_for(a.size, false), [&](size_t begin, size_t end) {
+    for (size_t i = begin; i < end; ++i) {
+      const uint32_t u = bits_from_float(pa[i]);
+      if ((u & 0x7f800000u) == 0x7f800000u) {  // inf or NaN: as plain rounding
+        po[i] = from_float<bfloat16_t>(pa[i]);
+      } else {
+        po[i] = {static_cast<uint16_t>((u + (lowbias32(static_cast<uint32_t>(i) ^ key) & 0xffffu)) >> 16)};
+      }
+    }
+  });
 }
 
 // ---- 3a. Vector math ----------------------------------------------------------------------------------------
@@ -1031,26 +1271,48 @@ struct GtOp {
   scalar_t operator()(scalar_t x, scalar_t y) const { return scalar_t(x > y); }
 };
 
+// Written once over the storage type: load as float, compute, round on store (the identity for float32).
 template <class Op>
 static void ewise_binary(const char* fn, const Array& a, const Array& b, Array& out, Op f) {
   check_size(fn, "b", b.size, a.size);
   check_size(fn, "out", out.size, a.size);
-  const scalar_t* pa = a.ptr;
-  const scalar_t* pb = b.ptr;
-  scalar_t* po = out.ptr;
-  parallel_range(a.size, threads_for(a.size, Op::expensive), [&](size_t begin, size_t end) {
-    for (size_t i = begin; i < end; ++i) po[i] = f(pa[i], pb[i]);
+  visit_float(same_float_dtype(fn, {&a, &b, &out}), [&](auto t) {
+    using T = decltype(t);
+    const T* pa = a.data<T>();
+    const T* pb = b.data<T>();
+    T* po = out.data<T>();
+    parallel_range(a.size, threads_for(a.size, Op::expensive), [&](size_t begin, size_t end) {
+      for (size_t i = begin; i < end; ++i) po[i] = from_float<T>(f(to_float(pa[i]), to_float(pb[i])));
+    });
   });
 }
 
 template <class Op>
 static void scalar_binary(const char* fn, const Array& a, scalar_t val, Array& out, Op f) {
   check_size(fn, "out", out.size, a.size);
-  const scalar_t* pa = a.ptr;
-  scalar_t* po = out.ptr;
-  parallel_range(a.size, threads_for(a.size, Op::expensive), [&](size_t begin, size_t end) {
-    for (size_t i = begin; i < end; ++i) po[i] = f(pa[i], val);
+  visit_float(same_float_dtype(fn, {&a, &out}), [&](auto t) {
+    using T = decltype(t);
+    const T* pa = a.data<T>();
+    T* po = out.data<T>();
+    parallel_range(a.size, threads_for(a.size, Op::expensive), [&](size_t begin, size_t end) {
+      for (size_t i = begin; i < end; ++i) po[i] = from_float<T>(f(to_float(pa[i]), val));
+    });
   });
+}
+
+// The float32 vector kernels (exp, log, tanh) on 16-bit data: blocks of BLOCK elements are widened into a float
+// buffer on the stack, mapped there and rounded back, so the kernels stay the float32 ones.
+constexpr size_t BLOCK = 256;
+
+template <class T, class K>
+static void in_float_blocks(const T* in, T* out, size_t n, K kernel) {
+  float buf[BLOCK];
+  for (size_t b = 0; b < n; b += BLOCK) {
+    const size_t len = std::min(BLOCK, n - b);
+    for (size_t j = 0; j < len; ++j) buf[j] = to_float(in[b + j]);
+    kernel(buf, buf, static_cast<int64_t>(len));
+    for (size_t j = 0; j < len; ++j) out[b + j] = from_float<T>(buf[j]);
+  }
 }
 
 static void ewise_add(const Array& a, const Array& b, Array& out) { ewise_binary("ewise_add", a, b, out, AddOp()); }
@@ -1099,10 +1361,17 @@ typedef void (*vector_fn)(const scalar_t*, scalar_t*, int64_t);
 
 static void ewise_vector(const char* fn, const Array& a, Array& out, vector_fn kernel) {
   check_size(fn, "out", out.size, a.size);
-  const scalar_t* pa = a.ptr;
-  scalar_t* po = out.ptr;
-  parallel_range(a.size, threads_for(a.size, true), [&](size_t begin, size_t end) {
-    kernel(pa + begin, po + begin, static_cast<int64_t>(end - begin));
+  visit_float(same_float_dtype(fn, {&a, &out}), [&](auto t) {
+    using T = decltype(t);
+    const T* pa = a.data<T>();
+    T* po = out.data<T>();
+    parallel_range(a.size, threads_for(a.size, true), [&](size_t begin, size_t end) {
+      if constexpr (std::is_same<T, float>::value) {
+        kernel(pa + begin, po + begin, static_cast<int64_t>(end - begin));
+      } else {
+        in_float_blocks(pa + begin, po + begin, end - begin, kernel);
+      }
+    });
   });
 }
 
@@ -1171,6 +1440,7 @@ static void ewise_strided(const std::string& op, const Array& a, const std::vect
                           int64_t a_offset, const Array& b, const std::vector<int64_t>& b_strides, int64_t b_offset,
                           Array& out, const std::vector<int64_t>& shape) {
   const Operand ops[2] = {{"a", &a_strides, a_offset, a.size}, {"b", &b_strides, b_offset, b.size}};
+  require_float32("ewise_strided", {&a, &b, &out});
   const Walk<2> w = make_walk("ewise_strided", shape, ops);
   const Array* inputs[] = {&a, &b};
   check_out("ewise_strided", out, w.size, inputs, 2);
@@ -1182,6 +1452,7 @@ static void scalar_strided(const std::string& op, const Array& a, const std::vec
                            int64_t offset, scalar_t val, Array& out, const std::vector<int64_t>& shape) {
   const std::vector<int64_t> zeros(shape.size(), 0);
   const Operand ops[2] = {{"a", &strides, offset, a.size}, {"val", &zeros, 0, 1}};
+  require_float32("scalar_strided", {&a, &out});
   const Walk<2> w = make_walk("scalar_strided", shape, ops);
   const Array* inputs[] = {&a};
   check_out("scalar_strided", out, w.size, inputs, 1);
@@ -1195,6 +1466,7 @@ static void unary_strided(const std::string& op, const Array& a, const std::vect
   vector_fn kernel = op == "log" ? g_vector->log : op == "exp" ? g_vector->exp : op == "tanh" ? g_vector->tanh
                                                                                               : nullptr;
   if (kernel == nullptr) fail("unary_strided: unknown op '" + op + "' (expected log, exp or tanh)");
+  require_float32("unary_strided", {&a, &out});
   const Walk<1> w = make_view("unary_strided", shape, strides, offset, a.size);
   const Array* inputs[] = {&a};
   check_out("unary_strided", out, w.size, inputs, 1);
@@ -1222,12 +1494,30 @@ static void check_reduce(const char* fn, const Array& a, const Array& out, int64
   }
 }
 
+// A 16-bit row widened into the calling thread's float buffer (float32 rows are used in place).
+template <class T>
+static const float* row_as_float(const T* row, size_t n) {
+  if constexpr (std::is_same<T, float>::value) {
+    return row;
+  } else {
+    static thread_local std::vector<float> buf;
+    if (buf.size() < n) buf.resize(n);
+    for (size_t j = 0; j < n; ++j) buf[j] = to_float(row[j]);
+    return buf.data();
+  }
+}
+
 // Rows are independent: split over threads once there is enough to read.
-static void reduce_rows(const Array& a, Array& out, size_t r, scalar_t (*row_fn)(const scalar_t*, int64_t)) {
-  const scalar_t* pa = a.ptr;
-  scalar_t* po = out.ptr;
-  parallel_range(out.size, a.size >= PARALLEL_CHEAP / 4 ? num_threads() : 1, [&](size_t begin, size_t end) {
-    for (size_t i = begin; i < end; ++i) po[i] = row_fn(pa + i * r, static_cast<int64_t>(r));
+static void reduce_rows(const char* fn, const Array& a, Array& out, size_t r, scalar_t (*row_fn)(const scalar_t*, int64_t),
+                        int nthreads) {
+  visit_float(same_float_dtype(fn, {&a, &out}), [&](auto t) {
+    using T = decltype(t);
+    const T* pa = a.data<T>();
+    T* po = out.data<T>();
+    parallel_range(out.size, nthreads, [&](size_t begin, size_t end) {
+      for (size_t i = begin; i < end; ++i)
+        po[i] = from_float<T>(row_fn(row_as_float(pa + i * r, r), static_cast<int64_t>(r)));
+    });
   });
 }
 
@@ -1237,24 +1527,37 @@ static scalar_t row_max(const scalar_t* row, int64_t n) { return g_vector->max(r
 // Sums accumulate in double (sum_run): more accurate than a float chain.
 static void reduce_sum(const Array& a, Array& out, int64_t reduce_size) {
   check_reduce("reduce_sum", a, out, reduce_size);
-  reduce_rows(a, out, static_cast<size_t>(reduce_size), row_sum);
+  reduce_rows("reduce_sum", a, out, static_cast<size_t>(reduce_size), row_sum,
+              a.size >= PARALLEL_CHEAP / 4 ? num_threads() : 1);
 }
 
 // Max of each row; a NaN anywhere in a row gives NaN, as numpy's max does.
 static void reduce_max(const Array& a, Array& out, int64_t reduce_size) {
   check_reduce("reduce_max", a, out, reduce_size);
   if (reduce_size == 0 && out.size != 0) fail("reduce_max: cannot reduce over zero elements");
-  reduce_rows(a, out, static_cast<size_t>(reduce_size), row_max);
+  reduce_rows("reduce_max", a, out, static_cast<size_t>(reduce_size), row_max,
+              a.size >= PARALLEL_CHEAP / 4 ? num_threads() : 1);
 }
 
 // Converts every idx value to a row (or column) number, raising IndexError (before anything is written) for a
 // value that is not an integer or not in [0, rows).
 static std::vector<size_t> check_indices(const char* fn, const Array& idx, size_t rows) {
+  std::vector<double> values(idx.size);  // double holds every int32 exactly
+  visit_any(idx.dtype, [&](auto t) {
+    using T = decltype(t);
+    for (size_t i = 0; i < idx.size; ++i) {
+      if constexpr (std::is_integral<T>::value) {
+        values[i] = static_cast<double>(idx.data<T>()[i]);
+      } else {
+        values[i] = to_float(idx.data<T>()[i]);
+      }
+    }
+  });
   std::vector<size_t> out(idx.size);
   for (size_t i = 0; i < idx.size; ++i) {
-    const scalar_t v = idx.ptr[i];
+    const double v = values[i];
     const bool integer = std::isfinite(v) && v == std::floor(v);
-    if (!integer || v < 0.0f || v >= static_cast<scalar_t>(rows) || static_cast<size_t>(v) >= rows) {
+    if (!integer || v < 0.0 || v >= static_cast<double>(rows)) {
       std::ostringstream msg;
       msg << fn << ": index " << v << (integer ? " is out of range for " : " is not an integer, for ") << rows
           << " rows";
@@ -1279,8 +1582,13 @@ static void take_rows(const Array& a, const Array& idx, Array& out, int64_t row_
   check_row_size("take_rows", row_size, a);
   const size_t r = static_cast<size_t>(row_size);
   check_size("take_rows", "out", out.size, idx.size * r);
+  if (a.dtype != out.dtype)
+    throw py::type_error("take_rows: a is " + a.dtype_name() + " but out is " + out.dtype_name());
   std::vector<size_t> rows = check_indices("take_rows", idx, a.size / r);
-  for (size_t i = 0; i < rows.size(); ++i) std::memcpy(out.ptr + i * r, a.ptr + rows[i] * r, r * ELEM_SIZE);
+  const char* src = reinterpret_cast<const char*>(a.ptr);
+  char* dst = reinterpret_cast<char*>(out.ptr);
+  const size_t row_bytes = r * a.itemsize;
+  for (size_t i = 0; i < rows.size(); ++i) std::memcpy(dst + i * row_bytes, src + rows[i] * row_bytes, row_bytes);
 }
 
 // out[idx[i], :] += src[i, :], in order of i
@@ -1288,12 +1596,16 @@ static void scatter_add_rows(const Array& src, const Array& idx, Array& out, int
   check_row_size("scatter_add_rows", row_size, out);
   const size_t r = static_cast<size_t>(row_size);
   check_size("scatter_add_rows", "src", src.size, idx.size * r);
+  const DType dt = same_float_dtype("scatter_add_rows", {&src, &out});
   std::vector<size_t> rows = check_indices("scatter_add_rows", idx, out.size / r);
-  for (size_t i = 0; i < rows.size(); ++i) {
-    scalar_t* dst = out.ptr + rows[i] * r;
-    const scalar_t* s = src.ptr + i * r;
-    for (size_t j = 0; j < r; ++j) dst[j] += s[j];
-  }
+  visit_float(dt, [&](auto t) {
+    using T = decltype(t);
+    for (size_t i = 0; i < rows.size(); ++i) {
+      T* dst = out.data<T>() + rows[i] * r;
+      const T* s = src.data<T>() + i * r;
+      for (size_t j = 0; j < r; ++j) dst[j] = from_float<T>(to_float(dst[j]) + to_float(s[j]));
+    }
+  });
 }
 
 // out[i] = a[i, idx[i]], a viewed as (idx.size, row_size)
@@ -1302,8 +1614,12 @@ static void take_along_rows(const Array& a, const Array& idx, Array& out, int64_
   const size_t r = static_cast<size_t>(row_size);
   check_size("take_along_rows", "a", a.size, idx.size * r);
   check_size("take_along_rows", "out", out.size, idx.size);
+  const DType dt = same_float_dtype("take_along_rows", {&a, &out});
   std::vector<size_t> cols = check_indices("take_along_rows", idx, r);
-  for (size_t i = 0; i < cols.size(); ++i) out.ptr[i] = a.ptr[i * r + cols[i]];
+  visit_float(dt, [&](auto t) {
+    using T = decltype(t);
+    for (size_t i = 0; i < cols.size(); ++i) out.data<T>()[i] = a.data<T>()[i * r + cols[i]];
+  });
 }
 
 // out[i, idx[i]] += src[i], out viewed as (idx.size, row_size)
@@ -1312,8 +1628,15 @@ static void scatter_along_rows(const Array& src, const Array& idx, Array& out, i
   const size_t r = static_cast<size_t>(row_size);
   check_size("scatter_along_rows", "src", src.size, idx.size);
   check_size("scatter_along_rows", "out", out.size, idx.size * r);
+  const DType dt = same_float_dtype("scatter_along_rows", {&src, &out});
   std::vector<size_t> cols = check_indices("scatter_along_rows", idx, r);
-  for (size_t i = 0; i < cols.size(); ++i) out.ptr[i * r + cols[i]] += src.ptr[i];
+  visit_float(dt, [&](auto t) {
+    using T = decltype(t);
+    for (size_t i = 0; i < cols.size(); ++i) {
+      T& o = out.data<T>()[i * r + cols[i]];
+      o = from_float<T>(to_float(o) + to_float(src.data<T>()[i]));
+    }
+  });
 }
 
 // log Σ_j exp(a[i, j]) of each row, max-shifted: m + log Σ exp(a - m), so exp never overflows.  A row whose
@@ -1327,10 +1650,8 @@ static scalar_t row_logsumexp(const scalar_t* row, int64_t n) {
 static void reduce_logsumexp(const Array& a, Array& out, int64_t reduce_size) {
   check_reduce("reduce_logsumexp", a, out, reduce_size);
   if (reduce_size == 0 && out.size != 0) fail("reduce_logsumexp: cannot reduce over zero elements");
-  const size_t r = static_cast<size_t>(reduce_size);
-  parallel_range(out.size, threads_for(a.size, true), [&](size_t begin, size_t end) {
-    for (size_t i = begin; i < end; ++i) out.ptr[i] = row_logsumexp(a.ptr + i * r, reduce_size);
-  });
+  reduce_rows("reduce_logsumexp", a, out, static_cast<size_t>(reduce_size), row_logsumexp,
+              threads_for(a.size, true));
 }
 
 // The gradient of the softmax cross-entropy loss_i = logsumexp(a[i]) - a[i, idx[i]] for an upstream g (one
@@ -1343,18 +1664,26 @@ static void softmax_xent_grad(const Array& a, const Array& idx, const Array& g, 
   check_size("softmax_xent_grad", "a", a.size, idx.size * r);
   check_size("softmax_xent_grad", "g", g.size, idx.size);
   check_size("softmax_xent_grad", "out", out.size, idx.size * r);
+  const DType dt = same_float_dtype("softmax_xent_grad", {&a, &g, &out});
   std::vector<size_t> cols = check_indices("softmax_xent_grad", idx, r);
-  parallel_range(idx.size, threads_for(a.size, true), [&](size_t begin, size_t end) {
-    for (size_t i = begin; i < end; ++i) {
-      const scalar_t* row = a.ptr + i * r;
-      scalar_t* o = out.ptr + i * r;
-      const scalar_t lse = row_logsumexp(row, row_size);
-      for (size_t j = 0; j < r; ++j) o[j] = row[j] - lse;
-      g_vector->exp(o, o, row_size);
-      const scalar_t gi = g.ptr[i];
-      for (size_t j = 0; j < r; ++j) o[j] *= gi;
-      o[cols[i]] -= gi;
-    }
+  visit_float(dt, [&](auto t) {
+    using T = decltype(t);
+    parallel_range(idx.size, threads_for(a.size, true), [&](size_t begin, size_t end) {
+      // float32 rows are computed in out itself; 16-bit ones in a float row buffer, rounded once at the end.
+      std::vector<float> buf(std::is_same<T, float>::value ? 0 : r);
+      for (size_t i = begin; i < end; ++i) {
+        const float* row = row_as_float(a.data<T>() + i * r, r);
+        float* o = std::is_same<T, float>::value ? reinterpret_cast<float*>(out.data<T>() + i * r) : buf.data();
+        const scalar_t lse = row_logsumexp(row, row_size);
+        for (size_t j = 0; j < r; ++j) o[j] = row[j] - lse;
+        g_vector->exp(o, o, row_size);
+        const scalar_t gi = to_float(g.data<T>()[i]);
+        for (size_t j = 0; j < r; ++j) o[j] *= gi;
+        o[cols[i]] -= gi;
+        if constexpr (!std::is_same<T, float>::value)
+          for (size_t j = 0; j < r; ++j) out.data<T>()[i * r + j] = from_float<T>(o[j]);
+      }
+    });
   });
 }
 
@@ -1491,27 +1820,32 @@ constexpr int64_t NC = 3072;  // columns of B per packed block (KC x NC floats: 
 
 static inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-// Ap[k][i] = A[r0 + i][c0 + k]: one MR-row micro-panel of A (rows past `rows` are zero).
-template <int MR>
-static void pack_a_panel(const scalar_t* A, int64_t lda, int64_t r0, int64_t rows, int64_t c0, int64_t kc,
+// Ap[k][i] = A[r0 + i][c0 + k]: one MR-row micro-panel of A (rows past `rows` are zero).  Packing is also where
+// 16-bit operands are widened to float32: the micro-kernel only ever sees float panels.
+template <int MR, class T>
+static void pack_a_panel(const T* A, int64_t lda, int64_t r0, int64_t rows, int64_t c0, int64_t kc,
                          scalar_t* Ap) {
-  const scalar_t* src = A + r0 * lda + c0;
+  const T* src = A + r0 * lda + c0;
   if (rows == MR) {
     for (int64_t k = 0; k < kc; ++k)
-      for (int i = 0; i < MR; ++i) Ap[k * MR + i] = src[i * lda + k];
+      for (int i = 0; i < MR; ++i) Ap[k * MR + i] = to_float(src[i * lda + k]);
   } else {
     for (int64_t k = 0; k < kc; ++k)
-      for (int i = 0; i < MR; ++i) Ap[k * MR + i] = i < rows ? src[i * lda + k] : 0.0f;
+      for (int i = 0; i < MR; ++i) Ap[k * MR + i] = i < rows ? to_float(src[i * lda + k]) : 0.0f;
   }
 }
 
 // Bp[k][j] = B[r0 + k][c0 + j]: one NR-column micro-panel of B (columns past `cols` are zero).
-template <int NR>
-static void pack_b_panel(const scalar_t* B, int64_t ldb, int64_t r0, int64_t kc, int64_t c0, int64_t cols,
+template <int NR, class T>
+static void pack_b_panel(const T* B, int64_t ldb, int64_t r0, int64_t kc, int64_t c0, int64_t cols,
                          scalar_t* Bp) {
-  const scalar_t* src = B + r0 * ldb + c0;
+  const T* src = B + r0 * ldb + c0;
   for (int64_t k = 0; k < kc; ++k) {
-    std::memcpy(Bp + k * NR, src + k * ldb, static_cast<size_t>(cols) * ELEM_SIZE);
+    if constexpr (std::is_same<T, float>::value) {
+      std::memcpy(Bp + k * NR, src + k * ldb, static_cast<size_t>(cols) * ELEM_SIZE);
+    } else {
+      for (int64_t j = 0; j < cols; ++j) Bp[k * NR + j] = to_float(src[k * ldb + j]);
+    }
     for (int64_t j = cols; j < NR; ++j) Bp[k * NR + j] = 0.0f;
   }
 }
@@ -1526,10 +1860,9 @@ static Scratch& b_scratch() {
   return scratch;
 }
 
-// C (m x p) = A (m x n) @ B (n x p), all compact row-major.
-template <int MR, int NR, ukernel_fn UK>
-static void gemm_packed(const scalar_t* A, const scalar_t* B, scalar_t* C, int64_t m, int64_t n, int64_t p,
-                        int nthreads) {
+// C (m x p) = A (m x n) @ B (n x p), all compact row-major; A and B float32 or 16-bit, C float32.
+template <int MR, int NR, ukernel_fn UK, class T>
+static void gemm_packed(const T* A, const T* B, scalar_t* C, int64_t m, int64_t n, int64_t p, int nthreads) {
   // Row blocks: about 4 per thread for balance, a multiple of MR, at most MC_MAX.
   const int64_t mc_max = std::min(MC_MAX, ceil_div(ceil_div(m, 4 * nthreads), MR) * MR);
   const int64_t nblocks = ceil_div(m, mc_max);
@@ -1636,20 +1969,24 @@ static void gemv(const scalar_t* A, const scalar_t* x, scalar_t* y, int64_t m, i
   }
 }
 
-typedef void (*gemm_fn)(const scalar_t*, const scalar_t*, scalar_t*, int64_t, int64_t, int64_t, int);
+template <class T>
+using gemm_fn = void (*)(const T*, const T*, scalar_t*, int64_t, int64_t, int64_t, int);
 
+// One micro-kernel, and the packed GEMM built on it for each storage type of A and B.
 struct MatmulKernel {
   const char* name;
-  gemm_fn gemm;
+  gemm_fn<float> gemm;
+  gemm_fn<bfloat16_t> gemm_bf16;
+  gemm_fn<half_t> gemm_f16;
   int mr, nr;
 };
 
-static const MatmulKernel KERNEL_GENERIC = {
-    "generic", gemm_packed<GENERIC_MR, GENERIC_NR, ukernel_generic>, GENERIC_MR, GENERIC_NR};
+#define NEEDLE_MATMUL_KERNEL(NAME, MR, NR, UK) \
+  {NAME, gemm_packed<MR, NR, UK, float>, gemm_packed<MR, NR, UK, bfloat16_t>, gemm_packed<MR, NR, UK, half_t>, MR, NR}
+static const MatmulKernel KERNEL_GENERIC = NEEDLE_MATMUL_KERNEL("generic", GENERIC_MR, GENERIC_NR, ukernel_generic);
 #ifdef NEEDLE_X86_DISPATCH
-static const MatmulKernel KERNEL_AVX2 = {"avx2", gemm_packed<AVX2_MR, AVX2_NR, ukernel_avx2>, AVX2_MR, AVX2_NR};
-static const MatmulKernel KERNEL_AVX512 = {"avx512", gemm_packed<AVX512_MR, AVX512_NR, ukernel_avx512>,
-                                           AVX512_MR, AVX512_NR};
+static const MatmulKernel KERNEL_AVX2 = NEEDLE_MATMUL_KERNEL("avx2", AVX2_MR, AVX2_NR, ukernel_avx2);
+static const MatmulKernel KERNEL_AVX512 = NEEDLE_MATMUL_KERNEL("avx512", AVX512_MR, AVX512_NR, ukernel_avx512);
 #endif
 
 static const MatmulKernel* kernel_by_name(const std::string& name) {
@@ -1705,6 +2042,47 @@ static void gemm(const scalar_t* A, const scalar_t* B, scalar_t* C, int64_t m, i
   }
 }
 
+// 16-bit A and B: always the packed kernel, which widens them while packing (no unpacked small-matrix paths).
+static void gemm(const bfloat16_t* A, const bfloat16_t* B, scalar_t* C, int64_t m, int64_t n, int64_t p,
+                 int nthreads) {
+  g_kernel->gemm_bf16(A, B, C, m, n, p, nthreads);
+}
+static void gemm(const half_t* A, const half_t* B, scalar_t* C, int64_t m, int64_t n, int64_t p, int nthreads) {
+  g_kernel->gemm_f16(A, B, C, m, n, p, nthreads);
+}
+
+// The dtypes of a matmul: a and b one floating dtype, out the same or float32.  Returns a's.
+static DType check_matmul_dtypes(const char* fn, const Array& a, const Array& b, const Array& out) {
+  const DType d = a.dtype;
+  if (!info(d).floating || b.dtype != d || (out.dtype != d && out.dtype != DType::f32)) {
+    throw py::type_error(std::string(fn) + ": needs floating a and b of one dtype and out of that dtype or "
+                         "float32, got " + a.dtype_name() + ", " + b.dtype_name() + " and " + out.dtype_name());
+  }
+  return d;
+}
+
+// Where a product accumulates: out itself when it is float32, else a float32 Array of out's size (counted by the
+// memory statistics like any buffer) that is rounded into out at the end.
+struct Accumulator {
+  explicit Accumulator(Array& out) : out(out) {
+    if (out.dtype != DType::f32) tmp.reset(new Array(out.size));
+  }
+  scalar_t* data() { return tmp ? tmp->ptr : out.ptr; }
+  void finish() {
+    if (out.dtype == DType::f32) return;
+    visit_float(out.dtype, [&](auto t) {
+      using T = decltype(t);
+      const float* src = tmp->ptr;
+      T* dst = out.data<T>();
+      parallel_range(out.size, threads_for(out.size, false), [&](size_t begin, size_t end) {
+        for (size_t i = begin; i < end; ++i) dst[i] = from_float<T>(src[i]);
+      });
+    });
+  }
+  Array& out;
+  std::unique_ptr<Array> tmp;
+};
+
 // Threads pay off past ~0.5 MFLOP.
 static int matmul_threads(int64_t m, int64_t n, int64_t p) {
   return 2.0 * double(m) * double(n) * double(p) < 2.0 * 64 * 64 * 64 ? 1 : num_threads();
@@ -1712,13 +2090,21 @@ static int matmul_threads(int64_t m, int64_t n, int64_t p) {
 
 static void matmul(const Array& a, const Array& b, Array& out, int64_t m, int64_t n, int64_t p) {
   check_matmul("matmul", a, b, out, m, n, p);
+  const DType dt = check_matmul_dtypes("matmul", a, b, out);
   if (m == 0 || p == 0) return;
   if (n == 0) {
     fill(out, 0.0f);
     return;
   }
-  py::gil_scoped_release release;
-  gemm(a.ptr, b.ptr, out.ptr, m, n, p, matmul_threads(m, n, p));
+  Accumulator acc(out);
+  {
+    py::gil_scoped_release release;
+    visit_float(dt, [&](auto t) {
+      using T = decltype(t);
+      gemm(a.data<T>(), b.data<T>(), acc.data(), m, n, p, matmul_threads(m, n, p));
+    });
+  }
+  acc.finish();
 }
 
 // out[i] = a[i] @ b[i] for i < batch: a is (batch, m, n), b (batch, n, p), out (batch, m, p), all compact.
@@ -1736,6 +2122,7 @@ static void matmul_batched(const Array& a, const Array& b, Array& out, int64_t b
   check_size("matmul_batched", "out", out.size, nb * static_cast<size_t>(m) * static_cast<size_t>(p));
   if (out.size != 0 && (out.ptr == a.ptr || out.ptr == b.ptr))
     fail("matmul_batched: out must not be one of the inputs");
+  const DType dt = check_matmul_dtypes("matmul_batched", a, b, out);
   if (out.size == 0) return;
   if (n == 0) {
     fill(out, 0.0f);
@@ -1744,23 +2131,34 @@ static void matmul_batched(const Array& a, const Array& b, Array& out, int64_t b
   const bool spread = batch > 1 && 2.0 * double(m) * double(n) * double(p) < 2.0 * 256 * 256 * 256;
   const int per_product = spread ? 1 : matmul_threads(m, n, p);
   const int nthreads = spread ? num_threads() : 1;
-  py::gil_scoped_release release;
+  Accumulator acc(out);
   int failed = 0;  // an exception must not leave an OpenMP region: note it, rethrow after
+  {
+    py::gil_scoped_release release;
+    visit_float(dt, [&](auto t) {
+      using T = decltype(t);
+      const T* pa = a.data<T>();
+      const T* pb = b.data<T>();
+      scalar_t* pc = acc.data();
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads) if (nthreads > 1)
-  for (int64_t i = 0; i < batch; ++i) {
-    try {
-      gemm(a.ptr + i * m * n, b.ptr + i * n * p, out.ptr + i * m * p, m, n, p, per_product);
-    } catch (...) {
+      for (int64_t i = 0; i < batch; ++i) {
+        try {
+          gemm(pa + i * m * n, pb + i * n * p, pc + i * m * p, m, n, p, per_product);
+        } catch (...) {
 #pragma omp atomic write
-      failed = 1;
-    }
+          failed = 1;
+        }
+      }
+    });
   }
   if (failed) throw std::bad_alloc();
+  acc.finish();
 }
 
 // The course's tiled matmul: a is (m/T, n/T, T, T), b is (n/T, p/T, T, T), out is (m/T, p/T, T, T).
 static void matmul_tiled(const Array& a, const Array& b, Array& out, int64_t m, int64_t n, int64_t p) {
   check_matmul("matmul_tiled", a, b, out, m, n, p);
+  require_float32("matmul_tiled", {&a, &b, &out});
   if (m % TILE || n % TILE || p % TILE) fail("matmul_tiled: m, n, p must be multiples of __tile_size__ (8)");
   const int64_t mt = m / TILE, nt = n / TILE, pt = p / TILE;
   for (int64_t i = 0; i < mt; ++i) {
@@ -1803,8 +2201,12 @@ PYBIND11_MODULE(ndarray_backend_cpu, m) {
 
   py::class_<Array>(m, "Array")
       .def(py::init<size_t>(), py::return_value_policy::take_ownership, py::arg("size"))
+      .def(py::init([](size_t size, const std::string& dtype) { return new Array(size, parse_dtype(dtype)); }),
+           py::return_value_policy::take_ownership, py::arg("size"), py::arg("dtype"))
       .def("ptr", &Array::ptr_as_int)
-      .def_readonly("size", &Array::size);
+      .def_readonly("size", &Array::size)
+      .def_readonly("itemsize", &Array::itemsize)
+      .def_property_readonly("dtype", &Array::dtype_name);
 
   m.def("to_numpy", to_numpy);
   m.def("from_numpy", from_numpy);
@@ -1812,6 +2214,7 @@ PYBIND11_MODULE(ndarray_backend_cpu, m) {
   m.def("compact", compact);
   m.def("ewise_setitem", ewise_setitem);
   m.def("scalar_setitem", scalar_setitem);
+  m.def("round_stochastic", round_stochastic);
 
   m.def("ewise_add", ewise_add);
   m.def("scalar_add", scalar_add);

@@ -186,6 +186,9 @@ OP_CASES = {
     "relu": OpCase("ReLU", ndl.relu, _inputs(_nonzero(3, 4)), lambda a: np.maximum(a, 0)),
     "positive": OpCase("Positive", lambda a: ops.positive(a) * a, _inputs(_nonzero(3, 4)), lambda a: (a > 0) * a),
     "tanh": OpCase("Tanh", ndl.tanh, _inputs(_n(3, 4)), np.tanh),
+    # A cast to the input's own dtype (an exact copy): the op and its gradient in the float64 oracle too; the
+    # rounding casts are tested in test_precision.py.
+    "cast": OpCase("Cast", lambda a: ops.Cast(a.dtype)(a) * a, _inputs(_n(3, 4)), lambda a: a * a),
     "sigmoid": OpCase("Sigmoid", ndl.sigmoid, _inputs(_n(3, 4)), lambda a: 1 / (1 + np.exp(-a))),
     "logsumexp_all": OpCase("LogSumExp", ndl.logsumexp, _inputs(_n(3, 4, 5)), _lse_ref(None)),
     "logsumexp_int": OpCase("LogSumExp", lambda a: ndl.logsumexp(a, axes=1), _inputs(_n(3, 4, 5)), _lse_ref(1)),

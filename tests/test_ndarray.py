@@ -1009,9 +1009,9 @@ def test_wrong_dtype_raises_type_error(device):
     with pytest.raises(TypeError):
         nd.empty((2,), dtype="float64", device=device)
     with pytest.raises(TypeError):
-        nd.full((2,), 1.0, dtype="int32", device=device)
+        nd.full((2,), 1.0, dtype="int64", device=device)
     with pytest.raises(TypeError):
-        device.empty((2,), dtype="float16")
+        device.empty((2,), dtype="float8")
     with pytest.raises(TypeError):
         nd.array(np.array([1, "a"], dtype=object), device=device)
     with pytest.raises(TypeError):

@@ -5,7 +5,7 @@
     (x * x).sum().backward()
     x.grad  # [[2., 4.]]
 """
-from . import autograd, backend_ndarray, checkpoint, data, init, nn, ops, optim, serialization, viz
+from . import amp, autograd, backend_ndarray, checkpoint, data, init, nn, ops, optim, serialization, viz
 from .autograd import Tensor, TensorTuple
 from .backend_selection import BACKEND, all_devices, cpu, cpu_numpy, cuda, default_device
 from .ops import (
@@ -13,13 +13,14 @@ from .ops import (
     make_tuple, matmul, mul_scalar, multiply, negate, power, power_scalar, relu, reshape, sigmoid, split, stack,
     summation, tanh, transpose, tuple_get_item, undilate,
 )
+from .amp import autocast
 from .serialization import load, save
 
 __all__ = [
-    "BACKEND", "Tensor", "TensorTuple", "add", "add_scalar", "all_devices", "autograd", "backend_ndarray",
-    "broadcast_to", "checkpoint", "conv", "cpu", "cpu_numpy", "cuda", "data", "default_device", "dilate", "divide",
-    "divide_scalar", "exp", "flip", "init", "load", "log", "logsoftmax", "logsumexp", "make_tuple", "matmul",
-    "mul_scalar", "multiply", "negate", "nn", "ops", "optim", "power", "power_scalar", "relu", "reshape", "save",
-    "serialization", "sigmoid", "split", "stack", "summation", "tanh", "transpose", "tuple_get_item", "undilate",
-    "viz",
+    "BACKEND", "Tensor", "TensorTuple", "add", "add_scalar", "all_devices", "amp", "autocast", "autograd",
+    "backend_ndarray", "broadcast_to", "checkpoint", "conv", "cpu", "cpu_numpy", "cuda", "data", "default_device",
+    "dilate", "divide", "divide_scalar", "exp", "flip", "init", "load", "log", "logsoftmax", "logsumexp", "make_tuple",
+    "matmul", "mul_scalar", "multiply", "negate", "nn", "ops", "optim", "power", "power_scalar", "relu", "reshape",
+    "save", "serialization", "sigmoid", "split", "stack", "summation", "tanh", "transpose", "tuple_get_item",
+    "undilate", "viz",
 ]

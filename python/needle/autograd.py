@@ -48,6 +48,10 @@ __all__ = [
 
 # When True, ops only record the graph; values are computed when something asks for them.
 LAZY_MODE = False
+# Mixed precision: the active `needle.amp.autocast` context, or None. Read only when an op is applied (never when
+# a value is computed or recomputed), like LAZY_MODE: the casts it asks for become graph nodes, so a
+# checkpoint's recomputation replays them exactly.
+AUTOCAST = None
 # The number of live graph values (course code checks it for leaks).
 TENSOR_COUNTER = 0
 
@@ -82,6 +86,16 @@ class Op:
         """Elements `compute` allocates besides its result (temporaries), for the Budget's ledger; usually 0."""
         return 0
 
+    # Under `needle.amp.autocast(dtype)`: "low" ops get their floating inputs cast to the 16-bit dtype (the
+    # matmuls, convolutions and element-wise arithmetic), "float32" ops get them cast to float32 (reductions,
+    # softmax, log-sum-exp, the losses: where bf16/fp16 rounding would cost accuracy); None runs in whatever
+    # dtype its inputs have.
+    autocast = None
+
+    def infer_dtype(self, *input_dtypes):
+        """The output's dtype from the inputs' (for lazy graphs): the first input's unless the op says otherwise."""
+        return input_dtypes[0]
+
     def __call__(self, *args):
         raise NotImplementedError()
 
@@ -112,6 +126,8 @@ class TensorOp(Op):
         return input_shapes[0] if self.elementwise else None
 
     def __call__(self, *args):
+        if AUTOCAST is not None and self.autocast is not None:
+            args = AUTOCAST.cast_inputs(self, args)
         return Tensor.make_from_op(self, args)
 
 
@@ -334,7 +350,7 @@ def _infer_specs(target):
         shape = node.op.infer_shape(*[s[0] for s in specs])  # a tuple op's shape: a tuple of shapes
         if shape is None:
             return
-        node._spec = (tuple(shape), specs[0][1], specs[0][2])
+        node._spec = (tuple(shape), node.op.infer_dtype(*[s[1] for s in specs]), specs[0][2])
 
 
 def infer_spec(node):
@@ -596,6 +612,11 @@ class Tensor(Value):
     def sum(self, axes=None):
         return ops.Summation(axes)(self)
 
+    def astype(self, dtype):
+        """This Tensor in `dtype` ("float32", "float16", "bfloat16", "int8", "uint8", "int32"): differentiable,
+        the gradient is cast back. Itself when it already has that dtype."""
+        return ops.cast(self, dtype)
+
     def broadcast_to(self, shape):
         return ops.BroadcastTo(shape)(self)
 
@@ -717,7 +738,8 @@ def run_backward(plan, out_grad, machine=None):
                 if len(in_grads) != len(node.inputs):
                     raise RuntimeError(f"{type(node.op).__name__}.gradient returned {len(in_grads)} values for "
                                        f"{len(node.inputs)} inputs")
-                pairs = [(x, g) for x, g in zip(node.inputs, in_grads) if x.requires_grad and g is not None]
+                pairs = [(x, _in_dtype_of(x, g, node)) for x, g in zip(node.inputs, in_grads)
+                         if x.requires_grad and g is not None]
                 new = [g for _, g in pairs]
                 keep_ids = {id(g) for g in new}
                 _realize(new, lambda n: id(n) in keep_ids, machine)
@@ -728,6 +750,17 @@ def run_backward(plan, out_grad, machine=None):
             _free_step_temporaries(new, parts, grad, forward, awaited, machine)
         for n in step.release:
             machine.free(n)
+
+
+def _in_dtype_of(x, grad, node):
+    """An input's gradient in the input's dtype: an op on mixed dtypes computes (and differentiates) in the
+    promoted one, so the gradient of a bfloat16 input of a float32 op is cast back to bfloat16."""
+    if not isinstance(grad, Tensor) or x.dtype == node.dtype or grad.dtype == x.dtype:
+        return grad
+    from .ops import cast
+
+    with lazy_mode(True):
+        return cast(grad, x.dtype)
 
 
 def _free_step_temporaries(new, parts, grad, forward, awaited, machine):

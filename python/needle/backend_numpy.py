@@ -3,13 +3,15 @@
 It exposes the same functional API as `needle.backend_ndarray` (what ops call), implemented with NumPy;
 dtypes follow NumPy, so float64 input stays float64.
 """
+import ml_dtypes  # noqa: F401  (registers "bfloat16" with NumPy)
 import numpy as np
 
 __all__ = [
-    "Device", "all_devices", "array", "broadcast_to", "cast_like", "cpu", "cpu_numpy", "cuda", "default_device",
-    "device_of", "empty", "exp", "flip", "full", "log", "logsumexp", "matmul", "max", "maximum", "pad", "reshape",
-    "scatter_add_rows", "scatter_along_rows", "softmax_xent_grad", "split", "stack", "sum", "take_along_rows",
-    "take_rows", "tanh", "tensor_data", "to_numpy", "transpose", "zeros",
+    "Device", "all_devices", "array", "astype", "broadcast_to", "cast_like", "cpu", "cpu_numpy", "cuda",
+    "default_device", "device_of", "empty", "exp", "flip", "full", "log", "logsumexp", "matmul", "max", "maximum",
+    "pad", "promote_types", "reshape", "round_stochastic", "scatter_add_rows", "scatter_along_rows",
+    "softmax_xent_grad", "split", "stack", "sum", "take_along_rows", "take_rows", "tanh", "tensor_data", "to_numpy",
+    "transpose", "zeros",
 ]
 
 
@@ -25,6 +27,27 @@ def to_numpy(a):
 def cast_like(a, like):
     """`a` in the dtype of `like` (arithmetic with Python floats may have promoted it)."""
     return a.astype(like.dtype, copy=False)
+
+
+def astype(a, dtype):
+    return a.astype(dtype)
+
+
+def round_stochastic(a, seed):
+    """float32 -> bfloat16 with stochastic rounding (the reference backend's bits; see src/README.md)."""
+    from .backend_ndarray.ndarray_backend_numpy import stochastic_bfloat16
+
+    return stochastic_bfloat16(a, seed).reshape(a.shape)
+
+
+def promote_types(a, b):
+    """NumPy's promotion, except that float16 with bfloat16 (which NumPy cannot promote) is float32."""
+    if a == b:
+        return a
+    try:
+        return np.promote_types(a, b)
+    except TypeError:
+        return np.dtype(np.float32)
 
 
 def device_of(array):

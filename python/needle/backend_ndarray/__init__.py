@@ -1,10 +1,12 @@
 """needle's arrays: NDArray views over flat device buffers, and the devices that own the buffers."""
 from .ndarray import (
+    DTYPES,
     BackendDevice,
     BackendNotBuiltError,
     NDArray,
     all_devices,
     array,
+    astype,
     broadcast_to,
     cpu,
     cpu_numpy,
@@ -21,7 +23,9 @@ from .ndarray import (
     maximum,
     memory_stats,
     pad,
+    promote_types,
     reset_peak_memory_stats,
+    round_stochastic,
     reshape,
     scatter_add_rows,
     scatter_along_rows,
@@ -41,11 +45,13 @@ from .ndarray import (
 )
 
 __all__ = [
+    "DTYPES",
     "BackendDevice",
     "BackendNotBuiltError",
     "NDArray",
     "all_devices",
     "array",
+    "astype",
     "broadcast_to",
     "cpu",
     "cpu_numpy",
@@ -62,7 +68,9 @@ __all__ = [
     "maximum",
     "memory_stats",
     "pad",
+    "promote_types",
     "reset_peak_memory_stats",
+    "round_stochastic",
     "reshape",
     "scatter_add_rows",
     "scatter_along_rows",

@@ -9,6 +9,7 @@ import functools
 import importlib
 import math
 
+import ml_dtypes
 import numpy as np
 
 from . import ndarray_backend_numpy
@@ -17,8 +18,10 @@ __all__ = [
     "BackendDevice",
     "BackendNotBuiltError",
     "NDArray",
+    "DTYPES",
     "all_devices",
     "array",
+    "astype",
     "broadcast_to",
     "cpu",
     "cpu_numpy",
@@ -35,7 +38,9 @@ __all__ = [
     "maximum",
     "memory_stats",
     "pad",
+    "promote_types",
     "reset_peak_memory_stats",
+    "round_stochastic",
     "reshape",
     "scatter_add_rows",
     "scatter_along_rows",
@@ -156,19 +161,19 @@ class BackendDevice:
             raise RuntimeError(f"device {self!r} is not available on this machine (no GPU found)")
 
     def randn(self, *shape, dtype="float32"):
-        # One draw of the full shape from NumPy's global RNG: seeded models reproduce the course's numbers.
-        return NDArray(np.random.randn(*shape).astype(dtype), device=self)
+        # One draw of the full shape from NumPy's global RNG (in float32, then converted): seeded models
+        # reproduce the course's numbers in every dtype.
+        return NDArray(np.random.randn(*shape).astype(np.float32), device=self, dtype=dtype)
 
     def rand(self, *shape, dtype="float32"):
-        return NDArray(np.random.rand(*shape).astype(dtype), device=self)
+        return NDArray(np.random.rand(*shape).astype(np.float32), device=self, dtype=dtype)
 
     def one_hot(self, n, i, dtype="float32"):
         i = np.asarray(i.numpy() if isinstance(i, NDArray) else i).astype(np.int64)
-        return NDArray(np.eye(n, dtype=dtype)[i], device=self)
+        return NDArray(np.eye(n, dtype=np.float32)[i], device=self, dtype=dtype)
 
     def empty(self, shape, dtype="float32"):
-        _check_dtype(dtype)
-        return NDArray.make(tuple(shape), device=self)
+        return NDArray.make(tuple(shape), device=self, dtype=dtype_name(dtype))
 
     def full(self, shape, fill_value, dtype="float32"):
         arr = self.empty(shape, dtype)
@@ -234,9 +239,58 @@ def set_memory_limit(nbytes, device=None):
     device.mod.set_memory_limit(int(nbytes))
 
 
-def _check_dtype(dtype):
-    if dtype not in (None, "float32", np.float32) and np.dtype(dtype) != np.float32:
-        raise TypeError(f"NDArray supports only float32, got dtype {dtype!r}")
+# ----- dtypes ---------------------------------------------------------------------------------------------------
+# Storage dtypes and their NumPy types (bfloat16 from ml_dtypes). Arithmetic is float32 whatever the storage
+# (src/README.md, "Dtypes"): a 16-bit op computes in float32 and rounds its result once.
+DTYPES = {
+    "float32": np.dtype(np.float32),
+    "float16": np.dtype(np.float16),
+    "bfloat16": np.dtype(ml_dtypes.bfloat16),
+    "int8": np.dtype(np.int8),
+    "uint8": np.dtype(np.uint8),
+    "int32": np.dtype(np.int32),
+}
+FLOATS = ("float32", "float16", "bfloat16")
+
+
+@functools.lru_cache(maxsize=64)
+def _dtype_name(dtype):
+    if dtype is None:
+        return "float32"
+    if isinstance(dtype, str) and dtype in DTYPES:
+        return dtype
+    try:
+        name = np.dtype(dtype).name
+    except TypeError:
+        name = None
+    if name not in DTYPES:
+        raise TypeError(f"NDArray dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    return name
+
+
+def dtype_name(dtype):
+    """The name of a dtype given as a name, a NumPy dtype or type (np.float16, ml_dtypes.bfloat16); None is
+    float32. TypeError for any other."""
+    try:
+        return _dtype_name(dtype)
+    except TypeError:  # unhashable
+        raise TypeError(f"NDArray dtype must be one of {', '.join(DTYPES)}, got {dtype!r}") from None
+
+
+def promote_types(a, b):
+    """The dtype an operation on dtypes a and b computes in: the same dtype if they agree, else float32 (the one
+    float dtype that holds both float16 and bfloat16). Python numbers never change the dtype (bfloat16 * 0.5 is
+    bfloat16), as in PyTorch. Integer dtypes are storage and do not promote: arithmetic on them is a TypeError."""
+    if a == b:
+        return a
+    return "float32"
+
+
+def _require_float(name, *dtypes):
+    for dtype in dtypes:
+        if dtype not in FLOATS:
+            raise TypeError(f"{name}: {dtype} arrays are storage (labels, indices, quantized state) and support no "
+                            f"arithmetic; convert with .astype('float32') first")
 
 
 @functools.lru_cache(maxsize=4096)
@@ -249,27 +303,37 @@ def _compact_strides(shape):
 
 
 class NDArray:
-    """A strided view of a flat float32 buffer on a device.
+    """A strided view of a flat buffer of one dtype (float32 unless asked otherwise) on a device.
 
     Views (reshape of a compact array, permute, broadcast_to, slicing) share the buffer and cost no new bytes;
     every operation that computes produces a new compact array.
     """
 
-    __slots__ = ("_shape", "_strides", "_offset", "_device", "_handle", "__weakref__")
+    __slots__ = ("_shape", "_strides", "_offset", "_device", "_handle", "_dtype", "__weakref__")
 
-    def __init__(self, other, device=None):
+    def __init__(self, other, device=None, dtype=None):
+        """A new array holding `other`'s values (a copy). `dtype` None: an NDArray keeps its dtype, anything
+        else becomes float32 (the course's behaviour for NumPy arrays of any dtype)."""
         if isinstance(other, NDArray):
             # A copy, as in the course framework (moved to `device` if another one is given).
             device = device or other.device
-            self._init(other + 0.0 if device == other.device else NDArray(other.numpy(), device=device))
+            dtype = other.dtype if dtype is None else dtype_name(dtype)
+            if device == other.device:
+                self._init(other.astype(dtype))
+            else:
+                self._init(NDArray(other.numpy(), device=device, dtype=dtype))
         else:
-            if isinstance(other, np.ndarray) and other.dtype.kind not in "biuf":
+            dtype = dtype_name(dtype)
+            if isinstance(other, np.ndarray) and other.dtype.kind not in "biuf" \
+                    and other.dtype != DTYPES["bfloat16"]:
                 raise TypeError(f"NDArray cannot hold numpy dtype {other.dtype}")
-            data = np.asarray(other, dtype=np.float32, order="C")  # (ascontiguousarray would make 0-d 1-d)
+            data = np.asarray(other, order="C")  # (ascontiguousarray would make 0-d 1-d)
+            if data.dtype != DTYPES[dtype]:
+                data = ndarray_backend_numpy.convert(data, dtype)  # the contract's conversion rules
             device = device or default_device()
             device._require()
-            arr = NDArray.make(data.shape, device=device)
-            device.mod.from_numpy(data, arr._handle)
+            arr = NDArray.make(data.shape, device=device, dtype=dtype)
+            device.mod.from_numpy(data.view(np.uint16) if dtype == "bfloat16" else data, arr._handle)
             self._init(arr)
 
     def _init(self, other):
@@ -278,10 +342,12 @@ class NDArray:
         self._offset = other._offset
         self._device = other._device
         self._handle = other._handle
+        self._dtype = other._dtype
 
     @staticmethod
-    def make(shape, strides=None, device=None, handle=None, offset=0):
-        """A new NDArray of the given view; a fresh compact buffer when `handle` is None."""
+    def make(shape, strides=None, device=None, handle=None, offset=0, dtype="float32"):
+        """A new NDArray of the given view; a fresh compact buffer of `dtype` when `handle` is None (a view has
+        its buffer's dtype)."""
         shape = tuple(int(s) for s in shape)
         if any(s < 0 for s in shape):
             raise ValueError(f"NDArray shape must not be negative, got {shape}")
@@ -293,14 +359,15 @@ class NDArray:
         array._device = device
         if handle is None:
             device._require()
-            handle = device.mod.Array(prod(shape))
+            handle = device.mod.Array(prod(shape)) if dtype == "float32" else device.mod.Array(prod(shape), dtype)
         else:
             _check_view(shape, array._strides, array._offset, handle.size)
         array._handle = handle
+        array._dtype = handle.dtype
         return array
 
     @staticmethod
-    def _empty(shape, device):
+    def _empty(shape, device, dtype="float32"):
         """A fresh compact array for an operation's result: `make` without re-checking a shape that came from an
         NDArray (a tuple of non-negative ints) on a device that already holds arrays."""
         array = object.__new__(NDArray)
@@ -308,7 +375,8 @@ class NDArray:
         array._strides = _compact_strides(shape)
         array._offset = 0
         array._device = device
-        array._handle = device.mod.Array(prod(shape))
+        array._handle = device.mod.Array(prod(shape)) if dtype == "float32" else device.mod.Array(prod(shape), dtype)
+        array._dtype = dtype
         return array
 
     # ----- properties ---------------------------------------------------------------------------------------
@@ -326,7 +394,12 @@ class NDArray:
 
     @property
     def dtype(self):
-        return "float32"
+        """The storage dtype's name: "float32", "float16", "bfloat16", "int8", "uint8" or "int32"."""
+        return self._dtype
+
+    @property
+    def itemsize(self):
+        return DTYPES[self._dtype].itemsize
 
     @property
     def ndim(self):
@@ -338,7 +411,7 @@ class NDArray:
 
     @property
     def nbytes(self):
-        return 4 * self.size
+        return self.itemsize * self.size
 
     def __repr__(self):
         return "NDArray(" + self.numpy().__str__() + f", device={self.device})"
@@ -356,7 +429,7 @@ class NDArray:
     # By value, as NumPy's arrays: the copy owns a new compact buffer on the same device (a view copies only the
     # elements it shows), and a pickle holds the values, the shape and the device's name.
     def __copy__(self):
-        out = NDArray._empty(self._shape, self._device)
+        out = NDArray._empty(self._shape, self._device, self._dtype)
         # compact() always writes `out`, also for a compact source: a bit-exact copy (`self + 0.0` is not: -0.0).
         self._device.mod.compact(self._handle, out._handle, list(self._shape), list(self._strides), self._offset)
         return out
@@ -365,17 +438,27 @@ class NDArray:
         return self.__copy__()
 
     def __reduce__(self):
-        return NDArray, (self.numpy(), self._device)
+        return NDArray, (self.numpy(), self._device, self._dtype)
 
     # ----- moving data --------------------------------------------------------------------------------------
     def fill(self, value):
         self.device.mod.fill(self._handle, float(value))
 
     def to(self, device):
-        return self if device == self.device else NDArray(self.numpy(), device=device)
+        return self if device == self.device else NDArray(self.numpy(), device=device, dtype=self._dtype)
 
     def numpy(self):
-        return self.device.mod.to_numpy(self._handle, list(self._shape), list(self._strides), self._offset)
+        """A NumPy copy in the matching dtype (bfloat16: ml_dtypes.bfloat16)."""
+        out = self.device.mod.to_numpy(self._handle, list(self._shape), list(self._strides), self._offset)
+        return out if self._dtype == "float32" else out.view(DTYPES[self._dtype])
+
+    def astype(self, dtype):
+        """A compact copy converted to `dtype` (a copy also when the dtype is the same, as in NumPy): floats round
+        to nearest even; to an integer dtype the fraction is dropped and values saturate (src/README.md)."""
+        dtype = dtype_name(dtype)
+        out = NDArray._empty(self._shape, self._device, dtype)
+        self._device.mod.compact(self._handle, out._handle, list(self._shape), list(self._strides), self._offset)
+        return out
 
     def is_compact(self):
         return self._strides == _compact_strides(self._shape) and prod(self._shape) == self._handle.size
@@ -384,7 +467,7 @@ class NDArray:
         """This array if it is compact, else a compact copy."""
         if self.is_compact():
             return self
-        out = NDArray._empty(self._shape, self._device)
+        out = NDArray._empty(self._shape, self._device, self._dtype)
         self.device.mod.compact(self._handle, out._handle, list(self._shape), list(self._strides), self._offset)
         return out
 
@@ -488,13 +571,21 @@ class NDArray:
     # Operands that are not compact (broadcast, transposed, sliced views) are read in place through the backend's
     # strided entry points (ewise_strided / scalar_strided / unary_strided), so an operation allocates only its
     # output: `Z - broadcast_to(lse)` never materializes the broadcast.  A backend without them gets compact
-    # copies instead.
+    # copies instead.  Arrays of other dtypes (float16, bfloat16) take the compact entry points, which load
+    # into float32 and round the result once; operands of two dtypes are first converted to promote_types'.
     def ewise_or_scalar(self, other, ewise_func, scalar_func, name="op"):
         """Apply `ewise_func` to two arrays of equal shape, or `scalar_func` to this array and a number.
 
         `name` is the operation's name in the strided entry points (add, mul, div, power, maximum, eq, ge, gt)."""
         if isinstance(other, NDArray):
             self._check_operand(other, name)
+            if self._dtype != "float32" or other._dtype != "float32":
+                return self._ewise_other_dtype(other, ewise_func, scalar_func, name)
+        elif self._dtype != "float32":
+            _require_float(name, self._dtype)
+            out = NDArray._empty(self._shape, self._device, self._dtype)
+            scalar_func(self.compact()._handle, float(other), out._handle)
+            return out
         out = NDArray._empty(self._shape, self._device)
         mod = self._device.mod
         if isinstance(other, NDArray):
@@ -514,6 +605,17 @@ class NDArray:
             scalar_func(self.compact()._handle, float(other), out._handle)
         return out
 
+    def _ewise_other_dtype(self, other, ewise_func, scalar_func, name):
+        _require_float(name, self._dtype, other._dtype)
+        dtype = promote_types(self._dtype, other._dtype)
+        a = self if self._dtype == dtype else self.astype(dtype)
+        b = other if other._dtype == dtype else other.astype(dtype)
+        if dtype == "float32":
+            return a.ewise_or_scalar(b, ewise_func, scalar_func, name)
+        out = NDArray._empty(self._shape, self._device, dtype)
+        ewise_func(a.compact()._handle, b.compact()._handle, out._handle)
+        return out
+
     def _check_operand(self, other, name):
         if other._shape != self._shape:
             raise ValueError(f"{name}: shapes {self.shape} and {other.shape} differ; broadcast explicitly")
@@ -527,7 +629,7 @@ class NDArray:
 
     def __sub__(self, other):
         mod = self._device.mod
-        if isinstance(other, NDArray) and hasattr(mod, "ewise_strided"):
+        if isinstance(other, NDArray) and hasattr(mod, "ewise_strided") and self._dtype == other._dtype == "float32":
             # One pass, no negated temporary; the contract has no compact ewise_sub, and a - b == a + (-b) exactly.
             self._check_operand(other, "sub")
             out = NDArray._empty(self._shape, self._device)
@@ -548,7 +650,7 @@ class NDArray:
         return self.ewise_or_scalar(other, self.device.mod.ewise_div, self.device.mod.scalar_div, "div")
 
     def __rtruediv__(self, other):
-        return self.device.full(self.shape, other) / self
+        return self.device.full(self.shape, other, self._dtype) / self
 
     def __neg__(self):
         return self * (-1.0)
@@ -581,6 +683,11 @@ class NDArray:
     __hash__ = None
 
     def _unary(self, func, name):
+        if self._dtype != "float32":
+            _require_float(name, self._dtype)
+            out = NDArray._empty(self._shape, self._device, self._dtype)
+            func(self.compact()._handle, out._handle)
+            return out
         out = NDArray._empty(self._shape, self._device)
         mod = self._device.mod
         if self.is_compact():
@@ -609,16 +716,24 @@ class NDArray:
             raise ValueError(f"matmul: operands on {self.device} and {other.device}")
         if self.ndim < 2 or other.ndim < 2 or self.shape[-1] != other.shape[-2]:
             raise ValueError(f"matmul: shapes {self.shape} and {other.shape} are not aligned")
+        dtype = self._dtype
+        if dtype != other._dtype or dtype != "float32":
+            _require_float("matmul", self._dtype, other._dtype)
+            dtype = promote_types(self._dtype, other._dtype)
+            if self._dtype != dtype:
+                return self.astype(dtype) @ other
+            if other._dtype != dtype:
+                return self @ other.astype(dtype)
         m, n, p = self.shape[-2], self.shape[-1], other.shape[-1]
         if self.ndim == 2 and other.ndim == 2:
-            out = NDArray._empty((m, p), self._device)
+            out = NDArray._empty((m, p), self._device, dtype)
             self.device.mod.matmul(self.compact()._handle, other.compact()._handle, out._handle, m, n, p)
             return out
         batch = tuple(np.broadcast_shapes(self.shape[:-2], other.shape[:-2]))
         k = prod(batch)
         a, b = self.broadcast_to(batch + (m, n)), other.broadcast_to(batch + (n, p))
         if k == 0:
-            return NDArray._empty(batch + (m, p), self._device)
+            return NDArray._empty(batch + (m, p), self._device, dtype)
         if _one_matrix(b):
             # (..., m, n) @ one (n, p) matrix (repeated by broadcasting) is a single (k*m, n) @ (n, p) product.
             flat = a.compact().reshape((k * m, n)) @ b[(0,) * len(batch)]
@@ -631,7 +746,7 @@ class NDArray:
         # One backend call for the whole batch.  compact() copies only a side that really is broadcast (or not
         # compact); a compact operand of the full batch shape is used as it is.
         a, b = a.compact(), b.compact()
-        out = NDArray._empty(batch + (m, p), self._device)
+        out = NDArray._empty(batch + (m, p), self._device, dtype)
         mod = self._device.mod
         if hasattr(mod, "matmul_batched"):
             mod.matmul_batched(a._handle, b._handle, out._handle, k, m, n, p)
@@ -643,6 +758,7 @@ class NDArray:
 
     # ----- reductions ---------------------------------------------------------------------------------------
     def _reduce(self, func, axis, keepdims, name):
+        _require_float(name, self._dtype)
         if axis is None:
             axes = tuple(range(self.ndim))
         else:
@@ -656,14 +772,14 @@ class NDArray:
         if func is self.device.mod.reduce_sum and kept and axes == tuple(range(len(axes))) and self.is_compact():
             # A sum over leading axes (a bias gradient) is ones(1, R) @ A(R, K): one pass through the fast
             # matmul instead of a transposed copy of the whole array.
-            ones = NDArray._empty((1, reduce_size), self._device)
+            ones = NDArray._empty((1, reduce_size), self._device, self._dtype)
             ones.fill(1.0)
             out = (ones @ self.reshape((reduce_size, prod(out_shape)))).reshape(out_shape)
         else:
             # Move the reduced axes last, so each output element reduces one contiguous row.
             order = kept + axes
             view = (self if order == tuple(range(self.ndim)) else self.permute(order)).compact()
-            out = NDArray._empty(out_shape, self._device)
+            out = NDArray._empty(out_shape, self._device, self._dtype)
             func(view._handle, out._handle, reduce_size)
         if keepdims:
             out = out.reshape(tuple(1 if i in axes else s for i, s in enumerate(self._shape)))
@@ -692,7 +808,7 @@ class NDArray:
             strides[a] = -strides[a]
         view = NDArray.make(self.shape, strides=tuple(strides), device=self.device, handle=self._handle,
                             offset=offset)
-        out = NDArray.make(self.shape, device=self.device)
+        out = NDArray.make(self.shape, device=self.device, dtype=self._dtype)
         self.device.mod.compact(view._handle, out._handle, list(view.shape), list(view.strides), view._offset)
         return out
 
@@ -701,7 +817,7 @@ class NDArray:
         if len(axes) != self.ndim or any(lo < 0 or hi < 0 for lo, hi in axes):
             raise ValueError(f"pad: need one non-negative (before, after) pair per axis of {self.shape}, "
                              f"got {axes}")
-        out = self.device.full(tuple(s + lo + hi for s, (lo, hi) in zip(self.shape, axes)), 0.0)
+        out = self.device.full(tuple(s + lo + hi for s, (lo, hi) in zip(self.shape, axes)), 0.0, self._dtype)
         out[tuple(slice(lo, lo + s) for s, (lo, _) in zip(self.shape, axes))] = self
         return out
 
@@ -750,17 +866,19 @@ def _check_view(shape, strides, offset, buffer_size):
 # ----- the NumPy-like functional API (`sum` and `max` shadow the builtins from here on; code above uses builtins.)
 # ----- the NumPy-like functional API that ops use (numpy itself provides the same under NEEDLE_BACKEND=np) -------
 def array(a, dtype="float32", device=None):
-    _check_dtype(dtype)
-    return NDArray(a, device=device)
+    return NDArray(a, device=device, dtype=dtype)
 
 
 def tensor_data(a, dtype=None, device=None):
-    """The array a Tensor stores for `a` (array-like or NDArray): an NDArray already on `device` is kept as is."""
-    if dtype not in (None, "bool", bool):  # bool data (randb's masks) is stored as float32 0/1
-        _check_dtype(dtype)
+    """The array a Tensor stores for `a` (array-like or NDArray): an NDArray already on `device` and of `dtype`
+    (None: any) is kept as is. Anything else becomes float32 unless `dtype` says otherwise."""
+    if dtype in ("bool", bool):  # bool data (randb's masks) is stored as float32 0/1
+        dtype = "float32"
     if isinstance(a, NDArray):
+        if dtype is not None and dtype_name(dtype) != a.dtype:
+            a = a.astype(dtype)
         return a if device is None or a.device == device else a.to(device)
-    return NDArray(a, device=device)
+    return NDArray(a, device=device, dtype=dtype)
 
 
 def to_numpy(a):
@@ -768,8 +886,24 @@ def to_numpy(a):
 
 
 def cast_like(a, like):
-    """`a` in the dtype of `like` (NDArrays are float32, so nothing to do)."""
-    return a
+    """`a` in the dtype of `like` (a converted copy only when they differ)."""
+    return a if a.dtype == like.dtype else a.astype(like.dtype)
+
+
+def astype(a, dtype):
+    """`a` converted to `dtype` (a compact copy)."""
+    return a.astype(dtype)
+
+
+def round_stochastic(a, seed):
+    """A float32 array as bfloat16, each element rounded up with probability equal to the fraction of a bfloat16
+    step that rounding drops (so rounding is unbiased on average); `seed` picks the noise, deterministically."""
+    if a.dtype != "float32":
+        raise TypeError(f"round_stochastic: needs a float32 array, got {a.dtype}")
+    a = a.compact()
+    out = NDArray._empty(a.shape, a.device, "bfloat16")
+    a.device.mod.round_stochastic(a._handle, out._handle, int(seed) & 0xFFFFFFFF)
+    return out
 
 
 def empty(shape, dtype="float32", device=None):
@@ -842,7 +976,7 @@ def stack(arrays, axis=0):
     if any(a.shape != shape for a in arrays):
         raise ValueError(f"stack: all arrays need one shape, got {[a.shape for a in arrays]}")
     axis = _normalize_axis(axis, len(shape) + 1, "stack")
-    out = empty(shape[:axis] + (len(arrays),) + shape[axis:], device=arrays[0].device)
+    out = empty(shape[:axis] + (len(arrays),) + shape[axis:], dtype=arrays[0].dtype, device=arrays[0].device)
     for i, a in enumerate(arrays):
         out[(slice(None),) * axis + (i,)] = a
     return out
@@ -858,7 +992,7 @@ def take_rows(table, ids):
     if ids.device != table.device:
         raise ValueError(f"take_rows: table on {table.device} but ids on {ids.device}")
     ids = ids.compact()
-    out = NDArray.make((ids.size, table.shape[1]), device=table.device)
+    out = NDArray.make((ids.size, table.shape[1]), device=table.device, dtype=table.dtype)
     table.device.mod.take_rows(table.compact()._handle, ids._handle, out._handle, table.shape[1])
     return out
 
@@ -867,7 +1001,7 @@ def scatter_add_rows(rows, ids, num_rows):
     """The adjoint of take_rows: a (num_rows, d) array of zeros with rows[i] added at row ids[i]."""
     if ids.device != rows.device:
         raise ValueError(f"scatter_add_rows: rows on {rows.device} but ids on {ids.device}")
-    out = zeros((num_rows, rows.shape[1]), device=rows.device)
+    out = zeros((num_rows, rows.shape[1]), dtype=rows.dtype, device=rows.device)
     rows.device.mod.scatter_add_rows(rows.compact()._handle, ids.compact()._handle, out._handle, rows.shape[1])
     return out
 
@@ -878,7 +1012,7 @@ def take_along_rows(table, ids):
         raise ValueError(f"take_along_rows: table on {table.device} but ids on {ids.device}")
     if table.ndim != 2 or ids.shape != (table.shape[0],):
         raise ValueError(f"take_along_rows: need table (n, c) and ids (n,), got {table.shape} and {ids.shape}")
-    out = NDArray.make((table.shape[0],), device=table.device)
+    out = NDArray.make((table.shape[0],), device=table.device, dtype=table.dtype)
     table.device.mod.take_along_rows(table.compact()._handle, ids.compact()._handle, out._handle, table.shape[1])
     return out
 
@@ -887,7 +1021,7 @@ def scatter_along_rows(values, ids, num_cols):
     """The adjoint of take_along_rows: a (n, num_cols) array of zeros with values[i] at [i, ids[i]]."""
     if ids.device != values.device:
         raise ValueError(f"scatter_along_rows: values on {values.device} but ids on {ids.device}")
-    out = zeros((values.shape[0], num_cols), device=values.device)
+    out = zeros((values.shape[0], num_cols), dtype=values.dtype, device=values.device)
     values.device.mod.scatter_along_rows(values.compact()._handle, ids.compact()._handle, out._handle, num_cols)
     return out
 
@@ -900,7 +1034,7 @@ def softmax_xent_grad(logits, ids, g):
     if logits.ndim != 2 or ids.shape != (n,) or g.shape != (n,):
         raise ValueError(f"softmax_xent_grad: need logits (n, c), ids (n,) and g (n,), got {logits.shape}, "
                          f"{ids.shape} and {g.shape}")
-    out = NDArray.make(logits.shape, device=logits.device)
+    out = NDArray.make(logits.shape, device=logits.device, dtype=logits.dtype)
     logits.device.mod.softmax_xent_grad(logits.compact()._handle, ids.compact()._handle, g.compact()._handle,
                                         out._handle, logits.shape[1])
     return out

@@ -1,16 +1,27 @@
 """The reference backend: the backend contract (src/README.md) written in NumPy.
 
 It is both an executable specification for the C++ and CUDA modules and the `cpu_numpy()` device. Buffers are
-flat float32 numpy arrays; every function receives the (shape, strides, offset) of a view in elements.
+flat numpy arrays of the storage dtype (bfloat16 from ml_dtypes); every function receives the (shape, strides,
+offset) of a view in elements. Arithmetic is float32 whatever the storage: operands are read as float32 and the
+result is rounded once, when it is assigned into the output buffer.
 """
 import weakref
 
+import ml_dtypes
 import numpy as np
 
 __device_name__ = "cpu_numpy"
 __tile_size__ = 1
 
-_ITEMSIZE = 4
+DTYPES = {
+    "float32": np.dtype(np.float32),
+    "float16": np.dtype(np.float16),
+    "bfloat16": np.dtype(ml_dtypes.bfloat16),
+    "int8": np.dtype(np.int8),
+    "uint8": np.dtype(np.uint8),
+    "int32": np.dtype(np.int32),
+}
+FLOATS = ("float32", "float16", "bfloat16")
 _stats = {"current_bytes": 0, "peak_bytes": 0, "allocations": 0}
 _limit = [0]
 
@@ -21,16 +32,20 @@ def _release(nbytes):
 
 
 class Array:
-    """A flat float32 buffer whose bytes are counted from construction until it is garbage collected."""
+    """A flat buffer of one dtype whose bytes are counted from construction until it is garbage collected."""
 
-    def __init__(self, size):
-        nbytes = int(size) * _ITEMSIZE
+    def __init__(self, size, dtype="float32"):
+        if dtype not in DTYPES:
+            raise ValueError(f"Array: unknown dtype {dtype!r} (expected one of {', '.join(DTYPES)})")
+        self.dtype = dtype
+        self.itemsize = DTYPES[dtype].itemsize
+        nbytes = int(size) * self.itemsize
         held = _stats["current_bytes"]
         if _limit[0] and held + nbytes > _limit[0]:
             raise MemoryError(
                 f"needle cpu_numpy: cannot allocate {nbytes} bytes: {held} bytes held, limit {_limit[0]} bytes"
             )
-        self.array = np.empty(int(size), dtype=np.float32)
+        self.array = np.empty(int(size), dtype=DTYPES[dtype])
         _stats["current_bytes"] = held + nbytes
         _stats["allocations"] += 1
         _stats["peak_bytes"] = max(_stats["peak_bytes"], _stats["current_bytes"])
@@ -58,105 +73,211 @@ def set_memory_limit(nbytes):
 
 def _view(a, shape, strides, offset):
     return np.lib.stride_tricks.as_strided(
-        a.array[offset:], tuple(shape), tuple(s * _ITEMSIZE for s in strides), writeable=True
+        a.array[offset:], tuple(shape), tuple(s * a.itemsize for s in strides), writeable=True
     )
 
 
+# ----- dtypes: conversion, and the float32 arithmetic rule ------------------------------------------------------
+def convert(values, dtype):
+    """`values` (a numpy array or a Python number) in `dtype` by the contract's conversion rules.
+
+    Floating values pass through float32 first (a Python float is a float32 on every backend). To a float:
+    round to nearest even, overflow to inf. To an integer: drop the fraction, saturate, NaN -> 0."""
+    target = DTYPES[dtype]
+    values = np.asarray(values)
+    if values.dtype.kind in "iub":
+        if target.kind in "iu":
+            info = np.iinfo(target)
+            return np.clip(values.astype(np.int64), info.min, info.max).astype(target)
+        values = values.astype(np.float32)
+    with np.errstate(over="ignore", invalid="ignore"):
+        values = values.astype(np.float32)
+        if target.kind in "iu":
+            info = np.iinfo(target)
+            wide = np.nan_to_num(values.astype(np.float64), nan=0.0, posinf=info.max, neginf=info.min)
+            return np.clip(np.trunc(wide), info.min, info.max).astype(target)
+        return values.astype(target)
+
+
+def _f32(a):
+    """The buffer's values as float32, for arithmetic."""
+    return a.array.astype(np.float32, copy=False)
+
+
+def _store(out, values, where=slice(None)):
+    """Round float32 results once into out's storage."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        out.array[where] = np.asarray(values, dtype=np.float32).astype(out.array.dtype)
+
+
+def _floats(fn, *arrays, out=None):
+    """TypeError unless every array (and out) is floating and of one dtype; matmul's out may be float32."""
+    dtypes = [a.dtype for a in arrays] + ([] if out is None else [out.dtype])
+    if all(d in FLOATS for d in dtypes) and len(set(dtypes)) == 1:
+        return
+    if out is not None and out.dtype == "float32" and len({a.dtype for a in arrays}) == 1 \
+            and arrays[0].dtype in FLOATS and fn.startswith("matmul"):
+        return
+    raise TypeError(f"{fn}: needs floating arrays of one dtype, got {', '.join(dtypes)}"
+                    + ("" if all(d in FLOATS for d in dtypes) else " (integer arrays are storage only)"))
+
+
+def _float32_only(fn, *arrays):
+    if any(a.dtype != "float32" for a in arrays):
+        raise TypeError(f"{fn}: float32 only, got {', '.join(a.dtype for a in arrays)}")
+
+
 def to_numpy(a, shape, strides, offset):
-    return _view(a, shape, strides, offset).copy()
+    """A copy of the view; bfloat16 as its uint16 bit patterns (the compiled backends' storage type)."""
+    out = _view(a, shape, strides, offset).copy()
+    return out.view(np.uint16) if a.dtype == "bfloat16" else out
 
 
 def from_numpy(a, out):
-    out.array[:] = a.flatten()
+    a = np.ascontiguousarray(a)
+    if a.size != out.size or a.itemsize != out.itemsize:
+        raise ValueError(f"from_numpy: got {a.size} elements of {a.itemsize} bytes for a buffer of {out.size} "
+                         f"{out.dtype} elements")
+    out.array.view(np.uint8)[:] = a.reshape(-1).view(np.uint8)
 
 
 def fill(out, val):
-    out.array.fill(val)
+    out.array.fill(convert(val, out.dtype))
 
 
 def compact(a, out, shape, strides, offset):
-    out.array[:] = _view(a, shape, strides, offset).flatten()
+    out.array[:] = convert(_view(a, shape, strides, offset).reshape(-1), out.dtype)
 
 
 def ewise_setitem(a, out, shape, strides, offset):
-    _view(out, shape, strides, offset)[...] = a.array.reshape(shape)
+    _view(out, shape, strides, offset)[...] = convert(a.array, out.dtype).reshape(shape)
 
 
 def scalar_setitem(size, val, out, shape, strides, offset):
-    _view(out, shape, strides, offset)[...] = val
+    _view(out, shape, strides, offset)[...] = convert(val, out.dtype)
 
 
-def ewise_add(a, b, out):
-    out.array[:] = a.array + b.array
+def stochastic_bfloat16(values, seed):
+    """float32 values -> bfloat16, each rounded up with probability equal to the fraction rounding drops: a hash
+    of (seed, index) is added to the 16 bits that are cut off (NaN and inf round to nearest)."""
+    values = np.ascontiguousarray(values, dtype=np.float32).reshape(-1)
+    h = np.arange(values.size, dtype=np.uint32) ^ np.uint32((int(seed) * 0x9E3779B9) & 0xFFFFFFFF)
+    h ^= h >> np.uint32(16)
+    h *= np.uint32(0x7FEB352D)
+    h ^= h >> np.uint32(15)
+    h *= np.uint32(0x846CA68B)
+    h ^= h >> np.uint32(16)
+    bits = ((values.view(np.uint32) + (h & np.uint32(0xFFFF))) >> np.uint32(16)).astype(np.uint16)
+    nearest = values.astype(ml_dtypes.bfloat16).view(np.uint16)
+    return np.where(np.isfinite(values), bits, nearest).view(ml_dtypes.bfloat16)
 
 
-def scalar_add(a, val, out):
-    out.array[:] = a.array + val
+def round_stochastic(a, out, seed):
+    if a.dtype != "float32" or out.dtype != "bfloat16" or a.size != out.size:
+        raise TypeError(f"round_stochastic: needs float32 a and bfloat16 out of one size, got {a.dtype} "
+                        f"({a.size}) and {out.dtype} ({out.size})")
+    out.array[:] = stochastic_bfloat16(a.array, seed)
 
 
-def ewise_mul(a, b, out):
-    out.array[:] = a.array * b.array
-
-
-def scalar_mul(a, val, out):
-    out.array[:] = a.array * val
-
-
-def ewise_div(a, b, out):
-    out.array[:] = a.array / b.array
-
-
-def scalar_div(a, val, out):
-    out.array[:] = a.array / val
-
-
-def ewise_power(a, b, out):
-    out.array[:] = a.array**b.array
-
-
-def scalar_power(a, val, out):
-    out.array[:] = a.array**val
-
-
-def ewise_maximum(a, b, out):
-    out.array[:] = np.maximum(a.array, b.array)
-
-
-def scalar_maximum(a, val, out):
-    out.array[:] = np.maximum(a.array, val)
-
-
-def ewise_eq(a, b, out):
-    out.array[:] = a.array == b.array
-
-
-def scalar_eq(a, val, out):
-    out.array[:] = a.array == val
-
-
-def ewise_ge(a, b, out):
-    out.array[:] = a.array >= b.array
-
-
-def scalar_ge(a, val, out):
-    out.array[:] = a.array >= val
-
-
-def ewise_gt(a, b, out):
-    out.array[:] = a.array > b.array
-
-
-def scalar_gt(a, val, out):
-    out.array[:] = a.array > val
-
-
-# ----- element-wise on strided views: out (compact, `shape`) = op(views), nothing materialized ------------------
+# ----- element-wise on compact buffers ----------------------------------------------------------------------
 _BINARY = {"add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.divide, "power": np.power,
            "maximum": np.maximum, "eq": np.equal, "ge": np.greater_equal,
            "gt": np.greater}
 _UNARY = {"log": np.log, "exp": np.exp, "tanh": np.tanh}
 
 
+def _ewise(name, a, b, out):
+    _floats(f"ewise_{name}", a, b, out)
+    _store(out, _BINARY[name](_f32(a), _f32(b)))
+
+
+def _scalar(name, a, val, out):
+    _floats(f"scalar_{name}", a, out)
+    _store(out, _BINARY[name](_f32(a), np.float32(val)))
+
+
+def _unary(name, a, out):
+    _floats(f"ewise_{name}", a, out)
+    _store(out, _UNARY[name](_f32(a)))
+
+
+def ewise_add(a, b, out):
+    _ewise("add", a, b, out)
+
+
+def scalar_add(a, val, out):
+    _scalar("add", a, val, out)
+
+
+def ewise_mul(a, b, out):
+    _ewise("mul", a, b, out)
+
+
+def scalar_mul(a, val, out):
+    _scalar("mul", a, val, out)
+
+
+def ewise_div(a, b, out):
+    _ewise("div", a, b, out)
+
+
+def scalar_div(a, val, out):
+    _scalar("div", a, val, out)
+
+
+def ewise_power(a, b, out):
+    _ewise("power", a, b, out)
+
+
+def scalar_power(a, val, out):
+    _scalar("power", a, val, out)
+
+
+def ewise_maximum(a, b, out):
+    _ewise("maximum", a, b, out)
+
+
+def scalar_maximum(a, val, out):
+    _scalar("maximum", a, val, out)
+
+
+def ewise_eq(a, b, out):
+    _ewise("eq", a, b, out)
+
+
+def scalar_eq(a, val, out):
+    _scalar("eq", a, val, out)
+
+
+def ewise_ge(a, b, out):
+    _ewise("ge", a, b, out)
+
+
+def scalar_ge(a, val, out):
+    _scalar("ge", a, val, out)
+
+
+def ewise_gt(a, b, out):
+    _ewise("gt", a, b, out)
+
+
+def scalar_gt(a, val, out):
+    _scalar("gt", a, val, out)
+
+
+def ewise_log(a, out):
+    _unary("log", a, out)
+
+
+def ewise_exp(a, out):
+    _unary("exp", a, out)
+
+
+def ewise_tanh(a, out):
+    _unary("tanh", a, out)
+
+
+# ----- element-wise on strided views: out (compact, `shape`) = op(views), nothing materialized (float32) ---------
 def _op(table, op, fn):
     if op not in table:
         raise ValueError(f"{fn}: unknown op {op!r} (expected {', '.join(table)})")
@@ -173,53 +294,54 @@ def _out_view(fn, out, shape, *inputs):
 
 def ewise_strided(op, a, a_strides, a_offset, b, b_strides, b_offset, out, shape):
     func = _op(_BINARY, op, "ewise_strided")
+    _float32_only("ewise_strided", a, b, out)
     func(_view(a, shape, a_strides, a_offset), _view(b, shape, b_strides, b_offset),
          out=_out_view("ewise_strided", out, shape, a, b))
 
 
 def scalar_strided(op, a, strides, offset, val, out, shape):
     func = _op(_BINARY, op, "scalar_strided")
+    _float32_only("scalar_strided", a, out)
     func(_view(a, shape, strides, offset), np.float32(val), out=_out_view("scalar_strided", out, shape, a))
 
 
 def unary_strided(op, a, strides, offset, out, shape):
     func = _op(_UNARY, op, "unary_strided")
+    _float32_only("unary_strided", a, out)
     func(_view(a, shape, strides, offset), out=_out_view("unary_strided", out, shape, a))
 
 
-def ewise_log(a, out):
-    out.array[:] = np.log(a.array)
-
-
-def ewise_exp(a, out):
-    out.array[:] = np.exp(a.array)
-
-
-def ewise_tanh(a, out):
-    out.array[:] = np.tanh(a.array)
-
-
+# ----- matmul and reductions: float32 accumulation -------------------------------------------------------------
 def matmul(a, b, out, m, n, p):
-    out.array[:] = (a.array[: m * n].reshape(m, n) @ b.array[: n * p].reshape(n, p)).reshape(-1)
+    _floats("matmul", a, b, out=out)
+    _store(out, (_f32(a)[: m * n].reshape(m, n) @ _f32(b)[: n * p].reshape(n, p)).reshape(-1))
 
 
 def matmul_batched(a, b, out, batch, m, n, p):
     if out is a or out is b:
         raise ValueError("matmul_batched: out must not be one of the inputs")
-    np.matmul(a.array[: batch * m * n].reshape(batch, m, n), b.array[: batch * n * p].reshape(batch, n, p),
-              out=out.array[: batch * m * p].reshape(batch, m, p))
+    _floats("matmul_batched", a, b, out=out)
+    prod = np.matmul(_f32(a)[: batch * m * n].reshape(batch, m, n), _f32(b)[: batch * n * p].reshape(batch, n, p))
+    _store(out, prod.reshape(-1), slice(0, batch * m * p))
 
 
 def matmul_tiled(a, b, out, m, n, p):
+    _float32_only("matmul_tiled", a, b, out)
     matmul(a, b, out, m, n, p)
 
 
+def _rows(a, out, reduce_size):
+    return _f32(a)[: out.size * reduce_size].reshape(-1, reduce_size)
+
+
 def reduce_max(a, out, reduce_size):
-    out.array[:] = a.array[: out.size * reduce_size].reshape(-1, reduce_size).max(axis=1)
+    _floats("reduce_max", a, out)
+    _store(out, _rows(a, out, reduce_size).max(axis=1))
 
 
 def reduce_sum(a, out, reduce_size):
-    out.array[:] = a.array[: out.size * reduce_size].reshape(-1, reduce_size).sum(axis=1)
+    _floats("reduce_sum", a, out)
+    _store(out, _rows(a, out, reduce_size).sum(axis=1, dtype=np.float64))
 
 
 def _logsumexp_rows(rows):
@@ -232,11 +354,13 @@ def _logsumexp_rows(rows):
 
 
 def reduce_logsumexp(a, out, reduce_size):
-    out.array[:] = _logsumexp_rows(a.array[: out.size * reduce_size].reshape(-1, reduce_size))
+    _floats("reduce_logsumexp", a, out)
+    _store(out, _logsumexp_rows(_rows(a, out, reduce_size)))
 
 
+# ----- gathers and scatters -------------------------------------------------------------------------------------
 def _row_indices(idx, num_rows):
-    rows = idx.array
+    rows = idx.array.astype(np.float64)
     ints = rows.astype(np.int64)
     bad = np.nonzero((ints != rows) | (ints < 0) | (ints >= num_rows))[0]
     if bad.size:
@@ -245,32 +369,47 @@ def _row_indices(idx, num_rows):
 
 
 def take_rows(a, idx, out, row_size):
+    if a.dtype != out.dtype:
+        raise TypeError(f"take_rows: a is {a.dtype} but out is {out.dtype}")
     rows = _row_indices(idx, a.size // row_size)
     out.array[: rows.size * row_size] = a.array.reshape(-1, row_size)[rows].reshape(-1)
 
 
 def scatter_add_rows(src, idx, out, row_size):
+    _floats("scatter_add_rows", src, out)
     rows = _row_indices(idx, out.size // row_size)
     table = out.array.reshape(-1, row_size)
-    np.add.at(table, rows, src.array[: rows.size * row_size].reshape(-1, row_size))
+    values = src.array[: rows.size * row_size].reshape(-1, row_size)
+    if out.dtype == "float32":
+        np.add.at(table, rows, values)
+        return
+    for i, r in enumerate(rows):  # 16-bit: each addition rounded on store, in order (as a simple kernel does)
+        _store(out, table[r].astype(np.float32) + values[i].astype(np.float32), slice(r * row_size, (r + 1) * row_size))
 
 
 def take_along_rows(a, idx, out, row_size):
+    _floats("take_along_rows", a, out)
     cols = _row_indices(idx, row_size)
     out.array[: cols.size] = a.array[: cols.size * row_size].reshape(-1, row_size)[np.arange(cols.size), cols]
 
 
 def scatter_along_rows(src, idx, out, row_size):
+    _floats("scatter_along_rows", src, out)
     cols = _row_indices(idx, row_size)
-    out.array[: cols.size * row_size].reshape(-1, row_size)[np.arange(cols.size), cols] += src.array[: cols.size]
+    table = out.array[: cols.size * row_size].reshape(-1, row_size)
+    picked = table[np.arange(cols.size), cols].astype(np.float32) + _f32(src)[: cols.size]
+    with np.errstate(over="ignore"):
+        table[np.arange(cols.size), cols] = picked.astype(out.array.dtype)
 
 
 def softmax_xent_grad(a, idx, g, out, row_size):
     if row_size <= 0:
         raise ValueError("softmax_xent_grad: row_size must be positive")
+    _floats("softmax_xent_grad", a, g, out)
     cols = _row_indices(idx, row_size)
-    rows = a.array[: cols.size * row_size].reshape(-1, row_size)
+    rows = _f32(a)[: cols.size * row_size].reshape(-1, row_size)
+    gs = _f32(g)[: cols.size]
     with np.errstate(invalid="ignore"):  # a row of -inf: NaN, as on the other backends
-        grad = np.exp(rows - _logsumexp_rows(rows)[:, None]) * g.array[: cols.size, None]
-    grad[np.arange(cols.size), cols] -= g.array[: cols.size]
-    out.array[: cols.size * row_size] = grad.reshape(-1)
+        grad = np.exp(rows - _logsumexp_rows(rows)[:, None]) * gs[:, None]
+    grad[np.arange(cols.size), cols] -= gs
+    _store(out, grad.reshape(-1), slice(0, cols.size * row_size))

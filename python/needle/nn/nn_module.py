@@ -4,6 +4,7 @@ from collections import OrderedDict
 import numpy as np
 
 from .. import checkpoint
+from ..backend_selection import array_api
 from ..autograd import Tensor
 
 __all__ = ["Module", "Parameter"]
@@ -116,6 +117,27 @@ class Module:
             t = own[key]
             t.data = Tensor(array, device=t.device, dtype=t.dtype, requires_grad=False)
         return missing, unexpected
+
+    def astype(self, dtype):
+        """Store every floating parameter and buffer in `dtype` ("bfloat16" for pure-bf16 training), in place:
+        each keeps its identity, so an optimizer holding the parameters stays valid. Returns the module."""
+        dtype = str(np.dtype(dtype))
+        for _, t in self._named_tensors():
+            if str(np.dtype(t.dtype)) in ("float32", "float16", "bfloat16") and str(np.dtype(t.dtype)) != dtype:
+                t.cached_data = array_api.astype(t.realize_cached_data(), dtype)
+        for m in [self] + list(self._modules()):
+            if isinstance(getattr(m, "dtype", None), str):  # modules that make constants (attention's mask)
+                m.dtype = dtype
+        return self
+
+    def _modules(self):
+        """Every submodule, depth first (iteratively)."""
+        stack, out = list(self._children()), []
+        while stack:
+            m = stack.pop()
+            out.append(m)
+            stack.extend(m._children())
+        return out
 
     def _children(self):
         return _child_modules(self.__dict__)

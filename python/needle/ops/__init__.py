@@ -8,10 +8,10 @@ from .ops_logarithmic import (
     softmax_cross_entropy,
 )
 from .ops_mathematic import (
-    AddScalar, BroadcastTo, Conv, Dilate, DivScalar, EWiseAdd, EWiseDiv, EWiseMul, EWisePow, EWiseSub, Exp, Flip,
+    AddScalar, BroadcastTo, Cast, Conv, Dilate, DivScalar, EWiseAdd, EWiseDiv, EWiseMul, EWisePow, EWiseSub, Exp, Flip,
     GatherRows, Log, MatMul, MulScalar, Negate, Pad, PickColumns, Positive, PowerScalar, ReLU, Reshape,
     ScatterAddRows, ScatterColumns, Sigmoid, Slice, Summation, Tanh, Transpose, UnDilate, add, add_scalar,
-    broadcast_to, conv, dilate, divide, divide_scalar, exp, flip, gather_rows, log, matmul, mul_scalar, multiply,
+    broadcast_to, cast, conv, dilate, divide, divide_scalar, exp, flip, gather_rows, log, matmul, mul_scalar, multiply,
     negate, pad, pick_columns, positive, power, power_scalar, relu, reshape, scatter_add_rows, scatter_columns,
     sigmoid, slice_window, subtract, summation, tanh, transpose, undilate,
 )
@@ -20,14 +20,14 @@ from .ops_tuple import (
 )
 
 __all__ = [
-    "AddScalar", "BroadcastTo", "Conv", "Dilate", "DivScalar", "EWiseAdd", "EWiseDiv", "EWiseMul", "EWisePow",
-    "EWiseSub", "Exp", "Flip", "GatherRows", "Log", "LogSoftmax", "LogSumExp", "MakeTensorTuple", "MatMul",
-    "MulScalar", "Negate", "Pad", "PickColumns", "Positive", "PowerScalar", "ReLU", "Reshape", "ScatterAddRows",
-    "ScatterColumns", "Sigmoid", "Slice", "SoftmaxCrossEntropy", "SoftmaxCrossEntropyGrad", "Split", "Stack",
-    "Summation", "Tanh", "Transpose", "TupleGetItem", "UnDilate", "add", "add_scalar", "broadcast_to", "conv",
-    "dilate", "divide", "divide_scalar", "exp", "flip", "gather_rows", "linear_cross_entropy", "log", "logsoftmax",
-    "logsumexp", "make_tuple", "matmul", "mul_scalar", "multiply", "negate", "pad", "pick_columns", "positive",
-    "power", "power_scalar", "relu", "reshape", "scatter_add_rows", "scatter_columns", "sigmoid", "slice_window",
+    "AddScalar", "BroadcastTo", "Cast", "Conv", "Dilate", "DivScalar", "EWiseAdd", "EWiseDiv", "EWiseMul", "EWisePow",
+    "EWiseSub", "Exp", "Flip", "GatherRows", "Log", "LogSoftmax", "LogSumExp", "MakeTensorTuple", "MatMul", "MulScalar",
+    "Negate", "Pad", "PickColumns", "Positive", "PowerScalar", "ReLU", "Reshape", "ScatterAddRows", "ScatterColumns",
+    "Sigmoid", "Slice", "SoftmaxCrossEntropy", "SoftmaxCrossEntropyGrad", "Split", "Stack", "Summation", "Tanh",
+    "Transpose", "TupleGetItem", "UnDilate", "add", "add_scalar", "broadcast_to", "cast", "conv", "dilate", "divide",
+    "divide_scalar", "exp", "flip", "gather_rows", "linear_cross_entropy", "log", "logsoftmax", "logsumexp",
+    "make_tuple", "matmul", "mul_scalar", "multiply", "negate", "pad", "pick_columns", "positive", "power",
+    "power_scalar", "relu", "reshape", "scatter_add_rows", "scatter_columns", "sigmoid", "slice_window",
     "softmax_cross_entropy", "split", "stack", "subtract", "summation", "tanh", "transpose", "tuple_get_item",
     "undilate",
 ]

@@ -32,6 +32,7 @@ class LinearCrossEntropy(TensorOp):
     Inputs (hidden (N, H), weight (H, V), [bias (V,) or (1, V),] target (N,)); the output is a scalar.
     """
 
+    autocast = "float32"
     saves = "inputs"
     compacts_inputs = True  # a strided input is copied (a chunk's rows of hidden or target, or the whole of it)
 

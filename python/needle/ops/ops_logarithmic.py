@@ -18,6 +18,7 @@ def _kept_shape(shape, axes):
 class LogSumExp(TensorOp):
     """log Σ_axes exp(z) = m + log Σ exp(z - m), m = max_axes z;  d/dz = out_grad * exp(z - lse)"""
 
+    autocast = "float32"
     saves = "both"
     compacts_inputs = True
 
@@ -46,6 +47,7 @@ def logsumexp(a, axes=None):
 class LogSoftmax(TensorOp):
     """z - logsumexp(z) over the last axis;  d/dz = out_grad - softmax(z) * Σ out_grad"""
 
+    autocast = "float32"
     saves = "output"
     elementwise = True  # the output has the input's shape
 
@@ -78,6 +80,7 @@ class SoftmaxCrossEntropy(TensorOp):
     instead of the exp, products, one-hot scatter and sum that logsumexp(z) - pick_columns(z, y) takes.
     """
 
+    autocast = "float32"
     saves = "inputs"
     compacts_inputs = True
 

@@ -13,13 +13,13 @@ from ..backend_ndarray.ndarray import _compact_strides  # the strides NDArray gi
 from ..backend_selection import array_api, device_of
 
 __all__ = [
-    "AddScalar", "BroadcastTo", "Conv", "Dilate", "DivScalar", "EWiseAdd", "EWiseDiv", "EWiseMul", "EWisePow",
-    "EWiseSub", "Exp", "Flip", "GatherRows", "Log", "MatMul", "MulScalar", "Negate", "Pad", "PickColumns",
-    "Positive", "PowerScalar", "ReLU", "Reshape", "ScatterAddRows", "ScatterColumns", "Sigmoid", "Slice",
-    "Summation", "Tanh", "Transpose", "UnDilate", "add", "add_scalar", "broadcast_to", "conv", "dilate", "divide",
-    "divide_scalar", "exp", "flip", "gather_rows", "log", "matmul", "mul_scalar", "multiply", "negate", "pad",
-    "pick_columns", "positive", "power", "power_scalar", "relu", "reshape", "scatter_add_rows", "scatter_columns",
-    "sigmoid", "slice_window", "subtract", "summation", "tanh", "transpose", "undilate",
+    "AddScalar", "BroadcastTo", "Cast", "Conv", "Dilate", "DivScalar", "EWiseAdd", "EWiseDiv", "EWiseMul", "EWisePow",
+    "EWiseSub", "Exp", "Flip", "GatherRows", "Log", "MatMul", "MulScalar", "Negate", "Pad", "PickColumns", "Positive",
+    "PowerScalar", "ReLU", "Reshape", "ScatterAddRows", "ScatterColumns", "Sigmoid", "Slice", "Summation", "Tanh",
+    "Transpose", "UnDilate", "add", "add_scalar", "broadcast_to", "cast", "conv", "dilate", "divide", "divide_scalar",
+    "exp", "flip", "gather_rows", "log", "matmul", "mul_scalar", "multiply", "negate", "pad", "pick_columns",
+    "positive", "power", "power_scalar", "relu", "reshape", "scatter_add_rows", "scatter_columns", "sigmoid",
+    "slice_window", "subtract", "summation", "tanh", "transpose", "undilate",
 ]
 
 
@@ -31,6 +31,10 @@ class _EWiseBinary(TensorOp):
     """Base of the two-input element-wise ops (not an op itself)."""
 
     elementwise = True
+    autocast = "low"
+
+    def infer_dtype(self, a, b):
+        return array_api.promote_types(a, b)  # operands of two dtypes: compute in the promoted one
 
     def infer_shape(self, a, b):
         # Equal shapes give the output's; otherwise compute decides (NumPy broadcasts, NDArray raises).
@@ -237,6 +241,32 @@ def negate(a):
     return Negate()(a)
 
 
+class Cast(TensorOp):
+    """`a` stored in another dtype (rounded to nearest);  d/da = out_grad cast back to a's dtype"""
+
+    saves = "none"
+    elementwise = True
+
+    def __init__(self, dtype):
+        self.dtype = str(np.dtype(dtype))  # one spelling ("bfloat16") for names, NumPy dtypes and types
+
+    def infer_dtype(self, a):
+        return self.dtype
+
+    def compute(self, a):
+        return array_api.astype(a, self.dtype)
+
+    def gradient(self, out_grad, node):
+        return (cast(out_grad, node.inputs[0].dtype),)
+
+
+def cast(a, dtype):
+    """`a` in `dtype`: `a` itself when it already is, else a Cast node (differentiable)."""
+    if str(np.dtype(a.dtype)) == str(np.dtype(dtype)):
+        return a
+    return Cast(dtype)(a)
+
+
 class Transpose(TensorOp):
     """Swap two axes (the last two by default);  the gradient swaps them back"""
 
@@ -358,6 +388,7 @@ class Summation(TensorOp):
 
     saves = "none"
     compacts_inputs = True
+    autocast = "float32"  # means and variances (layer norm's statistics) stay float32
 
     def __init__(self, axes=None):
         self.axes = axes
@@ -394,6 +425,10 @@ class MatMul(TensorOp):
 
     saveable = True
     compacts_inputs = True
+    autocast = "low"
+
+    def infer_dtype(self, a, b):
+        return array_api.promote_types(a, b)
 
     def infer_shape(self, a, b):
         if len(a) < 2 or len(b) < 2 or a[-1] != b[-2]:
@@ -427,6 +462,7 @@ def matmul(a, b):
 class Log(TensorOp):
     """log(a);  d/da = out_grad / a"""
 
+    autocast = "float32"
     elementwise = True
 
     def compute(self, a):
@@ -443,6 +479,7 @@ def log(a):
 class Exp(TensorOp):
     """exp(a);  d/da = out_grad * exp(a)"""
 
+    autocast = "low"
     elementwise = True
 
     saves = "output"
@@ -461,6 +498,7 @@ def exp(a):
 class ReLU(TensorOp):
     """max(a, 0);  d/da = out_grad * (a > 0)"""
 
+    autocast = "low"
     elementwise = True
 
     saves = "output"
@@ -497,6 +535,7 @@ def positive(a):
 class Tanh(TensorOp):
     """tanh(a);  d/da = out_grad * (1 - tanh(a)^2)"""
 
+    autocast = "low"
     elementwise = True
 
     saves = "output"
@@ -515,6 +554,7 @@ def tanh(a):
 class Sigmoid(TensorOp):
     """1 / (1 + exp(-a));  d/da = out_grad * s * (1 - s)"""
 
+    autocast = "low"
     elementwise = True
 
     saves = "output"
@@ -677,6 +717,10 @@ class Conv(TensorOp):
 
     saveable = True
     compacts_inputs = (1,)  # the weight: reshaped for the matmul (the input is read through a strided view)
+    autocast = "low"
+
+    def infer_dtype(self, a, b):
+        return array_api.promote_types(a, b)
 
     def __init__(self, stride=1, padding=0):
         self.stride = stride

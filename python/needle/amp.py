@@ -1,0 +1,175 @@
+"""Mixed precision: `autocast` runs the heavy ops in 16 bits, `GradScaler` keeps float16 gradients from underflowing.
+
+    model, opt = ..., ndl.optim.Adam(model.parameters())       # parameters stay float32 (the master weights)
+    scaler = ndl.amp.GradScaler()                               # float16 only; bfloat16 needs no scaling
+    with ndl.amp.autocast("float16"):
+        loss = loss_fn(model(x), y)                             # matmuls and element-wise ops in float16
+    scaler.scale(loss).backward()
+    scaler.step(opt)                                            # unscales; skips the step on inf/NaN
+    scaler.update()                                             # halves the scale after a skip, grows it later
+
+Micikevicius et al. (2017), "Mixed Precision Training": 16-bit activations and gradients, float32 master weights,
+loss scaling. Which op runs in which dtype is declared on the op (`Op.autocast`, see autograd.py): "low" ops
+(matmul, convolution, element-wise arithmetic, exp/tanh/relu/sigmoid) get 16-bit inputs; "float32" ops (sums and
+means, so layer norm's statistics; log, log-sum-exp, log-softmax; the losses) get float32 inputs; all others run
+in their inputs' dtype. Every kernel computes in float32 and rounds once on store, whatever the storage.
+
+The casts are graph nodes. A cast of a parameter is made once per `autocast` block and kept (the 16-bit weight
+copy that mixed precision costs); a cast of an activation is marked `drop` and recomputed if a backward step
+needs it, so the float32 input it came from and the 16-bit result are never both held.
+"""
+import math
+
+import numpy
+
+from . import autograd
+from .autograd import Tensor, lazy_mode
+from .backend_selection import array_api
+
+__all__ = ["GradScaler", "autocast", "is_autocast_enabled"]
+
+_LOW = ("float16", "bfloat16")
+_FLOATS = ("float32", "float16", "bfloat16")
+
+
+def _name(dtype):
+    return str(numpy.dtype(dtype))
+
+
+def is_autocast_enabled():
+    return autograd.AUTOCAST is not None
+
+
+class autocast:
+    """`with autocast("bfloat16"):` (or "float16") — ops applied inside run in the 16-bit dtype where their
+    `Op.autocast` says "low" and in float32 where it says "float32". `enabled=False` turns it off (nests)."""
+
+    def __init__(self, dtype="bfloat16", enabled=True):
+        dtype = _name(dtype)
+        if dtype not in _LOW:
+            raise ValueError(f"autocast: dtype must be 'bfloat16' or 'float16', got {dtype!r}")
+        self.dtype = dtype
+        self.enabled = enabled
+        self._weights = {}  # id(parameter) -> (parameter, its cast): one 16-bit copy per parameter per block
+        self._previous = []
+
+    def __enter__(self):
+        self._previous.append(autograd.AUTOCAST)
+        autograd.AUTOCAST = self if self.enabled else None
+        return self
+
+    def __exit__(self, *exc):
+        autograd.AUTOCAST = self._previous.pop()
+        if not self._previous:
+            self._weights.clear()
+        return False
+
+    def cast_inputs(self, op, inputs):
+        """`inputs` of `op`, the floating ones cast to the dtype `op.autocast` asks for."""
+        target = self.dtype if op.autocast == "low" else "float32"
+        return tuple(self._cast(x, target) if isinstance(x, Tensor) and _name(x.dtype) in _FLOATS
+                     and _name(x.dtype) != target else x for x in inputs)
+
+    def _cast(self, x, dtype):
+        from .ops import Cast
+
+        if x.op is None and x.requires_grad:  # a parameter: cast once per block, kept
+            key = (id(x), dtype)
+            if key not in self._weights:
+                self._weights[key] = (x, Cast(dtype)(x))
+            return self._weights[key][1]
+        with lazy_mode(True):  # built unrealized, so that it is marked before anything computes it
+            out = Cast(dtype)(x)
+        out.drop = True
+        return out
+
+
+class GradScaler:
+    """Dynamic loss scaling for float16 (PyTorch's `torch.amp.GradScaler` semantics).
+
+    The loss is multiplied by `scale` before backward, so small gradients stay representable in float16; `step`
+    divides the gradients by it again and skips the optimizer step if any is inf or NaN; `update` then halves
+    the scale (after a skip) or doubles it after `growth_interval` clean steps in a row.
+    """
+
+    def __init__(self, init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000,
+                 enabled=True):
+        if growth_factor <= 1.0 or not 0.0 < backoff_factor < 1.0 or growth_interval < 1 or init_scale <= 0:
+            raise ValueError("GradScaler: need init_scale > 0, growth_factor > 1, 0 < backoff_factor < 1 and "
+                             f"growth_interval >= 1, got {init_scale}, {growth_factor}, {backoff_factor}, "
+                             f"{growth_interval}")
+        self.enabled = enabled
+        self._scale = float(init_scale)
+        self.growth_factor = float(growth_factor)
+        self.backoff_factor = float(backoff_factor)
+        self.growth_interval = int(growth_interval)
+        self._clean_steps = 0
+        self._unscaled = set()  # ids of optimizers unscaled since the last update
+        self._found_inf = None
+
+    def get_scale(self):
+        return self._scale if self.enabled else 1.0
+
+    def scale(self, loss):
+        """The loss times the scale (a Tensor; call .backward() on it)."""
+        if not self.enabled:
+            return loss
+        return loss * self._scale
+
+    def unscale_(self, optimizer):
+        """Divide the gradients of `optimizer`'s parameters by the scale, in place (once per step), and note
+        whether any is inf or NaN. Call it before clipping gradients."""
+        if not self.enabled or id(optimizer) in self._unscaled:
+            return
+        self._unscaled.add(id(optimizer))
+        inv = 1.0 / self._scale
+        found = False
+        for p in optimizer.params:
+            if p.grad is None:
+                continue
+            g = p.grad.realize_cached_data()
+            values = array_api.to_numpy(g)
+            if not numpy.isfinite(values.astype(numpy.float32)).all():
+                found = True
+            p.grad = Tensor(g * inv, device=p.grad.device, requires_grad=False)
+        self._found_inf = bool(found or self._found_inf)
+
+    def step(self, optimizer):
+        """Unscale (if not done yet), then `optimizer.step()` unless a gradient was inf or NaN. Returns whether
+        the step was taken."""
+        if not self.enabled:
+            optimizer.step()
+            return True
+        self.unscale_(optimizer)
+        if self._found_inf:
+            return False
+        optimizer.step()
+        return True
+
+    def update(self):
+        """Adjust the scale after a step: backoff after inf/NaN, growth after `growth_interval` clean steps."""
+        if not self.enabled:
+            return
+        if self._found_inf:
+            self._scale *= self.backoff_factor
+            self._clean_steps = 0
+        else:
+            self._clean_steps += 1
+            if self._clean_steps >= self.growth_interval:
+                self._scale *= self.growth_factor
+                self._clean_steps = 0
+        if not math.isfinite(self._scale) or self._scale <= 0:
+            raise FloatingPointError(f"GradScaler: the scale became {self._scale}")
+        self._unscaled.clear()
+        self._found_inf = None
+
+    def state_dict(self):
+        return {"scale": self._scale, "growth_factor": self.growth_factor, "backoff_factor": self.backoff_factor,
+                "growth_interval": self.growth_interval, "clean_steps": self._clean_steps}
+
+    def load_state_dict(self, state):
+        self._scale = float(state["scale"])
+        self.growth_factor = float(state["growth_factor"])
+        self.backoff_factor = float(state["backoff_factor"])
+        self.growth_interval = int(state["growth_interval"])
+        self._clean_steps = int(state["clean_steps"])
