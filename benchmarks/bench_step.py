@@ -29,7 +29,7 @@ from needle import nn  # noqa: E402
 from models import LanguageModel  # noqa: E402
 
 
-def needle_step_fn(args, gc):
+def needle_step_fn(args, gc, autocast=None):
     np.random.seed(0)
     device = ndl.cpu()
     model = LanguageModel(args.embedding_size, args.vocab, args.hidden_size, num_layers=args.num_layers,
@@ -47,16 +47,17 @@ def needle_step_fn(args, gc):
 
     def step():
         opt.reset_grad()
-        with ndl.autograd.lazy_mode(True):
+        with ndl.autograd.lazy_mode(True), ndl.autocast(autocast or "bfloat16", enabled=autocast is not None):
             out, _ = model(X)
             loss = loss_fn(out, y)
+        with ndl.autograd.lazy_mode(True):
             loss.backward()
         opt.step()
 
     return step
 
 
-def torch_step_fn(args):
+def torch_step_fn(args, autocast=False, return_model=False):
     import torch
 
     torch.set_num_threads(int(threads))
@@ -99,10 +100,12 @@ def torch_step_fn(args):
 
     def step():
         opt.zero_grad()
-        torch.nn.functional.cross_entropy(model(X), y).backward()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = torch.nn.functional.cross_entropy(model(X), y)
+        loss.backward()
         opt.step()
 
-    return step
+    return (model, step) if return_model else step
 
 
 def median_step(step, repeats):
@@ -144,21 +147,27 @@ def main():
         if args.no_torch:
             raise ImportError
         torch_step = torch_step_fn(args)
+        torch_mixed = torch_step_fn(args, autocast=True)
     except ImportError:
-        torch_step = None
+        torch_step = torch_mixed = None
         print("bench_step: PyTorch left out (pip install torch==2.13.0 if absent); showing needle alone")
     results = {}
     for _ in range(args.rounds):  # interleave the frameworks, keep each one's best median
         for name, make in (("needle, gc off", lambda: needle_step_fn(args, False)),
                            ("needle, gc all", lambda: needle_step_fn(args, True)),
-                           ("pytorch", torch_step and (lambda: torch_step))):
+                           ("needle, mixed-bf16", lambda: needle_step_fn(args, False, "bfloat16")),
+                           ("pytorch", torch_step and (lambda: torch_step)),
+                           ("pytorch, autocast bf16", torch_mixed and (lambda: torch_mixed))):
             if make:
                 t = median_step(make(), args.repeats)
                 results[name] = min(t, results.get(name, t))
     base = results.get("pytorch")
-    print(f"{'':16s}{'s / step':>10s}{'x pytorch':>11s}")
+    print(f"{'':24s}{'s / step':>10s}{'x pytorch':>11s}")
     for name, t in results.items():
-        print(f"{name:16s}{t:10.3f}{(t / base if base else float('nan')):11.2f}")
+        print(f"{name:24s}{t:10.3f}{(t / base if base else float('nan')):11.2f}")
+    if "needle, mixed-bf16" in results:
+        ratio = results["needle, mixed-bf16"] / results["needle, gc off"]
+        print(f"needle mixed-bf16 / needle fp32 (gc off): {ratio:.2f}")
 
 
 if __name__ == "__main__":

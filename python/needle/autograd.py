@@ -830,7 +830,8 @@ def placeholder(spec, requires_grad=True):
 
 
 def _rebuild_tensor(cls, array, device, requires_grad):
-    return cls(array, device=device, requires_grad=requires_grad)
+    # The array's own dtype (a Tensor built from a NumPy array is float32 unless told otherwise).
+    return cls(array, device=device, dtype=str(array.dtype), requires_grad=requires_grad)
 
 
 def sum_node_list(node_list):

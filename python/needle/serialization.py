@@ -17,6 +17,7 @@ does and in `load` alike, so `save(x, "w")` and `load("w")` both mean `w.npz`.
 import os
 import zipfile
 
+import ml_dtypes
 import numpy as np
 
 __all__ = ["load", "save"]
@@ -55,11 +56,31 @@ def _flatten(obj, prefix, out):
     return out
 
 
+# NumPy's .npz format has no bfloat16 (ml_dtypes' type is stored as raw 2-byte "void"): such arrays are stored as
+# their uint16 bit patterns under the key plus this suffix, and viewed back as bfloat16 by `load`.
+_BFLOAT16_SUFFIX = ":bfloat16"
+
+
+def _to_storable(arrays):
+    out = {}
+    for key, array in arrays.items():
+        if array.dtype == np.dtype(ml_dtypes.bfloat16):
+            out[key + _BFLOAT16_SUFFIX] = array.view(np.uint16)
+        else:
+            out[key] = array
+    return out
+
+
+def _from_stored(arrays):
+    return {key[:-len(_BFLOAT16_SUFFIX)]: array.view(ml_dtypes.bfloat16) if key.endswith(_BFLOAT16_SUFFIX) else array
+            for key, array in arrays.items()}
+
+
 def save(obj, path):
     """Write `obj` (a Tensor, an array, or a possibly nested dict of them) to `path` as .npz; return the path."""
     arrays = _flatten(obj, "", {}) if isinstance(obj, dict) else {_ARRAY_KEY: _as_numpy(obj, _ARRAY_KEY)}
     path = _npz_path(path)
-    np.savez(path, **arrays)
+    np.savez(path, **_to_storable(arrays))
     return path
 
 
@@ -73,7 +94,7 @@ def load(path):
             archive = np.load(f, allow_pickle=False)  # never unpickles: a pickle or an object array raises
             if not isinstance(archive, np.lib.npyio.NpzFile):
                 raise ValueError("it holds a single .npy array")
-            arrays = {key: archive[key] for key in archive.files}
+            arrays = _from_stored({key: archive[key] for key in archive.files})
     except (ValueError, OSError, EOFError, zipfile.BadZipFile) as err:
         raise ValueError(f"ndl.load: {path!r} is not an .npz archive of plain arrays as ndl.save writes "
                          f"(pickled objects are never loaded): {err}") from err

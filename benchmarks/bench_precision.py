@@ -1,0 +1,150 @@
+"""Precision on the PTB Transformer LM: memory, quality and the PyTorch autocast reference.
+
+    python benchmarks/bench_precision.py                 # memory: batch 128, seq 32, E = H = 256, 4 layers
+    python benchmarks/bench_precision.py --quality       # + 300 Adam steps per precision (smaller batch)
+    python benchmarks/bench_precision.py --quick          # a smaller model, for a first look
+
+Memory: each (precision, gc off / gc all) runs `gc.py run` in a fresh process; M_act (values held when backward
+starts), M_peak (forward + backward) are the allocator's exact byte counts, and the parameters' and the
+optimizer's bytes are listed apart (mixed precision keeps float32 weights and adds 16-bit copies of them during the
+step; pure bf16 halves both). PyTorch's reference is the same model under `torch.autocast("cpu", torch.bfloat16)`:
+its M_act is the bytes of the tensors autograd saves for backward (unique storages, via saved_tensors_hooks),
+the closest CPU equivalent of needle's count.
+
+Quality: the training loss of each precision over --steps Adam steps on the same batches from the same
+initialization, compared with float32's at every 50th step (relative difference).
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PTB = next((p for p in (os.path.join(ROOT, "data", "ptb"), os.path.join(ROOT, "..", "shared", "data", "ptb"))
+            if os.path.exists(os.path.join(p, "train.txt"))), "synthetic")
+PRECISIONS = ["fp32", "mixed-bf16", "mixed-fp16", "bf16"]
+
+
+def gc_run(model_args, precision, use_gc, out, extra=()):
+    path = os.path.join(out, f"{precision}_{use_gc}_{len(os.listdir(out))}.json")
+    cmd = [sys.executable, os.path.join(ROOT, "gc.py"), "run", "--policy", "all" if use_gc else "off", "--use-gc", str(int(use_gc)),
+           "--precision", precision, "--json", path, "--data", PTB, "--no-progress", *model_args, *extra]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"bench_precision: {' '.join(cmd)} failed:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
+    with open(path) as f:
+        return json.load(f)
+
+
+def mb(x):
+    return f"{x / 2**20:9.1f}"
+
+
+def memory_table(args, model_args, out):
+    rows = {}
+    for precision in PRECISIONS:
+        for use_gc in (False, True):
+            r = gc_run(model_args, precision, use_gc, out, ["--max-batches", str(args.batches), "--warmup", "1"])
+            last = r["steps"][-1]
+            rows[precision, use_gc] = {"act": r["activation_bytes"], "peak": r["peak_activation_bytes"],
+                                       "params": last["param_bytes"], "opt": last["optimizer_bytes"],
+                                       "time": r["step_time_seconds"], "loss": r["loss"]}
+    print(f"\nmemory, batch {args.batch_size} x seq_len {args.seq_len}, E = H = {args.embedding_size}, "
+          f"{args.num_layers} layers, head {args.head} (MB; x = ratio to fp32 in the same gc setting)")
+    print(f"{'precision':12s}{'gc':>5s}{'M_act':>10s}{'x':>7s}{'M_peak':>10s}{'x':>7s}{'params':>10s}"
+          f"{'optimizer':>11s}{'T_step s':>10s}{'x':>7s}")
+    for (precision, use_gc), r in rows.items():
+        base = rows["fp32", use_gc]
+        print(f"{precision:12s}{'all' if use_gc else 'off':>5s}{mb(r['act'])}{r['act'] / base['act']:7.2f}"
+              f"{mb(r['peak'])}{r['peak'] / base['peak']:7.2f}{mb(r['params'])}{mb(r['opt']):>11s}"
+              f"{r['time']:10.3f}{r['time'] / base['time']:7.2f}")
+    return rows
+
+
+def torch_reference(args):
+    """M_act (saved tensors' bytes) and step time of the same model in PyTorch, fp32 and bf16 autocast."""
+    try:
+        import torch
+    except ImportError:
+        print("\nPyTorch reference left out (pip install torch==2.13.0)")
+        return
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import time
+
+    from bench_step import torch_step_fn  # the same architecture as needle's LanguageModel
+
+    ns = argparse.Namespace(batch_size=args.batch_size, seq_len=args.seq_len, embedding_size=args.embedding_size,
+                            hidden_size=args.embedding_size, num_layers=args.num_layers, num_head=4, vocab=10000)
+    print("\nPyTorch reference (same architecture; M_act = bytes autograd saves for backward)")
+    for label, autocast in (("fp32", False), ("autocast bf16", True)):
+        model, step = torch_step_fn(ns, autocast=autocast, return_model=True)
+        saved = {}
+
+        def pack(t):
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            step()
+        times = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - t0)
+        params = sum(p.numel() * p.element_size() for p in model.parameters())
+        saved_bytes = sum(saved.values()) - params  # weights saved by matmuls are not activations
+        print(f"  {label:14s} M_act {mb(max(saved_bytes, 0))} MB   T_step {sorted(times)[1]:.3f} s")
+
+
+def quality(args, out):
+    model_args = ["--batch-size", str(args.quality_batch), "--seq-len", str(args.seq_len), "--embedding-size",
+                  str(args.embedding_size), "--hidden-size", str(args.embedding_size), "--num-layers",
+                  str(args.num_layers), "--head", args.head]
+    curves = {}
+    for precision, extra in (("fp32", []), ("mixed-bf16", []), ("mixed-fp16", []), ("bf16", []),
+                             ("bf16", ["--stochastic-rounding"])):
+        name = precision + (" +SR" if extra else "")
+        r = gc_run(model_args, precision, False, out, ["--max-batches", str(args.steps), "--warmup", "0", *extra])
+        curves[name] = [s["loss"] for s in r["steps"]]
+    marks = list(range(49, args.steps, 50))
+    print(f"\nquality: training loss over {args.steps} Adam steps (batch {args.quality_batch}), at every 50th step; "
+          "in brackets the relative difference to fp32")
+    print(f"{'precision':14s}" + "".join(f"{'step ' + str(i + 1):>17s}" for i in marks) + f"{'max |rel|':>11s}")
+    for name, curve in curves.items():
+        rel = [abs(curve[i] - curves["fp32"][i]) / curves["fp32"][i] for i in marks]
+        print(f"{name:14s}" + "".join(f"{curve[i]:9.3f} ({r:5.1%})" for i, r in zip(marks, rel))
+              + f"{max(rel):10.1%}")
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--batch-size", type=int, default=128)
+    p.add_argument("--seq-len", type=int, default=32)
+    p.add_argument("--embedding-size", type=int, default=256)
+    p.add_argument("--num-layers", type=int, default=4)
+    p.add_argument("--head", default="full", choices=["full", "fused"])
+    p.add_argument("--batches", type=int, default=3, help="steps per memory run (the first is warm-up)")
+    p.add_argument("--quality", action="store_true", help="also train each precision for --steps steps")
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--quality-batch", type=int, default=16)
+    p.add_argument("--skip-memory", action="store_true")
+    p.add_argument("--quick", action="store_true", help="batch 16, 2 layers")
+    args = p.parse_args()
+    if args.quick:
+        args.batch_size, args.num_layers = 16, 2
+    model_args = ["--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len), "--embedding-size",
+                  str(args.embedding_size), "--hidden-size", str(args.embedding_size), "--num-layers",
+                  str(args.num_layers), "--head", args.head]
+    print(f"bench_precision: data {PTB}")
+    with tempfile.TemporaryDirectory() as out:
+        if not args.skip_memory:
+            memory_table(args, model_args, out)
+            torch_reference(args)
+        if args.quality:
+            quality(args, out)
+
+
+if __name__ == "__main__":
+    main()
