@@ -1,20 +1,22 @@
 // ndarray_backend_cuda.cu -- the CUDA backend of needle.
 //
 // Python (python/needle/backend_ndarray/ndarray.py) owns shapes, strides and offsets; this module only ever
-// sees flat float32 device buffers plus the (shape, strides, offset) of a view.  src/README.md is the contract:
-// every function here has the same name and arguments as in ndarray_backend_cpu.cc, so Python never branches
-// on the device.  All strides and offsets are counted in elements, not bytes.
+// sees flat device buffers of one dtype each plus the (shape, strides, offset) of a view.  src/README.md is the
+// contract: every function here has the same name and arguments as in ndarray_backend_cpu.cc, so Python never
+// branches on the device.  All strides and offsets are counted in elements, not bytes.
 //
 // The file reads top to bottom:
 //   1. Errors         how CUDA failures become Python exceptions (RuntimeError, MemoryError, IndexError,
-//                     ValueError).  Nothing in this file aborts the process.
-//   2. Allocator      a caching allocator: memory is taken from the driver (cudaMalloc) once, then recycled
+//                     ValueError, TypeError).  Nothing in this file aborts the process.
+//   2. Dtypes         the six storage types, the conversions between them and float32, and the one switch
+//                     that turns a run-time dtype into a compile-time type.
+//   3. Allocator      a caching allocator: memory is taken from the driver (cudaMalloc) once, then recycled
 //                     through size-class free lists, with exact statistics of what live arrays hold.
-//   3. CudaArray      the `Array` Python sees: one block from the allocator.
-//   4. Launch helpers grid sizes for grid-stride loops, and the error check that follows every launch.
-//   5. Kernels        strided copies, element-wise ops, reductions, two matmuls, row gather / scatter.
-//   6. Host wrappers  cheap argument checks on the host, then one kernel launch each.
-//   7. Bindings       the pybind11 module `ndarray_backend_cuda`.
+//   4. CudaArray      the `Array` Python sees: one block from the allocator, and its dtype.
+//   5. Launch helpers grid sizes for grid-stride loops, and the error check that follows every launch.
+//   6. Kernels        strided copies, element-wise ops, reductions, two matmuls, row gather / scatter.
+//   7. Host wrappers  cheap argument checks on the host, then one kernel launch each.
+//   8. Bindings       the pybind11 module `ndarray_backend_cuda`.
 //
 // Everything runs on the legacy default stream, so kernels execute in the order they were issued.  That is
 // what makes the caching allocator safe without any events: a block freed by one array and handed to the next
@@ -23,6 +25,8 @@
 // Nothing runs on the GPU at import time.  The first CUDA call happens when device_count() is called or an
 // Array of non-zero size is created, so `import ndarray_backend_cuda` works on machines without a GPU.
 
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
@@ -32,9 +36,13 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
+#include <initializer_list>
+#include <iterator>
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <unordered_map>
 #include <vector>
 
@@ -73,7 +81,213 @@ void check_kernel(const char* kernel_name) {
 }
 
 // ------------------------------------------------------------------------------------------------------------
-// 2. Allocator
+// 2. Dtypes
+// ------------------------------------------------------------------------------------------------------------
+//
+// An Array stores float32, float16 (__half), bfloat16 (__nv_bfloat16), int8, uint8 or int32 (src/README.md,
+// "Dtypes").  Whatever the storage, arithmetic is float32: a kernel loads each operand with to_float, computes
+// in float and rounds the result once, with from_float<T>, when it stores it; reductions and matmul accumulate
+// in float.  So each kernel is written once, over its storage type T, and its float32 instantiation is exactly
+// the float32-only kernel this file had before dtypes (to_float(float) and from_float<float> do nothing).
+//
+// Integers are storage (labels, indices, quantized optimizer state): they are copied and converted (compact,
+// ewise_setitem, fill, scalar_setitem, take_rows) and read as indices, never computed with.
+
+enum class DType { kFloat32, kFloat16, kBFloat16, kInt8, kUInt8, kInt32 };
+
+struct DTypeInfo {
+  const char* name;   // as Python spells it
+  size_t itemsize;    // bytes per element
+  bool floating;      // float32, float16, bfloat16: the dtypes the arithmetic functions take
+  const char* numpy;  // the numpy dtype of to_numpy / from_numpy (bfloat16: its bit patterns, as uint16)
+};
+
+// Indexed by DType.
+constexpr DTypeInfo kDTypes[] = {
+    {"float32", 4, true, "float32"}, {"float16", 2, true, "float16"}, {"bfloat16", 2, true, "uint16"},
+    {"int8", 1, false, "int8"},      {"uint8", 1, false, "uint8"},    {"int32", 4, false, "int32"},
+};
+
+const DTypeInfo& dtype_info(DType dtype) { return kDTypes[static_cast<int>(dtype)]; }
+const char* dtype_name(DType dtype) { return dtype_info(dtype).name; }
+
+DType parse_dtype(const std::string& name) {
+  for (size_t k = 0; k < std::size(kDTypes); ++k) {
+    if (name == kDTypes[k].name) return static_cast<DType>(k);
+  }
+  throw py::value_error("needle cuda: unknown dtype '" + name +
+                        "' (expected float32, float16, bfloat16, int8, uint8 or int32)");
+}
+
+// ---- Conversions --------------------------------------------------------------------------------------------
+//
+// __host__ __device__: the kernels convert every element, and the host converts a fill value or reads indices
+// with the very same functions.
+
+// The bits of a float32, and back.
+__host__ __device__ inline uint32_t float_bits(float x) {
+#ifdef __CUDA_ARCH__
+  return __float_as_uint(x);
+#else
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  return bits;
+#endif
+}
+
+__host__ __device__ inline float float_from_bits(uint32_t bits) {
+#ifdef __CUDA_ARCH__
+  return __uint_as_float(bits);
+#else
+  float x;
+  std::memcpy(&x, &bits, sizeof x);
+  return x;
+#endif
+}
+
+// The value as float32.  Exact for every storage type except int32 beyond 2^24, which rounds to nearest (as
+// NumPy's int32 -> float32 does).  A float16 NaN keeps its sign and payload, as in NumPy (__half2float returns
+// one canonical NaN), so that a NaN converted between dtypes has the same bits on every backend.
+__host__ __device__ inline float to_float(float x) { return x; }
+__host__ __device__ inline float to_float(__half x) {
+  const uint32_t h = __half_as_ushort(x);
+  if ((h & 0x7C00u) == 0x7C00u && (h & 0x3FFu) != 0) {  // NaN: all-ones exponent, non-zero payload
+    return float_from_bits(((h & 0x8000u) << 16) | 0x7F800000u | ((h & 0x3FFu) << 13));
+  }
+  return __half2float(x);
+}
+__host__ __device__ inline float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+__host__ __device__ inline float to_float(int8_t x) { return static_cast<float>(x); }
+__host__ __device__ inline float to_float(uint8_t x) { return static_cast<float>(x); }
+__host__ __device__ inline float to_float(int32_t x) { return static_cast<float>(x); }
+
+// The range of each integer storage type (std::numeric_limits is host code to nvcc).
+template <typename T>
+struct IntRange;
+template <>
+struct IntRange<int8_t> {
+  static constexpr int64_t lo = -128, hi = 127;
+};
+template <>
+struct IntRange<uint8_t> {
+  static constexpr int64_t lo = 0, hi = 255;
+};
+template <>
+struct IntRange<int32_t> {
+  static constexpr int64_t lo = -2147483648LL, hi = 2147483647LL;
+};
+
+// float -> integer as the contract says: NaN -> 0, the fraction dropped (toward zero), saturated at the type's
+// range.  The range ends are compared as floats: lo (0 or -2^k) is exact; hi (2^k - 1) may round up to 2^k
+// (int32), but then x >= 2^k saturates and anything below it truncates to a value that fits.
+template <typename T>
+__host__ __device__ T float_to_int(float x) {
+  if (x != x) return 0;  // NaN
+  if (x <= static_cast<float>(IntRange<T>::lo)) return static_cast<T>(IntRange<T>::lo);
+  if (x >= static_cast<float>(IntRange<T>::hi)) return static_cast<T>(IntRange<T>::hi);
+  return static_cast<T>(x);  // C++'s float -> int conversion truncates toward zero
+}
+
+// float32 -> float16 / bfloat16: to nearest, ties to even, overflow to ±inf (__float2half_rn,
+// __float2bfloat16_rn).  Only NaN is handled by hand: CUDA returns one canonical NaN (0x7FFF), while NumPy
+// keeps the sign and the payload's top bits (float16) or gives the quiet NaN of the same sign (ml_dtypes'
+// bfloat16).  Doing as NumPy does gives a converted NaN the same bits on every backend.
+__host__ __device__ inline __half float_to_half(float x) {
+  if (x != x) {
+    const uint32_t bits = float_bits(x);
+    const uint32_t sign = (bits >> 16) & 0x8000u;
+    unsigned short h = static_cast<unsigned short>(sign | 0x7C00u | ((bits & 0x7FFFFFu) >> 13));
+    if ((h & 0x3FFu) == 0) h |= 1u;  // the payload's top 10 bits were all zero: keep it a NaN, not inf
+    return __ushort_as_half(h);
+  }
+  return __float2half_rn(x);
+}
+
+__host__ __device__ inline __nv_bfloat16 float_to_bfloat16(float x) {
+  if (x != x) return __ushort_as_bfloat16(static_cast<unsigned short>((float_bits(x) >> 31) ? 0xFFC0u : 0x7FC0u));
+  return __float2bfloat16_rn(x);
+}
+
+// A float32 result stored as T: the one rounding of every computation.
+template <typename T>
+__host__ __device__ T from_float(float x) {
+  if constexpr (std::is_same_v<T, float>) {
+    return x;
+  } else if constexpr (std::is_same_v<T, __half>) {
+    return float_to_half(x);
+  } else if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    return float_to_bfloat16(x);
+  } else {
+    return float_to_int<T>(x);
+  }
+}
+
+// One element of storage type In as storage type Out (compact / ewise_setitem across dtypes: astype).
+// The same type is copied bit for bit; integer -> integer saturates (through int64, which holds every value of
+// both); everything else goes through float32 (exact except int32 past 2^24) and from_float, which rounds once.
+template <typename Out, typename In>
+__host__ __device__ Out convert(In x) {
+  if constexpr (std::is_same_v<Out, In>) {
+    return x;
+  } else if constexpr (std::is_integral_v<Out> && std::is_integral_v<In>) {
+    const int64_t v = x;
+    const int64_t clamped = v < IntRange<Out>::lo ? IntRange<Out>::lo : (v > IntRange<Out>::hi ? IntRange<Out>::hi : v);
+    return static_cast<Out>(clamped);
+  } else {
+    return from_float<Out>(to_float(x));
+  }
+}
+
+// A row or column index stored in any dtype; the host has checked it is an integer in range before any kernel
+// reads it.  Integers are used as they are: an int32 index past 2^24 would not survive a trip through float.
+template <typename T>
+__device__ int64_t to_index(T v) {
+  if constexpr (std::is_integral_v<T>) {
+    return v;
+  } else {
+    return static_cast<int64_t>(to_float(v));
+  }
+}
+
+// ---- From a run-time dtype to a compile-time type -----------------------------------------------------------
+//
+// visit_dtype(dtype, f) calls f(TypeTag<T>()) with the storage type T of `dtype`.  f is a generic lambda that
+// reads T back as `TypeOf<decltype(tag)>` and launches its kernel for T.  These switches are the only places
+// where a dtype becomes a type, so each operation's launch is written once.
+
+template <typename T>
+struct TypeTag {
+  using type = T;
+};
+template <typename Tag>
+using TypeOf = typename Tag::type;
+
+template <typename Visit>
+void visit_dtype(DType dtype, Visit&& visit) {
+  switch (dtype) {
+    case DType::kFloat32: return visit(TypeTag<float>());
+    case DType::kFloat16: return visit(TypeTag<__half>());
+    case DType::kBFloat16: return visit(TypeTag<__nv_bfloat16>());
+    case DType::kInt8: return visit(TypeTag<int8_t>());
+    case DType::kUInt8: return visit(TypeTag<uint8_t>());
+    case DType::kInt32: return visit(TypeTag<int32_t>());
+  }
+}
+
+// The floating dtypes only.  The arithmetic functions check their dtypes before they get here, so their kernels
+// are never instantiated for an integer type.
+template <typename Visit>
+void visit_floating(DType dtype, Visit&& visit) {
+  switch (dtype) {
+    case DType::kFloat32: return visit(TypeTag<float>());
+    case DType::kFloat16: return visit(TypeTag<__half>());
+    case DType::kBFloat16: return visit(TypeTag<__nv_bfloat16>());
+    default: throw std::logic_error("needle cuda: visit_floating: an integer dtype got past the dtype checks");
+  }
+}
+
+// ------------------------------------------------------------------------------------------------------------
+// 3. Allocator
 // ------------------------------------------------------------------------------------------------------------
 //
 // cudaMalloc and cudaFree are slow (cudaFree also waits for the whole device), and a training step creates and
@@ -84,13 +298,14 @@ void check_kernel(const char* kernel_name) {
 // Rounding wastes at most 512 bytes on small blocks and under 2 MiB on large ones, while making it likely that
 // the next request of a similar size finds a block of exactly its class.  A block is only reused for requests
 // of exactly its class (no splitting): simple, and the cache is emptied and the malloc retried before giving up.
+// Blocks are untyped bytes: an array of any dtype may reuse a block another dtype freed.
 //
-// Statistics are exact: current_bytes counts the bytes *requested* by live arrays (size * 4), not the rounded
-// block sizes; reserved_bytes counts everything held from the driver (live blocks plus cached free blocks).
+// Statistics are exact: current_bytes counts the bytes *requested* by live arrays (size * itemsize), not the
+// rounded block sizes; reserved_bytes counts everything held from the driver (live blocks plus cached free
+// blocks).
 //
 // No locking: every call into this module comes from Python holding the GIL, which serializes them.
 
-constexpr size_t kElemSize = sizeof(float);
 constexpr size_t kSmallRound = 512;                   // small blocks: 512-byte multiples
 constexpr size_t kLargeThreshold = size_t(1) << 20;  // requests above 1 MiB are "large"
 constexpr size_t kLargeRound = size_t(2) << 20;       // large blocks: 2 MiB multiples
@@ -106,14 +321,14 @@ constexpr size_t block_size_for(size_t bytes) {
 class CachingAllocator {
  public:
   // A block for a new Array of `bytes` bytes.  Applies the memory limit and updates the statistics.
-  float* allocate_array(size_t bytes, size_t* block_bytes) {
+  void* allocate_array(size_t bytes, size_t* block_bytes) {
     if (limit_bytes_ != 0 && bytes > 0 && current_bytes_ + bytes > limit_bytes_) {
       std::ostringstream msg;
       msg << "needle cuda: memory limit exceeded: asked " << bytes << " bytes, " << current_bytes_
           << " bytes held by live arrays, limit " << limit_bytes_ << " bytes";
       throw OutOfMemory(msg.str());
     }
-    float* ptr = nullptr;
+    void* ptr = nullptr;
     *block_bytes = 0;
     if (bytes > 0) {  // an empty Array owns no device memory (and needs no GPU)
       *block_bytes = block_size_for(bytes);
@@ -126,7 +341,7 @@ class CachingAllocator {
   }
 
   // The Array died: its block goes back to the free list (never to the driver; see empty_cache).
-  void free_array(float* ptr, size_t bytes, size_t block_bytes) noexcept {
+  void free_array(void* ptr, size_t bytes, size_t block_bytes) noexcept {
     if (ptr != nullptr) release_block(ptr, block_bytes);
     current_bytes_ -= bytes;
     live_arrays_ -= 1;
@@ -134,10 +349,10 @@ class CachingAllocator {
 
   // A block of size class `block_bytes`, from the cache or else from the driver.  It is not counted in the
   // array statistics here (allocate_array does that), so ScratchBuffer uses it directly.
-  float* acquire_block(size_t requested_bytes, size_t block_bytes) {
-    std::vector<float*>& free_list = free_blocks_[block_bytes];
+  void* acquire_block(size_t requested_bytes, size_t block_bytes) {
+    std::vector<void*>& free_list = free_blocks_[block_bytes];
     if (!free_list.empty()) {  // cache hit: no driver call at all
-      float* ptr = free_list.back();  // most recently freed first: likely still in L2
+      void* ptr = free_list.back();  // most recently freed first: likely still in L2
       free_list.pop_back();
       return ptr;
     }
@@ -163,10 +378,10 @@ class CachingAllocator {
     }
     check_cuda(err, "cudaMalloc");  // anything else (no device, driver too old, ...) is a RuntimeError
     reserved_bytes_ += block_bytes;
-    return static_cast<float*>(ptr);
+    return ptr;
   }
 
-  void release_block(float* ptr, size_t block_bytes) noexcept {
+  void release_block(void* ptr, size_t block_bytes) noexcept {
     // push_back can only fail by running out of host memory; the block is then leaked, never crashed on.
     try {
       free_blocks_[block_bytes].push_back(ptr);
@@ -179,7 +394,7 @@ class CachingAllocator {
   void empty_cache() {
     cudaError_t first_error = cudaSuccess;
     for (auto& size_and_list : free_blocks_) {
-      for (float* ptr : size_and_list.second) {
+      for (void* ptr : size_and_list.second) {
         const cudaError_t err = cudaFree(ptr);
         if (err != cudaSuccess && first_error == cudaSuccess) first_error = err;
         reserved_bytes_ -= size_and_list.first;
@@ -198,7 +413,7 @@ class CachingAllocator {
   size_t reserved_bytes() const { return reserved_bytes_; }
 
  private:
-  std::unordered_map<size_t, std::vector<float*>> free_blocks_;  // size class -> free blocks of that class
+  std::unordered_map<size_t, std::vector<void*>> free_blocks_;  // size class -> free blocks of that class
   size_t current_bytes_ = 0;   // bytes requested by live arrays
   size_t peak_bytes_ = 0;      // max of current_bytes_ since the last reset
   size_t live_arrays_ = 0;     // number of live arrays
@@ -223,43 +438,53 @@ class ScratchBuffer {
   ~ScratchBuffer() { allocator().release_block(ptr_, block_bytes_); }
   ScratchBuffer(const ScratchBuffer&) = delete;
   ScratchBuffer& operator=(const ScratchBuffer&) = delete;
-  float* get() const { return ptr_; }
+  void* get() const { return ptr_; }
 
  private:
   size_t block_bytes_;
-  float* ptr_ = nullptr;
+  void* ptr_ = nullptr;
 };
 
 // ------------------------------------------------------------------------------------------------------------
-// 3. CudaArray
+// 4. CudaArray
 // ------------------------------------------------------------------------------------------------------------
 
-// A flat buffer of `size` float32 values in device memory.  Python's NDArray keeps one as its `_handle`.
+// A flat buffer of `size` elements of `dtype` in device memory.  Python's NDArray keeps one as its `_handle`.
 struct CudaArray {
-  explicit CudaArray(size_t num_elements) : size(num_elements) {
-    if (size > kMaxBytes / kElemSize) {
-      throw OutOfMemory("needle cuda: out of memory: asked for " + std::to_string(size) + " float32 elements");
+  CudaArray(size_t num_elements, const std::string& requested_dtype)
+      : size(num_elements), dtype(parse_dtype(requested_dtype)), itemsize(dtype_info(dtype).itemsize) {
+    if (size > kMaxBytes / itemsize) {
+      throw OutOfMemory("needle cuda: out of memory: asked for " + std::to_string(size) + " " + requested_dtype +
+                        " elements");
     }
-    ptr = allocator().allocate_array(size * kElemSize, &block_bytes);
+    ptr = allocator().allocate_array(size * itemsize, &block_bytes);
   }
-  ~CudaArray() { allocator().free_array(ptr, size * kElemSize, block_bytes); }
+  ~CudaArray() { allocator().free_array(ptr, size * itemsize, block_bytes); }
   CudaArray(const CudaArray&) = delete;  // one owner per block
   CudaArray& operator=(const CudaArray&) = delete;
 
   size_t ptr_as_int() const { return reinterpret_cast<size_t>(ptr); }
 
   size_t size;              // in elements
-  size_t block_bytes = 0;   // size class of the block (>= size * 4); 0 when size == 0
-  float* ptr = nullptr;     // nullptr when size == 0
+  DType dtype;              // what the elements are
+  size_t itemsize;          // bytes per element
+  size_t block_bytes = 0;   // size class of the block (>= size * itemsize); 0 when size == 0
+  void* ptr = nullptr;      // nullptr when size == 0
 };
 
+// The buffer of `array` as T*.  The caller has checked (or dispatched on) array.dtype, so T is its storage type.
+template <typename T>
+T* data(const CudaArray& array) {
+  return static_cast<T*>(array.ptr);
+}
+
 // ------------------------------------------------------------------------------------------------------------
-// 4. Launch helpers
+// 5. Launch helpers
 // ------------------------------------------------------------------------------------------------------------
 //
 // Element-wise kernels use grid-stride loops: thread t handles elements t, t + T, t + 2T, ... where T is the
 // number of threads in the grid.  Any n then works with a bounded grid, and each warp still touches 32
-// consecutive floats at a time (coalesced).
+// consecutive elements at a time (coalesced).
 
 constexpr int kBlockSize = 256;       // threads per block for the element-wise kernels
 constexpr int64_t kMaxBlocks = 4096;  // 4096 * 256 = 1M threads: more than any current GPU runs at once
@@ -276,7 +501,7 @@ __device__ int64_t first_index() { return int64_t(blockIdx.x) * blockDim.x + thr
 __device__ int64_t grid_stride() { return int64_t(gridDim.x) * blockDim.x; }
 
 // ------------------------------------------------------------------------------------------------------------
-// 5. Kernels
+// 6. Kernels
 // ------------------------------------------------------------------------------------------------------------
 
 // ---- Strided views ----------------------------------------------------------------------------------------
@@ -311,29 +536,65 @@ __device__ int64_t strided_index(const StridedView& view, int64_t i) {
   return pos;
 }
 
-// out[i] = a[view(i)]: gather a strided view into a compact buffer.
-__global__ void compact_kernel(const float* a, float* out, int64_t n, StridedView view) {
-  for (int64_t i = first_index(); i < n; i += grid_stride()) out[i] = a[strided_index(view, i)];
+// out[i] = a[view(i)]: gather a strided view into a compact buffer, converted to out's type (astype).
+template <typename In, typename Out>
+__global__ void compact_kernel(const In* a, Out* out, int64_t n, StridedView view) {
+  for (int64_t i = first_index(); i < n; i += grid_stride()) out[i] = convert<Out>(a[strided_index(view, i)]);
 }
 
 // out[view(i)] = a[i]: the inverse scatter.
-__global__ void ewise_setitem_kernel(const float* a, float* out, int64_t n, StridedView view) {
-  for (int64_t i = first_index(); i < n; i += grid_stride()) out[strided_index(view, i)] = a[i];
+template <typename In, typename Out>
+__global__ void ewise_setitem_kernel(const In* a, Out* out, int64_t n, StridedView view) {
+  for (int64_t i = first_index(); i < n; i += grid_stride()) out[strided_index(view, i)] = convert<Out>(a[i]);
 }
 
-// out[view(i)] = val.
-__global__ void scalar_setitem_kernel(float val, float* out, int64_t n, StridedView view) {
+// out[view(i)] = val (already converted to T on the host).
+template <typename T>
+__global__ void scalar_setitem_kernel(T val, T* out, int64_t n, StridedView view) {
   for (int64_t i = first_index(); i < n; i += grid_stride()) out[strided_index(view, i)] = val;
 }
 
-__global__ void fill_kernel(float* out, int64_t n, float val) {
+template <typename T>
+__global__ void fill_kernel(T* out, int64_t n, T val) {
   for (int64_t i = first_index(); i < n; i += grid_stride()) out[i] = val;
+}
+
+// ---- Stochastic rounding to bfloat16 ----------------------------------------------------------------------
+//
+// bfloat16 keeps the upper 16 bits of a float32.  Adding a uniform 16-bit random number to the lower 16 bits
+// before truncating rounds up with probability (lower bits) / 2^16: the expected result is the exact value, so
+// tiny updates to bfloat16 weights are not all lost to round-to-nearest.  The random number is a hash of the
+// element's index and the seed (no state): the same bits on every backend and every launch shape.
+
+// Chris Wellons' "lowbias32" integer hash (src/README.md spells it out for all backends).
+__host__ __device__ inline uint32_t lowbias32(uint32_t h) {
+  h ^= h >> 16;
+  h *= 0x7feb352du;
+  h ^= h >> 15;
+  h *= 0x846ca68bu;
+  h ^= h >> 16;
+  return h;
+}
+
+// Element i of float32 x rounded stochastically to bfloat16; seed_hash = uint32(seed * 0x9E3779B9).
+__host__ __device__ inline __nv_bfloat16 round_stochastic_element(float x, int64_t i, uint32_t seed_hash) {
+  const uint32_t bits = float_bits(x);
+  if ((bits & 0x7F800000u) == 0x7F800000u) return from_float<__nv_bfloat16>(x);  // NaN and ±inf as compact does
+  // A finite float's bits are at most 0xFF7FFFFF, so adding 0xFFFF cannot wrap; the largest values may carry
+  // into the exponent and give ±inf, exactly as the contract's formula says.
+  const uint32_t noise = lowbias32(static_cast<uint32_t>(i) ^ seed_hash) & 0xFFFFu;
+  return __ushort_as_bfloat16(static_cast<unsigned short>((bits + noise) >> 16));
+}
+
+__global__ void round_stochastic_kernel(const float* a, __nv_bfloat16* out, int64_t n, uint32_t seed_hash) {
+  for (int64_t i = first_index(); i < n; i += grid_stride()) out[i] = round_stochastic_element(a[i], i, seed_hash);
 }
 
 // ---- Element-wise operations ------------------------------------------------------------------------------
 //
 // One small functor per operation and three generic kernels (array-array, array-scalar, unary).  The functor
 // is a template argument, so the compiler inlines it: each instantiation is as fast as a hand-written kernel.
+// The functors work on float; the kernels load each element with to_float and store with from_float<T>.
 
 struct AddOp {
   __device__ float operator()(float a, float b) const { return a + b; }
@@ -373,24 +634,25 @@ struct TanhOp {
   __device__ float operator()(float a) const { return tanhf(a); }
 };
 
-template <typename Op>
-__global__ void ewise_kernel(const float* a, const float* b, float* out, int64_t n, Op op) {
-  for (int64_t i = first_index(); i < n; i += grid_stride()) out[i] = op(a[i], b[i]);
+template <typename T, typename Op>
+__global__ void ewise_kernel(const T* a, const T* b, T* out, int64_t n, Op op) {
+  for (int64_t i = first_index(); i < n; i += grid_stride()) out[i] = from_float<T>(op(to_float(a[i]), to_float(b[i])));
 }
 
-template <typename Op>
-__global__ void scalar_kernel(const float* a, float val, float* out, int64_t n, Op op) {
-  for (int64_t i = first_index(); i < n; i += grid_stride()) out[i] = op(a[i], val);
+template <typename T, typename Op>
+__global__ void scalar_kernel(const T* a, float val, T* out, int64_t n, Op op) {
+  for (int64_t i = first_index(); i < n; i += grid_stride()) out[i] = from_float<T>(op(to_float(a[i]), val));
 }
 
-template <typename Op>
-__global__ void unary_kernel(const float* a, float* out, int64_t n, Op op) {
-  for (int64_t i = first_index(); i < n; i += grid_stride()) out[i] = op(a[i]);
+template <typename T, typename Op>
+__global__ void unary_kernel(const T* a, T* out, int64_t n, Op op) {
+  for (int64_t i = first_index(); i < n; i += grid_stride()) out[i] = from_float<T>(op(to_float(a[i])));
 }
 
 // The same three on strided views (ewise_strided, scalar_strided, unary_strided): every operand is a view of
 // the output's shape, read at strided_index(view, i), so a broadcast operand (stride 0) or a transposed one is
-// never copied first.  out is compact: consecutive threads still write consecutive floats.
+// never copied first.  out is compact: consecutive threads still write consecutive floats.  float32 only
+// (ndarray.py hands non-compact 16-bit operands to the compact kernels above as compact copies).
 template <typename Op>
 __global__ void ewise_strided_kernel(const float* a, StridedView va, const float* b, StridedView vb, float* out,
                                      int64_t n, Op op) {
@@ -417,6 +679,7 @@ __global__ void unary_strided_kernel(const float* a, StridedView va, float* out,
 //   2. each warp combines its 32 partial results with shuffles (no shared memory, no __syncthreads);
 //   3. warp 0 combines the per-warp results staged in shared memory.
 // The combination order is fixed for a given launch shape, so results are deterministic run to run.
+// Partial results are floats whatever the storage type: only the row's result is rounded to T.
 
 constexpr int kReduceMaxThreads = 256;
 constexpr int64_t kReduceMaxBlocks = 65536;
@@ -441,24 +704,24 @@ __device__ float warp_reduce(float value, Op op) {
 }
 
 // blockDim.x must be a multiple of 32 and at most kReduceMaxThreads (the host wrapper guarantees both).
-template <typename Op>
-__global__ void reduce_kernel(const float* a, float* out, int64_t rows, int64_t reduce_size, Op op) {
+template <typename T, typename Op>
+__global__ void reduce_kernel(const T* a, T* out, int64_t rows, int64_t reduce_size, Op op) {
   __shared__ float warp_results[kReduceMaxThreads / kWarpSize];
   const int lane = static_cast<int>(threadIdx.x) % kWarpSize;
   const int warp = static_cast<int>(threadIdx.x) / kWarpSize;
   const int num_warps = static_cast<int>(blockDim.x) / kWarpSize;
 
   for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
-    const float* in = a + row * reduce_size;
+    const T* in = a + row * reduce_size;
     float acc = Op::identity();
-    for (int64_t j = threadIdx.x; j < reduce_size; j += blockDim.x) acc = op(acc, in[j]);  // stage 1
-    acc = warp_reduce(acc, op);                                                            // stage 2
+    for (int64_t j = threadIdx.x; j < reduce_size; j += blockDim.x) acc = op(acc, to_float(in[j]));  // stage 1
+    acc = warp_reduce(acc, op);                                                                       // stage 2
     if (lane == 0) warp_results[warp] = acc;
     __syncthreads();
-    if (warp == 0) {                                                                       // stage 3
+    if (warp == 0) {                                                                                  // stage 3
       acc = lane < num_warps ? warp_results[lane] : Op::identity();
       acc = warp_reduce(acc, op);
-      if (lane == 0) out[row] = acc;
+      if (lane == 0) out[row] = from_float<T>(acc);
     }
     __syncthreads();  // warp_results is overwritten for the next row
   }
@@ -489,24 +752,28 @@ __device__ float block_reduce(float acc, Op op) {
 // One block per row of `a` (rows, reduce_size): lse = m + log Σ exp(x - m), m the row's maximum (a row whose
 // maximum is not finite gives m).  Writes lse[row] if `lse` is given; if `grad` is given, also the softmax
 // cross-entropy gradient grad[row, j] = g[row] * (exp(x_j - lse) - [j == idx[row]]), the row read again.
-__global__ void logsumexp_rows_kernel(const float* a, float* lse, const float* idx, const float* g, float* grad,
-                                      int64_t rows, int64_t reduce_size) {
+// lse stays a float inside the kernel: the gradient uses the unrounded value.
+template <typename T, typename TIdx>
+__global__ void logsumexp_rows_kernel(const T* a, T* lse, const TIdx* idx, const T* g, T* grad, int64_t rows,
+                                      int64_t reduce_size) {
   for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
-    const float* in = a + row * reduce_size;
+    const T* in = a + row * reduce_size;
     float m = MaxReduce::identity();
-    for (int64_t j = threadIdx.x; j < reduce_size; j += blockDim.x) m = MaxReduce()(m, in[j]);
+    for (int64_t j = threadIdx.x; j < reduce_size; j += blockDim.x) m = MaxReduce()(m, to_float(in[j]));
     m = block_reduce(m, MaxReduce());
     float total = 0.0f;
     if (isfinite(m)) {
-      for (int64_t j = threadIdx.x; j < reduce_size; j += blockDim.x) total += expf(in[j] - m);
+      for (int64_t j = threadIdx.x; j < reduce_size; j += blockDim.x) total += expf(to_float(in[j]) - m);
     }
     total = block_reduce(total, SumReduce());
     const float row_lse = isfinite(m) ? m + logf(total) : m;
-    if (lse != nullptr && threadIdx.x == 0) lse[row] = row_lse;
+    if (lse != nullptr && threadIdx.x == 0) lse[row] = from_float<T>(row_lse);
     if (grad != nullptr) {
-      const int64_t label = static_cast<int64_t>(idx[row]);
+      const int64_t label = to_index(idx[row]);
+      const float g_row = to_float(g[row]);
       for (int64_t j = threadIdx.x; j < reduce_size; j += blockDim.x) {
-        grad[row * reduce_size + j] = g[row] * (expf(in[j] - row_lse) - (j == label ? 1.0f : 0.0f));
+        grad[row * reduce_size + j] =
+            from_float<T>(g_row * (expf(to_float(in[j]) - row_lse) - (j == label ? 1.0f : 0.0f)));
       }
     }
   }
@@ -523,6 +790,8 @@ __global__ void logsumexp_rows_kernel(const float* a, float* lse, const float* i
 // memory is used 4 times).  Thread (tx, ty) owns rows ty + 16*i and columns tx + 16*j of the tile: consecutive
 // threads own consecutive columns, so both the shared-memory reads and the final global stores are contiguous.
 // Out-of-range elements are staged as zeros, so any m, n, p work.
+// a and b are of storage type TIn and widened to float as they are staged, so the tiles and the accumulators
+// are float32 for every dtype; out (TOut: TIn, or float32 for 16-bit inputs) is rounded once, at the end.
 
 constexpr int kMmTileRows = 64;                                    // rows of `out` per block
 constexpr int kMmTileCols = 64;                                    // columns of `out` per block
@@ -538,10 +807,12 @@ constexpr int64_t kMaxGridZ = 65535;                               // and of gri
 // loads write (16 k's x 2 rows) per warp; rows padded to 64 + 2 floats put those 32 stores in 32 distinct banks.
 constexpr int kMmATilePitch = kMmTileRows + 2;
 
-__device__ void matmul_tile(const float* a, const float* b, float* out, int64_t m, int64_t n, int64_t p);
+template <typename TIn, typename TOut>
+__device__ void matmul_tile(const TIn* a, const TIn* b, TOut* out, int64_t m, int64_t n, int64_t p);
 
+template <typename TIn, typename TOut>
 __global__ void __launch_bounds__(kMmThreads)
-    matmul_kernel(const float* a, const float* b, float* out, int64_t batch, int64_t m, int64_t n, int64_t p) {
+    matmul_kernel(const TIn* a, const TIn* b, TOut* out, int64_t batch, int64_t m, int64_t n, int64_t p) {
   // Every thread of a block runs the same iterations, so the __syncthreads inside matmul_tile are reached by all.
   for (int64_t z = blockIdx.z; z < batch; z += gridDim.z) {
     matmul_tile(a + z * m * n, b + z * n * p, out + z * m * p, m, n, p);
@@ -549,7 +820,8 @@ __global__ void __launch_bounds__(kMmThreads)
 }
 
 // This block's 64 x 64 tile of one product.
-__device__ void matmul_tile(const float* a, const float* b, float* out, int64_t m, int64_t n, int64_t p) {
+template <typename TIn, typename TOut>
+__device__ void matmul_tile(const TIn* a, const TIn* b, TOut* out, int64_t m, int64_t n, int64_t p) {
   __shared__ float a_tile[kMmTileDepth][kMmATilePitch];
   __shared__ float b_tile[kMmTileDepth][kMmTileCols];
 
@@ -567,7 +839,7 @@ __device__ void matmul_tile(const float* a, const float* b, float* out, int64_t 
       const int k = e % kMmTileDepth;
       const int64_t gr = row0 + r;
       const int64_t gk = k0 + k;
-      a_tile[k][r] = (gr < m && gk < n) ? a[gr * n + gk] : 0.0f;
+      a_tile[k][r] = (gr < m && gk < n) ? to_float(a[gr * n + gk]) : 0.0f;
     }
     // Stage b[k0 : k0+16, col0 : col0+64] (consecutive threads read consecutive columns: coalesced).
     for (int e = tid; e < kMmTileDepth * kMmTileCols; e += kMmThreads) {
@@ -575,7 +847,7 @@ __device__ void matmul_tile(const float* a, const float* b, float* out, int64_t 
       const int c = e % kMmTileCols;
       const int64_t gk = k0 + k;
       const int64_t gc = col0 + c;
-      b_tile[k][c] = (gk < n && gc < p) ? b[gk * p + gc] : 0.0f;
+      b_tile[k][c] = (gk < n && gc < p) ? to_float(b[gk * p + gc]) : 0.0f;
     }
     __syncthreads();  // the slices are complete before anyone reads them
 
@@ -602,7 +874,7 @@ __device__ void matmul_tile(const float* a, const float* b, float* out, int64_t 
     for (int j = 0; j < kMmThreadCols; ++j) {
       const int64_t gr = row0 + ty + i * kMmThreadsY;
       const int64_t gc = col0 + tx + j * kMmThreadsX;
-      if (gr < m && gc < p) out[gr * p + gc] = acc[i][j];
+      if (gr < m && gc < p) out[gr * p + gc] = from_float<TOut>(acc[i][j]);
     }
   }
 }
@@ -610,7 +882,7 @@ __device__ void matmul_tile(const float* a, const float* b, float* out, int64_t 
 // The course's tiled layout: an (R, C) matrix stored as an (R/T, C/T, T, T) array, i.e. tile (ti, tj) is a
 // compact T x T block at ((ti * (C/T) + tj) * T * T), and element (r, c) of a tile sits at r * T + c.
 // a is (m/T, n/T, T, T), b is (n/T, p/T, T, T) and out is (m/T, p/T, T, T).  One thread per output element:
-// simple rather than fast; `matmul` is the fast kernel.
+// simple rather than fast; `matmul` is the fast kernel.  float32 only.
 constexpr int kTile = 8;
 
 __global__ void matmul_tiled_kernel(const float* a, const float* b, float* out, int64_t m, int64_t n, int64_t p) {
@@ -636,50 +908,57 @@ __global__ void matmul_tiled_kernel(const float* a, const float* b, float* out, 
 }
 
 // ---- Row gather / scatter (embeddings) --------------------------------------------------------------------
-// Indices arrive as float32 values already checked on the host to be integers in range.
+// Indices arrive in any dtype (TIdx), already checked on the host to be integers in range; to_index reads them.
 
 // out[i, j] = a[idx[i], j]; one thread per output element, consecutive threads along a row (coalesced).
-__global__ void take_rows_kernel(const float* a, const float* idx, float* out, int64_t n, int64_t row_size) {
+// A plain copy, so it works for every dtype (a and out of one dtype T).
+template <typename T, typename TIdx>
+__global__ void take_rows_kernel(const T* a, const TIdx* idx, T* out, int64_t n, int64_t row_size) {
   for (int64_t e = first_index(); e < n; e += grid_stride()) {
     const int64_t i = e / row_size;
     const int64_t j = e % row_size;
-    out[e] = a[static_cast<int64_t>(idx[i]) * row_size + j];
+    out[e] = a[to_index(idx[i]) * row_size + j];
   }
 }
 
 // out[idx[i], j] += src[i, j] for i = 0, 1, 2, ... in order.  One thread per column j walks all i itself:
 // with repeated indices, atomicAdd from many threads would sum in a different order each run (float addition
-// is not associative), so results would not be reproducible.  Here every column is summed in index order.
-__global__ void scatter_add_rows_kernel(const float* src, const float* idx, float* out, int64_t num_idx,
-                                        int64_t row_size) {
+// is not associative), so results would not be reproducible.  Here every column is summed in index order,
+// each addition rounded to T as a NumPy `out[r] += src[i]` would be.
+template <typename T, typename TIdx>
+__global__ void scatter_add_rows_kernel(const T* src, const TIdx* idx, T* out, int64_t num_idx, int64_t row_size) {
   for (int64_t j = first_index(); j < row_size; j += grid_stride()) {
     for (int64_t i = 0; i < num_idx; ++i) {
-      out[static_cast<int64_t>(idx[i]) * row_size + j] += src[i * row_size + j];
+      T& target = out[to_index(idx[i]) * row_size + j];
+      target = from_float<T>(to_float(target) + to_float(src[i * row_size + j]));
     }
   }
 }
 
 // out[i] = a[i, idx[i]] (a viewed as (n, row_size)): the logit at each row's label, with no one-hot matrix.
-__global__ void take_along_rows_kernel(const float* a, const float* idx, float* out, int64_t n, int64_t row_size) {
+template <typename T, typename TIdx>
+__global__ void take_along_rows_kernel(const T* a, const TIdx* idx, T* out, int64_t n, int64_t row_size) {
   for (int64_t i = first_index(); i < n; i += grid_stride()) {
-    out[i] = a[i * row_size + static_cast<int64_t>(idx[i])];
+    out[i] = a[i * row_size + to_index(idx[i])];
   }
 }
 
 // out[i, idx[i]] += src[i]: each row is touched by exactly one thread, so no atomics are needed.
-__global__ void scatter_along_rows_kernel(const float* src, const float* idx, float* out, int64_t n,
-                                          int64_t row_size) {
+template <typename T, typename TIdx>
+__global__ void scatter_along_rows_kernel(const T* src, const TIdx* idx, T* out, int64_t n, int64_t row_size) {
   for (int64_t i = first_index(); i < n; i += grid_stride()) {
-    out[i * row_size + static_cast<int64_t>(idx[i])] += src[i];
+    T& target = out[i * row_size + to_index(idx[i])];
+    target = from_float<T>(to_float(target) + to_float(src[i]));
   }
 }
 
 // ------------------------------------------------------------------------------------------------------------
-// 6. Host wrappers
+// 7. Host wrappers
 // ------------------------------------------------------------------------------------------------------------
 //
 // Python validates views before they get here; these checks are the cheap second line that keeps a bug on the
-// Python side from becoming a device fault.  py::value_error becomes ValueError, py::index_error IndexError.
+// Python side from becoming a device fault.  py::value_error becomes ValueError, py::index_error IndexError,
+// py::type_error TypeError (a dtype a function does not take).
 
 int64_t as_int64(size_t n) { return static_cast<int64_t>(n); }
 
@@ -689,6 +968,60 @@ void check_size(const char* fn, const char* what, size_t actual, size_t expected
                           " elements, expected " + std::to_string(expected));
   }
 }
+
+// ---- Dtype checks -----------------------------------------------------------------------------------------
+
+// An argument as the error messages name it.
+struct Arg {
+  const char* name;
+  const CudaArray& array;
+};
+
+// "a float16, b float32, out float32"
+std::string describe_dtypes(std::initializer_list<Arg> args) {
+  std::string text;
+  for (const Arg& arg : args) {
+    if (!text.empty()) text += ", ";
+    text += std::string(arg.name) + " " + dtype_name(arg.array.dtype);
+  }
+  return text;
+}
+
+// The arithmetic functions: every array of one floating dtype.
+void check_floating(const char* fn, std::initializer_list<Arg> args) {
+  const DType first = args.begin()->array.dtype;
+  bool ok = dtype_info(first).floating;
+  for (const Arg& arg : args) ok = ok && arg.array.dtype == first;
+  if (!ok) {
+    throw py::type_error(std::string("needle cuda: ") + fn +
+                         ": expects floating arrays (float32, float16 or bfloat16) all of one dtype, got " +
+                         describe_dtypes(args));
+  }
+}
+
+// The strided functions and matmul_tiled: float32 only.
+void check_float32(const char* fn, std::initializer_list<Arg> args) {
+  for (const Arg& arg : args) {
+    if (arg.array.dtype != DType::kFloat32) {
+      throw py::type_error(std::string("needle cuda: ") + fn + ": expects float32 arrays only, got " +
+                           describe_dtypes(args));
+    }
+  }
+}
+
+// matmul / matmul_batched: a and b of one floating dtype, and out of that dtype too, or float32 for 16-bit a
+// and b (the float32 accumulator kept rather than rounded to 16 bits).
+void check_matmul_dtypes(const char* fn, const CudaArray& a, const CudaArray& b, const CudaArray& out) {
+  const bool inputs_ok = dtype_info(a.dtype).floating && b.dtype == a.dtype;
+  const bool out_ok = out.dtype == a.dtype || out.dtype == DType::kFloat32;
+  if (!inputs_ok || !out_ok) {
+    throw py::type_error(std::string("needle cuda: ") + fn +
+                         ": expects floating a and b of one dtype and out of that dtype or float32, got " +
+                         describe_dtypes({{"a", a}, {"b", b}, {"out", out}}));
+  }
+}
+
+// ---- Views ------------------------------------------------------------------------------------------------
 
 // Builds the kernel-side view and checks that every element it reaches lies inside a buffer of buffer_size.
 // Returns the number of elements of the view in *count.
@@ -778,6 +1111,8 @@ void check_out(const char* fn, const CudaArray& out, int64_t count, const CudaAr
   }
 }
 
+// ---- Strided element-wise (float32 only) ------------------------------------------------------------------
+
 // Calls visit(op) with the functor of the binary operation named `name`.
 template <typename Visit>
 void with_binary_op(const char* fn, const std::string& name, Visit visit) {
@@ -797,6 +1132,7 @@ void with_binary_op(const char* fn, const std::string& name, Visit visit) {
 void ewise_strided(const std::string& op, const CudaArray& a, const std::vector<int64_t>& a_strides,
                    int64_t a_offset, const CudaArray& b, const std::vector<int64_t>& b_strides, int64_t b_offset,
                    CudaArray& out, const std::vector<int64_t>& shape) {
+  check_float32("ewise_strided", {{"a", a}, {"b", b}, {"out", out}});
   const Operand ops[2] = {{"a", &a_strides, a_offset, a.size}, {"b", &b_strides, b_offset, b.size}};
   StridedView views[2];
   int64_t n = 0;
@@ -804,13 +1140,15 @@ void ewise_strided(const std::string& op, const CudaArray& a, const std::vector<
   check_out("ewise_strided", out, n, a, &b);
   with_binary_op("ewise_strided", op, [&](auto f) {
     if (n == 0) return;
-    ewise_strided_kernel<<<grid_for(n), kBlockSize>>>(a.ptr, views[0], b.ptr, views[1], out.ptr, n, f);
+    ewise_strided_kernel<<<grid_for(n), kBlockSize>>>(data<float>(a), views[0], data<float>(b), views[1],
+                                                      data<float>(out), n, f);
     check_kernel("ewise_strided");
   });
 }
 
 void scalar_strided(const std::string& op, const CudaArray& a, const std::vector<int64_t>& strides, int64_t offset,
                     float val, CudaArray& out, const std::vector<int64_t>& shape) {
+  check_float32("scalar_strided", {{"a", a}, {"out", out}});
   const Operand ops[1] = {{"a", &strides, offset, a.size}};
   StridedView views[1];
   int64_t n = 0;
@@ -818,13 +1156,14 @@ void scalar_strided(const std::string& op, const CudaArray& a, const std::vector
   check_out("scalar_strided", out, n, a, nullptr);
   with_binary_op("scalar_strided", op, [&](auto f) {
     if (n == 0) return;
-    scalar_strided_kernel<<<grid_for(n), kBlockSize>>>(a.ptr, views[0], val, out.ptr, n, f);
+    scalar_strided_kernel<<<grid_for(n), kBlockSize>>>(data<float>(a), views[0], val, data<float>(out), n, f);
     check_kernel("scalar_strided");
   });
 }
 
 void unary_strided(const std::string& op, const CudaArray& a, const std::vector<int64_t>& strides, int64_t offset,
                    CudaArray& out, const std::vector<int64_t>& shape) {
+  check_float32("unary_strided", {{"a", a}, {"out", out}});
   const Operand ops[1] = {{"a", &strides, offset, a.size}};
   StridedView views[1];
   int64_t n = 0;
@@ -832,7 +1171,7 @@ void unary_strided(const std::string& op, const CudaArray& a, const std::vector<
   check_out("unary_strided", out, n, a, nullptr);
   auto launch = [&](auto f) {
     if (n == 0) return;
-    unary_strided_kernel<<<grid_for(n), kBlockSize>>>(a.ptr, views[0], out.ptr, n, f);
+    unary_strided_kernel<<<grid_for(n), kBlockSize>>>(data<float>(a), views[0], data<float>(out), n, f);
     check_kernel("unary_strided");
   };
   if (op == "log") return launch(LogOp());
@@ -841,13 +1180,21 @@ void unary_strided(const std::string& op, const CudaArray& a, const std::vector<
   throw py::value_error("needle cuda: unary_strided: unknown op '" + op + "' (expected log, exp or tanh)");
 }
 
+// ---- Copies and conversions (every dtype) -----------------------------------------------------------------
+
 void compact(const CudaArray& a, CudaArray& out, const std::vector<int64_t>& shape,
              const std::vector<int64_t>& strides, int64_t offset) {
   int64_t n = 0;
   const StridedView view = make_view("compact", a.size, shape, strides, offset, &n);
   check_size("compact", "out", out.size, static_cast<size_t>(n));
   if (n == 0) return;  // a grid of zero blocks is an invalid launch
-  compact_kernel<<<grid_for(n), kBlockSize>>>(a.ptr, out.ptr, n, view);
+  visit_dtype(a.dtype, [&](auto in_tag) {
+    visit_dtype(out.dtype, [&](auto out_tag) {
+      using In = TypeOf<decltype(in_tag)>;
+      using Out = TypeOf<decltype(out_tag)>;
+      compact_kernel<<<grid_for(n), kBlockSize>>>(data<In>(a), data<Out>(out), n, view);
+    });
+  });
   check_kernel("compact");
 }
 
@@ -857,66 +1204,160 @@ void ewise_setitem(const CudaArray& a, CudaArray& out, const std::vector<int64_t
   const StridedView view = make_view("ewise_setitem", out.size, shape, strides, offset, &n);
   check_size("ewise_setitem", "a", a.size, static_cast<size_t>(n));
   if (n == 0) return;
-  ewise_setitem_kernel<<<grid_for(n), kBlockSize>>>(a.ptr, out.ptr, n, view);
+  visit_dtype(a.dtype, [&](auto in_tag) {
+    visit_dtype(out.dtype, [&](auto out_tag) {
+      using In = TypeOf<decltype(in_tag)>;
+      using Out = TypeOf<decltype(out_tag)>;
+      ewise_setitem_kernel<<<grid_for(n), kBlockSize>>>(data<In>(a), data<Out>(out), n, view);
+    });
+  });
   check_kernel("ewise_setitem");
 }
 
-void scalar_setitem(size_t size, float val, CudaArray& out, const std::vector<int64_t>& shape,
+// The value of fill and scalar_setitem, read as the NumPy reference's `convert` reads it: an integer (a Python
+// or NumPy int, or a bool) stays an integer, so an integer buffer receives it exactly (saturated); anything
+// else is a float and becomes a float32 first, like every Python float in this module.
+struct ScalarValue {
+  bool is_integer;
+  int64_t integer;  // when is_integer
+  float real;       // otherwise
+};
+
+ScalarValue read_scalar(const py::object& val) {
+  if (PyIndex_Check(val.ptr())) {  // ints, bools and NumPy integers; floats have no __index__
+    const py::object index = py::reinterpret_steal<py::object>(PyNumber_Index(val.ptr()));
+    if (!index) throw py::error_already_set();
+    int overflow = 0;
+    const long long integer = PyLong_AsLongLongAndOverflow(index.ptr(), &overflow);
+    if (overflow == 0) return {true, integer, 0.0f};
+    // Past int64 it is read as a float (NumPy makes an object array of it, then a float32 of that).
+  }
+  const double real = PyFloat_AsDouble(val.ptr());
+  if (real == -1.0 && PyErr_Occurred()) throw py::error_already_set();
+  return {false, 0, static_cast<float>(real)};
+}
+
+// That value in storage type T, converted once on the host with the kernels' own from_float.
+template <typename T>
+T scalar_to(const ScalarValue& val) {
+  if (!val.is_integer) return from_float<T>(val.real);
+  if constexpr (std::is_integral_v<T>) {
+    return static_cast<T>(std::clamp<int64_t>(val.integer, IntRange<T>::lo, IntRange<T>::hi));
+  } else {
+    return from_float<T>(static_cast<float>(val.integer));
+  }
+}
+
+void scalar_setitem(size_t size, const py::object& val, CudaArray& out, const std::vector<int64_t>& shape,
                     const std::vector<int64_t>& strides, int64_t offset) {
   int64_t n = 0;
   const StridedView view = make_view("scalar_setitem", out.size, shape, strides, offset, &n);
   check_size("scalar_setitem", "the view", static_cast<size_t>(n), size);
+  const ScalarValue value = read_scalar(val);
   if (n == 0) return;
-  scalar_setitem_kernel<<<grid_for(n), kBlockSize>>>(val, out.ptr, n, view);
+  visit_dtype(out.dtype, [&](auto tag) {
+    using T = TypeOf<decltype(tag)>;
+    scalar_setitem_kernel<<<grid_for(n), kBlockSize>>>(scalar_to<T>(value), data<T>(out), n, view);
+  });
   check_kernel("scalar_setitem");
 }
 
-void fill(CudaArray& out, float val) {
+void fill(CudaArray& out, const py::object& val) {
+  const ScalarValue value = read_scalar(val);
   const int64_t n = as_int64(out.size);
   if (n == 0) return;
-  fill_kernel<<<grid_for(n), kBlockSize>>>(out.ptr, n, val);
+  visit_dtype(out.dtype, [&](auto tag) {
+    using T = TypeOf<decltype(tag)>;
+    fill_kernel<<<grid_for(n), kBlockSize>>>(data<T>(out), n, scalar_to<T>(value));
+  });
   check_kernel("fill");
 }
 
+// uint32(seed * 0x9E3779B9), with seed = int(seed) as in the reference (any Python integer, or a float, which
+// int() truncates).  It depends only on seed modulo 2^32, which PyLong_AsUnsignedLongLongMask gives for any
+// integer (negative, or past 64 bits) in two's complement, as Python's `seed & 0xFFFFFFFF` would.
+uint32_t seed_hash_of(const py::object& seed) {
+  const py::int_ integer(seed);  // PyNumber_Long, i.e. int(seed); raises TypeError / ValueError otherwise
+  return static_cast<uint32_t>(PyLong_AsUnsignedLongLongMask(integer.ptr())) * 0x9E3779B9u;
+}
+
+// float32 a -> bfloat16 out of the same size, rounded stochastically with the seed.
+void round_stochastic(const CudaArray& a, CudaArray& out, const py::object& seed) {
+  if (a.dtype != DType::kFloat32 || out.dtype != DType::kBFloat16 || a.size != out.size) {
+    throw py::type_error("needle cuda: round_stochastic: expects float32 a and bfloat16 out of one size, got a " +
+                         std::string(dtype_name(a.dtype)) + " (" + std::to_string(a.size) + "), out " +
+                         dtype_name(out.dtype) + " (" + std::to_string(out.size) + ")");
+  }
+  const uint32_t seed_hash = seed_hash_of(seed);
+  const int64_t n = as_int64(out.size);
+  if (n == 0) return;
+  round_stochastic_kernel<<<grid_for(n), kBlockSize>>>(data<float>(a), data<__nv_bfloat16>(out), n, seed_hash);
+  check_kernel("round_stochastic");
+}
+
+// ---- Element-wise on compact arrays (floating dtypes) -----------------------------------------------------
+
 template <typename Op>
 void ewise_op(const char* name, const CudaArray& a, const CudaArray& b, CudaArray& out, Op op) {
+  check_floating(name, {{"a", a}, {"b", b}, {"out", out}});
   check_size(name, "a", a.size, out.size);
   check_size(name, "b", b.size, out.size);
   const int64_t n = as_int64(out.size);
   if (n == 0) return;
-  ewise_kernel<<<grid_for(n), kBlockSize>>>(a.ptr, b.ptr, out.ptr, n, op);
+  visit_floating(out.dtype, [&](auto tag) {
+    using T = TypeOf<decltype(tag)>;
+    ewise_kernel<<<grid_for(n), kBlockSize>>>(data<T>(a), data<T>(b), data<T>(out), n, op);
+  });
   check_kernel(name);
 }
 
 template <typename Op>
 void scalar_op(const char* name, const CudaArray& a, float val, CudaArray& out, Op op) {
+  check_floating(name, {{"a", a}, {"out", out}});
   check_size(name, "a", a.size, out.size);
   const int64_t n = as_int64(out.size);
   if (n == 0) return;
-  scalar_kernel<<<grid_for(n), kBlockSize>>>(a.ptr, val, out.ptr, n, op);
+  visit_floating(out.dtype, [&](auto tag) {
+    using T = TypeOf<decltype(tag)>;
+    scalar_kernel<<<grid_for(n), kBlockSize>>>(data<T>(a), val, data<T>(out), n, op);
+  });
   check_kernel(name);
 }
 
 template <typename Op>
 void unary_op(const char* name, const CudaArray& a, CudaArray& out, Op op) {
+  check_floating(name, {{"a", a}, {"out", out}});
   check_size(name, "a", a.size, out.size);
   const int64_t n = as_int64(out.size);
   if (n == 0) return;
-  unary_kernel<<<grid_for(n), kBlockSize>>>(a.ptr, out.ptr, n, op);
+  visit_floating(out.dtype, [&](auto tag) {
+    using T = TypeOf<decltype(tag)>;
+    unary_kernel<<<grid_for(n), kBlockSize>>>(data<T>(a), data<T>(out), n, op);
+  });
   check_kernel(name);
+}
+
+// ---- Reductions (floating dtypes) -------------------------------------------------------------------------
+
+// Threads for one row of reduce_size elements: enough whole warps to cover the row once, at most
+// kReduceMaxThreads, so short rows do not idle 256 threads.
+unsigned reduce_threads(size_t reduce_size) {
+  const int64_t row_threads = ceil_div(std::max<int64_t>(as_int64(reduce_size), 1), kWarpSize) * kWarpSize;
+  return static_cast<unsigned>(std::min<int64_t>(row_threads, kReduceMaxThreads));
 }
 
 template <typename Op>
 void reduce_op(const char* name, const CudaArray& a, CudaArray& out, size_t reduce_size, Op op) {
+  check_floating(name, {{"a", a}, {"out", out}});
   check_size(name, "a", a.size, out.size * reduce_size);
   const int64_t rows = as_int64(out.size);
   if (rows == 0) return;
-  // Enough whole warps to cover a row once, at most kReduceMaxThreads: short rows do not idle 256 threads.
-  const int64_t row_threads = ceil_div(std::max<int64_t>(as_int64(reduce_size), 1), kWarpSize) * kWarpSize;
-  const int64_t threads = std::min<int64_t>(row_threads, kReduceMaxThreads);
-  const int64_t blocks = std::min(rows, kReduceMaxBlocks);
-  reduce_kernel<<<static_cast<unsigned>(blocks), static_cast<unsigned>(threads)>>>(a.ptr, out.ptr, rows,
-                                                                                   as_int64(reduce_size), op);
+  const unsigned blocks = static_cast<unsigned>(std::min(rows, kReduceMaxBlocks));
+  visit_floating(out.dtype, [&](auto tag) {
+    using T = TypeOf<decltype(tag)>;
+    reduce_kernel<<<blocks, reduce_threads(reduce_size)>>>(data<T>(a), data<T>(out), rows, as_int64(reduce_size),
+                                                           op);
+  });
   check_kernel(name);
 }
 
@@ -931,7 +1372,23 @@ void reduce_max(const CudaArray& a, CudaArray& out, size_t reduce_size) {
   reduce_op("reduce_max", a, out, reduce_size, MaxReduce());
 }
 
+// ---- Matrix multiplication --------------------------------------------------------------------------------
+
+// Launches matmul_kernel for the dtypes of a, b and out (already checked by check_matmul_dtypes).
+void launch_matmul(const dim3& grid, const CudaArray& a, const CudaArray& b, CudaArray& out, int64_t batch,
+                   int64_t m, int64_t n, int64_t p) {
+  visit_floating(a.dtype, [&](auto tag) {
+    using T = TypeOf<decltype(tag)>;
+    if (out.dtype == a.dtype) {
+      matmul_kernel<<<grid, kMmThreads>>>(data<T>(a), data<T>(b), data<T>(out), batch, m, n, p);
+    } else {  // 16-bit a and b, float32 out
+      matmul_kernel<<<grid, kMmThreads>>>(data<T>(a), data<T>(b), data<float>(out), batch, m, n, p);
+    }
+  });
+}
+
 void matmul(const CudaArray& a, const CudaArray& b, CudaArray& out, size_t m, size_t n, size_t p) {
+  check_matmul_dtypes("matmul", a, b, out);
   check_size("matmul", "a", a.size, m * n);
   check_size("matmul", "b", b.size, n * p);
   check_size("matmul", "out", out.size, m * p);
@@ -942,13 +1399,14 @@ void matmul(const CudaArray& a, const CudaArray& b, CudaArray& out, size_t m, si
   }
   // Row tiles go in grid x (limit 2^31 - 1): tall matrices are the common case.
   const dim3 grid(static_cast<unsigned>(ceil_div(as_int64(m), kMmTileRows)), static_cast<unsigned>(col_blocks));
-  matmul_kernel<<<grid, kMmThreads>>>(a.ptr, b.ptr, out.ptr, 1, as_int64(m), as_int64(n), as_int64(p));
+  launch_matmul(grid, a, b, out, 1, as_int64(m), as_int64(n), as_int64(p));
   check_kernel("matmul");
 }
 
 // out[i] = a[i] @ b[i] for a (batch, m, n), b (batch, n, p), out (batch, m, p): one launch, the batch in grid z.
 void matmul_batched(const CudaArray& a, const CudaArray& b, CudaArray& out, size_t batch, size_t m, size_t n,
                     size_t p) {
+  check_matmul_dtypes("matmul_batched", a, b, out);
   check_size("matmul_batched", "a", a.size, batch * m * n);
   check_size("matmul_batched", "b", b.size, batch * n * p);
   check_size("matmul_batched", "out", out.size, batch * m * p);
@@ -963,12 +1421,12 @@ void matmul_batched(const CudaArray& a, const CudaArray& b, CudaArray& out, size
   }
   const dim3 grid(static_cast<unsigned>(ceil_div(as_int64(m), kMmTileRows)), static_cast<unsigned>(col_blocks),
                   static_cast<unsigned>(std::min<int64_t>(as_int64(batch), kMaxGridZ)));
-  matmul_kernel<<<grid, kMmThreads>>>(a.ptr, b.ptr, out.ptr, as_int64(batch), as_int64(m), as_int64(n),
-                                      as_int64(p));
+  launch_matmul(grid, a, b, out, as_int64(batch), as_int64(m), as_int64(n), as_int64(p));
   check_kernel("matmul_batched");
 }
 
 void matmul_tiled(const CudaArray& a, const CudaArray& b, CudaArray& out, size_t m, size_t n, size_t p) {
+  check_float32("matmul_tiled", {{"a", a}, {"b", b}, {"out", out}});
   constexpr size_t tile = kTile;
   if (m % tile != 0 || n % tile != 0 || p % tile != 0) {
     throw py::value_error("needle cuda: matmul_tiled: m, n, p must be multiples of " + std::to_string(kTile));
@@ -978,13 +1436,15 @@ void matmul_tiled(const CudaArray& a, const CudaArray& b, CudaArray& out, size_t
   check_size("matmul_tiled", "out", out.size, m * p);
   const int64_t total = as_int64(m * p);
   if (total == 0) return;
-  matmul_tiled_kernel<<<grid_for(total), kBlockSize>>>(a.ptr, b.ptr, out.ptr, as_int64(m), as_int64(n),
-                                                       as_int64(p));
+  matmul_tiled_kernel<<<grid_for(total), kBlockSize>>>(data<float>(a), data<float>(b), data<float>(out),
+                                                       as_int64(m), as_int64(n), as_int64(p));
   check_kernel("matmul_tiled");
 }
 
+// ---- Row gather / scatter ---------------------------------------------------------------------------------
+
 // Formats an index value for an error message: 7 rather than 7.000000, but 2.5 and nan as they are.
-std::string format_index(float value) {
+std::string format_index(double value) {
   std::ostringstream s;
   if (std::isfinite(value) && value == std::floor(value)) {
     s << static_cast<long long>(value);
@@ -994,27 +1454,52 @@ std::string format_index(float value) {
   return s.str();
 }
 
-// Copies the indices to the host and checks each is an integer in [0, rows).  The copy waits for the device;
-// that cost buys a Python IndexError *before* any kernel could read out of bounds.
-void check_row_indices(const char* fn, const CudaArray& idx, int64_t rows) {
-  if (idx.size == 0) return;
-  std::vector<float> host(idx.size);
-  check_cuda(cudaMemcpy(host.data(), idx.ptr, idx.size * kElemSize, cudaMemcpyDeviceToHost),
-             "cudaMemcpy (reading row indices)");
-  for (size_t i = 0; i < host.size(); ++i) {
-    const float v = host[i];
-    if (!std::isfinite(v) || v != std::floor(v)) {
-      throw py::index_error(std::string("needle cuda: ") + fn + ": index " + format_index(v) + " (idx[" +
-                            std::to_string(i) + "]) is not an integer");
-    }
-    if (v < 0.0f || static_cast<double>(v) >= static_cast<double>(rows)) {  // double: exact for any row count
-      throw py::index_error(std::string("needle cuda: ") + fn + ": index " + format_index(v) + " (idx[" +
-                            std::to_string(i) + "]) is out of range for " + std::to_string(rows) + " rows");
-    }
+// An index as the host reads it: exactly, int32 included (a double holds every value of every storage type).
+template <typename T>
+double index_value(T x) {
+  if constexpr (std::is_integral_v<T>) {
+    return static_cast<double>(x);
+  } else {
+    return static_cast<double>(to_float(x));
   }
 }
 
+// Copies the indices (of any dtype) to the host and checks each is an integer in [0, rows).  The copy waits for
+// the device; that cost buys a Python IndexError *before* any kernel could read out of bounds.
+void check_row_indices(const char* fn, const CudaArray& idx, int64_t rows) {
+  if (idx.size == 0) return;
+  visit_dtype(idx.dtype, [&](auto tag) {
+    using T = TypeOf<decltype(tag)>;
+    std::vector<T> host(idx.size);
+    check_cuda(cudaMemcpy(host.data(), idx.ptr, idx.size * sizeof(T), cudaMemcpyDeviceToHost),
+               "cudaMemcpy (reading row indices)");
+    for (size_t i = 0; i < host.size(); ++i) {
+      const double v = index_value(host[i]);
+      if (!std::isfinite(v) || v != std::floor(v)) {
+        throw py::index_error(std::string("needle cuda: ") + fn + ": index " + format_index(v) + " (idx[" +
+                              std::to_string(i) + "]) is not an integer");
+      }
+      if (v < 0.0 || v >= static_cast<double>(rows)) {  // double: exact for any row count
+        throw py::index_error(std::string("needle cuda: ") + fn + ": index " + format_index(v) + " (idx[" +
+                              std::to_string(i) + "]) is out of range for " + std::to_string(rows) + " rows");
+      }
+    }
+  });
+}
+
+// Calls launch(TypeTag<T>(), TypeTag<TIdx>()) for the floating dtype of the data and any dtype of idx.
+template <typename Launch>
+void visit_floating_and_index(DType data_dtype, DType idx_dtype, Launch&& launch) {
+  visit_floating(data_dtype, [&](auto data_tag) {
+    visit_dtype(idx_dtype, [&](auto idx_tag) { launch(data_tag, idx_tag); });
+  });
+}
+
 void take_rows(const CudaArray& a, const CudaArray& idx, CudaArray& out, size_t row_size) {
+  if (a.dtype != out.dtype) {
+    throw py::type_error("needle cuda: take_rows: expects a and out of one dtype, got " +
+                         describe_dtypes({{"a", a}, {"out", out}}));
+  }
   if (row_size == 0) throw py::value_error("needle cuda: take_rows: row_size must be positive");
   if (a.size % row_size != 0) {
     throw py::value_error("needle cuda: take_rows: a has " + std::to_string(a.size) +
@@ -1024,11 +1509,20 @@ void take_rows(const CudaArray& a, const CudaArray& idx, CudaArray& out, size_t 
   check_row_indices("take_rows", idx, as_int64(a.size / row_size));
   const int64_t n = as_int64(out.size);
   if (n == 0) return;
-  take_rows_kernel<<<grid_for(n), kBlockSize>>>(a.ptr, idx.ptr, out.ptr, n, as_int64(row_size));
+  // A copy: every dtype of a (not only the floating ones), with indices of every dtype.
+  visit_dtype(a.dtype, [&](auto data_tag) {
+    visit_dtype(idx.dtype, [&](auto idx_tag) {
+      using T = TypeOf<decltype(data_tag)>;
+      using TIdx = TypeOf<decltype(idx_tag)>;
+      take_rows_kernel<<<grid_for(n), kBlockSize>>>(data<T>(a), data<TIdx>(idx), data<T>(out), n,
+                                                    as_int64(row_size));
+    });
+  });
   check_kernel("take_rows");
 }
 
 void scatter_add_rows(const CudaArray& src, const CudaArray& idx, CudaArray& out, size_t row_size) {
+  check_floating("scatter_add_rows", {{"src", src}, {"out", out}});
   if (row_size == 0) throw py::value_error("needle cuda: scatter_add_rows: row_size must be positive");
   if (out.size % row_size != 0) {
     throw py::value_error("needle cuda: scatter_add_rows: out has " + std::to_string(out.size) +
@@ -1038,62 +1532,90 @@ void scatter_add_rows(const CudaArray& src, const CudaArray& idx, CudaArray& out
   check_row_indices("scatter_add_rows", idx, as_int64(out.size / row_size));
   if (idx.size == 0) return;
   const int64_t columns = as_int64(row_size);
-  scatter_add_rows_kernel<<<grid_for(columns), kBlockSize>>>(src.ptr, idx.ptr, out.ptr, as_int64(idx.size),
-                                                             columns);
+  visit_floating_and_index(out.dtype, idx.dtype, [&](auto data_tag, auto idx_tag) {
+    using T = TypeOf<decltype(data_tag)>;
+    using TIdx = TypeOf<decltype(idx_tag)>;
+    scatter_add_rows_kernel<<<grid_for(columns), kBlockSize>>>(data<T>(src), data<TIdx>(idx), data<T>(out),
+                                                               as_int64(idx.size), columns);
+  });
   check_kernel("scatter_add_rows");
 }
 
 // Threads per row as reduce_op chooses them, blocks up to kReduceMaxBlocks (grid-stride over more rows).
-void logsumexp_rows(const char* name, const CudaArray& a, float* lse, const float* idx, const float* g,
-                    float* grad, int64_t rows, size_t reduce_size) {
+// Without idx, g and grad (reduce_logsumexp) TIdx is float and idx is nullptr.
+template <typename T, typename TIdx>
+void logsumexp_rows(const char* name, const T* a, T* lse, const TIdx* idx, const T* g, T* grad, int64_t rows,
+                    size_t reduce_size) {
   if (rows == 0) return;
-  const int64_t row_threads = ceil_div(std::max<int64_t>(as_int64(reduce_size), 1), kWarpSize) * kWarpSize;
-  const int64_t threads = std::min<int64_t>(row_threads, kReduceMaxThreads);
-  const int64_t blocks = std::min(rows, kReduceMaxBlocks);
-  logsumexp_rows_kernel<<<static_cast<unsigned>(blocks), static_cast<unsigned>(threads)>>>(
-      a.ptr, lse, idx, g, grad, rows, as_int64(reduce_size));
+  const unsigned blocks = static_cast<unsigned>(std::min(rows, kReduceMaxBlocks));
+  logsumexp_rows_kernel<<<blocks, reduce_threads(reduce_size)>>>(a, lse, idx, g, grad, rows, as_int64(reduce_size));
   check_kernel(name);
 }
 
 void reduce_logsumexp(const CudaArray& a, CudaArray& out, size_t reduce_size) {
+  check_floating("reduce_logsumexp", {{"a", a}, {"out", out}});
   if (reduce_size == 0 && out.size > 0) {
     throw py::value_error("needle cuda: reduce_logsumexp: cannot reduce over zero elements");
   }
   check_size("reduce_logsumexp", "a", a.size, out.size * reduce_size);
-  logsumexp_rows("reduce_logsumexp", a, out.ptr, nullptr, nullptr, nullptr, as_int64(out.size), reduce_size);
+  visit_floating(a.dtype, [&](auto tag) {
+    using T = TypeOf<decltype(tag)>;
+    logsumexp_rows<T, float>("reduce_logsumexp", data<T>(a), data<T>(out), nullptr, nullptr, nullptr,
+                             as_int64(out.size), reduce_size);
+  });
 }
 
 void softmax_xent_grad(const CudaArray& a, const CudaArray& idx, const CudaArray& g, CudaArray& out,
                        size_t row_size) {
+  check_floating("softmax_xent_grad", {{"a", a}, {"g", g}, {"out", out}});
   if (row_size == 0) throw py::value_error("needle cuda: softmax_xent_grad: row_size must be positive");
   check_size("softmax_xent_grad", "a", a.size, idx.size * row_size);
   check_size("softmax_xent_grad", "g", g.size, idx.size);
   check_size("softmax_xent_grad", "out", out.size, idx.size * row_size);
   check_row_indices("softmax_xent_grad", idx, as_int64(row_size));
-  logsumexp_rows("softmax_xent_grad", a, nullptr, idx.ptr, g.ptr, out.ptr, as_int64(idx.size), row_size);
+  visit_floating_and_index(a.dtype, idx.dtype, [&](auto data_tag, auto idx_tag) {
+    using T = TypeOf<decltype(data_tag)>;
+    using TIdx = TypeOf<decltype(idx_tag)>;
+    logsumexp_rows<T, TIdx>("softmax_xent_grad", data<T>(a), nullptr, data<TIdx>(idx), data<T>(g), data<T>(out),
+                            as_int64(idx.size), row_size);
+  });
 }
 
 void take_along_rows(const CudaArray& a, const CudaArray& idx, CudaArray& out, size_t row_size) {
+  check_floating("take_along_rows", {{"a", a}, {"out", out}});
   if (row_size == 0) throw py::value_error("needle cuda: take_along_rows: row_size must be positive");
   check_size("take_along_rows", "a", a.size, idx.size * row_size);
   check_size("take_along_rows", "out", out.size, idx.size);
   check_row_indices("take_along_rows", idx, as_int64(row_size));
   const int64_t n = as_int64(idx.size);
   if (n == 0) return;
-  take_along_rows_kernel<<<grid_for(n), kBlockSize>>>(a.ptr, idx.ptr, out.ptr, n, as_int64(row_size));
+  visit_floating_and_index(a.dtype, idx.dtype, [&](auto data_tag, auto idx_tag) {
+    using T = TypeOf<decltype(data_tag)>;
+    using TIdx = TypeOf<decltype(idx_tag)>;
+    take_along_rows_kernel<<<grid_for(n), kBlockSize>>>(data<T>(a), data<TIdx>(idx), data<T>(out), n,
+                                                        as_int64(row_size));
+  });
   check_kernel("take_along_rows");
 }
 
 void scatter_along_rows(const CudaArray& src, const CudaArray& idx, CudaArray& out, size_t row_size) {
+  check_floating("scatter_along_rows", {{"src", src}, {"out", out}});
   if (row_size == 0) throw py::value_error("needle cuda: scatter_along_rows: row_size must be positive");
   check_size("scatter_along_rows", "out", out.size, idx.size * row_size);
   check_size("scatter_along_rows", "src", src.size, idx.size);
   check_row_indices("scatter_along_rows", idx, as_int64(row_size));
   const int64_t n = as_int64(idx.size);
   if (n == 0) return;
-  scatter_along_rows_kernel<<<grid_for(n), kBlockSize>>>(src.ptr, idx.ptr, out.ptr, n, as_int64(row_size));
+  visit_floating_and_index(out.dtype, idx.dtype, [&](auto data_tag, auto idx_tag) {
+    using T = TypeOf<decltype(data_tag)>;
+    using TIdx = TypeOf<decltype(idx_tag)>;
+    scatter_along_rows_kernel<<<grid_for(n), kBlockSize>>>(data<T>(src), data<TIdx>(idx), data<T>(out), n,
+                                                           as_int64(row_size));
+  });
   check_kernel("scatter_along_rows");
 }
+
+// ---- NumPy transfers --------------------------------------------------------------------------------------
 
 // True when (shape, strides) is the row-major compact layout, so the view is one contiguous run of memory.
 bool is_compact_layout(const std::vector<int64_t>& shape, const std::vector<int64_t>& strides) {
@@ -1105,19 +1627,23 @@ bool is_compact_layout(const std::vector<int64_t>& shape, const std::vector<int6
   return true;
 }
 
-py::array_t<float> to_numpy(const CudaArray& a, const std::vector<int64_t>& shape,
-                            const std::vector<int64_t>& strides, int64_t offset) {
+// A C-contiguous numpy array of the storage type (bfloat16: its bit patterns as uint16).
+py::array to_numpy(const CudaArray& a, const std::vector<int64_t>& shape, const std::vector<int64_t>& strides,
+                   int64_t offset) {
   int64_t n = 0;
   const StridedView view = make_view("to_numpy", a.size, shape, strides, offset, &n);
-  py::array_t<float> result(std::vector<py::ssize_t>(shape.begin(), shape.end()));
+  py::array result(py::dtype(dtype_info(a.dtype).numpy), std::vector<py::ssize_t>(shape.begin(), shape.end()));
   if (n == 0) return result;
-  const size_t bytes = static_cast<size_t>(n) * kElemSize;
+  const size_t bytes = static_cast<size_t>(n) * a.itemsize;
   if (is_compact_layout(shape, strides)) {  // already contiguous: copy straight from the buffer
-    check_cuda(cudaMemcpy(result.mutable_data(), a.ptr + offset, bytes, cudaMemcpyDeviceToHost),
-               "cudaMemcpy (to_numpy)");
+    const char* start = static_cast<const char*>(a.ptr) + static_cast<size_t>(offset) * a.itemsize;
+    check_cuda(cudaMemcpy(result.mutable_data(), start, bytes, cudaMemcpyDeviceToHost), "cudaMemcpy (to_numpy)");
   } else {  // compact on the device first, then one contiguous copy
     ScratchBuffer scratch(bytes);
-    compact_kernel<<<grid_for(n), kBlockSize>>>(a.ptr, scratch.get(), n, view);
+    visit_dtype(a.dtype, [&](auto tag) {
+      using T = TypeOf<decltype(tag)>;
+      compact_kernel<<<grid_for(n), kBlockSize>>>(data<T>(a), static_cast<T*>(scratch.get()), n, view);
+    });
     check_kernel("compact");
     check_cuda(cudaMemcpy(result.mutable_data(), scratch.get(), bytes, cudaMemcpyDeviceToHost),
                "cudaMemcpy (to_numpy)");
@@ -1125,11 +1651,19 @@ py::array_t<float> to_numpy(const CudaArray& a, const std::vector<int64_t>& shap
   return result;
 }
 
-// forcecast: any numpy array is converted to contiguous float32 first, so the copy below is always valid.
-void from_numpy(const py::array_t<float, py::array::c_style | py::array::forcecast>& a, CudaArray& out) {
-  check_size("from_numpy", "the numpy array", static_cast<size_t>(a.size()), out.size);
+// Copies the bytes of a numpy array of out's storage type (bfloat16: its uint16 bit patterns, or an
+// ml_dtypes.bfloat16 array) into out, as the reference does: the array, made C-contiguous when it is not, must
+// have out's element count and itemsize.  The values are not converted: ndarray.py converts before it calls.
+void from_numpy(const py::object& source, CudaArray& out) {
+  const py::array array = py::array::ensure(source, py::array::c_style);
+  if (!array) throw py::type_error("needle cuda: from_numpy: expects a numpy array");
+  if (static_cast<size_t>(array.size()) != out.size || static_cast<size_t>(array.itemsize()) != out.itemsize) {
+    throw py::value_error("needle cuda: from_numpy: got " + std::to_string(array.size()) + " elements of " +
+                          std::to_string(array.itemsize()) + " bytes for an Array of " + std::to_string(out.size) +
+                          " " + dtype_name(out.dtype) + " elements of " + std::to_string(out.itemsize) + " bytes");
+  }
   if (out.size == 0) return;
-  check_cuda(cudaMemcpy(out.ptr, a.data(), out.size * kElemSize, cudaMemcpyHostToDevice),
+  check_cuda(cudaMemcpy(out.ptr, array.data(), out.size * out.itemsize, cudaMemcpyHostToDevice),
              "cudaMemcpy (from_numpy)");
 }
 
@@ -1165,12 +1699,13 @@ void def_unary(py::module_& m, const char* name, Op op) {
 }  // namespace needle
 
 // ------------------------------------------------------------------------------------------------------------
-// 7. Bindings
+// 8. Bindings
 // ------------------------------------------------------------------------------------------------------------
 
 PYBIND11_MODULE(ndarray_backend_cuda, m) {
   using namespace needle::cuda;
-  m.doc() = "needle CUDA backend: flat float32 device buffers and the kernels of src/README.md";
+  m.doc() = "needle CUDA backend: flat device buffers (float32, float16, bfloat16, int8, uint8, int32) and the "
+            "kernels of src/README.md";
   m.attr("__device_name__") = "cuda";
   m.attr("__tile_size__") = kTile;
 
@@ -1184,9 +1719,11 @@ PYBIND11_MODULE(ndarray_backend_cuda, m) {
   });
 
   py::class_<CudaArray>(m, "Array")
-      .def(py::init<size_t>(), py::arg("size"))
+      .def(py::init<size_t, const std::string&>(), py::arg("size"), py::arg("dtype") = "float32")
       .def("ptr", &CudaArray::ptr_as_int)
-      .def_readonly("size", &CudaArray::size);
+      .def_readonly("size", &CudaArray::size)
+      .def_property_readonly("dtype", [](const CudaArray& a) { return dtype_name(a.dtype); })
+      .def_readonly("itemsize", &CudaArray::itemsize);
 
   m.def("to_numpy", to_numpy);
   m.def("from_numpy", from_numpy);
@@ -1194,6 +1731,7 @@ PYBIND11_MODULE(ndarray_backend_cuda, m) {
   m.def("compact", compact);
   m.def("ewise_setitem", ewise_setitem);
   m.def("scalar_setitem", scalar_setitem);
+  m.def("round_stochastic", round_stochastic);
 
   def_ewise(m, "ewise_add", AddOp());
   def_ewise(m, "ewise_mul", MulOp());

@@ -9,7 +9,6 @@ import functools
 import importlib
 import math
 
-import ml_dtypes
 import numpy as np
 
 from . import ndarray_backend_numpy
@@ -242,15 +241,8 @@ def set_memory_limit(nbytes, device=None):
 # ----- dtypes ---------------------------------------------------------------------------------------------------
 # Storage dtypes and their NumPy types (bfloat16 from ml_dtypes). Arithmetic is float32 whatever the storage
 # (src/README.md, "Dtypes"): a 16-bit op computes in float32 and rounds its result once.
-DTYPES = {
-    "float32": np.dtype(np.float32),
-    "float16": np.dtype(np.float16),
-    "bfloat16": np.dtype(ml_dtypes.bfloat16),
-    "int8": np.dtype(np.int8),
-    "uint8": np.dtype(np.uint8),
-    "int32": np.dtype(np.int32),
-}
-FLOATS = ("float32", "float16", "bfloat16")
+DTYPES = ndarray_backend_numpy.DTYPES  # name -> NumPy dtype, as the reference backend (the spec) defines
+FLOATS = ndarray_backend_numpy.FLOATS
 
 
 @functools.lru_cache(maxsize=64)
