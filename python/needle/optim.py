@@ -40,6 +40,8 @@ class Optimizer:
 
     def __init__(self, params, master_weights=None, stochastic_rounding=False):
         self.params = list(params)
+        if stochastic_rounding and master_weights is None:
+            master_weights = False  # stochastic rounding is how pure 16-bit training keeps tiny updates
         self.master_weights = master_weights
         self.stochastic_rounding = bool(stochastic_rounding)
         self.master = {}  # 16-bit parameter -> its float32 master copy

@@ -642,7 +642,9 @@ class NDArray:
         return self.ewise_or_scalar(other, self.device.mod.ewise_div, self.device.mod.scalar_div, "div")
 
     def __rtruediv__(self, other):
-        return self.device.full(self.shape, other, self._dtype) / self
+        if self._dtype != "float32":  # one float32 division, rounded once (never the scalar rounded first)
+            return (other / self.astype("float32")).astype(self._dtype)
+        return self.device.full(self.shape, other) / self
 
     def __neg__(self):
         return self * (-1.0)
@@ -964,6 +966,8 @@ def pad(a, axes):
 
 def stack(arrays, axis=0):
     arrays = list(arrays)
+    dtype = functools.reduce(promote_types, [a.dtype for a in arrays])  # as every op on mixed dtypes
+    arrays = [a if a.dtype == dtype else a.astype(dtype) for a in arrays]
     shape = arrays[0].shape
     if any(a.shape != shape for a in arrays):
         raise ValueError(f"stack: all arrays need one shape, got {[a.shape for a in arrays]}")

@@ -168,7 +168,8 @@ def stochastic_bfloat16(values, seed):
     h *= np.uint32(0x846CA68B)
     h ^= h >> np.uint32(16)
     bits = ((values.view(np.uint32) + (h & np.uint32(0xFFFF))) >> np.uint32(16)).astype(np.uint16)
-    nearest = values.astype(ml_dtypes.bfloat16).view(np.uint16)
+    with np.errstate(invalid="ignore"):  # a signalling NaN converts quietly, as in convert()
+        nearest = values.astype(ml_dtypes.bfloat16).view(np.uint16)
     return np.where(np.isfinite(values), bits, nearest).view(ml_dtypes.bfloat16)
 
 

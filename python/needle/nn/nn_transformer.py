@@ -159,7 +159,8 @@ class Transformer(Module):
         if T > self.sequence_len:
             raise ValueError(f"Transformer: sequence length {T} exceeds sequence_len={self.sequence_len}")
         # One position row per step, gathered once and broadcast over the batch.
-        positions = Tensor(np.arange(T).reshape(T, 1), device=x.device, dtype=self.dtype, requires_grad=False)
+        # Ids stay float32 whatever the model's dtype: bfloat16 holds integers exactly only up to 256.
+        positions = Tensor(np.arange(T).reshape(T, 1), device=x.device, dtype="float32", requires_grad=False)
         pos = ops.reshape(self.positional_embedding(positions), (1, T, self.embedding_size))
         seq = x if self.batch_first else ops.transpose(x, (0, 1))
         y = self.checkpoint(seq + ops.broadcast_to(pos, (B, T, self.embedding_size)), [x])
