@@ -29,8 +29,9 @@ PRECISIONS = ["fp32", "mixed-bf16", "mixed-fp16", "bf16"]
 
 def gc_run(model_args, precision, use_gc, out, extra=()):
     path = os.path.join(out, f"{precision}_{use_gc}_{len(os.listdir(out))}.json")
-    cmd = [sys.executable, os.path.join(ROOT, "gc.py"), "run", "--policy", "all" if use_gc else "off", "--use-gc", str(int(use_gc)),
-           "--precision", precision, "--json", path, "--data", PTB, "--no-progress", *model_args, *extra]
+    cmd = [sys.executable, os.path.join(ROOT, "gc.py"), "run", "--policy", "all" if use_gc else "off",
+           "--use-gc", str(int(use_gc)), "--precision", precision, "--json", path, "--data", PTB, "--no-progress",
+           *model_args, *extra]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"bench_precision: {' '.join(cmd)} failed:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
@@ -106,9 +107,12 @@ def quality(args, out):
     for precision, extra in (("fp32", []), ("mixed-bf16", []), ("mixed-fp16", []), ("bf16", []),
                              ("bf16", ["--stochastic-rounding"])):
         name = precision + (" +SR" if extra else "")
-        r = gc_run(model_args, precision, False, out, ["--max-batches", str(args.steps), "--warmup", "0", *extra])
-        curves[name] = [s["loss"] for s in r["steps"]]
-    marks = list(range(49, args.steps, 50))
+        # Enough epochs of the (reduced) corpus for --steps steps; only the first --steps are compared.
+        r = gc_run(model_args, precision, False, out, ["--max-batches", str(args.steps), "--epochs",
+                                                          str(args.epochs), "--warmup", "0", *extra])
+        curves[name] = [s["loss"] for s in r["steps"]][:args.steps]
+    steps = min(len(c) for c in curves.values())
+    marks = list(range(49, steps, 50))
     print(f"\nquality: training loss over {args.steps} Adam steps (batch {args.quality_batch}), at every 50th step; "
           "in brackets the relative difference to fp32")
     print(f"{'precision':14s}" + "".join(f"{'step ' + str(i + 1):>17s}" for i in marks) + f"{'max |rel|':>11s}")
@@ -129,6 +133,8 @@ def main():
     p.add_argument("--quality", action="store_true", help="also train each precision for --steps steps")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--quality-batch", type=int, default=16)
+    p.add_argument("--epochs", type=int, default=3, help="quality runs: passes over the corpus (PTB's reduced "
+                   "training text gives 144 steps of batch 16 x 32 tokens per pass)")
     p.add_argument("--skip-memory", action="store_true")
     p.add_argument("--quick", action="store_true", help="batch 16, 2 layers")
     args = p.parse_args()
