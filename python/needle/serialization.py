@@ -72,8 +72,13 @@ def _to_storable(arrays):
 
 
 def _from_stored(arrays):
-    return {key[:-len(_BFLOAT16_SUFFIX)]: array.view(ml_dtypes.bfloat16) if key.endswith(_BFLOAT16_SUFFIX) else array
-            for key, array in arrays.items()}
+    out = {}
+    for key, array in arrays.items():
+        if key.endswith(_BFLOAT16_SUFFIX):
+            out[key[:-len(_BFLOAT16_SUFFIX)]] = array.view(ml_dtypes.bfloat16)
+        else:
+            out[key] = array
+    return out
 
 
 def save(obj, path):
