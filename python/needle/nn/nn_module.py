@@ -123,21 +123,13 @@ class Module:
         each keeps its identity, so an optimizer holding the parameters stays valid. Returns the module."""
         dtype = str(np.dtype(dtype))
         for _, t in self._named_tensors():
-            if str(np.dtype(t.dtype)) in ("float32", "float16", "bfloat16") and str(np.dtype(t.dtype)) != dtype:
+            current = str(np.dtype(t.dtype))
+            if current in ("float32", "float16", "bfloat16") and current != dtype:
                 t.cached_data = array_api.astype(t.realize_cached_data(), dtype)
-        for m in [self] + list(self._modules()):
+        for m in [self] + self._children():  # (_children: every descendant)
             if isinstance(getattr(m, "dtype", None), str):  # modules that make constants (attention's mask)
                 m.dtype = dtype
         return self
-
-    def _modules(self):
-        """Every submodule, depth first (iteratively)."""
-        stack, out = list(self._children()), []
-        while stack:
-            m = stack.pop()
-            out.append(m)
-            stack.extend(m._children())
-        return out
 
     def _children(self):
         return _child_modules(self.__dict__)
