@@ -1,5 +1,5 @@
 """Adam with bias correction and weight decay, with the course's update rule."""
-from .optimizer import Optimizer, _as_dtype, _widen
+from .optimizer import Optimizer, _as_dtype, _check_range
 
 
 class Adam(Optimizer):
@@ -9,27 +9,29 @@ class Adam(Optimizer):
     m_hat = m / (1 - b1^t), v_hat = v / (1 - b2^t).
     """
 
+    slots = ("m", "v")
+
     def __init__(self, params, lr=0.01, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, master_weights=None,
-                 stochastic_rounding=False):
-        super().__init__(params, master_weights, stochastic_rounding)
-        self.lr = float(lr)
-        self.beta1 = float(beta1)
-        self.beta2 = float(beta2)
-        self.eps = float(eps)
+                 stochastic_rounding=False, offload_state=False):
+        super().__init__(params, master_weights, stochastic_rounding, offload_state)
+        name = type(self).__name__
+        self.lr = _check_range(name, "lr", lr, 0, float("inf"))
+        self.beta1 = _check_range(name, "beta1", beta1, 0, 1)
+        self.beta2 = _check_range(name, "beta2", beta2, 0, 1)
+        self.eps = _check_range(name, "eps", eps, 0, float("inf"))
         self.weight_decay = float(weight_decay)
         self.t = 0
-        self.m = {}
-        self.v = {}
 
     def step(self):
         self.t += 1
         b1, b2 = self.beta1, self.beta2
         correction1, correction2 = 1 - b1**self.t, 1 - b2**self.t
         for p, theta, grad in self._with_grads():
-            m, v = self.m.get(p), self.v.get(p)
-            m = grad * (1 - b1) if m is None else _widen(m) * b1 + grad * (1 - b1)
-            v = (grad * grad) * (1 - b2) if v is None else _widen(v) * b2 + (grad * grad) * (1 - b2)
-            self.m[p], self.v[p] = self._state(p, m), self._state(p, v)
+            m, v = self._load(p, "m"), self._load(p, "v")
+            m = grad * (1 - b1) if m is None else m * b1 + grad * (1 - b1)
+            v = (grad * grad) * (1 - b2) if v is None else v * b2 + (grad * grad) * (1 - b2)
+            self._save(p, "m", m)
+            self._save(p, "v", v)
             m_hat = m / correction1
             v_hat = v / correction2
             self._update(p, _as_dtype(theta - m_hat * self.lr / (v_hat**0.5 + self.eps), theta))

@@ -11,6 +11,13 @@ into the parameter, so updates smaller than a 16-bit step accumulate instead of 
 2017). With `master_weights=False` ("pure bf16") the parameters and the optimizer's state stay 16-bit, and
 `stochastic_rounding=True` rounds each new bfloat16 weight up or down with probability given by the dropped
 fraction, so that small updates survive on average (Kalamkar et al. 2019; Zamirai et al. 2020).
+
+State: each optimizer names its per-parameter state in `slots` (Adam: "m", "v"); `self.<slot>` maps a parameter
+to its stored state, which `_load` hands to the update as float32 and `_save` stores back — as float32, 16-bit for
+pure 16-bit training, 8-bit for Adam8bit (which overrides `_encode`/`_decode`). With `offload_state=True` the
+stored state lives in host memory (NumPy arrays, outside the device allocator that `memory_stats` counts) and
+each parameter's state is brought to the device for its own update only; `state_bytes()` counts what stays on
+the device, `host_state_bytes()` what was offloaded.
 """
 import numpy as np
 
@@ -33,16 +40,49 @@ def _widen(array):
     return array_api.astype(array, "float32") if _is_low(array) else array
 
 
+def _to_host(stored):
+    """Stored state (an array or a tuple of arrays) as NumPy copies: host memory the device allocator never sees."""
+    if isinstance(stored, tuple):
+        return tuple(_to_host(a) for a in stored)
+    return np.array(array_api.to_numpy(stored))
+
+
+def _to_device(stored, device):
+    """Offloaded state back on `device`, in its stored dtype."""
+    if isinstance(stored, tuple):
+        return tuple(_to_device(a, device) for a in stored)
+    return array_api.array(stored, dtype=str(stored.dtype), device=device)
+
+
+def _nbytes(stored):
+    if isinstance(stored, tuple):
+        return sum(_nbytes(a) for a in stored)
+    return int(stored.size * np.dtype(stored.dtype).itemsize)
+
+
+def _check_range(owner, name, value, low, high, high_open=True):
+    """A hyper-parameter as a float, or ValueError naming the optimizer, the argument and the allowed range."""
+    value = float(value)
+    if not (low <= value and (value < high if high_open else value <= high)):
+        raise ValueError(f"{owner}: {name} must be in [{low:g}, {high:g}{')' if high_open else ']'}, got {value:g}")
+    return value
+
+
 class Optimizer:
     """Holds the parameters; `step()` updates them from their `.grad`, `reset_grad()` clears the gradients."""
 
-    def __init__(self, params, master_weights=None, stochastic_rounding=False):
+    slots = ()  # the names of the per-parameter state dicts, e.g. ("m", "v")
+
+    def __init__(self, params, master_weights=None, stochastic_rounding=False, offload_state=False):
         self.params = list(params)
         if stochastic_rounding and master_weights is None:
             master_weights = False  # stochastic rounding is how pure 16-bit training keeps tiny updates
         self.master_weights = master_weights
         self.stochastic_rounding = bool(stochastic_rounding)
+        self.offload_state = bool(offload_state)
         self.master = {}  # 16-bit parameter -> its float32 master copy
+        for slot in self.slots:
+            setattr(self, slot, {})
         self._rounding_steps = 0
         if self.stochastic_rounding:
             if master_weights:
@@ -60,32 +100,64 @@ class Optimizer:
         for p in self.params:
             p.grad = None
 
+    # ----- state: stored per parameter and slot, loaded as float32 for the update ---------------------------------
+    def _load(self, p, slot):
+        """Parameter p's state `slot` as a float32 array on p's device, or None before its first update."""
+        stored = getattr(self, slot).get(p)
+        if stored is None:
+            return None
+        if self.offload_state:
+            stored = _to_device(stored, p.device)
+        return self._decode(p, slot, stored)
+
+    def _save(self, p, slot, value):
+        """Store parameter p's new float32 state `slot` (encoded, and offloaded to the host if asked)."""
+        stored = self._encode(p, slot, value)
+        getattr(self, slot)[p] = _to_host(stored) if self.offload_state else stored
+
+    def _encode(self, p, slot, value):
+        """How state is kept: 16-bit for a pure 16-bit parameter (a master copy is float32 by definition)."""
+        if slot != "master" and self.master_weights is False and _is_low(p.realize_cached_data()):
+            return array_api.astype(value, p.dtype)
+        return value
+
+    def _decode(self, p, slot, stored):
+        return _widen(stored)
+
+    def _stored(self):
+        for slot in ("master",) + tuple(self.slots):
+            yield from getattr(self, slot).values()
+
+    def state_bytes(self):
+        """Bytes of optimizer state (moments, master copies) held on the device: exactly what the device allocator
+        holds for it between steps; 0 with offload_state=True."""
+        return 0 if self.offload_state else sum(_nbytes(s) for s in self._stored())
+
+    def host_state_bytes(self):
+        """Bytes of optimizer state offloaded to host memory (0 unless offload_state=True)."""
+        return sum(_nbytes(s) for s in self._stored()) if self.offload_state else 0
+
+    # ----- the parameters and their gradients, in float32 -----------------------------------------------------------
     def _keeps_master(self, p):
         return self.master_weights is not False and _is_low(p.realize_cached_data())
 
-    def _with_grads(self):
-        """(parameter, its value, its gradient with weight decay added) for every parameter that has a grad; for a
-        16-bit parameter the value is its float32 master copy (or the widened value) and the gradient float32."""
+    def _with_grads(self, l2=True):
+        """(parameter, its value, its gradient) in float32 for every parameter that has a grad; with `l2` the
+        gradient has weight_decay * value added (the course's coupled weight decay). For a 16-bit parameter the
+        value is its float32 master copy (made on first use) or the widened value."""
         for p in self.params:
             if p.grad is None:
                 continue
             theta = p.realize_cached_data()
             if self._keeps_master(p):
-                if p not in self.master:
-                    self.master[p] = _widen(theta)
-                theta = self.master[p]
+                master = self._load(p, "master")
+                theta = _widen(theta) if master is None else master
             else:
                 theta = _widen(theta)
             grad = _widen(p.grad.realize_cached_data())
-            if self.weight_decay:
+            if l2 and self.weight_decay:
                 grad = grad + theta * self.weight_decay
             yield p, theta, grad
-
-    def _state(self, p, value):
-        """Optimizer state as stored: 16-bit for a pure 16-bit parameter, else as computed (float32)."""
-        if self.master_weights is False and _is_low(p.realize_cached_data()):
-            return array_api.astype(value, p.dtype)
-        return value
 
     def _update(self, p, theta):
         """Store a parameter's new float32 value: into its master copy and (rounded) into the parameter."""
@@ -93,17 +165,10 @@ class Optimizer:
         if not _is_low(old):
             p.cached_data = _as_dtype(theta, old)
             return
-        if p in self.master:
-            self.master[p] = theta
+        if self._keeps_master(p):
+            self._save(p, "master", theta)
         if self.stochastic_rounding:
             self._rounding_steps += 1  # a fresh seed per parameter and step: the noise never repeats
             p.cached_data = array_api.round_stochastic(theta, self._rounding_steps)
         else:
             p.cached_data = array_api.astype(theta, old.dtype)
-
-    def state_bytes(self):
-        """Bytes held by the optimizer's state (moments, master copies)."""
-        arrays = list(self.master.values())
-        for name in ("u", "m", "v"):
-            arrays += list(getattr(self, name, {}).values())
-        return int(sum(a.size * np.dtype(a.dtype).itemsize for a in arrays))

@@ -1,0 +1,110 @@
+"""Adafactor (Shazeer & Stern 2018): Adam's second moment in n + m numbers for an n x m matrix.
+
+For a parameter of two or more dimensions, the running mean of g^2 over the last two axes is kept only as its row
+means R (shape (..., n)) and column means C (shape (..., m)); the estimate of the full matrix is the rank-1
+V ~ R C^T / mean(R), which is exact when g^2 is rank 1. Vectors keep the full V. The update follows the paper and
+the common reference implementations (HF transformers, fairseq):
+
+  t-th step:   beta2_t = 1 - t^decay_rate;   G = g^2 + eps1
+  factored:    R <- beta2_t R + (1 - beta2_t) mean_cols(G);   C <- beta2_t C + (1 - beta2_t) mean_rows(G)
+               u = g / sqrt(R C^T / mean(R))
+  full:        V <- beta2_t V + (1 - beta2_t) G;   u = g / sqrt(V)
+  clipping:    u <- u / max(1, RMS(u) / clip_threshold)
+  step size:   lr_t = lr, or with relative_step min(1e-6 t if warmup_init else 1e-2, 1 / sqrt(t)),
+               times max(eps2, RMS(theta)) with scale_parameter
+  momentum:    with beta1, m <- beta1 m + (1 - beta1) lr_t u and the step is m (else lr_t u; no first moment kept)
+  update:      theta <- theta - lr_t weight_decay theta - step   (decoupled weight decay)
+
+RMS(x) = sqrt(mean(x^2)). One step count t for all parameters (as needle's Adam).
+"""
+import math
+
+import numpy as np
+
+from ..backend_selection import array_api
+from .optimizer import Optimizer, _as_dtype, _check_range
+
+
+def _scalar(x):
+    return float(np.asarray(array_api.to_numpy(x)).reshape(-1)[0])
+
+
+def _rms(x):
+    return math.sqrt(_scalar(array_api.sum(x * x)) / x.size)
+
+
+def _mean(x, axis):
+    """Mean over `axis`, the axis kept (length 1) so that it broadcasts back."""
+    return array_api.sum(x, axis=axis, keepdims=True) / x.shape[axis]
+
+
+class Adafactor(Optimizer):
+    """Adafactor with factored second moments for parameters of 2 or more dimensions; see the module docstring."""
+
+    slots = ("row", "col", "v", "m")
+
+    def __init__(self, params, lr=None, beta1=None, eps=(1e-30, 1e-3), clip_threshold=1.0, decay_rate=-0.8,
+                 relative_step=True, scale_parameter=True, warmup_init=False, weight_decay=0.0, master_weights=None,
+                 stochastic_rounding=False, offload_state=False):
+        super().__init__(params, master_weights, stochastic_rounding, offload_state)
+        if lr is not None and relative_step:
+            raise ValueError("Adafactor: a manual lr and relative_step=True exclude each other "
+                             "(pass relative_step=False to use lr)")
+        if lr is None and not relative_step:
+            raise ValueError("Adafactor: relative_step=False needs an lr")
+        if warmup_init and not relative_step:
+            raise ValueError("Adafactor: warmup_init=True needs relative_step=True")
+        self.lr = None if lr is None else _check_range("Adafactor", "lr", lr, 0, math.inf)
+        self.beta1 = None if beta1 is None else _check_range("Adafactor", "beta1", beta1, 0, 1)
+        if len(eps) != 2:
+            raise ValueError(f"Adafactor: eps must be a pair (eps1, eps2), got {eps!r}")
+        self.eps = tuple(_check_range("Adafactor", "eps", e, 0, math.inf) for e in eps)
+        self.clip_threshold = _check_range("Adafactor", "clip_threshold", clip_threshold, 0, math.inf)
+        if not decay_rate <= 0:
+            raise ValueError(f"Adafactor: decay_rate must be <= 0 (beta2_t = 1 - t^decay_rate), got {decay_rate:g}")
+        self.decay_rate = float(decay_rate)
+        self.relative_step, self.scale_parameter, self.warmup_init = relative_step, scale_parameter, warmup_init
+        self.weight_decay = _check_range("Adafactor", "weight_decay", weight_decay, 0, math.inf)
+        self.t = 0
+
+    def _step_size(self, theta):
+        lr = self.lr
+        if self.relative_step:
+            lr = min(1e-6 * self.t if self.warmup_init else 1e-2, 1 / math.sqrt(self.t))
+        if self.scale_parameter:
+            lr *= max(self.eps[1], _rms(theta))
+        return lr
+
+    def step(self):
+        self.t += 1
+        beta2 = 1 - self.t ** self.decay_rate
+        for p, theta, grad in self._with_grads(l2=False):
+            lr = self._step_size(theta)
+            g2 = grad * grad + self.eps[0]
+            if len(grad.shape) >= 2:
+                u = grad * self._factored_rsqrt(p, g2, beta2)
+            else:
+                v = self._load(p, "v")
+                v = g2 * (1 - beta2) if v is None else v * beta2 + g2 * (1 - beta2)
+                self._save(p, "v", v)
+                u = grad * v ** -0.5
+            u = u * (lr / max(1.0, _rms(u) / self.clip_threshold))
+            if self.beta1 is not None:
+                m = self._load(p, "m")
+                u = u * (1 - self.beta1) if m is None else m * self.beta1 + u * (1 - self.beta1)
+                self._save(p, "m", u)
+            if self.weight_decay:
+                theta = theta - theta * (self.weight_decay * lr)
+            self._update(p, _as_dtype(theta - u, theta))
+
+    def _factored_rsqrt(self, p, g2, beta2):
+        """1 / sqrt(V) for the rank-1 estimate V = R C^T / mean(R), after updating R and C from g2 = g^2 + eps1."""
+        row, col = self._load(p, "row"), self._load(p, "col")
+        row_now, col_now = _mean(g2, -1), _mean(g2, -2)  # (..., n, 1) and (..., 1, m)
+        row = row_now * (1 - beta2) if row is None else row * beta2 + row_now * (1 - beta2)
+        col = col_now * (1 - beta2) if col is None else col * beta2 + col_now * (1 - beta2)
+        self._save(p, "row", row)
+        self._save(p, "col", col)
+        r = (row / array_api.broadcast_to(_mean(row, -2), row.shape)) ** -0.5  # rows normalized by their mean
+        c = col ** -0.5
+        return array_api.broadcast_to(r, g2.shape) * array_api.broadcast_to(c, g2.shape)  # NDArray: explicitly
