@@ -8,10 +8,10 @@ import numpy as np
 
 __all__ = [
     "Device", "all_devices", "array", "astype", "broadcast_to", "cast_like", "cpu", "cpu_numpy", "cuda",
-    "default_device", "device_of", "empty", "exp", "flip", "full", "log", "logsumexp", "matmul", "max", "maximum",
-    "pad", "promote_types", "reshape", "round_stochastic", "scatter_add_rows", "scatter_along_rows",
-    "softmax_xent_grad", "split", "stack", "sum", "take_along_rows", "take_rows", "tanh", "tensor_data", "to_numpy",
-    "transpose", "zeros",
+    "default_device", "dequantize_blockwise", "device_of", "empty", "exp", "flip", "full", "log", "logsumexp",
+    "matmul", "max", "maximum", "pad", "promote_types", "quantize_blockwise", "reshape", "round_stochastic",
+    "scatter_add_rows", "scatter_along_rows", "softmax_xent_grad", "split", "stack", "sum", "take_along_rows",
+    "take_rows", "tanh", "tensor_data", "to_numpy", "transpose", "zeros",
 ]
 
 
@@ -38,6 +38,29 @@ def round_stochastic(a, seed):
     from .backend_ndarray.ndarray_backend_numpy import stochastic_bfloat16
 
     return stochastic_bfloat16(a, seed).reshape(a.shape)
+
+
+def quantize_blockwise(a, code, block_size):
+    """Block-wise 8-bit quantization of float32 `a` (the reference backend's bytes; see src/README.md):
+    (uint8 q of a's shape, float32 absmax of shape (ceil(a.size / block_size),))."""
+    from .backend_ndarray import ndarray_backend_numpy as ref
+
+    a, code = np.asarray(a), np.asarray(code)
+    ref.num_blocks("quantize_blockwise", a.size, block_size)
+    ref.check_blockwise("quantize_blockwise", [("a", a, "float32", a.size), ("code", code, "float32", 256)])
+    q, absmax = ref.quantize_blocks(a, code, block_size)
+    return q.reshape(a.shape), absmax
+
+
+def dequantize_blockwise(q, absmax, code, block_size):
+    """The inverse: float32 code[q] * absmax of each element's block, of q's shape."""
+    from .backend_ndarray import ndarray_backend_numpy as ref
+
+    q, absmax, code = np.asarray(q), np.asarray(absmax), np.asarray(code)
+    blocks = ref.num_blocks("dequantize_blockwise", q.size, block_size)
+    ref.check_blockwise("dequantize_blockwise", [("q", q, "uint8", q.size), ("absmax", absmax, "float32", blocks),
+                                                 ("code", code, "float32", 256)])
+    return ref.dequantize_blocks(q, code, absmax.reshape(-1), block_size).reshape(q.shape)
 
 
 def promote_types(a, b):

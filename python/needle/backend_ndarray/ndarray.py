@@ -26,6 +26,7 @@ __all__ = [
     "cpu_numpy",
     "cuda",
     "default_device",
+    "dequantize_blockwise",
     "empty",
     "exp",
     "flip",
@@ -38,6 +39,7 @@ __all__ = [
     "memory_stats",
     "pad",
     "promote_types",
+    "quantize_blockwise",
     "reset_peak_memory_stats",
     "round_stochastic",
     "reshape",
@@ -897,6 +899,47 @@ def round_stochastic(a, seed):
     a = a.compact()
     out = NDArray._empty(a.shape, a.device, "bfloat16")
     a.device.mod.round_stochastic(a._handle, out._handle, int(seed) & 0xFFFFFFFF)
+    return out
+
+
+def _ndarrays_on_one_device(fn, *named):
+    """TypeError unless each (name, value) is an NDArray; ValueError unless all live on the first one's device."""
+    for name, array in named:
+        if not isinstance(array, NDArray):
+            raise TypeError(f"{fn}: {name} must be an NDArray, got {type(array).__name__}")
+    first, device = named[0][0], named[0][1].device
+    for name, array in named[1:]:
+        if array.device != device:
+            raise ValueError(f"{fn}: {first} is on {device} but {name} on {array.device}")
+
+
+def quantize_blockwise(a, code, block_size):
+    """Block-wise 8-bit quantization (Dettmers et al. 2021) of float32 `a` with a 256-value float32 `code` on a's
+    device: (q, absmax), q uint8 of a's shape and absmax float32 of shape (ceil(a.size / block_size),). Block b is
+    the elements [b * block_size, (b + 1) * block_size) of a in row-major order; absmax[b] is their largest |a[i]|
+    and q[i] the index of the code value nearest to a[i] / absmax[b] (src/README.md gives the exact rule)."""
+    fn = "quantize_blockwise"
+    _ndarrays_on_one_device(fn, ("a", a), ("code", code))
+    blocks = ndarray_backend_numpy.num_blocks(fn, a.size, block_size)
+    ndarray_backend_numpy.check_blockwise(fn, [("a", a, "float32", a.size), ("code", code, "float32", 256)])
+    a = a.compact()
+    q = NDArray._empty(a.shape, a.device, "uint8")
+    absmax = NDArray._empty((blocks,), a.device, "float32")
+    a.device.mod.quantize_blockwise(a._handle, code.compact()._handle, q._handle, absmax._handle, int(block_size))
+    return q, absmax
+
+
+def dequantize_blockwise(q, absmax, code, block_size):
+    """The inverse of quantize_blockwise: float32 code[q] * absmax of each element's block, of q's shape."""
+    fn = "dequantize_blockwise"
+    _ndarrays_on_one_device(fn, ("q", q), ("absmax", absmax), ("code", code))
+    blocks = ndarray_backend_numpy.num_blocks(fn, q.size, block_size)
+    ndarray_backend_numpy.check_blockwise(fn, [("q", q, "uint8", q.size), ("absmax", absmax, "float32", blocks),
+                                               ("code", code, "float32", 256)])
+    q = q.compact()
+    out = NDArray._empty(q.shape, q.device, "float32")
+    q.device.mod.dequantize_blockwise(q._handle, code.compact()._handle, absmax.compact()._handle, out._handle,
+                                      int(block_size))
     return out
 
 

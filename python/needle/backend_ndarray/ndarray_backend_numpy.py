@@ -5,6 +5,7 @@ flat numpy arrays of the storage dtype (bfloat16 from ml_dtypes); every function
 offset) of a view in elements. Arithmetic is float32 whatever the storage: operands are read as float32 and the
 result is rounded once, when it is assigned into the output buffer.
 """
+import operator
 import weakref
 
 import ml_dtypes
@@ -178,6 +179,63 @@ def round_stochastic(a, out, seed):
         raise TypeError(f"round_stochastic: needs float32 a and bfloat16 out of one size, got {a.dtype} "
                         f"({a.size}) and {out.dtype} ({out.size})")
     out.array[:] = stochastic_bfloat16(a.array, seed)
+
+
+# ----- block-wise 8-bit quantization (Dettmers et al. 2021) ------------------------------------------------------
+def num_blocks(fn, n, block_size):
+    """ceil(n / block_size): how many quantization blocks n elements make (ValueError unless block_size >= 1)."""
+    block_size = operator.index(block_size)  # TypeError for a float, as the compiled modules
+    if block_size < 1:
+        raise ValueError(f"{fn}: block_size must be at least 1, got {block_size}")
+    return -(-n // block_size)
+
+
+def check_blockwise(fn, arrays):
+    """`arrays` holds (name, array, dtype, size): TypeError unless every array has its dtype, then ValueError unless
+    it has its size. Works for backend buffers and numpy arrays alike (both have .dtype and .size)."""
+    if any(a.dtype != dtype for _, a, dtype, _ in arrays):
+        raise TypeError(f"{fn}: expects " + ", ".join(f"{dtype} {name}" for name, _, dtype, _ in arrays)
+                        + ", got " + ", ".join(f"{name} {a.dtype}" for name, a, _, _ in arrays))
+    for name, a, _, size in arrays:
+        if a.size != size:
+            raise ValueError(f"{fn}: {name} has {a.size} elements, expected {size}")
+
+
+def quantize_blocks(values, code, block_size):
+    """float32 values -> (uint8 indices into code, float32 absmax per block), by the contract's nearest rule."""
+    values = values.reshape(-1)
+    blocks = np.zeros(num_blocks("quantize_blockwise", values.size, block_size) * block_size, np.float32)
+    blocks[: values.size] = values  # the last block padded with zeros, which never change its absmax
+    blocks = blocks.reshape(-1, block_size)
+    absmax = np.abs(blocks).max(axis=1)  # NaN if the block holds one
+    with np.errstate(invalid="ignore"):  # inf / inf is NaN, which goes to index 0 like every NaN
+        x = np.divide(blocks, absmax[:, None], out=np.zeros_like(blocks), where=absmax[:, None] != 0)
+    lo = np.maximum(np.searchsorted(code, x, side="right") - 1, 0)  # the largest j with code[j] <= x, else 0
+    lo[np.isnan(x)] = 0  # (searchsorted sorts NaN last)
+    hi = np.minimum(lo + 1, code.size - 1)
+    q = np.where(code[hi] - x < x - code[lo], hi, lo)  # float32 subtractions; a tie goes to lo
+    return q.reshape(-1)[: values.size].astype(np.uint8), absmax
+
+
+def dequantize_blocks(q, code, absmax, block_size):
+    """uint8 indices -> float32 code[q[i]] * absmax[i // block_size]."""
+    q = q.reshape(-1)
+    with np.errstate(invalid="ignore"):  # code 0 times an inf absmax is NaN
+        return code[q] * np.repeat(absmax, block_size)[: q.size]
+
+
+def quantize_blockwise(a, code, out, absmax, block_size):
+    blocks = num_blocks("quantize_blockwise", a.size, block_size)
+    check_blockwise("quantize_blockwise", [("a", a, "float32", a.size), ("code", code, "float32", 256),
+                                           ("out", out, "uint8", a.size), ("absmax", absmax, "float32", blocks)])
+    out.array[:], absmax.array[:] = quantize_blocks(a.array, code.array, block_size)
+
+
+def dequantize_blockwise(q, code, absmax, out, block_size):
+    blocks = num_blocks("dequantize_blockwise", q.size, block_size)
+    check_blockwise("dequantize_blockwise", [("q", q, "uint8", q.size), ("code", code, "float32", 256),
+                                             ("absmax", absmax, "float32", blocks), ("out", out, "float32", q.size)])
+    out.array[:] = dequantize_blocks(q.array, code.array, absmax.array, block_size)
 
 
 # ----- element-wise on compact buffers ----------------------------------------------------------------------
