@@ -4,7 +4,8 @@
     OMP_NUM_THREADS=1 python benchmarks/bench_ndarray.py
 
 Prints matmul GFLOP/s (square 256/512/1024 and the language model's shapes) and element-wise / reduction
-throughput (GB/s), each the median of repeated runs after a warm-up, with the ratio needle / NumPy.
+throughput (GB/s), each the median of repeated runs after a warm-up, with the ratio needle / NumPy; for matmul
+also needle's bfloat16 (bfloat16 out, and float32 out) with the ratio to needle's float32 from the same run.
 """
 import os
 import statistics
@@ -37,18 +38,29 @@ def median_time(fn, repeats=7, min_time=0.05):
 
 
 def bench_matmul(shapes):
-    print(f"matmul (float32, {threads} thread(s)), GFLOP/s — median of 7 after warm-up")
-    print(f"{'shape':>26s}{'needle':>10s}{'numpy':>10s}{'ratio':>8s}")
+    mod = nd.cpu().mod
+    dot = getattr(mod, "matmul_bf16_dot", lambda: False)() and mod.matmul_kernel() == "avx512"
+    print(f"matmul ({threads} thread(s)), GFLOP/s — median of 7 after warm-up; ratio: needle / NumPy (float32),")
+    print(f"needle / needle float32 of this run (bf16 rows; kernel {mod.matmul_kernel()}, bf16 dot product "
+          f"{'on' if dot else 'off'}). bf16: bfloat16 out; bf16 -> f32: float32 out")
+    print(f"{'shape':>26s}{'':13s}{'needle':>10s}{'numpy':>10s}{'ratio':>8s}")
     rows = []
     for m, n, p in shapes:
         a, b = np.random.randn(m, n).astype(np.float32), np.random.randn(n, p).astype(np.float32)
         A, B = nd.array(a, device=nd.cpu()), nd.array(b, device=nd.cpu())
+        A16, B16 = A.astype("bfloat16"), B.astype("bfloat16")
+        out32 = nd.empty((m, p), dtype="float32", device=nd.cpu())
         flops = 2.0 * m * n * p
         t_needle = median_time(lambda: A @ B)
         t_numpy = median_time(lambda: a @ b)
-        ratio = t_numpy / t_needle
-        rows.append((m, n, p, flops / t_needle / 1e9, flops / t_numpy / 1e9, ratio))
-        print(f"{f'{m}x{n} @ {n}x{p}':>26s}{rows[-1][3]:10.1f}{rows[-1][4]:10.1f}{ratio:8.2f}")
+        t_bf16 = median_time(lambda: A16 @ B16)
+        t_bf16_f32 = median_time(lambda: mod.matmul(A16._handle, B16._handle, out32._handle, m, n, p))
+        fp32 = flops / t_needle / 1e9
+        rows.append((m, n, p, fp32, flops / t_numpy / 1e9, t_numpy / t_needle,
+                     flops / t_bf16 / 1e9, flops / t_bf16_f32 / 1e9))
+        print(f"{f'{m}x{n} @ {n}x{p}':>26s}  {'float32':11s}{fp32:10.1f}{rows[-1][4]:10.1f}{rows[-1][5]:8.2f}")
+        for name, gflops in (("bf16", rows[-1][6]), ("bf16 -> f32", rows[-1][7])):
+            print(f"{'':26s}  {name:11s}{gflops:10.1f}{'':10s}{gflops / fp32:8.2f}")
     return rows
 
 
@@ -81,7 +93,8 @@ def main():
     if not nd.cpu().enabled():
         raise SystemExit("bench_ndarray: the C++ backend is not built; run `make` first")
     np.random.seed(0)
-    bench_matmul([(256, 256, 256), (512, 512, 512), (1024, 1024, 1024), (4096, 256, 1024), (4096, 256, 10000)])
+    bench_matmul([(256, 256, 256), (512, 512, 512), (1024, 1024, 1024), (4096, 256, 256), (4096, 256, 1024),
+                  (4096, 256, 10000)])
     bench_elementwise()
 
 

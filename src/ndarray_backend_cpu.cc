@@ -9,7 +9,8 @@
 // Layout of this file:
 //   1. Array + memory accounting
 //   2. strided views: compact / ewise_setitem / scalar_setitem / to_numpy
-//   3. element-wise and scalar ops (on compact buffers and on strided views), reductions, gathers and scatters
+//   3. element-wise and scalar ops (on compact buffers and on strided views), reductions, gathers and scatters,
+//      stochastic rounding and block-wise 8-bit quantization
 //   4. matmul (the fast, cache-blocked, packed, register-tiled GEMM), matmul_batched and matmul_tiled (the
 //      course's version)
 //   5. the pybind11 module definition
@@ -36,6 +37,12 @@
 
 #ifdef _OPENMP
 #include <omp.h>
+#endif
+// The bfloat16 dot-product matmul kernel (section 4) is written with intrinsics, which need a compiler that knows
+// AVX512-BF16 (GCC 10, clang 9); everything else uses GCC vector extensions.
+#if defined(__x86_64__) && (defined(__clang__) ? __clang_major__ >= 9 : (defined(__GNUC__) && __GNUC__ >= 10))
+#define NEEDLE_HAVE_IMMINTRIN 1
+#include <immintrin.h>
 #endif
 #include <pthread.h>
 #include <sys/mman.h>
@@ -887,6 +894,137 @@ static void round_stochastic(const Array& a, Array& out, uint32_t seed) {
   });
 }
 
+// ---- block-wise 8-bit quantization (Dettmers et al. 2021) ----------------------------------------------------
+//
+// quantize_blockwise: the n elements of a are cut into blocks of block_size (the last one may be shorter); each
+// block is one task (blocks are spread over the threads) that first finds the block's absmax and then maps every
+// element x = a[i] / absmax to the index of the nearest value of `code` (256 float32 values, strictly
+// ascending), exactly as src/README.md words it.  dequantize_blockwise multiplies back.
+constexpr size_t CODE_SIZE = 256;
+
+// out[g] = the index of the code value nearest to x[g] (float32), ties to the lower index, for g < G.
+// lo = the largest j with code[j] <= x, by binary search over the 256 values: j starts at 0 and tries j + s for
+// s = 128, 64, ..., 1, keeping the step when code[j + s] <= x (8 steps reach every j up to 255).  Where no
+// value is <= x (x below code[0], or x NaN, which compares false throughout) j stays 0.  Then the nearer of lo
+// and hi = lo + 1.  Each search is a chain of 8 dependent loads; the G searches are interleaved step by step so
+// that the CPU overlaps their chains (G = 8 runs 4.5x as fast as one element at a time).
+template <int G>
+static inline void nearest_codes(const float* code, const float* x, uint8_t* out) {
+  int lo[G] = {};
+  for (int s = 128; s > 0; s >>= 1)
+#pragma GCC unroll 8
+    for (int g = 0; g < G; ++g) lo[g] += code[lo[g] + s] <= x[g] ? s : 0;  // (no branch: x is unpredictable)
+#pragma GCC unroll 8
+  for (int g = 0; g < G; ++g) {
+    const int hi = std::min(lo[g] + 1, 255);
+    out[g] = static_cast<uint8_t>(code[hi] - x[g] < x[g] - code[lo[g]] ? hi : lo[g]);
+  }
+}
+
+// The largest |a[i]| of a[0..n); for a block holding a NaN, |first NaN| (a NaN, as numpy's max of abs gives).
+static float block_absmax(const float* a, size_t n) {
+  float m = 0.0f;
+  bool nan = false;
+  for (size_t i = 0; i < n; ++i) {
+    const float v = std::fabs(a[i]);
+    m = v > m ? v : m;
+    nan |= v != v;
+  }
+  if (nan) {
+    for (size_t i = 0;; ++i)
+      if (a[i] != a[i]) return std::fabs(a[i]);
+  }
+  return m;
+}
+
+// One array a blockwise function takes: its name, the dtype it must have and the element count it must have.
+struct BlockwiseArg {
+  const char* name;
+  const Array& array;
+  DType dtype;
+  size_t size;
+};
+
+// The checks of both functions after num_blocks has checked block_size, in the NumPy module's order: the dtypes
+// (TypeError naming every array's dtype), then the sizes (ValueError naming the array, its size and the expected
+// one).
+static void check_blockwise(const char* fn, std::initializer_list<BlockwiseArg> args) {
+  bool ok = true;
+  for (const BlockwiseArg& x : args) ok = ok && x.array.dtype == x.dtype;
+  if (!ok) {
+    std::ostringstream want, got;
+    for (const BlockwiseArg& x : args) {  // "expects float32 a, float32 code, ..., got a float16, code float32, ..."
+      want << (want.tellp() > 0 ? ", " : "") << info(x.dtype).name << " " << x.name;
+      got << (got.tellp() > 0 ? ", " : "") << x.name << " " << x.array.dtype_name();
+    }
+    throw py::type_error(std::string(fn) + ": expects " + want.str() + ", got " + got.str());
+  }
+  for (const BlockwiseArg& x : args) check_size(fn, x.name, x.array.size, x.size);
+}
+
+// ceil(n / block_size), after checking block_size >= 1 (ValueError).
+static size_t num_blocks(const char* fn, size_t n, int64_t block_size) {
+  if (block_size < 1)
+    fail(std::string(fn) + ": block_size must be at least 1, got " + std::to_string(block_size));
+  return n == 0 ? 0 : (n - 1) / static_cast<size_t>(block_size) + 1;
+}
+
+static void quantize_blockwise(const Array& a, const Array& code, Array& out, Array& absmax, int64_t block_size) {
+  const char* fn = "quantize_blockwise";
+  const size_t n = a.size, blocks = num_blocks(fn, n, block_size);
+  check_blockwise(fn, {{"a", a, DType::f32, n},
+                       {"code", code, DType::f32, CODE_SIZE},
+                       {"out", out, DType::u8, n},
+                       {"absmax", absmax, DType::f32, blocks}});
+  const float* pa = a.data<float>();
+  const float* pc = code.data<float>();
+  uint8_t* po = out.data<uint8_t>();
+  float* pm = absmax.data<float>();
+  const size_t bs = static_cast<size_t>(block_size);
+  const int nthreads = threads_for(n, true);
+  py::gil_scoped_release release;
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)
+  for (int64_t b = 0; b < static_cast<int64_t>(blocks); ++b) {
+    const size_t begin = static_cast<size_t>(b) * bs, len = std::min(bs, n - begin);
+    const float m = block_absmax(pa + begin, len);
+    pm[b] = m;
+    constexpr int G = 8;
+    float x[G];
+    size_t i = begin;
+    for (; i + G <= begin + len; i += G) {
+      for (int g = 0; g < G; ++g) x[g] = m == 0.0f ? 0.0f : pa[i + g] / m;
+      nearest_codes<G>(pc, x, po + i);
+    }
+    for (; i < begin + len; ++i) {
+      x[0] = m == 0.0f ? 0.0f : pa[i] / m;
+      nearest_codes<1>(pc, x, po + i);
+    }
+  }
+}
+
+static void dequantize_blockwise(const Array& q, const Array& code, const Array& absmax, Array& out,
+                                 int64_t block_size) {
+  const char* fn = "dequantize_blockwise";
+  const size_t n = q.size, blocks = num_blocks(fn, n, block_size);
+  check_blockwise(fn, {{"q", q, DType::u8, n},
+                       {"code", code, DType::f32, CODE_SIZE},
+                       {"absmax", absmax, DType::f32, blocks},
+                       {"out", out, DType::f32, n}});
+  const uint8_t* pq = q.data<uint8_t>();
+  const float* pc = code.data<float>();
+  const float* pm = absmax.data<float>();
+  float* po = out.data<float>();
+  const size_t bs = static_cast<size_t>(block_size);
+  const int nthreads = threads_for(n, false);
+  py::gil_scoped_release release;
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)
+  for (int64_t b = 0; b < static_cast<int64_t>(blocks); ++b) {
+    const size_t begin = static_cast<size_t>(b) * bs, end = std::min(n, begin + bs);
+    const float m = pm[b];
+    for (size_t i = begin; i < end; ++i) po[i] = pc[pq[i]] * m;
+  }
+}
+
 // ---- 3a. Vector math ----------------------------------------------------------------------------------------
 //
 // std::exp / std::log / std::tanh are scalar library calls, which no compiler vectorizes.  These are the
@@ -908,6 +1046,9 @@ typedef double v4df __attribute__((vector_size(32)));
 typedef scalar_t v8sf __attribute__((vector_size(32)));
 typedef scalar_t v16sf __attribute__((vector_size(64)));
 typedef double v8df __attribute__((vector_size(64)));
+#ifdef NEEDLE_HAVE_IMMINTRIN
+#define NEEDLE_BF16_DOT 1  // the bfloat16 dot-product matmul kernel (section 4)
+#endif
 #endif
 
 // The int32 vector with as many lanes as F: the result type of F's comparisons and the type its bits are
@@ -1715,11 +1856,52 @@ static void softmax_xent_grad(const Array& a, const Array& idx, const Array& g, 
 // a portable 128-bit one (6 x 8).  The AVX ones are compiled with per-function `target` attributes and chosen at
 // run time with __builtin_cpu_supports (which also checks that the OS saves the registers), so the module
 // itself needs no -march flag and runs on any x86-64 CPU.  NEEDLE_CPU_MATMUL_KERNEL=avx512|avx2|generic forces
-// a choice (for tests and benchmarks).
+// a choice (for tests and benchmarks; set_matmul_kernel(name) from Python).
+//
+// 16-bit operands are widened to float32 while they are packed, so the same micro-kernels serve them.  The one
+// exception: on CPUs with AVX512-BF16, bfloat16 products keep their 16 bits through packing and use a
+// fourth micro-kernel built on the VDPBF16PS dot-product instruction (twice the multiply-adds per instruction;
+// see "bfloat16 products with VDPBF16PS" below).  It is used while the avx512 kernel is selected and the switch
+// is on: on by default, off with NEEDLE_CPU_MATMUL_BF16_DOT=0 or set_matmul_bf16_dot(False); matmul_bf16_dot()
+// reads the switch.  Off (or with another kernel selected), bfloat16 is widened like float16.
 
 // C[i * ldc + j] (+)= sum_k Ap[k * MR + i] * Bp[k * NR + j]  for i < mr, j < nr
 typedef void (*ukernel_fn)(int64_t kc, const scalar_t* Ap, const scalar_t* Bp, scalar_t* C, int64_t ldc,
                            int64_t mr, int64_t nr, bool accumulate);
+
+// Writes the MR x (NV * VL) tile acc into C (or adds it to C when `accumulate`): whole vectors for a full tile,
+// element by element for an edge tile, of which only mr x nr belong to C.
+template <class V, int MR, int NV>
+static inline __attribute__((always_inline)) void store_tile(V (&acc)[MR][NV], scalar_t* __restrict C,
+                                                              int64_t ldc, int64_t mr, int64_t nr, bool accumulate) {
+  constexpr int VL = sizeof(V) / sizeof(scalar_t);
+  constexpr int NR = NV * VL;
+  if (mr == MR && nr == NR) {
+#pragma GCC unroll 16
+    for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 16
+      for (int j = 0; j < NV; ++j) {
+        scalar_t* c = C + i * ldc + j * VL;
+        if (accumulate) {
+          V old;
+          __builtin_memcpy(&old, c, sizeof(V));
+          acc[i][j] += old;
+        }
+        __builtin_memcpy(c, &acc[i][j], sizeof(V));
+      }
+  } else {  // edge tile: only mr x nr of the computed tile belong to C
+    scalar_t tile[MR * NR];
+#pragma GCC unroll 16
+    for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 16
+      for (int j = 0; j < NV; ++j) __builtin_memcpy(tile + i * NR + j * VL, &acc[i][j], sizeof(V));
+    for (int64_t i = 0; i < mr; ++i)
+      for (int64_t j = 0; j < nr; ++j) {
+        scalar_t& c = C[i * ldc + j];
+        c = (accumulate ? c : 0.0f) + tile[i * NR + j];
+      }
+  }
+}
 
 template <class V, int MR, int NV>
 static inline __attribute__((always_inline)) void ukernel_body(int64_t kc, const scalar_t* __restrict Ap,
@@ -1746,31 +1928,7 @@ static inline __attribute__((always_inline)) void ukernel_body(int64_t kc, const
     Ap += MR;
     Bp += NR;
   }
-  if (mr == MR && nr == NR) {
-#pragma GCC unroll 16
-    for (int i = 0; i < MR; ++i)
-#pragma GCC unroll 16
-      for (int j = 0; j < NV; ++j) {
-        scalar_t* c = C + i * ldc + j * VL;
-        if (accumulate) {
-          V old;
-          __builtin_memcpy(&old, c, sizeof(V));
-          acc[i][j] += old;
-        }
-        __builtin_memcpy(c, &acc[i][j], sizeof(V));
-      }
-  } else {  // edge tile: only mr x nr of the computed tile belong to C
-    scalar_t tile[MR * NR];
-#pragma GCC unroll 16
-    for (int i = 0; i < MR; ++i)
-#pragma GCC unroll 16
-      for (int j = 0; j < NV; ++j) __builtin_memcpy(tile + i * NR + j * VL, &acc[i][j], sizeof(V));
-    for (int64_t i = 0; i < mr; ++i)
-      for (int64_t j = 0; j < nr; ++j) {
-        scalar_t& c = C[i * ldc + j];
-        c = (accumulate ? c : 0.0f) + tile[i * NR + j];
-      }
-  }
+  store_tile<V, MR, NV>(acc, C, ldc, mr, nr, accumulate);
 }
 
 constexpr int GENERIC_MR = 6, GENERIC_NR = 8;
@@ -1799,24 +1957,26 @@ __attribute__((target("avx512f,avx512vl,avx2,fma"))) static void ukernel_avx512(
 class Scratch {
  public:
   ~Scratch() { std::free(ptr_); }
-  scalar_t* get(size_t n) {
-    if (n > cap_) {
+  // Room for n elements of T (the packed panels' element type); nullptr if the allocation failed.
+  template <class T>
+  T* get(size_t n) {
+    const size_t bytes = (n * sizeof(T) + ALIGNMENT - 1) / ALIGNMENT * ALIGNMENT;
+    if (bytes > cap_) {
       std::free(ptr_);
-      const size_t bytes = (n * ELEM_SIZE + ALIGNMENT - 1) / ALIGNMENT * ALIGNMENT;
-      ptr_ = static_cast<scalar_t*>(std::aligned_alloc(ALIGNMENT, bytes));
-      cap_ = ptr_ == nullptr ? 0 : n;
+      ptr_ = std::aligned_alloc(ALIGNMENT, bytes);
+      cap_ = ptr_ == nullptr ? 0 : bytes;
     }
-    return ptr_;
+    return static_cast<T*>(ptr_);
   }
 
  private:
-  scalar_t* ptr_ = nullptr;
-  size_t cap_ = 0;
+  void* ptr_ = nullptr;
+  size_t cap_ = 0;  // bytes
 };
 
-constexpr int64_t KC = 256;   // depth of one packed block: a KC x NR B micro-panel (32 KiB at NR=32) fits L1
 constexpr int64_t MC_MAX = 96;  // rows of A per packed block (MC x KC floats: 96 KiB, in L2)
 constexpr int64_t NC = 3072;  // columns of B per packed block (KC x NC floats: 3 MiB, in L2/L3)
+constexpr int64_t BF16_DOT_KC = 512;  // KC of the bfloat16 dot-product kernel (the same bytes as the float KC)
 
 static inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
@@ -1850,6 +2010,172 @@ static void pack_b_panel(const T* B, int64_t ldb, int64_t r0, int64_t kc, int64_
   }
 }
 
+// The panels gemm_packed works on, and the micro-kernel that reads them.  Here float panels (into which float32
+// and 16-bit operands alike are packed, widened) read by the float micro-kernel UK; Bf16Pairs (below) is the
+// other kind.  A panel holding kc steps of k has depth(kc) rows: MR (or NR) packed values each.
+template <int MR_, int NR_, ukernel_fn UK, class T>
+struct FloatPanels {
+  using input_t = T;
+  using packed_t = scalar_t;
+  static constexpr int MR = MR_, NR = NR_;
+  static constexpr int64_t KC = 256;  // depth of one packed block: a KC x NR B micro-panel (32 KiB at NR=32), L1
+  static int64_t depth(int64_t kc) { return kc; }
+  static void pack_a(const T* A, int64_t lda, int64_t r0, int64_t rows, int64_t c0, int64_t kc, packed_t* Ap) {
+    pack_a_panel<MR>(A, lda, r0, rows, c0, kc, Ap);
+  }
+  static void pack_b(const T* B, int64_t ldb, int64_t r0, int64_t kc, int64_t c0, int64_t cols, packed_t* Bp) {
+    pack_b_panel<NR>(B, ldb, r0, kc, c0, cols, Bp);
+  }
+  static void kernel(int64_t depth, const packed_t* Ap, const packed_t* Bp, scalar_t* C, int64_t ldc, int64_t mr,
+                     int64_t nr, bool accumulate) {
+    UK(depth, Ap, Bp, C, ldc, mr, nr, accumulate);
+  }
+};
+
+#ifdef NEEDLE_BF16_DOT
+// ---- bfloat16 products with VDPBF16PS (AVX512-BF16) ----------------------------------------------------------
+//
+// VDPBF16PS (_mm512_dpbf16_ps(acc, a, b)) reads each 32-bit lane of a and b as a pair of bfloat16 values (low
+// half first) and adds both products of a lane to that lane's float32 accumulator:
+//     acc[l] += a[l].lo * b[l].lo + a[l].hi * b[l].hi        for the 16 lanes l of a zmm register
+// One instruction thus does two steps of k for 16 columns: twice the multiply-adds of a float32 FMA, reading
+// half the bytes.  The micro-kernel is the AVX-512 float one (a 12 x 32 tile of C in 24 zmm accumulators) with
+// k taken two at a time.  For the pair rows q < ceil(kc / 2) of a block, the panels hold 32-bit pairs:
+//
+//   Ap[q * MR + i] = A[i][2q] | A[i][2q + 1] << 16    (row i of the panel: two neighbours in memory, one load)
+//   Bp[q * NR + j] = B[2q][j] | B[2q + 1][j] << 16    (column j: the same two k, from two rows of B)
+//
+// (the bfloat16 bit patterns, k = 2q in the low half).  Per pair row q the kernel loads Bp's NR = 32 pairs (two
+// zmm of 16) and, for each row i, broadcasts the pair Ap[q * MR + i] to all 16 lanes and issues one VDPBF16PS per
+// zmm: lane l of acc[i][v] gains A[i][2q] B[2q][16v + l] + A[i][2q + 1] B[2q + 1][16v + l], which are exactly
+// the two terms k = 2q, 2q + 1 of C[i][16v + l].  When kc is odd the last pair's upper half is zero in both A
+// and B (0 * 0 adds nothing, where 0 * an arbitrary value could be NaN); rows past `rows` and columns past
+// `cols` are zero pairs, as in the float panels.  KC = 512 makes a panel as many bytes as the float one; it is
+// even, so a pair never straddles two blocks and only the last block of an odd n has an odd kc.
+//
+// How the results differ from the widening kernels (both accumulate in float32; the difference is within the
+// float32-accumulation error, n * 2^-24 * sum |a_k b_k| for n terms):
+//   - order: a product of two bfloat16 values is exact in float32 in both paths, but VDPBF16PS adds the two
+//     products of a pair to the accumulator in its own order, each addition rounded (Intel documents the upper
+//     one, k = 2q + 1, first; measured the same on AMD Zen 4), where the widening kernel adds one k after the other;
+//   - denormals: VDPBF16PS treats denormal inputs as zero and flushes denormal results to zero whatever MXCSR
+//     says (the widening path keeps them).  Only magnitudes below 2^-126 (~1.2e-38) are affected.
+// Like the float kernels, every element of C is summed in one fixed order, so results do not depend on threads.
+//
+// A bfloat16 out: when n <= KC the whole sum is in the registers at the end (one k block, no float32 partial
+// sums to keep between blocks), so the micro-kernel rounds it to bfloat16 there and writes out directly
+// (store_tile_bf16): no float32 temporary and no rounding pass over it, the same bits as rounding afterwards.
+#define NEEDLE_BF16_TARGET __attribute__((target("avx512f,avx512vl,avx512bw,avx512bf16,avx2,fma")))
+constexpr int BF16_MR = 12, BF16_NR = 32;
+
+// Ap[q * MR + i] = the pair (A[r0 + i][c0 + 2q], A[r0 + i][c0 + 2q + 1]) for q < ceil(kc / 2), i < MR.
+NEEDLE_BF16_TARGET static void pack_a_pairs(const bfloat16_t* A, int64_t lda, int64_t r0, int64_t rows,
+                                            int64_t c0, int64_t kc, uint32_t* Ap) {
+  const int64_t full = kc / 2, depth = (kc + 1) / 2;  // pairs with both halves in the block; all pairs
+  for (int i = 0; i < BF16_MR; ++i) {
+    uint32_t* dst = Ap + i;
+    if (i >= rows) {
+      for (int64_t q = 0; q < depth; ++q) dst[q * BF16_MR] = 0;
+      continue;
+    }
+    const bfloat16_t* row = A + (r0 + i) * lda + c0;
+    for (int64_t q = 0; q < full; ++q) std::memcpy(&dst[q * BF16_MR], row + 2 * q, 4);  // (little-endian)
+    if (kc % 2) dst[full * BF16_MR] = row[kc - 1].bits;
+  }
+}
+
+// Bp[q * NR + j] = the pair (B[r0 + 2q][c0 + j], B[r0 + 2q + 1][c0 + j]) for q < ceil(kc / 2), j < NR.
+NEEDLE_BF16_TARGET static void pack_b_pairs(const bfloat16_t* B, int64_t ldb, int64_t r0, int64_t kc, int64_t c0,
+                                            int64_t cols, uint32_t* Bp) {
+  for (int64_t q = 0; q < (kc + 1) / 2; ++q) {
+    const bfloat16_t* lo = B + (r0 + 2 * q) * ldb + c0;
+    uint32_t* dst = Bp + q * BF16_NR;
+    if (2 * q + 1 < kc) {
+      const bfloat16_t* hi = lo + ldb;
+      for (int64_t j = 0; j < cols; ++j) dst[j] = uint32_t(lo[j].bits) | uint32_t(hi[j].bits) << 16;
+    } else {
+      for (int64_t j = 0; j < cols; ++j) dst[j] = lo[j].bits;
+    }
+    for (int64_t j = cols; j < BF16_NR; ++j) dst[j] = 0;
+  }
+}
+
+// Rounds the tile to bfloat16 exactly as from_float<bfloat16_t> does (nearest, ties to even; a NaN stays a quiet
+// NaN), 16 lanes at a time, and writes its mr x nr part to C (bfloat16, rows ldc apart).
+template <int MR, int NV>
+static inline __attribute__((always_inline)) void store_tile_bf16(v16sf (&acc)[MR][NV], bfloat16_t* C,
+                                                                   int64_t ldc, int64_t mr, int64_t nr) {
+  typedef uint32_t v16su __attribute__((vector_size(64)));
+  typedef uint16_t v16hu __attribute__((vector_size(32)));
+  for (int64_t i = 0; i < mr; ++i)
+#pragma GCC unroll 16
+    for (int v = 0; v < NV; ++v) {
+      const v16su u = (v16su)acc[i][v];
+      const v16su rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+      const v16su quiet_nan = (u >> 16) | 0x0040u;
+      const v16hu h = __builtin_convertvector((u & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded, v16hu);
+      const int64_t cols = std::min<int64_t>(16, nr - 16 * v);
+      if (cols == 16) {
+        __builtin_memcpy(C + i * ldc + 16 * v, &h, sizeof(h));
+      } else {
+        for (int64_t j = 0; j < cols; ++j) C[i * ldc + 16 * v + j].bits = h[j];
+      }
+    }
+}
+
+// C[i * ldc + j] (+)= sum_q dot(Ap[q * MR + i], Bp[q * NR + j])  for i < mr, j < nr, over `depth` pair rows.
+// O is float, or bfloat16_t for a product of one k block (accumulate is then false).
+template <class O>
+NEEDLE_BF16_TARGET static void ukernel_avx512_bf16(int64_t depth, const uint32_t* Ap, const uint32_t* Bp, O* C,
+                                                   int64_t ldc, int64_t mr, int64_t nr, bool accumulate) {
+  constexpr int NV = BF16_NR / 16;
+  v16sf acc[BF16_MR][NV];
+#pragma GCC unroll 16
+  for (int i = 0; i < BF16_MR; ++i)
+#pragma GCC unroll 16
+    for (int v = 0; v < NV; ++v) acc[i][v] = v16sf{};
+  for (int64_t q = 0; q < depth; ++q) {
+    __m512bh b[NV];
+#pragma GCC unroll 16
+    for (int v = 0; v < NV; ++v) b[v] = (__m512bh)_mm512_loadu_si512(Bp + 16 * v);
+#pragma GCC unroll 16
+    for (int i = 0; i < BF16_MR; ++i) {
+      const __m512bh a = (__m512bh)_mm512_set1_epi32(static_cast<int>(Ap[i]));
+#pragma GCC unroll 16
+      for (int v = 0; v < NV; ++v) acc[i][v] = (v16sf)_mm512_dpbf16_ps((__m512)acc[i][v], a, b[v]);
+    }
+    Ap += BF16_MR;
+    Bp += BF16_NR;
+  }
+  if constexpr (std::is_same<O, bfloat16_t>::value) {
+    store_tile_bf16<BF16_MR, NV>(acc, C, ldc, mr, nr);
+  } else {
+    store_tile<v16sf, BF16_MR, NV>(acc, C, ldc, mr, nr, accumulate);
+  }
+}
+
+struct Bf16Pairs {
+  using input_t = bfloat16_t;
+  using packed_t = uint32_t;
+  static constexpr int MR = BF16_MR, NR = BF16_NR;
+  static constexpr int64_t KC = BF16_DOT_KC;
+  static int64_t depth(int64_t kc) { return (kc + 1) / 2; }
+  static void pack_a(const bfloat16_t* A, int64_t lda, int64_t r0, int64_t rows, int64_t c0, int64_t kc,
+                     packed_t* Ap) {
+    pack_a_pairs(A, lda, r0, rows, c0, kc, Ap);
+  }
+  static void pack_b(const bfloat16_t* B, int64_t ldb, int64_t r0, int64_t kc, int64_t c0, int64_t cols,
+                     packed_t* Bp) {
+    pack_b_pairs(B, ldb, r0, kc, c0, cols, Bp);
+  }
+  template <class O>
+  static void kernel(int64_t depth, const packed_t* Ap, const packed_t* Bp, O* C, int64_t ldc, int64_t mr,
+                     int64_t nr, bool accumulate) {
+    ukernel_avx512_bf16<O>(depth, Ap, Bp, C, ldc, mr, nr, accumulate);
+  }
+};
+#endif  // NEEDLE_BF16_DOT
+
 // The calling thread's buffers for packed A panels and for the packed B block.
 static Scratch& a_scratch() {
   static thread_local Scratch scratch;
@@ -1860,34 +2186,39 @@ static Scratch& b_scratch() {
   return scratch;
 }
 
-// C (m x p) = A (m x n) @ B (n x p), all compact row-major; A and B float32 or 16-bit, C float32.
-template <int MR, int NR, ukernel_fn UK, class T>
-static void gemm_packed(const T* A, const T* B, scalar_t* C, int64_t m, int64_t n, int64_t p, int nthreads) {
+// C (m x p) = A (m x n) @ B (n x p), all compact row-major; A and B of P's input type, C float32 (O = float) or,
+// for Bf16Pairs with n <= KC, bfloat16.  P says how the panels are packed and which micro-kernel reads them
+// (FloatPanels, Bf16Pairs).
+template <class P, class O = scalar_t>
+static void gemm_packed(const typename P::input_t* A, const typename P::input_t* B, O* C, int64_t m, int64_t n,
+                        int64_t p, int nthreads) {
+  using packed_t = typename P::packed_t;
+  constexpr int64_t MR = P::MR, NR = P::NR, KC = P::KC;
   // Row blocks: about 4 per thread for balance, a multiple of MR, at most MC_MAX.
   const int64_t mc_max = std::min(MC_MAX, ceil_div(ceil_div(m, 4 * nthreads), MR) * MR);
   const int64_t nblocks = ceil_div(m, mc_max);
   const int64_t nc_max = std::min(NC, ceil_div(p, NR) * NR);
-  const int64_t kc_max = std::min(KC, n);
+  const int64_t depth_max = P::depth(std::min(KC, n));
   // The packed B block is shared by the threads (the calling thread's buffer); each thread packs its own A.
-  scalar_t* Bp = b_scratch().get(static_cast<size_t>(kc_max * nc_max));
+  packed_t* Bp = b_scratch().get<packed_t>(static_cast<size_t>(depth_max * nc_max));
   if (Bp == nullptr) throw std::bad_alloc();
 
   // The two steps of each (jc, pc) block: pack B micro-panel jp, and compute row block blk of C with Ap.
   auto pack_b = [&](int64_t jc, int64_t nc, int64_t pc, int64_t kc, int64_t jp) {
-    pack_b_panel<NR>(B, p, pc, kc, jc + jp * NR, std::min<int64_t>(NR, nc - jp * NR), Bp + jp * NR * kc);
+    P::pack_b(B, p, pc, kc, jc + jp * NR, std::min<int64_t>(NR, nc - jp * NR), Bp + jp * NR * P::depth(kc));
   };
-  auto row_block = [&](scalar_t* Ap, int64_t jc, int64_t nc, int64_t pc, int64_t kc, int64_t blk) {
-    const int64_t ic = blk * mc_max, mc = std::min(mc_max, m - ic);
+  auto row_block = [&](packed_t* Ap, int64_t jc, int64_t nc, int64_t pc, int64_t kc, int64_t blk) {
+    const int64_t ic = blk * mc_max, mc = std::min(mc_max, m - ic), depth = P::depth(kc);
     for (int64_t ir = 0; ir < mc; ir += MR)
-      pack_a_panel<MR>(A, n, ic + ir, std::min<int64_t>(MR, mc - ir), pc, kc, Ap + ir * kc);
+      P::pack_a(A, n, ic + ir, std::min<int64_t>(MR, mc - ir), pc, kc, Ap + ir * depth);
     for (int64_t jr = 0; jr < nc; jr += NR)
       for (int64_t ir = 0; ir < mc; ir += MR)
-        UK(kc, Ap + ir * kc, Bp + jr * kc, C + (ic + ir) * p + jc + jr, p, std::min<int64_t>(MR, mc - ir),
-           std::min<int64_t>(NR, nc - jr), pc > 0);
+        P::kernel(depth, Ap + ir * depth, Bp + jr * depth, C + (ic + ir) * p + jc + jr, p,
+                  std::min<int64_t>(MR, mc - ir), std::min<int64_t>(NR, nc - jr), pc > 0);
   };
 
   if (nthreads == 1) {  // no OpenMP region at all: even an inactive one costs about as much as a small product
-    scalar_t* Ap = a_scratch().get(static_cast<size_t>(mc_max * kc_max));
+    packed_t* Ap = a_scratch().get<packed_t>(static_cast<size_t>(mc_max * depth_max));
     if (Ap == nullptr) throw std::bad_alloc();
     for (int64_t jc = 0; jc < p; jc += NC) {
       const int64_t nc = std::min(NC, p - jc);
@@ -1903,7 +2234,7 @@ static void gemm_packed(const T* A, const T* B, scalar_t* C, int64_t m, int64_t 
   int failed = 0;
 #pragma omp parallel num_threads(nthreads)
   {
-    scalar_t* Ap = a_scratch().get(static_cast<size_t>(mc_max * kc_max));
+    packed_t* Ap = a_scratch().get<packed_t>(static_cast<size_t>(mc_max * depth_max));
     if (Ap == nullptr) {
 #pragma omp atomic write
       failed = 1;
@@ -1969,24 +2300,37 @@ static void gemv(const scalar_t* A, const scalar_t* x, scalar_t* y, int64_t m, i
   }
 }
 
-template <class T>
-using gemm_fn = void (*)(const T*, const T*, scalar_t*, int64_t, int64_t, int64_t, int);
+template <class T, class O = scalar_t>
+using gemm_fn = void (*)(const T*, const T*, O*, int64_t, int64_t, int64_t, int);
 
-// One micro-kernel, and the packed GEMM built on it for each storage type of A and B.
+// One micro-kernel, and the packed GEMM built on it for each storage type of A and B; the AVX-512 one also has
+// the bfloat16 dot-product GEMM (Bf16Pairs), used for bfloat16 products when g_bf16_dot is on.
 struct MatmulKernel {
   const char* name;
   gemm_fn<float> gemm;
   gemm_fn<bfloat16_t> gemm_bf16;
   gemm_fn<half_t> gemm_f16;
   int mr, nr;
+  gemm_fn<bfloat16_t> gemm_bf16_dot;  // nullptr: none
+  gemm_fn<bfloat16_t, bfloat16_t> gemm_bf16_dot_to_bf16;  // the same with bfloat16 out, for n <= BF16_DOT_KC
 };
 
-#define NEEDLE_MATMUL_KERNEL(NAME, MR, NR, UK) \
-  {NAME, gemm_packed<MR, NR, UK, float>, gemm_packed<MR, NR, UK, bfloat16_t>, gemm_packed<MR, NR, UK, half_t>, MR, NR}
-static const MatmulKernel KERNEL_GENERIC = NEEDLE_MATMUL_KERNEL("generic", GENERIC_MR, GENERIC_NR, ukernel_generic);
+#define NEEDLE_MATMUL_KERNEL(NAME, MR, NR, UK, BF16_DOT, BF16_DOT_TO_BF16)                            \
+  {NAME, gemm_packed<FloatPanels<MR, NR, UK, float>>, gemm_packed<FloatPanels<MR, NR, UK, bfloat16_t>>, \
+   gemm_packed<FloatPanels<MR, NR, UK, half_t>>, MR, NR, BF16_DOT, BF16_DOT_TO_BF16}
+static const MatmulKernel KERNEL_GENERIC =
+    NEEDLE_MATMUL_KERNEL("generic", GENERIC_MR, GENERIC_NR, ukernel_generic, nullptr, nullptr);
 #ifdef NEEDLE_X86_DISPATCH
-static const MatmulKernel KERNEL_AVX2 = NEEDLE_MATMUL_KERNEL("avx2", AVX2_MR, AVX2_NR, ukernel_avx2);
-static const MatmulKernel KERNEL_AVX512 = NEEDLE_MATMUL_KERNEL("avx512", AVX512_MR, AVX512_NR, ukernel_avx512);
+static const MatmulKernel KERNEL_AVX2 =
+    NEEDLE_MATMUL_KERNEL("avx2", AVX2_MR, AVX2_NR, ukernel_avx2, nullptr, nullptr);
+#ifdef NEEDLE_BF16_DOT
+static const MatmulKernel KERNEL_AVX512 = NEEDLE_MATMUL_KERNEL("avx512", AVX512_MR, AVX512_NR, ukernel_avx512,
+                                                               gemm_packed<Bf16Pairs>,
+                                                               (gemm_packed<Bf16Pairs, bfloat16_t>));
+#else
+static const MatmulKernel KERNEL_AVX512 =
+    NEEDLE_MATMUL_KERNEL("avx512", AVX512_MR, AVX512_NR, ukernel_avx512, nullptr, nullptr);
+#endif
 #endif
 
 static const MatmulKernel* kernel_by_name(const std::string& name) {
@@ -2018,6 +2362,35 @@ static void set_matmul_kernel(const std::string& name) {
   g_kernel = k;
 }
 
+// Whether this CPU (and OS) runs the bfloat16 dot-product kernel (VDPBF16PS), and the switch g_bf16_dot: on at
+// import where the CPU has it, unless NEEDLE_CPU_MATMUL_BF16_DOT=0; set_matmul_bf16_dot sets it.  The kernel is
+// only used while the avx512 kernel is the selected one: with set_matmul_kernel("avx2"), say, bfloat16 goes
+// through the avx2 kernel, widened, whatever the switch says.
+static bool cpu_has_bf16_dot() {
+#ifdef NEEDLE_BF16_DOT
+  __builtin_cpu_init();
+  return cpu_has("avx512") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512bf16");
+#else
+  return false;
+#endif
+}
+
+static bool g_bf16_dot = false;
+
+static void choose_bf16_dot() {
+  const char* env = std::getenv("NEEDLE_CPU_MATMUL_BF16_DOT");
+  g_bf16_dot = cpu_has_bf16_dot() && !(env != nullptr && std::strcmp(env, "0") == 0);
+}
+
+// Whether bfloat16 products take the dot-product kernel now: switched on, and the avx512 kernel selected.
+static bool use_bf16_dot() { return g_bf16_dot && g_kernel->gemm_bf16_dot != nullptr; }
+
+static void set_matmul_bf16_dot(bool enabled) {
+  if (enabled && !cpu_has_bf16_dot())
+    fail("set_matmul_bf16_dot: this CPU (or this build) has no AVX512-BF16 dot-product kernel");
+  g_bf16_dot = enabled;
+}
+
 static void check_matmul(const char* fn, const Array& a, const Array& b, const Array& out, int64_t m, int64_t n,
                          int64_t p) {
   if (m < 0 || n < 0 || p < 0) fail(std::string(fn) + ": m, n, p must be >= 0");
@@ -2042,13 +2415,29 @@ static void gemm(const scalar_t* A, const scalar_t* B, scalar_t* C, int64_t m, i
   }
 }
 
-// 16-bit A and B: always the packed kernel, which widens them while packing (no unpacked small-matrix paths).
+// 16-bit A and B: always a packed kernel (no unpacked small-matrix paths): for bfloat16 the dot-product one when
+// it is on, else the selected kernel, which widens them while packing.
 static void gemm(const bfloat16_t* A, const bfloat16_t* B, scalar_t* C, int64_t m, int64_t n, int64_t p,
                  int nthreads) {
-  g_kernel->gemm_bf16(A, B, C, m, n, p, nthreads);
+  if (use_bf16_dot()) {
+    g_kernel->gemm_bf16_dot(A, B, C, m, n, p, nthreads);
+  } else {
+    g_kernel->gemm_bf16(A, B, C, m, n, p, nthreads);
+  }
 }
 static void gemm(const half_t* A, const half_t* B, scalar_t* C, int64_t m, int64_t n, int64_t p, int nthreads) {
   g_kernel->gemm_f16(A, B, C, m, n, p, nthreads);
+}
+
+// A bfloat16 product with a bfloat16 out is rounded in the dot-product kernel's registers and written to out
+// directly (store_tile_bf16) when the kernel is in use and n <= its KC; otherwise it accumulates in a float32
+// Accumulator that is rounded afterwards.  The bits are the same either way.
+static bool bf16_out_direct(DType dt, const Array& out, int64_t n) {
+  return dt == DType::bf16 && out.dtype == DType::bf16 && use_bf16_dot() && n <= BF16_DOT_KC;
+}
+static void gemm(const bfloat16_t* A, const bfloat16_t* B, bfloat16_t* C, int64_t m, int64_t n, int64_t p,
+                 int nthreads) {
+  g_kernel->gemm_bf16_dot_to_bf16(A, B, C, m, n, p, nthreads);
 }
 
 // The dtypes of a matmul: a and b one floating dtype, out the same or float32.  Returns a's.
@@ -2096,6 +2485,11 @@ static void matmul(const Array& a, const Array& b, Array& out, int64_t m, int64_
     fill(out, 0.0f);
     return;
   }
+  if (bf16_out_direct(dt, out, n)) {
+    py::gil_scoped_release release;
+    gemm(a.data<bfloat16_t>(), b.data<bfloat16_t>(), out.data<bfloat16_t>(), m, n, p, matmul_threads(m, n, p));
+    return;
+  }
   Accumulator acc(out);
   {
     py::gil_scoped_release release;
@@ -2105,6 +2499,24 @@ static void matmul(const Array& a, const Array& b, Array& out, int64_t m, int64_
     });
   }
   acc.finish();
+}
+
+// out[i] = a[i] @ b[i] for i < batch, each product with `per_product` threads, `nthreads` products at a time.
+// Returns false if a product failed (an exception must not leave an OpenMP region: it is noted instead).
+template <class T, class O>
+static bool gemm_batch(const T* a, const T* b, O* out, int64_t batch, int64_t m, int64_t n, int64_t p,
+                       int nthreads, int per_product) {
+  int failed = 0;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads) if (nthreads > 1)
+  for (int64_t i = 0; i < batch; ++i) {
+    try {
+      gemm(a + i * m * n, b + i * n * p, out + i * m * p, m, n, p, per_product);
+    } catch (...) {
+#pragma omp atomic write
+      failed = 1;
+    }
+  }
+  return failed == 0;
 }
 
 // out[i] = a[i] @ b[i] for i < batch: a is (batch, m, n), b (batch, n, p), out (batch, m, p), all compact.
@@ -2131,27 +2543,26 @@ static void matmul_batched(const Array& a, const Array& b, Array& out, int64_t b
   const bool spread = batch > 1 && 2.0 * double(m) * double(n) * double(p) < 2.0 * 256 * 256 * 256;
   const int per_product = spread ? 1 : matmul_threads(m, n, p);
   const int nthreads = spread ? num_threads() : 1;
+  if (bf16_out_direct(dt, out, n)) {
+    bool ok = false;
+    {
+      py::gil_scoped_release release;
+      ok = gemm_batch(a.data<bfloat16_t>(), b.data<bfloat16_t>(), out.data<bfloat16_t>(), batch, m, n, p,
+                      nthreads, per_product);
+    }
+    if (!ok) throw std::bad_alloc();
+    return;
+  }
   Accumulator acc(out);
-  int failed = 0;  // an exception must not leave an OpenMP region: note it, rethrow after
+  bool ok = false;
   {
     py::gil_scoped_release release;
     visit_float(dt, [&](auto t) {
       using T = decltype(t);
-      const T* pa = a.data<T>();
-      const T* pb = b.data<T>();
-      scalar_t* pc = acc.data();
-#pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads) if (nthreads > 1)
-      for (int64_t i = 0; i < batch; ++i) {
-        try {
-          gemm(pa + i * m * n, pb + i * n * p, pc + i * m * p, m, n, p, per_product);
-        } catch (...) {
-#pragma omp atomic write
-          failed = 1;
-        }
-      }
+      ok = gemm_batch(a.data<T>(), b.data<T>(), acc.data(), batch, m, n, p, nthreads, per_product);
     });
   }
-  if (failed) throw std::bad_alloc();
+  if (!ok) throw std::bad_alloc();
   acc.finish();
 }
 
@@ -2215,6 +2626,8 @@ PYBIND11_MODULE(ndarray_backend_cpu, m) {
   m.def("ewise_setitem", ewise_setitem);
   m.def("scalar_setitem", scalar_setitem);
   m.def("round_stochastic", round_stochastic);
+  m.def("quantize_blockwise", quantize_blockwise);
+  m.def("dequantize_blockwise", dequantize_blockwise);
 
   m.def("ewise_add", ewise_add);
   m.def("scalar_add", scalar_add);
@@ -2258,11 +2671,20 @@ PYBIND11_MODULE(ndarray_backend_cpu, m) {
 
   // Extras beyond the contract (diagnostics for tests and benchmarks).
   choose_kernel();
+  choose_bf16_dot();
   choose_vector_kernels();
   pthread_atfork(nullptr, nullptr, [] { g_forked.store(true); });
   m.def("matmul_kernel", []() { return std::string(g_kernel->name); },
         "the matmul micro-kernel in use: avx512, avx2 or generic");
   m.def("set_matmul_kernel", set_matmul_kernel, "force a matmul micro-kernel (avx512, avx2, generic)");
+  m.def("matmul_bf16_dot", []() { return g_bf16_dot; },
+        "whether the AVX512-BF16 dot-product kernel for bfloat16 matmuls (VDPBF16PS on pairs of k, float32 "
+        "accumulators, denormals flushed) is switched on; bfloat16 products use it while the avx512 kernel is "
+        "selected.  Always false where the CPU has no AVX512-BF16.");
+  m.def("set_matmul_bf16_dot", set_matmul_bf16_dot, py::arg("enabled"),
+        "switch the bfloat16 dot-product kernel on (the default where the CPU has AVX512-BF16; ValueError where "
+        "it has not) or off (bfloat16 is then widened to float32 while packing, as float16 is).  Used only while "
+        "the avx512 kernel is selected.  NEEDLE_CPU_MATMUL_BF16_DOT=0 switches it off at import.");
   m.def("num_threads", num_threads, "threads used by matmul (OMP_NUM_THREADS, default: all cores)");
   m.def("vector_isa", []() { return std::string(g_vector->name); },
         "the instruction set of the exp/log/tanh/sum/max kernels in use: avx512, avx2 or generic");
