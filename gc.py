@@ -207,7 +207,8 @@ def config_of(args, source, vocab, device):
         "stochastic_rounding": bool(getattr(args, "stochastic_rounding", False)),
         "segment_len": args.segment_len, "budget_bytes": mb_to_bytes(args.budget_mb), "lazy": args.lazy,
         "device": str(device), "threads": threads(), "epochs": args.epochs, "max_batches": args.max_batches,
-        "warmup": args.warmup, "lr": args.lr, "optimizer": "adam", "seed": args.seed,
+        "warmup": args.warmup, "lr": args.lr, "optimizer": getattr(args, "optimizer", "adam"),
+        "offload_state": bool(getattr(args, "offload_state", False)), "seed": args.seed,
         "memory_limit_bytes": mb_to_bytes(args.memory_limit_mb), "needle_commit": needle_commit(),
         "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "argv": [os.path.basename(__file__)] + sys.argv[1:],
     }
@@ -244,14 +245,28 @@ PRECISIONS = ["fp32", "mixed-bf16", "mixed-fp16", "bf16"]
 AUTOCAST = {"fp32": None, "mixed-bf16": "bfloat16", "mixed-fp16": "float16", "bf16": None}
 
 
-def make_optimizer(args, params):
-    """Adam: float32 parameters for fp32 and mixed (they are the master weights); pure bf16 keeps weights and
-    moments in bfloat16, with stochastic rounding if asked."""
-    precision = getattr(args, "precision", "fp32")
-    if precision == "bf16":
-        return ndl.optim.Adam(params, lr=args.lr, master_weights=False,
-                              stochastic_rounding=getattr(args, "stochastic_rounding", False))
-    return ndl.optim.Adam(params, lr=args.lr)
+OPTIMIZERS = ["adam", "adam8bit", "adafactor", "sgd"]
+
+
+def make_optimizer(args, params, model=None):
+    """--optimizer at --lr: Adam (the course's); Adam8bit (block-wise 8-bit moments; the embedding's state kept
+    32-bit, the paper's stable-embedding recipe); Adafactor with the external lr (relative_step and
+    scale_parameter off, so the rows compare at one learning rate; factored second moments, no first moment);
+    SGD with momentum 0.9.  fp32 and mixed precision keep float32 parameters (the master weights); pure bf16 keeps
+    weights and state in bfloat16, with stochastic rounding if asked.  --offload-state keeps the state in host
+    memory."""
+    name = getattr(args, "optimizer", "adam")
+    kw = {"offload_state": bool(getattr(args, "offload_state", False))}
+    if getattr(args, "precision", "fp32") == "bf16":
+        kw.update(master_weights=False, stochastic_rounding=getattr(args, "stochastic_rounding", False))
+    if name == "adam8bit":
+        embedding = [model.embedding.weight] if model is not None else []
+        return ndl.optim.Adam8bit(params, lr=args.lr, fp32_state_params=embedding, **kw)
+    if name == "adafactor":
+        return ndl.optim.Adafactor(params, lr=args.lr, relative_step=False, scale_parameter=False, **kw)
+    if name == "sgd":
+        return ndl.optim.SGD(params, lr=args.lr, momentum=0.9, **kw)
+    return ndl.optim.Adam(params, lr=args.lr, **kw)
 
 
 def make_loss(model, head, autocast=None):
@@ -338,7 +353,7 @@ def run(args, use_gc, data, vocab, source, out_dir=None, quiet=False, json_path=
     model = build_model(args, vocab, device, policy)
     model.train()
     params = model.parameters()
-    opt = make_optimizer(args, params)
+    opt = make_optimizer(args, params, model)
     scaler = ndl.amp.GradScaler() if getattr(args, "precision", "fp32") == "mixed-fp16" else None
     loss_fn = make_loss(model, args.head, AUTOCAST[getattr(args, "precision", "fp32")])
     batches = batchify(data, args.batch_size * args.accumulation_steps, device=device, dtype="float32")
@@ -454,7 +469,9 @@ def train_step(model, loss_fn, opt, batches, start, args, device, params, scaler
         "baseline_bytes": int(baseline), "recomputed_nodes": int(recomputed), "gpu_memory_bytes": gpu_memory_bytes(),
         "rss_peak_bytes": rss_peak, "rss_start_bytes": rss.start if rss else None,
         "param_bytes": int(sum(p.realize_cached_data().nbytes for p in params)),
-        "optimizer_bytes": int(opt.state_bytes()), "skipped_step": skipped,
+        "grad_bytes": int(sum(p.grad.realize_cached_data().nbytes for p in params if p.grad is not None)),
+        "optimizer_bytes": int(opt.state_bytes()), "offloaded_bytes": int(opt.host_state_bytes()),
+        "skipped_step": skipped,
         "loss_scale": None if scaler is None else scaler.get_scale(),
     }, loss
 
@@ -477,6 +494,8 @@ def _summarize(record, warmup):
         "activation_bytes": max(s["activation_bytes"] for s in steps),
         "floor_bytes": min(s["floor_bytes"] for s in steps), "loss": record["steps"][-1]["loss"],
         "recomputed_nodes": record["steps"][-1]["recomputed_nodes"],
+        **{key: record["steps"][-1].get(key) for key in ("param_bytes", "grad_bytes", "optimizer_bytes",
+                                                         "offloaded_bytes")},
         "rss_peak_bytes": max((s["rss_peak_bytes"] for s in steps if s.get("rss_peak_bytes") is not None),
                               default=None),
     })
@@ -555,6 +574,7 @@ def print_table(off, on):
           f"{lower('peak_activation_bytes'):.1f}% lower; {overhead}")
     if off.get("rss_peak_bytes") and on.get("rss_peak_bytes") is not None:
         print(f"process peak RSS growth per step (what the OS sees): {lower('rss_peak_bytes'):.1f}% lower")
+    print(state_text(off))
 
 
 def print_single(r):
@@ -563,6 +583,16 @@ def print_single(r):
     print(f"\n{r['policy']}: M_act {mb(r['activation_bytes']).strip()} MB, M_peak "
           f"{mb(r['peak_activation_bytes']).strip()} MB, M_floor {mb(r['floor_bytes']).strip()} MB, "
           f"T_step {r['time']:.3f} s{f' ({note})' if note else ''}, loss {r['loss']:.4f}")
+    print(state_text(r))
+
+
+def state_text(r):
+    """Parameters, gradients and the optimizer's state, which M_act and M_peak leave out."""
+    text = (f"parameters {mb(r.get('param_bytes') or 0).strip()} MB, gradients {mb(r.get('grad_bytes') or 0).strip()}"
+            f" MB, {r.get('optimizer', 'adam')} state {mb(r.get('optimizer_bytes') or 0).strip()} MB on the device")
+    if r.get("offloaded_bytes"):
+        text += f" + {mb(r['offloaded_bytes']).strip()} MB offloaded to host memory"
+    return text
 
 
 def _plural(n, word):
@@ -647,8 +677,9 @@ def check_corpus(args, data):
 
 # ----- sweep and max-batch: each configuration in a fresh process ---------------------------------------------
 RUN_FLAGS = ["batch_size", "seq_len", "embedding_size", "hidden_size", "num_layers", "num_head", "dropout",
-             "head_init_scale", "head", "precision", "stochastic_rounding", "segment_len", "budget_mb", "device",
-             "epochs", "max_batches", "warmup", "accumulation_steps", "lr", "seed", "memory_limit_mb"]
+             "head_init_scale", "head", "precision", "stochastic_rounding", "optimizer", "offload_state",
+             "segment_len", "budget_mb", "device", "epochs", "max_batches", "warmup", "accumulation_steps", "lr",
+             "seed", "memory_limit_mb"]
 
 
 def _child(args, overrides, policy, json_path, timeout=1800):
@@ -828,6 +859,19 @@ ABLATIONS = {
     "fused": ("the fused LM head (model.loss: the logits never held whole), gc off", {**BASE, "head": "fused"}),
     "combined": (f"gc all + fused head + gradient accumulation x{ACCUMULATE}",
                  {"policy": "all", "head": "fused", "accumulate": ACCUMULATE}),
+    "mixed-bf16": ("ndl.autocast(bfloat16): 16-bit activations, float32 master weights",
+                   {**BASE, "precision": "mixed-bf16"}),
+    "mixed-fp16": ("ndl.autocast(float16) + GradScaler, float32 master weights",
+                   {**BASE, "precision": "mixed-fp16"}),
+    "bf16": ("pure bfloat16 weights, activations and Adam state, stochastic rounding",
+             {**BASE, "precision": "bf16", "stochastic_rounding": True}),
+    "adam8bit": ("Adam8bit: both moments block-wise 8-bit (the embedding's state 32-bit)",
+                 {**BASE, "optimizer": "adam8bit"}),
+    "adafactor": ("Adafactor: factored second moments, no first moment", {**BASE, "optimizer": "adafactor"}),
+    "offload": ("Adam with its state offloaded to host memory", {**BASE, "offload_state": True}),
+    "toolbox": (f"gradient accumulation x{ACCUMULATE} + gc all + mixed-bf16 + Adam8bit",
+                {"policy": "all", "head": "full", "accumulate": ACCUMULATE, "precision": "mixed-bf16",
+                 "optimizer": "adam8bit"}),
 }
 
 
@@ -931,7 +975,8 @@ def main_ablate(args):
 # what each ablation row keeps of its run's record (the run's own JSON, named by "json", has everything)
 ABLATION_KEYS = ["policy", "head", "batch_size", "accumulation_steps", "effective_batch_size", "budget_bytes",
                  "activation_bytes", "peak_activation_bytes", "floor_bytes", "rss_peak_bytes", "step_time_seconds",
-                 "timed_steps", "step_time_reliable", "loss", "recomputed_nodes"]
+                 "timed_steps", "step_time_reliable", "loss", "recomputed_nodes", "param_bytes", "grad_bytes",
+                 "optimizer_bytes", "offloaded_bytes"]
 
 
 def _compare_to_baseline(rows):
@@ -946,13 +991,17 @@ def _compare_to_baseline(rows):
         r["loss_diff"] = r["loss"] - base["loss"] if ok and None not in (r["loss"], base["loss"]) else None
 
 
+def _mb_or_blank(nbytes):
+    return "" if nbytes is None else f"{nbytes / 2**20:.1f}"
+
+
 def print_ablation(result):
     """The ablation's table: a line per row, its change from the baseline row beside M_peak, T_step and the loss."""
     rows = result["rows"]
     width = max(len(r["setup"]) for r in rows) + 2
     change = lambda r, key: "" if r.get(key) is None or r["row"] == "baseline" else f"{r[key] * 100:+.1f}%"  # noqa
-    print(f"\n{'row':11s}{'setup':{width}s}{'M_act MB':>9s}{'M_peak MB':>10s}{'vs base':>9s}{'RSS MB':>8s}"
-          f"{'T_step s':>9s}{'vs base':>9s}{'loss':>8s}{'loss-base':>10s}")
+    print(f"\n{'row':11s}{'setup':{width}s}{'M_act MB':>9s}{'M_peak MB':>10s}{'vs base':>9s}{'P+G MB':>8s}"
+          f"{'state MB':>9s}{'RSS MB':>8s}{'T_step s':>9s}{'vs base':>9s}{'loss':>8s}{'loss-base':>10s}")
     for r in rows:
         if "failed" in r:
             print(f"{r['row']:11s}{r['setup']:{width}s}failed ({r['failed']})")
@@ -962,7 +1011,9 @@ def print_ablation(result):
         diff = "" if r.get("loss_diff") is None or r["row"] == "baseline" else \
             "0" if r["loss_diff"] == 0 else f"{r['loss_diff']:+.1e}"
         print(f"{r['row']:11s}{r['setup']:{width}s}{r['activation_bytes'] / 2**20:9.1f}"
-              f"{r['peak_activation_bytes'] / 2**20:10.1f}{change(r, 'peak_change'):>9s}{rss:>8s}"
+              f"{r['peak_activation_bytes'] / 2**20:10.1f}{change(r, 'peak_change'):>9s}"
+              f"{_mb_or_blank((r.get('param_bytes') or 0) + (r.get('grad_bytes') or 0)):>8s}"
+              f"{_mb_or_blank(r.get('optimizer_bytes')):>9s}{rss:>8s}"
               f"{r['step_time_seconds']:9.3f}{change(r, 'time_change'):>9s}{loss:>8s}{diff:>10s}")
     note = _time_note(*[r for r in rows if "failed" not in r]).replace("--max-batches", "--steps")
     b = result["batch_size"]
@@ -970,6 +1021,7 @@ def print_ablation(result):
                     f"summed." if any(r.get("accumulation_steps", 1) > 1 for r in rows) else "")
     print(textwrap.fill(
         f"M_act, M_peak: exact allocator bytes over forward + backward, parameters and optimizer state left out; "
+        f"P+G: parameters and gradients; state: the optimizer's state on the device (moments, master weights); "
         f"RSS: the process's peak resident memory growth in a step; T_step: median step time after the warm-up"
         f"{' (' + note + ')' if note else ''}; loss: the last step's, loss-base: minus the baseline's. Every row "
         f"trains the same {result['steps_per_row']} steps of {b} sequences each.{accumulation}", 110))
@@ -1174,6 +1226,8 @@ def plot_max_batch(result, out_dir):
 
 
 ROW_COLOURS = {"baseline": NEUTRAL, "accumulate": "tab:brown", "fused": "tab:purple", "combined": "tab:cyan",
+               "mixed-bf16": "tab:pink", "mixed-fp16": "tab:pink", "bf16": "tab:pink", "adam8bit": "tab:olive",
+               "adafactor": "tab:olive", "offload": "tab:olive", "toolbox": "black",
                **COLOURS}
 
 
@@ -1349,6 +1403,12 @@ def _add_model_flags(p, command):
                    "(default: fp32)")
         _flag(g, "stochastic_rounding", action="store_true",
               help="with --precision bf16: round each weight update stochastically (else to nearest)")
+        _flag(g, "optimizer", default="adam", choices=OPTIMIZERS,
+              help="adam (the course's), adam8bit (8-bit block-wise moments), adafactor (factored second moments, "
+                   "no first moment, at --lr), sgd (momentum 0.9) (default: adam)")
+        _flag(g, "offload_state", action="store_true",
+              help="keep the optimizer's state in host memory, outside the device allocator, and bring each "
+                   "parameter's state in for its update")
         _flag(g, "head", default="fused", choices=HEADS,
               help="the LM head and loss: fused is model.loss(x, y) (ops.linear_cross_entropy: the logits computed "
                    "a chunk of tokens at a time, never held whole; the same loss and gradients); full is the "

@@ -1,0 +1,67 @@
+"""8-bit Adam (Dettmers et al. 2021, "8-bit Optimizers via Block-wise Quantization").
+
+Adam's update, unchanged, with both moments stored in 8 bits between steps: block-wise quantization
+(quantization.py) with a signed dynamic map for the first moment and an unsigned one for the second. A step
+dequantizes a parameter's moments to float32, updates them and the parameter exactly as Adam does, and
+quantizes them again; so the state costs 2 bytes per parameter plus 2 float32 absmax per block (2.03 bytes at
+blocks of 256) instead of Adam's 8. As in the paper and bitsandbytes, tensors with fewer than `min_8bit_size`
+elements keep float32 state (they are few bytes, and often the sensitive ones: biases, norms), and so do the
+parameters named in `fp32_state_params` (the paper's "stable embedding" recipe keeps the embedding's 32-bit).
+"""
+from ..backend_selection import array_api
+from .adam import Adam
+from .quantization import dynamic_map
+
+
+class Adam8bit(Adam):
+    """Adam whose moments m, v are stored block-wise in 8 bits for parameters of at least `min_8bit_size`
+    elements (not in `fp32_state_params`); the arithmetic of a step is Adam's, in float32."""
+
+    def __init__(self, params, lr, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, block_size=256,
+                 min_8bit_size=4096, fp32_state_params=(), master_weights=None, stochastic_rounding=False,
+                 offload_state=False):
+        super().__init__(params, lr, beta1, beta2, eps, weight_decay, master_weights, stochastic_rounding,
+                         offload_state)
+        if isinstance(block_size, bool) or int(block_size) != block_size or block_size < 1 or \
+                block_size & (block_size - 1):
+            raise ValueError(f"Adam8bit: block_size must be a positive power of two, got {block_size!r}")
+        if isinstance(min_8bit_size, bool) or int(min_8bit_size) != min_8bit_size or min_8bit_size < 0:
+            raise ValueError(f"Adam8bit: min_8bit_size must be a non-negative integer, got {min_8bit_size!r}")
+        self.block_size, self.min_8bit_size = int(block_size), int(min_8bit_size)
+        self.fp32_state_params = set(fp32_state_params)
+        optimized = {id(q) for q in self.params}
+        unknown = [p for p in self.fp32_state_params if id(p) not in optimized]
+        if unknown:
+            raise ValueError(f"Adam8bit: {len(unknown)} of fp32_state_params are not among the optimized parameters")
+        self.maps = {"m": dynamic_map(signed=True), "v": dynamic_map(signed=False)}  # v >= 0: no sign to store
+        self._device_maps = {}  # (slot, device name) -> the map as an array on that device, made once
+
+    def step(self):
+        super().step()
+        if self.offload_state:
+            self._device_maps.clear()  # offloaded: not even the maps stay on the device between steps
+
+    def _stored(self):
+        yield from super()._stored()
+        if not self.offload_state:
+            yield from self._device_maps.values()  # the two 1 KiB maps are device state too
+
+    def quantizes(self, p):
+        """Whether parameter p's moments are stored in 8 bits."""
+        return p.realize_cached_data().size >= self.min_8bit_size and p not in self.fp32_state_params
+
+    def _map(self, slot, device):
+        key = (slot, str(device))
+        if key not in self._device_maps:
+            self._device_maps[key] = array_api.array(self.maps[slot], dtype="float32", device=device)
+        return self._device_maps[key]
+
+    def _encode(self, p, slot, value):
+        if slot in self.maps and self.quantizes(p):
+            return array_api.quantize_blockwise(value, self._map(slot, p.device), self.block_size)
+        return super()._encode(p, slot, value)
+
+    def _decode(self, p, slot, stored):
+        if isinstance(stored, tuple):  # (q, absmax)
+            return array_api.dequantize_blockwise(*stored, self._map(slot, p.device), self.block_size)
+        return super()._decode(p, slot, stored)
