@@ -902,24 +902,44 @@ static void round_stochastic(const Array& a, Array& out, uint32_t seed) {
 // ascending), exactly as src/README.md words it.  dequantize_blockwise multiplies back.
 constexpr size_t CODE_SIZE = 256;
 
-// out[g] = the index of the code value nearest to x[g] (float32), ties to the lower index, for g < G.
-// lo = the largest j with code[j] <= x, by binary search over the 256 values: j starts at 0 and tries j + s for
-// s = 128, 64, ..., 1, keeping the step when code[j + s] <= x (8 steps reach every j up to 255).  Where no
-// value is <= x (x below code[0], or x NaN, which compares false throughout) j stays 0.  Then the nearer of lo
-// and hi = lo + 1.  Each search is a chain of 8 dependent loads; the G searches are interleaved step by step so
-// that the CPU overlaps their chains (G = 8 runs 4.5x as fast as one element at a time).
-template <int G>
-static inline void nearest_codes(const float* code, const float* x, uint8_t* out) {
-  int lo[G] = {};
-  for (int s = 128; s > 0; s >>= 1)
-#pragma GCC unroll 8
-    for (int g = 0; g < G; ++g) lo[g] += code[lo[g] + s] <= x[g] ? s : 0;  // (no branch: x is unpredictable)
-#pragma GCC unroll 8
-  for (int g = 0; g < G; ++g) {
-    const int hi = std::min(lo[g] + 1, 255);
-    out[g] = static_cast<uint8_t>(code[hi] - x[g] < x[g] - code[lo[g]] ? hi : lo[g]);
+// The nearest code value, fast: a first guess from a table indexed by the upper 16 bits of x's float32 pattern
+// (sign, exponent and 7 mantissa bits: 65536 "buckets", each an interval of floats), then a short walk up.
+// bucket_floor[k] = the largest j with code[j] <= the smallest float of bucket k (0 if none).  The smallest float
+// of a bucket is its pattern with the low 16 bits 0 for a positive sign and all 1 for a negative sign (a larger
+// pattern is a larger magnitude).  So for every x in the bucket, lo(x) >= bucket_floor[k], and walking up while
+// code[lo + 1] <= x reaches lo(x) exactly: the same lo as a binary search, hence the same bytes as the contract.
+// The walk is 0 or 1 steps for the dynamic maps (a bucket is 2^-7 of its magnitude wide, about as wide as their
+// densest spacing); any strictly ascending code stays exact, only slower.  Buckets of NaN patterns hold 0, and
+// the walk never moves a NaN (it compares false), as the contract wants.  Building the table is one merge of the
+// 65536 bucket floors (ascending by value) with the 256 codes.
+struct CodeBuckets {
+  std::vector<uint8_t> floor_of;  // 65536 entries
+
+  explicit CodeBuckets(const float* code) : floor_of(65536, 0) {
+    // Ascending values: negative patterns from 0xFFFF down to 0x8000, then positive ones 0x0000 .. 0x7FFF.
+    int j = 0;
+    auto fill = [&](uint32_t k) {
+      const uint32_t low = (k & 0x8000) ? 0xFFFFu : 0u;
+      float smallest;
+      const uint32_t bits = (k << 16) | low;
+      std::memcpy(&smallest, &bits, sizeof smallest);
+      if (smallest != smallest) return;  // a NaN bucket keeps 0
+      while (j < 255 && code[j + 1] <= smallest) ++j;
+      floor_of[k] = static_cast<uint8_t>(code[j] <= smallest ? j : 0);
+    };
+    for (uint32_t k = 0xFFFF; k >= 0x8000; --k) fill(k);
+    for (uint32_t k = 0; k < 0x8000; ++k) fill(k);
   }
-}
+
+  uint8_t nearest(const float* code, float x) const {
+    uint32_t bits;
+    std::memcpy(&bits, &x, sizeof bits);
+    int lo = floor_of[bits >> 16];
+    while (lo < 255 && code[lo + 1] <= x) ++lo;
+    const int hi = std::min(lo + 1, 255);
+    return static_cast<uint8_t>(code[hi] - x < x - code[lo] ? hi : lo);
+  }
+};
 
 // The largest |a[i]| of a[0..n); for a block holding a NaN, |first NaN| (a NaN, as numpy's max of abs gives).
 static float block_absmax(const float* a, size_t n) {
@@ -983,21 +1003,17 @@ static void quantize_blockwise(const Array& a, const Array& code, Array& out, Ar
   const size_t bs = static_cast<size_t>(block_size);
   const int nthreads = threads_for(n, true);
   py::gil_scoped_release release;
+  const CodeBuckets buckets(pc);
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)
   for (int64_t b = 0; b < static_cast<int64_t>(blocks); ++b) {
-    const size_t begin = static_cast<size_t>(b) * bs, len = std::min(bs, n - begin);
-    const float m = block_absmax(pa + begin, len);
+    const size_t begin = static_cast<size_t>(b) * bs, end = std::min(n, begin + bs);
+    const float m = block_absmax(pa + begin, end - begin);
     pm[b] = m;
-    constexpr int G = 8;
-    float x[G];
-    size_t i = begin;
-    for (; i + G <= begin + len; i += G) {
-      for (int g = 0; g < G; ++g) x[g] = m == 0.0f ? 0.0f : pa[i + g] / m;
-      nearest_codes<G>(pc, x, po + i);
-    }
-    for (; i < begin + len; ++i) {
-      x[0] = m == 0.0f ? 0.0f : pa[i] / m;
-      nearest_codes<1>(pc, x, po + i);
+    float x[256];  // the block's x = a / absmax, a chunk at a time: the division vectorizes, the lookups don't
+    for (size_t i = begin; i < end; i += 256) {
+      const size_t len = std::min<size_t>(256, end - i);
+      for (size_t k = 0; k < len; ++k) x[k] = m == 0.0f ? 0.0f : pa[i + k] / m;
+      for (size_t k = 0; k < len; ++k) po[i + k] = buckets.nearest(pc, x[k]);
     }
   }
 }
