@@ -15,7 +15,14 @@ from .quantization import dynamic_map
 
 class Adam8bit(Adam):
     """Adam whose moments m, v are stored block-wise in 8 bits for parameters of at least `min_8bit_size`
-    elements (not in `fp32_state_params`); the arithmetic of a step is Adam's, in float32."""
+    elements (not in `fp32_state_params`); the arithmetic of a step is Adam's, in float32.
+
+    The second moment is stored as its square root, sqrt(v) (unsigned map), which has the dynamic range of m.
+    Stored as v, its range is the square of m's: an element 1e-4 of its block's largest gradient has
+    v / absmax(v) ~ 1e-8, below the map's smallest value (3e-7), and comes back 0 while its m (5e-7 resolves)
+    does not, so m / (sqrt(v) + eps) is orders of magnitude too large. On the PTB Transformer LM, whose output
+    layer mixes frequent and rare words in one block, storing v itself diverged to NaN within 16 steps.
+    """
 
     def __init__(self, params, lr, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, block_size=256,
                  min_8bit_size=4096, fp32_state_params=(), master_weights=None, stochastic_rounding=False,
@@ -58,10 +65,13 @@ class Adam8bit(Adam):
 
     def _encode(self, p, slot, value):
         if slot in self.maps and self.quantizes(p):
+            if slot == "v":
+                value = value ** 0.5  # see the class docstring
             return array_api.quantize_blockwise(value, self._map(slot, p.device), self.block_size)
         return super()._encode(p, slot, value)
 
     def _decode(self, p, slot, stored):
         if isinstance(stored, tuple):  # (q, absmax)
-            return array_api.dequantize_blockwise(*stored, self._map(slot, p.device), self.block_size)
+            value = array_api.dequantize_blockwise(*stored, self._map(slot, p.device), self.block_size)
+            return value * value if slot == "v" else value
         return super()._decode(p, slot, stored)
