@@ -8,9 +8,8 @@ blocks of 256) instead of Adam's 8. As in the paper and bitsandbytes, tensors wi
 elements keep float32 state (they are few bytes, and often the sensitive ones: biases, norms), and so do the
 parameters named in `fp32_state_params` (the paper's "stable embedding" recipe keeps the embedding's 32-bit).
 """
-from ..backend_selection import array_api
 from .adam import Adam
-from .quantization import dynamic_map
+from .quantization import dequantize, device_code, dynamic_map, quantize
 
 
 class Adam8bit(Adam):
@@ -60,18 +59,18 @@ class Adam8bit(Adam):
     def _map(self, slot, device):
         key = (slot, str(device))
         if key not in self._device_maps:
-            self._device_maps[key] = array_api.array(self.maps[slot], dtype="float32", device=device)
+            self._device_maps[key] = device_code(self.maps[slot], device)
         return self._device_maps[key]
 
     def _encode(self, p, slot, value):
         if slot in self.maps and self.quantizes(p):
             if slot == "v":
                 value = value ** 0.5  # see the class docstring
-            return array_api.quantize_blockwise(value, self._map(slot, p.device), self.block_size)
+            return quantize(value, self._map(slot, p.device), self.block_size)
         return super()._encode(p, slot, value)
 
     def _decode(self, p, slot, stored):
         if isinstance(stored, tuple):  # (q, absmax)
-            value = array_api.dequantize_blockwise(*stored, self._map(slot, p.device), self.block_size)
+            value = dequantize(*stored, self._map(slot, p.device), self.block_size)
             return value * value if slot == "v" else value
         return super()._decode(p, slot, stored)
