@@ -935,11 +935,33 @@ struct CodeBuckets {
     uint32_t bits;
     std::memcpy(&bits, &x, sizeof bits);
     int lo = floor_of[bits >> 16];
-    while (lo < 255 && code[lo + 1] <= x) ++lo;
+    const int next = lo < 255 ? lo + 1 : 255;
+    lo += next != lo && code[next] <= x;  // the usual single step, without a branch to mispredict
+    while (lo < 255 && code[lo + 1] <= x) ++lo;  // codes denser than a bucket only
     const int hi = std::min(lo + 1, 255);
     return static_cast<uint8_t>(code[hi] - x < x - code[lo] ? hi : lo);
   }
 };
+
+// The tables of the last few codes seen (an optimizer quantizes with the same two maps every step, and building a
+// table costs as much as quantizing 50,000 elements).  Looked up by the code's values; called with the GIL held.
+static const CodeBuckets& buckets_for(const float* code) {
+  struct Entry {
+    std::vector<float> code;
+    CodeBuckets buckets;
+  };
+  static std::vector<std::unique_ptr<Entry>> cache;  // most recently used first
+  for (size_t k = 0; k < cache.size(); ++k) {
+    if (std::equal(code, code + CODE_SIZE, cache[k]->code.begin())) {
+      std::rotate(cache.begin(), cache.begin() + k, cache.begin() + k + 1);
+      return cache.front()->buckets;
+    }
+  }
+  if (cache.size() == 8) cache.pop_back();
+  cache.insert(cache.begin(), std::make_unique<Entry>(Entry{std::vector<float>(code, code + CODE_SIZE),
+                                                            CodeBuckets(code)}));
+  return cache.front()->buckets;
+}
 
 // The largest |a[i]| of a[0..n); for a block holding a NaN, |first NaN| (a NaN, as numpy's max of abs gives).
 static float block_absmax(const float* a, size_t n) {
@@ -1002,8 +1024,8 @@ static void quantize_blockwise(const Array& a, const Array& code, Array& out, Ar
   float* pm = absmax.data<float>();
   const size_t bs = static_cast<size_t>(block_size);
   const int nthreads = threads_for(n, true);
+  const CodeBuckets& buckets = buckets_for(pc);
   py::gil_scoped_release release;
-  const CodeBuckets buckets(pc);
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)
   for (int64_t b = 0; b < static_cast<int64_t>(blocks); ++b) {
     const size_t begin = static_cast<size_t>(b) * bs, end = std::min(n, begin + bs);
@@ -1038,6 +1060,102 @@ static void dequantize_blockwise(const Array& q, const Array& code, const Array&
     const size_t begin = static_cast<size_t>(b) * bs, end = std::min(n, begin + bs);
     const float m = pm[b];
     for (size_t i = begin; i < end; ++i) po[i] = pc[pq[i]] * m;
+  }
+}
+
+// ---- 8-bit Adam, fused (Dettmers et al. 2021) ------------------------------------------------------------
+//
+// adam8bit_step: one Adam update of a parameter whose moments are stored block-wise in 8 bits, in one pass per
+// block instead of dequantize -> nine element-wise kernels -> quantize.  Per element i of block b, in float32
+// with every operation rounded (no fused multiply-add, so the bytes equal the NumPy reference's):
+//   m = code_m[q_m[i]] * absmax_m[b];  r = code_v[q_v[i]] * absmax_v[b];  v = r * r      (q_v stores sqrt(v))
+//   m = m * b1 + g * (1 - b1);  v = v * b2 + (g * g) * (1 - b2)
+//   out[i] = theta[i] - (m / c1) * lr / (sqrt(v / c2) + eps)
+// then the block's new m and sqrt(v) are quantized into q_m, absmax_m, q_v, absmax_v (quantize_blockwise's rule).
+// A thread keeps one block's new m and sqrt(v) in a buffer between the absmax and the quantizing loop.
+#if defined(__GNUC__) && !defined(__clang__)
+#define NEEDLE_NO_FMA __attribute__((optimize("fp-contract=off")))
+#else
+#define NEEDLE_NO_FMA
+#endif
+
+// x[k] /= absmax (0 when absmax is 0), as quantize_blockwise divides: a loop without branches, so it vectorizes.
+static void scale_block(float* x, size_t n, float absmax) {
+  if (absmax == 0.0f) {
+    std::fill(x, x + n, 0.0f);
+  } else {
+    for (size_t k = 0; k < n; ++k) x[k] /= absmax;
+  }
+}
+
+NEEDLE_NO_FMA static void adam8bit_step(const Array& theta, const Array& grad, Array& q_m, Array& absmax_m,
+                                        Array& q_v, Array& absmax_v, const Array& code_m, const Array& code_v,
+                                        Array& out, int64_t block_size, double lr, double beta1, double beta2,
+                                        double eps, double correction1, double correction2) {
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#endif
+  const char* fn = "adam8bit_step";
+  const size_t n = theta.size, blocks = num_blocks(fn, n, block_size);
+  check_blockwise(fn, {{"theta", theta, DType::f32, n},
+                       {"grad", grad, DType::f32, n},
+                       {"q_m", q_m, DType::u8, n},
+                       {"absmax_m", absmax_m, DType::f32, blocks},
+                       {"q_v", q_v, DType::u8, n},
+                       {"absmax_v", absmax_v, DType::f32, blocks},
+                       {"code_m", code_m, DType::f32, CODE_SIZE},
+                       {"code_v", code_v, DType::f32, CODE_SIZE},
+                       {"out", out, DType::f32, n}});
+  // The hyper-parameters as the element-wise ops see Python floats: each rounded once to float32 (1 - beta in
+  // double first).
+  const float b1 = static_cast<float>(beta1), a1 = static_cast<float>(1.0 - beta1);
+  const float b2 = static_cast<float>(beta2), a2 = static_cast<float>(1.0 - beta2);
+  const float c1 = static_cast<float>(correction1), c2 = static_cast<float>(correction2);
+  const float step = static_cast<float>(lr), fe = static_cast<float>(eps);
+  const float* pt = theta.data<float>();
+  const float* pg = grad.data<float>();
+  const float* cm = code_m.data<float>();
+  const float* cv = code_v.data<float>();
+  uint8_t* qm = q_m.data<uint8_t>();
+  uint8_t* qv = q_v.data<uint8_t>();
+  float* am = absmax_m.data<float>();
+  float* av = absmax_v.data<float>();
+  float* po = out.data<float>();
+  const size_t bs = static_cast<size_t>(block_size);
+  const int nthreads = threads_for(n, true);
+  const CodeBuckets &buckets_m = buckets_for(cm), &buckets_v = buckets_for(cv);
+  py::gil_scoped_release release;
+#pragma omp parallel num_threads(nthreads) if (nthreads > 1)
+  {
+    std::vector<float> m(std::min(bs, n)), r(std::min(bs, n));  // one block's new m and sqrt(v)
+#pragma omp for schedule(static)
+    for (int64_t b = 0; b < static_cast<int64_t>(blocks); ++b) {
+      const size_t begin = static_cast<size_t>(b) * bs, len = std::min(n, begin + bs) - begin;
+      const float old_m = am[b], old_r = av[b];
+      for (size_t k = 0; k < len; ++k) {  // dequantize (table lookups: scalar)
+        m[k] = cm[qm[begin + k]] * old_m;
+        r[k] = cv[qv[begin + k]] * old_r;
+      }
+      const float* g = pg + begin;
+      const float* t = pt + begin;
+      float* o = po + begin;
+      for (size_t k = 0; k < len; ++k) {  // Adam (no lookups or branches: vectorized)
+        const float mk = m[k] * b1 + g[k] * a1;
+        const float vk = r[k] * r[k] * b2 + g[k] * g[k] * a2;
+        o[k] = t[k] - mk / c1 * step / (std::sqrt(vk / c2) + fe);
+        m[k] = mk;
+        r[k] = std::sqrt(vk);
+      }
+      const float new_m = block_absmax(m.data(), len), new_r = block_absmax(r.data(), len);
+      am[b] = new_m;
+      av[b] = new_r;
+      scale_block(m.data(), len, new_m);  // x = value / absmax, then the nearest code (lookups)
+      scale_block(r.data(), len, new_r);
+      for (size_t k = 0; k < len; ++k) {
+        qm[begin + k] = buckets_m.nearest(cm, m[k]);
+        qv[begin + k] = buckets_v.nearest(cv, r[k]);
+      }
+    }
   }
 }
 
@@ -2644,6 +2762,7 @@ PYBIND11_MODULE(ndarray_backend_cpu, m) {
   m.def("round_stochastic", round_stochastic);
   m.def("quantize_blockwise", quantize_blockwise);
   m.def("dequantize_blockwise", dequantize_blockwise);
+  m.def("adam8bit_step", adam8bit_step);
 
   m.def("ewise_add", ewise_add);
   m.def("scalar_add", scalar_add);

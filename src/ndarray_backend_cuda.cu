@@ -836,6 +836,63 @@ __global__ void dequantize_blockwise_kernel(const uint8_t* q, const float* code,
   for (int64_t i = first_index(); i < n; i += grid_stride()) out[i] = table[q[i]] * absmax[i / block_size];
 }
 
+// ---- 8-bit Adam, fused (Dettmers et al. 2021) ----------------------------------------------------------------
+//
+// adam8bit_step (src/README.md): per element, m and v = r * r are dequantized (q_v stores r = sqrt(v)), updated as
+// Adam does, theta updated, and the block's new m and r quantized.  One thread block per quantization block
+// (grid-stride), each thread owning the same elements throughout, in two passes:
+//   1. compute the new m, r and theta (written), and the block's new absmax of m and of r (block_reduce);
+//   2. compute m and r again from the still unchanged bytes (cheaper than holding a block of any size in
+//      shared memory) and write their new bytes.
+// Every operation is an IEEE round-to-nearest intrinsic (no contraction into FMA), so the bytes are the NumPy
+// reference's.
+struct Adam8bitHyper {
+  float b1, a1, b2, a2, c1, c2, lr, eps;  // beta1, 1 - beta1, beta2, 1 - beta2, 1 - beta1^t, 1 - beta2^t, lr, eps
+};
+
+__device__ void adam8bit_moments(const Adam8bitHyper& h, float m, float r, float g, float* m_out, float* v_out) {
+  *m_out = __fadd_rn(__fmul_rn(m, h.b1), __fmul_rn(g, h.a1));
+  *v_out = __fadd_rn(__fmul_rn(__fmul_rn(r, r), h.b2), __fmul_rn(__fmul_rn(g, g), h.a2));
+}
+
+__global__ void adam8bit_step_kernel(const float* theta, const float* grad, uint8_t* q_m, float* absmax_m,
+                                     uint8_t* q_v, float* absmax_v, const float* code_m, const float* code_v,
+                                     float* out, int64_t n, int64_t block_size, int64_t num_blocks, Adam8bitHyper h) {
+  __shared__ float table_m[kCodeSize], table_v[kCodeSize];
+  for (int j = threadIdx.x; j < kCodeSize; j += blockDim.x) {
+    table_m[j] = code_m[j];
+    table_v[j] = code_v[j];
+  }
+  __syncthreads();
+  for (int64_t b = blockIdx.x; b < num_blocks; b += gridDim.x) {
+    const int64_t begin = b * block_size;
+    const int64_t end = n - begin < block_size ? n : begin + block_size;
+    const float old_m = absmax_m[b], old_r = absmax_v[b];
+    float new_m = 0.0f, new_r = 0.0f;
+    for (int64_t i = begin + threadIdx.x; i < end; i += blockDim.x) {  // pass 1
+      float m, v;
+      adam8bit_moments(h, __fmul_rn(table_m[q_m[i]], old_m), __fmul_rn(table_v[q_v[i]], old_r), grad[i], &m, &v);
+      const float denom = __fadd_rn(__fsqrt_rn(__fdiv_rn(v, h.c2)), h.eps);
+      out[i] = __fsub_rn(theta[i], __fdiv_rn(__fmul_rn(__fdiv_rn(m, h.c1), h.lr), denom));
+      new_m = MaximumOp()(new_m, fabsf(m));
+      new_r = MaximumOp()(new_r, __fsqrt_rn(v));
+    }
+    new_m = block_reduce(new_m, MaxReduce());  // every thread has read old_m, old_r before thread 0 writes
+    new_r = block_reduce(new_r, MaxReduce());
+    if (threadIdx.x == 0) {
+      absmax_m[b] = new_m;
+      absmax_v[b] = new_r;
+    }
+    for (int64_t i = begin + threadIdx.x; i < end; i += blockDim.x) {  // pass 2
+      float m, v;
+      adam8bit_moments(h, __fmul_rn(table_m[q_m[i]], old_m), __fmul_rn(table_v[q_v[i]], old_r), grad[i], &m, &v);
+      const float r = __fsqrt_rn(v);
+      q_m[i] = nearest_code(table_m, new_m == 0.0f ? 0.0f : __fdiv_rn(m, new_m));
+      q_v[i] = nearest_code(table_v, new_r == 0.0f ? 0.0f : __fdiv_rn(r, new_r));
+    }
+  }
+}
+
 // ---- Matrix multiplication --------------------------------------------------------------------------------
 //
 // out (m x p) = a (m x n) @ b (n x p), all compact row-major, for each of `batch` consecutive triples of matrices
@@ -1738,6 +1795,42 @@ void dequantize_blockwise(const CudaArray& q, const CudaArray& code, const CudaA
   check_kernel(fn);
 }
 
+void adam8bit_step(const CudaArray& theta, const CudaArray& grad, CudaArray& q_m, CudaArray& absmax_m, CudaArray& q_v,
+                   CudaArray& absmax_v, const CudaArray& code_m, const CudaArray& code_v, CudaArray& out,
+                   int64_t block_size, double lr, double beta1, double beta2, double eps, double correction1,
+                   double correction2) {
+  const char* fn = "adam8bit_step";
+  const int64_t blocks = num_quantization_blocks(fn, theta.size, block_size);
+  check_exact_dtypes(fn, {{"theta", theta, DType::kFloat32},
+                          {"grad", grad, DType::kFloat32},
+                          {"q_m", q_m, DType::kUInt8},
+                          {"absmax_m", absmax_m, DType::kFloat32},
+                          {"q_v", q_v, DType::kUInt8},
+                          {"absmax_v", absmax_v, DType::kFloat32},
+                          {"code_m", code_m, DType::kFloat32},
+                          {"code_v", code_v, DType::kFloat32},
+                          {"out", out, DType::kFloat32}});
+  check_size(fn, "grad", grad.size, theta.size);
+  check_size(fn, "q_m", q_m.size, theta.size);
+  check_size(fn, "q_v", q_v.size, theta.size);
+  check_size(fn, "out", out.size, theta.size);
+  check_size(fn, "absmax_m", absmax_m.size, static_cast<size_t>(blocks));
+  check_size(fn, "absmax_v", absmax_v.size, static_cast<size_t>(blocks));
+  check_size(fn, "code_m", code_m.size, kCodeSize);
+  check_size(fn, "code_v", code_v.size, kCodeSize);
+  if (blocks == 0) return;
+  // Each hyper-parameter rounded once to float32, as the element-wise ops round Python floats (1 - beta in double).
+  const Adam8bitHyper h{static_cast<float>(beta1), static_cast<float>(1.0 - beta1), static_cast<float>(beta2),
+                        static_cast<float>(1.0 - beta2), static_cast<float>(correction1),
+                        static_cast<float>(correction2), static_cast<float>(lr), static_cast<float>(eps)};
+  const unsigned grid = static_cast<unsigned>(std::min(blocks, kReduceMaxBlocks));
+  adam8bit_step_kernel<<<grid, reduce_threads(static_cast<size_t>(block_size))>>>(
+      data<float>(theta), data<float>(grad), data<uint8_t>(q_m), data<float>(absmax_m), data<uint8_t>(q_v),
+      data<float>(absmax_v), data<float>(code_m), data<float>(code_v), data<float>(out), as_int64(theta.size),
+      block_size, blocks, h);
+  check_kernel(fn);
+}
+
 // ---- NumPy transfers --------------------------------------------------------------------------------------
 
 // True when (shape, strides) is the row-major compact layout, so the view is one contiguous run of memory.
@@ -1857,6 +1950,7 @@ PYBIND11_MODULE(ndarray_backend_cuda, m) {
   m.def("round_stochastic", round_stochastic);
   m.def("quantize_blockwise", quantize_blockwise);
   m.def("dequantize_blockwise", dequantize_blockwise);
+  m.def("adam8bit_step", adam8bit_step);
 
   def_ewise(m, "ewise_add", AddOp());
   def_ewise(m, "ewise_mul", MulOp());

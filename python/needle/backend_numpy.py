@@ -7,9 +7,8 @@ import ml_dtypes  # noqa: F401  (registers "bfloat16" with NumPy)
 import numpy as np
 
 __all__ = [
-    "Device", "all_devices", "array", "astype", "broadcast_to", "cast_like", "cpu", "cpu_numpy", "cuda",
-    "default_device", "dequantize_blockwise", "device_of", "empty", "exp", "flip", "full", "log", "logsumexp",
-    "matmul", "max", "maximum", "pad", "promote_types", "quantize_blockwise", "reshape", "round_stochastic",
+    "broadcast_to", "cast_like", "cpu", "cpu_numpy", "cuda", "default_device", "dequantize_blockwise", "device_of",
+    "empty", "exp", "flip", "full", "log", "logsumexp", "matmul", "max", "maximum", "pad", "promote_types", "quantize_blockwise", "reshape", "round_stochastic",
     "scatter_add_rows", "scatter_along_rows", "softmax_xent_grad", "split", "stack", "sum", "take_along_rows",
     "take_rows", "tanh", "tensor_data", "to_numpy", "transpose", "zeros",
 ]
@@ -61,6 +60,27 @@ def dequantize_blockwise(q, absmax, code, block_size):
     ref.check_blockwise("dequantize_blockwise", [("q", q, "uint8", q.size), ("absmax", absmax, "float32", blocks),
                                                  ("code", code, "float32", 256)])
     return ref.dequantize_blocks(q, code, absmax.reshape(-1), block_size).reshape(q.shape)
+
+
+def adam8bit_step(theta, grad, m_state, v_state, code_m, code_v, block_size, lr, beta1, beta2, eps, correction1,
+                  correction2):
+    """One fused 8-bit Adam step (the reference backend's bytes; see src/README.md): the new float32 theta;
+    m_state = (q_m, absmax_m) and v_state = (q_v, absmax_v) are updated in place."""
+    from .backend_ndarray import ndarray_backend_numpy as ref
+
+    (q_m, absmax_m), (q_v, absmax_v) = m_state, v_state
+    n = theta.size
+    blocks = ref.num_blocks("adam8bit_step", n, block_size)
+    ref.check_blockwise("adam8bit_step", [
+        ("theta", theta, "float32", n), ("grad", grad, "float32", n), ("q_m", q_m, "uint8", n),
+        ("absmax_m", absmax_m, "float32", blocks), ("q_v", q_v, "uint8", n), ("absmax_v", absmax_v, "float32", blocks),
+        ("code_m", code_m, "float32", 256), ("code_v", code_v, "float32", 256)])
+    out, *state = ref.adam8bit_blocks(np.asarray(theta), np.asarray(grad), q_m.reshape(-1), absmax_m, q_v.reshape(-1),
+                                      absmax_v, np.asarray(code_m), np.asarray(code_v), block_size, lr, beta1, beta2,
+                                      eps, correction1, correction2)
+    for stored, new in zip((q_m, absmax_m, q_v, absmax_v), state):
+        stored[...] = new.reshape(stored.shape)
+    return out.reshape(theta.shape)
 
 
 def promote_types(a, b):

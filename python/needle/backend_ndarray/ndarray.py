@@ -26,6 +26,7 @@ __all__ = [
     "cpu_numpy",
     "cuda",
     "default_device",
+    "adam8bit_step",
     "dequantize_blockwise",
     "empty",
     "exp",
@@ -940,6 +941,29 @@ def dequantize_blockwise(q, absmax, code, block_size):
     out = NDArray._empty(q.shape, q.device, "float32")
     q.device.mod.dequantize_blockwise(q._handle, code.compact()._handle, absmax.compact()._handle, out._handle,
                                       int(block_size))
+    return out
+
+
+def adam8bit_step(theta, grad, m_state, v_state, code_m, code_v, block_size, lr, beta1, beta2, eps, correction1,
+                  correction2):
+    """One Adam step for a parameter whose moments are stored block-wise in 8 bits, fused into one pass per block
+    (src/README.md, adam8bit_step): returns the new float32 theta and updates `m_state` = (q_m, absmax_m) and
+    `v_state` = (q_v, absmax_v) in place (q_v holds sqrt(v)). correction1/2 are Adam's 1 - beta^t."""
+    fn = "adam8bit_step"
+    (q_m, absmax_m), (q_v, absmax_v) = m_state, v_state
+    named = [("theta", theta), ("grad", grad), ("q_m", q_m), ("absmax_m", absmax_m), ("q_v", q_v),
+             ("absmax_v", absmax_v), ("code_m", code_m), ("code_v", code_v)]
+    _ndarrays_on_one_device(fn, *named)
+    for name, array in named[2:6]:
+        if not array.is_compact():
+            raise ValueError(f"{fn}: {name} is updated in place and must be compact")
+    if grad.shape != theta.shape:
+        raise ValueError(f"{fn}: grad has shape {grad.shape}, theta {theta.shape}")
+    out = NDArray._empty(theta.shape, theta.device, "float32")
+    theta.device.mod.adam8bit_step(
+        theta.compact()._handle, grad.compact()._handle, q_m._handle, absmax_m._handle, q_v._handle,
+        absmax_v._handle, code_m.compact()._handle, code_v.compact()._handle, out._handle, int(block_size),
+        float(lr), float(beta1), float(beta2), float(eps), float(correction1), float(correction2))
     return out
 
 

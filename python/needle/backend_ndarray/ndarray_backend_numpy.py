@@ -238,6 +238,35 @@ def dequantize_blockwise(q, code, absmax, out, block_size):
     out.array[:] = dequantize_blocks(q.array, code.array, absmax.array, block_size)
 
 
+def adam8bit_blocks(theta, grad, q_m, absmax_m, q_v, absmax_v, code_m, code_v, block_size, lr, beta1, beta2, eps,
+                    correction1, correction2):
+    """One Adam step on 8-bit block-wise moments (q_v stores sqrt(v)), on flat numpy arrays, as src/README.md's
+    adam8bit_step: float32 arithmetic, each operation rounded once. -> (new theta, q_m, absmax_m, q_v, absmax_v)."""
+    f32 = np.float32
+    with np.errstate(all="ignore"):  # inf and NaN propagate as in the element-wise kernels
+        m = dequantize_blocks(q_m, code_m, absmax_m, block_size)
+        r = dequantize_blocks(q_v, code_v, absmax_v, block_size)
+        g = grad.reshape(-1)
+        m = m * f32(beta1) + g * f32(1 - beta1)
+        v = r * r * f32(beta2) + g * g * f32(1 - beta2)
+        out = theta.reshape(-1) - m / f32(correction1) * f32(lr) / (np.sqrt(v / f32(correction2)) + f32(eps))
+        r = np.sqrt(v)
+    return (out, *quantize_blocks(m, code_m, block_size), *quantize_blocks(r, code_v, block_size))
+
+
+def adam8bit_step(theta, grad, q_m, absmax_m, q_v, absmax_v, code_m, code_v, out, block_size, lr, beta1, beta2, eps,
+                  correction1, correction2):
+    n = theta.size
+    blocks = num_blocks("adam8bit_step", n, block_size)
+    check_blockwise("adam8bit_step", [
+        ("theta", theta, "float32", n), ("grad", grad, "float32", n), ("q_m", q_m, "uint8", n),
+        ("absmax_m", absmax_m, "float32", blocks), ("q_v", q_v, "uint8", n), ("absmax_v", absmax_v, "float32", blocks),
+        ("code_m", code_m, "float32", 256), ("code_v", code_v, "float32", 256), ("out", out, "float32", n)])
+    (out.array[:], q_m.array[:], absmax_m.array[:], q_v.array[:], absmax_v.array[:]) = adam8bit_blocks(
+        theta.array, grad.array, q_m.array, absmax_m.array, q_v.array, absmax_v.array, code_m.array, code_v.array,
+        block_size, lr, beta1, beta2, eps, correction1, correction2)
+
+
 # ----- element-wise on compact buffers ----------------------------------------------------------------------
 _BINARY = {"add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.divide, "power": np.power,
            "maximum": np.maximum, "eq": np.equal, "ge": np.greater_equal,

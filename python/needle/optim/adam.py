@@ -24,14 +24,18 @@ class Adam(Optimizer):
 
     def step(self):
         self.t += 1
-        b1, b2 = self.beta1, self.beta2
-        correction1, correction2 = 1 - b1**self.t, 1 - b2**self.t
+        correction1, correction2 = 1 - self.beta1**self.t, 1 - self.beta2**self.t
         for p, theta, grad in self._with_grads():
-            m, v = self._load(p, "m"), self._load(p, "v")
-            m = grad * (1 - b1) if m is None else m * b1 + grad * (1 - b1)
-            v = (grad * grad) * (1 - b2) if v is None else v * b2 + (grad * grad) * (1 - b2)
-            self._save(p, "m", m)
-            self._save(p, "v", v)
-            m_hat = m / correction1
-            v_hat = v / correction2
-            self._update(p, _as_dtype(theta - m_hat * self.lr / (v_hat**0.5 + self.eps), theta))
+            self._update(p, self._step_one(p, theta, grad, correction1, correction2))
+
+    def _step_one(self, p, theta, grad, correction1, correction2):
+        """Parameter p's new float32 value (its moments updated on the way)."""
+        b1, b2 = self.beta1, self.beta2
+        m, v = self._load(p, "m"), self._load(p, "v")
+        m = grad * (1 - b1) if m is None else m * b1 + grad * (1 - b1)
+        v = (grad * grad) * (1 - b2) if v is None else v * b2 + (grad * grad) * (1 - b2)
+        self._save(p, "m", m)
+        self._save(p, "v", v)
+        m_hat = m / correction1
+        v_hat = v / correction2
+        return _as_dtype(theta - m_hat * self.lr / (v_hat**0.5 + self.eps), theta)

@@ -8,8 +8,9 @@ blocks of 256) instead of Adam's 8. As in the paper and bitsandbytes, tensors wi
 elements keep float32 state (they are few bytes, and often the sensitive ones: biases, norms), and so do the
 parameters named in `fp32_state_params` (the paper's "stable embedding" recipe keeps the embedding's 32-bit).
 """
+from ..backend_selection import array_api, device_of
 from .adam import Adam
-from .quantization import dequantize, device_code, dynamic_map, quantize
+from .quantization import dequantize, device_code, dynamic_map
 
 
 class Adam8bit(Adam):
@@ -62,14 +63,27 @@ class Adam8bit(Adam):
             self._device_maps[key] = device_code(self.maps[slot], device)
         return self._device_maps[key]
 
-    def _encode(self, p, slot, value):
-        if slot in self.maps and self.quantizes(p):
-            if slot == "v":
-                value = value ** 0.5  # see the class docstring
-            return quantize(value, self._map(slot, p.device), self.block_size)
-        return super()._encode(p, slot, value)
+    def _step_one(self, p, theta, grad, correction1, correction2):
+        if not self.quantizes(p):
+            return super()._step_one(p, theta, grad, correction1, correction2)
+        m, v = self._fetch(p, "m"), self._fetch(p, "v")
+        if m is None:  # the first step: zero moments (a zero absmax turns every byte into 0)
+            m, v = self._zero_state(theta), self._zero_state(theta)
+        # Dequantize, Adam's update in float32, requantize: one pass per block in the backend (adam8bit_step).
+        theta = array_api.adam8bit_step(theta, grad, m, v, self._map("m", p.device), self._map("v", p.device),
+                                        self.block_size, self.lr, self.beta1, self.beta2, self.eps, correction1,
+                                        correction2)
+        self._keep(p, "m", m)  # updated in place
+        self._keep(p, "v", v)
+        return theta
+
+    def _zero_state(self, theta):
+        blocks, device = -(-theta.size // self.block_size), device_of(theta)
+        return (array_api.full(theta.shape, 0, dtype="uint8", device=device),
+                array_api.full((blocks,), 0.0, dtype="float32", device=device))
 
     def _decode(self, p, slot, stored):
+        """A stored moment as float32 (m, or v = sqrt(v) squared); the step itself works on the bytes."""
         if isinstance(stored, tuple):  # (q, absmax)
             value = dequantize(*stored, self._map(slot, p.device), self.block_size)
             return value * value if slot == "v" else value

@@ -103,16 +103,22 @@ class Optimizer:
     # ----- state: stored per parameter and slot, loaded as float32 for the update ---------------------------------
     def _load(self, p, slot):
         """Parameter p's state `slot` as a float32 array on p's device, or None before its first update."""
-        stored = getattr(self, slot).get(p)
-        if stored is None:
-            return None
-        if self.offload_state:
-            stored = _to_device(stored, p.device)
-        return self._decode(p, slot, stored)
+        stored = self._fetch(p, slot)
+        return None if stored is None else self._decode(p, slot, stored)
 
     def _save(self, p, slot, value):
         """Store parameter p's new float32 state `slot` (encoded, and offloaded to the host if asked)."""
-        stored = self._encode(p, slot, value)
+        self._keep(p, slot, self._encode(p, slot, value))
+
+    def _fetch(self, p, slot):
+        """Parameter p's state `slot` as stored (encoded), on p's device; None before its first update."""
+        stored = getattr(self, slot).get(p)
+        if stored is not None and self.offload_state:
+            stored = _to_device(stored, p.device)
+        return stored
+
+    def _keep(self, p, slot, stored):
+        """Keep encoded state `stored` as parameter p's `slot` (on the host when offloading)."""
         getattr(self, slot)[p] = _to_host(stored) if self.offload_state else stored
 
     def _encode(self, p, slot, value):
