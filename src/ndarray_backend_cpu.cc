@@ -2724,6 +2724,8 @@ static void matmul_tiled(const Array& a, const Array& b, Array& out, int64_t m, 
 }  // namespace cpu
 }  // namespace needle
 
+#include "cpu/attention.h"  // fused attention (FlashAttention-2): attention_forward, attention_backward
+
 // ------------------------------------------------------------------------------------------------------------
 // 5. The module
 // ------------------------------------------------------------------------------------------------------------
@@ -2798,6 +2800,8 @@ PYBIND11_MODULE(ndarray_backend_cpu, m) {
   m.def("scatter_add_rows", scatter_add_rows);
   m.def("take_along_rows", take_along_rows);
   m.def("scatter_along_rows", scatter_along_rows);
+  m.def("attention_forward", attention_forward);
+  m.def("attention_backward", attention_backward);
 
   m.def("memory_stats", memory_stats);
   m.def("reset_peak_memory_stats", reset_peak_memory_stats);

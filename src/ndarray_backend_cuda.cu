@@ -1914,6 +1914,8 @@ void def_unary(py::module_& m, const char* name, Op op) {
 }  // namespace cuda
 }  // namespace needle
 
+#include "cuda/attention.cuh"  // fused attention (FlashAttention-2): attention_forward, attention_backward
+
 // ------------------------------------------------------------------------------------------------------------
 // 8. Bindings
 // ------------------------------------------------------------------------------------------------------------
@@ -1989,6 +1991,8 @@ PYBIND11_MODULE(ndarray_backend_cuda, m) {
   m.def("scatter_add_rows", scatter_add_rows);
   m.def("take_along_rows", take_along_rows);
   m.def("scatter_along_rows", scatter_along_rows);
+  m.def("attention_forward", attention_forward);
+  m.def("attention_backward", attention_backward);
 
   m.def("memory_stats", [] {
     const CachingAllocator& alloc = allocator();

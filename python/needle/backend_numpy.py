@@ -7,10 +7,11 @@ import ml_dtypes  # noqa: F401  (registers "bfloat16" with NumPy)
 import numpy as np
 
 __all__ = [
+    "Device", "adam8bit_step", "all_devices", "array", "astype", "attention_backward", "attention_forward",
     "broadcast_to", "cast_like", "cpu", "cpu_numpy", "cuda", "default_device", "dequantize_blockwise", "device_of",
-    "empty", "exp", "flip", "full", "log", "logsumexp", "matmul", "max", "maximum", "pad", "promote_types", "quantize_blockwise", "reshape", "round_stochastic",
-    "scatter_add_rows", "scatter_along_rows", "softmax_xent_grad", "split", "stack", "sum", "take_along_rows",
-    "take_rows", "tanh", "tensor_data", "to_numpy", "transpose", "zeros",
+    "empty", "exp", "flip", "full", "log", "logsumexp", "matmul", "max", "maximum", "pad", "promote_types",
+    "quantize_blockwise", "reshape", "round_stochastic", "scatter_add_rows", "scatter_along_rows", "softmax_xent_grad",
+    "split", "stack", "sum", "take_along_rows", "take_rows", "tanh", "tensor_data", "to_numpy", "transpose", "zeros",
 ]
 
 
@@ -229,6 +230,40 @@ def logsumexp(a, axis=None, keepdims=False):
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
         out = np.where(np.isfinite(m), shift + np.log(np.sum(np.exp(a - shift), axis=axis, keepdims=True)), m)
     return out if keepdims else np.squeeze(out, axis=axis)
+
+
+def _attention_dtype(fn, q, k, v):
+    """The dtype attention computes in: float64 stays float64, every other float computes in float32."""
+    if len({q.dtype, k.dtype, v.dtype}) != 1:
+        raise TypeError(f"{fn}: q, k, v need one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    return np.float64 if q.dtype == np.float64 else np.float32
+
+
+def attention_forward(q, k, v, scale, causal=False, dropout_p=0.0, seed=0):
+    """(out, lse): the reference backend's tiled FlashAttention forward on (..., T, D) arrays (see src/README.md)."""
+    from .backend_ndarray import ndarray_backend_numpy as ref
+
+    acc = _attention_dtype("attention_forward", q, k, v)
+    batch, (t_q, d), (t_k, d_v) = q.shape[:-2], q.shape[-2:], v.shape[-2:]
+    ref.check_attention("attention_forward", (int(np.prod(batch)), t_q, t_k, d, d_v), causal, dropout_p, [], [])
+    q3, k3, v3 = (np.asarray(a, dtype=acc).reshape((-1,) + a.shape[-2:]) for a in (q, k, v))
+    out, lse = ref.attention_tiles_forward(q3, k3, v3, scale, causal, (dropout_p, seed) if dropout_p > 0 else None)
+    return out.reshape(batch + (t_q, d_v)).astype(q.dtype, copy=False), lse.reshape(batch + (t_q,))
+
+
+def attention_backward(q, k, v, out, lse, dout, dlse, scale, causal=False, dropout_p=0.0, seed=0):
+    """(dq, dk, dv) of attention_forward, its probabilities recomputed tile by tile (FlashAttention-2)."""
+    from .backend_ndarray import ndarray_backend_numpy as ref
+
+    acc = _attention_dtype("attention_backward", q, k, v)
+    batch, (t_q, d), (t_k, d_v) = q.shape[:-2], q.shape[-2:], v.shape[-2:]
+    ref.check_attention("attention_backward", (int(np.prod(batch)), t_q, t_k, d, d_v), causal, dropout_p, [], [])
+    arrays = [np.asarray(np.broadcast_to(a, a.shape), dtype=acc) for a in (q, k, v, out, lse, dout, dlse)]
+    q3, k3, v3, o3, g3 = (a.reshape((-1,) + a.shape[-2:]) for a in arrays[:4] + arrays[5:6])
+    lse2, dlse2 = (a.reshape(-1, t_q) for a in (arrays[4], arrays[6]))
+    dq, dk, dv, _ = ref.attention_tiles_backward(q3, k3, v3, o3, lse2, g3, dlse2, scale, causal,
+                                                 (dropout_p, seed) if dropout_p > 0 else None)
+    return tuple(g.reshape(a.shape).astype(a.dtype, copy=False) for g, a in zip((dq, dk, dv), (q, k, v)))
 
 
 def softmax_xent_grad(logits, ids, g):

@@ -45,7 +45,7 @@ import math
 import weakref
 from dataclasses import dataclass
 
-from .autograd import Value, find_topo_sort, infer_spec, itemsize, last_backward_stats, release
+from .autograd import Value, find_topo_sort, infer_spec, itemsize, last_backward_stats, release, spec_of
 from .checkpoint_budget import Budget
 
 __all__ = [
@@ -223,20 +223,22 @@ def saved_residuals(root, exclude=()):
     """The buffers held in memory by the graph above `root`, one (node, reason, bytes) per buffer.
 
     Like JAX's print_saved_residuals: what is kept for backward, and why. Views of one buffer count once, at
-    the buffer's size (a broadcast view costs what its base costs);
+    the buffer's size (a broadcast view costs what its base costs); a tuple value holds each of its elements'
+    buffers (fused attention's row log-sum-exp is read by no view, yet kept);
     `exclude` (e.g. parameters and the batch) are left out.
     """
     seen = {id(_buffer(n.cached_data)[0]) for n in exclude if n.cached_data is not None}  # and views of them
     rows = []
     for node in find_topo_sort([root]):
         data = node.cached_data
-        if data is None or isinstance(data, tuple):
+        if data is None:
             continue
-        buffer, nbytes = _buffer(data)
-        if id(buffer) in seen:
-            continue
-        seen.add(id(buffer))
-        rows.append((node, keep_reason(node), nbytes))
+        for element in data if isinstance(data, tuple) else (data,):
+            buffer, nbytes = _buffer(element)
+            if id(buffer) in seen:
+                continue
+            seen.add(id(buffer))
+            rows.append((node, keep_reason(node), nbytes))
     return rows
 
 
@@ -248,7 +250,7 @@ def print_saved_residuals(loss, exclude=()):
     `saved_residuals`.
     """
     rows = [(getattr(node, "name", None) or ("leaf" if node.is_leaf() else type(node.op).__name__),
-             str(tuple(node.cached_data.shape)), f"{nbytes:,}", reason)
+             str(spec_of(node.cached_data)[0]), f"{nbytes:,}", reason)
             for node, reason, nbytes in saved_residuals(loss, exclude)]
     table = [("name/op", "shape", "bytes", "reason")] + rows
     widths = [max(len(row[i]) for row in table) for i in range(4)]

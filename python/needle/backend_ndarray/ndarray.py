@@ -21,6 +21,8 @@ __all__ = [
     "all_devices",
     "array",
     "astype",
+    "attention_backward",
+    "attention_forward",
     "broadcast_to",
     "cpu",
     "cpu_numpy",
@@ -1101,3 +1103,52 @@ def softmax_xent_grad(logits, ids, g):
     logits.device.mod.softmax_xent_grad(logits.compact()._handle, ids.compact()._handle, g.compact()._handle,
                                         out._handle, logits.shape[1])
     return out
+
+
+def _attention_dims(fn, q, k, v):
+    """(batch, t_q, t_k, d, d_v) of q (..., t_q, d), k (..., t_k, d), v (..., t_k, d_v) with one batch shape."""
+    _ndarrays_on_one_device(fn, ("q", q), ("k", k), ("v", v))
+    if (min(q.ndim, k.ndim, v.ndim) < 2 or q.shape[:-2] != k.shape[:-2] or k.shape[:-1] != v.shape[:-1]
+            or q.shape[-1] != k.shape[-1]):
+        raise ValueError(f"{fn}: needs q (..., T_q, D), k (..., T_k, D), v (..., T_k, D_v) with one batch shape, "
+                         f"got {q.shape}, {k.shape}, {v.shape}")
+    if len({q.dtype, k.dtype, v.dtype}) != 1:
+        raise TypeError(f"{fn}: q, k, v need one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    _require_float(fn, q.dtype)
+    return prod(q.shape[:-2]), q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1]
+
+
+def attention_forward(q, k, v, scale, causal=False, dropout_p=0.0, seed=0):
+    """Fused attention (FlashAttention-2's tiled forward): (out, lse) for q (..., T_q, D), k (..., T_k, D),
+    v (..., T_k, D_v) of one floating dtype. out (..., T_q, D_v) = softmax(scale q k^T + mask) v in that dtype,
+    lse (..., T_q) float32 the log-sum-exp of each score row; the T_q x T_k scores exist one tile at a time.
+    causal: query i sees keys j <= i + T_k - T_q. dropout_p > 0 drops probabilities by a hash of (seed, index)."""
+    dims = _attention_dims("attention_forward", q, k, v)
+    q, k, v = q.compact(), k.compact(), v.compact()
+    out = NDArray._empty(q.shape[:-1] + (v.shape[-1],), q.device, q.dtype)
+    lse = NDArray._empty(q.shape[:-1], q.device, "float32")
+    q.device.mod.attention_forward(q._handle, k._handle, v._handle, out._handle, lse._handle, *dims, float(scale),
+                                   bool(causal), float(dropout_p), int(seed) & 0xFFFFFFFF)
+    return out, lse
+
+
+def attention_backward(q, k, v, out, lse, dout, dlse, scale, causal=False, dropout_p=0.0, seed=0):
+    """(dq, dk, dv) of attention_forward's (out, lse) for their gradients dout and dlse, the probabilities recomputed
+    tile by tile (FlashAttention-2's backward). A float32 scratch of one value per query row (delta) is the only
+    other array it allocates (and a float32 copy of dlse where that is not compact float32)."""
+    dims = _attention_dims("attention_backward", q, k, v)
+    fn = "attention_backward"
+    _ndarrays_on_one_device(fn, ("q", q), ("out", out), ("lse", lse), ("dout", dout), ("dlse", dlse))
+    row_shape = q.shape[:-1]
+    if out.shape != row_shape + (v.shape[-1],) or dout.shape != out.shape or lse.shape != row_shape \
+            or dlse.shape != row_shape:
+        raise ValueError(f"{fn}: needs out and dout {row_shape + (v.shape[-1],)}, lse and dlse {row_shape}, got "
+                         f"{out.shape}, {dout.shape}, {lse.shape}, {dlse.shape}")
+    q, k, v, out, dout = (a.compact() for a in (q, k, v, out, cast_like(dout, q)))
+    lse, dlse = (a.compact() if a.dtype == "float32" else a.astype("float32") for a in (lse, dlse))
+    delta = NDArray._empty(row_shape, q.device, "float32")
+    dq, dk, dv = (NDArray._empty(a.shape, a.device, a.dtype) for a in (q, k, v))
+    q.device.mod.attention_backward(q._handle, k._handle, v._handle, out._handle, lse._handle, dout._handle,
+                                    dlse._handle, delta._handle, dq._handle, dk._handle, dv._handle, *dims,
+                                    float(scale), bool(causal), float(dropout_p), int(seed) & 0xFFFFFFFF)
+    return dq, dk, dv

@@ -501,3 +501,167 @@ def softmax_xent_grad(a, idx, g, out, row_size):
         grad = np.exp(rows - _logsumexp_rows(rows)[:, None]) * gs[:, None]
     grad[np.arange(cols.size), cols] -= gs
     _store(out, grad.reshape(-1), slice(0, cols.size * row_size))
+
+
+# ----- fused attention (FlashAttention-2): one tile of scores at a time, never the T_q x T_k matrix ------------------
+ATTENTION_TILE = 32  # query rows and key rows per tile here (the compiled backends choose their own; see src/README)
+
+
+def attention_causal_error(fn, t_q, t_k):
+    return (f"{fn}: causal attention with more queries than keys (T_q={t_q} > T_k={t_k}) leaves the first "
+            f"{t_q - t_k} queries without a key to attend to; the causal mask aligns the last query with the last "
+            f"key (query i sees keys j <= i + T_k - T_q), so it needs T_q <= T_k")
+
+
+def check_attention(fn, dims, causal, dropout_p, data, stats):
+    """dims = (batch, t_q, t_k, d, d_v); `data` and `stats` hold (name, array, elements): the data arrays must be of
+    one floating dtype, the row statistics (lse, dlse, delta) float32; ValueError for sizes and arguments."""
+    batch, t_q, t_k, d, d_v = dims
+    if batch < 0 or min(t_q, t_k, d, d_v) < 1:
+        raise ValueError(f"{fn}: needs batch >= 0 and t_q, t_k, d, d_v >= 1, got batch={batch}, t_q={t_q}, "
+                         f"t_k={t_k}, d={d}, d_v={d_v}")
+    if causal and t_q > t_k:
+        raise ValueError(attention_causal_error(fn, t_q, t_k))
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"{fn}: dropout_p must be in [0, 1), got {dropout_p}")
+    if data:
+        _floats(fn, *[a for _, a, _ in data])
+    if any(a.dtype != "float32" for _, a, _ in stats):
+        raise TypeError(f"{fn}: " + ", ".join(f"{name} must be float32, got {a.dtype}" for name, a, _ in stats
+                                              if a.dtype != "float32"))
+    for name, a, size in data + stats:
+        if a.size != size:
+            raise ValueError(f"{fn}: {name} has {a.size} elements, expected {size}")
+
+
+def dropout_threshold(p):
+    """Attention dropout keeps an element when its 32-bit hash is >= this: probability 1 - p (to 2**-32)."""
+    return min(int(p * 4294967296.0), 4294967295)
+
+
+def _lowbias32(h):
+    h = h ^ (h >> np.uint32(16))
+    h *= np.uint32(0x7FEB352D)
+    h ^= h >> np.uint32(15)
+    h *= np.uint32(0x846CA68B)
+    return h ^ (h >> np.uint32(16))
+
+
+def dropout_keep(seed, rows, cols, t_k, threshold):
+    """keep[..., r, c] for the elements (rows[..., r], cols[c]) of the (batch * t_q, t_k) attention matrix, from a
+    hash of (seed, idx), idx = row * t_k + col (64 bits): a counter-based mask, the same bits on every backend."""
+    idx = rows[..., None].astype(np.uint64) * np.uint64(t_k) + cols.astype(np.uint64)
+    key = _lowbias32((idx >> np.uint64(32)).astype(np.uint32) ^ np.uint32((int(seed) * 0x9E3779B9) & 0xFFFFFFFF))
+    return _lowbias32(idx.astype(np.uint32) ^ key) >= np.uint32(threshold)
+
+
+def _attention_dropout(dropout, n, t_q, t_k, i0, i1, j0, j1, dt):
+    """The tile's dropout factor z = keep / (1 - p) (rows i0..i1 of each of the n matrices, keys j0..j1), or None."""
+    if dropout is None:
+        return None
+    p, seed = dropout
+    rows = np.arange(n)[:, None] * t_q + np.arange(i0, i1)[None, :]
+    keep = dropout_keep(seed, rows, np.arange(j0, j1), t_k, dropout_threshold(p))
+    return keep * dt.type(1.0 / (1.0 - p))
+
+
+def _attention_scores(q, k, scale, causal, i0, j0, shift):
+    """scale * q k^T for one tile; -inf where a causal mask hides key j from query i (j > i + shift)."""
+    s = (q @ k.transpose(0, 2, 1)) * q.dtype.type(scale)
+    if causal:
+        hidden = np.arange(j0, j0 + k.shape[1])[None, :] > np.arange(i0, i0 + q.shape[1])[:, None] + shift
+        s[:, hidden] = -np.inf
+    return s
+
+
+def attention_tiles_forward(q, k, v, scale, causal, dropout=None, tile=ATTENTION_TILE):
+    """(out, lse) of q (n, t_q, d), k (n, t_k, d), v (n, t_k, d_v), computed in their float dtype.
+
+    FlashAttention-2's forward: for each tile of query rows, a running row maximum m, row sum l of exp(s - m) and
+    unnormalized output o are carried from key tile to key tile (online softmax: when m grows, l and o are
+    rescaled by exp(m_old - m_new)); then out = o / l and lse = m + log l. A causal query tile stops at its last
+    visible key. `dropout` (p, seed) multiplies the probabilities (not l) by z = keep / (1 - p)."""
+    n, t_q, t_k, dt = q.shape[0], q.shape[1], k.shape[1], q.dtype
+    shift = t_k - t_q  # causal: query i sees keys j <= i + shift
+    out, lse = np.empty((n, t_q, v.shape[2]), dt), np.empty((n, t_q), dt)
+    for i0 in range(0, t_q, tile):
+        i1 = min(i0 + tile, t_q)
+        m, l = np.full((n, i1 - i0), -np.inf, dt), np.zeros((n, i1 - i0), dt)
+        o = np.zeros((n, i1 - i0, v.shape[2]), dt)
+        for j0 in range(0, i1 + shift if causal else t_k, tile):
+            j1 = min(j0 + tile, t_k)
+            s = _attention_scores(q[:, i0:i1], k[:, j0:j1], scale, causal, i0, j0, shift)
+            m_new = np.maximum(m, s.max(axis=2))  # finite: every query sees key 0, in the first tile
+            p = np.exp(s - m_new[:, :, None])
+            alpha = np.exp(m - m_new)
+            l = alpha * l + p.sum(axis=2)
+            z = _attention_dropout(dropout, n, t_q, t_k, i0, i1, j0, j1, dt)
+            o = alpha[:, :, None] * o + (p if z is None else p * z) @ v[:, j0:j1]
+            m = m_new
+        out[:, i0:i1] = o / l[:, :, None]
+        lse[:, i0:i1] = m + np.log(l)
+    return out, lse
+
+
+def attention_tiles_backward(q, k, v, out, lse, dout, dlse, scale, causal, dropout=None, tile=ATTENTION_TILE):
+    """(dq, dk, dv, delta) for the forward above, its probabilities recomputed tile by tile from lse.
+
+    FlashAttention-2's backward: delta_i = dout_i . out_i - dlse_i first; then for each key tile (its dk, dv
+    accumulated in place) the query tiles that see it: p = exp(s - lse), dv += (p z)^T dout, dp = (dout v^T) z,
+    ds = p (dp - delta) scale, dq += ds k, dk += ds^T q."""
+    n, t_q, t_k, dt = q.shape[0], q.shape[1], k.shape[1], q.dtype
+    shift = t_k - t_q
+    delta = (dout * out).sum(axis=2) - dlse
+    dq, dk, dv = np.zeros_like(q), np.empty_like(k), np.empty_like(v)
+    for j0 in range(0, t_k, tile):
+        j1 = min(j0 + tile, t_k)
+        dk_j, dv_j = np.zeros((n, j1 - j0, q.shape[2]), dt), np.zeros((n, j1 - j0, v.shape[2]), dt)
+        first = max(0, j0 - shift) // tile * tile if causal else 0  # the first query tile that sees key j0
+        for i0 in range(first, t_q, tile):
+            i1 = min(i0 + tile, t_q)
+            s = _attention_scores(q[:, i0:i1], k[:, j0:j1], scale, causal, i0, j0, shift)
+            p = np.exp(s - lse[:, i0:i1, None])
+            z = _attention_dropout(dropout, n, t_q, t_k, i0, i1, j0, j1, dt)
+            dv_j += (p if z is None else p * z).transpose(0, 2, 1) @ dout[:, i0:i1]
+            dp = dout[:, i0:i1] @ v[:, j0:j1].transpose(0, 2, 1)
+            ds = p * ((dp if z is None else dp * z) - delta[:, i0:i1, None]) * dt.type(scale)
+            dq[:, i0:i1] += ds @ k[:, j0:j1]
+            dk_j += ds.transpose(0, 2, 1) @ q[:, i0:i1]
+        dk[:, j0:j1], dv[:, j0:j1] = dk_j, dv_j
+    return dq, dk, dv, delta
+
+
+def _attention_views(dims, *arrays):
+    """float32 views of the compact buffers as (batch, rows, width) matrices: q, k, v, out, dout ..."""
+    batch, t_q, t_k, d, d_v = dims
+    rows = {"q": (t_q, d), "k": (t_k, d), "v": (t_k, d_v), "o": (t_q, d_v)}
+    return [_f32(a).reshape((batch,) + rows[kind]) for kind, a in arrays]
+
+
+def attention_forward(q, k, v, out, lse, batch, t_q, t_k, d, d_v, scale, causal, dropout_p, seed):
+    dims = (batch, t_q, t_k, d, d_v)
+    check_attention("attention_forward", dims, causal, dropout_p,
+                    [("q", q, batch * t_q * d), ("k", k, batch * t_k * d), ("v", v, batch * t_k * d_v),
+                     ("out", out, batch * t_q * d_v)], [("lse", lse, batch * t_q)])
+    views = _attention_views(dims, ("q", q), ("k", k), ("v", v))
+    o, l = attention_tiles_forward(*views, scale, causal, (dropout_p, seed) if dropout_p > 0 else None)
+    _store(out, o.reshape(-1))
+    lse.array[:] = l.reshape(-1)
+
+
+def attention_backward(q, k, v, out, lse, dout, dlse, delta, dq, dk, dv, batch, t_q, t_k, d, d_v, scale, causal,
+                       dropout_p, seed):
+    dims = (batch, t_q, t_k, d, d_v)
+    data = [("q", q, batch * t_q * d), ("k", k, batch * t_k * d), ("v", v, batch * t_k * d_v),
+            ("out", out, batch * t_q * d_v), ("dout", dout, batch * t_q * d_v), ("dq", dq, batch * t_q * d),
+            ("dk", dk, batch * t_k * d), ("dv", dv, batch * t_k * d_v)]
+    stats = [(name, a, batch * t_q) for name, a in (("lse", lse), ("dlse", dlse), ("delta", delta))]
+    check_attention("attention_backward", dims, causal, dropout_p, data, stats)
+    views = _attention_views(dims, ("q", q), ("k", k), ("v", v), ("o", out))
+    row_stats = [a.array.reshape(batch, t_q) for a in (lse, dlse)]
+    (g_out,) = _attention_views(dims, ("o", dout))
+    grads = attention_tiles_backward(*views, row_stats[0], g_out, row_stats[1], scale, causal,
+                                     (dropout_p, seed) if dropout_p > 0 else None)
+    for target, g in zip((dq, dk, dv), grads):
+        _store(target, g.reshape(-1))
+    delta.array[:] = grads[3].reshape(-1)

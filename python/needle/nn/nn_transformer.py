@@ -3,6 +3,13 @@
 Checkpointing: MultiHeadAttention, AttentionLayer and TransformerLayer each annotate their own interior; the
 Transformer annotates only its glue (adding positions) and leaves each layer to annotate itself, so every
 layer's output stays a boundary and backward recomputes one layer at a time.
+
+Fused attention: AttentionLayer (and so TransformerLayer and Transformer) computes its heads' attention with
+ops.scaled_dot_product_attention, which never materializes the B·H·T·S scores, probabilities or dropout mask,
+whenever attention dropout is 0 or inactive (eval mode; `fused_attention=None`, the default) or when asked
+(`fused_attention=True`: dropout then uses a counter-based mask regenerated in backward); `fused_attention=False`
+keeps MultiHeadAttention's unfused path. MultiHeadAttention itself always returns (result, probs), as the course's
+tests expect.
 """
 import math
 
@@ -21,7 +28,8 @@ class MultiHeadAttention(Module):
     """softmax(q k^T / sqrt(D) + causal mask) v on (B, H, T, D) inputs; returns (result, probs).
 
     probs are the attention probabilities after dropout (the dropout mask is a leaf, so recomputation under
-    checkpointing reuses it).
+    checkpointing reuses it). `fused(q, k, v)` is the same attention through ops.scaled_dot_product_attention:
+    the result only.
     """
 
     def __init__(self, *, dropout=0.0, causal=False, device=None, dtype="float32"):
@@ -61,13 +69,47 @@ class MultiHeadAttention(Module):
         self.checkpoint([result, probs], [q, k, v])
         return result, probs
 
+    def fused(self, q, k, v):
+        """forward's result (not its probs) from ops.scaled_dot_product_attention: no (B, H, T, S) array is kept.
+
+        NumPy's RNG is left exactly as forward leaves it: in training mode forward's Dropout draws
+        np.random.rand(B, H, T, S) (even at p = 0), so this draws as many numbers (in chunks, none kept) and takes
+        the dropout seed from the first of them. With p > 0 the kept elements differ from forward's mask (a hash
+        of that seed picks them, see ops.scaled_dot_product_attention); their fraction and scale are the same.
+        """
+        p, seed = 0.0, 0
+        if self.dropout.training and len(q.shape) == len(k.shape) == 4:  # (other shapes: the op says what is wrong)
+            seed = _draw_like_rand(math.prod(q.shape[:3]) * k.shape[2])
+            p = self.dropout.p
+        return ops.scaled_dot_product_attention(q, k, v, causal=self.causal, dropout_p=p, seed=seed)
+
+
+_DRAW_CHUNK = 1 << 20
+
+
+def _draw_like_rand(n):
+    """Advance NumPy's global RNG exactly as np.random.rand(n) would, a chunk at a time (no n-sized array);
+    return a 32-bit seed made from the first number drawn (0 when n is 0)."""
+    seed = 0
+    for start in range(0, n, _DRAW_CHUNK):
+        u = np.random.random_sample(min(_DRAW_CHUNK, n - start))
+        if start == 0:
+            seed = int(u[0] * 2**32)
+    return seed
+
 
 class AttentionLayer(Module):
-    """Pre-norm multi-head attention on (B, T, features): LayerNorm, project to heads, attend, project out."""
+    """Pre-norm multi-head attention on (B, T, features): LayerNorm, project to heads, attend, project out.
+
+    fused_attention: None (default) attends with the fused op (MultiHeadAttention.fused) when attention dropout is
+    0 or inactive (eval mode) and with MultiHeadAttention's unfused forward otherwise; True always fuses (dropout by
+    a regenerated mask), False never does.
+    """
 
     def __init__(self, q_features, num_head, dim_head, *, k_features=None, v_features=None, out_features=None,
-                 dropout=0.0, causal=True, device=None, dtype="float32"):
+                 dropout=0.0, causal=True, device=None, dtype="float32", fused_attention=None):
         super().__init__()
+        self.fused_attention = fused_attention
         k_features = q_features if k_features is None else k_features
         v_features = q_features if v_features is None else v_features
         out_features = q_features if out_features is None else out_features
@@ -105,20 +147,29 @@ class AttentionLayer(Module):
         q_heads = self._heads(self.q_projection(self.prenorm_q(q)), B, T)
         k_heads = self._heads(self.k_projection(self.prenorm_k(k)), B, S)
         v_heads = self._heads(self.v_projection(self.prenorm_v(v)), B, S)
-        result, _ = self.attn(q_heads, k_heads, v_heads)
+        if self.uses_fused_attention():
+            result = self.attn.fused(q_heads, k_heads, v_heads)
+        else:
+            result, _ = self.attn(q_heads, k_heads, v_heads)
         merged = ops.reshape(ops.transpose(result, (1, 2)), (B, T, self.num_head * self.dim_head))
         out = self.out_projection(merged)
         return self.checkpoint(out, inputs)
+
+    def uses_fused_attention(self):
+        """Whether forward attends with the fused op now (see the class docstring)."""
+        if self.fused_attention is None:
+            return self.attn.dropout.p == 0 or not self.attn.dropout.training
+        return bool(self.fused_attention)
 
 
 class TransformerLayer(Module):
     """x + Dropout(Attention(x)), then x + Dropout(Linear2(Dropout(ReLU(Linear1(LayerNorm(x))))))."""
 
     def __init__(self, q_features, num_head, dim_head, hidden_size, *, dropout=0.0, causal=True, device=None,
-                 dtype="float32"):
+                 dtype="float32", fused_attention=None):
         super().__init__()
         self.attention = AttentionLayer(q_features, num_head, dim_head, dropout=dropout, causal=causal,
-                                        device=device, dtype=dtype)
+                                        device=device, dtype=dtype, fused_attention=fused_attention)
         self.layernorm = LayerNorm1d(q_features, device=device, dtype=dtype)
         self.linear1 = Linear(q_features, hidden_size, device=device, dtype=dtype)
         self.linear2 = Linear(hidden_size, q_features, device=device, dtype=dtype)
@@ -136,10 +187,12 @@ class Transformer(Module):
     """A learned positional embedding, then `num_layers` TransformerLayers (no final norm).
 
     forward(x, h=None): x (T, B, D), or (B, T, D) with batch_first -> (output of x's layout, zeros_like(output)).
+    fused_attention: each layer's AttentionLayer's (None: fused when dropout is 0).
     """
 
     def __init__(self, embedding_size, hidden_size, num_layers, *, num_head=8, dim_head=32, dropout=0.0,
-                 causal=True, device=None, dtype="float32", batch_first=False, sequence_len=2048):
+                 causal=True, device=None, dtype="float32", batch_first=False, sequence_len=2048,
+                 fused_attention=None):
         super().__init__()
         self.device = device
         self.dtype = dtype
@@ -148,7 +201,8 @@ class Transformer(Module):
         self.sequence_len = sequence_len
         self.positional_embedding = Embedding(sequence_len, embedding_size, device=device, dtype=dtype)
         self.layers = [TransformerLayer(embedding_size, num_head, dim_head, hidden_size, dropout=dropout,
-                                        causal=causal, device=device, dtype=dtype) for _ in range(num_layers)]
+                                        causal=causal, device=device, dtype=dtype, fused_attention=fused_attention)
+                       for _ in range(num_layers)]
 
     def forward(self, x, h=None):
         shape = tuple(x.shape)

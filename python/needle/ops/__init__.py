@@ -1,7 +1,9 @@
 """needle's ops: each a class with `compute` and `gradient`, plus the lower-case helper that applies it.
 
-Fused ops are exported by their helper only (`linear_cross_entropy`); their classes live in `ops.ops_fused`.
+Fused ops are exported by their helper only (`linear_cross_entropy`, `scaled_dot_product_attention`); their classes
+live in `ops.ops_fused` and `ops.ops_attention`.
 """
+from .ops_attention import scaled_dot_product_attention
 from .ops_fused import linear_cross_entropy
 from .ops_logarithmic import (
     LogSoftmax, LogSumExp, SoftmaxCrossEntropy, SoftmaxCrossEntropyGrad, logsoftmax, logsumexp,
@@ -27,7 +29,7 @@ __all__ = [
     "Transpose", "TupleGetItem", "UnDilate", "add", "add_scalar", "broadcast_to", "cast", "conv", "dilate", "divide",
     "divide_scalar", "exp", "flip", "gather_rows", "linear_cross_entropy", "log", "logsoftmax", "logsumexp",
     "make_tuple", "matmul", "mul_scalar", "multiply", "negate", "pad", "pick_columns", "positive", "power",
-    "power_scalar", "relu", "reshape", "scatter_add_rows", "scatter_columns", "sigmoid", "slice_window",
-    "softmax_cross_entropy", "split", "stack", "subtract", "summation", "tanh", "transpose", "tuple_get_item",
-    "undilate",
+    "power_scalar", "relu", "reshape", "scaled_dot_product_attention", "scatter_add_rows", "scatter_columns",
+    "sigmoid", "slice_window", "softmax_cross_entropy", "split", "stack", "subtract", "summation", "tanh", "transpose",
+    "tuple_get_item", "undilate",
 ]
