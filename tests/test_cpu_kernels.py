@@ -6,6 +6,7 @@ and the block-wise 8-bit quantization.
    not multiples of the 12 x 32 tile, k across a 512-deep block), batched, float32 and bfloat16 out.
 2. `quantize_blockwise` / `dequantize_blockwise` against a small NumPy implementation of src/README.md's rows,
    byte for byte, and their error cases.
+3. the float16 conversions (integer code, not the compiler's library calls) against NumPy's, bit for bit.
 
 Skipped (with the reason) where the C++ module is not built; part 1 also where the CPU has no AVX512-BF16.
 """
@@ -374,3 +375,33 @@ def test_quantize_errors():
         mod.dequantize_blockwise(out, code, absmax, mod.Array(11, "float32"), 4)
     with pytest.raises(ValueError, match="absmax has 3 elements, expected 10"):
         mod.dequantize_blockwise(out, code, absmax, mod.Array(10, "float32"), 1)
+
+
+# ===== 3. float16 conversions (integer arithmetic, no library calls) ================================================
+def test_every_float16_widens_as_numpy_does():
+    """All 65,536 patterns: float16 -> float32 equals NumPy's (a NaN stays NaN, with its sign)."""
+    halves = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16)
+    widened = nd.array(halves, device=CPU, dtype="float16").astype("float32").numpy()
+    expected = halves.astype(np.float32)
+    nan = np.isnan(expected)
+    np.testing.assert_array_equal(np.isnan(widened), nan)
+    np.testing.assert_array_equal(widened.view(np.uint32)[~nan], expected.view(np.uint32)[~nan])
+    np.testing.assert_array_equal(np.signbit(widened[nan]), np.signbit(expected[nan]))
+
+
+def test_float32_narrows_to_float16_as_numpy_does():
+    """Round to nearest, ties to even, across the whole range: subnormal halves, the overflow boundary (65520 is
+    the first value that rounds to inf), every exponent, ties, signed zeros and infinities."""
+    rng = np.random.default_rng(0)
+    mantissas = rng.integers(0, 1 << 23, 1 << 18, dtype=np.uint32)
+    exponents = rng.integers(90, 160, 1 << 18, dtype=np.uint32)  # 2^-37 .. 2^32: zero, subnormal, normal, inf
+    signs = rng.integers(0, 2, 1 << 18, dtype=np.uint32) << 31
+    values = (signs | exponents << 23 | mantissas).view(np.float32)
+    ties = (np.arange(-2048, 2048, dtype=np.float32) + 0.5) * np.float32(2**-10)  # halfway between halves in [-2, 2)
+    edges = np.array([65504, 65519.996, 65520, 65536, 2**-24, 2**-25, 1.5 * 2**-25, 2**-14, -0.0, np.inf, -np.inf],
+                     dtype=np.float32)
+    values = np.concatenate([values, ties, edges])
+    with np.errstate(over="ignore"):
+        expected = values.astype(np.float16)
+    narrowed = nd.array(values, device=CPU).astype("float16").numpy()
+    np.testing.assert_array_equal(narrowed.view(np.uint16), expected.view(np.uint16))
