@@ -7,7 +7,7 @@ NEEDLE_CUDA ?= ON
 CMAKE_ARGS ?=
 
 # Re-installing is skipped while a stamp is newer than pyproject.toml and the package is still installed.
-# DEPS_STAMP: everything `make test` needs (the package, its dependencies, the test + torch extras);
+# DEPS_STAMP: everything `make test` needs (the package, its dependencies, the test, torch, distributed extras);
 # DEMO_STAMP: what gc.py needs (the package and its runtime dependencies only).  A full install covers both.
 DEPS_STAMP := $(BUILD_DIR)/.deps-installed
 DEMO_STAMP := $(BUILD_DIR)/.deps-demo-installed
@@ -27,11 +27,12 @@ cuda-off:
 pybind11:
 	@$(PYTHON) -c "import pybind11" 2>/dev/null || $(PYTHON) -m pip install pybind11
 
-# Everything pyproject.toml declares: the package (editable), its dependencies and the test + torch extras.
+# Everything pyproject.toml declares: the package (editable), its dependencies and the test, torch and
+# distributed (mpi4py + MPICH wheels, so the MPI tests run) extras.
 # The editable build skips CUDA: `make lib` (next step of test/demo) builds it in build/ anyway, so CUDA code
 # is compiled once, not twice.
 install-deps:
-	NEEDLE_CUDA=OFF $(PYTHON) -m pip install -e ".[test,torch]"
+	NEEDLE_CUDA=OFF $(PYTHON) -m pip install -e ".[test,torch,distributed]"
 	@mkdir -p $(BUILD_DIR) && touch $(DEPS_STAMP) $(DEMO_STAMP)
 
 # The demo's: the package and its runtime dependencies (numpy, tqdm, matplotlib, GPUtil), no test tools or torch.

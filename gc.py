@@ -5,6 +5,7 @@
     python gc.py sweep --over batch-size --values 16 32 64     # a fresh process per run; JSON as it goes, PNGs
     python gc.py max-batch --memory-limit-mb 400                 # the largest batch under a memory cap, per policy
     python gc.py ablate --rows baseline all fused combined       # each technique, the same model and steps: a table
+    mpiexec -n 2 python gc.py run --parallel dp                  # data parallel (also zero1, zero2, pipeline)
     python gc.py plot results/sweep_batch_size                   # the plots of whatever gc.py JSON a folder holds
 
 `python gc.py CMD --help` lists CMD's flags with their defaults; every flag may be spelled with hyphens
@@ -12,6 +13,7 @@
 and exit status 2, before any work.  MEASURES below defines what is measured (also in every --help).
 """
 import argparse
+import contextlib
 import difflib
 import gc as python_gc  # the standard module (built in, so this file's name does not shadow it)
 import glob
@@ -33,6 +35,7 @@ sys.path.insert(0, os.path.join(ROOT, "apps"))
 
 import needle as ndl  # noqa: E402
 from needle import autograd, checkpoint, nn  # noqa: E402
+from needle import distributed as dist  # noqa: E402
 from needle import backend_ndarray as nd  # noqa: E402
 from needle.data import Corpus, batchify, get_batch  # noqa: E402
 from needle.ops.ops_fused import chunk_rows  # noqa: E402
@@ -209,6 +212,9 @@ def config_of(args, source, vocab, device):
         "device": str(device), "threads": threads(), "epochs": args.epochs, "max_batches": args.max_batches,
         "warmup": args.warmup, "lr": args.lr, "optimizer": getattr(args, "optimizer", "adam"),
         "offload_state": bool(getattr(args, "offload_state", False)), "seed": args.seed,
+        "parallel": getattr(args, "parallel", None),
+        "bucket_bytes": mb_to_bytes(getattr(args, "bucket_mb", None)) if getattr(args, "parallel", None) else None,
+        "world_size": dist.world_size() if getattr(args, "parallel", None) else 1,
         "memory_limit_bytes": mb_to_bytes(args.memory_limit_mb), "needle_commit": needle_commit(),
         "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "argv": [os.path.basename(__file__)] + sys.argv[1:],
     }
@@ -246,6 +252,13 @@ AUTOCAST = {"fp32": None, "mixed-bf16": "bfloat16", "mixed-fp16": "float16", "bf
 
 
 OPTIMIZERS = ["adam", "adam8bit", "adafactor", "sgd"]
+# --parallel: data parallel (gradients all-reduced), ZeRO stage 1 / 2 on top of it, or GPipe over the ranks
+PARALLEL = ["dp", "zero1", "zero2", "pipeline"]
+ZERO_STAGE = {"zero1": 1, "zero2": 2}
+PARALLEL_TEXT = {"dp": "data parallel (gradients all-reduced in buckets during backward)",
+                 "zero1": "ZeRO stage 1 (data parallel, the optimizer state partitioned)",
+                 "zero2": "ZeRO stage 2 (data parallel, optimizer state and gradients partitioned: reduce-scatter)",
+                 "pipeline": "GPipe (the layers cut into one stage per rank, --accumulation-steps micro-batches)"}
 
 
 def make_optimizer(args, params, model=None):
@@ -254,19 +267,24 @@ def make_optimizer(args, params, model=None):
     scale_parameter off, so the rows compare at one learning rate; factored second moments, no first moment);
     SGD with momentum 0.9.  fp32 and mixed precision keep float32 parameters (the master weights); pure bf16 keeps
     weights and state in bfloat16, with stochastic rounding if asked.  --offload-state keeps the state in host
-    memory."""
+    memory.  --parallel zero1 / zero2 runs it inside ZeroRedundancyOptimizer (stage 1 / 2)."""
     name = getattr(args, "optimizer", "adam")
-    kw = {"offload_state": bool(getattr(args, "offload_state", False))}
+    kw = {"lr": args.lr, "offload_state": bool(getattr(args, "offload_state", False))}
     if getattr(args, "precision", "fp32") == "bf16":
         kw.update(master_weights=False, stochastic_rounding=getattr(args, "stochastic_rounding", False))
+    cls = {"adam8bit": ndl.optim.Adam8bit, "adafactor": ndl.optim.Adafactor, "sgd": ndl.optim.SGD}.get(
+        name, ndl.optim.Adam)
     if name == "adam8bit":
-        embedding = [model.embedding.weight] if model is not None else []
-        return ndl.optim.Adam8bit(params, lr=args.lr, fp32_state_params=embedding, **kw)
-    if name == "adafactor":
-        return ndl.optim.Adafactor(params, lr=args.lr, relative_step=False, scale_parameter=False, **kw)
-    if name == "sgd":
-        return ndl.optim.SGD(params, lr=args.lr, momentum=0.9, **kw)
-    return ndl.optim.Adam(params, lr=args.lr, **kw)
+        embedding = getattr(model, "embedding", None)  # a pipeline stage without the embedding has None
+        kw["fp32_state_params"] = [embedding.weight] if embedding is not None else []
+    elif name == "adafactor":
+        kw.update(relative_step=False, scale_parameter=False)
+    elif name == "sgd":
+        kw["momentum"] = 0.9
+    stage = ZERO_STAGE.get(getattr(args, "parallel", None))
+    if stage:
+        return dist.ZeroRedundancyOptimizer(params, cls, stage=stage, **kw)
+    return cls(params, **kw)
 
 
 def make_loss(model, head, autocast=None):
@@ -352,10 +370,19 @@ def run(args, use_gc, data, vocab, source, out_dir=None, quiet=False, json_path=
     policy = make_policy(args) if use_gc else "off"
     model = build_model(args, vocab, device, policy)
     model.train()
-    params = model.parameters()
-    opt = make_optimizer(args, params, model)
+    parallel = getattr(args, "parallel", None)
+    if parallel == "pipeline":  # this rank's stage of the model; the rest of it is freed
+        model = dist.Pipeline(pipeline_stages(model, dist.world_size()), args.accumulation_steps)
+        loss_fn = pipeline_loss(model.stage, args.head)
+        params = model.parameters()
+        opt = make_optimizer(args, params, model.stage)
+    else:
+        if parallel:
+            model = dist.DataParallel(model, bucket_mb=args.bucket_mb)
+        params = model.parameters()
+        opt = make_optimizer(args, params, model)
+        loss_fn = make_loss(model, args.head, AUTOCAST[getattr(args, "precision", "fp32")])
     scaler = ndl.amp.GradScaler() if getattr(args, "precision", "fp32") == "mixed-fp16" else None
-    loss_fn = make_loss(model, args.head, AUTOCAST[getattr(args, "precision", "fp32")])
     batches = batchify(data, args.batch_size * args.accumulation_steps, device=device, dtype="float32")
     label = (args.policy or "all") if use_gc else "off"
     record = {"kind": "run", "policy": label, "use_gc": bool(use_gc), **config_of(args, source, vocab, device),
@@ -363,6 +390,8 @@ def run(args, use_gc, data, vocab, source, out_dir=None, quiet=False, json_path=
     if not use_gc:
         record["budget_bytes"] = None  # the gc-off pass has no budget
     path = json_path
+    if parallel and dist.rank() > 0:
+        path = out_dir = None  # rank 0 writes the JSON
     if path:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     elif out_dir:
@@ -380,7 +409,10 @@ def run(args, use_gc, data, vocab, source, out_dir=None, quiet=False, json_path=
         for i in range(nbatch * args.epochs):
             start = (i % nbatch) * args.seq_len
             try:
-                step, loss = train_step(model, loss_fn, opt, batches, start, args, device, params, scaler)
+                if parallel == "pipeline":
+                    step, loss = pipeline_step(model, loss_fn, opt, batches, start, args, device, params)
+                else:
+                    step, loss = train_step(model, loss_fn, opt, batches, start, args, device, params, scaler)
             except ValueError as err:
                 if isinstance(policy, checkpoint.Budget) and "infeasible" in str(err):
                     fail(str(err))  # planned before anything was computed
@@ -416,10 +448,15 @@ def run(args, use_gc, data, vocab, source, out_dir=None, quiet=False, json_path=
 def train_step(model, loss_fn, opt, batches, start, args, device, params, scaler=None):
     """One optimizer step (of `accumulation_steps` micro-batches), with its memory and time measured; loss_fn(X, y)
     is make_loss's (the full or the fused head, under autocast for mixed precision); `scaler` a GradScaler for
-    mixed-fp16 (the step is skipped, and counted, when a gradient overflowed)."""
+    mixed-fp16 (the step is skipped, and counted, when a gradient overflowed).  With a DataParallel model (--parallel
+    dp, zero1, zero2) each rank trains on its share of every micro-batch's columns, and the model sums the
+    micro-batches' gradients itself (no_sync), averaging them across the ranks in the last backward."""
     k = args.accumulation_steps
+    data_parallel = isinstance(model, dist.DataParallel)
     opt.reset_grad()
     micro = micro_batches(batches, start, args, device)
+    if data_parallel:
+        micro = [rank_share(X, y, device) for X, y in micro]
     nd.reset_peak_memory_stats(device)
     baseline = nd.memory_stats(device)["current_bytes"]
     rss = None if device.name == "cuda" else PeakRSS()  # host RSS says nothing of GPU memory: GPUtil there
@@ -438,21 +475,24 @@ def train_step(model, loss_fn, opt, batches, start, args, device, params, scaler
                 if rss:
                     rss.sample()
                 t0 += time.perf_counter() - t_floor
-            (loss if scaler is None else scaler.scale(loss)).backward()
+            accumulating = data_parallel and j < k - 1
+            with model.no_sync() if accumulating else contextlib.nullcontext():
+                (loss if scaler is None else scaler.scale(loss)).backward()
         recomputed += checkpoint.last_backward_stats()["recomputed_nodes"]
         if rss:
             rss.sample()
-        if k > 1:
+        if k > 1 and not data_parallel:
             grads = [p.grad.realize_cached_data() for p in params]
             accumulated = grads if accumulated is None else [a + g for a, g in zip(accumulated, grads)]
             for p in params:
                 p.grad = None
     del micro, X, y
-    if k > 1:
+    if k > 1 and not data_parallel:
         for p, g in zip(params, accumulated):
             p.grad = ndl.Tensor(g, device=device, requires_grad=False)
     # M_peak is forward + backward (what Budget bounds); the optimizer's own temporaries come after it.
     forward_backward_peak = nd.memory_stats(device)["peak_bytes"] - baseline
+    grad_bytes = gradient_bytes(opt, params)
     skipped = False
     if scaler is None:
         opt.step()
@@ -462,18 +502,128 @@ def train_step(model, loss_fn, opt, batches, start, args, device, params, scaler
     elapsed = time.perf_counter() - t0
     stats = nd.memory_stats(device)
     rss_peak = rss.growth() if rss else None
-    return {
+    step = {
         "loss": float(np.mean(losses)), "time_seconds": elapsed, "activation_bytes": int(act),
         "floor_bytes": int(floor), "peak_bytes": int(stats["peak_bytes"]),
         "peak_activation_bytes": int(forward_backward_peak), "step_peak_bytes": int(stats["peak_bytes"] - baseline),
         "baseline_bytes": int(baseline), "recomputed_nodes": int(recomputed), "gpu_memory_bytes": gpu_memory_bytes(),
         "rss_peak_bytes": rss_peak, "rss_start_bytes": rss.start if rss else None,
-        "param_bytes": int(sum(p.realize_cached_data().nbytes for p in params)),
-        "grad_bytes": int(sum(p.grad.realize_cached_data().nbytes for p in params if p.grad is not None)),
+        "param_bytes": int(sum(p.realize_cached_data().nbytes for p in params)), "grad_bytes": grad_bytes,
         "optimizer_bytes": int(opt.state_bytes()), "offloaded_bytes": int(opt.host_state_bytes()),
         "skipped_step": skipped,
         "loss_scale": None if scaler is None else scaler.get_scale(),
-    }, loss
+    }
+    if data_parallel:
+        step["loss"] = float(np.mean(dist.all_gather_object(step["loss"])))  # the global batch's mean loss
+        step["sync"] = model.last_sync_stats()
+        step["ranks"] = per_rank_memory(step)
+    return step, loss
+
+
+def gradient_bytes(opt, params):
+    """Bytes of the gradients held for the optimizer step: every `.grad`, or with ZeRO-2 this rank's shard."""
+    if isinstance(opt, dist.ZeroRedundancyOptimizer):
+        return int(opt.gradient_bytes())
+    return int(sum(p.grad.realize_cached_data().nbytes for p in params if p.grad is not None))
+
+
+def rank_share(X, y, device):
+    """This rank's columns of a micro-batch: X (seq_len, b) and its targets y (seq_len * b,), b/N columns each."""
+    X_np = X.numpy()
+    y_np = y.numpy().reshape(X_np.shape)
+    X_mine, y_mine = dist.split_batch(X_np, axis=1), dist.split_batch(y_np, axis=1)
+    return (ndl.Tensor(X_mine, device=device, requires_grad=False),
+            ndl.Tensor(np.ascontiguousarray(y_mine).reshape(-1), device=device, requires_grad=False))
+
+
+def per_rank_memory(step):
+    """Every rank's memory in this step (one all-gather): parameters, gradients, optimizer state, activations."""
+    keys = ("param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes", "peak_activation_bytes")
+    return dist.all_gather_object({"rank": dist.rank(), **{key: step[key] for key in keys}})
+
+
+# ----- --parallel pipeline: the LanguageModel cut into stages -----------------------------------------------------
+class LMStage(nn.Module):
+    """A run of the LanguageModel's Transformer layers as one pipeline stage.  The first stage also embeds the word
+    ids and adds the positions, the last one turns the (B, T, D) stream back into (T*B, D) rows for the head, whose
+    weights it holds (the loss function applies them): exactly the operations of LanguageModel.forward /
+    Transformer.forward, cut between layers."""
+
+    def __init__(self, model, layers, first, last):
+        super().__init__()
+        transformer = model.seq_model
+        self.embedding = model.embedding if first else None
+        self.positional_embedding = transformer.positional_embedding if first else None
+        self.layers = layers
+        self.linear = model.linear if last else None
+        self.width = transformer.embedding_size
+        self.gc, self.segment_len, self.policy = transformer.gc, transformer.segment_len, transformer.policy
+
+    def forward(self, x):
+        if self.embedding is not None:  # word ids (T, B) -> the layers' input (B, T, D), as Transformer.forward
+            T, B = x.shape
+            x = self.embedding(x)
+            positions = ndl.Tensor(np.arange(T).reshape(T, 1), device=x.device, dtype="float32", requires_grad=False)
+            pos = ndl.reshape(self.positional_embedding(positions), (1, T, self.width))
+            x = self.checkpoint(ndl.transpose(x, (0, 1)) + ndl.broadcast_to(pos, (B, T, self.width)), [x])
+        for layer in self.layers:
+            x = layer(x)
+        if self.linear is not None:  # (B, T, D) -> (T*B, D), as LanguageModel.forward
+            B, T, _ = x.shape
+            x = ndl.reshape(ndl.transpose(x, (0, 1)), (T * B, self.width))
+        return x
+
+
+def pipeline_stages(model, n):
+    """The LanguageModel cut into n stages of consecutive layers (the first ones get the extra layer)."""
+    layers = model.seq_model.layers
+    cuts = np.cumsum([0] + [len(part) for part in np.array_split(np.arange(len(layers)), n)])
+    return [LMStage(model, layers[cuts[s]:cuts[s + 1]], s == 0, s == n - 1) for s in range(n)]
+
+
+def pipeline_loss(stage, head):
+    """loss(rows, y) on the last stage: its head (the full or the fused one) and the mean cross-entropy."""
+    if stage.linear is None:
+        return None
+    if head == "fused":
+        return lambda h, y: ndl.ops.linear_cross_entropy(h, stage.linear.weight, stage.linear.bias, y)
+    softmax_loss = nn.SoftmaxLoss()
+    return lambda h, y: softmax_loss(stage.linear(h), y)
+
+
+def pipeline_step(pipe, loss_fn, opt, batches, start, args, device, params):
+    """One optimizer step of --parallel pipeline: the step's accumulation_steps micro-batches through the stages
+    (GPipe), then this stage's optimizer step.  M_act is what this stage holds when its backward phase starts (all
+    micro-batches' activations, GPipe's price); every rank reports its own."""
+    opt.reset_grad()
+    micro = micro_batches(batches, start, args, device)
+    nd.reset_peak_memory_stats(device)
+    baseline = nd.memory_stats(device)["current_bytes"]
+    rss = None if device.name == "cuda" else PeakRSS()
+    t0 = time.perf_counter()
+    with autograd.lazy_mode(args.lazy):
+        loss = pipe.train_step(micro, loss_fn)
+    del micro
+    forward_backward_peak = nd.memory_stats(device)["peak_bytes"] - baseline
+    grad_bytes = gradient_bytes(opt, params)
+    opt.step()
+    elapsed = time.perf_counter() - t0
+    stats, memory = pipe.last_step_stats(), nd.memory_stats(device)
+    step = {
+        "loss": loss, "time_seconds": elapsed, "activation_bytes": int(stats["activation_bytes"] or 0),
+        "floor_bytes": None, "peak_bytes": int(memory["peak_bytes"]),
+        "peak_activation_bytes": int(forward_backward_peak),
+        "step_peak_bytes": int(memory["peak_bytes"] - baseline), "baseline_bytes": int(baseline),
+        "recomputed_nodes": int(stats["recomputed_nodes"]), "gpu_memory_bytes": gpu_memory_bytes(),
+        "rss_peak_bytes": rss.growth() if rss else None, "rss_start_bytes": rss.start if rss else None,
+        "param_bytes": int(sum(p.realize_cached_data().nbytes for p in params)), "grad_bytes": grad_bytes,
+        "optimizer_bytes": int(opt.state_bytes()), "offloaded_bytes": int(opt.host_state_bytes()),
+        "skipped_step": False, "loss_scale": None,
+        "pipeline": {key: stats[key] for key in ("bubble", "bubble_mean", "theory", "compute_seconds",
+                                                 "step_seconds", "compute_seconds_per_rank")},
+    }
+    step["ranks"] = per_rank_memory(step)
+    return step, None
 
 
 MIN_TIMED_STEPS = 3  # a median of fewer step times is flagged as unreliable
@@ -492,13 +642,23 @@ def _summarize(record, warmup):
         "peak_activation_bytes": max(s["peak_activation_bytes"] for s in steps),
         "step_peak_bytes": max(s["step_peak_bytes"] for s in steps),
         "activation_bytes": max(s["activation_bytes"] for s in steps),
-        "floor_bytes": min(s["floor_bytes"] for s in steps), "loss": record["steps"][-1]["loss"],
+        "floor_bytes": min((s["floor_bytes"] for s in steps if s["floor_bytes"] is not None), default=None),
+        "loss": record["steps"][-1]["loss"],
         "recomputed_nodes": record["steps"][-1]["recomputed_nodes"],
         **{key: record["steps"][-1].get(key) for key in ("param_bytes", "grad_bytes", "optimizer_bytes",
                                                          "offloaded_bytes")},
         "rss_peak_bytes": max((s["rss_peak_bytes"] for s in steps if s.get("rss_peak_bytes") is not None),
                               default=None),
+        "tokens_per_second": record["effective_batch_size"] * record["seq_len"] / t_step if t_step else None,
     })
+    last = record["steps"][-1]
+    if "ranks" in last:  # --parallel: every rank's memory, the last step's communication or pipeline figures
+        record["per_rank"] = last["ranks"]
+    if "sync" in last:
+        record["sync"] = last["sync"]
+    if "pipeline" in last:
+        record["pipeline"] = {**last["pipeline"], "bubble_median": statistics.median(
+            s["pipeline"]["bubble_mean"] for s in steps)}
 
 
 def _json_safe(x):
@@ -533,7 +693,7 @@ def _read_json(path):
 
 # ----- reporting ----------------------------------------------------------------------------------------------
 def mb(x):
-    return f"{x / 2**20:9.1f}"
+    return f"{'n/a':>9s}" if x is None else f"{x / 2**20:9.1f}"
 
 
 def _pct(new, old):
@@ -575,6 +735,8 @@ def print_table(off, on):
     if off.get("rss_peak_bytes") and on.get("rss_peak_bytes") is not None:
         print(f"process peak RSS growth per step (what the OS sees): {lower('rss_peak_bytes'):.1f}% lower")
     print(state_text(off))
+    for r in (off, on) if off.get("parallel") else ():
+        print(f"{'gc on' if r['use_gc'] else 'gc off'}: {parallel_text(r)}")
 
 
 def print_single(r):
@@ -584,6 +746,8 @@ def print_single(r):
           f"{mb(r['peak_activation_bytes']).strip()} MB, M_floor {mb(r['floor_bytes']).strip()} MB, "
           f"T_step {r['time']:.3f} s{f' ({note})' if note else ''}, loss {r['loss']:.4f}")
     print(state_text(r))
+    if r.get("parallel"):
+        print(parallel_text(r))
 
 
 def state_text(r):
@@ -593,6 +757,31 @@ def state_text(r):
     if r.get("offloaded_bytes"):
         text += f" + {mb(r['offloaded_bytes']).strip()} MB offloaded to host memory"
     return text
+
+
+def parallel_text(r):
+    """--parallel: the memory of every rank (parameters, gradients, optimizer state, activations) and the
+    throughput, with the communication (dp, zero) or the pipeline's bubble."""
+    n, kind = r["world_size"], r["parallel"]
+    lines = [f"--parallel {kind} over {_plural(n, 'rank')}: {r['tokens_per_second']:,.0f} tokens/s (the global batch "
+             f"{r['effective_batch_size']} x seq_len {r['seq_len']} per step)"]
+    lines.append(f"  {'rank':>4s}{'parameters MB':>15s}{'gradients MB':>14s}{'opt. state MB':>15s}{'M_act MB':>10s}"
+                 f"{'M_peak MB':>11s}")
+    for m in r.get("per_rank") or []:
+        lines.append(f"  {m['rank']:4d}{mb(m['param_bytes']):>15s}{mb(m['grad_bytes']):>14s}"
+                     f"{mb(m['optimizer_bytes']):>15s}{mb(m['activation_bytes']):>10s}"
+                     f"{mb(m['peak_activation_bytes']):>11s}")
+    if r.get("sync"):
+        s = r["sync"]
+        op = "reduce-scatter" if kind == "zero2" else "all-reduce"
+        lines.append(f"  gradients: {_plural(s['buckets'], 'bucket')} of {s['bytes'] / 2**20:.1f} MB in all ({op}), "
+                     f"{s['started_before_last_gradient']} started while backward ran; backward waited "
+                     f"{s['wait_seconds'] * 1e3:.1f} ms at its end and copied {s['copy_seconds'] * 1e3:.1f} ms")
+    if r.get("pipeline"):
+        p = r["pipeline"]
+        lines.append(f"  GPipe bubble: measured {p['bubble_median']:.1%} of a step (median over the timed steps, mean "
+                     f"over ranks), (d - 1)/(m + d - 1) = {p['theory']:.1%}")
+    return "\n".join(lines)
 
 
 def _plural(n, word):
@@ -605,6 +794,10 @@ def batch_text(args):
 
 
 def main_run(args):
+    if args.parallel:
+        dist.init()
+        if dist.rank() > 0:  # rank 0 prints (every rank's figures) and writes the JSON
+            sys.stdout = open(os.devnull, "w")
     source = resolve_data(args.data)
     data, vocab = load_data(source)
     device = pick_device(args.device)
@@ -612,8 +805,9 @@ def main_run(args):
     which = [False, True] if args.use_gc is None else [bool(args.use_gc)]
     if args.policy == "off":
         which = [False]
-    if args.budget_mb is not None and True in which:
-        check_budget(args, data, vocab, device)  # before the gc-off pass: an infeasible budget fails now
+    if args.budget_mb is not None and True in which:  # before the gc-off pass: an infeasible budget fails now
+        per_rank = args.batch_size // (dist.world_size() if args.parallel else 1)  # the graph each rank plans
+        check_budget(argparse.Namespace(**{**vars(args), "batch_size": per_rank}), data, vocab, device)
     label = args.policy or "all"
     print(f"gc.py: Transformer LM ({_plural(args.num_layers, 'layer')}, embedding {args.embedding_size}, "
           f"feed-forward {args.hidden_size}, {args.num_head} heads), {batch_text(args)} x seq_len {args.seq_len}, "
@@ -622,6 +816,11 @@ def main_run(args):
           + {(False,): "gc off", (True,): f"gc on ({label})", (False, True): f"gc off vs on ({label})"}[tuple(which)]
           + (f", segment_len {args.segment_len}" if args.segment_len else "")
           + (f", budget {args.budget_mb:g} MB" if args.budget_mb is not None else ""))
+    if args.parallel:
+        n = dist.world_size()
+        print(f"parallel: {PARALLEL_TEXT[args.parallel]}, {_plural(n, 'rank')} "
+              + (f"({args.batch_size // n} sequences of each micro-batch per rank)" if args.parallel != "pipeline" else
+                 f"({args.accumulation_steps} micro-batches through {_plural(n, 'stage')})"))
     if source == SYNTHETIC:
         why = "--data synthetic" if args.data == SYNTHETIC else "no PTB at data/ptb or ../shared/data/ptb"
         print(f"data: a synthetic Zipf corpus with a PTB-sized vocabulary ({why}), {vocab} words")
@@ -677,7 +876,7 @@ def check_corpus(args, data):
 
 # ----- sweep and max-batch: each configuration in a fresh process ---------------------------------------------
 RUN_FLAGS = ["batch_size", "seq_len", "embedding_size", "hidden_size", "num_layers", "num_head", "dropout",
-             "head_init_scale", "head", "precision", "stochastic_rounding", "optimizer", "offload_state",
+             "head_init_scale", "head", "precision", "stochastic_rounding", "optimizer", "offload_state", "parallel",
              "segment_len", "budget_mb", "device", "epochs", "max_batches", "warmup", "accumulation_steps", "lr",
              "seed", "memory_limit_mb"]
 
@@ -696,7 +895,11 @@ def _child(args, overrides, policy, json_path, timeout=1800):
             continue
         cmd += [f"--{key.replace('_', '-')}"] + ([] if value is True else [str(value)])
     cmd.append("--lazy" if settings["lazy"] else "--no-lazy")
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    if settings.get("parallel"):  # a job of its own, as many ranks as this gc.py was started with
+        _, ranks = dist.comm.launcher_rank_and_size()
+        cmd = [dist.comm.mpiexec_path() or "mpiexec", "-n", str(ranks)] + cmd
+    # Under mpiexec a child must not take itself for one of this job's ranks: the launcher's variables go.
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=dist.comm.child_environment())
     return proc.returncode, proc.stdout + proc.stderr
 
 
@@ -872,7 +1075,16 @@ ABLATIONS = {
     "toolbox": (f"gradient accumulation x{ACCUMULATE} + gc all + mixed-bf16 + Adam8bit",
                 {"policy": "all", "head": "full", "accumulate": ACCUMULATE, "precision": "mixed-bf16",
                  "optimizer": "adam8bit"}),
+    # offered when gc.py ablate runs under mpiexec -n N: the row is `mpiexec -n N python gc.py run --parallel dp`
+    "dp": ("data parallel over the mpiexec ranks: batch/N per rank, gradients all-reduced",
+           {**BASE, "parallel": "dp"}),
 }
+
+
+def default_rows():
+    """Every row; the rows that need several processes (--parallel) only when gc.py runs under mpiexec."""
+    ranks = dist.comm.launcher_rank_and_size()[1]
+    return [name for name, (_, flags) in ABLATIONS.items() if ranks > 1 or not flags.get("parallel")]
 
 
 def ablation_budget(args, data, vocab, device):
@@ -900,11 +1112,17 @@ def _setup_text(args, flags, budget_bytes):
         policy = f"budget {budget_bytes / 2**20:.1f} MB"
     k = flags.get("accumulate", 1)
     batch = f"batch {args.batch_size}" if k == 1 else f"batch {args.batch_size // k} x {k} = {args.batch_size}"
-    extra = [f"{key} {value}" for key, value in flags.items() if key not in ("policy", "head", "accumulate")]
+    extra = [f"{key} {value}" for key, value in flags.items() if key not in ("policy", "head", "accumulate",
+                                                                            "parallel")]
+    if flags.get("parallel"):
+        ranks = dist.comm.launcher_rank_and_size()[1]
+        extra.append(f"{flags['parallel']} over {ranks} ranks ({args.batch_size // ranks} per rank)")
     return ", ".join([f"gc {policy}", f"{flags.get('head', 'full')} head", batch] + extra)
 
 
 def main_ablate(args):
+    if dist.comm.launcher_rank_and_size()[0] > 0:
+        return  # under mpiexec rank 0 runs the rows (the dp row as a job of all the ranks); the others are done
     args.source = resolve_data(args.data)
     args.max_batches = args.steps
     device = pick_device(args.device)
@@ -912,7 +1130,7 @@ def main_ablate(args):
     check_corpus(args, data)  # the effective batch: every row trains on the same windows
     out_dir = args.out or os.path.join("results", "ablation")
     ablation_id = _invocation_id()
-    rows = args.rows or list(ABLATIONS)
+    rows = args.rows or default_rows()
     budget = None
     if "budget" in rows:  # chosen and checked up front: an infeasible budget stops here, before any row runs
         budget = ablation_budget(args, data, vocab, device)
@@ -976,7 +1194,7 @@ def main_ablate(args):
 ABLATION_KEYS = ["policy", "head", "batch_size", "accumulation_steps", "effective_batch_size", "budget_bytes",
                  "activation_bytes", "peak_activation_bytes", "floor_bytes", "rss_peak_bytes", "step_time_seconds",
                  "timed_steps", "step_time_reliable", "loss", "recomputed_nodes", "param_bytes", "grad_bytes",
-                 "optimizer_bytes", "offloaded_bytes"]
+                 "optimizer_bytes", "offloaded_bytes", "parallel", "world_size", "tokens_per_second", "per_rank"]
 
 
 def _compare_to_baseline(rows):
@@ -1448,6 +1666,14 @@ def _add_model_flags(p, command):
     else:
         _flag(g, "memory_limit_mb", type=float, default=None, metavar="MB",
               help="cap the allocator: past it a run stops with MemoryError, exit status 3 (default: no cap)")
+    if command == "run":
+        g = p.add_argument_group("distributed: mpiexec -n N python gc.py run --parallel ...")
+        _flag(g, "parallel", default=None, choices=PARALLEL,
+              help="dp: data parallel, --batch-size split over the ranks, gradients all-reduced; zero1 / zero2: ZeRO "
+                   "stage 1 / 2 on top (optimizer state / and gradients partitioned); pipeline: GPipe, one stage of "
+                   "layers per rank, the --accumulation-steps micro-batches flowing through them (default: none)")
+        _flag(g, "bucket_mb", type=float, default=25.0, metavar="MB",
+              help="dp, zero: gradients are reduced in buckets of about MB (PyTorch DDP's 25)")
     g = p.add_argument_group("output")
     default_out = {"run": "results", "sweep": "results/sweep_OVER", "max-batch": "results/max_batch"}[command]
     _flag(g, "out", default=None, metavar="DIR", help=f"folder for the JSON (and PNG) files (default: {default_out})")
@@ -1462,7 +1688,8 @@ def _add_model_flags(p, command):
 def _add_ablate_flags(p):
     g = p.add_argument_group("ablation")
     _flag(g, "rows", nargs="+", default=None, metavar="ROW",
-          help="the rows to train, in this order, from " + " ".join(ABLATIONS) + " (default: all of them)")
+          help="the rows to train, in this order, from " + " ".join(ABLATIONS) + " (default: all of them; dp only "
+               "when gc.py ablate runs under mpiexec -n N)")
     _flag(g, "steps", type=int, default=8, metavar="N", help="optimizer steps each row trains")
     _flag(g, "warmup", type=int, default=2, metavar="N", help="steps left out of the T_step median")
     _flag(g, "budget_mb", type=float, default=None, metavar="MB",
@@ -1535,6 +1762,14 @@ def validate(args, command):
         unknown = [r for r in args.rows or [] if r not in ABLATIONS]
         if unknown:
             fail(f"ablate: unknown row{'s' * (len(unknown) > 1)} {' '.join(unknown)} (rows: {' '.join(ABLATIONS)})")
+        ranks = dist.comm.launcher_rank_and_size()[1]
+        parallel = [r for r in args.rows or default_rows() if ABLATIONS[r][1].get("parallel")]
+        if parallel and ranks < 2:
+            fail(f"ablate: row {parallel[0]} trains on several processes: run gc.py ablate under mpiexec -n N "
+                 f"(N >= 2)")
+        if parallel and args.batch_size % ranks:
+            fail(f"ablate: row {parallel[0]} splits --batch-size {args.batch_size} over {ranks} ranks: give a "
+                 f"multiple of {ranks}")
         if len(set(args.rows or [])) < len(args.rows or []):
             fail(f"ablate: a row is named twice in --rows {' '.join(args.rows)}")
         accumulating = [r for r in args.rows or ABLATIONS if ABLATIONS[r][1].get("accumulate", 1) > 1]
@@ -1564,6 +1799,12 @@ def validate(args, command):
             fail(f"--{name.replace('_', '-')} must be a positive number of MiB, got {value:g}")
     if command == "ablate":
         return
+    _, ranks = dist.comm.launcher_rank_and_size()  # mpiexec's environment; MPI itself starts later
+    if command == "run":
+        validate_parallel(args, ranks)
+    elif ranks > 1:
+        fail(f"gc.py {command} runs in one process, not under mpiexec with {ranks} ranks (gc.py run --parallel and "
+             f"gc.py ablate do)")
     if command == "run":
         policies = [args.policy or "all"]
         if args.use_gc == 1 and args.policy == "off":
@@ -1592,6 +1833,28 @@ def validate(args, command):
             if trial.embedding_size % trial.num_head:
                 fail(f"--num-head {trial.num_head} must divide --embedding-size {trial.embedding_size} "
                      f"(the sweep's value {value})")
+
+
+def validate_parallel(args, ranks):
+    """--parallel's checks, the same on every rank (each prints the line and exits 2: no rank is left waiting)."""
+    if args.parallel is None:
+        if ranks > 1:
+            fail(f"gc.py run is under mpiexec with {ranks} ranks: give --parallel dp|zero1|zero2|pipeline (without "
+                 f"it every rank would train the same model alone)")
+        return
+    if not (math.isfinite(args.bucket_mb) and args.bucket_mb > 0):
+        fail(f"--bucket-mb must be a positive number of MiB, got {args.bucket_mb:g}")
+    if args.parallel != "pipeline" and args.batch_size % ranks:
+        fail(f"--parallel {args.parallel}: --batch-size {args.batch_size} does not split over {ranks} ranks: give a "
+             f"multiple of {ranks}")
+    if args.parallel == "pipeline" and args.precision in ("mixed-bf16", "mixed-fp16"):
+        fail(f"--parallel pipeline with --precision {args.precision} is not supported (autocast would have to wrap "
+             f"each stage's forward apart from its backward); use fp32 or bf16")
+    if args.parallel == "pipeline" and args.policy == "budget":
+        fail("--parallel pipeline with --policy budget is not supported: each stage would need its own budget")
+    if args.parallel in ("zero2", "pipeline") and args.precision == "mixed-fp16":
+        fail(f"--parallel {args.parallel} with --precision mixed-fp16 is not supported: GradScaler's overflow check "
+             f"needs every gradient on every rank")
 
 
 def parse_args(argv=None):

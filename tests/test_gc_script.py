@@ -558,7 +558,7 @@ def test_make_demo_installs_only_the_runtime_and_make_test_the_extras(tmp_path):
     fresh = tmp_path / "fresh"
     (demo_install,) = dry_run("demo", fresh)
     assert demo_install.rstrip().endswith("pip install -e .") and "test" not in demo_install
-    assert ".[test,torch]" in dry_run("test", tmp_path / "fresh2")[0]
+    assert ".[test,torch,distributed]" in dry_run("test", tmp_path / "fresh2")[0]
     full = tmp_path / "full"  # after `make test`'s install, the demo installs nothing
     full.mkdir()
     (full / ".deps-installed").touch()
@@ -566,7 +566,7 @@ def test_make_demo_installs_only_the_runtime_and_make_test_the_extras(tmp_path):
     demo_only = tmp_path / "demo_only"  # after the demo's install, `make test` still installs the extras
     demo_only.mkdir()
     (demo_only / ".deps-demo-installed").touch()
-    assert dry_run("demo", demo_only) == [] and ".[test,torch]" in dry_run("test", demo_only)[0]
+    assert dry_run("demo", demo_only) == [] and ".[test,torch,distributed]" in dry_run("test", demo_only)[0]
 
 
 def test_download_without_a_network_says_so_and_which_files_go_where(tmp_path, monkeypatch, capsys):

@@ -6,6 +6,7 @@
     x.grad  # [[2., 4.]]
 """
 from . import amp, autograd, backend_ndarray, checkpoint, data, init, nn, ops, optim, serialization, viz
+from . import distributed
 from .autograd import Tensor, TensorTuple
 from .backend_selection import BACKEND, all_devices, cpu, cpu_numpy, cuda, default_device
 from .ops import (
@@ -19,8 +20,8 @@ from .serialization import load, save
 __all__ = [
     "BACKEND", "Tensor", "TensorTuple", "add", "add_scalar", "all_devices", "amp", "autocast", "autograd",
     "backend_ndarray", "broadcast_to", "checkpoint", "conv", "cpu", "cpu_numpy", "cuda", "data", "default_device",
-    "dilate", "divide", "divide_scalar", "exp", "flip", "init", "load", "log", "logsoftmax", "logsumexp", "make_tuple",
-    "matmul", "mul_scalar", "multiply", "negate", "nn", "ops", "optim", "power", "power_scalar", "relu", "reshape",
-    "save", "serialization", "sigmoid", "split", "stack", "summation", "tanh", "transpose", "tuple_get_item",
-    "undilate", "viz",
+    "dilate", "distributed", "divide", "divide_scalar", "exp", "flip", "init", "load", "log", "logsoftmax",
+    "logsumexp", "make_tuple", "matmul", "mul_scalar", "multiply", "negate", "nn", "ops", "optim", "power",
+    "power_scalar", "relu", "reshape", "save", "serialization", "sigmoid", "split", "stack", "summation", "tanh",
+    "transpose", "tuple_get_item", "undilate", "viz",
 ]

@@ -246,6 +246,8 @@ class Compute:
 
     def set_grad(self, node, grad):
         node.grad = grad
+        for hook in node._grad_hooks or ():  # e.g. DataParallel: start reducing while backward goes on
+            hook(node)
 
     def value(self, node):
         return node.cached_data
@@ -370,7 +372,7 @@ class Value:
     """A node of the computational graph."""
 
     __slots__ = ("op", "inputs", "_data", "requires_grad", "drop", "grad", "_spec", "version", "_input_versions",
-                 "__weakref__")
+                 "_grad_hooks", "__weakref__")
 
     @property
     def cached_data(self):
@@ -394,6 +396,12 @@ class Value:
 
     def is_leaf(self):
         return self.op is None
+
+    def register_grad_hook(self, hook):
+        """Call `hook(self)` whenever backward has set this leaf's `.grad` (its gradient complete), while the
+        rest of backward is still to run; returns a function that removes the hook."""
+        self._grad_hooks = (self._grad_hooks or []) + [hook]
+        return lambda: setattr(self, "_grad_hooks", [h for h in self._grad_hooks if h is not hook] or None)
 
     def _spec_or_data(self):
         # A released value still knows its shape, dtype and device (recorded when it was released); an
@@ -436,6 +444,7 @@ class Value:
         self._spec = None
         self.version = 0
         self._input_versions = None  # the versions of `inputs` its (forward) computation read
+        self._grad_hooks = None  # callables run when backward sets this leaf's .grad (register_grad_hook)
 
     @classmethod
     def make_const(cls, data, requires_grad=False):

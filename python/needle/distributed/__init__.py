@@ -1,0 +1,28 @@
+"""needle.distributed: training on several processes, MPI through mpi4py (`pip install -e ".[distributed]"`).
+
+    mpiexec -n 2 python train.py
+
+- `comm`: init, rank, world_size, barrier and the collectives (all_reduce, reduce_scatter, all_gather, broadcast,
+  send/recv) on NDArrays; without mpiexec a job of one, where everything still works and mpi4py is not imported.
+- `DataParallel(model, bucket_mb=25)`: gradients averaged across ranks in buckets while backward runs;
+  `split_batch` / `batchify`: each rank's share of a batch.
+- `ZeroRedundancyOptimizer(params, optimizer_class, stage=1|2, **kw)`: ZeRO, the optimizer state (stage 1) and the
+  gradients (stage 2) partitioned across the ranks.
+- `Pipeline(stages, micro_batches)`: GPipe, one stage per rank, activations sent point-to-point.
+
+Importing this package imports no MPI; `init()` (called by everything that communicates) does, under mpiexec.
+"""
+from . import comm
+from .comm import (
+    all_gather, all_gather_object, all_reduce, barrier, broadcast, broadcast_object, init, is_initialized,
+    launched_by_mpiexec, rank, recv, reduce_scatter, send, world_size,
+)
+from .data_parallel import DataParallel, batchify, split_batch
+from .pipeline import Pipeline, bubble_fraction
+from .zero import ZeroRedundancyOptimizer
+
+__all__ = [
+    "DataParallel", "Pipeline", "ZeroRedundancyOptimizer", "all_gather", "all_gather_object", "all_reduce",
+    "barrier", "batchify", "broadcast", "broadcast_object", "bubble_fraction", "comm", "init", "is_initialized",
+    "launched_by_mpiexec", "rank", "recv", "reduce_scatter", "send", "split_batch", "world_size",
+]
