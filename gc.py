@@ -208,6 +208,7 @@ def config_of(args, source, vocab, device):
         "num_head": args.num_head, "dropout": args.dropout, "head_init_scale": args.head_init_scale,
         "head": getattr(args, "head", None), "precision": getattr(args, "precision", "fp32"),
         "stochastic_rounding": bool(getattr(args, "stochastic_rounding", False)),
+        "init_scale": getattr(args, "init_scale", None) if getattr(args, "precision", "fp32") == "mixed-fp16" else None,
         "segment_len": args.segment_len, "budget_bytes": mb_to_bytes(args.budget_mb), "lazy": args.lazy,
         "device": str(device), "threads": threads(), "epochs": args.epochs, "max_batches": args.max_batches,
         "warmup": args.warmup, "lr": args.lr, "optimizer": getattr(args, "optimizer", "adam"),
@@ -382,7 +383,8 @@ def run(args, use_gc, data, vocab, source, out_dir=None, quiet=False, json_path=
         params = model.parameters()
         opt = make_optimizer(args, params, model)
         loss_fn = make_loss(model, args.head, AUTOCAST[getattr(args, "precision", "fp32")])
-    scaler = ndl.amp.GradScaler() if getattr(args, "precision", "fp32") == "mixed-fp16" else None
+    scaler = ndl.amp.GradScaler(init_scale=getattr(args, "init_scale", 2.0**16)) \
+        if getattr(args, "precision", "fp32") == "mixed-fp16" else None
     batches = batchify(data, args.batch_size * args.accumulation_steps, device=device, dtype="float32")
     label = (args.policy or "all") if use_gc else "off"
     record = {"kind": "run", "policy": label, "use_gc": bool(use_gc), **config_of(args, source, vocab, device),
@@ -876,7 +878,8 @@ def check_corpus(args, data):
 
 # ----- sweep and max-batch: each configuration in a fresh process ---------------------------------------------
 RUN_FLAGS = ["batch_size", "seq_len", "embedding_size", "hidden_size", "num_layers", "num_head", "dropout",
-             "head_init_scale", "head", "precision", "stochastic_rounding", "optimizer", "offload_state", "parallel",
+             "head_init_scale", "head", "precision", "stochastic_rounding", "init_scale", "optimizer", "offload_state",
+             "parallel",
              "segment_len", "budget_mb", "device", "epochs", "max_batches", "warmup", "accumulation_steps", "lr",
              "seed", "memory_limit_mb"]
 
@@ -1621,6 +1624,9 @@ def _add_model_flags(p, command):
                    "(default: fp32)")
         _flag(g, "stochastic_rounding", action="store_true",
               help="with --precision bf16: round each weight update stochastically (else to nearest)")
+        _flag(g, "init_scale", type=float, default=2.0**16, metavar="S",
+              help="with --precision mixed-fp16: GradScaler's initial loss scale (default: 65536, PyTorch's; steps "
+                   "whose gradients overflow at it are skipped while it comes down)")
         _flag(g, "optimizer", default="adam", choices=OPTIMIZERS,
               help="adam (the course's), adam8bit (8-bit block-wise moments), adafactor (factored second moments, "
                    "no first moment, at --lr), sgd (momentum 0.9) (default: adam)")
@@ -1791,6 +1797,9 @@ def validate(args, command):
         fail(f"--lr must be a positive number, got {args.lr:g}")
     if not 0 <= args.seed < 2**32:
         fail(f"--seed must be in [0, 2**32), got {args.seed}")
+    init_scale = getattr(args, "init_scale", 1.0)
+    if not (math.isfinite(init_scale) and init_scale > 0):
+        fail(f"--init-scale must be a positive number, got {init_scale:g}")
     if not (math.isfinite(args.head_init_scale) and args.head_init_scale >= 0):
         fail(f"--head-init-scale must be 0 or more, got {args.head_init_scale:g}")
     for name in ("budget_mb", "memory_limit_mb"):
