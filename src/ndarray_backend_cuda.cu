@@ -1883,6 +1883,86 @@ void from_numpy(const py::object& source, CudaArray& out) {
              "cudaMemcpy (from_numpy)");
 }
 
+// ---- Offloaded optimizer state: page-locked host memory and copies on a second stream -------------------------
+//
+// Optimizer state offloaded to the host lives in page-locked ("pinned") numpy arrays, which the GPU copies to and
+// from asynchronously.  The copies run on their own stream, so bringing the next parameter's state in overlaps
+// the kernels that update the current one.  Every other kernel runs on the legacy default stream (the allocator
+// relies on that order, see the top of this file), so each copy is tied to it by events:
+//   - a copy waits for everything already queued on the default stream (the block it reads or writes may have
+//     been handed out by the allocator after kernels that still use it);
+//   - copy_to_host_async: the default stream then waits for the copy, so `a` may be freed (its block reused) at
+//     once;
+//   - copy_from_host_async returns the copy's event; the caller makes the default stream wait for it with
+//     wait_copy right before the first kernel that reads `out`, so the kernels queued in between (the update of
+//     the previous parameter) run while the copy does.
+// The host must call synchronize_copies before it reads what copy_to_host_async wrote.
+
+cudaStream_t copy_stream() {
+  static cudaStream_t stream = [] {
+    cudaStream_t s;
+    check_cuda(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
+    return s;
+  }();
+  return stream;
+}
+
+// A recorded event, destroyed with its Python handle.
+py::capsule record_event(cudaStream_t stream) {
+  cudaEvent_t event;
+  check_cuda(cudaEventCreateWithFlags(&event, cudaEventDisableTiming), "cudaEventCreate");
+  check_cuda(cudaEventRecord(event, stream), "cudaEventRecord");
+  return py::capsule(static_cast<void*>(event), [](void* e) { cudaEventDestroy(static_cast<cudaEvent_t>(e)); });
+}
+
+void wait_event(cudaStream_t stream, const py::capsule& event) {
+  check_cuda(cudaStreamWaitEvent(stream, static_cast<cudaEvent_t>(event.get_pointer()), 0), "cudaStreamWaitEvent");
+}
+
+// An uninitialized numpy array of `size` elements of `dtype` (its numpy storage type) in page-locked memory.
+py::array pinned_empty(size_t size, const std::string& dtype) {
+  const DTypeInfo& info = dtype_info(parse_dtype(dtype));
+  void* ptr = nullptr;
+  if (size > 0) check_cuda(cudaMallocHost(&ptr, size * info.itemsize), "cudaMallocHost (pinned_empty)");
+  const py::capsule owner(ptr, [](void* p) {
+    if (p) cudaFreeHost(p);
+  });
+  return py::array(py::dtype(info.numpy), {static_cast<py::ssize_t>(size)}, ptr, owner);
+}
+
+// `host` must be a C-contiguous numpy array of exactly `a`'s bytes (pinned, or the copy is not asynchronous).
+void check_host_buffer(const char* fn, const py::array& host, const CudaArray& a) {
+  if (!(host.flags() & py::array::c_style) || static_cast<size_t>(host.nbytes()) != a.size * a.itemsize) {
+    throw py::value_error(std::string("needle cuda: ") + fn + ": the host array must be C-contiguous with " +
+                          std::to_string(a.size * a.itemsize) + " bytes (" + std::to_string(a.size) + " " +
+                          dtype_name(a.dtype) + "), got " + std::to_string(host.nbytes()) + " bytes");
+  }
+}
+
+void copy_to_host_async(const CudaArray& a, py::array out) {
+  check_host_buffer("copy_to_host_async", out, a);
+  if (!out.writeable()) throw py::value_error("needle cuda: copy_to_host_async: out is read-only");
+  if (a.size == 0) return;
+  wait_event(copy_stream(), record_event(cudaStreamLegacy));
+  check_cuda(cudaMemcpyAsync(out.mutable_data(), a.ptr, a.size * a.itemsize, cudaMemcpyDeviceToHost, copy_stream()),
+             "cudaMemcpyAsync (copy_to_host_async)");
+  wait_event(cudaStreamLegacy, record_event(copy_stream()));
+}
+
+py::capsule copy_from_host_async(const py::array& host, CudaArray& out) {
+  check_host_buffer("copy_from_host_async", host, out);
+  wait_event(copy_stream(), record_event(cudaStreamLegacy));
+  if (out.size > 0) {
+    check_cuda(cudaMemcpyAsync(out.ptr, host.data(), out.size * out.itemsize, cudaMemcpyHostToDevice, copy_stream()),
+               "cudaMemcpyAsync (copy_from_host_async)");
+  }
+  return record_event(copy_stream());
+}
+
+void wait_copy(const py::capsule& event) { wait_event(cudaStreamLegacy, event); }
+
+void synchronize_copies() { check_cuda(cudaStreamSynchronize(copy_stream()), "cudaStreamSynchronize (copies)"); }
+
 // Number of usable GPUs; 0 (never an exception) when there is no GPU, no driver or a driver too old for this
 // build: Python calls it to decide whether the cuda device is enabled at all.
 int device_count() {
@@ -1945,6 +2025,11 @@ PYBIND11_MODULE(ndarray_backend_cuda, m) {
 
   m.def("to_numpy", to_numpy);
   m.def("from_numpy", from_numpy);
+  m.def("pinned_empty", pinned_empty);
+  m.def("copy_to_host_async", copy_to_host_async);
+  m.def("copy_from_host_async", copy_from_host_async);
+  m.def("wait_copy", wait_copy);
+  m.def("synchronize_copies", synchronize_copies);
   m.def("fill", fill);
   m.def("compact", compact);
   m.def("ewise_setitem", ewise_setitem);

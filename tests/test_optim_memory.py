@@ -322,6 +322,75 @@ def test_master_weights_are_offloaded_too():
     assert opt.host_state_bytes() == sum(3 * 4 * p.realize_cached_data().size for p in params)  # master, m, v
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "uint8"])
+def test_host_copies_for_offload_round_trip(device, dtype):
+    """to_host / from_host_async / wait_for_copies: the bytes come back in their dtype; on a device with
+    asynchronous copies (cuda) the host buffer is page-locked and reused for the next copy of the same shape."""
+    rng = np.random.default_rng(0)
+    values = rng.integers(0, 256, (5, 7)) if dtype == "uint8" else rng.standard_normal((5, 7))
+    values = values.astype(nd.DTYPES[dtype])
+    a = nd.array(values, device=device, dtype=dtype)
+    host = nd.to_host(a)
+    nd.wait_for_copies(device)
+    assert isinstance(host, np.ndarray) and host.dtype == nd.DTYPES[dtype] and host.shape == (5, 7)
+    np.testing.assert_array_equal(host.view(np.uint8), values.view(np.uint8))
+    again = nd.to_host(nd.array(values[::-1].copy(), device=device, dtype=dtype), host)
+    nd.wait_for_copies(device)
+    assert (again is host) == hasattr(device.mod, "copy_to_host_async")
+    np.testing.assert_array_equal(again.view(np.uint8), values[::-1].view(np.uint8))
+    back, ready = nd.from_host_async(again, device)
+    ready()
+    assert back.dtype == dtype and back.shape == (5, 7) and back.device == device
+    np.testing.assert_array_equal(back.numpy().view(np.uint8), values[::-1].view(np.uint8))
+
+
+@requires_cpu
+@pytest.mark.parametrize("name", ["adam", "adam8bit"])
+def test_offload_brings_the_next_parameters_state_in_before_this_update(name, monkeypatch):
+    """The copy schedule that lets a device with asynchronous copies (cuda) overlap them with the updates: the
+    state of parameter k+1 is requested before parameter k's update runs, each copy is made ready just before its
+    first use, and the step waits for the host copies before it returns. Recorded here on the cpu, whose copies
+    are synchronous but follow the same schedule."""
+    from needle.optim import optimizer as base
+
+    params = _params(CPU)
+    opt = OPTIMIZERS[name](params, offload_state=True)
+    _grads(params)
+    opt.step()  # the first step makes the state
+    events = []
+    api = base.array_api  # NDArray's functions, or the NumPy face's under NEEDLE_BACKEND=np
+    real_from, real_to, real_wait = api.from_host_async, api.to_host, api.wait_for_copies
+    owner = {}  # host array -> the index of its parameter
+    for k, p in enumerate(params):
+        for slot in opt.slots:
+            stored = getattr(opt, slot)[p]
+            owner.update({id(a): k for a in (stored if isinstance(stored, tuple) else [stored])})
+
+    def from_host_async(host, device):
+        array, ready = real_from(host, device)
+        k = owner.get(id(host))
+        events.append(("bring", k))
+        return array, lambda: (events.append(("ready", k)), ready())
+
+    def to_host(a, out=None):
+        events.append(("store", owner.get(id(out))))
+        return real_to(a, out)
+
+    monkeypatch.setattr(api, "from_host_async", from_host_async)
+    monkeypatch.setattr(api, "to_host", to_host)
+    monkeypatch.setattr(api, "wait_for_copies", lambda device: (events.append(("wait", None)), real_wait(device)))
+    _grads(params)
+    opt.step()
+    brings = [k for e, k in events if e == "bring"]
+    assert brings == sorted(brings) and set(brings) == {0, 1, 2}  # each parameter's slots, in order
+    for k in range(len(params) - 1):  # k+1's state is requested before k's state is first used (ready) ...
+        assert events.index(("bring", k + 1)) < events.index(("ready", k))
+        assert events.index(("bring", k + 1)) < events.index(("store", k))  # ... and before k's update is stored
+    assert events[-1] == ("wait", None) and ("wait", None) not in events[:-1]
+    assert sum(e == "ready" for e, _ in events) == sum(e == "bring" for e, _ in events)  # every copy used
+
+
 # ----- gc.py -----------------------------------------------------------------------------------------------------
 def test_gc_script_trains_with_each_optimizer_and_reports_their_bytes(tmp_path):
     from test_gc_script import TINY, _corpus, gc_script

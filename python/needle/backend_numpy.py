@@ -9,9 +9,10 @@ import numpy as np
 __all__ = [
     "Device", "adam8bit_step", "all_devices", "array", "astype", "attention_backward", "attention_forward",
     "broadcast_to", "cast_like", "cpu", "cpu_numpy", "cuda", "default_device", "dequantize_blockwise", "device_of",
-    "empty", "exp", "flip", "full", "log", "logsumexp", "matmul", "max", "maximum", "pad", "promote_types",
-    "quantize_blockwise", "reshape", "round_stochastic", "scatter_add_rows", "scatter_along_rows", "softmax_xent_grad",
-    "split", "stack", "sum", "take_along_rows", "take_rows", "tanh", "tensor_data", "to_numpy", "transpose", "zeros",
+    "empty", "exp", "flip", "from_host_async", "full", "log", "logsumexp", "matmul", "max", "maximum", "pad",
+    "promote_types", "quantize_blockwise", "reshape", "round_stochastic", "scatter_add_rows", "scatter_along_rows",
+    "softmax_xent_grad", "split", "stack", "sum", "take_along_rows", "take_rows", "tanh", "tensor_data", "to_host",
+    "to_numpy", "transpose", "wait_for_copies", "zeros",
 ]
 
 
@@ -82,6 +83,20 @@ def adam8bit_step(theta, grad, m_state, v_state, code_m, code_v, block_size, lr,
     for stored, new in zip((q_m, absmax_m, q_v, absmax_v), state):
         stored[...] = new.reshape(stored.shape)
     return out.reshape(theta.shape)
+
+
+def to_host(a, out=None):
+    """A host copy for offloading (NumPy arrays are host memory already: a copy, `out` unused)."""
+    return np.array(a)
+
+
+def from_host_async(host, device=None):
+    """(a copy of `host`, ready): the copy is done, `ready` does nothing."""
+    return np.array(host), lambda: None
+
+
+def wait_for_copies(device=None):
+    """Nothing to wait for: NumPy copies are synchronous."""
 
 
 def promote_types(a, b):

@@ -14,10 +14,11 @@ import numpy as np
 from . import ndarray_backend_numpy
 
 __all__ = [
-    "BackendDevice",
     "BackendNotBuiltError",
     "NDArray",
     "DTYPES",
+    "BackendDevice",
+    "adam8bit_step",
     "all_devices",
     "array",
     "astype",
@@ -28,11 +29,11 @@ __all__ = [
     "cpu_numpy",
     "cuda",
     "default_device",
-    "adam8bit_step",
     "dequantize_blockwise",
     "empty",
     "exp",
     "flip",
+    "from_host_async",
     "full",
     "log",
     "logsumexp",
@@ -44,8 +45,8 @@ __all__ = [
     "promote_types",
     "quantize_blockwise",
     "reset_peak_memory_stats",
-    "round_stochastic",
     "reshape",
+    "round_stochastic",
     "scatter_add_rows",
     "scatter_along_rows",
     "set_memory_limit",
@@ -56,7 +57,9 @@ __all__ = [
     "take_along_rows",
     "take_rows",
     "tanh",
+    "to_host",
     "transpose",
+    "wait_for_copies",
     "zeros",
 ]
 
@@ -967,6 +970,44 @@ def adam8bit_step(theta, grad, m_state, v_state, code_m, code_v, block_size, lr,
         absmax_v._handle, code_m.compact()._handle, code_v.compact()._handle, out._handle, int(block_size),
         float(lr), float(beta1), float(beta2), float(eps), float(correction1), float(correction2))
     return out
+
+
+# ----- offloading: host copies that overlap the device's work where the backend can ----------------------------
+# A backend with asynchronous copies (cuda: pinned host memory, a copy stream; src/ndarray_backend_cuda.cu) gets
+# them; elsewhere (cpu, the reference) these are plain synchronous copies, so callers need no second code path.
+def _copies_async(device):
+    return hasattr(device.mod, "copy_from_host_async")
+
+
+def to_host(a, out=None):
+    """A host (NumPy) copy of `a` for offloading. On a device with asynchronous copies it goes into page-locked
+    memory, into `out` when `out` (an earlier result) has a's shape and dtype, and it may still be running when
+    this returns: call `wait_for_copies(a.device)` before reading it. Elsewhere a plain copy (`out` unused)."""
+    if not _copies_async(a.device):
+        return a.numpy()
+    a, numpy_dtype = a.compact(), DTYPES[a.dtype]
+    if out is None or out.shape != a.shape or out.dtype != numpy_dtype:
+        out = a.device.mod.pinned_empty(a.size, a.dtype).view(numpy_dtype).reshape(a.shape)
+    a.device.mod.copy_to_host_async(a._handle, out)
+    return out
+
+
+def from_host_async(host, device):
+    """(NDArray on `device` holding the NumPy array `host`, ready): with asynchronous copies the copy is only
+    queued, and `ready()` must be called before the array is first used (the device then waits for the copy, not
+    the host, and work queued before `ready()` overlaps it); elsewhere the copy is done and `ready` does nothing."""
+    dtype = dtype_name(host.dtype)
+    if not _copies_async(device):
+        return NDArray(host, device=device, dtype=dtype), lambda: None
+    out = NDArray._empty(host.shape, device, dtype)
+    event = device.mod.copy_from_host_async(np.ascontiguousarray(host), out._handle)
+    return out, lambda: device.mod.wait_copy(event)
+
+
+def wait_for_copies(device):
+    """Block until every host copy `to_host` started on `device` is complete (nothing to wait for elsewhere)."""
+    if _copies_async(device):
+        device.mod.synchronize_copies()
 
 
 def empty(shape, dtype="float32", device=None):

@@ -14,10 +14,12 @@ fraction, so that small updates survive on average (Kalamkar et al. 2019; Zamira
 
 State: each optimizer names its per-parameter state in `slots` (Adam: "m", "v"); `self.<slot>` maps a parameter
 to its stored state, which `_load` hands to the update as float32 and `_save` stores back — as float32, 16-bit for
-pure 16-bit training, 8-bit for Adam8bit (which overrides `_encode`/`_decode`). With `offload_state=True` the
-stored state lives in host memory (NumPy arrays, outside the device allocator that `memory_stats` counts) and
-each parameter's state is brought to the device for its own update only; `state_bytes()` counts what stays on
-the device, `host_state_bytes()` what was offloaded.
+pure 16-bit training, 8-bit for Adam8bit (whose fused step reads and writes the bytes: `_fetch`/`_keep`). With
+`offload_state=True` the stored state lives in host memory (NumPy arrays, outside the device allocator that
+`memory_stats` counts) and each parameter's state is brought to the device for its own update only, the next
+parameter's already on its way (on cuda: page-locked host memory and a copy stream, so that copy overlaps the
+current update; elsewhere the copies are synchronous); `state_bytes()` counts what stays on the device,
+`host_state_bytes()` what was offloaded.
 """
 import numpy as np
 
@@ -40,18 +42,21 @@ def _widen(array):
     return array_api.astype(array, "float32") if _is_low(array) else array
 
 
-def _to_host(stored):
-    """Stored state (an array or a tuple of arrays) as NumPy copies: host memory the device allocator never sees."""
+def _to_host(stored, previous=None):
+    """Stored state (an array or a tuple of arrays) as NumPy copies: host memory the device allocator never sees
+    (on cuda page-locked, reusing `previous`, the parameter's last host copy, and written asynchronously)."""
     if isinstance(stored, tuple):
-        return tuple(_to_host(a) for a in stored)
-    return np.array(array_api.to_numpy(stored))
+        return tuple(_to_host(a, b) for a, b in zip(stored, previous or (None,) * len(stored)))
+    return array_api.to_host(stored, previous)
 
 
 def _to_device(stored, device):
-    """Offloaded state back on `device`, in its stored dtype."""
+    """Offloaded state back on `device`, in its stored dtype: (arrays, ready), `ready()` before first use (on
+    cuda the copy is queued on a copy stream and overlaps the device's work until then)."""
     if isinstance(stored, tuple):
-        return tuple(_to_device(a, device) for a in stored)
-    return array_api.array(stored, dtype=str(stored.dtype), device=device)
+        pairs = [_to_device(a, device) for a in stored]
+        return tuple(a for a, _ in pairs), lambda: [ready() for _, ready in pairs]
+    return array_api.from_host_async(stored, device)
 
 
 def _nbytes(stored):
@@ -81,6 +86,7 @@ class Optimizer:
         self.stochastic_rounding = bool(stochastic_rounding)
         self.offload_state = bool(offload_state)
         self.master = {}  # 16-bit parameter -> its float32 master copy
+        self._incoming = {}  # (parameter, slot) -> offloaded state on its way to the device, during a step
         for slot in self.slots:
             setattr(self, slot, {})
         self._rounding_steps = 0
@@ -113,13 +119,23 @@ class Optimizer:
     def _fetch(self, p, slot):
         """Parameter p's state `slot` as stored (encoded), on p's device; None before its first update."""
         stored = getattr(self, slot).get(p)
-        if stored is not None and self.offload_state:
-            stored = _to_device(stored, p.device)
+        if stored is None or not self.offload_state:
+            return stored
+        stored, ready = self._incoming.pop((p, slot), None) or _to_device(stored, p.device)
+        ready()
         return stored
 
     def _keep(self, p, slot, stored):
         """Keep encoded state `stored` as parameter p's `slot` (on the host when offloading)."""
-        getattr(self, slot)[p] = _to_host(stored) if self.offload_state else stored
+        state = getattr(self, slot)
+        state[p] = _to_host(stored, state.get(p)) if self.offload_state else stored
+
+    def _prefetch(self, p):
+        """Start bringing parameter p's offloaded state to its device, to overlap the update before p's."""
+        for slot in ("master",) + tuple(self.slots):
+            stored = getattr(self, slot).get(p)
+            if stored is not None:
+                self._incoming[(p, slot)] = _to_device(stored, p.device)
 
     def _encode(self, p, slot, value):
         """How state is kept: 16-bit for a pure 16-bit parameter (a master copy is float32 by definition)."""
@@ -151,19 +167,32 @@ class Optimizer:
         """(parameter, its value, its gradient) in float32 for every parameter that has a grad; with `l2` the
         gradient has weight_decay * value added (the course's coupled weight decay). For a 16-bit parameter the
         value is its float32 master copy (made on first use) or the widened value."""
-        for p in self.params:
-            if p.grad is None:
-                continue
-            theta = p.realize_cached_data()
-            if self._keeps_master(p):
-                master = self._load(p, "master")
-                theta = _widen(theta) if master is None else master
-            else:
-                theta = _widen(theta)
-            grad = _widen(p.grad.realize_cached_data())
-            if l2 and self.weight_decay:
-                grad = grad + theta * self.weight_decay
-            yield p, theta, grad
+        params = [p for p in self.params if p.grad is not None]
+        try:
+            for k, p in enumerate(params):
+                if self.offload_state:  # p's state is on its way (prefetched), start the next parameter's
+                    if k == 0:
+                        self._prefetch(p)
+                    if k + 1 < len(params):
+                        self._prefetch(params[k + 1])
+                yield (p, *self._value_and_grad(p, l2))
+        finally:
+            if self.offload_state:  # every copy complete (the host's new state too) before anything is dropped
+                for device in {str(p.device): p.device for p in params}.values():
+                    array_api.wait_for_copies(device)
+                self._incoming.clear()
+
+    def _value_and_grad(self, p, l2):
+        theta = p.realize_cached_data()
+        if self._keeps_master(p):
+            master = self._load(p, "master")
+            theta = _widen(theta) if master is None else master
+        else:
+            theta = _widen(theta)
+        grad = _widen(p.grad.realize_cached_data())
+        if l2 and self.weight_decay:
+            grad = grad + theta * self.weight_decay
+        return theta, grad
 
     def _update(self, p, theta):
         """Store a parameter's new float32 value: into its master copy and (rounded) into the parameter."""
