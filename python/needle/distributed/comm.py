@@ -134,6 +134,7 @@ def _abort_on_uncaught_exception(world):
         previous(kind, value, tb)
         sys.stderr.flush()
         sys.stdout.flush()
+        time.sleep(0.5)  # mpiexec forwards output asynchronously: an abort at once can lose the traceback's end
         world.comm.Abort(1)  # the other ranks would wait in their next collective forever
 
     sys.excepthook = hook
