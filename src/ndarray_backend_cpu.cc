@@ -2747,6 +2747,7 @@ static void matmul_tiled(const Array& a, const Array& b, Array& out, int64_t m, 
 }  // namespace needle
 
 #include "cpu/attention.h"  // fused attention (FlashAttention-2): attention_forward, attention_backward
+#include "cpu/layernorm.h"  // fused layer norm: layernorm_forward, layernorm_backward
 
 // ------------------------------------------------------------------------------------------------------------
 // 5. The module
@@ -2824,6 +2825,8 @@ PYBIND11_MODULE(ndarray_backend_cpu, m) {
   m.def("scatter_along_rows", scatter_along_rows);
   m.def("attention_forward", attention_forward);
   m.def("attention_backward", attention_backward);
+  m.def("layernorm_forward", layernorm_forward);
+  m.def("layernorm_backward", layernorm_backward);
 
   m.def("memory_stats", memory_stats);
   m.def("reset_peak_memory_stats", reset_peak_memory_stats);

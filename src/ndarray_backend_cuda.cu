@@ -1995,6 +1995,7 @@ void def_unary(py::module_& m, const char* name, Op op) {
 }  // namespace needle
 
 #include "cuda/attention.cuh"  // fused attention (FlashAttention-2): attention_forward, attention_backward
+#include "cuda/layernorm.cuh"  // fused layer norm: layernorm_forward, layernorm_backward
 
 // ------------------------------------------------------------------------------------------------------------
 // 8. Bindings
@@ -2078,6 +2079,8 @@ PYBIND11_MODULE(ndarray_backend_cuda, m) {
   m.def("scatter_along_rows", scatter_along_rows);
   m.def("attention_forward", attention_forward);
   m.def("attention_backward", attention_backward);
+  m.def("layernorm_forward", layernorm_forward);
+  m.def("layernorm_backward", layernorm_backward);
 
   m.def("memory_stats", [] {
     const CachingAllocator& alloc = allocator();

@@ -9,10 +9,10 @@ import numpy as np
 __all__ = [
     "Device", "adam8bit_step", "all_devices", "array", "astype", "attention_backward", "attention_forward",
     "broadcast_to", "cast_like", "cpu", "cpu_numpy", "cuda", "default_device", "dequantize_blockwise", "device_of",
-    "empty", "exp", "flip", "from_host_async", "full", "log", "logsumexp", "matmul", "max", "maximum", "pad",
-    "promote_types", "quantize_blockwise", "reshape", "round_stochastic", "scatter_add_rows", "scatter_along_rows",
-    "softmax_xent_grad", "split", "stack", "sum", "take_along_rows", "take_rows", "tanh", "tensor_data", "to_host",
-    "to_numpy", "transpose", "wait_for_copies", "zeros",
+    "empty", "exp", "flip", "from_host_async", "full", "layer_norm", "layer_norm_backward", "log", "logsumexp",
+    "matmul", "max", "maximum", "pad", "promote_types", "quantize_blockwise", "reshape", "round_stochastic",
+    "scatter_add_rows", "scatter_along_rows", "softmax_xent_grad", "split", "stack", "sum", "take_along_rows",
+    "take_rows", "tanh", "tensor_data", "to_host", "to_numpy", "transpose", "wait_for_copies", "zeros",
 ]
 
 
@@ -97,6 +97,37 @@ def from_host_async(host, device=None):
 
 def wait_for_copies(device=None):
     """Nothing to wait for: NumPy copies are synchronous."""
+
+
+def layer_norm(x, w, b, eps):
+    """Fused layer norm over the last axis (the reference backend's arithmetic; see src/README.md)."""
+    from .backend_ndarray import ndarray_backend_numpy as ref
+
+    x, w, b = np.asarray(x), np.asarray(w), np.asarray(b)
+    n = x.shape[-1] if x.ndim else 0
+    if n < 1 or w.shape != (n,) or b.shape != (n,):
+        raise ValueError(f"layer_norm: needs x (..., n) with n >= 1, w and b (n,), got {x.shape}, {w.shape}, {b.shape}")
+    xs = x.reshape(-1, n).astype(np.float32)
+    mean, rstd = ref.layernorm_rows(xs, eps)
+    y = (xs - mean[:, None]) * rstd[:, None] * w.astype(np.float32) + b.astype(np.float32)
+    return y.astype(x.dtype).reshape(x.shape)
+
+
+def layer_norm_backward(x, w, g, eps):
+    """(dx, dw, db) of layer_norm for the output gradient g."""
+    from .backend_ndarray import ndarray_backend_numpy as ref
+
+    x, w, g = np.asarray(x), np.asarray(w), np.asarray(g)
+    n = x.shape[-1]
+    xs, gs = x.reshape(-1, n).astype(np.float32), g.reshape(-1, n).astype(np.float32)
+    mean, rstd = ref.layernorm_rows(xs, eps)
+    xhat = (xs - mean[:, None]) * rstd[:, None]
+    gw = gs * w.astype(np.float32)
+    c1 = gw.sum(axis=1, dtype=np.float32) / np.float32(n)
+    c2 = (gw * xhat).sum(axis=1, dtype=np.float32) / np.float32(n)
+    dx = (gw - c1[:, None] - xhat * c2[:, None]) * rstd[:, None]
+    return (dx.astype(x.dtype).reshape(x.shape), (gs * xhat).sum(axis=0).astype(w.dtype),
+            gs.sum(axis=0).astype(w.dtype))
 
 
 def promote_types(a, b):

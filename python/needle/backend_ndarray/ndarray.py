@@ -35,6 +35,8 @@ __all__ = [
     "flip",
     "from_host_async",
     "full",
+    "layer_norm",
+    "layer_norm_backward",
     "log",
     "logsumexp",
     "matmul",
@@ -970,6 +972,38 @@ def adam8bit_step(theta, grad, m_state, v_state, code_m, code_v, block_size, lr,
         absmax_v._handle, code_m.compact()._handle, code_v.compact()._handle, out._handle, int(block_size),
         float(lr), float(beta1), float(beta2), float(eps), float(correction1), float(correction2))
     return out
+
+
+def _layer_norm_dims(fn, x, w, *others):
+    _ndarrays_on_one_device(fn, ("x", x), ("w", w), *others)
+    n = x.shape[-1] if x.ndim else 0
+    if n < 1 or w.shape != (n,):
+        raise ValueError(f"{fn}: needs x (..., n) with n >= 1 and w (n,), got x {x.shape} and w {w.shape}")
+    return x.size // n, n
+
+
+def layer_norm(x, w, b, eps):
+    """Fused layer norm over the last axis (src/README.md, layernorm_forward): per row, (x - mean) * rstd * w + b
+    with rstd = 1 / sqrt(var + eps), in x's dtype (w and b (n,) of the same dtype); float32 arithmetic."""
+    rows, n = _layer_norm_dims("layer_norm", x, w, ("b", b))
+    if b.shape != (n,):
+        raise ValueError(f"layer_norm: b must have shape ({n},), got {b.shape}")
+    x, w, b = x.compact(), w.compact(), b.compact()
+    out = NDArray._empty(x.shape, x.device, x.dtype)
+    x.device.mod.layernorm_forward(x._handle, w._handle, b._handle, out._handle, rows, n, float(eps))
+    return out
+
+
+def layer_norm_backward(x, w, g, eps):
+    """(dx, dw, db) of layer_norm for the output gradient g (x's shape), each row's mean and rstd recomputed."""
+    rows, n = _layer_norm_dims("layer_norm_backward", x, w, ("g", g))
+    if g.shape != x.shape:
+        raise ValueError(f"layer_norm_backward: g must have x's shape {x.shape}, got {g.shape}")
+    x, w, g = x.compact(), w.compact(), g.compact()
+    dx, dw, db = (NDArray._empty(a.shape, x.device, x.dtype) for a in (x, w, w))
+    x.device.mod.layernorm_backward(x._handle, w._handle, g._handle, dx._handle, dw._handle, db._handle, rows, n,
+                                    float(eps))
+    return dx, dw, db
 
 
 # ----- offloading: host copies that overlap the device's work where the backend can ----------------------------

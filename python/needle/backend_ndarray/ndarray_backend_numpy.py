@@ -665,3 +665,49 @@ def attention_backward(q, k, v, out, lse, dout, dlse, delta, dq, dk, dv, batch, 
     for target, g in zip((dq, dk, dv), grads):
         _store(target, g.reshape(-1))
     delta.array[:] = grads[3].reshape(-1)
+
+
+# ----- layer norm, fused -------------------------------------------------------------------------------------------
+def _check_layernorm(fn, rows, n, eps, arrays):
+    """arrays: (name, buffer, expected size): one floating dtype, the sizes of rows x n (or n) elements."""
+    if rows < 0 or n < 1:
+        raise ValueError(f"{fn}: needs rows >= 0 and n >= 1, got rows {rows}, n {n}")
+    if not eps >= 0:
+        raise ValueError(f"{fn}: eps must be >= 0, got {eps}")
+    _floats(fn, *(a for _, a, _ in arrays))
+    for name, a, size in arrays:
+        if a.size != size:
+            raise ValueError(f"{fn}: {name} has {a.size} elements, expected {size}")
+
+
+def layernorm_rows(x, eps):
+    """float32 (mean, rstd) of each row of x (rows, n): rstd = 1 / sqrt(mean((x - mean)^2) + eps)."""
+    mean = x.sum(axis=1, dtype=np.float32) / np.float32(x.shape[1])
+    centered = x - mean[:, None]
+    var = (centered * centered).sum(axis=1, dtype=np.float32) / np.float32(x.shape[1])
+    return mean, np.float32(1) / np.sqrt(var + np.float32(eps))
+
+
+def layernorm_forward(x, w, b, out, rows, n, eps):
+    _check_layernorm("layernorm_forward", rows, n, eps,
+                     [("x", x, rows * n), ("w", w, n), ("b", b, n), ("out", out, rows * n)])
+    xs = _f32(x).reshape(rows, n)
+    with np.errstate(all="ignore"):
+        mean, rstd = layernorm_rows(xs, eps)
+        _store(out, ((xs - mean[:, None]) * rstd[:, None] * _f32(w) + _f32(b)).reshape(-1))
+
+
+def layernorm_backward(x, w, g, dx, dw, db, rows, n, eps):
+    _check_layernorm("layernorm_backward", rows, n, eps,
+                     [("x", x, rows * n), ("w", w, n), ("g", g, rows * n), ("dx", dx, rows * n), ("dw", dw, n),
+                      ("db", db, n)])
+    xs, gs = _f32(x).reshape(rows, n), _f32(g).reshape(rows, n)
+    with np.errstate(all="ignore"):
+        mean, rstd = layernorm_rows(xs, eps)
+        xhat = (xs - mean[:, None]) * rstd[:, None]
+        gw = gs * _f32(w)
+        c1 = gw.sum(axis=1, dtype=np.float32) / np.float32(n)
+        c2 = (gw * xhat).sum(axis=1, dtype=np.float32) / np.float32(n)
+        _store(dx, ((gw - c1[:, None] - xhat * c2[:, None]) * rstd[:, None]).reshape(-1))
+        _store(dw, (gs * xhat).sum(axis=0, dtype=np.float32))
+        _store(db, gs.sum(axis=0, dtype=np.float32))

@@ -221,14 +221,7 @@ class LayerNorm1d(Module):
     def forward(self, x):
         shape = x.shape
         _expect("LayerNorm1d", len(shape) >= 1 and shape[-1] == self.dim, f"(..., {self.dim})", shape)
-        last, kept = len(shape) - 1, tuple(shape[:-1]) + (1,)
-        mean = ops.reshape(ops.summation(x, (last,)) / self.dim, kept)
-        centered = ops.subtract(x, ops.broadcast_to(mean, shape))
-        var = ops.reshape(ops.summation(centered * centered, (last,)) / self.dim, kept)
-        std = ops.broadcast_to((var + self.eps) ** 0.5, shape)
-        weight = ops.broadcast_to(_row(self.weight, len(shape)), shape)
-        bias = ops.broadcast_to(_row(self.bias, len(shape)), shape)
-        return self.checkpoint(weight * (centered / std) + bias, [x])
+        return ops.layer_norm(x, self.weight, self.bias, self.eps)  # one fused op (ops/ops_norm.py)
 
 
 class Dropout(Module):

@@ -1,7 +1,7 @@
 """needle's ops: each a class with `compute` and `gradient`, plus the lower-case helper that applies it.
 
-Fused ops are exported by their helper only (`linear_cross_entropy`, `scaled_dot_product_attention`); their classes
-live in `ops.ops_fused` and `ops.ops_attention`.
+Fused ops are exported by their helper only (`linear_cross_entropy`, `scaled_dot_product_attention`, `layer_norm`);
+their classes live in `ops.ops_fused`, `ops.ops_attention` and `ops.ops_norm`.
 """
 from .ops_attention import scaled_dot_product_attention
 from .ops_fused import linear_cross_entropy
@@ -9,6 +9,7 @@ from .ops_logarithmic import (
     LogSoftmax, LogSumExp, SoftmaxCrossEntropy, SoftmaxCrossEntropyGrad, logsoftmax, logsumexp,
     softmax_cross_entropy,
 )
+from .ops_norm import layer_norm
 from .ops_mathematic import (
     AddScalar, BroadcastTo, Cast, Conv, Dilate, DivScalar, EWiseAdd, EWiseDiv, EWiseMul, EWisePow, EWiseSub, Exp, Flip,
     GatherRows, Log, MatMul, MulScalar, Negate, Pad, PickColumns, Positive, PowerScalar, ReLU, Reshape,
@@ -27,8 +28,8 @@ __all__ = [
     "Negate", "Pad", "PickColumns", "Positive", "PowerScalar", "ReLU", "Reshape", "ScatterAddRows", "ScatterColumns",
     "Sigmoid", "Slice", "SoftmaxCrossEntropy", "SoftmaxCrossEntropyGrad", "Split", "Stack", "Summation", "Tanh",
     "Transpose", "TupleGetItem", "UnDilate", "add", "add_scalar", "broadcast_to", "cast", "conv", "dilate", "divide",
-    "divide_scalar", "exp", "flip", "gather_rows", "linear_cross_entropy", "log", "logsoftmax", "logsumexp",
-    "make_tuple", "matmul", "mul_scalar", "multiply", "negate", "pad", "pick_columns", "positive", "power",
+    "divide_scalar", "exp", "flip", "gather_rows", "layer_norm", "linear_cross_entropy", "log", "logsoftmax",
+    "logsumexp", "make_tuple", "matmul", "mul_scalar", "multiply", "negate", "pad", "pick_columns", "positive", "power",
     "power_scalar", "relu", "reshape", "scaled_dot_product_attention", "scatter_add_rows", "scatter_columns",
     "sigmoid", "slice_window", "softmax_cross_entropy", "split", "stack", "subtract", "summation", "tanh", "transpose",
     "tuple_get_item", "undilate",
