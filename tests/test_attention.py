@@ -326,11 +326,11 @@ def test_budget_ledger_predicts_a_fused_transformer_layer_within_one_percent(gc)
     assert abs(predicted / measured - 1) <= 0.01, (predicted, measured)
 
 
-def _activation_bytes(fused, T=64):
+def _activation_bytes(fused, T=64, dropout=0.1):
     """M_act of a Transformer step with gc "all": bytes held when backward starts, above those held before."""
     np.random.seed(0)
     model = nn.Transformer(16, 32, 2, num_head=2, dim_head=8, device=DEVICE, batch_first=True, sequence_len=T,
-                           fused_attention=fused).enable_gc()
+                           dropout=dropout, fused_attention=fused).enable_gc()
     params = model.parameters()
     rs = np.random.RandomState(0)
     python_gc.collect()
@@ -345,10 +345,19 @@ def _activation_bytes(fused, T=64):
 
 
 def test_gc_all_with_fused_attention_keeps_at_least_2x_fewer_activation_bytes():
-    """gc "all" keeps only region boundaries and leaves; unfused attention's leaves include a B·H·T·T dropout mask
-    per layer (drawn even at p = 0) and a causal mask, the fused op none of them."""
+    """gc "all" keeps only region boundaries and leaves; with attention dropout, unfused attention's leaves include
+    a B·H·T·T dropout mask per layer, which the fused op regenerates from its seed instead of keeping."""
     fused, unfused = _activation_bytes(True), _activation_bytes(False)
     assert 2 * fused <= unfused, (fused, unfused)
+
+
+def test_without_dropout_no_mask_is_kept_either_way():
+    """At dropout 0 neither path keeps a dropout mask (Dropout(0) is the identity after its draw): with gc "all"
+    the unfused path keeps only its T x T causal mask per layer beyond the fused path's boundaries; what fusing
+    saves there is the recomputation and the peak, not M_act."""
+    T = 64
+    fused, unfused = _activation_bytes(True, T, dropout=0.0), _activation_bytes(False, T, dropout=0.0)
+    assert unfused - fused == 2 * T * T * 4, (fused, unfused)  # 2 layers' float32 causal masks
 
 
 # ----- nn: which path, the random stream, checkpointing ---------------------------------------------------------

@@ -174,11 +174,11 @@ def test_shapes_that_do_not_fit_raise_value_error_naming_the_op_and_shapes():
             ops.linear_cross_entropy(h, W, b, y, chunk_size=bad)
 
 
-def test_chunk_size_none_takes_the_rows_whose_logits_fit_in_16_mib(monkeypatch):
-    """The rule: clamp(2**22 // V, 1, N) rows; and None computes exactly what that explicit chunk_size does."""
-    assert ops_fused.LOGITS_CHUNK_ELEMENTS * F32 == 16 << 20
-    assert chunk_rows(100_000, 50_257) == (1 << 22) // 50_257 == 83
-    assert chunk_rows(5, 10) == 5 and chunk_rows(10, 1 << 23) == 1 and chunk_rows(10, 7, chunk_size=3) == 3
+def test_chunk_size_none_takes_the_rows_whose_logits_fit_in_4_mib(monkeypatch):
+    """The rule: clamp(2**20 // V, 1, N) rows; and None computes exactly what that explicit chunk_size does."""
+    assert ops_fused.LOGITS_CHUNK_ELEMENTS * F32 == 4 << 20
+    assert chunk_rows(100_000, 50_257) == (1 << 20) // 50_257 == 20
+    assert chunk_rows(5, 10) == 5 and chunk_rows(10, 1 << 21) == 1 and chunk_rows(10, 7, chunk_size=3) == 3
     monkeypatch.setattr(ops_fused, "LOGITS_CHUNK_ELEMENTS", 3 * 7)  # None now means 3 rows of a 7-word vocab
     assert chunk_rows(10, 7) == 3
     (loss, grads), _ = _fused_and_unfused(DEVICE, 10, 4, 7, None, (1, 7))

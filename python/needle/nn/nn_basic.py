@@ -228,6 +228,8 @@ class Dropout(Module):
     """Train: x * mask / (1 - p), mask = randb(x.shape, p=1 - p) (one np.random.rand of x's shape, a leaf).
 
     Eval: the identity. Being a leaf, the mask is reused, never redrawn, when checkpointing recomputes.
+    p = 0 in training: x itself (x * 1 / 1 is x, bit for bit), after drawing the same numbers from NumPy's RNG, so
+    every later draw (and the course's seeded values) is unchanged, without keeping a mask of ones for backward.
     """
 
     def __init__(self, p=0.5):
@@ -236,6 +238,9 @@ class Dropout(Module):
 
     def forward(self, x):
         if not self.training:
+            return x
+        if self.p == 0:
+            np.random.rand(*x.shape)  # the mask's draw, as randb makes it: the stream stays the course's
             return x
         mask = init.randb(*x.shape, p=1 - self.p, device=x.device, dtype=x.dtype)
         if self.p >= 1:

@@ -15,8 +15,8 @@ from .ops_tuple import tuple_get_item
 __all__ = ["LOGITS_CHUNK_ELEMENTS", "LinearCrossEntropy", "LinearCrossEntropyGrad", "chunk_rows",
            "linear_cross_entropy"]
 
-# chunk_size=None: as many token rows as have logits within 2**22 elements (16 MiB of float32).
-LOGITS_CHUNK_ELEMENTS = 1 << 22
+# chunk_size=None: as many token rows as have logits within 2**20 elements (4 MiB of float32).
+LOGITS_CHUNK_ELEMENTS = 1 << 20
 
 
 def chunk_rows(num_tokens, vocab, chunk_size=None):
@@ -83,11 +83,12 @@ def linear_cross_entropy(hidden, weight, bias, target, chunk_size=None):
     SoftmaxLoss's labels); a target outside [0, V) raises IndexError naming it and its position. Returns the
     scalar mean loss; differentiable once in hidden, weight and bias.
 
-    chunk_size: token rows per chunk. None picks the most rows whose logits fit in LOGITS_CHUNK_ELEMENTS = 2**22
-    elements (16 MiB of float32), at least 1 and at most N: hundreds of rows for vocabularies up to ~40k, so each
-    chunk's matmul stays a large, efficient one and the Python loop short, while the logits held at once are a
-    fixed 16 MiB however long the sequence or large the batch. The rule reads only the sizes (not the dtype), so
-    the memory the op declares to the Budget's ledger (`workspace`) is known from shapes alone.
+    chunk_size: token rows per chunk. None picks the most rows whose logits fit in LOGITS_CHUNK_ELEMENTS = 2**20
+    elements (4 MiB of float32), at least 1 and at most N: over a hundred rows for vocabularies up to ~10k (20 at
+    GPT-2's 50k), so each chunk's matmul stays an efficient one and the Python loop short, while the logits held at
+    once are a fixed 4 MiB however long the sequence or large the batch (16 MiB chunks were as fast on the PTB LM
+    but kept four times the memory; bench_gc.py --head_part compares). The rule reads only the sizes (not the
+    dtype), so the memory the op declares to the Budget's ledger (`workspace`) is known from shapes alone.
 
         h = ndl.Tensor(np.random.randn(6, 4), requires_grad=True)
         W = ndl.Tensor(np.random.randn(4, 10), requires_grad=True)
