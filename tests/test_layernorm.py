@@ -193,6 +193,17 @@ def test_a_transformer_with_fused_layer_norm_is_bit_exact_under_checkpointing(po
         np.testing.assert_array_equal(a, c)
 
 
+def test_under_autocast_the_input_is_cast_once_to_the_low_dtype():
+    """A bf16 activation with float32 parameters: autocast casts the parameters down; x is not widened to float32
+    first (that float32 copy would be kept for backward: twice x's bytes)."""
+    x = ndl.Tensor(np.ones((4, 8), np.float32), dtype="bfloat16", requires_grad=True)
+    w, b = (ndl.Tensor(np.ones(8, np.float32), requires_grad=True) for _ in range(2))
+    with ndl.autocast("bfloat16"):
+        y = ops.layer_norm(x, w, b)
+    assert y.dtype == "bfloat16" and y.inputs[0] is x
+    assert all(str(node.dtype) != "float32" for node in y.inputs)
+
+
 # ----- 4. errors ------------------------------------------------------------------------------------------------------
 def test_bad_shapes_and_dtypes_are_clear_errors():
     x = ndl.Tensor(np.ones((3, 4), np.float32))

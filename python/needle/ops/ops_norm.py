@@ -7,6 +7,7 @@ row's mean and 1/std (two passes over a row, cheaper than keeping them) and writ
 (src/README.md: layernorm_forward, layernorm_backward). Arithmetic is float32 whatever the storage, so under
 autocast the statistics stay float32 while the values are stored in 16 bits.
 """
+from .. import autograd
 from ..autograd import TensorOp, TensorTupleOp
 from ..backend_selection import array_api
 from .ops_mathematic import cast
@@ -79,6 +80,6 @@ def layer_norm(x, weight, bias, eps=1e-5):
         raise ValueError(f"layer_norm: needs x (..., n) with n >= 1, weight (n,) and bias (n,); got x {shapes[0]}, "
                          f"weight {shapes[1]}, bias {shapes[2]}")
     dtypes = {str(t.dtype) for t in (x, weight, bias)}
-    if len(dtypes) > 1:
+    if len(dtypes) > 1 and autograd.AUTOCAST is None:  # (under autocast the op's inputs are cast to one dtype)
         x, weight, bias = (t if str(t.dtype) == "float32" else cast(t, "float32") for t in (x, weight, bias))
     return LayerNorm(eps)(x, weight, bias)
