@@ -1,7 +1,8 @@
 """Run under `mpiexec -n 2`: bad use is a clear error on every rank, and never a hang.
 
 `python bad_use.py` catches each error and prints "rank R error CASE: TYPE: MESSAGE" on every rank;
-`python bad_use.py uncaught` lets the first one propagate: init() then aborts the whole job (exit status 1).
+`python bad_use.py uncaught`: rank 1 raises alone while rank 0 waits in a barrier it would never leave; init()'s
+hook aborts the whole job (exit status 1) instead.
 """
 import os
 import sys
@@ -46,7 +47,9 @@ CASES = [mismatched_shapes, indivisible_batch, indivisible_batchify, wrong_stage
 if __name__ == "__main__":
     dist.init()
     if sys.argv[1:] == ["uncaught"]:
-        mismatched_shapes()
+        if RANK == 1:
+            raise RuntimeError("rank 1 fails alone")
+        dist.barrier()  # rank 0: without the abort, this waits for rank 1 forever
         raise SystemExit("not reached")
     for case in CASES:
         try:
