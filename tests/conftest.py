@@ -97,3 +97,16 @@ def count_computes(nodes):
 
         node.op.compute = counted
     return counts
+
+
+def run_float64_checks(module):
+    """Run `module._float64_checks()` under NEEDLE_BACKEND=np in a fresh interpreter (the backend is read once, at
+    import) and assert that it passed: float64 arrays in, float64 out, so tolerances can be 1e-6."""
+    import subprocess
+
+    code = ("import sys; sys.path[:0] = ['tests', 'python', 'apps']; "
+            f"import {module} as t; t._float64_checks(); print('float64 checks passed')")
+    result = subprocess.run([sys.executable, "-c", code], cwd=os.path.join(os.path.dirname(__file__), ".."),
+                            env=dict(os.environ, NEEDLE_BACKEND="np"), capture_output=True, text=True, timeout=300,
+                            check=False)
+    assert result.returncode == 0 and "float64 checks passed" in result.stdout, result.stdout + result.stderr[-5000:]

@@ -23,7 +23,7 @@ from needle import backend_ndarray as nd
 from needle.backend_ndarray import ndarray_backend_numpy as reference
 from needle.ops.ops_attention import ScaledDotProductAttention, ScaledDotProductAttentionGrad
 
-from conftest import DEVICES, check_gradients, numerical_gradient
+from conftest import DEVICES, check_gradients, numerical_gradient, run_float64_checks
 
 REPO = os.path.join(os.path.dirname(__file__), "..")
 DEVICE = nd.cpu() if nd.cpu().enabled() else nd.cpu_numpy()
@@ -129,11 +129,7 @@ def test_16bit_storage_float32_arithmetic(device, dtype, rtol, case):
 def test_float64_under_np_backend_in_a_subprocess():
     """NEEDLE_BACKEND=np in a fresh interpreter: float64 in, float64 out, the unfused numbers within 1e-6 and
     central differences (eps 1e-6) within 1e-6 (`_float64_checks` below)."""
-    code = ("import sys; sys.path[:0] = ['tests', 'python', 'apps']; "
-            "import test_attention as t; t._float64_checks(); print('float64 checks passed')")
-    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=dict(os.environ, NEEDLE_BACKEND="np"),
-                            capture_output=True, text=True, timeout=300, check=False)
-    assert result.returncode == 0 and "float64 checks passed" in result.stdout, result.stdout + result.stderr[-5000:]
+    run_float64_checks("test_attention")
 
 
 def _float64_checks():

@@ -8,9 +8,6 @@ full logits. LanguageModel.loss is the model's SoftmaxLoss with the head fused, 
 and predicted by the Budget's ledger within 1%.
 """
 import gc as python_gc
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -21,10 +18,9 @@ from needle import backend_ndarray as nd
 from needle.ops import ops_fused
 from needle.ops.ops_fused import LinearCrossEntropy, LinearCrossEntropyGrad, chunk_rows
 
-from conftest import DEVICES, check_gradients, numerical_gradient
+from conftest import DEVICES, check_gradients, numerical_gradient, run_float64_checks
 from models import LanguageModel
 
-REPO = os.path.join(os.path.dirname(__file__), "..")
 DEVICE = nd.cpu() if nd.cpu().enabled() else nd.cpu_numpy()
 _CPU_SKIP = pytest.mark.skipif(not nd.cpu().enabled(), reason="C++ backend not built (run `make`)")
 F32 = 4
@@ -103,11 +99,7 @@ def test_gradient_against_central_differences(device, chunk, bias):
 def test_float64_under_np_backend_in_a_subprocess():
     """NEEDLE_BACKEND=np in a fresh interpreter: float64 in, float64 out, the unfused numbers within 1e-6 and
     central differences (eps 1e-6) within 1e-6 (`_float64_checks` below)."""
-    code = ("import sys; sys.path[:0] = ['tests', 'python', 'apps']; "
-            "import test_linear_cross_entropy as t; t._float64_checks(); print('float64 checks passed')")
-    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=dict(os.environ, NEEDLE_BACKEND="np"),
-                            capture_output=True, text=True, timeout=300, check=False)
-    assert result.returncode == 0 and "float64 checks passed" in result.stdout, result.stdout + result.stderr[-5000:]
+    run_float64_checks("test_linear_cross_entropy")
 
 
 def _float64_checks():
