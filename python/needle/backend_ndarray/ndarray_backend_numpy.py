@@ -688,26 +688,35 @@ def layernorm_rows(x, eps):
     return mean, np.float32(1) / np.sqrt(var + np.float32(eps))
 
 
+def layernorm_rows_forward(x, w, b, eps):
+    """Layer norm of the float32 rows of x (rows, n) with float32 w, b (n,): the contract's arithmetic."""
+    with np.errstate(all="ignore"):
+        mean, rstd = layernorm_rows(x, eps)
+        return (x - mean[:, None]) * rstd[:, None] * w + b
+
+
+def layernorm_rows_backward(x, w, g, eps):
+    """(dx, dw, db) in float32 for the float32 rows of x and g (rows, n) and w (n,)."""
+    with np.errstate(all="ignore"):
+        mean, rstd = layernorm_rows(x, eps)
+        xhat = (x - mean[:, None]) * rstd[:, None]
+        gw = g * w
+        c1 = gw.sum(axis=1, dtype=np.float32) / np.float32(x.shape[1])
+        c2 = (gw * xhat).sum(axis=1, dtype=np.float32) / np.float32(x.shape[1])
+        dx = (gw - c1[:, None] - xhat * c2[:, None]) * rstd[:, None]
+        return dx, (g * xhat).sum(axis=0, dtype=np.float32), g.sum(axis=0, dtype=np.float32)
+
+
 def layernorm_forward(x, w, b, out, rows, n, eps):
     _check_layernorm("layernorm_forward", rows, n, eps,
                      [("x", x, rows * n), ("w", w, n), ("b", b, n), ("out", out, rows * n)])
-    xs = _f32(x).reshape(rows, n)
-    with np.errstate(all="ignore"):
-        mean, rstd = layernorm_rows(xs, eps)
-        _store(out, ((xs - mean[:, None]) * rstd[:, None] * _f32(w) + _f32(b)).reshape(-1))
+    _store(out, layernorm_rows_forward(_f32(x).reshape(rows, n), _f32(w), _f32(b), eps).reshape(-1))
 
 
 def layernorm_backward(x, w, g, dx, dw, db, rows, n, eps):
     _check_layernorm("layernorm_backward", rows, n, eps,
                      [("x", x, rows * n), ("w", w, n), ("g", g, rows * n), ("dx", dx, rows * n), ("dw", dw, n),
                       ("db", db, n)])
-    xs, gs = _f32(x).reshape(rows, n), _f32(g).reshape(rows, n)
-    with np.errstate(all="ignore"):
-        mean, rstd = layernorm_rows(xs, eps)
-        xhat = (xs - mean[:, None]) * rstd[:, None]
-        gw = gs * _f32(w)
-        c1 = gw.sum(axis=1, dtype=np.float32) / np.float32(n)
-        c2 = (gw * xhat).sum(axis=1, dtype=np.float32) / np.float32(n)
-        _store(dx, ((gw - c1[:, None] - xhat * c2[:, None]) * rstd[:, None]).reshape(-1))
-        _store(dw, (gs * xhat).sum(axis=0, dtype=np.float32))
-        _store(db, gs.sum(axis=0, dtype=np.float32))
+    grads = layernorm_rows_backward(_f32(x).reshape(rows, n), _f32(w), _f32(g).reshape(rows, n), eps)
+    for out, values in zip((dx, dw, db), grads):
+        _store(out, values.reshape(-1))

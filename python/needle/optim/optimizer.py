@@ -55,7 +55,12 @@ def _to_device(stored, device):
     cuda the copy is queued on a copy stream and overlaps the device's work until then)."""
     if isinstance(stored, tuple):
         pairs = [_to_device(a, device) for a in stored]
-        return tuple(a for a, _ in pairs), lambda: [ready() for _, ready in pairs]
+
+        def ready():
+            for _, wait in pairs:
+                wait()
+
+        return tuple(a for a, _ in pairs), ready
     return array_api.from_host_async(stored, device)
 
 
