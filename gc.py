@@ -461,6 +461,8 @@ def train_step(model, loss_fn, opt, batches, start, args, device, params, scaler
         micro = [rank_share(X, y, device) for X, y in micro]
     nd.reset_peak_memory_stats(device)
     baseline = nd.memory_stats(device)["current_bytes"]
+    if device.name == "cpu":  # freed blocks cached from the last step would hide this step's pages from RSS_peak
+        device.mod.empty_cache()
     rss = None if device.name == "cuda" else PeakRSS()  # host RSS says nothing of GPU memory: GPUtil there
     t0 = time.perf_counter()
     act, floor, losses, recomputed, accumulated = 0, 0, [], 0, None

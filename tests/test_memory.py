@@ -327,10 +327,11 @@ def test_cuda_out_of_memory_raises_memory_error_with_sizes():
 
 
 # ----- the CPU allocator and the operating system: resident memory follows the byte counts -------------------
-# Large buffers (1 MiB and more) are mapped from the OS and unmapped when they die; a bounded cache of freed
-# blocks (at most 64 MiB, reported as "cached_bytes") lets repeated shapes skip the page faults.
+# Large buffers (1 MiB and more) are mapped from the OS; freed ones wait in a cache of exact sizes (reported as
+# "cached_bytes") so that repeated shapes skip the page faults, and go back to the OS beyond its limit
+# (set_cache_limit; by default live plus cached stays within the high-water mark, or live + 64 MiB) or at
+# empty_cache().
 MiB = 1 << 20
-CPU_CACHE_LIMIT = 64 * MiB
 cpu_only = pytest.mark.skipif(not nd.cpu().enabled(), reason="C++ backend not built (run `make`)")
 linux_only = pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads RSS from /proc/self/statm")
 
@@ -347,9 +348,17 @@ def touched(n, device):
     return nd.full((n,), 1.0, device=device)
 
 
+@pytest.fixture
+def cache_limit():
+    """set_cache_limit for one test; the default (None) is restored afterwards."""
+    yield lambda nbytes: nd.set_cache_limit(nbytes, nd.cpu())
+    nd.set_cache_limit(None, nd.cpu())
+
+
 @cpu_only
-def test_cpu_buffers_are_aligned_and_cache_is_reported_and_bounded():
+def test_cpu_buffers_are_aligned_and_cache_is_reported_and_bounded(cache_limit):
     device = nd.cpu()
+    cache_limit(64 * MiB)
     for n in (1, 3, 1000, 300_000, MiB // 4, MiB // 4 + 1, 3 * MiB + 5, 10 * MiB):
         a = nd.empty((n,), device=device)
         assert a._handle.ptr() % 64 == 0  # the alignment the allocator has always given
@@ -362,7 +371,7 @@ def test_cpu_buffers_are_aligned_and_cache_is_reported_and_bounded():
     del blocks
     s = stats(device)
     assert s["current_bytes"] == held - 40 * 4 * MiB  # accounting is unchanged: exact requested bytes
-    assert 0 < s["cached_bytes"] <= CPU_CACHE_LIMIT
+    assert 0 < s["cached_bytes"] <= 64 * MiB
     assert s["reserved_bytes"] == s["current_bytes"] + s["cached_bytes"]
     cached = s["cached_bytes"]
     again = nd.empty((MiB,), device=device)  # a cached block of that size comes back
@@ -370,6 +379,53 @@ def test_cpu_buffers_are_aligned_and_cache_is_reported_and_bounded():
     del again
     device.mod.empty_cache()
     assert stats(device)["cached_bytes"] == 0
+
+
+@cpu_only
+def test_cpu_cache_by_default_serves_a_repeated_step_within_the_high_water_mark():
+    device = nd.cpu()
+    device.mod.empty_cache()
+
+    def step():  # a "training step": 30 buffers of 4 MiB live at once, then all freed
+        return [nd.empty((MiB,), device=device) for _ in range(30)]
+
+    arrays = step()
+    live = stats(device)["current_bytes"]
+    del arrays
+    s = stats(device)
+    assert s["cached_bytes"] == 30 * 4 * MiB  # every block kept: the most ever live covers them
+    arrays = step()  # the next step is served from the cache
+    s = stats(device)
+    assert s["cached_bytes"] == 0 and s["current_bytes"] == live
+    del arrays
+    device.mod.empty_cache()
+    assert stats(device)["cached_bytes"] == 0
+
+
+@cpu_only
+def test_cpu_cache_limit_zero_unmaps_at_once_and_memory_limit_bounds_the_cache(cache_limit):
+    device = nd.cpu()
+    arrays = [nd.empty((MiB,), device=device) for _ in range(4)]
+    del arrays
+    assert stats(device)["cached_bytes"] > 0
+    cache_limit(0)  # trims what is cached now, and keeps nothing afterwards
+    assert stats(device)["cached_bytes"] == 0
+    a = nd.empty((MiB,), device=device)
+    del a
+    assert stats(device)["cached_bytes"] == 0
+    cache_limit(None)
+    held = stats(device)["current_bytes"]
+    nd.set_memory_limit(held + 12 * MiB, device)
+    try:
+        arrays = [nd.empty((MiB,), device=device) for _ in range(3)]
+        del arrays
+        assert stats(device)["cached_bytes"] <= held + 12 * MiB
+    finally:
+        nd.set_memory_limit(0, device)
+    with pytest.raises(ValueError, match="set_cache_limit"):
+        nd.set_cache_limit(-5, device)
+    with pytest.raises(ValueError, match="set_cache_limit: the cpu_numpy backend"):
+        nd.set_cache_limit(0, nd.cpu_numpy())
 
 
 @cpu_only
@@ -390,8 +446,9 @@ def test_cpu_memory_limit_and_peak_unchanged_for_large_buffers():
 
 @cpu_only
 @linux_only
-def test_cpu_rss_drops_when_large_arrays_are_freed():
+def test_cpu_rss_drops_when_large_arrays_are_freed(cache_limit):
     device = nd.cpu()
+    cache_limit(0)  # no cache: every freed buffer goes back at once
     start = rss_bytes()
     sizes = [MiB // 4, MiB // 2, MiB, 2 * MiB, 4 * MiB]  # 1 MiB ... 16 MiB each
     arrays, total = [], 0
@@ -411,6 +468,7 @@ def test_cpu_rss_drops_when_large_arrays_are_freed():
 @linux_only
 def test_cpu_rss_returns_to_start_after_rounds_with_small_survivors():
     device = nd.cpu()
+    device.mod.empty_cache()
     start = rss_bytes()
     survivors = []
     for _ in range(3):
@@ -419,7 +477,10 @@ def test_cpu_rss_returns_to_start_after_rounds_with_small_survivors():
             big.append(touched(MiB, device))  # 4 MiB
             survivors.append(touched(64, device))  # small, stays alive between the big ones
         del big
+    cached = stats(device)["cached_bytes"]
+    device.mod.empty_cache()  # the default cache kept the freed blocks for reuse; now they go back
     end = rss_bytes()
-    print(f"RSS: start {start / MiB:.0f} MB, after 3 rounds {end / MiB:.0f} MB")
+    print(f"RSS: start {start / MiB:.0f} MB, after 3 rounds and empty_cache() {end / MiB:.0f} MB "
+          f"({cached / MiB:.0f} MB had been cached)")
     assert end - start <= 100e6, f"{(end - start) / 1e6:.0f} MB still resident with only small arrays alive"
     del survivors

@@ -51,6 +51,7 @@ __all__ = [
     "round_stochastic",
     "scatter_add_rows",
     "scatter_along_rows",
+    "set_cache_limit",
     "set_memory_limit",
     "softmax_xent_grad",
     "split",
@@ -85,7 +86,8 @@ _BACKEND_NAMES = frozenset(
     [name for name, value in vars(ndarray_backend_numpy).items() if not name.startswith("_") and callable(value)]
     + ["__device_name__", "__tile_size__"]
     + ["device_count", "empty_cache"]  # CUDA only
-    + ["matmul_kernel", "set_matmul_kernel", "vector_isa", "set_vector_isa", "num_threads"]  # C++ CPU only
+    + ["matmul_kernel", "set_matmul_kernel", "vector_isa", "set_vector_isa", "num_threads",
+       "set_cache_limit"]  # C++ CPU only
 )
 
 
@@ -246,6 +248,20 @@ def set_memory_limit(nbytes, device=None):
     device = device or default_device()
     device._require()
     device.mod.set_memory_limit(int(nbytes))
+
+
+def set_cache_limit(nbytes, device=None):
+    """Bound the bytes of freed buffers the C++ CPU allocator keeps for reuse (`cached_bytes`): `nbytes`, 0 to
+    unmap every freed buffer at once (resident memory then follows `current_bytes`), None for the default (live
+    plus cached within the most bytes ever live at once, or live + 64 MiB)."""
+    device = device or default_device()
+    device._require()
+    if not hasattr(device.mod, "set_cache_limit"):
+        raise ValueError(f"set_cache_limit: the {device.name} backend has no cache limit (the C++ CPU backend has; "
+                         "CUDA keeps its freed blocks until empty_cache())")
+    if nbytes is not None and int(nbytes) < 0:
+        raise ValueError(f"set_cache_limit: nbytes must be >= 0 or None, got {nbytes}")
+    device.mod.set_cache_limit(-1 if nbytes is None else int(nbytes))
 
 
 # ----- dtypes ---------------------------------------------------------------------------------------------------
