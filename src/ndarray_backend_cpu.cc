@@ -1145,6 +1145,46 @@ static void scale_block(float* x, size_t n, float absmax) {
   }
 }
 
+// adam_step: Adam's update of one float32 parameter in one pass instead of eleven element-wise kernels (each a
+// Python call and a full-size temporary).  Per element, in float32 with every operation rounded as the element-wise
+// kernels round it (so the bytes equal the composite update's):
+//   m = m * b1 + g * (1 - b1);  v = v * b2 + (g * g) * (1 - b2)      (first step: m = g * (1 - b1), v = (g * g) * (1 - b2))
+//   out = theta - (m / c1) * lr / (sqrt(v / c2) + eps)
+NEEDLE_NO_FMA static void adam_step(const Array& theta, const Array& grad, const Array& m, const Array& v, Array& out,
+                                    Array& out_m, Array& out_v, bool first, double lr, double beta1, double beta2,
+                                    double eps, double correction1, double correction2) {
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#endif
+  const char* fn = "adam_step";
+  const size_t n = theta.size;
+  check_blockwise(fn, {{"theta", theta, DType::f32, n},
+                       {"grad", grad, DType::f32, n},
+                       {"m", m, DType::f32, n},
+                       {"v", v, DType::f32, n},
+                       {"out", out, DType::f32, n},
+                       {"out_m", out_m, DType::f32, n},
+                       {"out_v", out_v, DType::f32, n}});
+  const float b1 = static_cast<float>(beta1), a1 = static_cast<float>(1.0 - beta1);
+  const float b2 = static_cast<float>(beta2), a2 = static_cast<float>(1.0 - beta2);
+  const float c1 = static_cast<float>(correction1), c2 = static_cast<float>(correction2);
+  const float step = static_cast<float>(lr), fe = static_cast<float>(eps);
+  const float *pt = theta.data<float>(), *pg = grad.data<float>(), *pm = m.data<float>(), *pv = v.data<float>();
+  float *po = out.data<float>(), *om = out_m.data<float>(), *ov = out_v.data<float>();
+  const int nthreads = threads_for(n, true);
+  py::gil_scoped_release release;
+  // An OpenMP loop, not parallel_range's lambda: the region's body keeps this function's fp-contract=off.
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)
+  for (int64_t i = 0; i < static_cast<int64_t>(n); ++i) {  // no branches but the loop-invariant one: vectorized
+    const float g = pg[i];
+    const float mk = first ? g * a1 : pm[i] * b1 + g * a1;
+    const float vk = first ? (g * g) * a2 : pv[i] * b2 + (g * g) * a2;
+    po[i] = pt[i] - mk / c1 * step / (std::sqrt(vk / c2) + fe);
+    om[i] = mk;
+    ov[i] = vk;
+  }
+}
+
 NEEDLE_NO_FMA static void adam8bit_step(const Array& theta, const Array& grad, Array& q_m, Array& absmax_m,
                                         Array& q_v, Array& absmax_v, const Array& code_m, const Array& code_v,
                                         Array& out, int64_t block_size, double lr, double beta1, double beta2,
@@ -1670,7 +1710,7 @@ static void scalar_eq(const Array& a, scalar_t val, Array& out) { scalar_binary(
 static void scalar_ge(const Array& a, scalar_t val, Array& out) { scalar_binary("scalar_ge", a, val, out, GeOp()); }
 static void scalar_gt(const Array& a, scalar_t val, Array& out) { scalar_binary("scalar_gt", a, val, out, GtOp()); }
 
-// x^2 and x^1 are common (squared errors, norms) and need no pow call.
+// x^2 and x^1 are common (squared errors) and need no pow call.
 struct SquareOp {
   static constexpr bool expensive = false;
   scalar_t operator()(scalar_t x, scalar_t) const { return x * x; }
@@ -1679,8 +1719,16 @@ struct FirstOp {
   static constexpr bool expensive = false;
   scalar_t operator()(scalar_t x, scalar_t) const { return x; }
 };
+// x^0.5 (Adam's denominator, norms) is a square root, as NumPy computes it (so -0 gives -0 and -inf NaN):
+// correctly rounded and vectorizable, where a vectorized pow may be an ulp off.
+struct SqrtOp {
+  static constexpr bool expensive = false;
+  scalar_t operator()(scalar_t x, scalar_t) const { return std::sqrt(x); }
+};
 static void scalar_power(const Array& a, scalar_t val, Array& out) {
-  if (val == 2.0f) {
+  if (val == 0.5f) {
+    scalar_binary("scalar_power", a, val, out, SqrtOp());
+  } else if (val == 2.0f) {
     scalar_binary("scalar_power", a, val, out, SquareOp());
   } else if (val == 1.0f) {
     scalar_binary("scalar_power", a, val, out, FirstOp());
@@ -2823,6 +2871,7 @@ PYBIND11_MODULE(ndarray_backend_cpu, m) {
   m.def("quantize_blockwise", quantize_blockwise);
   m.def("dequantize_blockwise", dequantize_blockwise);
   m.def("adam8bit_step", adam8bit_step);
+  m.def("adam_step", adam_step);
 
   m.def("ewise_add", ewise_add);
   m.def("scalar_add", scalar_add);

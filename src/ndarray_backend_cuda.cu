@@ -609,8 +609,9 @@ struct MulOp {
 struct DivOp {
   __device__ float operator()(float a, float b) const { return a / b; }
 };
+// a^0.5 is a correctly rounded square root (CUDA's powf may be 2 ulp off), as NumPy and the C++ backend compute it.
 struct PowerOp {
-  __device__ float operator()(float a, float b) const { return powf(a, b); }
+  __device__ float operator()(float a, float b) const { return b == 0.5f ? __fsqrt_rn(a) : powf(a, b); }
 };
 // NaN wins, as in numpy.maximum (fmaxf would drop it): the NumPy backend is the specification.
 struct MaximumOp {
@@ -846,6 +847,22 @@ __global__ void dequantize_blockwise_kernel(const uint8_t* q, const float* code,
 //      shared memory) and write their new bytes.
 // Every operation is an IEEE round-to-nearest intrinsic (no contraction into FMA), so the bytes are the NumPy
 // reference's.
+// adam_step (src/README.md): Adam's update of one float32 parameter, one thread per element (grid-stride), every
+// operation rounded as the element-wise kernels round it (no fused multiply-add).
+__global__ void adam_step_kernel(const float* theta, const float* grad, const float* m, const float* v, float* out,
+                                 float* out_m, float* out_v, int64_t n, bool first, float b1, float a1, float b2,
+                                 float a2, float c1, float c2, float lr, float eps) {
+  for (int64_t i = first_index(); i < n; i += grid_stride()) {
+    const float g = grad[i], gg = __fmul_rn(g, g);
+    const float mk = first ? __fmul_rn(g, a1) : __fadd_rn(__fmul_rn(m[i], b1), __fmul_rn(g, a1));
+    const float vk = first ? __fmul_rn(gg, a2) : __fadd_rn(__fmul_rn(v[i], b2), __fmul_rn(gg, a2));
+    const float denom = __fadd_rn(__fsqrt_rn(__fdiv_rn(vk, c2)), eps);
+    out[i] = __fsub_rn(theta[i], __fdiv_rn(__fmul_rn(__fdiv_rn(mk, c1), lr), denom));
+    out_m[i] = mk;
+    out_v[i] = vk;
+  }
+}
+
 struct Adam8bitHyper {
   float b1, a1, b2, a2, c1, c2, lr, eps;  // beta1, 1 - beta1, beta2, 1 - beta2, 1 - beta1^t, 1 - beta2^t, lr, eps
 };
@@ -1795,6 +1812,31 @@ void dequantize_blockwise(const CudaArray& q, const CudaArray& code, const CudaA
   check_kernel(fn);
 }
 
+void adam_step(const CudaArray& theta, const CudaArray& grad, const CudaArray& m, const CudaArray& v, CudaArray& out,
+               CudaArray& out_m, CudaArray& out_v, bool first, double lr, double beta1, double beta2, double eps,
+               double correction1, double correction2) {
+  const char* fn = "adam_step";
+  check_exact_dtypes(fn, {{"theta", theta, DType::kFloat32},
+                          {"grad", grad, DType::kFloat32},
+                          {"m", m, DType::kFloat32},
+                          {"v", v, DType::kFloat32},
+                          {"out", out, DType::kFloat32},
+                          {"out_m", out_m, DType::kFloat32},
+                          {"out_v", out_v, DType::kFloat32}});
+  for (const auto& [name, size] : {std::pair<const char*, size_t>{"grad", grad.size}, {"m", m.size}, {"v", v.size},
+                                   {"out", out.size}, {"out_m", out_m.size}, {"out_v", out_v.size}})
+    check_size(fn, name, size, theta.size);
+  const int64_t n = as_int64(theta.size);
+  if (n == 0) return;
+  // Each hyper-parameter rounded once to float32, as the element-wise ops round Python floats (1 - beta in double).
+  adam_step_kernel<<<grid_for(n), kBlockSize>>>(
+      data<float>(theta), data<float>(grad), data<float>(m), data<float>(v), data<float>(out), data<float>(out_m),
+      data<float>(out_v), n, first, static_cast<float>(beta1), static_cast<float>(1.0 - beta1),
+      static_cast<float>(beta2), static_cast<float>(1.0 - beta2), static_cast<float>(correction1),
+      static_cast<float>(correction2), static_cast<float>(lr), static_cast<float>(eps));
+  check_kernel(fn);
+}
+
 void adam8bit_step(const CudaArray& theta, const CudaArray& grad, CudaArray& q_m, CudaArray& absmax_m, CudaArray& q_v,
                    CudaArray& absmax_v, const CudaArray& code_m, const CudaArray& code_v, CudaArray& out,
                    int64_t block_size, double lr, double beta1, double beta2, double eps, double correction1,
@@ -2039,6 +2081,7 @@ PYBIND11_MODULE(ndarray_backend_cuda, m) {
   m.def("quantize_blockwise", quantize_blockwise);
   m.def("dequantize_blockwise", dequantize_blockwise);
   m.def("adam8bit_step", adam8bit_step);
+  m.def("adam_step", adam_step);
 
   def_ewise(m, "ewise_add", AddOp());
   def_ewise(m, "ewise_mul", MulOp());

@@ -7,7 +7,7 @@ import ml_dtypes  # noqa: F401  (registers "bfloat16" with NumPy)
 import numpy as np
 
 __all__ = [
-    "Device", "adam8bit_step", "all_devices", "array", "astype", "attention_backward", "attention_forward",
+    "Device", "adam8bit_step", "adam_step", "all_devices", "array", "astype", "attention_backward", "attention_forward",
     "broadcast_to", "cast_like", "cpu", "cpu_numpy", "cuda", "default_device", "dequantize_blockwise", "device_of",
     "empty", "exp", "flip", "from_host_async", "full", "layer_norm", "layer_norm_backward", "log", "logsumexp",
     "matmul", "max", "maximum", "pad", "promote_types", "quantize_blockwise", "reshape", "round_stochastic",
@@ -62,6 +62,17 @@ def dequantize_blockwise(q, absmax, code, block_size):
     ref.check_blockwise("dequantize_blockwise", [("q", q, "uint8", q.size), ("absmax", absmax, "float32", blocks),
                                                  ("code", code, "float32", 256)])
     return ref.dequantize_blocks(q, code, absmax.reshape(-1), block_size).reshape(q.shape)
+
+
+def adam_step(theta, grad, m, v, lr, beta1, beta2, eps, correction1, correction2):
+    """Adam's update of one float32 parameter (the reference backend's bytes; see src/README.md): the new
+    (theta, m, v); m and v are None on the first step."""
+    from .backend_ndarray import ndarray_backend_numpy as ref
+
+    named = [("theta", theta), ("grad", grad)] + ([] if m is None else [("m", m), ("v", v)])
+    ref.check_blockwise("adam_step", [(name, a, "float32", theta.size) for name, a in named])
+    return ref.adam_update(np.asarray(theta), np.asarray(grad), m, v, lr, beta1, beta2, eps, correction1,
+                           correction2)
 
 
 def adam8bit_step(theta, grad, m_state, v_state, code_m, code_v, block_size, lr, beta1, beta2, eps, correction1,

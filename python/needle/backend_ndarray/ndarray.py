@@ -19,6 +19,7 @@ __all__ = [
     "DTYPES",
     "BackendDevice",
     "adam8bit_step",
+    "adam_step",
     "all_devices",
     "array",
     "astype",
@@ -965,6 +966,25 @@ def dequantize_blockwise(q, absmax, code, block_size):
     q.device.mod.dequantize_blockwise(q._handle, code.compact()._handle, absmax.compact()._handle, out._handle,
                                       int(block_size))
     return out
+
+
+def adam_step(theta, grad, m, v, lr, beta1, beta2, eps, correction1, correction2):
+    """Adam's update of one float32 parameter in one backend pass (src/README.md, adam_step): returns the new
+    (theta, m, v); m and v are None on the first step. correction1/2 are Adam's 1 - beta^t."""
+    fn = "adam_step"
+    first = m is None
+    named = [("theta", theta), ("grad", grad)] + ([] if first else [("m", m), ("v", v)])
+    _ndarrays_on_one_device(fn, *named)
+    for name, array in named[1:]:
+        if array.shape != theta.shape:
+            raise ValueError(f"{fn}: {name} has shape {array.shape}, theta {theta.shape}")
+    theta, grad = theta.compact(), grad.compact()
+    m, v = (grad, grad) if first else (m.compact(), v.compact())
+    out, out_m, out_v = (NDArray._empty(theta.shape, theta.device, "float32") for _ in range(3))
+    theta.device.mod.adam_step(theta._handle, grad._handle, m._handle, v._handle, out._handle, out_m._handle,
+                               out_v._handle, first, float(lr), float(beta1), float(beta2), float(eps),
+                               float(correction1), float(correction2))
+    return out, out_m, out_v
 
 
 def adam8bit_step(theta, grad, m_state, v_state, code_m, code_v, block_size, lr, beta1, beta2, eps, correction1,

@@ -238,6 +238,28 @@ def dequantize_blockwise(q, code, absmax, out, block_size):
     out.array[:] = dequantize_blocks(q.array, code.array, absmax.array, block_size)
 
 
+def adam_update(theta, grad, m, v, lr, beta1, beta2, eps, correction1, correction2):
+    """Adam's update on flat float32 numpy arrays, as src/README.md's adam_step (m, v None on the first step):
+    float32 arithmetic, each operation rounded once. -> (new theta, new m, new v)."""
+    f32 = np.float32
+    with np.errstate(all="ignore"):  # inf and NaN propagate as in the element-wise kernels
+        m = grad * f32(1 - beta1) if m is None else m * f32(beta1) + grad * f32(1 - beta1)
+        v = (grad * grad) * f32(1 - beta2) if v is None else v * f32(beta2) + (grad * grad) * f32(1 - beta2)
+        out = theta - m / f32(correction1) * f32(lr) / (np.sqrt(v / f32(correction2)) + f32(eps))
+    return out, m, v
+
+
+def adam_step(theta, grad, m, v, out, out_m, out_v, first, lr, beta1, beta2, eps, correction1, correction2):
+    n = theta.size
+    check_blockwise("adam_step", [
+        ("theta", theta, "float32", n), ("grad", grad, "float32", n), ("m", m, "float32", n),
+        ("v", v, "float32", n), ("out", out, "float32", n), ("out_m", out_m, "float32", n),
+        ("out_v", out_v, "float32", n)])
+    out.array[:], out_m.array[:], out_v.array[:] = adam_update(
+        theta.array, grad.array, None if first else m.array, None if first else v.array, lr, beta1, beta2, eps,
+        correction1, correction2)
+
+
 def adam8bit_blocks(theta, grad, q_m, absmax_m, q_v, absmax_v, code_m, code_v, block_size, lr, beta1, beta2, eps,
                     correction1, correction2):
     """One Adam step on 8-bit block-wise moments (q_v stores sqrt(v)), on flat numpy arrays, as src/README.md's

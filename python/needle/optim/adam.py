@@ -1,4 +1,5 @@
 """Adam with bias correction and weight decay, with the course's update rule."""
+from ..backend_selection import array_api
 from .optimizer import Optimizer, _as_dtype, _check_range
 
 
@@ -32,6 +33,13 @@ class Adam(Optimizer):
         """Parameter p's new float32 value (its moments updated on the way)."""
         b1, b2 = self.beta1, self.beta2
         m, v = self._load(p, "m"), self._load(p, "v")
+        if all(_is_float32(a) for a in (theta, grad) + (() if m is None else (m, v))):
+            # One backend pass (adam_step): the same float32 operations as below, in one kernel.
+            theta, m, v = array_api.adam_step(theta, grad, m, v, self.lr, b1, b2, self.eps, correction1,
+                                              correction2)
+            self._save(p, "m", m)
+            self._save(p, "v", v)
+            return theta
         m = grad * (1 - b1) if m is None else m * b1 + grad * (1 - b1)
         v = (grad * grad) * (1 - b2) if v is None else v * b2 + (grad * grad) * (1 - b2)
         self._save(p, "m", m)
@@ -39,3 +47,7 @@ class Adam(Optimizer):
         m_hat = m / correction1
         v_hat = v / correction2
         return _as_dtype(theta - m_hat * self.lr / (v_hat**0.5 + self.eps), theta)
+
+
+def _is_float32(array):
+    return str(array.dtype) == "float32"

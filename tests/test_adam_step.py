@@ -1,0 +1,115 @@
+"""The fused Adam kernel, `adam_step` (src/README.md): Adam's moment and parameter update in one backend pass.
+
+The contract is the element-wise composite `optim.Adam` computed before the kernel existed (m * b1 + g * (1 - b1),
+..., theta - m / c1 * lr / (v / c2) ** 0.5 + eps)), one rounding per operation: the kernel must give its bytes on
+every backend (cpu, cuda with a GPU, the NumPy reference) and through the NEEDLE_BACKEND=np face, so `optim.Adam`
+trains bit for bit as before. Then bad arguments are clear errors.
+"""
+import numpy as np
+import pytest
+
+import needle as ndl
+from needle import backend_ndarray as nd
+from needle import backend_numpy as np_face
+from needle import optim
+from test_quantize import DEVICES, assert_same_bits
+
+HYPER = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8)
+
+
+def corrections(t, beta1=0.9, beta2=0.999):
+    return 1 - beta1**t, 1 - beta2**t
+
+
+def composite_step(device, theta, grad, m, v, t, lr, beta1, beta2, eps):
+    """optim.Adam's update as element-wise NDArray ops on `device` (what ran before the fused kernel)."""
+    c1, c2 = corrections(t, beta1, beta2)
+    theta, grad = nd.array(theta, device=device), nd.array(grad, device=device)
+    if m is None:
+        m, v = grad * (1 - beta1), (grad * grad) * (1 - beta2)
+    else:
+        m = nd.array(m, device=device) * beta1 + grad * (1 - beta1)
+        v = nd.array(v, device=device) * beta2 + (grad * grad) * (1 - beta2)
+    out = theta - (m / c1) * lr / ((v / c2) ** 0.5 + eps)
+    return out.numpy(), m.numpy(), v.numpy()
+
+
+def fused_step(device, theta, grad, m, v, t, lr, beta1, beta2, eps):
+    arrays = [None if a is None else nd.array(a, device=device) for a in (theta, grad, m, v)]
+    out = nd.adam_step(*arrays, lr, beta1, beta2, eps, *corrections(t, beta1, beta2))
+    for a in out:
+        assert a.dtype == "float32" and a.shape == theta.shape and a.device == device
+    return tuple(a.numpy() for a in out)
+
+
+def moments(rng, shape):
+    """Adam moments of many magnitudes, v >= 0, with exact zeros and negative zeros among the gradients."""
+    grad = (rng.standard_normal(shape) * 10.0 ** rng.integers(-8, 3, shape)).astype(np.float32)
+    grad.reshape(-1)[::7] = 0.0
+    grad.reshape(-1)[3::11] = -0.0
+    m = (rng.standard_normal(shape) * 1e-2).astype(np.float32)
+    v = (rng.random(shape) * 1e-4).astype(np.float32)
+    return grad, m, v
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("shape", [(1,), (7,), (33, 5), (4096,), (3, 1000)])
+@pytest.mark.parametrize("first", [True, False], ids=["first", "later"])
+def test_adam_step_has_the_composite_bytes(device, shape, first):
+    rng = np.random.default_rng(sum(shape))
+    theta = rng.standard_normal(shape).astype(np.float32)
+    grad, m, v = moments(rng, shape)
+    if first:
+        m = v = None
+    for t, hyper in ((1 if first else 5, HYPER), (3, dict(lr=0.05, beta1=0.5, beta2=0.9, eps=1e-3))):
+        expected = composite_step(nd.cpu_numpy(), theta, grad, m, v, t, **hyper)
+        for ours, want in zip(fused_step(device, theta, grad, m, v, t, **hyper), expected):
+            assert_same_bits(ours, want)
+        if device is not nd.cpu_numpy():  # the device's own element-wise ops agree too
+            for ours, want in zip(expected, composite_step(device, theta, grad, m, v, t, **hyper)):
+                assert_same_bits(ours, want)
+
+
+def test_adam_step_numpy_face_is_the_reference():
+    rng = np.random.default_rng(5)
+    theta = rng.standard_normal((6, 9)).astype(np.float32)
+    grad, m, v = moments(rng, (6, 9))
+    for state in ((None, None), (m, v)):
+        ours = np_face.adam_step(theta, grad, *state, **HYPER, correction1=corrections(2)[0], correction2=corrections(2)[1])
+        ref = fused_step(nd.cpu_numpy(), theta, grad, *state, t=2, **HYPER)
+        for a, b in zip(ours, ref):
+            assert_same_bits(np.asarray(a).reshape(b.shape), b)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_optim_adam_trains_as_the_composite_did(device, monkeypatch):
+    """Three Adam steps with weight decay: the fused path and the element-wise path give the same parameters."""
+
+    def train(fused):
+        monkeypatch.setattr("needle.optim.adam._is_float32", lambda a: fused and str(a.dtype) == "float32")
+        rng = np.random.default_rng(0)
+        w = ndl.Tensor(rng.standard_normal((5, 4)).astype(np.float32), device=device)
+        x = ndl.Tensor(rng.standard_normal((3, 5)).astype(np.float32), device=device, requires_grad=False)
+        opt = optim.Adam([w], lr=0.01, weight_decay=0.1)
+        for _ in range(3):
+            opt.reset_grad()
+            ((x @ w) ** 2).sum().backward()
+            opt.step()
+        return w.numpy(), opt.m[w].numpy(), opt.v[w].numpy()
+
+    for ours, want in zip(train(True), train(False)):
+        assert_same_bits(ours, want)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_adam_step_errors_name_the_array(device):
+    theta = nd.array(np.zeros((4, 3), np.float32), device=device)
+    with pytest.raises(ValueError, match=r"adam_step: grad has shape \(3, 4\), theta \(4, 3\)"):
+        nd.adam_step(theta, nd.array(np.zeros((3, 4), np.float32), device=device), None, None, 0.1, 0.9, 0.99, 1e-8,
+                     0.1, 0.01)
+    with pytest.raises(TypeError, match="adam_step: expects float32 theta.*grad float16"):
+        nd.adam_step(theta, nd.array(np.zeros((4, 3), np.float16), device=device, dtype="float16"), None, None, 0.1,
+                     0.9, 0.99, 1e-8, 0.1, 0.01)
+    with pytest.raises(ValueError, match="adam_step: v has shape"):
+        nd.adam_step(theta, theta, theta, nd.array(np.zeros(12, np.float32), device=device), 0.1, 0.9, 0.99, 1e-8,
+                     0.1, 0.01)
