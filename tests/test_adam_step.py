@@ -75,7 +75,8 @@ def test_adam_step_numpy_face_is_the_reference():
     theta = rng.standard_normal((6, 9)).astype(np.float32)
     grad, m, v = moments(rng, (6, 9))
     for state in ((None, None), (m, v)):
-        ours = np_face.adam_step(theta, grad, *state, **HYPER, correction1=corrections(2)[0], correction2=corrections(2)[1])
+        ours = np_face.adam_step(theta, grad, *state, **HYPER, correction1=corrections(2)[0],
+                                 correction2=corrections(2)[1])
         ref = fused_step(nd.cpu_numpy(), theta, grad, *state, t=2, **HYPER)
         for a, b in zip(ours, ref):
             assert_same_bits(np.asarray(a).reshape(b.shape), b)
