@@ -195,8 +195,8 @@ def test_print_saved_residuals_table(capsys):
     assert len(lines) == len(rows) + 2  # header, one line per buffer, total
     assert re.fullmatch(r"modules\.0\.weight +\(8, 16\) +512 +leaf", lines[2])  # after the input x
     assert re.fullmatch(r"leaf +\(5, 8\) +160 +leaf", lines[1])
-    assert re.fullmatch(r"EWiseAdd +\(5, 16\) +320 +boundary", lines[4])  # the Linear's output (its matmul:
-    assert re.fullmatch(r"ReLU +\(5, 16\) +320 +boundary", lines[5])  # dropped, no buffer, no row)
+    assert re.fullmatch(r"Linear +\(5, 16\) +320 +boundary", lines[4])  # the Linear's output (one op)
+    assert re.fullmatch(r"ReLU +\(5, 16\) +320 +boundary", lines[5])
     total = sum(nbytes for _, _, nbytes in rows)
     assert lines[-1] == f"total: {len(rows)} buffers, {total:,} bytes ({total / 2**20:.2f} MiB)"
 
@@ -247,13 +247,19 @@ def test_to_dot_legend_parameter_names_bytes_and_module_clusters():
     # three Linear, two ReLU and no Tanh region (Tanh does not annotate): one cluster each, in forward order
     assert [c.get("label").strip('"') for c in clusters.values()] == ["Linear", "ReLU", "Linear", "Linear", "ReLU"]
     first_linear = [n.get_name() for n in next(iter(clusters.values())).get_nodes()]
-    assert [labels[n].split("\\n")[0] for n in first_linear] == ["MatMul", "BroadcastTo", "EWiseAdd"]
+    assert [labels[n].split("\\n")[0] for n in first_linear] == ["Linear"]  # one fused op (ops.linear)
 
 
 def test_to_dot_hide_views_drops_view_nodes_and_keeps_edges_consistent():
     """hide_views=True: no Reshape/BroadcastTo/Transpose node, fewer nodes, and every edge joins shown nodes
     along a path of the real graph (a view's input is drawn straight to the view's consumers)."""
-    _, loss = _gc_model_loss()
+    device = nd.cpu_numpy()
+    x = ndl.Tensor(np.ones((2, 3, 4), np.float32), device=device)
+    w, bias = (ndl.Tensor(np.ones(shape, np.float32), device=device) for shape in ((4, 5), (1, 5)))
+    loss = None
+    for _ in range(3):  # three "Linear layers" written out with their views: reshape, bias broadcast, transpose
+        h = ops.matmul(ops.reshape(x, (6, 4)), w) + ops.broadcast_to(bias, (6, 5))
+        loss = ops.transpose(h).sum() if loss is None else loss + ops.transpose(h).sum()
     full, hidden = (_parse_dot(ndl.viz.to_dot(loss, hide_views=v)) for v in (False, True))
     node_labels = {}
     for graph in (full, hidden):
@@ -261,18 +267,18 @@ def test_to_dot_hide_views_drops_view_nodes_and_keeps_edges_consistent():
                               for n in graph.get_nodes() if n.get("label")}
     view_ops = {"Reshape", "BroadcastTo", "Transpose"}
     n_views = sum(op in view_ops for op in node_labels[full].values())
-    assert n_views == 3  # one bias broadcast per Linear
+    assert n_views == 9  # a reshape, a bias broadcast and a transpose per layer
     assert len(node_labels[hidden]) == len(node_labels[full]) - n_views
     assert not view_ops & set(node_labels[hidden].values())
     edges = [(e.get_source(), e.get_destination()) for e in hidden.get_edges()]
     assert all(s in node_labels[hidden] and d in node_labels[hidden] for s, d in edges)
-    # each Linear's bias leaf now feeds its EWiseAdd directly; edges = inputs counted through the views
+    # each layer's bias leaf now feeds its EWiseAdd directly; edges = inputs counted through the views
     order = autograd.find_topo_sort([loss])
     expected = sum(1 if not (x.op is not None and x.op.view) else len(x.inputs)
                    for n in order if not (n.op is not None and n.op.view) for x in n.inputs)
     assert len(edges) == expected == len(full.get_edges()) - n_views
     labels = node_labels[hidden]
-    assert sum(labels[s].endswith("bias") and labels[d] == "EWiseAdd" for s, d in edges) == 3
+    assert sum(labels[s] == "leaf" and labels[d] == "EWiseAdd" for s, d in edges) == 3
 
 
 def test_to_dot_styles_match_the_backward_plan_on_real_nodes():

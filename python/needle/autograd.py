@@ -241,8 +241,9 @@ class Compute:
         check_unchanged(node, reads(node))
 
     def free(self, node):
-        self.stats["released_bytes"] += nbytes_of(node.cached_data)
-        release(node)
+        if node._data is not None:
+            self.stats["released_bytes"] += nbytes_of(node._data)
+            release(node)
 
     def set_grad(self, node, grad):
         node.grad = grad
@@ -307,14 +308,17 @@ def last_consumers(order, computed):
     return frees
 
 
-def _realize(targets, keep, machine=None):
+def _realize(targets, keep, machine=None, walked=None):
     """Compute `targets` and every missing value they need, in topological order; return their values.
 
     A computed value is kept if `keep(node)`; otherwise it is released as soon as its last consumer in this
-    realization has been computed (rule 3 of checkpoint.py). Targets are returned even if not kept.
+    realization has been computed (rule 3 of checkpoint.py). Targets are returned even if not kept. The walk's
+    order (the values computed, and unexpanded, the existing values they read) is appended to `walked` if given.
     """
     machine = machine or _COMPUTE
     order = find_topo_sort(targets, expand=lambda n: not machine.has(n))
+    if walked is not None:
+        walked.extend(order)
     if _deferred and machine is _COMPUTE:
         _run_deferred(order, targets)
     frees = last_consumers(order, machine.has)
@@ -736,9 +740,10 @@ def run_backward(plan, out_grad, machine=None):
                 awaited[id(g)] = awaited.get(id(g), 0) - 1
             with lazy_mode(True):
                 grad = sum_node_list(parts)
+            walked = []
             if node.is_leaf():
                 new = [grad]
-                _realize(new, lambda n: n is grad, machine)
+                _realize(new, lambda n: n is grad, machine, walked)
                 machine.set_grad(node, grad)
             else:
                 machine.check_reads(node)
@@ -751,12 +756,12 @@ def run_backward(plan, out_grad, machine=None):
                          if x.requires_grad and g is not None]
                 new = [g for _, g in pairs]
                 keep_ids = {id(g) for g in new}
-                _realize(new, lambda n: id(n) in keep_ids, machine)
+                _realize(new, lambda n: id(n) in keep_ids, machine, walked)
                 for x, g in pairs:
                     grads.setdefault(id(x), []).append(g)
             for g in new:
                 awaited[id(g)] = awaited.get(id(g), 0) + 1
-            _free_step_temporaries(new, parts, grad, forward, awaited, machine)
+            _free_step_temporaries(walked, new, parts, grad, forward, awaited, machine)
         for n in step.release:
             machine.free(n)
 
@@ -772,19 +777,29 @@ def _in_dtype_of(x, grad, node):
         return cast(grad, x.dtype)
 
 
-def _free_step_temporaries(new, parts, grad, forward, awaited, machine):
-    """Free what a step made and consumed: its gradient graph's nodes, except the results later steps await."""
+def _free_step_temporaries(walked, new, parts, grad, forward, awaited, machine):
+    """Free what a step made and consumed: its gradient graph's values, except the results later steps await.
+
+    `walked` is the step's realization walk: every value it computed (released there unless kept) and, not
+    expanded, the values that existed before it — forward values, the parts, leaves, and rarely a value the
+    step made that a shape query computed early (an op that cannot infer its shape); only that last case needs
+    a walk of its own, from those values and from `grad`, to reach what they hold.
+    """
     part_ids = {id(g) for g in parts}
     new_ids = {id(g) for g in new}
     # A kept make_tuple of gradients holds its elements' data, and tuple arithmetic folds through it to the
     # element nodes later: releasing them would free nothing now and force a recomputation then.
     new_ids |= {id(x) for g in new if isinstance(g, TensorTuple) and g.op is not None and g.op.view for x in g.inputs}
-    # Expand only what this step made: never a forward value or a part (a `new` entry may be a part, e.g. an
-    # add passing out_grad through, and expanding it would re-walk every earlier step: O(n^2)).
-    made = find_topo_sort(new + [grad], expand=lambda n: not (id(n) in forward or id(n) in part_ids))
+
+    def made(n):  # made by this step (never a forward value or a part: expanding a part would re-walk every
+        return id(n) not in forward and id(n) not in part_ids and not n.is_leaf()  # earlier step: O(n^2))
+
+    early = [n for n in walked + [grad] if machine.has(n) and made(n) and id(n) not in new_ids]
+    if early:
+        early = find_topo_sort(early, expand=made)
     # The parts are listed too: summing tuple gradients folds them away (make_tuple's elements are used directly),
     # so the walk from the sum may not reach them, yet this step consumed them.
-    for n in list(parts) + made:
+    for n in list(parts) + early:
         if id(n) not in forward and id(n) not in new_ids and not n.is_leaf() and awaited.get(id(n), 0) <= 0:
             machine.free(n)
 

@@ -61,14 +61,8 @@ class Linear(Module):
     def forward(self, X):
         shape = X.shape
         _expect("Linear", len(shape) >= 1 and shape[-1] == self.in_features, f"(..., {self.in_features})", shape)
-        rows = _prod(shape[:-1])
-        x = X if len(shape) == 2 else ops.reshape(X, (rows, self.in_features))
-        out = ops.matmul(x, self.weight)
-        if self.bias is not None:
-            out = out + ops.broadcast_to(self.bias, (rows, self.out_features))
-        if len(shape) != 2:
-            out = ops.reshape(out, tuple(shape[:-1]) + (self.out_features,))
-        return self.checkpoint(out, [X])
+        # One graph node (ops.linear): the numbers of reshape, matmul, a broadcast bias add and reshape back.
+        return self.checkpoint(ops.linear(X, self.weight, self.bias), [X])
 
 
 class Flatten(Module):

@@ -34,7 +34,8 @@ def _as_dtype(array, like):
 
 
 def _is_low(array):
-    return str(np.dtype(array.dtype)) in _LOW
+    dtype = array.dtype  # a name on NDArrays, a numpy dtype on numpy arrays (ml_dtypes names bfloat16 "bfloat16")
+    return (dtype if isinstance(dtype, str) else dtype.name) in _LOW
 
 
 def _widen(array):

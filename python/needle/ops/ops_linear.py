@@ -1,0 +1,74 @@
+"""x W + b as one op: what nn.Linear computes, in one graph node instead of five.
+
+Composed from ops, a Linear layer on (B, T, n) inputs is a reshape to rows, a matmul, a broadcast of the bias, an
+add and a reshape back: five graph nodes, each a Python call in forward and a backward step of its own. `linear`
+is one node. Its compute makes the same backend calls in the same order (so the bytes are the composite's), and
+its gradient is the composite's gradient graph (g Wᵀ, xᵀ g, the bias's row sum), so the Budget's ledger counts
+its temporaries as it counts any ops'. Under autocast the (m,) bias is cast to 16 bits once, as PyTorch's autocast
+linear does (the composite cast its broadcast (rows, m) copy), so the bias's gradient is a 16-bit row sum.
+"""
+import functools
+import math
+
+from ..autograd import TensorOp
+from ..backend_selection import array_api
+from .ops_mathematic import matmul, reshape, summation, transpose
+
+__all__ = ["Linear", "linear"]
+
+
+def _fits(x, w, b=None):
+    return len(x) >= 1 and len(w) == 2 and x[-1] == w[0] and (b is None or tuple(b) in ((w[1],), (1, w[1])))
+
+
+class Linear(TensorOp):
+    """y = x W + b over the last axis, x (..., n), W (n, m), b (1, m) or (m,);  dx = g Wᵀ, dW = xᵀ g, db = Σ_rows g"""
+
+    saveable = True  # a matmul: expensive to recompute, so the "selective" policy keeps it
+    compacts_inputs = True  # a strided x is copied by its reshape to rows (W, b: by the matmul, the add)
+    autocast = "low"
+
+    def __init__(self, bias=False):
+        self.bias = bias
+
+    def infer_dtype(self, *dtypes):
+        return functools.reduce(array_api.promote_types, dtypes)
+
+    def infer_shape(self, x, w, *b):
+        return tuple(x[:-1]) + (w[1],) if _fits(x, w, *b) else None  # None: compute raises the error
+
+    def workspace(self, x, w, *b):
+        return math.prod(x[:-1]) * w[1] if self.bias else 0  # x W, before the bias is added into a new array
+
+    def compute(self, x, w, *b):
+        if not _fits(x.shape, w.shape, *(t.shape for t in b)):
+            raise ValueError(f"linear: needs x (..., n), weight (n, m) and bias (m,) or (1, m); got x {tuple(x.shape)}"
+                             f", weight {tuple(w.shape)}" + (f", bias {tuple(b[0].shape)}" if b else ""))
+        rows, m = math.prod(x.shape[:-1]), w.shape[1]
+        out = array_api.matmul(array_api.reshape(x, (rows, x.shape[-1])), w)
+        if b:
+            out = out + array_api.broadcast_to(array_api.reshape(b[0], (1, m)), (rows, m))
+        return array_api.reshape(out, tuple(x.shape[:-1]) + (m,))
+
+    def gradient(self, out_grad, node):
+        x, w, *b = node.inputs
+        rows, (n, m) = math.prod(x.shape[:-1]), w.shape
+        g = out_grad if len(x.shape) == 2 else reshape(out_grad, (rows, m))
+        rows_x = x if len(x.shape) == 2 else reshape(x, (rows, n))
+        dx = matmul(g, transpose(w))
+        grads = (dx if len(x.shape) == 2 else reshape(dx, x.shape), matmul(transpose(rows_x), g))
+        if b:
+            grads += (reshape(summation(g, (0,)), b[0].shape),)
+        return grads
+
+
+def linear(x, weight, bias=None):
+    """x @ weight + bias over the last axis of x (..., n), weight (n, m), bias (m,) or (1, m) or None, as one op.
+
+    The same numbers as `reshape`, `matmul`, `broadcast_to` and `+` (and their gradients), in one graph node.
+    """
+    shapes = (tuple(x.shape), tuple(weight.shape)) + (() if bias is None else (tuple(bias.shape),))
+    if not _fits(*shapes):
+        raise ValueError(f"linear: needs x (..., n), weight (n, m) and bias (m,) or (1, m); got x {shapes[0]}, "
+                         f"weight {shapes[1]}" + ("" if bias is None else f", bias {shapes[2]}"))
+    return Linear(bias is not None)(x, weight, *(() if bias is None else (bias,)))
