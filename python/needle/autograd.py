@@ -735,7 +735,9 @@ def run_backward(plan, out_grad, machine=None):
         for n in step.recompute:
             machine.recompute(n)
         parts = grads.pop(id(node), None)
-        if parts is not None:
+        if parts is not None and len(parts) == 1 and node.is_leaf() and machine.has(parts[0]):
+            machine.set_grad(node, parts[0])  # a parameter used once: its gradient is computed, nothing to free
+        elif parts is not None:
             for g in parts:
                 awaited[id(g)] = awaited.get(id(g), 0) - 1
             with lazy_mode(True):
@@ -769,12 +771,17 @@ def run_backward(plan, out_grad, machine=None):
 def _in_dtype_of(x, grad, node):
     """An input's gradient in the input's dtype: an op on mixed dtypes computes (and differentiates) in the
     promoted one, so the gradient of a bfloat16 input of a float32 op is cast back to bfloat16."""
-    if not isinstance(grad, Tensor) or x.dtype == node.dtype or grad.dtype == x.dtype:
+    if not isinstance(grad, Tensor) or _dtype(x) == _dtype(node) or grad.dtype == x.dtype:
         return grad
     from .ops import cast
 
     with lazy_mode(True):
         return cast(grad, x.dtype)
+
+
+def _dtype(value):
+    data = value._data  # a forward value's array, when it has one (cheaper than the full spec)
+    return data.dtype if data is not None and not isinstance(data, tuple) else value.dtype
 
 
 def _free_step_temporaries(walked, new, parts, grad, forward, awaited, machine):
