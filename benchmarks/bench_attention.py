@@ -16,7 +16,7 @@
    definition) and M_peak with fused vs unfused attention (goal: M_act at least 2x lower), and the step's time
    (forward + backward). M_act's leaves are listed apart: with gc "all" they are most of what is kept (the
    unfused attention's B·H·T·T dropout mask per layer, and each TransformerLayer's three residual/MLP dropout
-   masks, all drawn even at p = 0).
+   masks; a TransformerLayer with fused_attention=True regenerates all of them from seeds and keeps none).
 Thread count: OMP_NUM_THREADS (default: all cores), printed with the results.
 """
 import argparse
@@ -95,7 +95,7 @@ def lm_step(args, device, fused, dropout, heads):
                           seq_len=args.lm_seq, device=device, num_head=heads, dim_head=args.embedding // heads,
                           dropout=dropout)
     for layer in model.seq_model.layers:
-        layer.attention.fused_attention = fused
+        layer.fused_attention = fused  # True: the layer's dropouts regenerate their masks too (nothing kept)
     model.enable_gc()
     model.parameters()
     rs = np.random.RandomState(1)

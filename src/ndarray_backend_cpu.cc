@@ -931,6 +931,31 @@ static inline uint32_t lowbias32(uint32_t h) {
   return h;
 }
 
+// dropout: out[i] = a[i] * m / (1 - p), m = 1 where the hash of (seed, i) is >= p * 2^32, else 0: attention's
+// counter-based mask (src/README.md) on a flat index, so a mask is regenerated from its seed instead of kept.
+static void dropout(const Array& a, Array& out, double p, uint32_t seed) {
+  check_size("dropout", "out", out.size, a.size);
+  if (!(p >= 0.0 && p < 1.0)) throw py::value_error("dropout: p must be in [0, 1), got " + std::to_string(p));
+  const DType dt = same_float_dtype("dropout", {&a, &out});
+  const uint32_t threshold = static_cast<uint32_t>(std::min(p * 4294967296.0, 4294967295.0));
+  const uint32_t seed_key = seed * 0x9E3779B9u;
+  const float keep = static_cast<float>(1.0 - p);
+  visit_float(dt, [&](auto t) {
+    using T = decltype(t);
+    const T* pa = a.data<T>();
+    T* po = out.data<T>();
+    py::gil_scoped_release release;
+    parallel_range(a.size, threads_for(a.size, true), [&](size_t begin, size_t end) {
+      for (size_t i = begin; i < end; ++i) {
+        const uint64_t idx = i;
+        const uint32_t key = lowbias32(static_cast<uint32_t>(idx >> 32) ^ seed_key);
+        const float m = lowbias32(static_cast<uint32_t>(idx) ^ key) >= threshold ? 1.0f : 0.0f;
+        po[i] = from_float<T>(to_float(pa[i]) * m / keep);
+      }
+    });
+  });
+}
+
 static void round_stochastic(const Array& a, Array& out, uint32_t seed) {
   if (a.dtype != DType::f32 || out.dtype != DType::bf16)
     throw py::type_error("round_stochastic: needs float32 a and bfloat16 out, got " + a.dtype_name() + " and " +
@@ -2872,6 +2897,7 @@ PYBIND11_MODULE(ndarray_backend_cpu, m) {
   m.def("dequantize_blockwise", dequantize_blockwise);
   m.def("adam8bit_step", adam8bit_step);
   m.def("adam_step", adam_step);
+  m.def("dropout", dropout);
 
   m.def("ewise_add", ewise_add);
   m.def("scalar_add", scalar_add);

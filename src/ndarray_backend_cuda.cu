@@ -591,6 +591,17 @@ __global__ void round_stochastic_kernel(const float* a, __nv_bfloat16* out, int6
   for (int64_t i = first_index(); i < n; i += grid_stride()) out[i] = round_stochastic_element(a[i], i, seed_hash);
 }
 
+// dropout (src/README.md): out[i] = a[i] * m / keep, m from the hash of (seed, i) as attention's mask has it.
+template <typename T>
+__global__ void dropout_kernel(const T* a, T* out, int64_t n, uint32_t seed_key, uint32_t threshold, float keep) {
+  for (int64_t i = first_index(); i < n; i += grid_stride()) {
+    const uint64_t idx = static_cast<uint64_t>(i);
+    const uint32_t key = lowbias32(static_cast<uint32_t>(idx >> 32) ^ seed_key);
+    const float m = lowbias32(static_cast<uint32_t>(idx) ^ key) >= threshold ? 1.0f : 0.0f;
+    out[i] = from_float<T>(__fdiv_rn(__fmul_rn(to_float(a[i]), m), keep));
+  }
+}
+
 // ---- Element-wise operations ------------------------------------------------------------------------------
 //
 // One small functor per operation and three generic kernels (array-array, array-scalar, unary).  The functor
@@ -1426,6 +1437,21 @@ void round_stochastic(const CudaArray& a, CudaArray& out, const py::object& seed
   check_kernel("round_stochastic");
 }
 
+void dropout(const CudaArray& a, CudaArray& out, double p, uint32_t seed) {
+  check_floating("dropout", {{"a", a}, {"out", out}});
+  check_size("dropout", "out", out.size, a.size);
+  if (!(p >= 0.0 && p < 1.0)) throw py::value_error("dropout: p must be in [0, 1), got " + std::to_string(p));
+  const int64_t n = as_int64(out.size);
+  if (n == 0) return;
+  const uint32_t threshold = static_cast<uint32_t>(std::min(p * 4294967296.0, 4294967295.0));
+  visit_floating(out.dtype, [&](auto tag) {
+    using T = TypeOf<decltype(tag)>;
+    dropout_kernel<<<grid_for(n), kBlockSize>>>(data<T>(a), data<T>(out), n, seed * 0x9E3779B9u, threshold,
+                                                static_cast<float>(1.0 - p));
+  });
+  check_kernel("dropout");
+}
+
 // ---- Element-wise on compact arrays (floating dtypes) -----------------------------------------------------
 
 template <typename Op>
@@ -2082,6 +2108,7 @@ PYBIND11_MODULE(ndarray_backend_cuda, m) {
   m.def("dequantize_blockwise", dequantize_blockwise);
   m.def("adam8bit_step", adam8bit_step);
   m.def("adam_step", adam_step);
+  m.def("dropout", dropout);
 
   def_ewise(m, "ewise_add", AddOp());
   def_ewise(m, "ewise_mul", MulOp());

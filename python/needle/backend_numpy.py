@@ -7,12 +7,13 @@ import ml_dtypes  # noqa: F401  (registers "bfloat16" with NumPy)
 import numpy as np
 
 __all__ = [
-    "Device", "adam8bit_step", "adam_step", "all_devices", "array", "astype", "attention_backward", "attention_forward",
-    "broadcast_to", "cast_like", "cpu", "cpu_numpy", "cuda", "default_device", "dequantize_blockwise", "device_of",
-    "empty", "exp", "flip", "from_host_async", "full", "layer_norm", "layer_norm_backward", "log", "logsumexp",
-    "matmul", "max", "maximum", "pad", "promote_types", "quantize_blockwise", "reshape", "round_stochastic",
-    "scatter_add_rows", "scatter_along_rows", "softmax_xent_grad", "split", "stack", "sum", "take_along_rows",
-    "take_rows", "tanh", "tensor_data", "to_host", "to_numpy", "transpose", "wait_for_copies", "zeros",
+    "Device", "adam8bit_step", "adam_step", "all_devices", "array", "astype", "attention_backward",
+    "attention_forward", "broadcast_to", "cast_like", "cpu", "cpu_numpy", "cuda", "default_device",
+    "dequantize_blockwise", "device_of", "dropout", "empty", "exp", "flip", "from_host_async", "full", "layer_norm",
+    "layer_norm_backward", "log", "logsumexp", "matmul", "max", "maximum", "pad", "promote_types",
+    "quantize_blockwise", "reshape", "round_stochastic", "scatter_add_rows", "scatter_along_rows", "softmax_xent_grad",
+    "split", "stack", "sum", "take_along_rows", "take_rows", "tanh", "tensor_data", "to_host", "to_numpy", "transpose",
+    "wait_for_copies", "zeros",
 ]
 
 
@@ -287,6 +288,17 @@ def _attention_dtype(fn, q, k, v):
     if len({q.dtype, k.dtype, v.dtype}) != 1:
         raise TypeError(f"{fn}: q, k, v need one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     return np.float64 if q.dtype == np.float64 else np.float32
+
+
+def dropout(a, p, seed):
+    """a · m / (1 - p) with the reference backend's counter-based mask for (seed, flat index), in a's dtype."""
+    from .backend_ndarray import ndarray_backend_numpy as ref
+
+    if not 0 <= p < 1:
+        raise ValueError(f"dropout: p must be in [0, 1), got {p}")
+    a = np.asarray(a)
+    keep = ref.dropout_keep(seed, np.arange(a.size), np.zeros(1, np.int64), 1, ref.dropout_threshold(p))
+    return a * keep.reshape(a.shape).astype(a.dtype) / a.dtype.type(1 - p)
 
 
 def attention_forward(q, k, v, scale, causal=False, dropout_p=0.0, seed=0):

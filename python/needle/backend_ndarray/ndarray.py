@@ -31,6 +31,7 @@ __all__ = [
     "cuda",
     "default_device",
     "dequantize_blockwise",
+    "dropout",
     "empty",
     "exp",
     "flip",
@@ -1227,6 +1228,15 @@ def _attention_dims(fn, q, k, v):
         raise TypeError(f"{fn}: q, k, v need one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     _require_float(fn, q.dtype)
     return prod(q.shape[:-2]), q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1]
+
+
+def dropout(a, p, seed):
+    """a · m / (1 - p), m a counter-based mask: element i kept by a hash of (seed, i) (src/README.md, dropout), so
+    the same seed gives the same mask on every backend and call."""
+    a = a.compact()
+    out = NDArray._empty(a.shape, a.device, a.dtype)
+    a.device.mod.dropout(a._handle, out._handle, float(p), int(seed) & 0xFFFFFFFF)
+    return out
 
 
 def attention_forward(q, k, v, scale, causal=False, dropout_p=0.0, seed=0):

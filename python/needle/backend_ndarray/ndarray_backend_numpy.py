@@ -577,6 +577,17 @@ def dropout_keep(seed, rows, cols, t_k, threshold):
     return _lowbias32(idx.astype(np.uint32) ^ key) >= np.uint32(threshold)
 
 
+def dropout(a, out, p, seed):
+    _floats("dropout", a, out)
+    if a.size != out.size:
+        raise ValueError(f"dropout: out has {out.size} elements, a {a.size}")
+    if not 0 <= p < 1:
+        raise ValueError(f"dropout: p must be in [0, 1), got {p}")
+    keep = dropout_keep(seed, np.arange(a.size), np.zeros(1, np.int64), 1, dropout_threshold(p)).reshape(-1)
+    with np.errstate(all="ignore"):
+        _store(out, _f32(a) * keep.astype(np.float32) / np.float32(1 - p))
+
+
 def _attention_dropout(dropout, n, t_q, t_k, i0, i1, j0, j1, dt):
     """The tile's dropout factor z = keep / (1 - p) (rows i0..i1 of each of the n matrices, keys j0..j1), or None."""
     if dropout is None:

@@ -224,11 +224,17 @@ class Dropout(Module):
     Eval: the identity. Being a leaf, the mask is reused, never redrawn, when checkpointing recomputes.
     p = 0 in training: x itself (x * 1 / 1 is x, bit for bit), after drawing the same numbers from NumPy's RNG, so
     every later draw (and the course's seeded values) is unchanged, without keeping a mask of ones for backward.
+
+    regenerate=True (0 < p < 1): no mask is kept. `ops.dropout` keeps element i by a hash of (seed, i) and its
+    gradient regenerates the mask from the seed; the seed comes from the same NumPy draw the mask would have
+    taken (`draw_like_rand`), so NumPy's stream advances exactly as with the course's mask. Other elements are
+    dropped than with the course's mask (the same rate). TransformerLayer(fused_attention=True) turns it on.
     """
 
-    def __init__(self, p=0.5):
+    def __init__(self, p=0.5, regenerate=False):
         super().__init__()
         self.p = p
+        self.regenerate = regenerate
 
     def forward(self, x):
         if not self.training:
@@ -236,7 +242,23 @@ class Dropout(Module):
         if self.p == 0:
             np.random.rand(*x.shape)  # the mask's draw, as randb makes it: the stream stays the course's
             return x
+        if self.regenerate and self.p < 1:
+            return ops.dropout(x, self.p, draw_like_rand(_prod(x.shape)))
         mask = init.randb(*x.shape, p=1 - self.p, device=x.device, dtype=x.dtype)
         if self.p >= 1:
             return x * mask
         return x * mask / (1 - self.p)
+
+
+_DRAW_CHUNK = 1 << 20
+
+
+def draw_like_rand(n):
+    """Advance NumPy's global RNG exactly as np.random.rand(n) would, a chunk at a time (no n-sized array);
+    return a 32-bit seed made from the first number drawn (0 when n is 0)."""
+    seed = 0
+    for start in range(0, n, _DRAW_CHUNK):
+        u = np.random.random_sample(min(_DRAW_CHUNK, n - start))
+        if start == 0:
+            seed = int(u[0] * 2**32)
+    return seed

@@ -7,8 +7,9 @@ layer's output stays a boundary and backward recomputes one layer at a time.
 Fused attention: AttentionLayer (and so TransformerLayer and Transformer) computes its heads' attention with
 ops.scaled_dot_product_attention, which never materializes the B·H·T·S scores, probabilities or dropout mask,
 whenever attention dropout is 0 or inactive (eval mode; `fused_attention=None`, the default) or when asked
-(`fused_attention=True`: dropout then uses a counter-based mask regenerated in backward); `fused_attention=False`
-keeps MultiHeadAttention's unfused path. MultiHeadAttention itself always returns (result, probs), as the course's
+(`fused_attention=True`: dropout then uses a counter-based mask regenerated in backward, and a TransformerLayer's
+residual and MLP dropouts do too, so it keeps no mask); `fused_attention=False` keeps MultiHeadAttention's unfused
+path. MultiHeadAttention itself always returns (result, probs), as the course's
 tests expect.
 """
 import math
@@ -17,7 +18,7 @@ import numpy as np
 
 from .. import init, ops
 from ..autograd import Tensor
-from .nn_basic import Dropout, LayerNorm1d, Linear, ReLU
+from .nn_basic import Dropout, LayerNorm1d, Linear, ReLU, draw_like_rand
 from .nn_module import Module
 from .nn_sequence import Embedding
 
@@ -79,23 +80,9 @@ class MultiHeadAttention(Module):
         """
         p, seed = 0.0, 0
         if self.dropout.training and len(q.shape) == len(k.shape) == 4:  # (other shapes: the op says what is wrong)
-            seed = _draw_like_rand(math.prod(q.shape[:3]) * k.shape[2])
+            seed = draw_like_rand(math.prod(q.shape[:3]) * k.shape[2])
             p = self.dropout.p
         return ops.scaled_dot_product_attention(q, k, v, causal=self.causal, dropout_p=p, seed=seed)
-
-
-_DRAW_CHUNK = 1 << 20
-
-
-def _draw_like_rand(n):
-    """Advance NumPy's global RNG exactly as np.random.rand(n) would, a chunk at a time (no n-sized array);
-    return a 32-bit seed made from the first number drawn (0 when n is 0)."""
-    seed = 0
-    for start in range(0, n, _DRAW_CHUNK):
-        u = np.random.random_sample(min(_DRAW_CHUNK, n - start))
-        if start == 0:
-            seed = int(u[0] * 2**32)
-    return seed
 
 
 class AttentionLayer(Module):
@@ -163,7 +150,11 @@ class AttentionLayer(Module):
 
 
 class TransformerLayer(Module):
-    """x + Dropout(Attention(x)), then x + Dropout(Linear2(Dropout(ReLU(Linear1(LayerNorm(x))))))."""
+    """x + Dropout(Attention(x)), then x + Dropout(Linear2(Dropout(ReLU(Linear1(LayerNorm(x)))))).
+
+    fused_attention=True (the opt-in with dropout): the residual and MLP dropouts regenerate their masks from a
+    seed as the fused attention does (Dropout(regenerate=True)), so the layer keeps no mask at all.
+    """
 
     def __init__(self, q_features, num_head, dim_head, hidden_size, *, dropout=0.0, causal=True, device=None,
                  dtype="float32", fused_attention=None):
@@ -175,6 +166,17 @@ class TransformerLayer(Module):
         self.linear2 = Linear(hidden_size, q_features, device=device, dtype=dtype)
         self.relu = ReLU()
         self.dropout = Dropout(dropout)
+        self.fused_attention = fused_attention
+
+    @property
+    def fused_attention(self):
+        """The attention's choice (AttentionLayer.fused_attention); True also regenerates the dropout masks."""
+        return self.attention.fused_attention
+
+    @fused_attention.setter
+    def fused_attention(self, value):
+        self.attention.fused_attention = value
+        self.dropout.regenerate = value is True
 
     def forward(self, x):
         """x (B, T, q_features) -> (B, T, q_features)."""
@@ -187,7 +189,8 @@ class Transformer(Module):
     """A learned positional embedding, then `num_layers` TransformerLayers (no final norm).
 
     forward(x, h=None): x (T, B, D), or (B, T, D) with batch_first -> (output of x's layout, zeros_like(output)).
-    fused_attention: each layer's AttentionLayer's (None: fused when dropout is 0).
+    fused_attention: each TransformerLayer's (None: fused when dropout is 0; True: fused, and every dropout mask
+    regenerated from a seed).
     """
 
     def __init__(self, embedding_size, hidden_size, num_layers, *, num_head=8, dim_head=32, dropout=0.0,
