@@ -87,10 +87,9 @@ class NeedleMemoryError : public std::runtime_error {
 // hint, may first compact memory to find 2 MiB pages), about one pass over the buffer at best.  A training step
 // frees and asks again for the same sizes every step, so freed mapped blocks go into a cache (exact page-rounded
 // sizes, the most recently freed first; the oldest are unmapped when it overflows), from which a request of the
-// same size is served without asking the kernel.  How much it may hold: by default what keeps live plus cached
-// bytes within the most bytes ever live at once (or live + 64 MiB), so a repeated step runs without page faults
-// and the process never holds more than it once needed, as CUDA's caching allocator keeps its blocks;
-// set_cache_limit(n) bounds it to
+// same size is served without asking the kernel.  How much it may hold: by default as many bytes as were ever
+// live at once (at least 64 MiB), so a repeated step runs without page faults and resident memory stays below
+// twice the high-water mark, as CUDA's caching allocator keeps its blocks; set_cache_limit(n) bounds it to
 // n bytes (0: every freed block is unmapped at once, so resident memory follows current_bytes).  Measured on the
 // benchmark model with gc off, 2 threads: 1.6-2.1 s a step with a 64 MiB cache (4,000 huge-page faults, up to
 // 1.2 s of system time compacting and zeroing) vs 1.05 s with the default.  Under set_memory_limit the cache
@@ -175,12 +174,13 @@ static void release_cache(MemoryStats& s) {
   s.cached_bytes = 0;
 }
 
-// How many bytes the cache may hold while `live` bytes are live.  By default live plus cached stays within the
-// high-water mark (or live + 64 MiB), so the cache never makes the process hold more than it once needed.
-// Caller holds s.mu.
-static size_t cache_capacity(const MemoryStats& s, size_t live) {
+// How many bytes the cache may hold.  By default as many as were ever live at once (at least 64 MiB): a step
+// frees and asks again for blocks of many sizes, and one that had to give back what it will ask for again
+// later (a cap of high water - live would, near the peak) faults those pages in again every step.  So resident
+// memory stays below twice the high-water mark.  Caller holds s.mu.
+static size_t cache_capacity(const MemoryStats& s) {
   size_t cap = s.cache_limit;
-  if (cap == AUTO_CACHE) cap = std::max(MIN_AUTO_CACHE, s.high_water_bytes - std::min(s.high_water_bytes, live));
+  if (cap == AUTO_CACHE) cap = std::max(MIN_AUTO_CACHE, s.high_water_bytes);
   if (s.limit_bytes != 0) cap = std::min(cap, s.limit_bytes);
   return cap;
 }
@@ -205,7 +205,6 @@ static void* get_mapped(MemoryStats& s, size_t bytes) {
       return p;
     }
   }
-  trim_cache(s, cache_capacity(s, s.current_bytes + bytes));  // a miss: make room under the cap first
   void* p = map_pages(bytes);
   if (p == nullptr && !s.cache.empty()) {
     release_cache(s);
@@ -217,7 +216,7 @@ static void* get_mapped(MemoryStats& s, size_t bytes) {
 // A mapped block whose Array died: into the cache if it fits (unmapping the oldest blocks to make room), else
 // unmapped.  Caller holds s.mu.
 static void put_mapped(MemoryStats& s, void* ptr, size_t bytes) {
-  const size_t cap = cache_capacity(s, s.current_bytes);
+  const size_t cap = cache_capacity(s);
   if (bytes > cap) {
     munmap(ptr, bytes);
     return;
@@ -492,7 +491,7 @@ static void set_cache_limit(int64_t nbytes) {
   MemoryStats& s = stats();
   std::lock_guard<std::mutex> lock(s.mu);
   s.cache_limit = nbytes == -1 ? AUTO_CACHE : static_cast<size_t>(nbytes);
-  trim_cache(s, cache_capacity(s, s.current_bytes));
+  trim_cache(s, cache_capacity(s));
 }
 
 static void reset_peak_memory_stats() {
@@ -506,7 +505,7 @@ static void set_memory_limit(int64_t nbytes) {
   MemoryStats& s = stats();
   std::lock_guard<std::mutex> lock(s.mu);
   s.limit_bytes = static_cast<size_t>(nbytes);
-  trim_cache(s, cache_capacity(s, s.current_bytes));
+  trim_cache(s, cache_capacity(s));
 }
 
 // ------------------------------------------------------------------------------------------------------------

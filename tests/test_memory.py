@@ -329,7 +329,7 @@ def test_cuda_out_of_memory_raises_memory_error_with_sizes():
 # ----- the CPU allocator and the operating system: resident memory follows the byte counts -------------------
 # Large buffers (1 MiB and more) are mapped from the OS; freed ones wait in a cache of exact sizes (reported as
 # "cached_bytes") so that repeated shapes skip the page faults, and go back to the OS beyond its limit
-# (set_cache_limit; by default live plus cached stays within the high-water mark, or live + 64 MiB) or at
+# (set_cache_limit; by default as many bytes as were ever live at once, at least 64 MiB) or at
 # empty_cache().
 MiB = 1 << 20
 cpu_only = pytest.mark.skipif(not nd.cpu().enabled(), reason="C++ backend not built (run `make`)")
@@ -400,6 +400,28 @@ def test_cpu_cache_by_default_serves_a_repeated_step_within_the_high_water_mark(
     del arrays
     device.mod.empty_cache()
     assert stats(device)["cached_bytes"] == 0
+
+
+@cpu_only
+def test_cpu_cache_keeps_what_a_step_of_several_sizes_asks_for_again():
+    """A step whose peak holds blocks of one size while it asks for another: the second run of it maps nothing
+    new and gives nothing back (reserved bytes unchanged), so it takes no page faults."""
+    device = nd.cpu()
+    device.mod.empty_cache()
+
+    def step():
+        small = [nd.empty((MiB,), device=device) for _ in range(10)]  # 10 x 4 MiB
+        large = [nd.empty((2 * MiB,), device=device) for _ in range(5)]  # at the peak: 5 x 8 MiB more
+        del small
+        again = [nd.empty((MiB,), device=device) for _ in range(10)]
+        del large, again
+
+    step()
+    reserved = stats(device)["reserved_bytes"]
+    step()
+    assert stats(device)["reserved_bytes"] == reserved
+    assert stats(device)["cached_bytes"] >= 80 * MiB
+    device.mod.empty_cache()
 
 
 @cpu_only

@@ -254,8 +254,8 @@ def set_memory_limit(nbytes, device=None):
 
 def set_cache_limit(nbytes, device=None):
     """Bound the bytes of freed buffers the C++ CPU allocator keeps for reuse (`cached_bytes`): `nbytes`, 0 to
-    unmap every freed buffer at once (resident memory then follows `current_bytes`), None for the default (live
-    plus cached within the most bytes ever live at once, or live + 64 MiB)."""
+    unmap every freed buffer at once (resident memory then follows `current_bytes`), None for the default (as
+    many bytes as were ever live at once, at least 64 MiB)."""
     device = device or default_device()
     device._require()
     if not hasattr(device.mod, "set_cache_limit"):
