@@ -2273,21 +2273,52 @@ static void pack_b_panel(const T* B, int64_t ldb, int64_t r0, int64_t kc, int64_
   }
 }
 
+// The same panels from a transposed operand, read where it is: A given as At (n x m) row-major, so that
+// A[r][c] = At[c * lda + r] (lda = m), and B as Bt (p x n), B[r][c] = Bt[c * ldb + r] (ldb = n).  The panels hold
+// the same numbers in the same order as from a transposed copy, so the product's bits are the same, without the
+// copy (a Linear's gradient multiplies by W^T and x^T).
+template <int MR, class T>
+static void pack_a_panel_t(const T* At, int64_t lda, int64_t r0, int64_t rows, int64_t c0, int64_t kc,
+                           scalar_t* Ap) {
+  for (int64_t k = 0; k < kc; ++k) {
+    const T* src = At + (c0 + k) * lda + r0;  // A[r0 .. r0 + rows][c0 + k]: contiguous in At
+    for (int i = 0; i < MR; ++i) Ap[k * MR + i] = i < rows ? to_float(src[i]) : 0.0f;
+  }
+}
+
+template <int NR, class T>
+static void pack_b_panel_t(const T* Bt, int64_t ldb, int64_t r0, int64_t kc, int64_t c0, int64_t cols,
+                           scalar_t* Bp) {
+  for (int64_t j = 0; j < NR; ++j) {
+    const T* src = Bt + (c0 + j) * ldb + r0;  // B[r0 .. r0 + kc][c0 + j]: contiguous in Bt
+    for (int64_t k = 0; k < kc; ++k) Bp[k * NR + j] = j < cols ? to_float(src[k]) : 0.0f;
+  }
+}
+
 // The panels gemm_packed works on, and the micro-kernel that reads them.  Here float panels (into which float32
 // and 16-bit operands alike are packed, widened) read by the float micro-kernel UK; Bf16Pairs (below) is the
 // other kind.  A panel holding kc steps of k has depth(kc) rows: MR (or NR) packed values each.
-template <int MR_, int NR_, ukernel_fn UK, class T>
+template <int MR_, int NR_, ukernel_fn UK, class T, bool TRANS_A_ = false, bool TRANS_B_ = false>
 struct FloatPanels {
   using input_t = T;
   using packed_t = scalar_t;
   static constexpr int MR = MR_, NR = NR_;
+  static constexpr bool TRANS_A = TRANS_A_, TRANS_B = TRANS_B_;  // operands given transposed (pack_*_panel_t)
   static constexpr int64_t KC = 256;  // depth of one packed block: a KC x NR B micro-panel (32 KiB at NR=32), L1
   static int64_t depth(int64_t kc) { return kc; }
   static void pack_a(const T* A, int64_t lda, int64_t r0, int64_t rows, int64_t c0, int64_t kc, packed_t* Ap) {
-    pack_a_panel<MR>(A, lda, r0, rows, c0, kc, Ap);
+    if constexpr (TRANS_A) {
+      pack_a_panel_t<MR>(A, lda, r0, rows, c0, kc, Ap);
+    } else {
+      pack_a_panel<MR>(A, lda, r0, rows, c0, kc, Ap);
+    }
   }
   static void pack_b(const T* B, int64_t ldb, int64_t r0, int64_t kc, int64_t c0, int64_t cols, packed_t* Bp) {
-    pack_b_panel<NR>(B, ldb, r0, kc, c0, cols, Bp);
+    if constexpr (TRANS_B) {
+      pack_b_panel_t<NR>(B, ldb, r0, kc, c0, cols, Bp);
+    } else {
+      pack_b_panel<NR>(B, ldb, r0, kc, c0, cols, Bp);
+    }
   }
   static void kernel(int64_t depth, const packed_t* Ap, const packed_t* Bp, scalar_t* C, int64_t ldc, int64_t mr,
                      int64_t nr, bool accumulate) {
@@ -2421,6 +2452,7 @@ struct Bf16Pairs {
   using input_t = bfloat16_t;
   using packed_t = uint32_t;
   static constexpr int MR = BF16_MR, NR = BF16_NR;
+  static constexpr bool TRANS_A = false, TRANS_B = false;
   static constexpr int64_t KC = BF16_DOT_KC;
   static int64_t depth(int64_t kc) { return (kc + 1) / 2; }
   static void pack_a(const bfloat16_t* A, int64_t lda, int64_t r0, int64_t rows, int64_t c0, int64_t kc,
@@ -2466,14 +2498,16 @@ static void gemm_packed(const typename P::input_t* A, const typename P::input_t*
   packed_t* Bp = b_scratch().get<packed_t>(static_cast<size_t>(depth_max * nc_max));
   if (Bp == nullptr) throw std::bad_alloc();
 
+  // Row pitches of A and B as stored: (m x n) and (n x p) row-major, or their transposes.
+  const int64_t lda = P::TRANS_A ? m : n, ldb = P::TRANS_B ? n : p;
   // The two steps of each (jc, pc) block: pack B micro-panel jp, and compute row block blk of C with Ap.
   auto pack_b = [&](int64_t jc, int64_t nc, int64_t pc, int64_t kc, int64_t jp) {
-    P::pack_b(B, p, pc, kc, jc + jp * NR, std::min<int64_t>(NR, nc - jp * NR), Bp + jp * NR * P::depth(kc));
+    P::pack_b(B, ldb, pc, kc, jc + jp * NR, std::min<int64_t>(NR, nc - jp * NR), Bp + jp * NR * P::depth(kc));
   };
   auto row_block = [&](packed_t* Ap, int64_t jc, int64_t nc, int64_t pc, int64_t kc, int64_t blk) {
     const int64_t ic = blk * mc_max, mc = std::min(mc_max, m - ic), depth = P::depth(kc);
     for (int64_t ir = 0; ir < mc; ir += MR)
-      P::pack_a(A, n, ic + ir, std::min<int64_t>(MR, mc - ir), pc, kc, Ap + ir * depth);
+      P::pack_a(A, lda, ic + ir, std::min<int64_t>(MR, mc - ir), pc, kc, Ap + ir * depth);
     for (int64_t jr = 0; jr < nc; jr += NR)
       for (int64_t ir = 0; ir < mc; ir += MR)
         P::kernel(depth, Ap + ir * depth, Bp + jr * depth, C + (ic + ir) * p + jc + jr, p,
@@ -2571,6 +2605,7 @@ using gemm_fn = void (*)(const T*, const T*, O*, int64_t, int64_t, int64_t, int)
 struct MatmulKernel {
   const char* name;
   gemm_fn<float> gemm;
+  gemm_fn<float> gemm_ta, gemm_tb, gemm_tab;  // float32 with A, B or both given transposed
   gemm_fn<bfloat16_t> gemm_bf16;
   gemm_fn<half_t> gemm_f16;
   int mr, nr;
@@ -2578,9 +2613,11 @@ struct MatmulKernel {
   gemm_fn<bfloat16_t, bfloat16_t> gemm_bf16_dot_to_bf16;  // the same with bfloat16 out, for n <= BF16_DOT_KC
 };
 
-#define NEEDLE_MATMUL_KERNEL(NAME, MR, NR, UK, BF16_DOT, BF16_DOT_TO_BF16)                            \
-  {NAME, gemm_packed<FloatPanels<MR, NR, UK, float>>, gemm_packed<FloatPanels<MR, NR, UK, bfloat16_t>>, \
-   gemm_packed<FloatPanels<MR, NR, UK, half_t>>, MR, NR, BF16_DOT, BF16_DOT_TO_BF16}
+#define NEEDLE_MATMUL_KERNEL(NAME, MR, NR, UK, BF16_DOT, BF16_DOT_TO_BF16)                                \
+  {NAME, gemm_packed<FloatPanels<MR, NR, UK, float>>, gemm_packed<FloatPanels<MR, NR, UK, float, true, false>>, \
+   gemm_packed<FloatPanels<MR, NR, UK, float, false, true>>, gemm_packed<FloatPanels<MR, NR, UK, float, true, true>>, \
+   gemm_packed<FloatPanels<MR, NR, UK, bfloat16_t>>, gemm_packed<FloatPanels<MR, NR, UK, half_t>>, MR, NR,     \
+   BF16_DOT, BF16_DOT_TO_BF16}
 static const MatmulKernel KERNEL_GENERIC =
     NEEDLE_MATMUL_KERNEL("generic", GENERIC_MR, GENERIC_NR, ukernel_generic, nullptr, nullptr);
 #ifdef NEEDLE_X86_DISPATCH
@@ -2665,16 +2702,20 @@ static void check_matmul(const char* fn, const Array& a, const Array& b, const A
 }
 
 // C (m x p) = A (m x n) @ B (n x p) for m, n, p > 0 on `nthreads` threads, with the kernel that suits the shape.
+// Whether a float32 product of this shape takes the packed kernel (else gemv or gemm_small, unpacked).
+static bool uses_packed_kernel(int64_t m, int64_t n, int64_t p) {
+  const double flops = 2.0 * double(m) * double(n) * double(p);
+  return p != 1 && !(flops < 2.0 * 8 * 8 * 8 || (m < g_kernel->mr / 2 && m < p));
+}
+
 static void gemm(const scalar_t* A, const scalar_t* B, scalar_t* C, int64_t m, int64_t n, int64_t p,
                  int nthreads) {
-  const MatmulKernel* k = g_kernel;
-  const double flops = 2.0 * double(m) * double(n) * double(p);
   if (p == 1) {
     gemv(A, B, C, m, n, nthreads);
-  } else if (flops < 2.0 * 8 * 8 * 8 || (m < k->mr / 2 && m < p)) {
+  } else if (!uses_packed_kernel(m, n, p)) {
     gemm_small(A, B, C, m, n, p, nthreads);
   } else {
-    k->gemm(A, B, C, m, n, p, nthreads);
+    g_kernel->gemm(A, B, C, m, n, p, nthreads);
   }
 }
 
@@ -2740,7 +2781,40 @@ static int matmul_threads(int64_t m, int64_t n, int64_t p) {
   return 2.0 * double(m) * double(n) * double(p) < 2.0 * 64 * 64 * 64 ? 1 : num_threads();
 }
 
-static void matmul(const Array& a, const Array& b, Array& out, int64_t m, int64_t n, int64_t p) {
+// out = A @ B with A, B compact (m x n) and (n x p) arrays of storage type T.
+template <class T>
+static void matmul_compact(const T* A, const T* B, Array& out, DType dt, int64_t m, int64_t n, int64_t p) {
+  if constexpr (std::is_same<T, bfloat16_t>::value) {
+    if (bf16_out_direct(dt, out, n)) {
+      py::gil_scoped_release release;
+      gemm(A, B, out.data<bfloat16_t>(), m, n, p, matmul_threads(m, n, p));
+      return;
+    }
+  }
+  Accumulator acc(out);
+  {
+    py::gil_scoped_release release;
+    gemm(A, B, acc.data(), m, n, p, matmul_threads(m, n, p));
+  }
+  acc.finish();
+}
+
+// The (cols x rows) row-major transpose of a (rows x cols) row-major matrix, outside the allocator (like the
+// packing buffers): for the products that do not pack their operands.
+template <class T>
+static std::vector<T> transposed(const T* src, int64_t rows, int64_t cols) {
+  std::vector<T> t(static_cast<size_t>(rows * cols));
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) t[static_cast<size_t>(c * rows + r)] = src[r * cols + c];
+  return t;
+}
+
+// trans_a: a holds A's transpose, (n x m) row-major; trans_b: b holds B's, (p x n).  A float32 product on the
+// packed kernel reads them in place while packing; any other transposes them into temporaries outside the
+// allocator first.  Either way no buffer the allocator counts is made, and the bits are those of the product of
+// compact copies.
+static void matmul(const Array& a, const Array& b, Array& out, int64_t m, int64_t n, int64_t p, bool trans_a,
+                   bool trans_b) {
   check_matmul("matmul", a, b, out, m, n, p);
   const DType dt = check_matmul_dtypes("matmul", a, b, out);
   if (m == 0 || p == 0) return;
@@ -2748,20 +2822,19 @@ static void matmul(const Array& a, const Array& b, Array& out, int64_t m, int64_
     fill(out, 0.0f);
     return;
   }
-  if (bf16_out_direct(dt, out, n)) {
+  if ((trans_a || trans_b) && dt == DType::f32 && uses_packed_kernel(m, n, p)) {
+    const gemm_fn<float> f = !trans_b ? g_kernel->gemm_ta : !trans_a ? g_kernel->gemm_tb : g_kernel->gemm_tab;
     py::gil_scoped_release release;
-    gemm(a.data<bfloat16_t>(), b.data<bfloat16_t>(), out.data<bfloat16_t>(), m, n, p, matmul_threads(m, n, p));
+    f(a.data<float>(), b.data<float>(), out.ptr, m, n, p, matmul_threads(m, n, p));
     return;
   }
-  Accumulator acc(out);
-  {
-    py::gil_scoped_release release;
-    visit_float(dt, [&](auto t) {
-      using T = decltype(t);
-      gemm(a.data<T>(), b.data<T>(), acc.data(), m, n, p, matmul_threads(m, n, p));
-    });
-  }
-  acc.finish();
+  visit_float(dt, [&](auto t) {
+    using T = decltype(t);
+    std::vector<T> at, bt;
+    if (trans_a) at = transposed(a.data<T>(), n, m);
+    if (trans_b) bt = transposed(b.data<T>(), p, n);
+    matmul_compact(trans_a ? at.data() : a.data<T>(), trans_b ? bt.data() : b.data<T>(), out, dt, m, n, p);
+  });
 }
 
 // out[i] = a[i] @ b[i] for i < batch, each product with `per_product` threads, `nthreads` products at a time.
@@ -2921,7 +2994,8 @@ PYBIND11_MODULE(ndarray_backend_cpu, m) {
   m.def("scalar_strided", scalar_strided);
   m.def("unary_strided", unary_strided);
 
-  m.def("matmul", matmul);
+  m.def("matmul", matmul, py::arg("a"), py::arg("b"), py::arg("out"), py::arg("m"), py::arg("n"), py::arg("p"),
+        py::arg("trans_a") = false, py::arg("trans_b") = false);
   m.def("matmul_batched", matmul_batched);
   m.def("matmul_tiled", matmul_tiled);
   m.def("reduce_max", reduce_max);

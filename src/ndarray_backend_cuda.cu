@@ -949,21 +949,30 @@ constexpr int64_t kMaxGridZ = 65535;                               // and of gri
 // loads write (16 k's x 2 rows) per warp; rows padded to 64 + 2 floats put those 32 stores in 32 distinct banks.
 constexpr int kMmATilePitch = kMmTileRows + 2;
 
+// Where element (r, c) of a and of b sits: a[r * a_rs + c * a_cs] (a_rs = n, a_cs = 1 for a compact a; 1 and m
+// for a given transposed, as matmul's trans_a says), and likewise b.
+struct MatmulStrides {
+  int64_t a_rs, a_cs, b_rs, b_cs;
+};
+
 template <typename TIn, typename TOut>
-__device__ void matmul_tile(const TIn* a, const TIn* b, TOut* out, int64_t m, int64_t n, int64_t p);
+__device__ void matmul_tile(const TIn* a, const TIn* b, TOut* out, int64_t m, int64_t n, int64_t p,
+                            MatmulStrides st);
 
 template <typename TIn, typename TOut>
 __global__ void __launch_bounds__(kMmThreads)
-    matmul_kernel(const TIn* a, const TIn* b, TOut* out, int64_t batch, int64_t m, int64_t n, int64_t p) {
+    matmul_kernel(const TIn* a, const TIn* b, TOut* out, int64_t batch, int64_t m, int64_t n, int64_t p,
+                  MatmulStrides st) {
   // Every thread of a block runs the same iterations, so the __syncthreads inside matmul_tile are reached by all.
   for (int64_t z = blockIdx.z; z < batch; z += gridDim.z) {
-    matmul_tile(a + z * m * n, b + z * n * p, out + z * m * p, m, n, p);
+    matmul_tile(a + z * m * n, b + z * n * p, out + z * m * p, m, n, p, st);
   }
 }
 
 // This block's 64 x 64 tile of one product.
 template <typename TIn, typename TOut>
-__device__ void matmul_tile(const TIn* a, const TIn* b, TOut* out, int64_t m, int64_t n, int64_t p) {
+__device__ void matmul_tile(const TIn* a, const TIn* b, TOut* out, int64_t m, int64_t n, int64_t p,
+                            MatmulStrides st) {
   __shared__ float a_tile[kMmTileDepth][kMmATilePitch];
   __shared__ float b_tile[kMmTileDepth][kMmTileCols];
 
@@ -981,7 +990,7 @@ __device__ void matmul_tile(const TIn* a, const TIn* b, TOut* out, int64_t m, in
       const int k = e % kMmTileDepth;
       const int64_t gr = row0 + r;
       const int64_t gk = k0 + k;
-      a_tile[k][r] = (gr < m && gk < n) ? to_float(a[gr * n + gk]) : 0.0f;
+      a_tile[k][r] = (gr < m && gk < n) ? to_float(a[gr * st.a_rs + gk * st.a_cs]) : 0.0f;
     }
     // Stage b[k0 : k0+16, col0 : col0+64] (consecutive threads read consecutive columns: coalesced).
     for (int e = tid; e < kMmTileDepth * kMmTileCols; e += kMmThreads) {
@@ -989,7 +998,7 @@ __device__ void matmul_tile(const TIn* a, const TIn* b, TOut* out, int64_t m, in
       const int c = e % kMmTileCols;
       const int64_t gk = k0 + k;
       const int64_t gc = col0 + c;
-      b_tile[k][c] = (gk < n && gc < p) ? to_float(b[gk * p + gc]) : 0.0f;
+      b_tile[k][c] = (gk < n && gc < p) ? to_float(b[gk * st.b_rs + gc * st.b_cs]) : 0.0f;
     }
     __syncthreads();  // the slices are complete before anyone reads them
 
@@ -1533,18 +1542,21 @@ void reduce_max(const CudaArray& a, CudaArray& out, size_t reduce_size) {
 
 // Launches matmul_kernel for the dtypes of a, b and out (already checked by check_matmul_dtypes).
 void launch_matmul(const dim3& grid, const CudaArray& a, const CudaArray& b, CudaArray& out, int64_t batch,
-                   int64_t m, int64_t n, int64_t p) {
+                   int64_t m, int64_t n, int64_t p, bool trans_a = false, bool trans_b = false) {
+  const MatmulStrides st{trans_a ? 1 : n, trans_a ? m : 1, trans_b ? 1 : p, trans_b ? n : 1};
   visit_floating(a.dtype, [&](auto tag) {
     using T = TypeOf<decltype(tag)>;
     if (out.dtype == a.dtype) {
-      matmul_kernel<<<grid, kMmThreads>>>(data<T>(a), data<T>(b), data<T>(out), batch, m, n, p);
+      matmul_kernel<<<grid, kMmThreads>>>(data<T>(a), data<T>(b), data<T>(out), batch, m, n, p, st);
     } else {  // 16-bit a and b, float32 out
-      matmul_kernel<<<grid, kMmThreads>>>(data<T>(a), data<T>(b), data<float>(out), batch, m, n, p);
+      matmul_kernel<<<grid, kMmThreads>>>(data<T>(a), data<T>(b), data<float>(out), batch, m, n, p, st);
     }
   });
 }
 
-void matmul(const CudaArray& a, const CudaArray& b, CudaArray& out, size_t m, size_t n, size_t p) {
+// trans_a: a holds A's transpose, (n x m) row-major; trans_b: b holds B's (p x n).  The tiles read them in place.
+void matmul(const CudaArray& a, const CudaArray& b, CudaArray& out, size_t m, size_t n, size_t p, bool trans_a,
+            bool trans_b) {
   check_matmul_dtypes("matmul", a, b, out);
   check_size("matmul", "a", a.size, m * n);
   check_size("matmul", "b", b.size, n * p);
@@ -1556,7 +1568,7 @@ void matmul(const CudaArray& a, const CudaArray& b, CudaArray& out, size_t m, si
   }
   // Row tiles go in grid x (limit 2^31 - 1): tall matrices are the common case.
   const dim3 grid(static_cast<unsigned>(ceil_div(as_int64(m), kMmTileRows)), static_cast<unsigned>(col_blocks));
-  launch_matmul(grid, a, b, out, 1, as_int64(m), as_int64(n), as_int64(p));
+  launch_matmul(grid, a, b, out, 1, as_int64(m), as_int64(n), as_int64(p), trans_a, trans_b);
   check_kernel("matmul");
 }
 
@@ -2136,7 +2148,8 @@ PYBIND11_MODULE(ndarray_backend_cuda, m) {
   m.def("scalar_strided", scalar_strided);
   m.def("unary_strided", unary_strided);
 
-  m.def("matmul", matmul);
+  m.def("matmul", matmul, py::arg("a"), py::arg("b"), py::arg("out"), py::arg("m"), py::arg("n"), py::arg("p"),
+        py::arg("trans_a") = false, py::arg("trans_b") = false);
   m.def("matmul_batched", matmul_batched);
   m.def("matmul_tiled", matmul_tiled);
   m.def("reduce_sum", reduce_sum);

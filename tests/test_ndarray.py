@@ -1275,3 +1275,31 @@ def test_bool_index_raises_instead_of_acting_as_int(device, index):
     with pytest.raises(TypeError, match="NDArray ind.*bool"):
         A[index] = 1.0
     np.testing.assert_array_equal(A.numpy(), np.arange(6).reshape(2, 3))
+
+
+# ----- matmul reads a transposed operand in place ----------------------------------------------------------------
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("mnp", [(300, 200, 150), (5, 3, 4), (64, 1, 7), (2, 50, 9), (40, 30, 1), (257, 129, 65)])
+def test_matmul_of_transposed_operands_equals_compact_copies_and_copies_nothing(device, dtype, mnp):
+    """x.permute((1, 0)) of a compact matrix goes to the backend as it is (trans_a / trans_b): the same bytes as
+    the product of compact copies (packed or not, every dtype), and the allocator's peak is that product's (its
+    output, and for 16-bit its float32 accumulator): no transposed copy."""
+    m, n, p = mnp
+    rng = np.random.default_rng(m * n * p)
+    A, B = rng.standard_normal((m, n)).astype(np.float32), rng.standard_normal((n, p)).astype(np.float32)
+    a, b = (nd.array(x, device=device).astype(dtype) for x in (A, B))
+    a_t, b_t = (nd.array(x.T.copy(), device=device).astype(dtype).permute((1, 0)) for x in (A, B))
+    assert not a_t.is_compact() or m == 1 or n == 1
+
+    def peak_of(x, y):
+        nd.reset_peak_memory_stats(device)
+        before = nd.memory_stats(device)["current_bytes"]
+        out = x @ y
+        return out.numpy(), nd.memory_stats(device)["peak_bytes"] - before
+
+    expected, compact_peak = peak_of(a, b)
+    for x, y in ((a_t, b), (a, b_t), (a_t, b_t)):
+        out, peak = peak_of(x, y)
+        assert peak == compact_peak
+        np.testing.assert_array_equal(out.view(np.uint8), expected.view(np.uint8))

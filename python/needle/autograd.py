@@ -86,6 +86,11 @@ class Op:
         """Elements `compute` allocates besides its result (temporaries), for the Budget's ledger; usually 0."""
         return 0
 
+    def reads_transposed(self, *input_shapes):
+        """Whether compute reads an input that is the transpose of a whole compact matrix where it is, instead of
+        compacting it (a 2-D matmul: the backend packs it transposed), for the Budget's ledger."""
+        return False
+
     # Under `needle.amp.autocast(dtype)`: "low" ops get their floating inputs cast to the 16-bit dtype (the
     # matmuls, convolutions and element-wise arithmetic), "float32" ops get them cast to float32 (reductions,
     # softmax, log-sum-exp, the losses: where bf16/fp16 rounding would cost accuracy); None runs in whatever

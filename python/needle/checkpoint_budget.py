@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from .autograd import (_realize, defer_until_realized, find_topo_sort, infer_spec, itemsize, placeholder,
                        plan_backward, release, run_backward)
 from .backend_ndarray.ndarray import _compact_strides  # the strides NDArray gives a compact array
+from .backend_ndarray.ndarray import is_transposed_matrix  # the views a 2-D matmul reads in place
 from .ops import MakeTensorTuple, TupleGetItem
 
 __all__ = ["Budget", "Ledger", "Planned", "predict_peak"]
@@ -56,6 +57,7 @@ class Ledger:
 
     def __init__(self, root, out_grad):
         self.present, self.holders, self.size, self.buffers, self.strides = set(), {}, {}, {}, {}
+        self.elements = {}  # buffer -> its elements (size is 0 for parameters' buffers: they are not counted)
         self.live = self.peak = self.made = 0
         self.seen = []  # every node the walk met, kept alive so that no id is reused while the ledger counts it
         for node in find_topo_sort([root]) + [out_grad]:
@@ -76,9 +78,11 @@ class Ledger:
         if shape and isinstance(shape[0], tuple):
             keys = [(self.made, k) for k in range(len(shape))]
             for key, s in zip(keys, shape):
+                self.elements[key] = math.prod(s)
                 self.size[key] = math.prod(s) * itemsize(dtype)
         else:
             keys = [(self.made, 0)]
+            self.elements[keys[0]] = math.prod(shape)
             self.size[keys[0]] = math.prod(shape) * itemsize(dtype)
             self.strides[id(node)] = _compact_strides(shape)
         self.buffers[id(node)] = keys
@@ -114,12 +118,20 @@ class Ledger:
         shapes = [_spec(x)[0] for x in node.inputs]
         extra = node.op.workspace(*shapes)
         compacted = node.op.compacts_inputs  # True (every input) or the positions of the inputs it compacts
+        transposed_in_place = node.op.reads_transposed(*shapes)
         for i, (x, shape) in enumerate(zip(node.inputs, shapes)):
             if compacted is True or (compacted and i in compacted):
                 strides = self.strides.get(id(x))
-                if strides is not None and strides != _compact_strides(shape):
-                    extra += _elements(shape)
+                if strides is None or strides == _compact_strides(shape):
+                    continue
+                if transposed_in_place and is_transposed_matrix(shape, strides) and self._whole_buffer(x, shape):
+                    continue
+                extra += _elements(shape)
         return extra * itemsize(_spec(node)[1])
+
+    def _whole_buffer(self, node, shape):
+        keys = self.buffers[id(node)]
+        return len(keys) == 1 and self.elements[keys[0]] == math.prod(shape)
 
     # -- the machine interface of autograd.Compute
     def has(self, node):

@@ -749,7 +749,11 @@ class NDArray:
         m, n, p = self.shape[-2], self.shape[-1], other.shape[-1]
         if self.ndim == 2 and other.ndim == 2:
             out = NDArray._empty((m, p), self._device, dtype)
-            self.device.mod.matmul(self.compact()._handle, other.compact()._handle, out._handle, m, n, p)
+            (a, trans_a), (b, trans_b) = _matmul_operand(self), _matmul_operand(other)
+            if trans_a or trans_b:  # read where it is, no transposed copy (src/README.md, matmul)
+                self.device.mod.matmul(a, b, out._handle, m, n, p, trans_a, trans_b)
+            else:
+                self.device.mod.matmul(a, b, out._handle, m, n, p)
             return out
         batch = tuple(np.broadcast_shapes(self.shape[:-2], other.shape[:-2]))
         k = prod(batch)
@@ -842,6 +846,23 @@ class NDArray:
         out = self.device.full(tuple(s + lo + hi for s, (lo, hi) in zip(self.shape, axes)), 0.0, self._dtype)
         out[tuple(slice(lo, lo + s) for s, (lo, _) in zip(self.shape, axes))] = self
         return out
+
+
+def _matmul_operand(x):
+    """(buffer, transposed) of a 2-D matmul operand: a compact one's buffer; for the transpose of a whole compact
+    matrix (strides (1, rows): x.permute((1, 0)) of one) that matrix's buffer and True, so the backend reads it in
+    place; for anything else a compact copy's buffer."""
+    if x.is_compact():
+        return x._handle, False
+    if is_transposed_matrix(x.shape, x._strides) and x._offset == 0 and x._handle.size == x.size:
+        return x._handle, True
+    return x.compact()._handle, False
+
+
+def is_transposed_matrix(shape, strides):
+    """Whether a 2-D view with these element strides is the transpose of a compact matrix (matmul reads those in
+    place; the Budget's ledger asks the same question)."""
+    return len(shape) == 2 and tuple(strides) == (1, shape[0])
 
 
 def _one_matrix(view):

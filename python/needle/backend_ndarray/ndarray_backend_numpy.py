@@ -422,9 +422,12 @@ def unary_strided(op, a, strides, offset, out, shape):
 
 
 # ----- matmul and reductions: float32 accumulation -------------------------------------------------------------
-def matmul(a, b, out, m, n, p):
+def matmul(a, b, out, m, n, p, trans_a=False, trans_b=False):
     _floats("matmul", a, b, out=out)
-    _store(out, (_f32(a)[: m * n].reshape(m, n) @ _f32(b)[: n * p].reshape(n, p)).reshape(-1))
+    # Transposed operands as row-major copies: NumPy's BLAS picks its kernel (and summation order) by layout.
+    left = np.ascontiguousarray(_f32(a)[: m * n].reshape(n, m).T) if trans_a else _f32(a)[: m * n].reshape(m, n)
+    right = np.ascontiguousarray(_f32(b)[: n * p].reshape(p, n).T) if trans_b else _f32(b)[: n * p].reshape(n, p)
+    _store(out, (left @ right).reshape(-1))
 
 
 def matmul_batched(a, b, out, batch, m, n, p):

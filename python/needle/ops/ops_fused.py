@@ -138,8 +138,10 @@ class LinearCrossEntropyGrad(TensorTupleOp):
             c * V + copied * c * H,  # the logits beside the copy of the chunk's hidden rows
             2 * c * V + c + copied * c,  # the logits, dz = their gradient, copies of g/N and of the targets
             (bias is not None) * (c * V + V + max(c, V)),  # dz, its column sum (a row of ones, or the new db)
-            c * V + b * V + b * max(c, V),  # dz, a block of h^T dz (beside h^T's copy, or the new dW block)
-            2 * c * V + c * H,  # dz, its transposed copy, dz W^T
+            # dz, a block of h^T dz (beside the copy of h^T's block, or the new dW block; a whole h^T, b = H, is
+            # read in place by matmul)
+            c * V + b * V + b * (V if b == H else max(c, V)),
+            c * V + c * H,  # dz, W dz^T (matmul reads dz^T in place)
             2 * c * H,  # dz W^T and the compact copy written into dhidden
         )
 
@@ -189,7 +191,7 @@ def _chunk_grads(h, weight, bias, y, g_row, dweight, dbias):
     b = _weight_block_rows(c, H)
     for r in range(0, H, b):  # dW += h^T dz, b rows at a time: the block and its sum stay within one chunk of logits
         dweight[r:r + b] = dweight[r:r + b] + array_api.matmul(array_api.transpose(h[:, r:r + b], (1, 0)), dz)
-    # (W dz^T)^T: a copy of dz^T (one chunk) rather than of W^T (the whole weight)
+    # (W dz^T)^T: matmul reads dz^T in place (the transpose of a whole compact matrix)
     return array_api.transpose(array_api.matmul(weight, array_api.transpose(dz, (1, 0))), (1, 0))
 
 

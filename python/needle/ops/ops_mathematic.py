@@ -435,6 +435,9 @@ class MatMul(TensorOp):
             return None  # let compute raise its error
         return tuple(np.broadcast_shapes(a[:-2], b[:-2])) + (a[-2], b[-1])
 
+    def reads_transposed(self, a, b):
+        return len(a) == 2 and len(b) == 2  # a transposed operand is read in place (NDArray.__matmul__)
+
     def compute(self, a, b):
         if len(a.shape) < 2 or len(b.shape) < 2 or a.shape[-1] != b.shape[-2]:
             raise ValueError(f"MatMul: shapes {tuple(a.shape)} and {tuple(b.shape)} are not aligned")
