@@ -58,11 +58,12 @@ class Linear(Module):
             b = init.kaiming_uniform(out_features, 1, device=device, dtype=dtype)
             self.bias = Parameter(ops.reshape(b, (1, out_features)))
 
-    def forward(self, X):
+    def forward(self, X, activation=None):
+        """activation="relu": ReLU applied in the same op (the pre-activation is never kept)."""
         shape = X.shape
         _expect("Linear", len(shape) >= 1 and shape[-1] == self.in_features, f"(..., {self.in_features})", shape)
         # One graph node (ops.linear): the numbers of reshape, matmul, a broadcast bias add and reshape back.
-        return self.checkpoint(ops.linear(X, self.weight, self.bias), [X])
+        return self.checkpoint(ops.linear(X, self.weight, self.bias, activation), [X])
 
 
 class Flatten(Module):

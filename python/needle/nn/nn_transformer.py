@@ -164,7 +164,7 @@ class TransformerLayer(Module):
         self.layernorm = LayerNorm1d(q_features, device=device, dtype=dtype)
         self.linear1 = Linear(q_features, hidden_size, device=device, dtype=dtype)
         self.linear2 = Linear(hidden_size, q_features, device=device, dtype=dtype)
-        self.relu = ReLU()
+        self.relu = ReLU()  # (applied inside linear1's op; kept in the module tree as the course has it)
         self.dropout = Dropout(dropout)
         self.fused_attention = fused_attention
 
@@ -181,7 +181,8 @@ class TransformerLayer(Module):
     def forward(self, x):
         """x (B, T, q_features) -> (B, T, q_features)."""
         h = x + self.dropout(self.attention(x))
-        out = h + self.dropout(self.linear2(self.dropout(self.relu(self.linear1(self.layernorm(h))))))
+        # self.relu runs inside linear1's op (ops.linear's activation): one node, no pre-activation kept
+        out = h + self.dropout(self.linear2(self.dropout(self.linear1(self.layernorm(h), activation="relu"))))
         return self.checkpoint(out, [x])
 
 

@@ -1,4 +1,4 @@
-"""x W + b as one op: what nn.Linear computes, in one graph node instead of five.
+"""x W + b (and a relu after it) as one op: what nn.Linear computes, in one graph node instead of five.
 
 Composed from ops, a Linear layer on (B, T, n) inputs is a reshape to rows, a matmul, a broadcast of the bias, an
 add and a reshape back: five graph nodes, each a Python call in forward and a backward step of its own. `linear`
@@ -12,7 +12,7 @@ import math
 
 from ..autograd import TensorOp
 from ..backend_selection import array_api
-from .ops_mathematic import matmul, reshape, summation, transpose
+from .ops_mathematic import matmul, positive, reshape, summation, transpose
 
 __all__ = ["Linear", "linear"]
 
@@ -22,14 +22,18 @@ def _fits(x, w, b=None):
 
 
 class Linear(TensorOp):
-    """y = x W + b over the last axis, x (..., n), W (n, m), b (1, m) or (m,);  dx = g Wᵀ, dW = xᵀ g, db = Σ_rows g"""
+    """y = x W + b over the last axis, x (..., n), W (n, m), b (1, m) or (m,);  dx = g Wᵀ, dW = xᵀ g, db = Σ_rows g
+
+    With relu: y = max(x W + b, 0), and g is first masked by y > 0 (the pre-activation is never a graph value).
+    """
 
     saveable = True  # a matmul: expensive to recompute, so the "selective" policy keeps it
     compacts_inputs = True  # a strided x is copied by its reshape to rows (W, b: by the matmul, the add)
     autocast = "low"
 
-    def __init__(self, bias=False):
-        self.bias = bias
+    def __init__(self, bias=False, relu=False):
+        self.bias, self.relu = bias, relu
+        self.saves = "both" if relu else "inputs"  # relu's mask is read from the output
 
     def infer_dtype(self, *dtypes):
         return functools.reduce(array_api.promote_types, dtypes)
@@ -38,7 +42,8 @@ class Linear(TensorOp):
         return tuple(x[:-1]) + (w[1],) if _fits(x, w, *b) else None  # None: compute raises the error
 
     def workspace(self, x, w, *b):
-        return math.prod(x[:-1]) * w[1] if self.bias else 0  # x W, before the bias is added into a new array
+        # x W before the bias is added into a new array, or x W (+ b) before relu is applied into a new one
+        return math.prod(x[:-1]) * w[1] if self.bias or self.relu else 0
 
     def compute(self, x, w, *b):
         if not _fits(x.shape, w.shape, *(t.shape for t in b)):
@@ -48,11 +53,15 @@ class Linear(TensorOp):
         out = array_api.matmul(array_api.reshape(x, (rows, x.shape[-1])), w)
         if b:
             out = out + array_api.broadcast_to(array_api.reshape(b[0], (1, m)), (rows, m))
+        if self.relu:
+            out = array_api.maximum(out, 0)
         return array_api.reshape(out, tuple(x.shape[:-1]) + (m,))
 
     def gradient(self, out_grad, node):
         x, w, *b = node.inputs
         rows, (n, m) = math.prod(x.shape[:-1]), w.shape
+        if self.relu:
+            out_grad = out_grad * positive(node)  # relu's gradient, as ops.relu has it
         g = out_grad if len(x.shape) == 2 else reshape(out_grad, (rows, m))
         rows_x = x if len(x.shape) == 2 else reshape(x, (rows, n))
         dx = matmul(g, transpose(w))
@@ -62,13 +71,16 @@ class Linear(TensorOp):
         return grads
 
 
-def linear(x, weight, bias=None):
-    """x @ weight + bias over the last axis of x (..., n), weight (n, m), bias (m,) or (1, m) or None, as one op.
+def linear(x, weight, bias=None, activation=None):
+    """x @ weight + bias over the last axis of x (..., n), weight (n, m), bias (m,) or (1, m) or None, as one op;
+    activation "relu" applies relu in the same op.
 
-    The same numbers as `reshape`, `matmul`, `broadcast_to` and `+` (and their gradients), in one graph node.
+    The same numbers as `reshape`, `matmul`, `broadcast_to`, `+` (and `relu`), and their gradients, in one node.
     """
+    if activation not in (None, "relu"):
+        raise ValueError(f"linear: activation must be None or 'relu', got {activation!r}")
     shapes = (tuple(x.shape), tuple(weight.shape)) + (() if bias is None else (tuple(bias.shape),))
     if not _fits(*shapes):
         raise ValueError(f"linear: needs x (..., n), weight (n, m) and bias (m,) or (1, m); got x {shapes[0]}, "
                          f"weight {shapes[1]}" + ("" if bias is None else f", bias {shapes[2]}"))
-    return Linear(bias is not None)(x, weight, *(() if bias is None else (bias,)))
+    return Linear(bias is not None, activation == "relu")(x, weight, *(() if bias is None else (bias,)))
