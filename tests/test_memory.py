@@ -382,8 +382,9 @@ def test_cpu_buffers_are_aligned_and_cache_is_reported_and_bounded(cache_limit):
 
 
 @cpu_only
-def test_cpu_cache_by_default_serves_a_repeated_step_within_the_high_water_mark():
+def test_cpu_cache_by_default_serves_a_repeated_step(cache_limit):
     device = nd.cpu()
+    cache_limit(None)  # the default, whatever ran before in this process
     device.mod.empty_cache()
 
     def step():  # a "training step": 30 buffers of 4 MiB live at once, then all freed
@@ -403,10 +404,11 @@ def test_cpu_cache_by_default_serves_a_repeated_step_within_the_high_water_mark(
 
 
 @cpu_only
-def test_cpu_cache_keeps_what_a_step_of_several_sizes_asks_for_again():
+def test_cpu_cache_keeps_what_a_step_of_several_sizes_asks_for_again(cache_limit):
     """A step whose peak holds blocks of one size while it asks for another: the second run of it maps nothing
     new and gives nothing back (reserved bytes unchanged), so it takes no page faults."""
     device = nd.cpu()
+    cache_limit(None)
     device.mod.empty_cache()
 
     def step():
