@@ -1144,35 +1144,32 @@ static void dequantize_blockwise(const Array& q, const Array& code, const Array&
   }
 }
 
-// ---- 8-bit Adam, fused (Dettmers et al. 2021) ------------------------------------------------------------
+
+// ---- Adam, fused ------------------------------------------------------------------------------------------
 //
-// adam8bit_step: one Adam update of a parameter whose moments are stored block-wise in 8 bits, in one pass per
-// block instead of dequantize -> nine element-wise kernels -> quantize.  Per element i of block b, in float32
-// with every operation rounded (no fused multiply-add, so the bytes equal the NumPy reference's):
-//   m = code_m[q_m[i]] * absmax_m[b];  r = code_v[q_v[i]] * absmax_v[b];  v = r * r      (q_v stores sqrt(v))
-//   m = m * b1 + g * (1 - b1);  v = v * b2 + (g * g) * (1 - b2)
-//   out[i] = theta[i] - (m / c1) * lr / (sqrt(v / c2) + eps)
-// then the block's new m and sqrt(v) are quantized into q_m, absmax_m, q_v, absmax_v (quantize_blockwise's rule).
-// A thread keeps one block's new m and sqrt(v) in a buffer between the absmax and the quantizing loop.
+// Both Adam kernels compute in float32 with every operation rounded (no fused multiply-add), so their bytes equal
+// the NumPy reference's and the element-wise composite's.
 #if defined(__GNUC__) && !defined(__clang__)
 #define NEEDLE_NO_FMA __attribute__((optimize("fp-contract=off")))
 #else
 #define NEEDLE_NO_FMA
 #endif
 
-// x[k] /= absmax (0 when absmax is 0), as quantize_blockwise divides: a loop without branches, so it vectorizes.
-static void scale_block(float* x, size_t n, float absmax) {
-  if (absmax == 0.0f) {
-    std::fill(x, x + n, 0.0f);
-  } else {
-    for (size_t k = 0; k < n; ++k) x[k] /= absmax;
-  }
-}
+// The hyper-parameters as the element-wise ops see Python floats: each rounded once to float32 (1 - beta in
+// double first).  c1, c2 are Adam's bias corrections 1 - beta^t.
+struct AdamHyper {
+  AdamHyper(double lr_, double beta1, double beta2, double eps_, double correction1, double correction2)
+      : b1(static_cast<float>(beta1)), a1(static_cast<float>(1.0 - beta1)), b2(static_cast<float>(beta2)),
+        a2(static_cast<float>(1.0 - beta2)), c1(static_cast<float>(correction1)),
+        c2(static_cast<float>(correction2)), lr(static_cast<float>(lr_)), eps(static_cast<float>(eps_)) {}
+  float b1, a1, b2, a2, c1, c2, lr, eps;
+};
 
 // adam_step: Adam's update of one float32 parameter in one pass instead of eleven element-wise kernels (each a
 // Python call and a full-size temporary).  Per element, in float32 with every operation rounded as the element-wise
 // kernels round it (so the bytes equal the composite update's):
-//   m = m * b1 + g * (1 - b1);  v = v * b2 + (g * g) * (1 - b2)      (first step: m = g * (1 - b1), v = (g * g) * (1 - b2))
+//   m = m * b1 + g * (1 - b1);  v = v * b2 + (g * g) * (1 - b2)
+//   (first step: m = g * (1 - b1), v = (g * g) * (1 - b2))
 //   out = theta - (m / c1) * lr / (sqrt(v / c2) + eps)
 NEEDLE_NO_FMA static void adam_step(const Array& theta, const Array& grad, const Array& m, const Array& v, Array& out,
                                     Array& out_m, Array& out_v, bool first, double lr, double beta1, double beta2,
@@ -1189,10 +1186,8 @@ NEEDLE_NO_FMA static void adam_step(const Array& theta, const Array& grad, const
                        {"out", out, DType::f32, n},
                        {"out_m", out_m, DType::f32, n},
                        {"out_v", out_v, DType::f32, n}});
-  const float b1 = static_cast<float>(beta1), a1 = static_cast<float>(1.0 - beta1);
-  const float b2 = static_cast<float>(beta2), a2 = static_cast<float>(1.0 - beta2);
-  const float c1 = static_cast<float>(correction1), c2 = static_cast<float>(correction2);
-  const float step = static_cast<float>(lr), fe = static_cast<float>(eps);
+  const AdamHyper h(lr, beta1, beta2, eps, correction1, correction2);
+  const float b1 = h.b1, a1 = h.a1, b2 = h.b2, a2 = h.a2, c1 = h.c1, c2 = h.c2, step = h.lr, fe = h.eps;
   const float *pt = theta.data<float>(), *pg = grad.data<float>(), *pm = m.data<float>(), *pv = v.data<float>();
   float *po = out.data<float>(), *om = out_m.data<float>(), *ov = out_v.data<float>();
   const int nthreads = threads_for(n, true);
@@ -1206,6 +1201,25 @@ NEEDLE_NO_FMA static void adam_step(const Array& theta, const Array& grad, const
     po[i] = pt[i] - mk / c1 * step / (std::sqrt(vk / c2) + fe);
     om[i] = mk;
     ov[i] = vk;
+  }
+}
+
+// ---- 8-bit Adam, fused (Dettmers et al. 2021) ------------------------------------------------------------
+//
+// adam8bit_step: one Adam update of a parameter whose moments are stored block-wise in 8 bits, in one pass per
+// block instead of dequantize -> nine element-wise kernels -> quantize.  Per element i of block b, in float32
+// with every operation rounded (no fused multiply-add, so the bytes equal the NumPy reference's):
+//   m = code_m[q_m[i]] * absmax_m[b];  r = code_v[q_v[i]] * absmax_v[b];  v = r * r      (q_v stores sqrt(v))
+//   m = m * b1 + g * (1 - b1);  v = v * b2 + (g * g) * (1 - b2)
+//   out[i] = theta[i] - (m / c1) * lr / (sqrt(v / c2) + eps)
+// then the block's new m and sqrt(v) are quantized into q_m, absmax_m, q_v, absmax_v (quantize_blockwise's rule).
+// A thread keeps one block's new m and sqrt(v) in a buffer between the absmax and the quantizing loop.
+// x[k] /= absmax (0 when absmax is 0), as quantize_blockwise divides: a loop without branches, so it vectorizes.
+static void scale_block(float* x, size_t n, float absmax) {
+  if (absmax == 0.0f) {
+    std::fill(x, x + n, 0.0f);
+  } else {
+    for (size_t k = 0; k < n; ++k) x[k] /= absmax;
   }
 }
 
@@ -1227,12 +1241,8 @@ NEEDLE_NO_FMA static void adam8bit_step(const Array& theta, const Array& grad, A
                        {"code_m", code_m, DType::f32, CODE_SIZE},
                        {"code_v", code_v, DType::f32, CODE_SIZE},
                        {"out", out, DType::f32, n}});
-  // The hyper-parameters as the element-wise ops see Python floats: each rounded once to float32 (1 - beta in
-  // double first).
-  const float b1 = static_cast<float>(beta1), a1 = static_cast<float>(1.0 - beta1);
-  const float b2 = static_cast<float>(beta2), a2 = static_cast<float>(1.0 - beta2);
-  const float c1 = static_cast<float>(correction1), c2 = static_cast<float>(correction2);
-  const float step = static_cast<float>(lr), fe = static_cast<float>(eps);
+  const AdamHyper h(lr, beta1, beta2, eps, correction1, correction2);
+  const float b1 = h.b1, a1 = h.a1, b2 = h.b2, a2 = h.a2, c1 = h.c1, c2 = h.c2, step = h.lr, fe = h.eps;
   const float* pt = theta.data<float>();
   const float* pg = grad.data<float>();
   const float* cm = code_m.data<float>();

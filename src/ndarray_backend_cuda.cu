@@ -848,6 +848,35 @@ __global__ void dequantize_blockwise_kernel(const uint8_t* q, const float* code,
   for (int64_t i = first_index(); i < n; i += grid_stride()) out[i] = table[q[i]] * absmax[i / block_size];
 }
 
+// ---- Adam, fused -----------------------------------------------------------------------------------------
+
+// The hyper-parameters as the element-wise ops see Python floats: each rounded once to float32 (1 - beta in double
+// first).
+struct AdamHyper {
+  float b1, a1, b2, a2, c1, c2, lr, eps;  // beta1, 1 - beta1, beta2, 1 - beta2, 1 - beta1^t, 1 - beta2^t, lr, eps
+};
+
+AdamHyper adam_hyper(double lr, double beta1, double beta2, double eps, double correction1, double correction2) {
+  return {static_cast<float>(beta1), static_cast<float>(1.0 - beta1), static_cast<float>(beta2),
+          static_cast<float>(1.0 - beta2), static_cast<float>(correction1), static_cast<float>(correction2),
+          static_cast<float>(lr), static_cast<float>(eps)};
+}
+
+// adam_step (src/README.md): Adam's update of one float32 parameter, one thread per element (grid-stride), every
+// operation rounded as the element-wise kernels round it (no fused multiply-add).
+__global__ void adam_step_kernel(const float* theta, const float* grad, const float* m, const float* v, float* out,
+                                 float* out_m, float* out_v, int64_t n, bool first, AdamHyper h) {
+  for (int64_t i = first_index(); i < n; i += grid_stride()) {
+    const float g = grad[i], gg = __fmul_rn(g, g);
+    const float mk = first ? __fmul_rn(g, h.a1) : __fadd_rn(__fmul_rn(m[i], h.b1), __fmul_rn(g, h.a1));
+    const float vk = first ? __fmul_rn(gg, h.a2) : __fadd_rn(__fmul_rn(v[i], h.b2), __fmul_rn(gg, h.a2));
+    const float denom = __fadd_rn(__fsqrt_rn(__fdiv_rn(vk, h.c2)), h.eps);
+    out[i] = __fsub_rn(theta[i], __fdiv_rn(__fmul_rn(__fdiv_rn(mk, h.c1), h.lr), denom));
+    out_m[i] = mk;
+    out_v[i] = vk;
+  }
+}
+
 // ---- 8-bit Adam, fused (Dettmers et al. 2021) ----------------------------------------------------------------
 //
 // adam8bit_step (src/README.md): per element, m and v = r * r are dequantized (q_v stores r = sqrt(v)), updated as
@@ -858,34 +887,14 @@ __global__ void dequantize_blockwise_kernel(const uint8_t* q, const float* code,
 //      shared memory) and write their new bytes.
 // Every operation is an IEEE round-to-nearest intrinsic (no contraction into FMA), so the bytes are the NumPy
 // reference's.
-// adam_step (src/README.md): Adam's update of one float32 parameter, one thread per element (grid-stride), every
-// operation rounded as the element-wise kernels round it (no fused multiply-add).
-__global__ void adam_step_kernel(const float* theta, const float* grad, const float* m, const float* v, float* out,
-                                 float* out_m, float* out_v, int64_t n, bool first, float b1, float a1, float b2,
-                                 float a2, float c1, float c2, float lr, float eps) {
-  for (int64_t i = first_index(); i < n; i += grid_stride()) {
-    const float g = grad[i], gg = __fmul_rn(g, g);
-    const float mk = first ? __fmul_rn(g, a1) : __fadd_rn(__fmul_rn(m[i], b1), __fmul_rn(g, a1));
-    const float vk = first ? __fmul_rn(gg, a2) : __fadd_rn(__fmul_rn(v[i], b2), __fmul_rn(gg, a2));
-    const float denom = __fadd_rn(__fsqrt_rn(__fdiv_rn(vk, c2)), eps);
-    out[i] = __fsub_rn(theta[i], __fdiv_rn(__fmul_rn(__fdiv_rn(mk, c1), lr), denom));
-    out_m[i] = mk;
-    out_v[i] = vk;
-  }
-}
-
-struct Adam8bitHyper {
-  float b1, a1, b2, a2, c1, c2, lr, eps;  // beta1, 1 - beta1, beta2, 1 - beta2, 1 - beta1^t, 1 - beta2^t, lr, eps
-};
-
-__device__ void adam8bit_moments(const Adam8bitHyper& h, float m, float r, float g, float* m_out, float* v_out) {
+__device__ void adam8bit_moments(const AdamHyper& h, float m, float r, float g, float* m_out, float* v_out) {
   *m_out = __fadd_rn(__fmul_rn(m, h.b1), __fmul_rn(g, h.a1));
   *v_out = __fadd_rn(__fmul_rn(__fmul_rn(r, r), h.b2), __fmul_rn(__fmul_rn(g, g), h.a2));
 }
 
 __global__ void adam8bit_step_kernel(const float* theta, const float* grad, uint8_t* q_m, float* absmax_m,
                                      uint8_t* q_v, float* absmax_v, const float* code_m, const float* code_v,
-                                     float* out, int64_t n, int64_t block_size, int64_t num_blocks, Adam8bitHyper h) {
+                                     float* out, int64_t n, int64_t block_size, int64_t num_blocks, AdamHyper h) {
   __shared__ float table_m[kCodeSize], table_v[kCodeSize];
   for (int j = threadIdx.x; j < kCodeSize; j += blockDim.x) {
     table_m[j] = code_m[j];
@@ -1866,12 +1875,9 @@ void adam_step(const CudaArray& theta, const CudaArray& grad, const CudaArray& m
     check_size(fn, name, size, theta.size);
   const int64_t n = as_int64(theta.size);
   if (n == 0) return;
-  // Each hyper-parameter rounded once to float32, as the element-wise ops round Python floats (1 - beta in double).
-  adam_step_kernel<<<grid_for(n), kBlockSize>>>(
-      data<float>(theta), data<float>(grad), data<float>(m), data<float>(v), data<float>(out), data<float>(out_m),
-      data<float>(out_v), n, first, static_cast<float>(beta1), static_cast<float>(1.0 - beta1),
-      static_cast<float>(beta2), static_cast<float>(1.0 - beta2), static_cast<float>(correction1),
-      static_cast<float>(correction2), static_cast<float>(lr), static_cast<float>(eps));
+  adam_step_kernel<<<grid_for(n), kBlockSize>>>(data<float>(theta), data<float>(grad), data<float>(m), data<float>(v),
+                                                data<float>(out), data<float>(out_m), data<float>(out_v), n, first,
+                                                adam_hyper(lr, beta1, beta2, eps, correction1, correction2));
   check_kernel(fn);
 }
 
@@ -1899,10 +1905,7 @@ void adam8bit_step(const CudaArray& theta, const CudaArray& grad, CudaArray& q_m
   check_size(fn, "code_m", code_m.size, kCodeSize);
   check_size(fn, "code_v", code_v.size, kCodeSize);
   if (blocks == 0) return;
-  // Each hyper-parameter rounded once to float32, as the element-wise ops round Python floats (1 - beta in double).
-  const Adam8bitHyper h{static_cast<float>(beta1), static_cast<float>(1.0 - beta1), static_cast<float>(beta2),
-                        static_cast<float>(1.0 - beta2), static_cast<float>(correction1),
-                        static_cast<float>(correction2), static_cast<float>(lr), static_cast<float>(eps)};
+  const AdamHyper h = adam_hyper(lr, beta1, beta2, eps, correction1, correction2);
   const unsigned grid = static_cast<unsigned>(std::min(blocks, kReduceMaxBlocks));
   adam8bit_step_kernel<<<grid, reduce_threads(static_cast<size_t>(block_size))>>>(
       data<float>(theta), data<float>(grad), data<uint8_t>(q_m), data<float>(absmax_m), data<uint8_t>(q_v),

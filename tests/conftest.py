@@ -2,6 +2,7 @@
 
 Tests seed their own RNGs (the `rng` fixture, or np.random.seed inside the test), never at import.
 """
+import gc as python_gc
 import os
 import sys
 
@@ -110,3 +111,12 @@ def run_float64_checks(module):
                             env=dict(os.environ, NEEDLE_BACKEND="np"), capture_output=True, text=True, timeout=300,
                             check=False)
     assert result.returncode == 0 and "float64 checks passed" in result.stdout, result.stdout + result.stderr[-5000:]
+
+
+def peak_during(device, fn):
+    """(the allocator's peak while fn() runs, above the bytes held when it starts; fn's result)."""
+    python_gc.collect()
+    nd.reset_peak_memory_stats(device)
+    base = nd.memory_stats(device)["current_bytes"]
+    out = fn()
+    return nd.memory_stats(device)["peak_bytes"] - base, out

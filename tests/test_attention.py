@@ -23,7 +23,7 @@ from needle import backend_ndarray as nd
 from needle.backend_ndarray import ndarray_backend_numpy as reference
 from needle.ops.ops_attention import ScaledDotProductAttention, ScaledDotProductAttentionGrad
 
-from conftest import DEVICES, check_gradients, numerical_gradient, run_float64_checks
+from conftest import DEVICES, check_gradients, numerical_gradient, peak_during, run_float64_checks
 
 REPO = os.path.join(os.path.dirname(__file__), "..")
 DEVICE = nd.cpu() if nd.cpu().enabled() else nd.cpu_numpy()
@@ -227,15 +227,6 @@ def test_seed_none_draws_from_numpys_rng_only_with_dropout():
 
 
 # ----- memory: exact bytes -----------------------------------------------------------------------------------
-def _peak_during(device, fn):
-    """The allocator's peak while fn() runs, above the bytes held when it starts."""
-    python_gc.collect()
-    nd.reset_peak_memory_stats(device)
-    base = nd.memory_stats(device)["current_bytes"]
-    out = fn()
-    return nd.memory_stats(device)["peak_bytes"] - base, out
-
-
 @pytest.mark.parametrize("device", HOST_DEVICES)
 @pytest.mark.parametrize("strided", [False, True], ids=["compact", "strided"])
 def test_peak_inside_compute_is_exactly_outputs_plus_declared_workspace(device, strided):
@@ -251,7 +242,7 @@ def test_peak_inside_compute_is_exactly_outputs_plus_declared_workspace(device, 
     k, v = (nd.array(a, device=device) for a in arrays[1:3])
     shapes = [x.shape for x in (q, k, v)]
     forward = ScaledDotProductAttention(causal=True)
-    peak, (out, lse) = _peak_during(device, lambda: forward.compute(q, k, v))
+    peak, (out, lse) = peak_during(device, lambda: forward.compute(q, k, v))
     outputs = F32 * (B * H * T_q * D_v + B * H * T_q)
     assert peak == outputs + F32 * (forward.workspace(*shapes) + strided * q.size), (peak, outputs)
 
@@ -259,7 +250,7 @@ def test_peak_inside_compute_is_exactly_outputs_plus_declared_workspace(device, 
     dlse = nd.full((1, 1, 1), 0.0, device=device).broadcast_to((B, H, T_q)) if strided else \
         nd.array(np.zeros((B, H, T_q)), device=device)
     backward = ScaledDotProductAttentionGrad(causal=True)
-    peak, grads = _peak_during(device, lambda: backward.compute(q, k, v, out, lse, dout, dlse))
+    peak, grads = peak_during(device, lambda: backward.compute(q, k, v, out, lse, dout, dlse))
     outputs = F32 * sum(x.size for x in (q, k, v))
     copies = strided * (q.size + dlse.size)
     assert peak == outputs + F32 * (backward.workspace(*shapes, out.shape, lse.shape, dout.shape, dlse.shape)

@@ -18,7 +18,7 @@ from needle import backend_ndarray as nd
 from needle.ops import ops_fused
 from needle.ops.ops_fused import LinearCrossEntropy, LinearCrossEntropyGrad, chunk_rows
 
-from conftest import DEVICES, check_gradients, numerical_gradient, run_float64_checks
+from conftest import DEVICES, check_gradients, numerical_gradient, peak_during, run_float64_checks
 from models import LanguageModel
 
 DEVICE = nd.cpu() if nd.cpu().enabled() else nd.cpu_numpy()
@@ -201,15 +201,6 @@ def test_op_contract_saves_shapes_and_no_second_derivative():
         grad_node.op.gradient(grad_node, grad_node)
 
 
-def _peak_during(device, fn):
-    """The allocator's peak while fn() runs, above the bytes held when it starts."""
-    python_gc.collect()
-    nd.reset_peak_memory_stats(device)
-    base = nd.memory_stats(device)["current_bytes"]
-    out = fn()
-    return nd.memory_stats(device)["peak_bytes"] - base, out
-
-
 @pytest.mark.parametrize("device", [pytest.param(nd.cpu(), id="cpu", marks=_CPU_SKIP),
                                     pytest.param(nd.cpu_numpy(), id="cpu_numpy")])
 @pytest.mark.parametrize("chunk, bias", [(8, (1, 200)), (5, (200,)), (8, None), (64, (1, 200)), (None, None)])
@@ -226,7 +217,7 @@ def test_peak_memory_is_what_the_op_declares_and_far_below_the_logits(device, ch
     c, logits_chunk, logits_full = chunk_rows(N, V, chunk), chunk_rows(N, V, chunk) * V * F32, N * V * F32
 
     forward = LinearCrossEntropy(chunk, bias is not None)
-    peak, _ = _peak_during(device, lambda: forward.compute(*inputs))
+    peak, _ = peak_during(device, lambda: forward.compute(*inputs))
     declared = F32 * forward.workspace(*shapes)
     assert peak <= logits_chunk + F32 + declared
     # Exactly the workspace: the output (4 bytes) is allocated after the chunks' temporaries are gone, so the
@@ -235,7 +226,7 @@ def test_peak_memory_is_what_the_op_declares_and_far_below_the_logits(device, ch
 
     backward = LinearCrossEntropyGrad(chunk, bias is not None)
     outputs = F32 * (N * H + H * V + (V if bias is not None else 0))
-    peak_grad, grads = _peak_during(device, lambda: backward.compute(*inputs, g))
+    peak_grad, grads = peak_during(device, lambda: backward.compute(*inputs, g))
     del grads
     declared_grad = F32 * backward.workspace(*shapes, ())
     assert peak_grad <= logits_chunk + outputs + declared_grad

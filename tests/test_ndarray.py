@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 import needle as ndl
 from needle import backend_ndarray as nd
 
-from conftest import COMPILED_DEVICES, DEVICES
+from conftest import COMPILED_DEVICES, DEVICES, peak_during
 
 HYPOTHESIS = settings(derandomize=True, max_examples=40, deadline=None, database=None,
                       suppress_health_check=[HealthCheck.too_slow])
@@ -1292,14 +1292,8 @@ def test_matmul_of_transposed_operands_equals_compact_copies_and_copies_nothing(
     a_t, b_t = (nd.array(x.T.copy(), device=device).astype(dtype).permute((1, 0)) for x in (A, B))
     assert not a_t.is_compact() or m == 1 or n == 1
 
-    def peak_of(x, y):
-        nd.reset_peak_memory_stats(device)
-        before = nd.memory_stats(device)["current_bytes"]
-        out = x @ y
-        return out.numpy(), nd.memory_stats(device)["peak_bytes"] - before
-
-    expected, compact_peak = peak_of(a, b)
+    compact_peak, expected = peak_during(device, lambda: a @ b)
     for x, y in ((a_t, b), (a, b_t), (a_t, b_t)):
-        out, peak = peak_of(x, y)
+        peak, out = peak_during(device, lambda: x @ y)
         assert peak == compact_peak
-        np.testing.assert_array_equal(out.view(np.uint8), expected.view(np.uint8))
+        np.testing.assert_array_equal(out.numpy().view(np.uint8), expected.numpy().view(np.uint8))
