@@ -577,3 +577,51 @@ def test_get_batch_rejects_rows_out_of_range():
         ndl.data.get_batch(batches, 0, 0)
     X, y = ndl.data.get_batch(batches, 8, 4)  # the last row with a target
     assert X.shape == (1, 2) and y.shape == (2,)
+
+
+# ----- hostile or mistaken files: one clear error, bounded work (issue 26, items 3 and 10) ---------------------------
+def test_mnist_rejects_labels_outside_0_to_9(tmp_path):
+    image_path, label_path = write_mnist(tmp_path, np.zeros((3, 28, 28)), np.array([1, 12, 3]))
+    with pytest.raises(ValueError, match=re.escape(f"{label_path}: label 12 at index 1 is outside 0..9")):
+        ndl.data.MNISTDataset(image_path, label_path)
+
+
+def test_mnist_does_not_inflate_a_gzip_bomb(tmp_path, monkeypatch):
+    # A header promising 2 labels followed by 64 MiB of zeros (64 KiB compressed): the reader stops counting
+    # after a bounded excess and never holds the inflated stream.
+    image_path, label_path = write_mnist(tmp_path, np.zeros((2, 28, 28)), np.zeros(2))
+    with gzip.open(label_path, "wb") as f:
+        f.write(struct.pack(">ii", 2049, 2))
+        zeros = bytes(1 << 20)
+        for _ in range(64):
+            f.write(zeros)
+    reads = []
+    real_read = gzip.GzipFile.read
+
+    def read(self, size=-1):
+        reads.append(size)
+        return real_read(self, size)
+
+    monkeypatch.setattr(gzip.GzipFile, "read", read)
+    with pytest.raises(ValueError, match=r"has more than \d+ after the header \(too long\)"):
+        ndl.data.parse_mnist(image_path, label_path)
+    assert all(0 <= size <= 1 << 20 for size in reads)  # never "read everything"
+
+
+def test_mnist_rejects_a_header_promising_more_than_gzip_can_hold(tmp_path):
+    image_path, label_path = write_mnist(tmp_path, np.zeros((2, 28, 28)), np.zeros(2))
+    write_gz(image_path, struct.pack(">iiii", 2051, 1_000_000, 28, 28))  # 784 MB promised from ~50 bytes
+    with pytest.raises(ValueError, match="more than gzip can inflate to"):
+        ndl.data.parse_mnist(image_path, label_path)
+
+
+def test_corpus_that_is_not_utf8_names_the_file(ptb_dir):
+    (ptb_dir / "test.txt").write_bytes(b"the cat\n\xff\xfe sat\n")
+    with pytest.raises(ValueError, match=re.escape(f"{ptb_dir / 'test.txt'}: not UTF-8 text")):
+        ndl.data.Corpus(str(ptb_dir))
+
+
+@pytest.mark.parametrize("batch_size", [0, -2, 1.5, True])
+def test_batchify_rejects_a_batch_size_that_is_not_a_positive_integer(batch_size):
+    with pytest.raises(ValueError, match=re.escape(f"batch_size must be a positive integer, got {batch_size!r}")):
+        ndl.data.batchify(list(range(10)), batch_size=batch_size, device=None, dtype="float32")

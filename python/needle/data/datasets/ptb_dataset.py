@@ -45,10 +45,15 @@ class Corpus:
             raise missing_data_error(path, "ptb", os.path.dirname(os.path.dirname(os.path.normpath(path))))
         ids = []
         with open(path, encoding="utf-8") as f:
-            for i, line in enumerate(f):
-                if max_lines is not None and i >= max_lines:
-                    break
-                ids.extend(self.dictionary.add_word(w) for w in line.split() + ["<eos>"])
+            try:
+                for i, line in enumerate(f):
+                    if max_lines is not None and i >= max_lines:
+                        break
+                    ids.extend(self.dictionary.add_word(w) for w in line.split() + ["<eos>"])
+            except UnicodeDecodeError as err:
+                good = i + 1 if ids else 0
+                raise ValueError(f"{path}: not UTF-8 text ({err.reason}; {good} lines read before it): is it a PTB "
+                                 f"text file?") from None
         return ids
 
 
@@ -58,6 +63,8 @@ def batchify(data, batch_size, device, dtype):
     Column j holds the consecutive tokens data[j*nbatch:(j+1)*nbatch] (column-major); the remainder that does not
     fill a whole row is dropped. `device` is unused (the array stays in NumPy until get_batch).
     """
+    if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
+        raise ValueError(f"batchify: batch_size must be a positive integer, got {batch_size!r}")
     nbatch = len(data) // batch_size
     if nbatch == 0:
         raise ValueError(f"batchify: {len(data)} tokens are fewer than batch_size={batch_size}")
