@@ -7,6 +7,8 @@ gradient is the same mask on out_grad (and a numerical check), the rate is p, nn
 NumPy's stream where the course's mask draw leaves it and keeps no mask, and a TransformerLayer with
 fused_attention=True keeps no mask at all and is bit-identical with checkpointing on and off.
 """
+import re
+
 import numpy as np
 import pytest
 
@@ -128,3 +130,21 @@ def test_fused_transformer_layer_keeps_no_mask_and_gc_is_bit_identical(lazy):
     _, unfused_leaves, after_unfused = grads(False, False)
     assert after_fused == after_unfused  # NumPy's stream as the unfused layer leaves it
     assert any(tuple(n.shape) == (2, 5, 8) for n in unfused_leaves)  # which keeps its masks
+
+
+@pytest.mark.parametrize("p", [-0.1, 1.5, float("nan"), "0.5", True])
+def test_module_rejects_a_rate_that_is_not_a_probability(p):
+    # Dropout(-0.1) scaled every activation by 1/1.1 and Dropout(1.5) zeroed everything, silently (issue 26, item 3)
+    with pytest.raises(ValueError, match=re.escape(f"Dropout: p must be a probability in [0, 1], got {p!r}")):
+        nn.Dropout(p)
+    module = nn.Dropout(0.5)
+    with pytest.raises(ValueError, match="Dropout: p must be a probability"):
+        module.p = p
+    assert module.p == 0.5
+
+
+def test_module_accepts_the_ends_of_the_range():
+    np.random.seed(0)
+    x = ndl.Tensor(np.ones((4, 5), dtype="float32"))
+    assert np.all(nn.Dropout(1)(x).numpy() == 0)
+    np.testing.assert_array_equal(nn.Dropout(0)(x).numpy(), x.numpy())

@@ -237,6 +237,16 @@ class Dropout(Module):
         self.p = p
         self.regenerate = regenerate
 
+    @property
+    def p(self):
+        return self._p
+
+    @p.setter
+    def p(self, p):  # checked whenever it is set: a rate outside [0, 1] would scale or zero silently
+        if isinstance(p, bool) or not isinstance(p, (int, float, np.integer, np.floating)) or not 0 <= p <= 1:
+            raise ValueError(f"Dropout: p must be a probability in [0, 1], got {p!r}")
+        self._p = p
+
     def forward(self, x):
         if not self.training:
             return x
