@@ -9,9 +9,8 @@ import needle as ndl
 from needle import distributed as dist
 from needle import nn, optim
 
-from conftest import DEVICES
+from conftest import COMPILED_DEVICES
 
-DEVICE = DEVICES[0]  # the compiled CPU backend (skipped cleanly if it is not built)
 K, M = 3, 4  # steps before the checkpoint, steps after it
 
 
@@ -99,7 +98,7 @@ OPTIMIZERS = {
 
 
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
-@pytest.mark.parametrize("device", [DEVICE])
+@pytest.mark.parametrize("device", COMPILED_DEVICES)  # cpu, and cuda where there is one
 def test_resume_is_bit_identical(name, device, tmp_path):
     """Every optimizer: model + optimizer + RNG from one file continue training to the byte; without the
     optimizer's state (a model-only checkpoint) or without the RNG state the result differs."""
@@ -116,7 +115,7 @@ def test_resume_is_bit_identical(name, device, tmp_path):
                                                                                for p in opt.params)
 
 
-@pytest.mark.parametrize("device", [DEVICE])
+@pytest.mark.parametrize("device", COMPILED_DEVICES)  # cpu, and cuda where there is one
 def test_resume_16_bit_parameters_master_weights_and_stochastic_rounding(device, tmp_path):
     """bfloat16 parameters: Adam's float32 master copies are state too; pure-bf16 SGD with stochastic rounding
     resumes its rounding seeds (rounding_steps) and its 16-bit momentum."""
@@ -130,7 +129,7 @@ def test_resume_16_bit_parameters_master_weights_and_stochastic_rounding(device,
         assert opt.master or opt._rounding_steps == (K + M) * 6
 
 
-@pytest.mark.parametrize("device", [DEVICE])
+@pytest.mark.parametrize("device", COMPILED_DEVICES)  # cpu, and cuda where there is one
 def test_resume_offloaded_and_not_offloaded_state_load_into_each_other(device, tmp_path):
     """Where the state lives is the loading optimizer's choice: an offloaded Adam's state dict loads into an Adam
     on the device and the other way round, with identical state."""
@@ -149,7 +148,7 @@ def test_resume_offloaded_and_not_offloaded_state_load_into_each_other(device, t
         assert all(a[slot].tobytes() == b[slot].tobytes() for slot in ("m", "v"))
 
 
-@pytest.mark.parametrize("device", [DEVICE])
+@pytest.mark.parametrize("device", COMPILED_DEVICES)  # cpu, and cuda where there is one
 def test_resume_mixed_fp16_with_grad_scaler_including_skipped_steps(device, tmp_path):
     """float16 autocast with dynamic loss scaling: a scale that grows every 2 clean steps until float16
     overflows, so steps are skipped before and after the checkpoint; the resumed run takes and skips the same
@@ -165,7 +164,7 @@ def test_resume_mixed_fp16_with_grad_scaler_including_skipped_steps(device, tmp_
 
 @pytest.mark.parametrize("stage", [1, 2])
 @pytest.mark.parametrize("optimizer_class", [optim.Adam, optim.Adafactor])
-@pytest.mark.parametrize("device", [DEVICE])
+@pytest.mark.parametrize("device", COMPILED_DEVICES)  # cpu, and cuda where there is one
 def test_resume_zero_at_world_size_one(stage, optimizer_class, device, tmp_path):
     """ZeroRedundancyOptimizer in one process (flat partition for Adam, tensors for Adafactor): its state dict
     is the shard of rank 0 of 1 and resumes bit for bit (two ranks: tests/distributed/resume_exact.py)."""
@@ -179,7 +178,7 @@ def test_resume_zero_at_world_size_one(stage, optimizer_class, device, tmp_path)
     assert ("shard" in state) == (optimizer_class is optim.Adam)
 
 
-@pytest.mark.parametrize("device", [DEVICE])
+@pytest.mark.parametrize("device", COMPILED_DEVICES)  # cpu, and cuda where there is one
 def test_a_zero_state_dict_of_another_rank_or_partition_is_refused(device):
     np.random.seed(0)
     model = _model(device)

@@ -7,6 +7,9 @@ random state a resumed run needs (`ndl.random_state()` / `ndl.set_random_state(s
     model.load_state_dict(ckpt["model"]); opt.load_state_dict(ckpt["optimizer"])
     scaler.load_state_dict(ckpt["scaler"]); ndl.set_random_state(ckpt["rng"])
 
+Under mpiexec every rank saves a file of its own (`f"ckpt.rank{dist.rank()}.npz"`): its RNG state differs from the
+others', and a ZeroRedundancyOptimizer's state_dict() is that rank's shard (loading checks the rank).
+
 What can be saved, nested as deep as you like: dicts (str or int keys, order kept), lists and tuples; Tensors,
 NDArrays and NumPy arrays, which come back as NumPy arrays on the host in their dtype (a Tensor's device is not
 stored: `load_state_dict` puts each value on its parameter's device); NumPy scalars, which come back as NumPy
