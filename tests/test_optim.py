@@ -225,6 +225,8 @@ def test_load_state_dict_names_the_mismatch_and_changes_nothing():
         fresh.load_state_dict({**state, "state": {1: {"u": np.zeros(8, np.float32)}}})
     with pytest.raises(ValueError, match="state key 5 is not a parameter index below 3"):
         fresh.load_state_dict({**state, "state": {5: {}}})
+    with pytest.raises(ValueError, match="state key 'm' is not a parameter index below 3"):
+        fresh.load_state_dict({**state, "state": {"m": {}}})
     group = {k: v for k, v in state["param_groups"][0].items() if k != "t"}
     with pytest.raises(ValueError, match="the parameter group lacks t"):
         fresh.load_state_dict({**state, "param_groups": [group]})

@@ -248,7 +248,7 @@ class Optimizer:
                                  f"{key}={value!r}")
         restored = {slot: {} for slot in ("master",) + tuple(self.slots)}
         for key, entry in state_dict["state"].items():
-            i = int(key)
+            i = int(key) if isinstance(key, int) or (isinstance(key, str) and key.isdigit()) else -1
             if not 0 <= i < len(self.params) or not isinstance(entry, dict):
                 raise ValueError(f"{owner}: state key {key!r} is not a parameter index below {len(self.params)} "
                                  "with a dict of slots")
