@@ -317,6 +317,17 @@ def test_two_ranks_equal_one_process_and_zero_equals_data_parallel():
 
 
 @needs_mpi
+def test_zero_stages_1_and_2_resume_bit_identically_from_each_ranks_shard(tmp_path):
+    code, out = mpiexec(os.path.join(SCRIPTS, "resume_exact.py"), str(tmp_path))
+    assert code == 0, out
+    checks = passed(out)
+    for name in ("adam", "sgd", "adafactor", "adam8bit"):
+        for stage in (1, 2):
+            assert checks.get(f"resume_zero{stage}_{name}") == {0, 1}, (name, stage, out)
+    assert checks.get("zero_refuses_another_ranks_shard") == {0, 1}, out
+
+
+@needs_mpi
 def test_a_two_stage_pipeline_equals_the_unsplit_model():
     code, out = mpiexec(os.path.join(SCRIPTS, "pipeline_exact.py"))
     assert code == 0, out

@@ -173,3 +173,138 @@ def test_numpy_backend_keeps_parameter_dtype():
                PYTHONPATH=os.pathsep.join([os.path.join(root, "python"), os.environ.get("PYTHONPATH", "")]))
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and "ok" in result.stdout, result.stderr
+
+
+# ----- state_dict / load_state_dict (resuming end to end: test_resume.py) ------------------------------------------
+def _trained(make, device=None, steps=2):
+    """(parameters, an optimizer made by `make` after `steps` steps on them)."""
+    rs = np.random.RandomState(0)
+    params = [nn.Parameter(ndl.Tensor(rs.randn(*shape).astype(np.float32), device=device))
+              for shape in ((64, 8), (8,), (3, 3))]
+    opt = make(params)
+    for _ in range(steps):
+        opt.reset_grad()
+        sum(((p * p) * p).sum() for p in params).backward()
+        opt.step()
+    return params, opt
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_adam_state_dict_has_pytorchs_layout_and_loads_back_exactly(device):
+    params, opt = _trained(lambda ps: optim.Adam(ps, lr=0.01, beta1=0.8), device)
+    state = opt.state_dict()
+    assert list(state) == ["state", "param_groups"] and list(state["state"]) == [0, 1, 2]
+    assert all(list(entry) == ["m", "v"] and all(type(a) is np.ndarray for a in entry.values())
+               for entry in state["state"].values())
+    group = state["param_groups"][0]
+    assert group["params"] == [0, 1, 2] and group["t"] == 2 and group["lr"] == 0.01 and group["beta1"] == 0.8
+    fresh = optim.Adam(params, lr=0.5)  # hyper-parameters come from the state dict, as in PyTorch
+    fresh.load_state_dict(state)
+    assert fresh.lr == 0.01 and fresh.beta1 == 0.8 and fresh.t == 2
+    assert all(fresh.m[p].device == p.device for p in params)
+    again = fresh.state_dict()
+    for i in range(3):
+        assert all(again["state"][i][s].tobytes() == state["state"][i][s].tobytes() for s in ("m", "v"))
+    state["state"][0]["m"][:] = 7.0  # a copy: the optimizer's state is untouched
+    assert not np.any(fresh.state_dict()["state"][0]["m"] == 7.0)
+
+
+def test_load_state_dict_names_the_mismatch_and_changes_nothing():
+    params, opt = _trained(lambda ps: optim.Adam(ps, lr=0.01))
+    state = opt.state_dict()
+    fresh = optim.Adam(params, lr=0.3)
+    with pytest.raises(ValueError, match="the state dict is for 3 parameters, this optimizer has 2"):
+        optim.Adam(params[:2]).load_state_dict(state)
+    swapped = {"state": {**state["state"], 0: {"m": state["state"][0]["m"].T, "v": state["state"][0]["v"]}},
+               "param_groups": state["param_groups"]}
+    with pytest.raises(ValueError, match=r"parameter 0's state 'm' is \[\(\(8, 64\), 'float32'\)\] \(shape, dtype\)"
+                                         r" in the state dict, but this optimizer needs \[\(\(64, 8\), 'float32'\)\]"):
+        fresh.load_state_dict(swapped)
+    with pytest.raises(ValueError, match="parameter 1 has state 'u' in the state dict; this optimizer's state is "
+                                         "master, m, v"):
+        fresh.load_state_dict({**state, "state": {1: {"u": np.zeros(8, np.float32)}}})
+    with pytest.raises(ValueError, match="state key 5 is not a parameter index below 3"):
+        fresh.load_state_dict({**state, "state": {5: {}}})
+    with pytest.raises(ValueError, match="state key 'm' is not a parameter index below 3"):
+        fresh.load_state_dict({**state, "state": {"m": {}}})
+    group = {k: v for k, v in state["param_groups"][0].items() if k != "t"}
+    with pytest.raises(ValueError, match="the parameter group lacks t"):
+        fresh.load_state_dict({**state, "param_groups": [group]})
+    with pytest.raises(ValueError, match="expected a dict with 'state'"):
+        fresh.load_state_dict({"m": 1})
+    assert fresh.lr == 0.3 and fresh.t == 0 and fresh.m == {} and fresh.state_dict()["state"] == {}
+
+
+def test_load_state_dict_checks_the_options_that_fix_the_states_layout():
+    params, opt = _trained(lambda ps: optim.Adam8bit(ps, lr=0.01, min_8bit_size=64, block_size=64))
+    state = opt.state_dict()
+    q, absmax = state["state"][0]["m"]  # the 64 x 8 matrix: 8-bit codes and one absmax per block of 64
+    assert q.dtype == np.uint8 and q.shape == (64, 8) and absmax.dtype == np.float32 and absmax.shape == (8,)
+    assert state["state"][1]["m"].dtype == np.float32  # 8 elements: float32 state
+    with pytest.raises(ValueError, match="saved with block_size=64, this optimizer has block_size=256"):
+        optim.Adam8bit(params, lr=0.01, min_8bit_size=64).load_state_dict(state)
+    with pytest.raises(ValueError, match=r"saved with fp32_state_params=\[\], this optimizer has "
+                                         r"fp32_state_params=\[0\]"):
+        optim.Adam8bit(params, lr=0.01, min_8bit_size=64, block_size=64,
+                       fp32_state_params=[params[0]]).load_state_dict(state)
+    with pytest.raises(ValueError, match="saved with master_weights=None, this optimizer has master_weights=True"):
+        optim.Adam(params, master_weights=True).load_state_dict(_trained(lambda ps: optim.Adam(ps))[1].state_dict())
+    factored = _trained(lambda ps: optim.Adafactor(ps))[1].state_dict()
+    assert [list(factored["state"][i]) for i in range(3)] == [["row", "col"], ["v"], ["row", "col"]]
+    assert factored["state"][0]["row"].shape == (64, 1) and factored["state"][0]["col"].shape == (1, 8)
+    bad = {**factored, "state": {1: {"row": np.zeros((8, 1), np.float32)}}}
+    with pytest.raises(ValueError, match=r"parameter 1 has state 'row' in the state dict, but this optimizer keeps "
+                                         r"none for it \(shape \(8,\), dtype float32\)"):
+        optim.Adafactor(params).load_state_dict(bad)
+
+
+def test_grad_scaler_state_dict_round_trip_and_validation():
+    scaler = ndl.amp.GradScaler(init_scale=1024.0, growth_interval=3)
+    scaler._clean_steps = 2
+    state = scaler.state_dict()
+    fresh = ndl.amp.GradScaler()
+    fresh.load_state_dict(state)
+    assert fresh.get_scale() == 1024.0 and fresh.state_dict() == state
+    for key, value, why in (("scale", float("nan"), "need a finite scale"), ("clean_steps", 3, "clean_steps <"),
+                            ("backoff_factor", 1.5, "0 < backoff_factor < 1")):
+        with pytest.raises(ValueError, match=why):
+            fresh.load_state_dict({**state, key: value})
+    with pytest.raises(ValueError, match="the state lacks scale"):
+        fresh.load_state_dict({k: v for k, v in state.items() if k != "scale"})
+    assert fresh.state_dict() == state  # a refused state changed nothing
+    p = nn.Parameter(ndl.Tensor(np.ones(2, np.float32)))
+    (p * 2.0).sum().backward()
+    scaler.step(optim.SGD([p], lr=0.1))
+    with pytest.raises(RuntimeError, match=r"between step\(\) and update\(\)"):
+        scaler.state_dict()
+    scaler.update()
+    assert scaler.state_dict()["clean_steps"] == 0 and scaler.get_scale() == 2048.0
+
+
+def test_numpy_backend_state_dict_round_trip(tmp_path):
+    """Under NEEDLE_BACKEND=np the state is NumPy arrays in the parameters' dtypes (float64 too)."""
+    code = textwrap.dedent(f"""
+        import numpy as np
+        import needle as ndl
+        from needle import nn, optim
+        for make in (lambda ps: optim.Adam(ps, lr=0.1), lambda ps: optim.Adafactor(ps, beta1=0.9)):
+            p32 = nn.Parameter(ndl.Tensor(np.ones((2, 3), dtype=np.float32)))
+            p64 = nn.Parameter(ndl.Tensor(np.ones((3,), dtype=np.float64), dtype="float64"))
+            opt = make([p32, p64])
+            for _ in range(2):
+                ((p32 * p32).sum() + (p64 * p64 * p64).sum()).backward()
+                opt.step()
+            state = opt.state_dict()
+            fresh = make([p32, p64])
+            fresh.load_state_dict(ndl.load(ndl.save(state, {str(tmp_path / "state.npz")!r})))
+            for i, entry in fresh.state_dict()["state"].items():
+                for slot, a in entry.items():
+                    assert a.dtype == state["state"][i][slot].dtype == (np.float64 if i else np.float32), slot
+                    assert a.tobytes() == state["state"][i][slot].tobytes()
+        print("ok")
+    """)
+    root = os.path.join(os.path.dirname(__file__), "..")
+    env = dict(os.environ, NEEDLE_BACKEND="np",
+               PYTHONPATH=os.pathsep.join([os.path.join(root, "python"), os.environ.get("PYTHONPATH", "")]))
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and "ok" in result.stdout, result.stderr

@@ -1,15 +1,25 @@
 """Saving and loading: Module.state_dict / load_state_dict, and ndl.save / ndl.load (.npz, never pickle)."""
+import errno
+import os
+import pathlib
 import pickle
+import subprocess
+import sys
+import textwrap
 import zipfile
 
+import ml_dtypes
 import numpy as np
 import pytest
+from numpy.lib import format as npy_format
 
 import needle as ndl
 from needle import backend_ndarray as nd
 from needle import nn
 
 from conftest import DEVICES
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 
 
 def _model(device, seed):
@@ -94,7 +104,7 @@ def test_load_state_dict_checks_everything_before_writing_and_non_strict_loads_t
 
 
 def test_save_and_load_tensors_arrays_and_nested_dicts(tmp_path):
-    """A lone Tensor loads as a NumPy array; nested dicts come back flat with dotted keys, in order."""
+    """A lone Tensor loads as a NumPy array; nested dicts come back nested, in order, numbers as they were."""
     t = ndl.Tensor(np.arange(6, dtype=np.float32).reshape(2, 3), device=nd.cpu_numpy())
     path = ndl.save(t, tmp_path / "t.npz")
     loaded = ndl.load(path)
@@ -103,9 +113,11 @@ def test_save_and_load_tensors_arrays_and_nested_dicts(tmp_path):
 
     obj = {"model": {"w": t, "b": t.realize_cached_data()}, "step": 3, "lr": np.float64(0.5)}
     loaded = ndl.load(ndl.save(obj, tmp_path / "ckpt.npz"))
-    assert list(loaded) == ["model.w", "model.b", "step", "lr"]
-    np.testing.assert_array_equal(loaded["model.b"], t.numpy())
-    assert loaded["step"] == 3 and loaded["lr"] == 0.5
+    assert list(loaded) == ["model", "step", "lr"] and list(loaded["model"]) == ["w", "b"]
+    np.testing.assert_array_equal(loaded["model"]["b"], t.numpy())
+    assert type(loaded["model"]["w"]) is np.ndarray and loaded["model"]["w"].dtype == np.float32
+    assert loaded["step"] == 3 and type(loaded["step"]) is int
+    assert loaded["lr"] == 0.5 and type(loaded["lr"]) is np.float64
 
 
 def test_save_and_load_agree_on_a_path_without_npz(tmp_path):
@@ -117,14 +129,19 @@ def test_save_and_load_agree_on_a_path_without_npz(tmp_path):
 
 
 def test_save_rejects_what_would_need_pickle(tmp_path):
-    with pytest.raises(TypeError, match=r"cannot store Sequential at key '__array__'.*save its state_dict\(\)"):
+    with pytest.raises(TypeError, match=r"cannot store Sequential at the top level.*save its state_dict\(\)"):
         ndl.save(_model(nd.cpu_numpy(), seed=0), tmp_path / "m.npz")
     with pytest.raises(TypeError, match="cannot store object at key 'opt.state'"):
         ndl.save({"opt": {"state": object()}}, tmp_path / "m.npz")
-    with pytest.raises(TypeError, match="cannot store list at key 'x'"):  # ragged
-        ndl.save({"x": [np.ones(2), np.ones(3)]}, tmp_path / "m.npz")
-    with pytest.raises(ValueError, match="'a.b' appears twice"):
-        ndl.save({"a.b": 1, "a": {"b": 2}}, tmp_path / "m.npz")
+    with pytest.raises(TypeError, match=r"cannot store ndarray at key 'x\[1\]'"):  # an object array
+        ndl.save({"x": [np.ones(2), np.array([np.ones(2), np.ones(3)], dtype=object)]}, tmp_path / "m.npz")
+    with pytest.raises(TypeError, match=r"dict keys must be str or int, got \(1, 2\) at key 'a'"):
+        ndl.save({"a": {(1, 2): 3}}, tmp_path / "m.npz")
+    looped = {"a": []}
+    looped["a"].append(looped)
+    with pytest.raises(ValueError, match=r"the same dict appears twice \(or inside itself\) at key 'a\[0\]'"):
+        ndl.save(looped, tmp_path / "m.npz")
+    assert list(tmp_path.iterdir()) == []  # a value that cannot be stored: nothing was written
 
 
 _SIDE_EFFECTS = []
@@ -158,3 +175,164 @@ def test_load_refuses_non_npz_and_pickled_files_with_a_clear_error(tmp_path, kin
         ndl.load(path)
     assert _SIDE_EFFECTS == []
     assert zipfile.is_zipfile(path) == (kind == "object-array")
+
+
+# ----- the format: nesting and dtypes in a manifest ----------------------------------------------------------------
+def test_every_kind_of_value_comes_back_as_it_was_saved(tmp_path):
+    """dicts with str and int keys, lists, tuples, empty ones; arrays of every dtype (bfloat16 too, zero-size,
+    0-d); NumPy scalars; bool, int, float (nan and inf too), str and None."""
+    obj = {"state": {0: {"m": np.arange(3, dtype=np.float32)}, 2: {"pair": (np.zeros((2, 2), np.uint8),
+                                                                            np.ones(1, np.float32))}},
+           "groups": [{"lr": 0.1, "eps": (1e-30, 1e-3), "none": None, "on": True, "name": "adam", "t": 2**70}],
+           "empty": {}, "nothing": [], "unit": (), "floats": [float("inf"), -0.0],
+           "bf16": np.array([1.5, -2.25], dtype=ml_dtypes.bfloat16), "zero_size": np.zeros((0, 3), np.int32),
+           "scalar_array": np.array(7, dtype=np.int8), "np_scalar": np.float32(0.25), "nan": float("nan")}
+    loaded = ndl.load(ndl.save(obj, tmp_path / "all.npz"))
+    assert list(loaded) == list(obj) and list(loaded["state"]) == [0, 2]
+    assert loaded["groups"] == [{"lr": 0.1, "eps": (1e-30, 1e-3), "none": None, "on": True, "name": "adam",
+                                 "t": 2**70}]
+    assert loaded["empty"] == {} and loaded["nothing"] == [] and loaded["unit"] == ()
+    assert loaded["floats"] == [float("inf"), -0.0] and np.signbit(loaded["floats"][1])
+    assert np.isnan(loaded["nan"])
+    q, absmax = loaded["state"][2]["pair"]
+    assert q.dtype == np.uint8 and q.shape == (2, 2) and absmax.dtype == np.float32
+    for key in ("bf16", "zero_size", "scalar_array"):
+        assert loaded[key].dtype == obj[key].dtype and loaded[key].shape == obj[key].shape
+        assert loaded[key].tobytes() == obj[key].tobytes()
+    assert type(loaded["np_scalar"]) is np.float32 and loaded["np_scalar"] == 0.25
+
+
+def test_keys_are_kept_exactly_and_dtypes_live_in_the_manifest(tmp_path):
+    """The earlier format kept dtypes in key suffixes and flattened nesting into dots: a key "w:bfloat16" came
+    back as another tensor, and "w" with "w:bfloat16", or "a.b" with {"a": {"b"}}, kept only one."""
+    w16 = np.array([1.0, 3.5], dtype=ml_dtypes.bfloat16)
+    obj = {"w": w16, "w:bfloat16": np.array([7, 8], np.uint16), "a.b": np.ones(1), "a": {"b": np.zeros(1)}}
+    loaded = ndl.load(ndl.save(obj, tmp_path / "k.npz"))
+    assert list(loaded) == ["w", "w:bfloat16", "a.b", "a"]
+    assert loaded["w"].dtype == ml_dtypes.bfloat16 and loaded["w"].tobytes() == w16.tobytes()
+    assert loaded["w:bfloat16"].dtype == np.uint16 and loaded["w:bfloat16"].tolist() == [7, 8]
+    assert loaded["a.b"].tolist() == [1.0] and loaded["a"]["b"].tolist() == [0.0]
+    with zipfile.ZipFile(tmp_path / "k.npz") as archive:  # member names carry no dtype
+        assert sorted(archive.namelist()) == ["__needle_manifest__.npy"] + [f"arr_{i}.npy" for i in range(4)]
+
+
+def test_files_of_the_previous_format_still_load(tmp_path):
+    """No manifest: the flat dict of dotted keys it holds, ":bfloat16" suffixes read as before, a lone array
+    unwrapped."""
+    bits = np.array([1.5, -2.0], dtype=ml_dtypes.bfloat16).view(np.uint16)
+    np.savez(tmp_path / "old.npz", **{"model.w": np.ones(2, np.float32), "model.e:bfloat16": bits})
+    loaded = ndl.load(tmp_path / "old.npz")
+    assert list(loaded) == ["model.w", "model.e"] and loaded["model.e"].dtype == ml_dtypes.bfloat16
+    assert loaded["model.e"].astype(np.float32).tolist() == [1.5, -2.0]
+    np.savez(tmp_path / "lone.npz", __array__=np.arange(3))
+    assert ndl.load(tmp_path / "lone.npz").tolist() == [0, 1, 2]
+
+
+def _archive_with_manifest(path, manifest, **arrays):
+    members = {**arrays, "__needle_manifest__": np.frombuffer(manifest.encode(), dtype=np.uint8)}
+    np.savez(path, **members)
+
+
+@pytest.mark.parametrize("manifest, why", [
+    ('{"format": "needle", "version": 2, "nodes": [["array", "missing", "float32"]]}', "is not one ndl.save"),
+    ('{"format": "needle", "version": 2, "nodes": [["list", [0]]]}', "names child 0, not a later node"),
+    ('{"format": "needle", "version": 2, "nodes": [["array", "arr_0", "float64"]]}', "the manifest says float64"),
+    ('{"format": "needle", "version": 2, "nodes": [["object", "os.system"]]}', "is not one ndl.save"),
+    ('{"format": "needle", "version": 9, "nodes": []}', "not one of ndl.save's format 2"),
+    ('{"format": "needle", "version": 2, "nodes": ' + "[" * 100000 + "]" * 100000 + "}", "not an .npz"),
+    ("not json", "not an .npz"),
+], ids=["missing-member", "cycle", "wrong-dtype", "unknown-node", "version", "deep-nesting", "not-json"])
+def test_a_bad_manifest_is_a_clear_error(tmp_path, manifest, why):
+    path = tmp_path / "bad.npz"
+    _archive_with_manifest(path, manifest, arr_0=np.ones(2, np.float32))
+    with pytest.raises(ValueError, match=r"ndl.load: '.*bad\.npz' is not an \.npz archive") as err:
+        ndl.load(path)
+    assert why in str(err.value)
+
+
+# ----- atomic saves --------------------------------------------------------------------------------------------------
+def _good_checkpoint(tmp_path):
+    path = ndl.save({"w": np.arange(1000, dtype=np.float32), "step": 1}, tmp_path / "ckpt.npz")
+    return path, pathlib.Path(path).read_bytes()
+
+
+def test_save_writes_a_temporary_file_beside_the_target_fsyncs_it_and_renames_it(tmp_path, monkeypatch):
+    path, _ = _good_checkpoint(tmp_path)
+    events, fsync, replace = [], os.fsync, os.replace
+
+    def spy_fsync(fd):
+        events.append(("fsync",))
+        fsync(fd)
+
+    def spy_replace(src, dst):
+        events.append(("replace", src, dst))
+        replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", spy_fsync)
+    monkeypatch.setattr(os, "replace", spy_replace)
+    ndl.save({"w": np.zeros(3), "step": 2}, path)
+    monkeypatch.undo()
+    assert [e[0] for e in events] == ["fsync", "replace", "fsync"]  # the file's data, the rename, the folder
+    temporary, target = events[1][1:]
+    assert target == path and os.path.dirname(temporary) == os.path.dirname(path) and temporary.endswith(".tmp")
+    assert ndl.load(path)["step"] == 2 and os.listdir(tmp_path) == ["ckpt.npz"]
+
+
+@pytest.mark.parametrize("failure", ["write", "fsync", "interrupt"])
+def test_a_save_that_fails_midway_keeps_the_previous_file_and_removes_its_temporary(tmp_path, monkeypatch, failure):
+    """The disk fills up after the first array (or fsync fails, or Ctrl-C arrives): the save raises, the last
+    good checkpoint is byte for byte what it was, and no temporary file is left."""
+    path, before = _good_checkpoint(tmp_path)
+    write_array, written = npy_format.write_array, []
+
+    def write_then_fail(f, array, **kw):
+        if written:
+            raise KeyboardInterrupt() if failure == "interrupt" else OSError(errno.ENOSPC, "No space left on device")
+        written.append(array)
+        write_array(f, array, **kw)
+
+    if failure == "fsync":
+        monkeypatch.setattr(os, "fsync", lambda fd: (_ for _ in ()).throw(OSError(errno.EIO, "I/O error")))
+    else:
+        monkeypatch.setattr(npy_format, "write_array", write_then_fail)
+    with pytest.raises(KeyboardInterrupt if failure == "interrupt" else OSError):
+        ndl.save({"w": np.zeros(5000, np.float32), "v": np.ones(5000, np.float32)}, path)
+    monkeypatch.undo()
+    assert os.listdir(tmp_path) == ["ckpt.npz"]
+    assert pathlib.Path(path).read_bytes() == before and ndl.load(path)["step"] == 1
+
+
+@pytest.mark.skipif(os.name != "posix", reason="file-size limits (RLIMIT_FSIZE) are POSIX")
+def test_a_save_past_the_file_size_limit_keeps_the_previous_file(tmp_path):
+    """A real failure, not a mock: a process whose file-size limit (ulimit -f) the new checkpoint exceeds."""
+    path, before = _good_checkpoint(tmp_path)
+    script = textwrap.dedent(f"""
+        import resource, signal, sys
+        import numpy as np
+        sys.path.insert(0, {os.path.join(ROOT, "python")!r})
+        import needle as ndl
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails with EFBIG instead of killing us
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+        try:
+            ndl.save({{"w": np.zeros(1 << 20, np.float32)}}, {path!r})
+        except OSError as err:
+            print("failed", err.errno)
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == f"failed {errno.EFBIG}", out.stdout + out.stderr
+    assert os.listdir(tmp_path) == ["ckpt.npz"]
+    assert pathlib.Path(path).read_bytes() == before
+
+
+# ----- the random state ----------------------------------------------------------------------------------------------
+def test_the_random_state_survives_save_and_load(tmp_path):
+    np.random.seed(3)
+    np.random.randn()  # a cached Gaussian: part of the state too
+    state = ndl.random_state()
+    expected = (np.random.rand(5), np.random.randn(3))
+    np.random.seed(99)
+    ndl.set_random_state(ndl.load(ndl.save({"rng": state}, tmp_path / "rng.npz"))["rng"])
+    got = (np.random.rand(5), np.random.randn(3))
+    assert all(a.tobytes() == b.tobytes() for a, b in zip(got, expected))
+    with pytest.raises(ValueError, match="ndl.set_random_state: not a state random_state"):
+        ndl.set_random_state({"bit_generator": "MT19937"})

@@ -15,7 +15,7 @@ from .ops import (
     summation, tanh, transpose, tuple_get_item, undilate,
 )
 from .amp import autocast
-from .serialization import load, save
+from .serialization import load, random_state, save, set_random_state
 
 __all__ = [
     "BACKEND", "Tensor", "TensorTuple", "add", "add_scalar", "all_devices", "amp", "autocast", "autograd",
@@ -23,5 +23,5 @@ __all__ = [
     "dilate", "distributed", "divide", "divide_scalar", "exp", "flip", "init", "load", "log", "logsoftmax",
     "logsumexp", "make_tuple", "matmul", "mul_scalar", "multiply", "negate", "nn", "ops", "optim", "power",
     "power_scalar", "relu", "reshape", "save", "serialization", "sigmoid", "split", "stack", "summation", "tanh",
-    "transpose", "tuple_get_item", "undilate", "viz",
+    "transpose", "tuple_get_item", "undilate", "viz", "random_state", "set_random_state",
 ]

@@ -164,12 +164,26 @@ class GradScaler:
         self._found_inf = None
 
     def state_dict(self):
+        """What decides the scaler's future steps: the scale, the clean steps counted toward its next growth (PyTorch
+        calls them _growth_tracker) and the growth and backoff settings. Call it after `update()`."""
+        if self._unscaled:
+            raise RuntimeError("GradScaler.state_dict(): called between step() and update(); the step's outcome "
+                               "would be lost (save after update())")
         return {"scale": self._scale, "growth_factor": self.growth_factor, "backoff_factor": self.backoff_factor,
                 "growth_interval": self.growth_interval, "clean_steps": self._clean_steps}
 
     def load_state_dict(self, state):
-        self._scale = float(state["scale"])
-        self.growth_factor = float(state["growth_factor"])
-        self.backoff_factor = float(state["backoff_factor"])
-        self.growth_interval = int(state["growth_interval"])
-        self._clean_steps = int(state["clean_steps"])
+        """Restore `state_dict()`'s result; ValueError naming a missing or invalid entry (nothing changed then)."""
+        keys = ("scale", "growth_factor", "backoff_factor", "growth_interval", "clean_steps")
+        missing = [k for k in keys if not isinstance(state, dict) or k not in state]
+        if missing:
+            raise ValueError(f"GradScaler.load_state_dict: the state lacks {', '.join(missing)}")
+        scale, growth, backoff = (float(state[k]) for k in keys[:3])
+        interval, clean = int(state["growth_interval"]), int(state["clean_steps"])
+        if not (math.isfinite(scale) and scale > 0 and growth > 1 and 0 < backoff < 1 and interval >= 1
+                and 0 <= clean < interval):
+            raise ValueError("GradScaler.load_state_dict: need a finite scale > 0, growth_factor > 1, 0 < "
+                             "backoff_factor < 1, growth_interval >= 1 and 0 <= clean_steps < growth_interval, got "
+                             f"{scale}, {growth}, {backoff}, {interval}, {clean}")
+        self._scale, self.growth_factor, self.backoff_factor = scale, growth, backoff
+        self.growth_interval, self._clean_steps = interval, clean

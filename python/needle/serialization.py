@@ -1,28 +1,138 @@
-"""Saving and loading arrays: `ndl.save(obj, path)` and `ndl.load(path)`, as NumPy `.npz` archives.
+"""Saving and loading: `ndl.save(obj, path)` / `ndl.load(path)` as NumPy `.npz` archives (never pickle), and the
+random state a resumed run needs (`ndl.random_state()` / `ndl.set_random_state(state)`).
 
-    ndl.save(model.state_dict(), "model.npz")
-    model.load_state_dict(ndl.load("model.npz"))
+    ndl.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "scaler": scaler.state_dict(),
+              "rng": ndl.random_state(), "step": 1000}, "ckpt.npz")
+    ckpt = ndl.load("ckpt.npz")                        # the same nesting: ckpt["optimizer"]["state"][0]["m"]
+    model.load_state_dict(ckpt["model"]); opt.load_state_dict(ckpt["optimizer"])
+    scaler.load_state_dict(ckpt["scaler"]); ndl.set_random_state(ckpt["rng"])
+
+Under mpiexec every rank saves a file of its own (`f"ckpt.rank{dist.rank()}.npz"`): its RNG state differs from the
+others', and a ZeroRedundancyOptimizer's state_dict() is that rank's shard (loading checks the rank).
+
+What can be saved, nested as deep as you like: dicts (str or int keys, order kept), lists and tuples; Tensors,
+NDArrays and NumPy arrays, which come back as NumPy arrays on the host in their dtype (a Tensor's device is not
+stored: `load_state_dict` puts each value on its parameter's device); NumPy scalars, which come back as NumPy
+scalars; and bool, int, float, str and None, which come back as themselves. A path without the `.npz` suffix gets
+it, in `save` as `np.savez` does and in `load` alike, so `save(x, "w")` and `load("w")` both mean `w.npz`.
+
+The file: a zip of .npy members "arr_0", "arr_1", ... (one per array, in the order they were met) and a member
+"__needle_manifest__", UTF-8 JSON: the nesting as a flat table of nodes (a container's children come after it, so
+`load` rebuilds it bottom-up, without recursion), the plain values, and each array's dtype. Dtypes live in the
+manifest, not in names: .npy has no bfloat16, so a bfloat16 array is stored as its uint16 bits and the manifest
+says "bfloat16" (the earlier format appended ":bfloat16" to the key, so a key of that spelling came back as another
+array, and saving both "w" and "w:bfloat16" kept only one). Files of that earlier format (no manifest; nested dicts
+flattened to dotted keys) still load, as the flat dict they hold.
 
 Why .npz and not pickle (PyTorch's torch.save): loading a pickle runs whatever code the file names, so a
-downloaded checkpoint could do anything. An .npz archive holds only arrays, and `load` reads it with
-`allow_pickle=False`, so a file is data and nothing else.
+downloaded checkpoint could do anything. Here arrays are read with `allow_pickle=False` and the manifest with
+`json`, so a file is data and nothing else.
 
-What is stored: a single Tensor / NDArray / NumPy array (or number) under the key `__array__`, and `load` gives
-back that NumPy array; or a dict of them (a state_dict), nested dicts flattened to dotted keys ({"model":
-{"w": x}} is stored as "model.w"), and `load` gives back a flat dict {key: NumPy array} in the saved order.
-Values come back as NumPy arrays on the host: a Tensor's device is not stored (`load_state_dict` puts each
-value on its parameter's device and dtype). A path without the `.npz` suffix gets it, in `save` as `np.savez`
-does and in `load` alike, so `save(x, "w")` and `load("w")` both mean `w.npz`.
+A save never destroys the last good file: it writes `<path>.<random>.tmp` in the same folder, fsyncs it and
+renames it over `path` (atomic), then fsyncs the folder. A reader sees the old file or the new one, never half of
+one; a save that fails (disk full, a file-size limit, an exception) removes its temporary file, and one killed
+outright (SIGKILL, power loss) may leave the .tmp behind but has not touched `path`.
 """
+import json
 import os
+import secrets
 import zipfile
 
 import ml_dtypes
 import numpy as np
+from numpy.lib import format as npy_format
 
-__all__ = ["load", "save"]
+__all__ = ["load", "random_state", "save", "set_random_state"]
 
-_ARRAY_KEY = "__array__"  # the key of a lone array: `load` returns it unwrapped
+MANIFEST = "__needle_manifest__"  # the archive member holding the manifest (JSON as uint8 bytes)
+FORMAT_VERSION = 2  # 1 was the manifest-less format of dotted keys and ":bfloat16" suffixes
+_PLAIN = (bool, int, float, str, type(None))  # stored in the manifest itself, exactly (JSON)
+
+
+# ----- save: the object -> (manifest nodes, arrays) -> a zip written to a temporary file, renamed ---------------------
+def _as_numpy(value, where):
+    """A Tensor, NDArray or array-like as a NumPy array that .npy stores without pickle, or TypeError."""
+    try:
+        array = np.asarray(value.numpy() if hasattr(value, "numpy") else value)
+    except ValueError:  # a ragged sequence
+        array = np.empty((), dtype=object)
+    if array.dtype.hasobject:  # would need pickle to store, and pickle is what we refuse to load
+        hint = " (for a Module, save its state_dict())" if hasattr(value, "state_dict") else ""
+        raise TypeError(f"ndl.save: cannot store {type(value).__name__} {where}: only dicts, lists, tuples, "
+                        f"Tensors, NDArrays, NumPy arrays, numbers, strings and None can be saved{hint}")
+    return array
+
+
+def _describe(path):
+    return f"at key {path!r}" if path else "at the top level"
+
+
+def _encode(obj):
+    """(manifest nodes, {member name: array}) for `obj`: a pre-order walk with an explicit stack."""
+    nodes, arrays, containers = [], {}, set()
+    stack = [(obj, "", None, None)]  # (value, its key path, the parent's child list, index in it)
+    while stack:
+        value, path, siblings, index = stack.pop()
+        if siblings is not None:
+            siblings[index] = len(nodes)
+        if isinstance(value, (dict, list, tuple)):
+            if id(value) in containers:
+                raise ValueError(f"ndl.save: the same {type(value).__name__} appears twice (or inside itself) "
+                                 f"{_describe(path)}")
+            containers.add(id(value))
+            if isinstance(value, dict):
+                bad = [k for k in value if type(k) not in (str, int)]
+                if bad:
+                    raise TypeError(f"ndl.save: dict keys must be str or int, got {bad[0]!r} {_describe(path)}")
+                items = [(f"{path}.{k}" if path else str(k), v) for k, v in value.items()]
+                node = ["dict", [[k, None] for k in value]]  # [key, child node], the child filled in below
+                slots = [(pair, 1) for pair in node[1]]
+            else:
+                items = [(f"{path}[{k}]", v) for k, v in enumerate(value)]
+                node = [type(value).__name__, [None] * len(value)]
+                slots = [(node[1], k) for k in range(len(value))]
+            nodes.append(node)
+            for (child_path, child), (holder, at) in reversed(list(zip(items, slots))):
+                stack.append((child, child_path, holder, at))
+        elif type(value) in _PLAIN:
+            nodes.append(["value", value])
+        else:
+            array = _as_numpy(value, _describe(path))
+            name = f"arr_{len(arrays)}"
+            dtype = array.dtype.name if array.dtype != np.dtype(ml_dtypes.bfloat16) else "bfloat16"
+            arrays[name] = array.view(np.uint16) if dtype == "bfloat16" else array
+            nodes.append(["scalar" if isinstance(value, np.generic) else "array", name, dtype])
+    return nodes, arrays
+
+
+def _write_npz(file, members):
+    """members {name: array} as an uncompressed .npz (what np.savez writes), never pickling."""
+    with zipfile.ZipFile(file, mode="w", compression=zipfile.ZIP_STORED, allowZip64=True) as archive:
+        for name, array in members.items():
+            with archive.open(name + ".npy", "w", force_zip64=True) as member:
+                npy_format.write_array(member, array, allow_pickle=False)
+
+
+def _replace_atomically(path, members):
+    """Write the archive to a temporary file beside `path`, make it durable, rename it over `path`."""
+    folder = os.path.dirname(os.path.abspath(path))
+    temporary = f"{path}.{secrets.token_hex(4)}.tmp"
+    try:
+        with open(temporary, "xb") as f:
+            _write_npz(f, members)
+            f.flush()
+            os.fsync(f.fileno())  # the bytes are on disk before the name points at them
+        os.replace(temporary, path)
+    except BaseException:  # also KeyboardInterrupt: no temporary file is left behind
+        if os.path.exists(temporary):
+            os.remove(temporary)
+        raise
+    if os.name == "posix":  # the rename itself made durable (a folder can be opened and fsynced there)
+        fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def _npz_path(path):
@@ -31,66 +141,78 @@ def _npz_path(path):
     return path if path.endswith(".npz") else path + ".npz"
 
 
-def _as_numpy(value, key):
-    # Tensors and NDArrays know how to become NumPy arrays; numbers and arrays pass through np.asarray.
-    try:
-        array = np.asarray(value.numpy() if hasattr(value, "numpy") else value)
-    except ValueError:  # a ragged list
-        array = np.empty((), dtype=object)
-    if array.dtype == object:  # would need pickle to store, and pickle is what we refuse to load
-        hint = " (for a Module, save its state_dict())" if hasattr(value, "state_dict") else ""
-        raise TypeError(f"ndl.save: cannot store {type(value).__name__} at key {key!r}: only Tensors, NDArrays, "
-                        f"NumPy arrays and numbers can be saved{hint}")
-    return array
-
-
-def _flatten(obj, prefix, out):
-    for key, value in obj.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, dict):
-            _flatten(value, name + ".", out)
-        elif name in out or name == _ARRAY_KEY:
-            raise ValueError(f"ndl.save: key {name!r} appears twice after flattening nested dicts, or is reserved")
-        else:
-            out[name] = _as_numpy(value, name)
-    return out
-
-
-# NumPy's .npz format has no bfloat16 (ml_dtypes' type is stored as raw 2-byte "void"): such arrays are stored as
-# their uint16 bit patterns under the key plus this suffix, and viewed back as bfloat16 by `load`.
-_BFLOAT16_SUFFIX = ":bfloat16"
-
-
-def _to_storable(arrays):
-    out = {}
-    for key, array in arrays.items():
-        if array.dtype == np.dtype(ml_dtypes.bfloat16):
-            out[key + _BFLOAT16_SUFFIX] = array.view(np.uint16)
-        else:
-            out[key] = array
-    return out
-
-
-def _from_stored(arrays):
-    out = {}
-    for key, array in arrays.items():
-        if key.endswith(_BFLOAT16_SUFFIX):
-            out[key[:-len(_BFLOAT16_SUFFIX)]] = array.view(ml_dtypes.bfloat16)
-        else:
-            out[key] = array
-    return out
-
-
 def save(obj, path):
-    """Write `obj` (a Tensor, an array, or a possibly nested dict of them) to `path` as .npz; return the path."""
-    arrays = _flatten(obj, "", {}) if isinstance(obj, dict) else {_ARRAY_KEY: _as_numpy(obj, _ARRAY_KEY)}
+    """Write `obj` (nested dicts, lists and tuples of Tensors, arrays, numbers and strings) to `path` as .npz,
+    atomically: the file at `path` is the old one or the new one, never a broken one. Returns the path."""
+    nodes, arrays = _encode(obj)  # everything converted before the file is opened: a bad value writes nothing
+    manifest = json.dumps({"format": "needle", "version": FORMAT_VERSION, "nodes": nodes})
+    members = {**arrays, MANIFEST: np.frombuffer(manifest.encode("utf-8"), dtype=np.uint8)}
     path = _npz_path(path)
-    np.savez(path, **_to_storable(arrays))
+    _replace_atomically(path, members)
     return path
 
 
+# ----- load: manifest -> nodes rebuilt bottom-up -----------------------------------------------------------------
+def _stored_array(archive, name, dtype):
+    array = archive[name]
+    stored = "uint16" if dtype == "bfloat16" else dtype
+    if array.dtype.name != stored:
+        raise ValueError(f"member {name!r} holds {array.dtype.name}, the manifest says {dtype}")
+    return array.view(ml_dtypes.bfloat16) if dtype == "bfloat16" else array
+
+
+def _decode(manifest, archive):
+    """The saved object from the manifest's node table (children after their parent: built last to first)."""
+    if not isinstance(manifest, dict) or manifest.get("format") != "needle" or \
+            manifest.get("version") != FORMAT_VERSION or not isinstance(manifest.get("nodes"), list):
+        raise ValueError(f"the manifest is not one of ndl.save's format {FORMAT_VERSION}")
+    nodes = manifest["nodes"]
+    if not nodes:
+        raise ValueError("the manifest has no nodes")
+    members = set(archive.files)
+    values = [None] * len(nodes)
+
+    def child(parent, k):
+        if type(k) is not int or not parent < k < len(nodes):
+            raise ValueError(f"node {parent} names child {k!r}, not a later node")
+        return values[k]
+
+    for i in reversed(range(len(nodes))):
+        node = nodes[i]
+        kind = node[0] if isinstance(node, list) and node else None
+        if kind == "value" and len(node) == 2 and type(node[1]) in _PLAIN:
+            values[i] = node[1]
+        elif kind in ("array", "scalar") and len(node) == 3 and node[1] in members and isinstance(node[2], str):
+            array = _stored_array(archive, node[1], node[2])
+            values[i] = array[()] if kind == "scalar" else array
+        elif kind in ("list", "tuple") and len(node) == 2 and isinstance(node[1], list):
+            items = [child(i, k) for k in node[1]]
+            values[i] = items if kind == "list" else tuple(items)
+        elif kind == "dict" and len(node) == 2 and isinstance(node[1], list) and all(
+                isinstance(pair, list) and len(pair) == 2 and type(pair[0]) in (str, int) for pair in node[1]):
+            values[i] = {key: child(i, k) for key, k in node[1]}
+        else:
+            raise ValueError(f"node {i} is not one ndl.save writes: {str(node)[:80]}")
+    return values[0]
+
+
+_LEGACY_ARRAY_KEY = "__array__"  # format 1: the key of a lone array, which `load` returns unwrapped
+_LEGACY_BFLOAT16_SUFFIX = ":bfloat16"  # format 1: bfloat16 arrays stored as uint16 under key + this suffix
+
+
+def _decode_legacy(archive):
+    """A file of the earlier format: a lone array, or the flat {dotted key: array} dict it holds."""
+    arrays = {}
+    for key in archive.files:
+        if key.endswith(_LEGACY_BFLOAT16_SUFFIX):
+            arrays[key[:-len(_LEGACY_BFLOAT16_SUFFIX)]] = archive[key].view(ml_dtypes.bfloat16)
+        else:
+            arrays[key] = archive[key]
+    return arrays[_LEGACY_ARRAY_KEY] if list(arrays) == [_LEGACY_ARRAY_KEY] else arrays
+
+
 def load(path):
-    """Read a file written by `save`: a NumPy array, or a flat dict {dotted key: NumPy array} (see above)."""
+    """Read a file written by `save`: the object that was saved, arrays as NumPy arrays (see above)."""
     path = _npz_path(path)
     if not os.path.exists(path):
         raise FileNotFoundError(f"ndl.load: no such file {path!r} (save() and load() add .npz to a path without it)")
@@ -99,10 +221,25 @@ def load(path):
             archive = np.load(f, allow_pickle=False)  # never unpickles: a pickle or an object array raises
             if not isinstance(archive, np.lib.npyio.NpzFile):
                 raise ValueError("it holds a single .npy array")
-            arrays = _from_stored({key: archive[key] for key in archive.files})
-    except (ValueError, OSError, EOFError, zipfile.BadZipFile) as err:
+            if MANIFEST not in archive.files:
+                return _decode_legacy(archive)
+            manifest = json.loads(archive[MANIFEST].tobytes().decode("utf-8"))
+            return _decode(manifest, archive)
+    except (ValueError, TypeError, OSError, EOFError, RecursionError, zipfile.BadZipFile) as err:
         raise ValueError(f"ndl.load: {path!r} is not an .npz archive of plain arrays as ndl.save writes "
                          f"(pickled objects are never loaded): {err}") from err
-    if list(arrays) == [_ARRAY_KEY]:
-        return arrays[_ARRAY_KEY]
-    return arrays
+
+
+# ----- the random state: everything needle draws comes from NumPy's global RNG ------------------------------------
+def random_state():
+    """The state of NumPy's global RNG, from which needle draws everything random (initialization, dropout's
+    masks and seeds, DataLoader's shuffles): a dict of an array and numbers that `ndl.save` stores as it is."""
+    return np.random.get_state(legacy=False)
+
+
+def set_random_state(state):
+    """Restore NumPy's global RNG to `state`, as `random_state()` returned it (or `ndl.load` gave it back)."""
+    try:
+        np.random.set_state(state)
+    except (TypeError, ValueError, KeyError) as err:
+        raise ValueError(f"ndl.set_random_state: not a state random_state() returns: {err}") from err

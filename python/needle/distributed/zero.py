@@ -210,6 +210,50 @@ class ZeroRedundancyOptimizer(Optimizer):
         if self.wrapper is not None and self.stage == 2:
             self.wrapper._reducer.take_shard()
 
+    # ----- saving and resuming: each rank its own shard ----------------------------------------------------------
+    def state_dict(self):
+        """This rank's shard of the state: the inner optimizer's state_dict (its parameter i is the i-th tensor
+        this rank owns, or with partition "flat" the one flat shard, whose values are saved too: they are what
+        the inner optimizer updates), keyed by the rank that holds it. No communication: every rank saves its own,
+
+            ndl.save(opt.state_dict(), f"optimizer.rank{dist.rank()}.npz")   # and rank 0 the model's state_dict
+
+        and `load_state_dict` on rank r accepts only rank r's, saved by a job of the same world size and
+        partition (the stage may differ: stages 1 and 2 keep the same optimizer state)."""
+        state = {"rank": comm.rank(), "world_size": comm.world_size(), "stage": self.stage,
+                 "partition": self.partition, "shard_sizes": list(self.shard_sizes),
+                 "optimizer_class": self.optimizer_class.__name__, "optimizer": self.optimizer.state_dict()}
+        if self.shard is not None:
+            state["shard"] = _host(self.shard)
+        return state
+
+    def load_state_dict(self, state_dict):
+        """Restore this rank's shard from `state_dict()`'s result saved by this rank; ValueError naming the
+        mismatch (another rank's shard, another world size, partition or optimizer class)."""
+        keys = ("rank", "world_size", "partition", "shard_sizes", "optimizer_class", "optimizer")
+        missing = [k for k in keys if not isinstance(state_dict, dict) or k not in state_dict]
+        if missing or (self.shard is not None and "shard" not in state_dict):
+            raise ValueError(f"ZeroRedundancyOptimizer.load_state_dict: the state lacks "
+                             f"{', '.join(missing or ['shard'])}")
+        here = {"rank": comm.rank(), "world_size": comm.world_size(), "partition": self.partition,
+                "shard_sizes": list(self.shard_sizes), "optimizer_class": self.optimizer_class.__name__}
+        for key, value in here.items():
+            saved = state_dict[key]
+            if isinstance(saved, (list, tuple, np.ndarray)):
+                saved = [int(x) for x in saved]  # shard_sizes, a list however it was stored
+            if saved != value:
+                raise ValueError(f"ZeroRedundancyOptimizer.load_state_dict: the state is for {key}="
+                                 f"{state_dict[key]!r}, this rank has {key}={value!r}"
+                                 + (" (each rank loads the file its own rank saved)" if key == "rank" else ""))
+        if self.shard is not None:
+            shard = np.asarray(state_dict["shard"])
+            if shard.shape != tuple(self.shard.shape):
+                raise ValueError(f"ZeroRedundancyOptimizer.load_state_dict: the saved shard has shape {shard.shape},"
+                                 f" this rank's is {tuple(self.shard.shape)}")
+        self.optimizer.load_state_dict(state_dict["optimizer"])  # checks its own state before changing anything
+        if self.shard is not None:
+            self.shard.cached_data = array_api.array(shard, dtype=str(self.shard.dtype), device=self.shard.device)
+
     # ----- accounting ---------------------------------------------------------------------------------------------
     def state_bytes(self):
         """Bytes of optimizer state on this rank's device: the inner optimizer's, for its 1/N of the parameters."""

@@ -42,6 +42,8 @@ class Adafactor(Optimizer):
     """Adafactor with factored second moments for parameters of 2 or more dimensions; see the module docstring."""
 
     slots = ("row", "col", "v", "m")
+    hyperparameters = ("lr", "beta1", "eps", "clip_threshold", "decay_rate", "relative_step", "scale_parameter",
+                       "warmup_init", "weight_decay", "t")
 
     def __init__(self, params, lr=None, beta1=None, eps=(1e-30, 1e-3), clip_threshold=1.0, decay_rate=-0.8,
                  relative_step=True, scale_parameter=True, warmup_init=False, weight_decay=0.0, master_weights=None,
@@ -96,6 +98,15 @@ class Adafactor(Optimizer):
             if self.weight_decay:
                 theta = theta - theta * (self.weight_decay * lr)
             self._update(p, _as_dtype(theta - u, theta))
+
+    def _state_shape(self, p, slot):
+        """R (..., n, 1) and C (..., 1, m) for matrices, V for vectors, m of the parameter's shape."""
+        shape = tuple(p.shape)
+        if slot == "m":
+            return shape
+        if len(shape) >= 2:
+            return {"row": shape[:-1] + (1,), "col": shape[:-2] + (1,) + shape[-1:]}.get(slot)
+        return shape if slot == "v" else None
 
     def _factored_rsqrt(self, p, g2, beta2):
         """1 / sqrt(V) for the rank-1 estimate V = R C^T / mean(R), after updating R and C from g2 = g^2 + eps1."""

@@ -11,6 +11,7 @@ class Adam(Optimizer):
     """
 
     slots = ("m", "v")
+    hyperparameters = ("lr", "beta1", "beta2", "eps", "weight_decay", "t")
 
     def __init__(self, params, lr=0.01, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, master_weights=None,
                  stochastic_rounding=False, offload_state=False):

@@ -53,6 +53,19 @@ class Adam8bit(Adam):
         if not self.offload_state:
             yield from self._device_maps.values()  # the two 1 KiB maps are device state too
 
+    def options(self):
+        """Adam's options, and which parameters have 8-bit moments (fp32_state_params as their indices)."""
+        fp32 = [i for i, p in enumerate(self.params) if p in self.fp32_state_params]
+        return {**super().options(), "block_size": self.block_size, "min_8bit_size": self.min_8bit_size,
+                "fp32_state_params": fp32}
+
+    def _state_layout(self, p, slot):
+        """An 8-bit moment is (uint8 codes of p's shape, float32 absmax per block of `block_size`)."""
+        if slot in ("m", "v") and self.quantizes(p):
+            shape = tuple(p.shape)
+            return [(shape, "uint8"), ((-(-p.realize_cached_data().size // self.block_size),), "float32")]
+        return super()._state_layout(p, slot)
+
     def quantizes(self, p):
         """Whether parameter p's moments are stored in 8 bits."""
         return p.realize_cached_data().size >= self.min_8bit_size and p not in self.fp32_state_params

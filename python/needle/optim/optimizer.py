@@ -71,6 +71,45 @@ def _nbytes(stored):
     return int(stored.size * np.dtype(stored.dtype).itemsize)
 
 
+def _dtype_name(dtype):
+    return dtype if isinstance(dtype, str) else np.dtype(dtype).name
+
+
+def _host_copy(stored):
+    """Stored state (an array on the device or the host, or a tuple of them) as NumPy copies."""
+    if isinstance(stored, tuple):
+        return tuple(_host_copy(a) for a in stored)
+    return np.array(stored if isinstance(stored, np.ndarray) else array_api.to_numpy(stored), copy=True)
+
+
+def _the_group(owner, state_dict, keys):
+    """The one parameter group of a state dict, with `keys` (and the counters) in it, or ValueError."""
+    if not isinstance(state_dict, dict) or not isinstance(state_dict.get("state"), dict) or \
+            not isinstance(state_dict.get("param_groups"), (list, tuple)):
+        raise ValueError(f"{owner}: expected a dict with 'state' (a dict) and 'param_groups' (a list), as "
+                         "state_dict() returns")
+    if len(state_dict["param_groups"]) != 1 or not isinstance(state_dict["param_groups"][0], dict):
+        raise ValueError(f"{owner}: expected one parameter group, got {len(state_dict['param_groups'])}")
+    group = state_dict["param_groups"][0]
+    missing = [k for k in keys + ["rounding_steps", "params"] if k not in group]
+    if missing:
+        raise ValueError(f"{owner}: the parameter group lacks {', '.join(missing)}")
+    return group
+
+
+def _restore(current, saved):
+    """A saved hyper-parameter in the type the optimizer keeps it (ndl.load may give NumPy scalars or lists)."""
+    if saved is None or isinstance(saved, str):
+        return saved
+    if isinstance(saved, (list, tuple)):
+        return tuple(float(x) for x in saved)  # Adafactor's eps pair
+    if isinstance(current, bool) or isinstance(saved, (bool, np.bool_)):
+        return bool(saved)
+    if isinstance(current, int):
+        return int(saved)
+    return float(saved)
+
+
 def _check_range(owner, name, value, low, high, high_open=True):
     """A hyper-parameter as a float, or ValueError naming the optimizer, the argument and the allowed range."""
     value = float(value)
@@ -83,6 +122,7 @@ class Optimizer:
     """Holds the parameters; `step()` updates them from their `.grad`, `reset_grad()` clears the gradients."""
 
     slots = ()  # the names of the per-parameter state dicts, e.g. ("m", "v")
+    hyperparameters = ()  # attributes the update reads besides the state (lr, betas, step count t): saved, restored
 
     def __init__(self, params, master_weights=None, stochastic_rounding=False, offload_state=False):
         self.params = list(params)
@@ -164,6 +204,102 @@ class Optimizer:
     def host_state_bytes(self):
         """Bytes of optimizer state offloaded to host memory (0 unless offload_state=True)."""
         return sum(_nbytes(s) for s in self._stored()) if self.offload_state else 0
+
+    # ----- saving and resuming: PyTorch's state_dict() / load_state_dict() ------------------------------------------
+    def options(self):
+        """The choices made at construction that fix the layout of the state. `load_state_dict` checks that a
+        state dict was saved with the same ones (it does not change them: build the optimizer with them)."""
+        return {"master_weights": self.master_weights, "stochastic_rounding": self.stochastic_rounding}
+
+    def state_dict(self):
+        """Everything a resumed run needs to continue bit for bit, in PyTorch's layout (NumPy copies, for ndl.save):
+
+            {"state": {i: {slot: array, ...}},   # parameter i's stored state, slots that have a value (+ "master")
+             "param_groups": [{<hyperparameters>, <options()>, "rounding_steps": n, "params": [0, 1, ...]}]}
+
+        i is the parameter's position in the list given to the constructor. The hyper-parameters include the step
+        count t where the update reads one; "rounding_steps" seeds stochastic rounding. An 8-bit moment is the pair
+        (uint8 codes, float32 absmax per block). Offloaded state is saved alike: where the state lives is the
+        loading optimizer's own choice (offload_state)."""
+        state = {}
+        for i, p in enumerate(self.params):
+            entry = {slot: _host_copy(getattr(self, slot)[p]) for slot in ("master",) + tuple(self.slots)
+                     if getattr(self, slot).get(p) is not None}
+            if entry:
+                state[i] = entry
+        group = {name: getattr(self, name) for name in self.hyperparameters}
+        group.update(self.options(), rounding_steps=self._rounding_steps, params=list(range(len(self.params))))
+        return {"state": state, "param_groups": [group]}
+
+    def load_state_dict(self, state_dict):
+        """Restore `state_dict()`'s result (or what ndl.load gave back for it): each parameter's state on the
+        parameter's device (in host memory with offload_state=True), the hyper-parameters and step counts.
+
+        The parameter count, the options and every state array's shape and dtype are checked before anything is
+        changed: a mismatch raises ValueError naming it, and leaves the optimizer as it was."""
+        owner = f"{type(self).__name__}.load_state_dict"
+        group = _the_group(owner, state_dict, list(self.hyperparameters) + list(self.options()))
+        if len(group["params"]) != len(self.params):
+            raise ValueError(f"{owner}: the state dict is for {len(group['params'])} parameters, this optimizer "
+                             f"has {len(self.params)}")
+        for key, value in self.options().items():
+            if group[key] != value:
+                raise ValueError(f"{owner}: the state dict was saved with {key}={group[key]!r}, this optimizer has "
+                                 f"{key}={value!r}")
+        restored = {slot: {} for slot in ("master",) + tuple(self.slots)}
+        for key, entry in state_dict["state"].items():
+            i = int(key) if isinstance(key, int) or (isinstance(key, str) and key.isdigit()) else -1
+            if not 0 <= i < len(self.params) or not isinstance(entry, dict):
+                raise ValueError(f"{owner}: state key {key!r} is not a parameter index below {len(self.params)} "
+                                 "with a dict of slots")
+            for slot, saved in entry.items():
+                restored_slot = restored.get(slot)
+                if restored_slot is None:
+                    raise ValueError(f"{owner}: parameter {i} has state {slot!r} in the state dict; this "
+                                     f"optimizer's state is {', '.join(restored)}")
+                restored_slot[self.params[i]] = self._restored(owner, i, slot, saved)
+        for name in self.hyperparameters:  # all checked: now change the optimizer
+            setattr(self, name, _restore(getattr(self, name), group[name]))
+        self._rounding_steps = int(group["rounding_steps"])
+        for slot, values in restored.items():
+            getattr(self, slot).clear()
+            for p, stored in values.items():
+                self._keep(p, slot, stored)
+        if self.offload_state:  # the host copies complete before anything reads them
+            for device in {str(p.device): p.device for p in self.params}.values():
+                array_api.wait_for_copies(device)
+
+    def _restored(self, owner, i, slot, saved):
+        """Saved state `slot` of parameter i as the optimizer stores it (arrays on the parameter's device), or
+        ValueError if it is not of the shape and dtype the update expects."""
+        p = self.params[i]
+        layout = self._state_layout(p, slot)
+        if layout is None:
+            raise ValueError(f"{owner}: parameter {i} has state {slot!r} in the state dict, but this optimizer "
+                             f"keeps none for it (shape {tuple(p.shape)}, dtype {_dtype_name(p.dtype)})")
+        arrays = tuple(saved) if isinstance(saved, (tuple, list)) else (saved,)
+        got = [np.asarray(a.numpy() if hasattr(a, "numpy") else a) for a in arrays]
+        if [(a.shape, _dtype_name(a.dtype)) for a in got] != layout:
+            raise ValueError(f"{owner}: parameter {i}'s state {slot!r} is "
+                             f"{[(a.shape, _dtype_name(a.dtype)) for a in got]} (shape, dtype) in the state dict, "
+                             f"but this optimizer needs {layout}")
+        out = tuple(array_api.array(a, dtype=dtype, device=p.device) for a, (_, dtype) in zip(got, layout))
+        return out if isinstance(saved, (tuple, list)) else out[0]
+
+    def _state_layout(self, p, slot):
+        """[(shape, dtype)] of parameter p's stored state `slot` (two entries for a pair such as an 8-bit moment),
+        or None if p has no such state here."""
+        dtype = _dtype_name(p.dtype)
+        if slot == "master":
+            return [(tuple(p.shape), "float32")] if self._keeps_master(p) else None
+        shape = self._state_shape(p, slot)
+        if shape is None:
+            return None
+        return [(shape, dtype if dtype not in _LOW or self.master_weights is False else "float32")]
+
+    def _state_shape(self, p, slot):
+        """The shape of parameter p's state `slot`: p's own (Adafactor's factored moments differ)."""
+        return tuple(p.shape)
 
     # ----- the parameters and their gradients, in float32 -----------------------------------------------------------
     def _keeps_master(self, p):

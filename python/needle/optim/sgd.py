@@ -6,6 +6,7 @@ class SGD(Optimizer):
     """u <- momentum * u + (1 - momentum) * (g + weight_decay * theta);  theta <- theta - lr * u  (u starts at 0)."""
 
     slots = ("u",)
+    hyperparameters = ("lr", "momentum", "weight_decay")
 
     def __init__(self, params, lr=0.01, momentum=0.0, weight_decay=0.0, master_weights=None,
                  stochastic_rounding=False, offload_state=False):
