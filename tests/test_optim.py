@@ -308,3 +308,37 @@ def test_numpy_backend_state_dict_round_trip(tmp_path):
                PYTHONPATH=os.pathsep.join([os.path.join(root, "python"), os.environ.get("PYTHONPATH", "")]))
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and "ok" in result.stdout, result.stderr
+
+
+# ----- input that used to pass silently (issue 26, items 3 and 10) ---------------------------------------------------
+@pytest.mark.parametrize("cls", [optim.SGD, optim.Adam, optim.Adam8bit, optim.Adafactor])
+def test_a_parameter_listed_twice_is_an_error(cls):
+    # It was updated twice a step, silently; PyTorch raises too. An error, not something to de-duplicate.
+    a = nn.Parameter(np.ones((2, 3), dtype="float32"))
+    b = nn.Parameter(np.ones((3,), dtype="float32"))
+    message = r"the same Parameter \(shape \(2, 3\)\) is listed twice, at positions 0 and 2"
+    with pytest.raises(ValueError, match=message):
+        cls([a, b, a], **({"lr": 0.1} if cls is optim.Adam8bit else {}))
+
+
+def test_adafactor_steps_past_a_zero_size_parameter():
+    np.random.seed(0)
+    empty = nn.Parameter(np.zeros((0, 4), dtype="float32"))
+    w = nn.Parameter(np.random.randn(3, 4).astype("float32"))
+    reference = nn.Parameter(w.numpy())
+    opt, ref_opt = optim.Adafactor([empty, w]), optim.Adafactor([reference])
+    for params, o in ((empty, w), opt), ((reference,), ref_opt):
+        (params[-1] * params[-1]).sum().backward()
+        if len(params) == 2:
+            empty.grad = ndl.Tensor(np.zeros((0, 4), dtype="float32"))
+        o.step()
+    assert empty.shape == (0, 4)
+    np.testing.assert_array_equal(w.numpy(), reference.numpy())  # the other parameters update as without it
+
+
+@pytest.mark.parametrize("kw", [dict(init_scale=float("nan")), dict(init_scale=float("inf")),
+                                dict(growth_factor=float("nan")), dict(backoff_factor=float("nan")),
+                                dict(init_scale=0.0)])
+def test_grad_scaler_rejects_nan_and_infinite_settings(kw):
+    with pytest.raises(ValueError, match="GradScaler: need a finite init_scale > 0"):
+        ndl.amp.GradScaler(**kw)

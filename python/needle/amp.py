@@ -94,10 +94,12 @@ class GradScaler:
 
     def __init__(self, init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000,
                  enabled=True):
-        if growth_factor <= 1.0 or not 0.0 < backoff_factor < 1.0 or growth_interval < 1 or init_scale <= 0:
-            raise ValueError("GradScaler: need init_scale > 0, growth_factor > 1, 0 < backoff_factor < 1 and "
-                             f"growth_interval >= 1, got {init_scale}, {growth_factor}, {backoff_factor}, "
-                             f"{growth_interval}")
+        # Written so that NaN fails every test (NaN <= 0 is False: `init_scale=nan` used to be accepted).
+        if not (0 < init_scale < math.inf and 1.0 < growth_factor < math.inf and 0.0 < backoff_factor < 1.0
+                and growth_interval >= 1):
+            raise ValueError("GradScaler: need a finite init_scale > 0, a finite growth_factor > 1, "
+                             f"0 < backoff_factor < 1 and growth_interval >= 1, got {init_scale}, {growth_factor}, "
+                             f"{backoff_factor}, {growth_interval}")
         self.enabled = enabled
         self._scale = float(init_scale)
         self.growth_factor = float(growth_factor)

@@ -81,6 +81,8 @@ class Adafactor(Optimizer):
         self.t += 1
         beta2 = 1 - self.t ** self.decay_rate
         for p, theta, grad in self._with_grads(l2=False):
+            if theta.size == 0:  # nothing to update, and its RMS (the relative step, the clipping) is undefined
+                continue
             lr = self._step_size(theta)
             g2 = grad * grad + self.eps[0]
             if len(grad.shape) >= 2:

@@ -118,6 +118,16 @@ def _check_range(owner, name, value, low, high, high_open=True):
     return value
 
 
+def _check_distinct(name, params):
+    """A Parameter listed twice would be updated twice a step, silently: an error, as in PyTorch."""
+    first = {}
+    for i, p in enumerate(params):
+        j = first.setdefault(id(p), i)
+        if j != i:
+            raise ValueError(f"{name}: the same Parameter (shape {tuple(p.shape)}) is listed twice, at positions {j} "
+                             f"and {i} of params; list each parameter once")
+
+
 class Optimizer:
     """Holds the parameters; `step()` updates them from their `.grad`, `reset_grad()` clears the gradients."""
 
@@ -126,6 +136,7 @@ class Optimizer:
 
     def __init__(self, params, master_weights=None, stochastic_rounding=False, offload_state=False):
         self.params = list(params)
+        _check_distinct(type(self).__name__, self.params)
         if stochastic_rounding and master_weights is None:
             master_weights = False  # stochastic rounding is how pure 16-bit training keeps tiny updates
         self.master_weights = master_weights
