@@ -485,7 +485,7 @@ def test_backends_check_their_arguments(device):
     with pytest.raises(TypeError, match="storage"):
         nd.attention_forward(*(a.astype("int8") for a in (q, k, v)), 0.5)
     out, lse = nd.attention_forward(q, k, v, 0.5)
-    mod, h = device.mod, (lambda a: a._handle)
+    mod, h = device.mod, (lambda a: a.buffer)
     dims = (2, 6, 5, 4, 3)
     with pytest.raises(ValueError, match="attention_forward: dropout_p"):
         mod.attention_forward(h(q), h(k), h(v), h(out), h(lse), *dims, 0.5, False, 1.0, 0)
