@@ -28,6 +28,7 @@ REPO = os.path.join(os.path.dirname(__file__), "..")
 FUSED_OP_MODULES = {"ops_attention", "ops_dropout", "ops_fused", "ops_linear", "ops_norm"}
 
 
+@pytest.mark.smoke
 def test_every_op_class_has_a_gradient_case():
     op_classes = {name for name in dir(ops) if isinstance(getattr(ops, name), type)
                   and issubclass(getattr(ops, name), autograd.Op)
@@ -60,6 +61,7 @@ def test_float64_oracle_under_np_backend():
     assert " passed" in summary and "skipped" not in summary and "failed" not in summary, summary
 
 
+@pytest.mark.smoke
 def test_op_errors_are_value_and_type_errors():
     a = ndl.Tensor(np.ones((2, 3)))
     b = ndl.Tensor(np.ones((3, 2)))
@@ -77,6 +79,7 @@ def test_op_errors_are_value_and_type_errors():
 
 
 # ----- the course's graph API -------------------------------------------------------------------------------------
+@pytest.mark.smoke
 def test_find_topo_sort_post_order():
     a1 = ndl.Tensor(np.asarray([[0.88282157]]))
     b1 = ndl.Tensor(np.asarray([[0.90170084]]))
@@ -100,6 +103,7 @@ def test_find_topo_sort_post_order():
     assert [id(n) for n in order] == [id(n) for n in [a1, d, e, b1, f]]
 
 
+@pytest.mark.smoke
 def test_operator_overloads_build_the_course_graph():
     a = ndl.Tensor(np.ones((2, 2)))
     b = ndl.Tensor(np.ones((2, 2)))
@@ -150,6 +154,7 @@ def test_x_grad_backward_simple():
     np.testing.assert_allclose(x.grad.numpy(), [[6.0, 12.0, 18.0]])
 
 
+@pytest.mark.smoke
 def test_backward_replaces_grad_and_non_scalar_output_gets_ones():
     x = ndl.Tensor(np.arange(6.0).reshape(2, 3))
     y = x * 2.0
@@ -336,6 +341,7 @@ class _ComputeCounter:
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.smoke
 def test_lazy_and_eager_give_identical_numbers(device, monkeypatch):
     results = {}
     for lazy in (False, True):
@@ -518,6 +524,7 @@ class _ExpSavingBoth(ops.Exp):
     saves = "both"  # more than it reads: wasteful, but true
 
 
+@pytest.mark.smoke
 def test_saves_checker_reports_an_op_that_reads_undeclared_values():
     """The checker above catches both kinds of lie (a hidden input, a hidden output) and accepts a superset."""
     rng = np.random.default_rng(0)

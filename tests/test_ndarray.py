@@ -66,6 +66,7 @@ def make_view(shape, layout, device, rng, positive=False):
 
 # ----- creation and conversion -------------------------------------------------------------------------------------
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.smoke
 def test_array_from_numpy_list_and_ints(device):
     a = np.arange(12, dtype=np.float64).reshape(3, 4) / 7
     A = nd.array(a, device=device)
@@ -168,6 +169,7 @@ def test_prefix_slice_with_compact_strides_is_not_compact(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.smoke
 def test_reshape_is_a_view_of_compact_arrays(device):
     a = np.arange(24, dtype=np.float32)
     A = nd.array(a, device=device)
@@ -268,6 +270,7 @@ def test_getitem_of_non_compact_views(device, layout, idx, rng):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.smoke
 def test_getitem_chained_views_share_memory(device):
     a = np.arange(60, dtype=np.float32).reshape(3, 4, 5)
     A = nd.array(a, device=device)
@@ -278,6 +281,20 @@ def test_getitem_chained_views_share_memory(device):
     V[0, 0] = -1.0
     v[0, 0] = -1.0
     np.testing.assert_array_equal(A.numpy(), a)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_buffer_is_shared_by_views_and_not_by_copies(device):
+    """NDArray.buffer, the public accessor for the buffer under an array: every view has its array's, every
+    computed or compacted array a new one; it is what backend functions take and it knows its size and dtype."""
+    A = nd.array(np.arange(12, dtype=np.float32).reshape(3, 4), device=device)
+    views = [A.reshape((4, 3)), A.permute((1, 0)), A[1:, ::2], A.broadcast_to((2, 3, 4)), A.flat, A.compact()]
+    assert all(view.buffer is A.buffer for view in views)
+    assert A.permute((1, 0)).compact().buffer is not A.buffer and (A + 0.0).buffer is not A.buffer
+    assert A.buffer.size == 12 and A.buffer.dtype == "float32" and A.astype("float16").buffer.dtype == "float16"
+    out = nd.empty((3, 4), device=device)
+    device.mod.ewise_add(A.buffer, A.buffer, out.buffer)
+    np.testing.assert_array_equal(out.numpy(), 2 * A.numpy())
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -306,6 +323,7 @@ def test_setitem(device, idx, value_layout, rng):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.smoke
 def test_setitem_on_views_writes_through(device, rng):
     a = rng.standard_normal((3, 4, 5)).astype(np.float32)
     A = nd.array(a, device=device)
@@ -681,6 +699,7 @@ def test_matmul_non_compact(device, layout_a, layout_b, rng):
     ((1, 7, 1), (3, 1, 65)),
     ((2, 3, 4, 5), (2, 3, 5, 1)),
 ])
+@pytest.mark.smoke
 def test_matmul_batched_and_broadcast(device, shape_a, shape_b, rng):
     a = rng.standard_normal(shape_a).astype(np.float32)
     b = rng.standard_normal(shape_b).astype(np.float32)

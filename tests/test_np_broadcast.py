@@ -31,6 +31,7 @@ def test_nd_backend_requires_equal_shapes(name, device):
             BINARY_OPS[name](a, b)
 
 
+@pytest.mark.smoke
 def test_sum_to_shape_returns_the_gradient_itself_when_shapes_match():
     g = ndl.Tensor(np.arange(6.0).reshape(2, 3))
     assert sum_to_shape(g, (2, 3), g.shape) is g
