@@ -54,7 +54,7 @@ def bench_matmul(shapes):
         t_needle = median_time(lambda: A @ B)
         t_numpy = median_time(lambda: a @ b)
         t_bf16 = median_time(lambda: A16 @ B16)
-        t_bf16_f32 = median_time(lambda: mod.matmul(A16._handle, B16._handle, out32._handle, m, n, p))
+        t_bf16_f32 = median_time(lambda: mod.matmul(A16.buffer, B16.buffer, out32.buffer, m, n, p))
         fp32 = flops / t_needle / 1e9
         rows.append((m, n, p, fp32, flops / t_numpy / 1e9, t_numpy / t_needle,
                      flops / t_bf16 / 1e9, flops / t_bf16_f32 / 1e9))

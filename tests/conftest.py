@@ -4,6 +4,7 @@ Tests seed their own RNGs (the `rng` fixture, or np.random.seed inside the test)
 """
 import gc as python_gc
 import os
+import subprocess
 import sys
 
 import numpy as np
@@ -14,6 +15,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "apps"))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import needle as ndl  # noqa: E402
+from needle import autograd  # noqa: E402
 from needle import backend_ndarray as nd  # noqa: E402
 
 _CUDA_SKIP = pytest.mark.skipif(not nd.cuda().enabled(), reason="no GPU: needle's cuda() backend is not enabled")
@@ -83,6 +85,86 @@ def check_gradients(fn, *arrays, device=None, seed=0, rtol=1e-2, atol=1e-3):
     return out
 
 
+# ----- the op contract: a random out_grad for a node, and the probe that checks an op's `saves` ----------------
+def random_out_grad(node, rng):
+    """A random out_grad for `node`, as run_backward passes it (a TensorTuple of them for a tuple-valued node)."""
+    def tensor(shape):
+        return ndl.Tensor(np.asarray(rng.standard_normal(shape), dtype=np.float32), device=nd.cpu_numpy())
+
+    if isinstance(node, ndl.TensorTuple):
+        return ndl.make_tuple(*[tensor(shape) for shape in node.shape])
+    return tensor(node.shape)
+
+
+class _HiddenRead(Exception):
+    """A gradient needed the data of a forward value its op does not declare in `saves`."""
+
+
+class _Hidden(autograd.TensorOp):
+    """The op of a stand-in for a hidden forward value: computing it is reading the hidden value."""
+
+    def __init__(self, what):
+        self.what = what
+
+    def compute(self, *args):
+        raise _HiddenRead(self.what)
+
+
+def _stand_in(value, what, inputs=()):
+    """A node of `value`'s type and spec (shape, dtype, device) but no data, which raises when computed."""
+    node = type(value).__new__(type(value))
+    node._init(_Hidden(what), inputs, requires_grad=value.requires_grad)
+    node._spec = autograd.spec_of(value.realize_cached_data())
+    return node
+
+
+def _as_numpy(data):
+    return tuple(_as_numpy(x) for x in data) if isinstance(data, tuple) else np.asarray(data.numpy())
+
+
+def _gradient_values(op, out_grad, node):
+    """`op`'s gradient at `node`, built lazily (as run_backward builds it), then realized: NumPy arrays."""
+    with autograd.lazy_mode(True):
+        grads = op.gradient_as_tuple(out_grad, node)
+    return [None if g is None else _as_numpy(g.realize_cached_data()) for g in grads]
+
+
+def _same(a, b):
+    if a is None or b is None:
+        return a is b
+    if isinstance(a, tuple) or isinstance(b, tuple):
+        return isinstance(a, tuple) and isinstance(b, tuple) and len(a) == len(b) and all(map(_same, a, b))
+    return a.dtype == b.dtype and np.array_equal(a, b)
+
+
+def saves_violation(node, out_grad):
+    """None if `node.op.gradient` reads no forward data beyond what its `saves` declares; else what went wrong.
+
+    `saves` is what the backward plan keeps or recomputes, so a gradient reading anything else would read a released
+    value (test_autograd checks every op with this, test_attention and test_linear_cross_entropy the fused ones).
+    The gradient is built on a probe: a node like `node` whose undeclared inputs, and whose output unless declared,
+    are stand-ins (same spec, no data, raise when computed); declared values are the real ones. Shapes stay
+    readable, as autograd keeps `_spec` for released values. The probe's gradient must equal the gradient built on
+    `node` itself, bit for bit.
+    """
+    op = node.op
+    declared = {id(v) for v in autograd.reads(node)}
+    stand_ins = {}
+    inputs = [x if id(x) in declared else stand_ins.setdefault(id(x), _stand_in(x, f"input {i}"))
+              for i, x in enumerate(node.inputs)]
+    probe = _stand_in(node, "its output", inputs)
+    if id(node) in declared:
+        probe.cached_data = node.cached_data
+    try:
+        got = _gradient_values(op, out_grad, probe)
+    except _HiddenRead as hidden:
+        return f"{type(op).__name__} declares saves={op.saves!r}, but its gradient read {hidden}"
+    expected = _gradient_values(op, out_grad, node)
+    if len(got) != len(expected) or not all(map(_same, got, expected)):
+        return f"{type(op).__name__}: the gradient with only its declared values differs from the full one"
+    return None
+
+
 def count_computes(nodes):
     """Wrap each node's op.compute with a counter; returns {id(node): calls} (filled as computes happen).
 
@@ -101,12 +183,11 @@ def count_computes(nodes):
 
 
 def run_float64_checks(module):
-    """Run `module._float64_checks()` under NEEDLE_BACKEND=np in a fresh interpreter (the backend is read once, at
-    import) and assert that it passed: float64 arrays in, float64 out, so tolerances can be 1e-6."""
-    import subprocess
-
+    """Run `module.float64_checks()` (a helper module of tests/, never a test file) under NEEDLE_BACKEND=np in a
+    fresh interpreter (the backend is read once, at import) and assert that it passed: float64 arrays in, float64
+    out, so tolerances can be 1e-6."""
     code = ("import sys; sys.path[:0] = ['tests', 'python', 'apps']; "
-            f"import {module} as t; t._float64_checks(); print('float64 checks passed')")
+            f"import {module} as t; t.float64_checks(); print('float64 checks passed')")
     result = subprocess.run([sys.executable, "-c", code], cwd=os.path.join(os.path.dirname(__file__), ".."),
                             env=dict(os.environ, NEEDLE_BACKEND="np"), capture_output=True, text=True, timeout=300,
                             check=False)

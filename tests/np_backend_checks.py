@@ -1,4 +1,4 @@
-"""The float64 NumPy oracle: every op gradient case of test_autograd.OP_CASES under NEEDLE_BACKEND=np.
+"""The float64 NumPy oracle: every op gradient case of op_cases.OP_CASES under NEEDLE_BACKEND=np.
 
 Not collected by a plain `pytest` run (the name does not match test_*.py): NEEDLE_BACKEND is read once, at import,
 so these checks need their own interpreter. `test_autograd.py::test_float64_oracle_under_np_backend` runs
@@ -19,7 +19,7 @@ from conftest import numerical_gradient
 if BACKEND != "np":
     pytest.skip("run with NEEDLE_BACKEND=np (see the module docstring)", allow_module_level=True)
 
-from test_autograd import OP_CASES  # noqa: E402  (only under NEEDLE_BACKEND=np)
+from op_cases import OP_CASES  # noqa: E402  (only under NEEDLE_BACKEND=np)
 
 
 def check_gradients_float64(fn, *arrays, seed=0, rtol=1e-6, atol=1e-7):

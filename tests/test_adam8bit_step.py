@@ -16,8 +16,9 @@ from needle import backend_ndarray as nd
 from needle import backend_numpy as np_face
 from needle import optim
 from needle.backend_ndarray.ndarray_backend_numpy import adam8bit_blocks
-from test_quantize import (DEVICES, REF, SIGNED, UNSIGNED, assert_same_bits, contract_dequantize, contract_quantize,
-                           scaled_blocks)
+
+from quantize_cases import (DEVICES, REF, SIGNED, UNSIGNED, assert_same_bits, contract_dequantize, contract_quantize,
+                            scaled_blocks)
 
 HYPER = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8)
 

@@ -12,7 +12,8 @@ import needle as ndl
 from needle import backend_ndarray as nd
 from needle import backend_numpy as np_face
 from needle import optim
-from test_quantize import DEVICES, assert_same_bits
+
+from quantize_cases import DEVICES, assert_same_bits
 
 HYPER = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8)
 

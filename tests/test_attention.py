@@ -23,52 +23,14 @@ from needle import backend_ndarray as nd
 from needle.backend_ndarray import ndarray_backend_numpy as reference
 from needle.ops.ops_attention import ScaledDotProductAttention, ScaledDotProductAttentionGrad
 
-from conftest import DEVICES, check_gradients, numerical_gradient, peak_during, run_float64_checks
+from attention_cases import CASES, assert_close, make_arrays, run_attention
+from conftest import DEVICES, check_gradients, peak_during, random_out_grad, run_float64_checks, saves_violation
 
 REPO = os.path.join(os.path.dirname(__file__), "..")
 DEVICE = nd.cpu() if nd.cpu().enabled() else nd.cpu_numpy()
 _CPU_SKIP = pytest.mark.skipif(not nd.cpu().enabled(), reason="C++ backend not built (run `make`)")
 HOST_DEVICES = [pytest.param(nd.cpu(), id="cpu", marks=_CPU_SKIP), pytest.param(nd.cpu_numpy(), id="cpu_numpy")]
 F32 = 4
-
-# (B, H, T_q, T_k, D, D_v, causal). Tiles: 32 rows on the NumPy reference, 64 in C++ and CUDA.
-CASES = {
-    "tile_multiple_causal": (1, 2, 64, 64, 8, 8, True),
-    "T_not_a_tile_multiple_causal": (2, 3, 70, 70, 5, 6, True),
-    "T_not_a_tile_multiple_full": (2, 1, 130, 130, 4, 4, False),
-    "T_q_lt_T_k_causal": (1, 2, 33, 130, 4, 3, True),
-    "T_q_gt_T_k_full": (2, 1, 100, 37, 3, 5, False),
-    "T_1": (2, 2, 1, 1, 4, 4, True),
-    "D_1": (1, 2, 20, 20, 1, 1, False),
-    "one_query_many_keys_causal": (1, 1, 1, 90, 4, 3, True),
-}
-
-
-def _arrays(B, H, T_q, T_k, D, D_v, seed=0, dtype=np.float32):
-    rs = np.random.RandomState(seed)
-    return [rs.randn(*shape).astype(dtype) for shape in ((B, H, T_q, D), (B, H, T_k, D), (B, H, T_k, D_v),
-                                                          (B, H, T_q, D_v))]  # q, k, v and a projection of out
-
-
-def _run(device, arrays, causal, fused, dtype=None, **kw):
-    """(out, [dq, dk, dv]) of (out * projection).sum(), fused or through nn.MultiHeadAttention."""
-    q, k, v = (ndl.Tensor(a, device=device, dtype=dtype) for a in arrays[:3])
-    if fused:
-        out = ops.scaled_dot_product_attention(q, k, v, causal=causal, **kw)
-    else:
-        out, _ = nn.MultiHeadAttention(causal=causal, device=device).eval()(q, k, v)
-    (out * ndl.Tensor(arrays[3], device=device, dtype=dtype, requires_grad=False)).sum().backward()
-    return out.numpy(), [x.grad.numpy() for x in (q, k, v)]
-
-
-def _assert_close(got, expected, rtol, common_scale=False):
-    """Element-wise within rtol of the largest entry of each expected array (of all of them with common_scale:
-    for gradients that are zero but for rounding, such as the bias before the key projection's)."""
-    largest = max(float(np.max(np.abs(e.astype(np.float64)))) for e in expected)
-    for g, e in zip(got, expected):
-        scale = (largest if common_scale else float(np.max(np.abs(e.astype(np.float64))))) or 1.0
-        np.testing.assert_allclose(g.astype(np.float64), e.astype(np.float64), rtol=rtol, atol=rtol * scale)
-
 
 def _dense(q, k, v, scale, causal, z=None):
     """The definition in float64: (out, lse) of q (n, T_q, D), k, v."""
@@ -90,23 +52,23 @@ def test_fused_matches_unfused_forward_and_gradients(device, case):
     """out, dq, dk and dv equal nn.MultiHeadAttention's within 1e-5 (float32), for tiles that divide T and tiles
     that do not, T = 1, D = 1, causal with T_q < T_k (bottom-right aligned) and T_q > T_k without a mask."""
     B, H, T_q, T_k, D, D_v, causal = CASES[case]
-    arrays = _arrays(B, H, T_q, T_k, D, D_v)
-    out, grads = _run(device, arrays, causal, fused=True)
-    ref_out, ref_grads = _run(device, arrays, causal, fused=False)
+    arrays = make_arrays(B, H, T_q, T_k, D, D_v)
+    out, grads = run_attention(device, arrays, causal, fused=True)
+    ref_out, ref_grads = run_attention(device, arrays, causal, fused=False)
     assert out.shape == (B, H, T_q, D_v) and out.dtype == np.float32
-    _assert_close([out] + grads, [ref_out] + ref_grads, rtol=1e-5)
+    assert_close([out] + grads, [ref_out] + ref_grads, rtol=1e-5)
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 def test_outputs_are_out_and_the_float32_log_sum_exp_of_each_row(device, causal):
     """The op's two outputs against the float64 definition: out within 1e-5, lse (float32) within 1e-5."""
-    q, k, v, _ = _arrays(2, 2, 45, 70, 6, 5, seed=3)
+    q, k, v, _ = make_arrays(2, 2, 45, 70, 6, 5, seed=3)
     tensors = [ndl.Tensor(a, device=device) for a in (q, k, v)]
     out, lse = ScaledDotProductAttention(causal, 0.3)(*tensors).tuple()
     ref_out, ref_lse = _dense(*(a.astype(np.float64) for a in (q, k, v)), 0.3, causal)
     assert lse.dtype == "float32" and lse.shape == (2, 2, 45)
-    _assert_close([out.numpy(), lse.numpy()], [ref_out, ref_lse], rtol=1e-5)
+    assert_close([out.numpy(), lse.numpy()], [ref_out, ref_lse], rtol=1e-5)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -117,45 +79,19 @@ def test_16bit_storage_float32_arithmetic(device, dtype, rtol, case):
     definition on the same (rounded) inputs; lse stays float32."""
     B, H, T_q, T_k, D, D_v, causal = CASES[case]
     arrays = [a.astype(ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float16).astype(np.float32)
-              for a in _arrays(B, H, T_q, T_k, D, D_v)]
-    out, grads = _run(device, arrays, causal, fused=True, dtype=dtype)
+              for a in make_arrays(B, H, T_q, T_k, D, D_v)]
+    out, grads = run_attention(device, arrays, causal, fused=True, dtype=dtype)
     assert out.dtype == nd.DTYPES[dtype] and all(g.dtype == nd.DTYPES[dtype] for g in grads)
-    ref = [_run(nd.cpu_numpy(), [a.astype(np.float64) for a in arrays], causal, fused=False, dtype="float32")]
-    _assert_close([out] + grads, [ref[0][0]] + ref[0][1], rtol=rtol)
+    ref = [run_attention(nd.cpu_numpy(), [a.astype(np.float64) for a in arrays], causal, fused=False, dtype="float32")]
+    assert_close([out] + grads, [ref[0][0]] + ref[0][1], rtol=rtol)
     _, lse = ScaledDotProductAttention(causal)(*(ndl.Tensor(a, device=device, dtype=dtype) for a in arrays[:3]))
     assert lse.dtype == "float32"
 
 
 def test_float64_under_np_backend_in_a_subprocess():
     """NEEDLE_BACKEND=np in a fresh interpreter: float64 in, float64 out, the unfused numbers within 1e-6 and
-    central differences (eps 1e-6) within 1e-6 (`_float64_checks` below)."""
-    run_float64_checks("test_attention")
-
-
-def _float64_checks():
-    """Run under NEEDLE_BACKEND=np only (values are plain float64 numpy.ndarray)."""
-    from needle.backend_selection import BACKEND
-
-    assert BACKEND == "np", BACKEND
-    for name, (B, H, T_q, T_k, D, D_v, causal) in CASES.items():
-        arrays = _arrays(B, H, T_q, T_k, D, D_v, dtype=np.float64)
-        out, grads = _run(None, arrays, causal, fused=True, dtype="float64")
-        ref_out, ref_grads = _run(None, arrays, causal, fused=False, dtype="float64")
-        assert out.dtype == np.float64 and all(g.dtype == np.float64 for g in grads), name
-        _assert_close([out] + grads, [ref_out] + ref_grads, rtol=1e-6)
-    q, k, v, proj = _arrays(1, 2, 5, 7, 3, 2, seed=4, dtype=np.float64)
-    tensors = [ndl.Tensor(a, dtype="float64") for a in (q, k, v)]
-
-    def loss_of(*xs):
-        out = ops.scaled_dot_product_attention(*xs, causal=True, dropout_p=0.25, seed=11)
-        return (out * ndl.Tensor(proj, dtype="float64", requires_grad=False)).sum()
-
-    loss_of(*tensors).backward()
-    numeric = numerical_gradient(lambda *xs: float(loss_of(*[ndl.Tensor(x, dtype="float64") for x in xs]).numpy()),
-                                 [a.copy() for a in (q, k, v)], eps=1e-6)
-    for t, g in zip(tensors, numeric):
-        assert t.grad.dtype == np.float64
-        np.testing.assert_allclose(t.grad.numpy(), g, rtol=1e-6, atol=1e-8)
+    central differences (eps 1e-6) within 1e-6 (attention_cases.float64_checks)."""
+    run_float64_checks("attention_cases")
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -163,7 +99,7 @@ def _float64_checks():
                          ids=["causal", "full", "causal-dropout"])
 def test_gradient_against_central_differences(device, causal, dropout_p):
     """conftest.check_gradients in a random direction (with dropout: one fixed mask, a hash of the seed)."""
-    q, k, v, _ = _arrays(1, 2, 9, 11, 3, 4, seed=5)
+    q, k, v, _ = make_arrays(1, 2, 9, 11, 3, 4, seed=5)
 
     def fn(q, k, v):
         return ops.scaled_dot_product_attention(q, k, v, causal=causal, scale=0.8, dropout_p=dropout_p, seed=3)
@@ -174,10 +110,10 @@ def test_gradient_against_central_differences(device, causal, dropout_p):
 @pytest.mark.parametrize("device", DEVICES)
 def test_eager_and_lazy_are_bit_identical(device):
     """Rule 4b for the op: the same numbers whether the graph is computed as it is built or afterwards."""
-    arrays = _arrays(2, 2, 70, 70, 5, 5, seed=6)
-    eager = _run(device, arrays, True, fused=True, dropout_p=0.2, seed=9)
+    arrays = make_arrays(2, 2, 70, 70, 5, 5, seed=6)
+    eager = run_attention(device, arrays, True, fused=True, dropout_p=0.2, seed=9)
     with autograd.lazy_mode(True):
-        lazy = _run(device, arrays, True, fused=True, dropout_p=0.2, seed=9)
+        lazy = run_attention(device, arrays, True, fused=True, dropout_p=0.2, seed=9)
     assert all(np.array_equal(a, b) for a, b in zip([eager[0]] + eager[1], [lazy[0]] + lazy[1]))
 
 
@@ -185,10 +121,10 @@ def test_eager_and_lazy_are_bit_identical(device):
 def test_results_do_not_depend_on_the_thread_count():
     """The C++ kernels compute each element on one thread in a fixed order: OMP_NUM_THREADS=1 and 2 agree bit for
     bit (what makes gc on/off exact whatever the thread count)."""
-    code = ("import sys, hashlib; sys.path[:0] = ['tests', 'python', 'apps']; import test_attention as t; "
+    code = ("import sys, hashlib; sys.path[:0] = ['tests', 'python', 'apps']; import attention_cases as t; "
             "from needle import backend_ndarray as nd; "
-            "out, grads = t._run(nd.cpu(), t._arrays(3, 2, 150, 150, 8, 8, seed=7), True, True, dropout_p=0.1, "
-            "seed=5); print(hashlib.sha256(b''.join(a.tobytes() for a in [out] + grads)).hexdigest())")
+            "out, grads = t.run_attention(nd.cpu(), t.make_arrays(3, 2, 150, 150, 8, 8, seed=7), True, True, "
+            "dropout_p=0.1, seed=5); print(hashlib.sha256(b''.join(a.tobytes() for a in [out] + grads)).hexdigest())")
     digests = []
     for threads in ("1", "2"):
         result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300,
@@ -204,18 +140,18 @@ def test_dropout_mask_is_the_contracts_hash_and_the_same_on_every_device(device)
     """out = (softmax(s) z) v with z = keep / (1 - p), keep[row, col] = hash(seed, row * T_k + col) >= p 2^32 (the
     reference's dropout_keep): within 1e-5 of that definition; about 1 - p of the elements kept."""
     B, H, T_q, T_k, D, p, seed = 2, 2, 40, 75, 4, 0.3, 1234
-    q, k, v, _ = _arrays(B, H, T_q, T_k, D, D, seed=8)
+    q, k, v, _ = make_arrays(B, H, T_q, T_k, D, D, seed=8)
     rows = np.arange(B * H * T_q).reshape(B, H, T_q)
     keep = reference.dropout_keep(seed, rows, np.arange(T_k), T_k, reference.dropout_threshold(p))
     assert abs(keep.mean() - (1 - p)) < 0.01
     ref_out, _ = _dense(*(a.astype(np.float64) for a in (q, k, v)), 1 / np.sqrt(D), True, keep / (1 - p))
     out = ops.scaled_dot_product_attention(*(ndl.Tensor(a, device=device) for a in (q, k, v)), causal=True,
                                            dropout_p=p, seed=seed)
-    _assert_close([out.numpy()], [ref_out], rtol=1e-5)
+    assert_close([out.numpy()], [ref_out], rtol=1e-5)
 
 
 def test_seed_none_draws_from_numpys_rng_only_with_dropout():
-    q, k, v, _ = (ndl.Tensor(a, device=DEVICE) for a in _arrays(1, 1, 8, 8, 2, 2))
+    q, k, v, _ = (ndl.Tensor(a, device=DEVICE) for a in make_arrays(1, 1, 8, 8, 2, 2))
     np.random.seed(0)
     a = ops.scaled_dot_product_attention(q, k, v, dropout_p=0.5).numpy()
     np.random.seed(0)
@@ -234,7 +170,7 @@ def test_peak_inside_compute_is_exactly_outputs_plus_declared_workspace(device, 
     dq + dk + dv + the declared workspace (delta, one float32 per query row), plus the copies of strided inputs
     (dlse is the broadcast zero TupleGetItem gives an unused lse). Exact bytes, as the Budget's ledger counts."""
     B, H, T_q, T_k, D, D_v = 2, 3, 70, 90, 8, 6
-    arrays = _arrays(B, H, T_q, T_k, D, D_v)
+    arrays = make_arrays(B, H, T_q, T_k, D, D_v)
     if strided:  # q as the heads of a projection: a transposed (B, T, H, D) array
         q = nd.array(arrays[0].transpose(0, 2, 1, 3).copy(), device=device).permute((0, 2, 1, 3))
     else:
@@ -262,7 +198,7 @@ def test_peak_of_forward_and_backward_is_linear_in_T(device):
     """The issue's goal at a size tests can afford: the peak of the fused forward + backward beyond the output and
     the three input gradients is under 20% of one float32 B·H·T·T tensor (the unfused path's is several)."""
     B, H, T, D = 1, 2, 512, 16
-    arrays = _arrays(B, H, T, T, D, D)
+    arrays = make_arrays(B, H, T, T, D, D)
     bht2 = F32 * B * H * T * T
     peaks = {}
     for fused in (True, False):
@@ -401,7 +337,7 @@ def test_fused_transformer_matches_unfused_in_training_mode(device, causal):
         out, _ = model(x)
         (out * out).sum().backward()
         results.append([out.numpy(), x.grad.numpy()] + [p.grad.numpy() for p in model.parameters()])
-    _assert_close(results[0], results[1], rtol=1e-5, common_scale=True)
+    assert_close(results[0], results[1], rtol=1e-5, common_scale=True)
 
 
 def _module_grads(make, gc, lazy, shape):
@@ -485,7 +421,7 @@ def test_backends_check_their_arguments(device):
     with pytest.raises(TypeError, match="storage"):
         nd.attention_forward(*(a.astype("int8") for a in (q, k, v)), 0.5)
     out, lse = nd.attention_forward(q, k, v, 0.5)
-    mod, h = device.mod, (lambda a: a._handle)
+    mod, h = device.mod, (lambda a: a.buffer)
     dims = (2, 6, 5, 4, 3)
     with pytest.raises(ValueError, match="attention_forward: dropout_p"):
         mod.attention_forward(h(q), h(k), h(v), h(out), h(lse), *dims, 0.5, False, 1.0, 0)
@@ -498,21 +434,19 @@ def test_backends_check_their_arguments(device):
 
 
 def test_op_contract_saves_shapes_and_no_second_derivative():
-    """`saves` is truthful (test_autograd's probe), gradient returns one entry per input, shapes are inferred
+    """`saves` is truthful (conftest.saves_violation's probe), gradient returns one entry per input, shapes are inferred
     lazily without computing, and differentiating the gradient says what to use instead."""
-    from test_autograd import _out_grad, _saves_violation
-
-    q, k, v, _ = _arrays(1, 2, 5, 7, 3, 4)
+    q, k, v, _ = make_arrays(1, 2, 5, 7, 3, 4)
     with autograd.lazy_mode(True):
         args = [ndl.Tensor(a, device=nd.cpu_numpy()) for a in (q, k, v)]
         out = ops.scaled_dot_product_attention(*args, causal=True)
         node = out.inputs[0]
         assert out.shape == (1, 2, 5, 4) and node.shape == ((1, 2, 5, 4), (1, 2, 5)) and node.cached_data is None
-        grads = node.op.gradient(_out_grad(node, np.random.default_rng(0)), node)
+        grads = node.op.gradient(random_out_grad(node, np.random.default_rng(0)), node)
         assert type(grads) is tuple and [g.shape for g in grads] == [(1, 2, 5, 3), (1, 2, 7, 3), (1, 2, 7, 4)]
         assert grads[0].cached_data is None
     node.realize_cached_data()
-    assert _saves_violation(node, _out_grad(node, np.random.default_rng(0))) is None
+    assert saves_violation(node, random_out_grad(node, np.random.default_rng(0))) is None
     grad_node = grads[0].inputs[0]
     assert isinstance(grad_node.op, ScaledDotProductAttentionGrad) and grad_node.op.saves == "inputs"
     with pytest.raises(NotImplementedError, match="second derivatives .*MultiHeadAttention"):
@@ -522,7 +456,7 @@ def test_op_contract_saves_shapes_and_no_second_derivative():
 def test_autocast_runs_attention_in_the_low_dtype_with_float32_row_statistics():
     """Under autocast the op is a matmul: q, k, v cast to the 16-bit dtype, lse float32, gradients back in float32
     for float32 leaves."""
-    q, k, v, _ = (ndl.Tensor(a, device=DEVICE) for a in _arrays(1, 2, 9, 9, 4, 4))
+    q, k, v, _ = (ndl.Tensor(a, device=DEVICE) for a in make_arrays(1, 2, 9, 9, 4, 4))
     with ndl.autocast("bfloat16"):
         out = ops.scaled_dot_product_attention(q, k, v, causal=True)
     assert out.dtype == "bfloat16" and out.inputs[0].inputs[0].dtype == "bfloat16"

@@ -76,6 +76,7 @@ def test_rule4_gradients_bit_identical(device, lazy, gc):
 
 @pytest.mark.parametrize("lazy", [False, True], ids=["eager", "lazy"])
 @pytest.mark.parametrize("gc", POLICIES, ids=POLICY_IDS)
+@pytest.mark.smoke
 def test_rule2_each_dropped_node_recomputed_at_most_once(lazy, gc):
     """Rule 2: a dropped value is recomputed at most once per backward pass (counted per node)."""
     device = nd.cpu_numpy()
@@ -112,6 +113,7 @@ def test_rule2_chain_of_k_dropped_nodes_costs_k_recomputes():
         assert checkpoint.last_backward_stats()["recomputed_nodes"] <= 2 * k
 
 
+@pytest.mark.smoke
 def test_rule1_annotate_never_drops_leaves_inputs_or_output():
     """Rule 1: leaves (parameters, constants, masks), region inputs and the region output are never dropped."""
     device = nd.cpu_numpy()
@@ -159,6 +161,7 @@ def test_rule3_values_released_after_backward(lazy):
 
 @pytest.mark.parametrize("device", [DEVICES[0], DEVICES[1]])
 @pytest.mark.parametrize("gc", [None, dict(), dict(policy="sqrt")], ids=["off", "all", "sqrt"])
+@pytest.mark.smoke
 def test_rule3_memory_returns_to_baseline(device, gc):
     """Rule 3: after a step, the allocator's current bytes return to parameters + gradients; no leak."""
     params = _params(device)
@@ -257,6 +260,7 @@ def test_annotate_rejects_bad_policy():
         checkpoint.resolve_policy(None, segment_len=0)
 
 
+@pytest.mark.smoke
 def test_policies_are_pure_functions():
     """Every policy maps a list of candidates to keep flags, deterministically."""
     device = nd.cpu_numpy()

@@ -45,6 +45,7 @@ def _parse_dot(dot):
 # ----- checkpoint(fn, *args) --------------------------------------------------------------------------------------
 @pytest.mark.parametrize("device", [DEVICES[0], DEVICES[1]])
 @pytest.mark.parametrize("lazy", [False, True], ids=["eager", "lazy"])
+@pytest.mark.smoke
 def test_rule4_checkpoint_gradients_bit_identical(device, lazy):
     """Rule 4b: checkpoint(fn, x) gives the output and gradients of fn(x) bit for bit, eager and lazy."""
     ws = _weights(device)

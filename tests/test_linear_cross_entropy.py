@@ -18,76 +18,30 @@ from needle import backend_ndarray as nd
 from needle.ops import ops_fused
 from needle.ops.ops_fused import LinearCrossEntropy, LinearCrossEntropyGrad, chunk_rows
 
-from conftest import DEVICES, check_gradients, numerical_gradient, peak_during, run_float64_checks
+from conftest import DEVICES, check_gradients, peak_during, random_out_grad, run_float64_checks, saves_violation
+from linear_cross_entropy_cases import CASES, assert_close, fused_and_unfused, make_arrays
 from models import LanguageModel
 
 DEVICE = nd.cpu() if nd.cpu().enabled() else nd.cpu_numpy()
 _CPU_SKIP = pytest.mark.skipif(not nd.cpu().enabled(), reason="C++ backend not built (run `make`)")
 F32 = 4
 
-# (N tokens, H hidden, V vocabulary, chunk_size, bias shape or None)
-CASES = {
-    "chunks_divide": (12, 5, 9, 4, (1, 9)),
-    "chunks_do_not_divide": (10, 4, 7, 3, (7,)),
-    "chunk_none": (10, 3, 6, None, (1, 6)),
-    "chunk_of_one_row": (5, 3, 4, 1, None),
-    "chunk_larger_than_n": (6, 4, 5, 50, (5,)),
-    "one_token": (1, 4, 6, None, (1, 6)),
-    "one_token_vocab_1": (1, 3, 1, 1, (1,)),
-    "vocab_1": (8, 3, 1, 3, None),
-    "no_bias": (9, 6, 11, 2, None),
-}
-
-
-def _arrays(N, H, V, bias, seed=0, dtype=np.float32):
-    rs = np.random.RandomState(seed)
-    b = None if bias is None else rs.randn(*bias).astype(dtype)
-    return rs.randn(N, H).astype(dtype), rs.randn(H, V).astype(dtype), b, rs.randint(0, V, N).astype(dtype)
-
-
-def _fused_and_unfused(device, N, H, V, chunk, bias, dtype=np.float32):
-    """(loss, [grads]) of the fused and of the unfused head on the same inputs."""
-    h, W, b, y = _arrays(N, H, V, bias, dtype=dtype)
-    target = ndl.Tensor(y, device=device, requires_grad=False)
-    results = []
-    for fused in (True, False):
-        params = [ndl.Tensor(a, device=device) for a in (h, W, b) if a is not None]
-        hidden, weight, b_t = params[0], params[1], (params[2] if b is not None else None)
-        if fused:
-            loss = ops.linear_cross_entropy(hidden, weight, b_t, target, chunk_size=chunk)
-        else:
-            logits = hidden @ weight
-            if b_t is not None:
-                logits = logits + ndl.broadcast_to(ndl.reshape(b_t, (1, V)), (N, V))
-            loss = nn.SoftmaxLoss()(logits, target)
-        loss.backward()
-        results.append((loss.numpy(), [p.grad.numpy() for p in params]))
-    return results
-
-
-def _assert_close(got, expected, rtol):
-    """Element-wise within rtol of the largest entry (an exactly-zero gradient is matched to rounding)."""
-    scale = max(float(np.max(np.abs(e))) if np.size(e) else 0.0 for e in expected) or 1.0
-    for g, e in zip(got, expected):
-        np.testing.assert_allclose(g, e, rtol=rtol, atol=rtol * scale)
-
-
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("case", list(CASES))
 def test_fused_matches_unfused_forward_and_gradients(device, case):
     """Loss and the gradients of hidden, weight and bias equal the unfused head's within 1e-5 (float32)."""
-    (loss, grads), (ref_loss, ref_grads) = _fused_and_unfused(device, *CASES[case])
+    (loss, grads), (ref_loss, ref_grads) = fused_and_unfused(device, *CASES[case])
     assert loss.shape == () and loss.dtype == np.float32
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
     assert [g.shape for g in grads] == [g.shape for g in ref_grads]  # db has the bias's shape, (V,) or (1, V)
-    _assert_close(grads, ref_grads, rtol=1e-5)
+    assert_close(grads, ref_grads, rtol=1e-5)
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("chunk, bias", [(3, (1, 7)), (None, (7,)), (2, None)])
 def test_gradient_against_central_differences(device, chunk, bias):
     """conftest.check_gradients: the analytic gradient in a random direction against finite differences."""
-    h, W, b, y = _arrays(8, 4, 7, bias, seed=1)
+    h, W, b, y = make_arrays(8, 4, 7, bias, seed=1)
 
     def fn(hidden, weight, *b_t):
         target = ndl.Tensor(y, device=hidden.device, requires_grad=False)
@@ -98,33 +52,8 @@ def test_gradient_against_central_differences(device, chunk, bias):
 
 def test_float64_under_np_backend_in_a_subprocess():
     """NEEDLE_BACKEND=np in a fresh interpreter: float64 in, float64 out, the unfused numbers within 1e-6 and
-    central differences (eps 1e-6) within 1e-6 (`_float64_checks` below)."""
-    run_float64_checks("test_linear_cross_entropy")
-
-
-def _float64_checks():
-    """Run under NEEDLE_BACKEND=np only (values are plain float64 numpy.ndarray)."""
-    from needle.backend_selection import BACKEND
-
-    assert BACKEND == "np", BACKEND
-    for name, (N, H, V, chunk, bias) in CASES.items():
-        (loss, grads), (ref_loss, ref_grads) = _fused_and_unfused(None, N, H, V, chunk, bias, dtype=np.float64)
-        assert loss.dtype == np.float64 and all(g.dtype == np.float64 for g in grads), name
-        np.testing.assert_allclose(loss, ref_loss, rtol=1e-6, err_msg=name)
-        _assert_close(grads, ref_grads, rtol=1e-6)
-    # Central differences in float64, eps 1e-6, in a random direction of the (scalar) loss.
-    h, W, b, y = _arrays(7, 3, 5, (5,), seed=2, dtype=np.float64)
-    tensors = [ndl.Tensor(a) for a in (h, W, b)]
-
-    def loss_of(*xs):
-        return ops.linear_cross_entropy(*xs, ndl.Tensor(y, requires_grad=False), chunk_size=3)
-
-    loss_of(*tensors).backward()
-    numeric = numerical_gradient(lambda *xs: float(loss_of(*[ndl.Tensor(x) for x in xs]).numpy()),
-                                 [a.copy() for a in (h, W, b)], eps=1e-6)
-    for t, g in zip(tensors, numeric):
-        assert isinstance(t.grad.realize_cached_data(), np.ndarray) and t.grad.dtype == np.float64
-        np.testing.assert_allclose(t.grad.numpy(), g, rtol=1e-6, atol=1e-8)
+    central differences (eps 1e-6) within 1e-6 (linear_cross_entropy_cases.float64_checks)."""
+    run_float64_checks("linear_cross_entropy_cases")
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -132,7 +61,7 @@ def _float64_checks():
 def test_out_of_range_target_raises_index_error_naming_it(device, bad, position):
     """A target outside [0, V) or not an integer: IndexError naming its value and position, at the call (the
     targets' values exist) and inside compute (a lazily computed target: checked when it exists)."""
-    h, W, b, y = _arrays(6, 3, 7, (1, 7))
+    h, W, b, y = make_arrays(6, 3, 7, (1, 7))
     y[position] = bad
     args = [ndl.Tensor(a, device=device) for a in (h, W, b)]
     expected = f"target {bad:g} at position {position}"
@@ -173,19 +102,17 @@ def test_chunk_size_none_takes_the_rows_whose_logits_fit_in_4_mib(monkeypatch):
     assert chunk_rows(5, 10) == 5 and chunk_rows(10, 1 << 21) == 1 and chunk_rows(10, 7, chunk_size=3) == 3
     monkeypatch.setattr(ops_fused, "LOGITS_CHUNK_ELEMENTS", 3 * 7)  # None now means 3 rows of a 7-word vocab
     assert chunk_rows(10, 7) == 3
-    (loss, grads), _ = _fused_and_unfused(DEVICE, 10, 4, 7, None, (1, 7))
-    (loss3, grads3), _ = _fused_and_unfused(DEVICE, 10, 4, 7, 3, (1, 7))
+    (loss, grads), _ = fused_and_unfused(DEVICE, 10, 4, 7, None, (1, 7))
+    (loss3, grads3), _ = fused_and_unfused(DEVICE, 10, 4, 7, 3, (1, 7))
     assert np.array_equal(loss, loss3) and all(map(np.array_equal, grads, grads3))
     assert (LinearCrossEntropyGrad(None).workspace((10, 4), (4, 7), (1, 7), (10,), ()) ==
             LinearCrossEntropyGrad(3).workspace((10, 4), (4, 7), (1, 7), (10,), ()))
 
 
 def test_op_contract_saves_shapes_and_no_second_derivative():
-    """`saves` is truthful (test_autograd's probe), gradient returns one entry per input, shapes are inferred
+    """`saves` is truthful (conftest.saves_violation's probe), gradient returns one entry per input, shapes are inferred
     lazily without computing, and differentiating the gradient says what to use instead."""
-    from test_autograd import _out_grad, _saves_violation
-
-    h, W, b, y = _arrays(6, 3, 5, (5,))
+    h, W, b, y = make_arrays(6, 3, 5, (5,))
     with autograd.lazy_mode(True):
         args = [ndl.Tensor(a, device=nd.cpu_numpy()) for a in (h, W, b)]
         loss = ops.linear_cross_entropy(*args, ndl.Tensor(y, device=nd.cpu_numpy()), chunk_size=4)
@@ -194,7 +121,7 @@ def test_op_contract_saves_shapes_and_no_second_derivative():
         assert type(grads) is tuple and len(grads) == len(loss.inputs) and grads[-1] is None
         assert [g.shape for g in grads[:3]] == [(6, 3), (3, 5), (5,)] and grads[0].cached_data is None
     loss.realize_cached_data()
-    assert _saves_violation(loss, _out_grad(loss, np.random.default_rng(0))) is None
+    assert saves_violation(loss, random_out_grad(loss, np.random.default_rng(0))) is None
     grad_node = grads[0].inputs[0]
     assert isinstance(grad_node.op, LinearCrossEntropyGrad) and grad_node.op.saves == "inputs"
     with pytest.raises(NotImplementedError, match="second derivatives .*softmax_cross_entropy"):
@@ -210,7 +137,7 @@ def test_peak_memory_is_what_the_op_declares_and_far_below_the_logits(device, ch
     gradient's compute exactly the outputs (dh, dW, db) + the declared workspace. A chunked call peaks far below
     the full (N, V) logits."""
     N, H, V = 64, 16, 200
-    h, W, b, y = _arrays(N, H, V, bias)
+    h, W, b, y = make_arrays(N, H, V, bias)
     inputs = [nd.array(a, device=device) for a in (h, W, b, y) if a is not None]
     g = nd.array(np.array(1.0), device=device)
     shapes = [x.shape for x in inputs]
@@ -266,7 +193,7 @@ def test_language_model_loss_is_softmax_loss_of_its_logits(seq_model):
     loss, h = model.loss(X, y, chunk_size=7)
     loss.backward()
     np.testing.assert_allclose(loss.numpy(), ref.numpy(), rtol=1e-5)
-    _assert_close([p.grad.numpy() for p in model.parameters()], ref_grads, rtol=1e-5)
+    assert_close([p.grad.numpy() for p in model.parameters()], ref_grads, rtol=1e-5)
     for a, b in zip(h if isinstance(h, tuple) else [h], h_ref if isinstance(h_ref, tuple) else [h_ref]):
         np.testing.assert_array_equal(a.numpy(), b.numpy())
 

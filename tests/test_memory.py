@@ -361,7 +361,7 @@ def test_cpu_buffers_are_aligned_and_cache_is_reported_and_bounded(cache_limit):
     cache_limit(64 * MiB)
     for n in (1, 3, 1000, 300_000, MiB // 4, MiB // 4 + 1, 3 * MiB + 5, 10 * MiB):
         a = nd.empty((n,), device=device)
-        assert a._handle.ptr() % 64 == 0  # the alignment the allocator has always given
+        assert a.buffer.ptr() % 64 == 0  # the alignment the allocator has always given
         del a
     device.mod.empty_cache()
     s = stats(device)

@@ -66,6 +66,7 @@ def make_view(shape, layout, device, rng, positive=False):
 
 # ----- creation and conversion -------------------------------------------------------------------------------------
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.smoke
 def test_array_from_numpy_list_and_ints(device):
     a = np.arange(12, dtype=np.float64).reshape(3, 4) / 7
     A = nd.array(a, device=device)
@@ -168,6 +169,7 @@ def test_prefix_slice_with_compact_strides_is_not_compact(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.smoke
 def test_reshape_is_a_view_of_compact_arrays(device):
     a = np.arange(24, dtype=np.float32)
     A = nd.array(a, device=device)
@@ -268,6 +270,7 @@ def test_getitem_of_non_compact_views(device, layout, idx, rng):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.smoke
 def test_getitem_chained_views_share_memory(device):
     a = np.arange(60, dtype=np.float32).reshape(3, 4, 5)
     A = nd.array(a, device=device)
@@ -278,6 +281,20 @@ def test_getitem_chained_views_share_memory(device):
     V[0, 0] = -1.0
     v[0, 0] = -1.0
     np.testing.assert_array_equal(A.numpy(), a)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_buffer_is_shared_by_views_and_not_by_copies(device):
+    """NDArray.buffer, the public accessor for the buffer under an array: every view has its array's, every
+    computed or compacted array a new one; it is what backend functions take and it knows its size and dtype."""
+    A = nd.array(np.arange(12, dtype=np.float32).reshape(3, 4), device=device)
+    views = [A.reshape((4, 3)), A.permute((1, 0)), A[1:, ::2], A.broadcast_to((2, 3, 4)), A.flat, A.compact()]
+    assert all(view.buffer is A.buffer for view in views)
+    assert A.permute((1, 0)).compact().buffer is not A.buffer and (A + 0.0).buffer is not A.buffer
+    assert A.buffer.size == 12 and A.buffer.dtype == "float32" and A.astype("float16").buffer.dtype == "float16"
+    out = nd.empty((3, 4), device=device)
+    device.mod.ewise_add(A.buffer, A.buffer, out.buffer)
+    np.testing.assert_array_equal(out.numpy(), 2 * A.numpy())
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -306,6 +323,7 @@ def test_setitem(device, idx, value_layout, rng):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.smoke
 def test_setitem_on_views_writes_through(device, rng):
     a = rng.standard_normal((3, 4, 5)).astype(np.float32)
     A = nd.array(a, device=device)
@@ -458,16 +476,16 @@ def _strided_operand(device, rng, layout):
     """(backend handle, strides, offset, numpy view) of a (6, 7) operand laid out as `layout`."""
     if layout == "compact":
         base = rng.uniform(0.5, 2.0, (6, 7)).astype(np.float32)
-        return nd.array(base, device=device)._handle, [7, 1], 0, base
+        return nd.array(base, device=device).buffer, [7, 1], 0, base
     if layout == "reversed":  # negative strides, the offset at the far end
         base = rng.uniform(0.5, 2.0, (6, 7)).astype(np.float32)
-        return nd.array(base, device=device)._handle, [-7, -1], 41, base[::-1, ::-1]
+        return nd.array(base, device=device).buffer, [-7, -1], 41, base[::-1, ::-1]
     if layout == "transposed":
         base = rng.uniform(0.5, 2.0, (7, 6)).astype(np.float32)
-        return nd.array(base, device=device)._handle, [1, 6], 0, base.T
+        return nd.array(base, device=device).buffer, [1, 6], 0, base.T
     if layout == "column":  # one value per row, repeated along the row (inner stride 0), at an offset
         base = rng.uniform(0.5, 2.0, 9).astype(np.float32)
-        return nd.array(base, device=device)._handle, [1, 0], 2, np.broadcast_to(base[2:8, None], (6, 7))
+        return nd.array(base, device=device).buffer, [1, 0], 2, np.broadcast_to(base[2:8, None], (6, 7))
     raise AssertionError(layout)
 
 
@@ -486,12 +504,12 @@ def test_backend_strided_functions(device, layout_a, layout_b, rng):
     binary = {"add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.divide, "power": np.power,
               "maximum": np.maximum, "eq": np.equal, "ge": np.greater_equal}
     for op, func in binary.items():
-        mod.ewise_strided(op, ha, sa, oa, hb, sb, ob, out._handle, [6, 7])
+        mod.ewise_strided(op, ha, sa, oa, hb, sb, ob, out.buffer, [6, 7])
         assert_same(out, func(a, b).astype(np.float32), rtol=2e-6)
-        mod.scalar_strided(op, ha, sa, oa, 1.25, out._handle, [6, 7])
+        mod.scalar_strided(op, ha, sa, oa, 1.25, out.buffer, [6, 7])
         assert_same(out, func(a, np.float32(1.25)).astype(np.float32), rtol=2e-6)
     for op, func in {"log": np.log, "exp": np.exp, "tanh": np.tanh}.items():
-        mod.unary_strided(op, hb, sb, ob, out._handle, [6, 7])
+        mod.unary_strided(op, hb, sb, ob, out.buffer, [6, 7])
         assert_same(out, func(b), rtol=2e-6)
 
 
@@ -501,15 +519,15 @@ def test_backend_strided_functions_reject_bad_calls(device):
     a = nd.array(np.ones((2, 3)), device=device)
     out = nd.empty((2, 3), device=device)
     with pytest.raises(ValueError, match="unknown op"):
-        mod.ewise_strided("min", a._handle, [3, 1], 0, a._handle, [3, 1], 0, out._handle, [2, 3])
+        mod.ewise_strided("min", a.buffer, [3, 1], 0, a.buffer, [3, 1], 0, out.buffer, [2, 3])
     with pytest.raises(ValueError, match="unknown op"):
-        mod.scalar_strided("sub_", a._handle, [3, 1], 0, 1.0, out._handle, [2, 3])
+        mod.scalar_strided("sub_", a.buffer, [3, 1], 0, 1.0, out.buffer, [2, 3])
     with pytest.raises(ValueError, match="unknown op"):
-        mod.unary_strided("sqrt", a._handle, [3, 1], 0, out._handle, [2, 3])
+        mod.unary_strided("sqrt", a.buffer, [3, 1], 0, out.buffer, [2, 3])
     with pytest.raises(ValueError, match="out must not be one of the inputs"):
-        mod.ewise_strided("add", a._handle, [1, 2], 0, a._handle, [3, 1], 0, a._handle, [2, 3])
+        mod.ewise_strided("add", a.buffer, [1, 2], 0, a.buffer, [3, 1], 0, a.buffer, [2, 3])
     with pytest.raises(ValueError, match="out must not be one of the inputs"):
-        mod.unary_strided("exp", a._handle, [0, 1], 0, a._handle, [2, 3])
+        mod.unary_strided("exp", a.buffer, [0, 1], 0, a.buffer, [2, 3])
 
 
 @pytest.mark.parametrize("device", COMPILED_DEVICES)
@@ -518,11 +536,11 @@ def test_compiled_strided_functions_check_view_bounds(device):
     a = nd.array(np.ones((2, 3)), device=device)
     out = nd.empty((2, 3), device=device)
     with pytest.raises(ValueError):
-        mod.ewise_strided("add", a._handle, [3, 1], 1, a._handle, [3, 1], 0, out._handle, [2, 3])
+        mod.ewise_strided("add", a.buffer, [3, 1], 1, a.buffer, [3, 1], 0, out.buffer, [2, 3])
     with pytest.raises(ValueError):
-        mod.scalar_strided("add", a._handle, [4, 1], 0, 1.0, out._handle, [2, 3])
+        mod.scalar_strided("add", a.buffer, [4, 1], 0, 1.0, out.buffer, [2, 3])
     with pytest.raises(ValueError):
-        mod.unary_strided("exp", a._handle, [-3, 1], 0, out._handle, [2, 3])
+        mod.unary_strided("exp", a.buffer, [-3, 1], 0, out.buffer, [2, 3])
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -681,6 +699,7 @@ def test_matmul_non_compact(device, layout_a, layout_b, rng):
     ((1, 7, 1), (3, 1, 65)),
     ((2, 3, 4, 5), (2, 3, 5, 1)),
 ])
+@pytest.mark.smoke
 def test_matmul_batched_and_broadcast(device, shape_a, shape_b, rng):
     a = rng.standard_normal(shape_a).astype(np.float32)
     b = rng.standard_normal(shape_b).astype(np.float32)
@@ -700,7 +719,7 @@ def test_backend_matmul_batched(device, batch, m, n, p, rng):
     b = rng.standard_normal((batch, n, p)).astype(np.float32)
     A, B = nd.array(a, device=device), nd.array(b, device=device)
     out = nd.empty((batch, m, p), device=device)
-    device.mod.matmul_batched(A._handle, B._handle, out._handle, batch, m, n, p)
+    device.mod.matmul_batched(A.buffer, B.buffer, out.buffer, batch, m, n, p)
     assert_same(out, a @ b, rtol=1e-4, atol=1e-4)
     assert_same(A @ B, a @ b, rtol=1e-4, atol=1e-4)
     if device.name == "cpu" and batch:  # each product is computed exactly as a 2-D matmul would
@@ -708,10 +727,10 @@ def test_backend_matmul_batched(device, batch, m, n, p, rng):
         np.testing.assert_array_equal(out.numpy(), loop)
     if device.name != "cpu_numpy":  # (the reference does not check sizes)
         with pytest.raises(ValueError):
-            device.mod.matmul_batched(A._handle, B._handle, out._handle, batch + 1, m, n, p)
+            device.mod.matmul_batched(A.buffer, B.buffer, out.buffer, batch + 1, m, n, p)
     X = nd.array(rng.standard_normal((2, 3, 3)), device=device)
     with pytest.raises(ValueError, match="out must not be one of the inputs"):
-        device.mod.matmul_batched(X._handle, X._handle, X._handle, 2, 3, 3, 3)
+        device.mod.matmul_batched(X.buffer, X.buffer, X.buffer, 2, 3, 3, 3)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -734,7 +753,7 @@ def test_matmul_tiled_kernel(device, rng):
     tiles = lambda x, r, c: np.ascontiguousarray(x.reshape(r // T, T, c // T, T).transpose(0, 2, 1, 3))
     A, B = nd.array(tiles(a, m, n), device=device), nd.array(tiles(b, n, p), device=device)
     out = nd.empty((m // T, p // T, T, T), device=device)
-    device.matmul_tiled(A._handle, B._handle, out._handle, m, n, p)
+    device.matmul_tiled(A.buffer, B.buffer, out.buffer, m, n, p)
     np.testing.assert_allclose(out.numpy(), tiles(a @ b, m, p), rtol=1e-4, atol=1e-4)
 
 
@@ -1084,10 +1103,10 @@ def test_as_strided_and_make_outside_the_buffer_raise_index_error(device):
     with pytest.raises(IndexError):
         V.as_strided((3,), (-4,))
     with pytest.raises(IndexError):
-        nd.NDArray.make((5,), device=device, handle=A._handle, offset=8)
+        nd.NDArray.make((5,), device=device, handle=A.buffer, offset=8)
     with pytest.raises(IndexError):
-        nd.NDArray.make((2,), device=device, handle=A._handle, offset=-1)
-    assert nd.NDArray.make((0,), device=device, handle=A._handle, offset=0).shape == (0,)
+        nd.NDArray.make((2,), device=device, handle=A.buffer, offset=-1)
+    assert nd.NDArray.make((0,), device=device, handle=A.buffer, offset=0).shape == (0,)
 
 
 def _other_device(device):

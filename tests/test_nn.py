@@ -143,6 +143,7 @@ def test_linear_is_one_op_that_reads_the_bias_in_place():
                                                 + layer.bias.numpy()).reshape(4, 5, 2))
 
 
+@pytest.mark.smoke
 def test_parameter_creation_order_reproduces_draws():
     np.random.seed(3)
     layer = nn.Linear(7, 5)
@@ -180,6 +181,7 @@ def test_parameter_creation_order_reproduces_draws():
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.smoke
 def test_activations_flatten_identity_sequential_residual(device):
     rs = np.random.RandomState(1)
     x_np = randn(rs, 2, 3, 4)
@@ -194,6 +196,7 @@ def test_activations_flatten_identity_sequential_residual(device):
                                rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.smoke
 def test_module_parameters_train_eval_reach_nested_containers():
     class Net(nn.Module):
         def __init__(self):
@@ -592,6 +595,7 @@ def test_dropout_mask_convention(device, p):
     assert mask_node.is_leaf() and not mask_node.requires_grad
 
 
+@pytest.mark.smoke
 def test_dropout_eval_is_identity_without_draws():
     layer = nn.Dropout(0.5).eval()
     x = ndl.Tensor(np.ones((3, 3), dtype=np.float32))
@@ -642,6 +646,7 @@ def test_softmax_loss_builds_no_one_hot():
     assert [tuple(n.shape) for n in autograd.find_topo_sort([z.grad])].count((N, C)) == 2  # z and its gradient
 
 
+@pytest.mark.smoke
 def test_softmax_loss_rejects_bad_labels_and_shapes():
     z = ndl.Tensor(np.zeros((2, 3), dtype=np.float32))
     with pytest.raises(IndexError, match="SoftmaxLoss"):

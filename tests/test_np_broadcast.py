@@ -6,7 +6,7 @@ import pytest
 
 import needle as ndl
 from needle import autograd
-from needle.ops.ops_mathematic import _sum_to_shape
+from needle.ops.ops_mathematic import sum_to_shape
 
 from conftest import DEVICES
 
@@ -31,13 +31,14 @@ def test_nd_backend_requires_equal_shapes(name, device):
             BINARY_OPS[name](a, b)
 
 
+@pytest.mark.smoke
 def test_sum_to_shape_returns_the_gradient_itself_when_shapes_match():
     g = ndl.Tensor(np.arange(6.0).reshape(2, 3))
-    assert _sum_to_shape(g, (2, 3), g.shape) is g
-    np.testing.assert_array_equal(_sum_to_shape(g, (3,), g.shape).numpy(), [3.0, 5.0, 7.0])
-    np.testing.assert_array_equal(_sum_to_shape(g, (1, 3), g.shape).numpy(), [[3.0, 5.0, 7.0]])
-    np.testing.assert_array_equal(_sum_to_shape(g, (2, 1), g.shape).numpy(), [[3.0], [12.0]])
-    np.testing.assert_array_equal(_sum_to_shape(g, (), g.shape).numpy(), 15.0)
+    assert sum_to_shape(g, (2, 3), g.shape) is g
+    np.testing.assert_array_equal(sum_to_shape(g, (3,), g.shape).numpy(), [3.0, 5.0, 7.0])
+    np.testing.assert_array_equal(sum_to_shape(g, (1, 3), g.shape).numpy(), [[3.0, 5.0, 7.0]])
+    np.testing.assert_array_equal(sum_to_shape(g, (2, 1), g.shape).numpy(), [[3.0], [12.0]])
+    np.testing.assert_array_equal(sum_to_shape(g, (), g.shape).numpy(), 15.0)
 
 
 @pytest.mark.parametrize("name", list(BINARY_OPS))

@@ -90,6 +90,7 @@ SGD_CASES = [(0.1, 0.0, 0.0), (0.1, 0.9, 0.0), (0.05, 0.5, 0.01), (0.2, 0.0, 0.1
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("case", SGD_CASES, ids=[f"lr{a}-m{b}-wd{c}" for a, b, c in SGD_CASES])
+@pytest.mark.smoke
 def test_sgd_matches_reference(device, case):
     lr, momentum, wd = case
     mine = _needle_run(device, lambda ps: optim.SGD(ps, lr=lr, momentum=momentum, weight_decay=wd))
@@ -101,6 +102,7 @@ ADAM_CASES = [(0.01, 0.9, 0.999, 1e-8, 0.0), (0.05, 0.8, 0.99, 1e-6, 0.01)]
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("case", ADAM_CASES, ids=["defaults", "custom-wd"])
+@pytest.mark.smoke
 def test_adam_matches_reference(device, case):
     lr, beta1, beta2, eps, wd = case
     make = lambda ps: optim.Adam(ps, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=wd)  # noqa: E731
@@ -147,6 +149,7 @@ def test_step_keeps_grad_dtype_and_graph(device, make):
     assert p.grad is None
 
 
+@pytest.mark.smoke
 def test_numpy_backend_keeps_parameter_dtype():
     """Under NEEDLE_BACKEND=np, NumPy float64 hyper-parameters must not promote float32 parameters."""
     code = textwrap.dedent("""

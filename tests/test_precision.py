@@ -366,15 +366,15 @@ def test_backend_matmul_with_float32_out(device, dtype, batched, rng):
     out = nd.empty((k, m, p), dtype="float32", device=device)
     mod = device.mod
     if batched:
-        mod.matmul_batched(A._handle, B._handle, out._handle, k, m, n, p)
+        mod.matmul_batched(A.buffer, B.buffer, out.buffer, k, m, n, p)
     else:
         out = nd.empty((m, p), dtype="float32", device=device)
-        mod.matmul(A[0].compact()._handle, B[0].compact()._handle, out._handle, m, n, p)
+        mod.matmul(A[0].compact().buffer, B[0].compact().buffer, out.buffer, m, n, p)
         expected = expected[0]
     np.testing.assert_allclose(out.numpy(), expected, rtol=1e-5, atol=1e-5)
     with pytest.raises(TypeError, match="matmul"):
-        mod.matmul(A[0].compact().astype("float32")._handle, B[0].compact()._handle,
-                   nd.empty((m, p), dtype="float32", device=device)._handle, m, n, p)
+        mod.matmul(A[0].compact().astype("float32").buffer, B[0].compact().buffer,
+                   nd.empty((m, p), dtype="float32", device=device).buffer, m, n, p)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -386,11 +386,11 @@ def test_strided_entry_points_are_float32_only(device, dtype):
     out = nd.empty((2, 3), dtype=dtype, device=device)
     mod = device.mod
     with pytest.raises(TypeError):
-        mod.ewise_strided("add", a._handle, [3, 1], 0, a._handle, [3, 1], 0, out._handle, [2, 3])
+        mod.ewise_strided("add", a.buffer, [3, 1], 0, a.buffer, [3, 1], 0, out.buffer, [2, 3])
     with pytest.raises(TypeError):
-        mod.scalar_strided("add", a._handle, [3, 1], 0, 1.0, out._handle, [2, 3])
+        mod.scalar_strided("add", a.buffer, [3, 1], 0, 1.0, out.buffer, [2, 3])
     with pytest.raises(TypeError):
-        mod.unary_strided("exp", a._handle, [3, 1], 0, out._handle, [2, 3])
+        mod.unary_strided("exp", a.buffer, [3, 1], 0, out.buffer, [2, 3])
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -754,7 +754,7 @@ def test_numpy_dtype_nbytes_itemsize_and_round_trip(device, dtype, rng):
     assert a.itemsize == NP[dtype].itemsize and a.nbytes == 12 * NP[dtype].itemsize
     assert a[:, 1:3].nbytes == 6 * NP[dtype].itemsize
     same = a.astype(dtype)
-    assert same._handle is not a._handle and same.dtype == dtype
+    assert same.buffer is not a.buffer and same.dtype == dtype
     np.testing.assert_array_equal(same.numpy(), a.numpy())
     assert nd.NDArray(a).dtype == dtype
     assert nd.NDArray(a.numpy(), device=device, dtype=dtype).dtype == dtype
@@ -777,7 +777,7 @@ def test_memory_stats_count_size_times_itemsize(device, dtype):
     during = device.memory_stats()
     assert during["current_bytes"] - before["current_bytes"] == 1001 * NP[dtype].itemsize
     assert during["allocations"] - before["allocations"] == 1
-    assert a._handle.itemsize == NP[dtype].itemsize and a._handle.dtype == dtype and a._handle.size == 1001
+    assert a.buffer.itemsize == NP[dtype].itemsize and a.buffer.dtype == dtype and a.buffer.size == 1001
     del a
     gc.collect()
     assert device.memory_stats()["current_bytes"] == before["current_bytes"]
@@ -903,9 +903,9 @@ def test_integer_arrays_refuse_arithmetic(device, dtype):
     # the backend refuses them too (the contract), never computing garbage
     out = nd.empty((2, 3), dtype=dtype, device=device)
     with pytest.raises(TypeError):
-        device.mod.ewise_add(a._handle, a._handle, out._handle)
+        device.mod.ewise_add(a.buffer, a.buffer, out.buffer)
     with pytest.raises(TypeError):
-        device.mod.reduce_sum(a._handle, nd.empty((2,), dtype=dtype, device=device)._handle, 3)
+        device.mod.reduce_sum(a.buffer, nd.empty((2,), dtype=dtype, device=device).buffer, 3)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -51,6 +51,7 @@ def test_state_dict_names_parameters_and_buffers_and_copies_values():
 
 
 @pytest.mark.parametrize("device", [DEVICES[0], DEVICES[1]])
+@pytest.mark.smoke
 def test_round_trip_through_save_and_load_gives_identical_outputs(device, tmp_path):
     """A trained model's state_dict, saved and loaded into a fresh model, gives bit-identical outputs."""
     model = _model(device, seed=0)

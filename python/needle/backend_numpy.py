@@ -1,10 +1,12 @@
 """The `NEEDLE_BACKEND=np` backend: values are plain `numpy.ndarray`, as in the course's early homeworks.
 
-It exposes the same functional API as `needle.backend_ndarray` (what ops call), implemented with NumPy;
+It exposes the same functional API as `needle.backend_ndarray.array_api` (what ops call), implemented with NumPy;
 dtypes follow NumPy, so float64 input stays float64.
 """
 import ml_dtypes  # noqa: F401  (registers "bfloat16" with NumPy)
 import numpy as np
+
+from .backend_ndarray import ndarray_backend_numpy as ref  # the reference backend: its bits are the contract
 
 __all__ = [
     "Device", "adam8bit_step", "adam_step", "all_devices", "array", "astype", "attention_backward",
@@ -37,16 +39,12 @@ def astype(a, dtype):
 
 def round_stochastic(a, seed):
     """float32 -> bfloat16 with stochastic rounding (the reference backend's bits; see src/README.md)."""
-    from .backend_ndarray.ndarray_backend_numpy import stochastic_bfloat16
-
-    return stochastic_bfloat16(a, seed).reshape(a.shape)
+    return ref.stochastic_bfloat16(a, seed).reshape(a.shape)
 
 
 def quantize_blockwise(a, code, block_size):
     """Block-wise 8-bit quantization of float32 `a` (the reference backend's bytes; see src/README.md):
     (uint8 q of a's shape, float32 absmax of shape (ceil(a.size / block_size),))."""
-    from .backend_ndarray import ndarray_backend_numpy as ref
-
     a, code = np.asarray(a), np.asarray(code)
     ref.num_blocks("quantize_blockwise", a.size, block_size)
     ref.check_blockwise("quantize_blockwise", [("a", a, "float32", a.size), ("code", code, "float32", 256)])
@@ -56,8 +54,6 @@ def quantize_blockwise(a, code, block_size):
 
 def dequantize_blockwise(q, absmax, code, block_size):
     """The inverse: float32 code[q] * absmax of each element's block, of q's shape."""
-    from .backend_ndarray import ndarray_backend_numpy as ref
-
     q, absmax, code = np.asarray(q), np.asarray(absmax), np.asarray(code)
     blocks = ref.num_blocks("dequantize_blockwise", q.size, block_size)
     ref.check_blockwise("dequantize_blockwise", [("q", q, "uint8", q.size), ("absmax", absmax, "float32", blocks),
@@ -68,8 +64,6 @@ def dequantize_blockwise(q, absmax, code, block_size):
 def adam_step(theta, grad, m, v, lr, beta1, beta2, eps, correction1, correction2):
     """Adam's update of one float32 parameter (the reference backend's bytes; see src/README.md): the new
     (theta, m, v); m and v are None on the first step."""
-    from .backend_ndarray import ndarray_backend_numpy as ref
-
     named = [("theta", theta), ("grad", grad)] + ([] if m is None else [("m", m), ("v", v)])
     ref.check_blockwise("adam_step", [(name, a, "float32", theta.size) for name, a in named])
     return ref.adam_update(np.asarray(theta), np.asarray(grad), m, v, lr, beta1, beta2, eps, correction1,
@@ -80,8 +74,6 @@ def adam8bit_step(theta, grad, m_state, v_state, code_m, code_v, block_size, lr,
                   correction2):
     """One fused 8-bit Adam step (the reference backend's bytes; see src/README.md): the new float32 theta;
     m_state = (q_m, absmax_m) and v_state = (q_v, absmax_v) are updated in place."""
-    from .backend_ndarray import ndarray_backend_numpy as ref
-
     (q_m, absmax_m), (q_v, absmax_v) = m_state, v_state
     n = theta.size
     blocks = ref.num_blocks("adam8bit_step", n, block_size)
@@ -113,8 +105,6 @@ def wait_for_copies(device=None):
 
 def layer_norm(x, w, b, eps):
     """Fused layer norm over the last axis (the reference backend's arithmetic; see src/README.md)."""
-    from .backend_ndarray import ndarray_backend_numpy as ref
-
     x, w, b = np.asarray(x), np.asarray(w), np.asarray(b)
     n = x.shape[-1] if x.ndim else 0
     if n < 1 or w.shape != (n,) or b.shape != (n,):
@@ -126,8 +116,6 @@ def layer_norm(x, w, b, eps):
 
 def layer_norm_backward(x, w, g, eps):
     """(dx, dw, db) of layer_norm for the output gradient g."""
-    from .backend_ndarray import ndarray_backend_numpy as ref
-
     x, w, g = np.asarray(x), np.asarray(w), np.asarray(g)
     n, f32 = x.shape[-1], np.float32
     dx, dw, db = ref.layernorm_rows_backward(x.reshape(-1, n).astype(f32), w.astype(f32),
@@ -292,8 +280,6 @@ def _attention_dtype(fn, q, k, v):
 
 def dropout(a, p, seed):
     """a · m / (1 - p) with the reference backend's counter-based mask for (seed, flat index), in a's dtype."""
-    from .backend_ndarray import ndarray_backend_numpy as ref
-
     if not 0 <= p < 1:
         raise ValueError(f"dropout: p must be in [0, 1), got {p}")
     a = np.asarray(a)
@@ -303,8 +289,6 @@ def dropout(a, p, seed):
 
 def attention_forward(q, k, v, scale, causal=False, dropout_p=0.0, seed=0):
     """(out, lse): the reference backend's tiled FlashAttention forward on (..., T, D) arrays (see src/README.md)."""
-    from .backend_ndarray import ndarray_backend_numpy as ref
-
     acc = _attention_dtype("attention_forward", q, k, v)
     batch, (t_q, d), (t_k, d_v) = q.shape[:-2], q.shape[-2:], v.shape[-2:]
     ref.check_attention("attention_forward", (int(np.prod(batch)), t_q, t_k, d, d_v), causal, dropout_p, [], [])
@@ -315,8 +299,6 @@ def attention_forward(q, k, v, scale, causal=False, dropout_p=0.0, seed=0):
 
 def attention_backward(q, k, v, out, lse, dout, dlse, scale, causal=False, dropout_p=0.0, seed=0):
     """(dq, dk, dv) of attention_forward, its probabilities recomputed tile by tile (FlashAttention-2)."""
-    from .backend_ndarray import ndarray_backend_numpy as ref
-
     acc = _attention_dtype("attention_backward", q, k, v)
     batch, (t_q, d), (t_k, d_v) = q.shape[:-2], q.shape[-2:], v.shape[-2:]
     ref.check_attention("attention_backward", (int(np.prod(batch)), t_q, t_k, d, d_v), causal, dropout_p, [], [])

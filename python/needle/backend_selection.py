@@ -2,13 +2,15 @@
 
 `nd` (default): needle's own NDArray (C++ `cpu()`, CUDA `cuda()`, NumPy-reference `cpu_numpy()`).
 `np`: plain numpy.ndarray values, as in the course's early homeworks.
+
+`array_api` is the module of NumPy-like functions ops call: `backend_ndarray.array_api` or `backend_numpy`.
 """
 import os
 
 BACKEND = os.environ.get("NEEDLE_BACKEND", "nd")
 
 if BACKEND == "nd":
-    from . import backend_ndarray as array_api
+    from .backend_ndarray import array_api  # the NumPy-like functions ops call, on NDArrays
     from .backend_ndarray import (
         BackendDevice as Device,
         NDArray,

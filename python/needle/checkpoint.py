@@ -210,7 +210,7 @@ def keep_reason(node):
 
 def _buffer(data):
     """The buffer under a value and its bytes: views share one (an NDArray's handle, a numpy array's base)."""
-    handle = getattr(data, "_handle", None)
+    handle = getattr(data, "buffer", None)
     if handle is not None:
         return handle, handle.size * itemsize(data.dtype)
     base = data

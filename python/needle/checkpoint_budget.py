@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from .autograd import (_realize, defer_until_realized, find_topo_sort, infer_spec, itemsize, placeholder,
                        plan_backward, release, run_backward)
-from .backend_ndarray.ndarray import _compact_strides  # the strides NDArray gives a compact array
+from .backend_ndarray.ndarray import compact_strides  # the strides NDArray gives a compact array
 from .backend_ndarray.ndarray import is_transposed_matrix  # the views a 2-D matmul reads in place
 from .ops import MakeTensorTuple, TupleGetItem
 
@@ -84,7 +84,7 @@ class Ledger:
             keys = [(self.made, 0)]
             self.elements[keys[0]] = math.prod(shape)
             self.size[keys[0]] = math.prod(shape) * itemsize(dtype)
-            self.strides[id(node)] = _compact_strides(shape)
+            self.strides[id(node)] = compact_strides(shape)
         self.buffers[id(node)] = keys
 
     def _alias(self, node):
@@ -98,7 +98,7 @@ class Ledger:
         inp = node.inputs[0]
         if isinstance(op, TupleGetItem):  # an element of a tuple
             self.buffers[id(node)] = [self.buffers[id(inp)][op.index]]
-            self.strides[id(node)] = _compact_strides(_spec(node)[0])
+            self.strides[id(node)] = compact_strides(_spec(node)[0])
             return True
         strides = self.strides.get(id(inp))
         out = strides and op.view_strides(_spec(inp)[0], strides, _spec(node)[0])
@@ -122,7 +122,7 @@ class Ledger:
         for i, (x, shape) in enumerate(zip(node.inputs, shapes)):
             if compacted is True or (compacted and i in compacted):
                 strides = self.strides.get(id(x))
-                if strides is None or strides == _compact_strides(shape):
+                if strides is None or strides == compact_strides(shape):
                     continue
                 if transposed_in_place and is_transposed_matrix(shape, strides) and self._whole_buffer(x, shape):
                     continue

@@ -26,9 +26,11 @@ An uncaught exception on one rank would leave the others waiting in their next c
 status 1), when the world has more than one process.
 """
 import os
+import shutil
 import sys
 import time
 
+import ml_dtypes
 import numpy as np
 
 from ..backend_selection import array_api, device_of
@@ -93,8 +95,6 @@ def launcher_rank_and_size():
 def mpiexec_path():
     """The `mpiexec` to start a job with: the one next to this Python (MPICH's wheel installs it into the
     environment's bin/), else the first on PATH; None if there is none."""
-    import shutil
-
     here = os.path.join(os.path.dirname(sys.executable), "mpiexec")
     if os.path.isfile(here) and os.access(here, os.X_OK):
         return here
@@ -326,8 +326,6 @@ def _check_peer(world, peer, what):
 
 def _numpy_dtype(name):
     if name == "bfloat16":
-        import ml_dtypes
-
         return np.dtype(ml_dtypes.bfloat16)
     return np.dtype(name)
 

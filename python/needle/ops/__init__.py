@@ -1,40 +1,24 @@
 """needle's ops: each a class with `compute` and `gradient`, plus the lower-case helper that applies it.
 
-Fused ops are exported by their helper only (`linear_cross_entropy`, `scaled_dot_product_attention`, `layer_norm`,
-`linear`, `dropout`); their classes live in `ops.ops_fused`, `ops.ops_attention`, `ops.ops_norm`, `ops.ops_linear`
-and `ops.ops_dropout`.
+Each ops module lists its public names in its own `__all__`; this package re-exports every one of them, so adding
+an op is one edit in its own file (`ndl.ops.relu`, `ndl.ops.ReLU`, `ndl.ops.scaled_dot_product_attention`, ...).
+The fused ops (attention, layer norm, linear, dropout, the LM head's linear_cross_entropy) are ordinary ops here.
 """
-from .ops_attention import scaled_dot_product_attention
-from .ops_dropout import dropout
-from .ops_fused import linear_cross_entropy
-from .ops_linear import linear
-from .ops_logarithmic import (
-    LogSoftmax, LogSumExp, SoftmaxCrossEntropy, SoftmaxCrossEntropyGrad, logsoftmax, logsumexp,
-    softmax_cross_entropy,
-)
-from .ops_norm import layer_norm
-from .ops_mathematic import (
-    AddScalar, BroadcastTo, Cast, Conv, Dilate, DivScalar, EWiseAdd, EWiseDiv, EWiseMul, EWisePow, EWiseSub, Exp, Flip,
-    GatherRows, Log, MatMul, MulScalar, Negate, Pad, PickColumns, Positive, PowerScalar, ReLU, Reshape,
-    ScatterAddRows, ScatterColumns, Sigmoid, Slice, Summation, Tanh, Transpose, UnDilate, add, add_scalar,
-    broadcast_to, cast, conv, dilate, divide, divide_scalar, exp, flip, gather_rows, log, matmul, mul_scalar, multiply,
-    negate, pad, pick_columns, positive, power, power_scalar, relu, reshape, scatter_add_rows, scatter_columns,
-    sigmoid, slice_window, subtract, summation, tanh, transpose, undilate,
-)
-from .ops_tuple import (
-    MakeTensorTuple, Split, Stack, TupleGetItem, make_tuple, split, stack, tuple_get_item,
-)
+from . import ops_attention, ops_dropout, ops_fused, ops_linear, ops_logarithmic, ops_mathematic, ops_norm, ops_tuple
 
-__all__ = [
-    "AddScalar", "BroadcastTo", "Cast", "Conv", "Dilate", "DivScalar", "EWiseAdd", "EWiseDiv", "EWiseMul", "EWisePow",
-    "EWiseSub", "Exp", "Flip", "GatherRows", "Log", "LogSoftmax", "LogSumExp", "MakeTensorTuple", "MatMul",
-    "MulScalar", "Negate", "Pad", "PickColumns", "Positive", "PowerScalar", "ReLU", "Reshape", "ScatterAddRows",
-    "ScatterColumns", "Sigmoid", "Slice", "SoftmaxCrossEntropy", "SoftmaxCrossEntropyGrad", "Split", "Stack",
-    "Summation", "Tanh", "Transpose", "TupleGetItem", "UnDilate", "add", "add_scalar", "broadcast_to", "cast", "conv",
-    "dilate", "divide", "divide_scalar", "dropout", "exp", "flip", "gather_rows", "layer_norm", "linear",
-    "linear_cross_entropy", "log", "logsoftmax", "logsumexp", "make_tuple", "matmul", "mul_scalar", "multiply",
-    "negate", "pad", "pick_columns", "positive", "power", "power_scalar", "relu", "reshape",
-    "scaled_dot_product_attention", "scatter_add_rows", "scatter_columns", "sigmoid", "slice_window",
-    "softmax_cross_entropy", "split", "stack", "subtract", "summation", "tanh", "transpose", "tuple_get_item",
-    "undilate",
-]
+OPS_MODULES = (ops_mathematic, ops_logarithmic, ops_tuple, ops_linear, ops_dropout, ops_norm, ops_attention, ops_fused)
+
+
+def _gather_exports(modules):
+    """{name: object} of every name in the modules' `__all__`; a name exported twice is an error."""
+    exports, owner = {}, {}
+    for module in modules:
+        for name in module.__all__:
+            if name in exports:
+                raise ImportError(f"needle.ops: {name!r} is exported by both {owner[name]} and {module.__name__}")
+            exports[name], owner[name] = getattr(module, name), module.__name__
+    return exports
+
+
+globals().update(_gather_exports(OPS_MODULES))
+__all__ = sorted(name for module in OPS_MODULES for name in module.__all__)

@@ -12,7 +12,7 @@ import math
 
 from ..autograd import TensorOp
 from ..backend_selection import array_api
-from .ops_mathematic import matmul, positive, reshape, summation, transpose
+from .ops_mathematic import matmul, relu_mask, reshape, summation, transpose
 
 __all__ = ["Linear", "linear"]
 
@@ -61,7 +61,7 @@ class Linear(TensorOp):
         x, w, *b = node.inputs
         rows, (n, m) = math.prod(x.shape[:-1]), w.shape
         if self.relu:
-            out_grad = out_grad * positive(node)  # relu's gradient, as ops.relu has it
+            out_grad = out_grad * relu_mask(node)  # relu's gradient, as ops.relu has it
         g = out_grad if len(x.shape) == 2 else reshape(out_grad, (rows, m))
         rows_x = x if len(x.shape) == 2 else reshape(x, (rows, n))
         dx = matmul(g, transpose(w))

@@ -9,17 +9,17 @@ import math
 import numpy as np
 
 from ..autograd import TensorOp
-from ..backend_ndarray.ndarray import _compact_strides  # the strides NDArray gives a compact array
+from ..backend_ndarray.ndarray import compact_strides  # the strides NDArray gives a compact array
 from ..backend_selection import array_api, device_of
 
 __all__ = [
     "AddScalar", "BroadcastTo", "Cast", "Conv", "Dilate", "DivScalar", "EWiseAdd", "EWiseDiv", "EWiseMul", "EWisePow",
-    "EWiseSub", "Exp", "Flip", "GatherRows", "Log", "MatMul", "MulScalar", "Negate", "Pad", "PickColumns", "Positive",
-    "PowerScalar", "ReLU", "Reshape", "ScatterAddRows", "ScatterColumns", "Sigmoid", "Slice", "Summation", "Tanh",
-    "Transpose", "UnDilate", "add", "add_scalar", "broadcast_to", "cast", "conv", "dilate", "divide", "divide_scalar",
-    "exp", "flip", "gather_rows", "log", "matmul", "mul_scalar", "multiply", "negate", "pad", "pick_columns",
-    "positive", "power", "power_scalar", "relu", "reshape", "scatter_add_rows", "scatter_columns", "sigmoid",
-    "slice_window", "subtract", "summation", "tanh", "transpose", "undilate",
+    "EWiseSub", "Exp", "Flip", "GatherRows", "Log", "MatMul", "MulScalar", "Negate", "Pad", "PickColumns",
+    "PowerScalar", "ReLU", "ReLUMask", "Reshape", "ScatterAddRows", "ScatterColumns", "Sigmoid", "Slice", "Summation",
+    "Tanh", "Transpose", "UnDilate", "add", "add_scalar", "broadcast_to", "cast", "conv", "dilate", "divide",
+    "divide_scalar", "exp", "flip", "gather_rows", "log", "matmul", "mul_scalar", "multiply", "negate", "pad",
+    "pick_columns", "power", "power_scalar", "relu", "relu_mask", "reshape", "scatter_add_rows", "scatter_columns",
+    "sigmoid", "slice_window", "subtract", "sum_to_shape", "summation", "tanh", "transpose", "undilate",
 ]
 
 
@@ -41,7 +41,7 @@ class _EWiseBinary(TensorOp):
         return a if tuple(a) == tuple(b) else None
 
 
-def _sum_to_shape(grad, shape, grad_shape):
+def sum_to_shape(grad, shape, grad_shape):
     """`grad` (of shape `grad_shape`) summed back to an input's `shape`: over the leading axes broadcasting added
     and the size-1 axes it stretched, then reshaped. `grad` itself when the shapes match: no extra graph node."""
     shape, grad_shape = tuple(shape), tuple(grad_shape)
@@ -58,7 +58,7 @@ def _sum_to_inputs(node, *grads):
     The shapes are read from the forward values (kept, or recorded when checkpointing released them), never
     from the lazily built gradients, so asking for them computes nothing.
     """
-    return tuple(_sum_to_shape(g, x.shape, node.shape) for g, x in zip(grads, node.inputs))
+    return tuple(sum_to_shape(g, x.shape, node.shape) for g, x in zip(grads, node.inputs))
 
 
 class EWiseAdd(_EWiseBinary):
@@ -313,7 +313,7 @@ class Reshape(TensorOp):
 
     def view_strides(self, shape, strides, out_shape):
         # NDArray.reshape views compact arrays only; a strided one is compacted (copied) first.
-        return _compact_strides(out_shape) if tuple(strides) == _compact_strides(shape) else None
+        return compact_strides(out_shape) if tuple(strides) == compact_strides(shape) else None
 
     def __init__(self, shape):
         self.shape = tuple(shape)
@@ -510,14 +510,14 @@ class ReLU(TensorOp):
         return array_api.maximum(a, 0)
 
     def gradient(self, out_grad, node):
-        return (out_grad * positive(node),)
+        return (out_grad * relu_mask(node),)
 
 
 def relu(a):
     return ReLU()(a)
 
 
-class Positive(TensorOp):
+class ReLUMask(TensorOp):
     """1 where a > 0, else 0 (the derivative of relu);  its own derivative is 0"""
 
     elementwise = True
@@ -531,8 +531,8 @@ class Positive(TensorOp):
         return (out_grad * 0.0,)
 
 
-def positive(a):
-    return Positive()(a)
+def relu_mask(a):
+    return ReLUMask()(a)
 
 
 class Tanh(TensorOp):
@@ -688,7 +688,7 @@ class Slice(TensorOp):
 
     def view_strides(self, shape, strides, out_shape):
         # compute copies the window, unless it is the whole (compact) array: then compact() returns it as is.
-        return strides if tuple(out_shape) == tuple(shape) and strides == _compact_strides(shape) else None
+        return strides if tuple(out_shape) == tuple(shape) and strides == compact_strides(shape) else None
 
     def __init__(self, starts, sizes):
         self.starts, self.sizes = tuple(starts), tuple(sizes)
@@ -896,6 +896,4 @@ def _strides(a):
 def _as_strided(a, shape, strides):
     if hasattr(a, "compact"):
         return a.as_strided(shape, strides)
-    import numpy
-
-    return numpy.lib.stride_tricks.as_strided(a, shape, tuple(x * a.itemsize for x in strides), writeable=False)
+    return np.lib.stride_tricks.as_strided(a, shape, tuple(x * a.itemsize for x in strides), writeable=False)

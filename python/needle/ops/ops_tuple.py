@@ -1,6 +1,7 @@
 """Ops on TensorTuples: building one, taking an element, and stack/split between a Tensor and a tuple."""
 from ..autograd import Tensor, TensorOp, TensorTuple, TensorTupleOp
 from ..backend_selection import array_api
+from .ops_mathematic import broadcast_to, reshape, summation
 
 __all__ = ["MakeTensorTuple", "Split", "Stack", "TupleGetItem", "make_tuple", "split", "stack", "tuple_get_item"]
 
@@ -51,8 +52,6 @@ class TupleGetItem(TensorOp):
     def gradient(self, out_grad, node):
         # The other elements get zeros: a broadcast view of one zero derived from out_grad, so the gradient
         # graph holds no constant buffers (and stays differentiable).
-        from .ops_mathematic import broadcast_to, reshape, summation
-
         zero = summation(out_grad) * 0.0
         grads = [
             out_grad if i == self.index else broadcast_to(reshape(zero, (1,) * len(shape)), shape)

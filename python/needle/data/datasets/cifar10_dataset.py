@@ -6,15 +6,12 @@ import numpy as np
 
 from ..data_basic import Dataset, missing_data_error
 
+try:  # NumPy >= 2 moved numpy.core to numpy._core (importing the old name warns)
+    from numpy._core.multiarray import _reconstruct as numpy_reconstruct
+except ImportError:  # pragma: no cover - NumPy 1.x
+    from numpy.core.multiarray import _reconstruct as numpy_reconstruct
+
 __all__ = ["CIFAR10Dataset", "RestrictedUnpickler", "load_cifar_batch"]
-
-
-def _numpy_reconstruct():
-    try:  # NumPy >= 2 moved numpy.core to numpy._core (importing the old name warns)
-        from numpy._core.multiarray import _reconstruct
-    except ImportError:  # pragma: no cover - NumPy 1.x
-        from numpy.core.multiarray import _reconstruct
-    return _reconstruct
 
 
 class RestrictedUnpickler(pickle.Unpickler):
@@ -24,8 +21,8 @@ class RestrictedUnpickler(pickle.Unpickler):
 
     # (module, name) -> the object; the batches were written by Python 2 with NumPy 1.x (numpy.core.*).
     ALLOWED = {
-        ("numpy.core.multiarray", "_reconstruct"): _numpy_reconstruct,
-        ("numpy._core.multiarray", "_reconstruct"): _numpy_reconstruct,
+        ("numpy.core.multiarray", "_reconstruct"): lambda: numpy_reconstruct,
+        ("numpy._core.multiarray", "_reconstruct"): lambda: numpy_reconstruct,
         ("numpy", "ndarray"): lambda: np.ndarray,
         ("numpy", "dtype"): lambda: np.dtype,
     }

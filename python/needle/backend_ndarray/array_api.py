@@ -1,0 +1,450 @@
+"""The NumPy-like functional API that ops call: `array`, `sum`, `matmul`, `reshape`, ... on NDArrays.
+
+Ops reach these through `backend_selection.array_api`, which is this module under NEEDLE_BACKEND=nd and
+`needle.backend_numpy` (the same functions on numpy.ndarray) under NEEDLE_BACKEND=np. Each function checks its
+operands, allocates its result and calls the device's backend module (the contract is in src/README.md); the
+arrays themselves, their views and devices are in ndarray.py.
+
+`sum` and `max` shadow the builtins in this module (as in NumPy's namespace).
+"""
+import functools
+
+import numpy as np
+
+from . import ndarray_backend_numpy
+from .ndarray import (  # promote_types is part of the API ops call, as NumPy's np.promote_types
+    DTYPES, NDArray, _normalize_axis, _require_float, default_device, dtype_name, prod, promote_types,
+)
+
+__all__ = [
+    "adam8bit_step",
+    "adam_step",
+    "array",
+    "astype",
+    "attention_backward",
+    "attention_forward",
+    "broadcast_to",
+    "cast_like",
+    "dequantize_blockwise",
+    "dropout",
+    "empty",
+    "exp",
+    "flip",
+    "from_host_async",
+    "full",
+    "layer_norm",
+    "layer_norm_backward",
+    "log",
+    "logsumexp",
+    "matmul",
+    "max",
+    "maximum",
+    "pad",
+    "promote_types",
+    "quantize_blockwise",
+    "reshape",
+    "round_stochastic",
+    "scatter_add_rows",
+    "scatter_along_rows",
+    "softmax_xent_grad",
+    "split",
+    "stack",
+    "sum",
+    "take_along_rows",
+    "take_rows",
+    "tanh",
+    "tensor_data",
+    "to_host",
+    "to_numpy",
+    "transpose",
+    "wait_for_copies",
+    "zeros",
+]
+
+
+def array(a, dtype="float32", device=None):
+    return NDArray(a, device=device, dtype=dtype)
+
+
+def tensor_data(a, dtype=None, device=None):
+    """The array a Tensor stores for `a` (array-like or NDArray): an NDArray already on `device` and of `dtype`
+    (None: any) is kept as is. Anything else becomes float32 unless `dtype` says otherwise."""
+    if dtype in ("bool", bool):  # bool data (randb's masks) is stored as float32 0/1
+        dtype = "float32"
+    if isinstance(a, NDArray):
+        if dtype is not None and dtype_name(dtype) != a.dtype:
+            a = a.astype(dtype)
+        return a if device is None or a.device == device else a.to(device)
+    return NDArray(a, device=device, dtype=dtype)
+
+
+def to_numpy(a):
+    return a.numpy()
+
+
+def cast_like(a, like):
+    """`a` in the dtype of `like` (a converted copy only when they differ)."""
+    return a if a.dtype == like.dtype else a.astype(like.dtype)
+
+
+def astype(a, dtype):
+    """`a` converted to `dtype` (a compact copy)."""
+    return a.astype(dtype)
+
+
+def round_stochastic(a, seed):
+    """A float32 array as bfloat16, each element rounded up with probability equal to the fraction of a bfloat16
+    step that rounding drops (so rounding is unbiased on average); `seed` picks the noise, deterministically."""
+    if a.dtype != "float32":
+        raise TypeError(f"round_stochastic: needs a float32 array, got {a.dtype}")
+    a = a.compact()
+    out = NDArray._empty(a.shape, a.device, "bfloat16")
+    a.device.mod.round_stochastic(a._handle, out._handle, int(seed) & 0xFFFFFFFF)
+    return out
+
+
+def _ndarrays_on_one_device(fn, *named):
+    """TypeError unless each (name, value) is an NDArray; ValueError unless all live on the first one's device."""
+    for name, array in named:
+        if not isinstance(array, NDArray):
+            raise TypeError(f"{fn}: {name} must be an NDArray, got {type(array).__name__}")
+    first, device = named[0][0], named[0][1].device
+    for name, array in named[1:]:
+        if array.device != device:
+            raise ValueError(f"{fn}: {first} is on {device} but {name} on {array.device}")
+
+
+def quantize_blockwise(a, code, block_size):
+    """Block-wise 8-bit quantization (Dettmers et al. 2021) of float32 `a` with a 256-value float32 `code` on a's
+    device: (q, absmax), q uint8 of a's shape and absmax float32 of shape (ceil(a.size / block_size),). Block b is
+    the elements [b * block_size, (b + 1) * block_size) of a in row-major order; absmax[b] is their largest |a[i]|
+    and q[i] the index of the code value nearest to a[i] / absmax[b] (src/README.md gives the exact rule)."""
+    fn = "quantize_blockwise"
+    _ndarrays_on_one_device(fn, ("a", a), ("code", code))
+    blocks = ndarray_backend_numpy.num_blocks(fn, a.size, block_size)
+    ndarray_backend_numpy.check_blockwise(fn, [("a", a, "float32", a.size), ("code", code, "float32", 256)])
+    a = a.compact()
+    q = NDArray._empty(a.shape, a.device, "uint8")
+    absmax = NDArray._empty((blocks,), a.device, "float32")
+    a.device.mod.quantize_blockwise(a._handle, code.compact()._handle, q._handle, absmax._handle, int(block_size))
+    return q, absmax
+
+
+def dequantize_blockwise(q, absmax, code, block_size):
+    """The inverse of quantize_blockwise: float32 code[q] * absmax of each element's block, of q's shape."""
+    fn = "dequantize_blockwise"
+    _ndarrays_on_one_device(fn, ("q", q), ("absmax", absmax), ("code", code))
+    blocks = ndarray_backend_numpy.num_blocks(fn, q.size, block_size)
+    ndarray_backend_numpy.check_blockwise(fn, [("q", q, "uint8", q.size), ("absmax", absmax, "float32", blocks),
+                                               ("code", code, "float32", 256)])
+    q = q.compact()
+    out = NDArray._empty(q.shape, q.device, "float32")
+    q.device.mod.dequantize_blockwise(q._handle, code.compact()._handle, absmax.compact()._handle, out._handle,
+                                      int(block_size))
+    return out
+
+
+def adam_step(theta, grad, m, v, lr, beta1, beta2, eps, correction1, correction2):
+    """Adam's update of one float32 parameter in one backend pass (src/README.md, adam_step): returns the new
+    (theta, m, v); m and v are None on the first step. correction1/2 are Adam's 1 - beta^t."""
+    fn = "adam_step"
+    first = m is None
+    named = [("theta", theta), ("grad", grad)] + ([] if first else [("m", m), ("v", v)])
+    _ndarrays_on_one_device(fn, *named)
+    for name, array in named[1:]:
+        if array.shape != theta.shape:
+            raise ValueError(f"{fn}: {name} has shape {array.shape}, theta {theta.shape}")
+    theta, grad = theta.compact(), grad.compact()
+    m, v = (grad, grad) if first else (m.compact(), v.compact())
+    out, out_m, out_v = (NDArray._empty(theta.shape, theta.device, "float32") for _ in range(3))
+    theta.device.mod.adam_step(theta._handle, grad._handle, m._handle, v._handle, out._handle, out_m._handle,
+                               out_v._handle, first, float(lr), float(beta1), float(beta2), float(eps),
+                               float(correction1), float(correction2))
+    return out, out_m, out_v
+
+
+def adam8bit_step(theta, grad, m_state, v_state, code_m, code_v, block_size, lr, beta1, beta2, eps, correction1,
+                  correction2):
+    """One Adam step for a parameter whose moments are stored block-wise in 8 bits, fused into one pass per block
+    (src/README.md, adam8bit_step): returns the new float32 theta and updates `m_state` = (q_m, absmax_m) and
+    `v_state` = (q_v, absmax_v) in place (q_v holds sqrt(v)). correction1/2 are Adam's 1 - beta^t."""
+    fn = "adam8bit_step"
+    (q_m, absmax_m), (q_v, absmax_v) = m_state, v_state
+    named = [("theta", theta), ("grad", grad), ("q_m", q_m), ("absmax_m", absmax_m), ("q_v", q_v),
+             ("absmax_v", absmax_v), ("code_m", code_m), ("code_v", code_v)]
+    _ndarrays_on_one_device(fn, *named)
+    for name, array in named[2:6]:
+        if not array.is_compact():
+            raise ValueError(f"{fn}: {name} is updated in place and must be compact")
+    if grad.shape != theta.shape:
+        raise ValueError(f"{fn}: grad has shape {grad.shape}, theta {theta.shape}")
+    out = NDArray._empty(theta.shape, theta.device, "float32")
+    theta.device.mod.adam8bit_step(
+        theta.compact()._handle, grad.compact()._handle, q_m._handle, absmax_m._handle, q_v._handle,
+        absmax_v._handle, code_m.compact()._handle, code_v.compact()._handle, out._handle, int(block_size),
+        float(lr), float(beta1), float(beta2), float(eps), float(correction1), float(correction2))
+    return out
+
+
+def _layer_norm_dims(fn, x, w, *others):
+    _ndarrays_on_one_device(fn, ("x", x), ("w", w), *others)
+    n = x.shape[-1] if x.ndim else 0
+    if n < 1 or w.shape != (n,):
+        raise ValueError(f"{fn}: needs x (..., n) with n >= 1 and w (n,), got x {x.shape} and w {w.shape}")
+    return x.size // n, n
+
+
+def layer_norm(x, w, b, eps):
+    """Fused layer norm over the last axis (src/README.md, layernorm_forward): per row, (x - mean) * rstd * w + b
+    with rstd = 1 / sqrt(var + eps), in x's dtype (w and b (n,) of the same dtype); float32 arithmetic."""
+    rows, n = _layer_norm_dims("layer_norm", x, w, ("b", b))
+    if b.shape != (n,):
+        raise ValueError(f"layer_norm: b must have shape ({n},), got {b.shape}")
+    x, w, b = x.compact(), w.compact(), b.compact()
+    out = NDArray._empty(x.shape, x.device, x.dtype)
+    x.device.mod.layernorm_forward(x._handle, w._handle, b._handle, out._handle, rows, n, float(eps))
+    return out
+
+
+def layer_norm_backward(x, w, g, eps):
+    """(dx, dw, db) of layer_norm for the output gradient g (x's shape), each row's mean and rstd recomputed."""
+    rows, n = _layer_norm_dims("layer_norm_backward", x, w, ("g", g))
+    if g.shape != x.shape:
+        raise ValueError(f"layer_norm_backward: g must have x's shape {x.shape}, got {g.shape}")
+    x, w, g = x.compact(), w.compact(), g.compact()
+    dx, dw, db = (NDArray._empty(a.shape, x.device, x.dtype) for a in (x, w, w))
+    x.device.mod.layernorm_backward(x._handle, w._handle, g._handle, dx._handle, dw._handle, db._handle, rows, n,
+                                    float(eps))
+    return dx, dw, db
+
+
+# ----- offloading: host copies that overlap the device's work where the backend can ----------------------------
+# A backend with asynchronous copies (cuda: pinned host memory, a copy stream; src/ndarray_backend_cuda.cu) gets
+# them; elsewhere (cpu, the reference) these are plain synchronous copies, so callers need no second code path.
+def _copies_async(device):
+    return hasattr(device.mod, "copy_from_host_async")
+
+
+def to_host(a, out=None):
+    """A host (NumPy) copy of `a` for offloading. On a device with asynchronous copies it goes into page-locked
+    memory, into `out` when `out` (an earlier result) has a's shape and dtype, and it may still be running when
+    this returns: call `wait_for_copies(a.device)` before reading it. Elsewhere a plain copy (`out` unused)."""
+    if not _copies_async(a.device):
+        return a.numpy()
+    a, numpy_dtype = a.compact(), DTYPES[a.dtype]
+    if out is None or out.shape != a.shape or out.dtype != numpy_dtype:
+        out = a.device.mod.pinned_empty(a.size, a.dtype).view(numpy_dtype).reshape(a.shape)
+    a.device.mod.copy_to_host_async(a._handle, out)
+    return out
+
+
+def from_host_async(host, device):
+    """(NDArray on `device` holding the NumPy array `host`, ready): with asynchronous copies the copy is only
+    queued, and `ready()` must be called before the array is first used (the device then waits for the copy, not
+    the host, and work queued before `ready()` overlaps it); elsewhere the copy is done and `ready` does nothing."""
+    dtype = dtype_name(host.dtype)
+    if not _copies_async(device):
+        return NDArray(host, device=device, dtype=dtype), lambda: None
+    out = NDArray._empty(host.shape, device, dtype)
+    event = device.mod.copy_from_host_async(np.ascontiguousarray(host), out._handle)
+    return out, lambda: device.mod.wait_copy(event)
+
+
+def wait_for_copies(device):
+    """Block until every host copy `to_host` started on `device` is complete (nothing to wait for elsewhere)."""
+    if _copies_async(device):
+        device.mod.synchronize_copies()
+
+
+def empty(shape, dtype="float32", device=None):
+    return (device or default_device()).empty(shape, dtype)
+
+
+def full(shape, fill_value, dtype="float32", device=None):
+    return (device or default_device()).full(shape, fill_value, dtype)
+
+
+def zeros(shape, dtype="float32", device=None):
+    return full(shape, 0.0, dtype, device)
+
+
+def broadcast_to(a, shape):
+    return a.broadcast_to(shape)
+
+
+def reshape(a, new_shape):
+    return a.compact().reshape(new_shape)
+
+
+def transpose(a, axes):
+    return a.permute(axes)
+
+
+def maximum(a, b):
+    return a.maximum(b)
+
+
+def log(a):
+    return a.log()
+
+
+def exp(a):
+    return a.exp()
+
+
+def tanh(a):
+    return a.tanh()
+
+
+def matmul(a, b):
+    return a @ b
+
+
+def sum(a, axis=None, keepdims=False):
+    return a.sum(axis=axis, keepdims=keepdims)
+
+
+def logsumexp(a, axis=None, keepdims=False):
+    return a.logsumexp(axis=axis, keepdims=keepdims)
+
+
+def max(a, axis=None, keepdims=False):
+    return a.max(axis=axis, keepdims=keepdims)
+
+
+def flip(a, axes):
+    return a.flip(axes)
+
+
+def pad(a, axes):
+    return a.pad(axes)
+
+
+def stack(arrays, axis=0):
+    arrays = list(arrays)
+    dtype = functools.reduce(promote_types, [a.dtype for a in arrays])  # as every op on mixed dtypes
+    arrays = [a if a.dtype == dtype else a.astype(dtype) for a in arrays]
+    shape = arrays[0].shape
+    if any(a.shape != shape for a in arrays):
+        raise ValueError(f"stack: all arrays need one shape, got {[a.shape for a in arrays]}")
+    axis = _normalize_axis(axis, len(shape) + 1, "stack")
+    out = empty(shape[:axis] + (len(arrays),) + shape[axis:], dtype=arrays[0].dtype, device=arrays[0].device)
+    for i, a in enumerate(arrays):
+        out[(slice(None),) * axis + (i,)] = a
+    return out
+
+
+def split(a, axis=0):
+    axis = _normalize_axis(axis, a.ndim, "split")
+    return tuple(a[(slice(None),) * axis + (i,)].compact() for i in range(a.shape[axis]))
+
+
+def take_rows(table, ids):
+    """table (n, d), ids (k,) of integer values -> (k, d): row ids[i] of the table."""
+    if ids.device != table.device:
+        raise ValueError(f"take_rows: table on {table.device} but ids on {ids.device}")
+    ids = ids.compact()
+    out = NDArray.make((ids.size, table.shape[1]), device=table.device, dtype=table.dtype)
+    table.device.mod.take_rows(table.compact()._handle, ids._handle, out._handle, table.shape[1])
+    return out
+
+
+def scatter_add_rows(rows, ids, num_rows):
+    """The adjoint of take_rows: a (num_rows, d) array of zeros with rows[i] added at row ids[i]."""
+    if ids.device != rows.device:
+        raise ValueError(f"scatter_add_rows: rows on {rows.device} but ids on {ids.device}")
+    out = zeros((num_rows, rows.shape[1]), dtype=rows.dtype, device=rows.device)
+    rows.device.mod.scatter_add_rows(rows.compact()._handle, ids.compact()._handle, out._handle, rows.shape[1])
+    return out
+
+
+def take_along_rows(table, ids):
+    """table (n, c), ids (n,) of integer values in [0, c) -> (n,): table[i, ids[i]]."""
+    if ids.device != table.device:
+        raise ValueError(f"take_along_rows: table on {table.device} but ids on {ids.device}")
+    if table.ndim != 2 or ids.shape != (table.shape[0],):
+        raise ValueError(f"take_along_rows: need table (n, c) and ids (n,), got {table.shape} and {ids.shape}")
+    out = NDArray.make((table.shape[0],), device=table.device, dtype=table.dtype)
+    table.device.mod.take_along_rows(table.compact()._handle, ids.compact()._handle, out._handle, table.shape[1])
+    return out
+
+
+def scatter_along_rows(values, ids, num_cols):
+    """The adjoint of take_along_rows: a (n, num_cols) array of zeros with values[i] at [i, ids[i]]."""
+    if ids.device != values.device:
+        raise ValueError(f"scatter_along_rows: values on {values.device} but ids on {ids.device}")
+    out = zeros((values.shape[0], num_cols), dtype=values.dtype, device=values.device)
+    values.device.mod.scatter_along_rows(values.compact()._handle, ids.compact()._handle, out._handle, num_cols)
+    return out
+
+
+def softmax_xent_grad(logits, ids, g):
+    """logits (n, c), ids (n,), g (n,) -> (n, c): g[i] * (softmax(logits[i]) - onehot(ids[i])), fused."""
+    if ids.device != logits.device or g.device != logits.device:
+        raise ValueError(f"softmax_xent_grad: logits on {logits.device}, ids on {ids.device}, g on {g.device}")
+    n = logits.shape[0] if logits.ndim == 2 else -1
+    if logits.ndim != 2 or ids.shape != (n,) or g.shape != (n,):
+        raise ValueError(f"softmax_xent_grad: need logits (n, c), ids (n,) and g (n,), got {logits.shape}, "
+                         f"{ids.shape} and {g.shape}")
+    out = NDArray.make(logits.shape, device=logits.device, dtype=logits.dtype)
+    logits.device.mod.softmax_xent_grad(logits.compact()._handle, ids.compact()._handle, g.compact()._handle,
+                                        out._handle, logits.shape[1])
+    return out
+
+
+def _attention_dims(fn, q, k, v):
+    """(batch, t_q, t_k, d, d_v) of q (..., t_q, d), k (..., t_k, d), v (..., t_k, d_v) with one batch shape."""
+    _ndarrays_on_one_device(fn, ("q", q), ("k", k), ("v", v))
+    if (min(q.ndim, k.ndim, v.ndim) < 2 or q.shape[:-2] != k.shape[:-2] or k.shape[:-1] != v.shape[:-1]
+            or q.shape[-1] != k.shape[-1]):
+        raise ValueError(f"{fn}: needs q (..., T_q, D), k (..., T_k, D), v (..., T_k, D_v) with one batch shape, "
+                         f"got {q.shape}, {k.shape}, {v.shape}")
+    if len({q.dtype, k.dtype, v.dtype}) != 1:
+        raise TypeError(f"{fn}: q, k, v need one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    _require_float(fn, q.dtype)
+    return prod(q.shape[:-2]), q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1]
+
+
+def dropout(a, p, seed):
+    """a · m / (1 - p), m a counter-based mask: element i kept by a hash of (seed, i) (src/README.md, dropout), so
+    the same seed gives the same mask on every backend and call."""
+    a = a.compact()
+    out = NDArray._empty(a.shape, a.device, a.dtype)
+    a.device.mod.dropout(a._handle, out._handle, float(p), int(seed) & 0xFFFFFFFF)
+    return out
+
+
+def attention_forward(q, k, v, scale, causal=False, dropout_p=0.0, seed=0):
+    """Fused attention (FlashAttention-2's tiled forward): (out, lse) for q (..., T_q, D), k (..., T_k, D),
+    v (..., T_k, D_v) of one floating dtype. out (..., T_q, D_v) = softmax(scale q k^T + mask) v in that dtype,
+    lse (..., T_q) float32 the log-sum-exp of each score row; the T_q x T_k scores exist one tile at a time.
+    causal: query i sees keys j <= i + T_k - T_q. dropout_p > 0 drops probabilities by a hash of (seed, index)."""
+    dims = _attention_dims("attention_forward", q, k, v)
+    q, k, v = q.compact(), k.compact(), v.compact()
+    out = NDArray._empty(q.shape[:-1] + (v.shape[-1],), q.device, q.dtype)
+    lse = NDArray._empty(q.shape[:-1], q.device, "float32")
+    q.device.mod.attention_forward(q._handle, k._handle, v._handle, out._handle, lse._handle, *dims, float(scale),
+                                   bool(causal), float(dropout_p), int(seed) & 0xFFFFFFFF)
+    return out, lse
+
+
+def attention_backward(q, k, v, out, lse, dout, dlse, scale, causal=False, dropout_p=0.0, seed=0):
+    """(dq, dk, dv) of attention_forward's (out, lse) for their gradients dout and dlse, the probabilities recomputed
+    tile by tile (FlashAttention-2's backward). A float32 scratch of one value per query row (delta) is the only
+    other array it allocates (and a float32 copy of dlse where that is not compact float32)."""
+    dims = _attention_dims("attention_backward", q, k, v)
+    fn = "attention_backward"
+    _ndarrays_on_one_device(fn, ("q", q), ("out", out), ("lse", lse), ("dout", dout), ("dlse", dlse))
+    row_shape = q.shape[:-1]
+    if out.shape != row_shape + (v.shape[-1],) or dout.shape != out.shape or lse.shape != row_shape \
+            or dlse.shape != row_shape:
+        raise ValueError(f"{fn}: needs out and dout {row_shape + (v.shape[-1],)}, lse and dlse {row_shape}, got "
+                         f"{out.shape}, {dout.shape}, {lse.shape}, {dlse.shape}")
+    q, k, v, out, dout = (a.compact() for a in (q, k, v, out, cast_like(dout, q)))
+    lse, dlse = (a.compact() if a.dtype == "float32" else a.astype("float32") for a in (lse, dlse))
+    delta = NDArray._empty(row_shape, q.device, "float32")
+    dq, dk, dv = (NDArray._empty(a.shape, a.device, a.dtype) for a in (q, k, v))
+    q.device.mod.attention_backward(q._handle, k._handle, v._handle, out._handle, lse._handle, dout._handle,
+                                    dlse._handle, delta._handle, dq._handle, dk._handle, dv._handle, *dims,
+                                    float(scale), bool(causal), float(dropout_p), int(seed) & 0xFFFFFFFF)
+    return dq, dk, dv
