@@ -7,6 +7,7 @@ tolerance ~1e-6), which `test_float64_oracle_under_np_backend` launches in a sub
 read at import.
 """
 import gc
+import re
 import os
 import subprocess
 import sys
@@ -536,3 +537,17 @@ def test_saves_checker_reports_an_op_that_reads_undeclared_values():
     lying_exp = saves_violation(_ExpSavingItsInput()(a), g)
     assert lying_exp is not None and "saves='inputs'" in lying_exp and "read its output" in lying_exp
     assert saves_violation(_ExpSavingBoth()(a), g) is None
+
+
+@pytest.mark.parametrize("axes, error, message", [
+    ((0, 0), ValueError, "Summation: axes (0, 0) name an axis twice"),
+    ((1, -1), ValueError, "Summation: axes (1, -1) name an axis twice"),
+    (1.0, TypeError, "Summation: axes must be None, an int or a tuple of ints, got 1.0"),
+    ((0, "1"), TypeError, "Summation: axes must be None, an int or a tuple of ints"),
+])
+def test_summation_rejects_repeated_or_non_integer_axes(axes, error, message):
+    # (0, 0) was deduplicated silently and 1.0 said "'float' object is not iterable" (issue 26, item 10)
+    x = ndl.Tensor(np.ones((2, 3), dtype="float32"))
+    with pytest.raises(error, match=re.escape(message)):
+        x.sum(axes)
+    assert ops.summation(x, (np.int64(1),)).shape == (2,)  # NumPy integers are integers

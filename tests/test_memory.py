@@ -222,6 +222,13 @@ def test_memory_limit(device):
     assert stats(device)["current_bytes"] == held + 10_000 * F32
     del big
     assert stats(device)["current_bytes"] == held
+    nd.set_memory_limit(limit, device=device)
+    nd.set_memory_limit(None, device=device)  # None removes it too, as set_cache_limit(None) is its default
+    del_me = nd.empty((10_000,), device=device)
+    del del_me
+    for bad in (-1, 2.5, "100"):
+        with pytest.raises(ValueError, match="set_memory_limit: nbytes must be a whole number of bytes >= 0, or None"):
+            nd.set_memory_limit(bad, device=device)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -213,10 +213,12 @@ def reset_peak_memory_stats(device=None):
 
 
 def set_memory_limit(nbytes, device=None):
-    """Make the device's allocator raise MemoryError past `nbytes` live bytes (0 removes the limit)."""
+    """Make the device's allocator raise MemoryError past `nbytes` live bytes (None or 0 removes the limit)."""
     device = device or default_device()
     device._require()
-    device.mod.set_memory_limit(int(nbytes))
+    if nbytes is not None and (isinstance(nbytes, bool) or int(nbytes) != nbytes or nbytes < 0):
+        raise ValueError(f"set_memory_limit: nbytes must be a whole number of bytes >= 0, or None, got {nbytes!r}")
+    device.mod.set_memory_limit(0 if nbytes is None else int(nbytes))
 
 
 def set_cache_limit(nbytes, device=None):

@@ -376,11 +376,18 @@ def broadcast_to(a, shape):
 def _normalize_axes(axes, ndim, op):
     if axes is None:
         return tuple(range(ndim))
-    axes = (axes,) if isinstance(axes, int) else tuple(axes)
+    if isinstance(axes, (int, np.integer)):
+        axes = (axes,)
+    if not isinstance(axes, (tuple, list)) or any(isinstance(ax, bool) or not isinstance(ax, (int, np.integer))
+                                                  for ax in axes):
+        raise TypeError(f"{op}: axes must be None, an int or a tuple of ints, got {axes!r}")
     for ax in axes:
         if not -ndim <= ax < max(ndim, 1):
             raise ValueError(f"{op}: axis {ax} is out of range for {ndim} dimensions")
-    return tuple(sorted({ax % max(ndim, 1) for ax in axes}))
+    normalized = [int(ax) % max(ndim, 1) for ax in axes]
+    if len(set(normalized)) != len(normalized):  # NumPy refuses them too; summing an axis twice has no meaning
+        raise ValueError(f"{op}: axes {tuple(axes)} name an axis twice")
+    return tuple(sorted(normalized))
 
 
 class Summation(TensorOp):
