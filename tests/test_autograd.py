@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import needle as ndl
-from needle import autograd, ops
+from needle import autograd, backward, ops
 from needle import backend_ndarray as nd
 
 from conftest import DEVICES, check_gradients, numerical_gradient
@@ -668,9 +668,11 @@ def test_backward_work_is_linear_in_depth(lazy, monkeypatch):
         assert num_nodes == 1 + 5 * n  # x, then one leaf and four ops per step
         counter = _ComputeCounter(monkeypatch)
         visited.clear()
-        monkeypatch.setattr(autograd, "find_topo_sort", counting_topo_sort)
+        for module in (autograd, backward):  # realization's walks and the plan's
+            monkeypatch.setattr(module, "find_topo_sort", counting_topo_sort)
         y.backward()
-        monkeypatch.setattr(autograd, "find_topo_sort", real_topo_sort)
+        for module in (autograd, backward):
+            monkeypatch.setattr(module, "find_topo_sort", real_topo_sort)
         assert max(visited) == num_nodes  # the one full walk; every other walk is local to one step
         assert sum(visited) <= 10 * num_nodes  # a bounded walk per step
         assert counter.total() <= 4 * num_nodes

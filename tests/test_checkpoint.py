@@ -458,7 +458,7 @@ def test_rules_1_2_3_hold_on_the_backward_plan(lazy, gc):
 def test_predictor_and_executor_walk_the_same_plan():
     """The Budget's ledger and the real backward run one loop: their event sequences are identical.
 
-    Both are driven by autograd._realize and autograd.run_backward; a code path that served only one of them
+    Both are driven by autograd.realize and autograd.run_backward; a code path that served only one of them
     (a special case for the executor, a shortcut in the ledger) would change one sequence and fail here.
     """
     from needle.checkpoint_budget import Ledger
@@ -471,7 +471,7 @@ def test_predictor_and_executor_walk_the_same_plan():
             method = getattr(self.machine, name)
 
             def record(node, *args):
-                if name in ("compute", "recompute", "free", "set_grad"):
+                if name in ("compute", "recompute", "release", "set_grad"):
                     self.log.append((name, node_number(node)))
                 return method(node, *args)
             return record
@@ -491,11 +491,11 @@ def test_predictor_and_executor_walk_the_same_plan():
         predicted, executed = [], []
         out_grad = ndl.Tensor(np.ones(()), device=nd.cpu_numpy(), requires_grad=True)
         ledger = Recording(Ledger(loss, out_grad), predicted)
-        autograd._realize([loss], lambda n: id(n) not in dropped, ledger)
+        autograd.realize([loss], lambda n: id(n) not in dropped, ledger)
         autograd.run_backward(autograd.plan_backward(loss, ledger.has), out_grad, ledger)
         with autograd.lazy_mode(True):
             run = Recording(autograd.Compute(), executed)
-            autograd._realize([loss], lambda n: not n.drop, run)
+            autograd.realize([loss], lambda n: not n.drop, run)
             autograd.run_backward(autograd.plan_backward(loss), out_grad, run)
         assert predicted == executed and len(executed) > len(graph)
 

@@ -177,9 +177,9 @@ def matmul_kernel(request, device):
 @pytest.fixture(autouse=True)
 def _no_autocast_leaks():
     """Every test starts and ends outside autocast (a failing test must not leave it on for the next)."""
-    autograd.AUTOCAST = None
+    autograd.set_autocast(None)
     yield
-    autograd.AUTOCAST = None
+    autograd.set_autocast(None)
 
 
 # ===== 1. every op in every float dtype vs the reference ============================================================

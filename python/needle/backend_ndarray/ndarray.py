@@ -322,6 +322,9 @@ def _compact_strides(shape):
     return tuple(reversed(res))
 
 
+compact_strides = _compact_strides  # TEMPORARY (wt-autograd): the backend branch makes compact_strides public
+
+
 class NDArray:
     """A strided view of a flat buffer of one dtype (float32 unless asked otherwise) on a device.
 
