@@ -5,8 +5,10 @@ missing). `test_op_gradient` runs each case in float32 on every NDArray device t
 `np_backend_checks.py` runs the same table in float64 under NEEDLE_BACKEND=np (eps 1e-6, tolerance ~1e-6), which
 `test_float64_oracle_under_np_backend` launches in a subprocess, because NEEDLE_BACKEND is read at import.
 """
+import copy
 import gc
 import os
+import pickle
 import subprocess
 import sys
 from collections import namedtuple
@@ -432,14 +434,24 @@ def test_tensor_construction_and_dtypes():
     assert ndl.Tensor(np.float32(1.5)).shape == ()
     t = ndl.Tensor(np.ones(3), device=ndl.cpu_numpy(), requires_grad=False)
     assert t.device == ndl.cpu_numpy() and not t.requires_grad
-    copy = ndl.Tensor(t)
-    assert copy.device == t.device and copy.numpy().tolist() == [1, 1, 1]
+    duplicate = ndl.Tensor(t)
+    assert duplicate.device == t.device and duplicate.numpy().tolist() == [1, 1, 1]
     with pytest.raises(TypeError):
         ndl.Tensor(np.ones(3), dtype="float64")
     if ndl.cpu().enabled():
         moved = ndl.Tensor(t, device=ndl.cpu())
         assert moved.device == ndl.cpu() and moved.numpy().tolist() == [1, 1, 1]
     assert isinstance(t.numpy(), np.ndarray) and np.asarray(t).dtype == np.float32
+
+
+def test_tensor_rejects_unknown_keyword_arguments():
+    """A misspelt keyword is an error naming it, not silently ignored (requires_gard=False would leave the
+    Tensor requiring grad); Parameter, a Tensor, does the same."""
+    with pytest.raises(TypeError, match=r"unknown keyword argument\(s\) 'requires_gard'.*requires_grad"):
+        ndl.Tensor(np.ones(3), requires_gard=False)
+    with pytest.raises(TypeError, match=r"'devcie', 'dtpye'"):
+        ndl.nn.Parameter(np.ones(3), devcie=ndl.cpu_numpy(), dtpye="float32")
+    assert not ndl.Tensor(np.ones(3), device=ndl.cpu_numpy(), dtype="float32", requires_grad=False).requires_grad
 
 
 def test_detach_and_data_setter():
@@ -492,9 +504,6 @@ def test_versions_count_in_place_writes():
 
 @pytest.mark.parametrize("copier", ["pickle", "deepcopy"])
 def test_tensors_and_models_copy_by_value(copier):
-    import copy
-    import pickle
-
     def dup(obj):
         return pickle.loads(pickle.dumps(obj)) if copier == "pickle" else copy.deepcopy(obj)
 

@@ -1129,6 +1129,51 @@ def test_autocast_op_dtypes():
         ndl.autocast("float32")
 
 
+def test_autocast_is_entered_and_left_through_autograd_set_autocast(monkeypatch):
+    """amp.autocast changes the active context only through autograd.set_autocast (which returns the previous
+    one), restoring it on exit, nested blocks included; autograd.active_autocast reads it."""
+    entered = []
+    real = autograd.set_autocast
+
+    def recording(context):
+        entered.append(context)
+        return real(context)
+
+    monkeypatch.setattr(autograd, "set_autocast", recording)
+    monkeypatch.setattr(ndl.amp, "set_autocast", recording)
+    outer, off = ndl.autocast("bfloat16"), ndl.autocast("float16", enabled=False)
+    with outer:
+        assert autograd.active_autocast() is outer
+        with off:
+            assert autograd.active_autocast() is None
+        assert autograd.active_autocast() is outer
+    assert autograd.active_autocast() is None
+    assert entered == [outer, None, outer, None]
+    assert real(outer) is None and real(None) is outer  # the setter returns the previous context
+
+
+def test_tensor_tuple_ops_apply_autocast_too():
+    """TensorTupleOp casts its inputs under autocast as TensorOp does (attention needs no code of its own): a
+    tuple op declaring autocast="low" sees 16-bit inputs, one declaring nothing its inputs' dtype."""
+    seen = []
+
+    class Pair(autograd.TensorTupleOp):
+        def compute(self, a, b):
+            seen.append((str(a.dtype), str(b.dtype)))
+            return a, b
+
+    class LowPair(Pair):
+        autocast = "low"
+
+    rs = np.random.RandomState(0)
+    a, b = (ndl.Tensor(rs.randn(2, 3).astype(np.float32), device=CPU) for _ in range(2))
+    with ndl.autocast("bfloat16"):
+        LowPair()(a, b).realize_cached_data()
+        Pair()(a, b).realize_cached_data()
+    LowPair()(a, b).realize_cached_data()
+    assert seen == [("bfloat16", "bfloat16"), ("float32", "float32"), ("float32", "float32")]
+
+
 @pytest.mark.parametrize("low,rtol", [("bfloat16", 4e-2), ("float16", 5e-3)])
 def test_autocast_mlp_matches_float32(low, rtol):
     """An MLP with LayerNorm under autocast: low-dtype logits, float32 loss, float32 parameter gradients (the
