@@ -541,7 +541,7 @@ class Machine(Protocol):
         """Make `node`'s value from its inputs' (which exist)."""
 
     def recompute(self, node) -> None:
-        """Make again, in backward, a value the forward pass made and released (checked: rule 4 of checkpoint)."""
+        """Make again, in backward, a value the forward pass made and released (checked: rule 4, backward.py)."""
 
     def check_reads(self, node) -> None:
         """Check that the forward values `node`'s gradient reads are still those the forward pass read."""
@@ -601,7 +601,7 @@ def realize(targets, keep, machine=None, walked=None):
     """Compute `targets` and every missing value they need, in topological order; return their values.
 
     A computed value is kept if `keep(node)`; otherwise it is released as soon as its last consumer in this
-    realization has been computed (rule 3 of checkpoint.py). Targets are returned even if not kept. The walk's
+    realization has been computed (rule 3, backward.py). Targets are returned even if not kept. The walk's
     order (the values computed, and unexpanded, the existing values they read) is appended to `walked` if given.
     Deferred decisions (`defer_until_realized`) run first, when the walk is the real one.
     """
