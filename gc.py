@@ -563,7 +563,7 @@ class LMStage(nn.Module):
         self.layers = layers
         self.linear = model.linear if last else None
         self.width = transformer.embedding_size
-        self.gc, self.segment_len, self.policy = transformer.gc, transformer.segment_len, transformer.policy
+        self.checkpoint_policy = transformer.checkpoint_policy  # checkpointed as the transformer is
 
     def forward(self, x):
         if self.embedding is not None:  # word ids (T, B) -> the layers' input (B, T, D), as Transformer.forward

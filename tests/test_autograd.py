@@ -6,9 +6,11 @@ that none is missing). `test_op_gradient` runs each case in float32 on every NDA
 tolerance ~1e-6), which `test_float64_oracle_under_np_backend` launches in a subprocess, because NEEDLE_BACKEND is
 read at import.
 """
+import copy
 import gc
 import re
 import os
+import pickle
 import subprocess
 import sys
 
@@ -16,7 +18,7 @@ import numpy as np
 import pytest
 
 import needle as ndl
-from needle import autograd, ops
+from needle import autograd, backward, ops
 from needle import backend_ndarray as nd
 
 from conftest import DEVICES, check_gradients, numerical_gradient, random_out_grad, saves_violation
@@ -222,14 +224,24 @@ def test_tensor_construction_and_dtypes():
     assert ndl.Tensor(np.float32(1.5)).shape == ()
     t = ndl.Tensor(np.ones(3), device=ndl.cpu_numpy(), requires_grad=False)
     assert t.device == ndl.cpu_numpy() and not t.requires_grad
-    copy = ndl.Tensor(t)
-    assert copy.device == t.device and copy.numpy().tolist() == [1, 1, 1]
+    duplicate = ndl.Tensor(t)
+    assert duplicate.device == t.device and duplicate.numpy().tolist() == [1, 1, 1]
     with pytest.raises(TypeError):
         ndl.Tensor(np.ones(3), dtype="float64")
     if ndl.cpu().enabled():
         moved = ndl.Tensor(t, device=ndl.cpu())
         assert moved.device == ndl.cpu() and moved.numpy().tolist() == [1, 1, 1]
     assert isinstance(t.numpy(), np.ndarray) and np.asarray(t).dtype == np.float32
+
+
+def test_tensor_rejects_unknown_keyword_arguments():
+    """A misspelt keyword is an error naming it, not silently ignored (requires_gard=False would leave the
+    Tensor requiring grad); Parameter, a Tensor, does the same."""
+    with pytest.raises(TypeError, match=r"unknown keyword argument\(s\) 'requires_gard'.*requires_grad"):
+        ndl.Tensor(np.ones(3), requires_gard=False)
+    with pytest.raises(TypeError, match=r"'devcie', 'dtpye'"):
+        ndl.nn.Parameter(np.ones(3), devcie=ndl.cpu_numpy(), dtpye="float32")
+    assert not ndl.Tensor(np.ones(3), device=ndl.cpu_numpy(), dtype="float32", requires_grad=False).requires_grad
 
 
 def test_detach_and_data_setter():
@@ -282,9 +294,6 @@ def test_versions_count_in_place_writes():
 
 @pytest.mark.parametrize("copier", ["pickle", "deepcopy"])
 def test_tensors_and_models_copy_by_value(copier):
-    import copy
-    import pickle
-
     def dup(obj):
         return pickle.loads(pickle.dumps(obj)) if copier == "pickle" else copy.deepcopy(obj)
 
@@ -459,9 +468,11 @@ def test_backward_work_is_linear_in_depth(lazy, monkeypatch):
         assert num_nodes == 1 + 5 * n  # x, then one leaf and four ops per step
         counter = _ComputeCounter(monkeypatch)
         visited.clear()
-        monkeypatch.setattr(autograd, "find_topo_sort", counting_topo_sort)
+        for module in (autograd, backward):  # realization's walks and the plan's
+            monkeypatch.setattr(module, "find_topo_sort", counting_topo_sort)
         y.backward()
-        monkeypatch.setattr(autograd, "find_topo_sort", real_topo_sort)
+        for module in (autograd, backward):
+            monkeypatch.setattr(module, "find_topo_sort", real_topo_sort)
         assert max(visited) == num_nodes  # the one full walk; every other walk is local to one step
         assert sum(visited) <= 10 * num_nodes  # a bounded walk per step
         assert counter.total() <= 4 * num_nodes

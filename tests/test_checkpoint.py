@@ -1,16 +1,18 @@
-"""Gradient checkpointing: each test names the rule of needle/checkpoint.py that it checks.
+"""Gradient checkpointing: each test names the rule (needle/checkpoint.py, needle/backward.py) that it checks.
 
 Graph-level tests build small graphs from ops and annotate regions by hand; model-level tests (LanguageModel,
 layers) are in tests/test_checkpoint_models.py.
 """
+import ast
 import gc as python_gc
+import pathlib
 import warnings
 
 import numpy as np
 import pytest
 
 import needle as ndl
-from needle import autograd, checkpoint, ops
+from needle import autograd, checkpoint, checkpoint_budget, ops
 from needle import backend_ndarray as nd
 
 from conftest import DEVICES, count_computes
@@ -276,6 +278,27 @@ def test_policies_are_pure_functions():
     assert checkpoint.dots_saveable(nodes) == [True] + [False] * 15
 
 
+def test_every_policy_is_called_with_the_candidates_and_the_outputs():
+    """One calling convention, policy(candidates, outputs), for the built-in policies, a Budget and user
+    callables alike: annotate hands every policy the region's outputs (no special case for the Budget)."""
+    device = nd.cpu_numpy()
+    x = ndl.Tensor(np.ones((2, 2), np.float32), device=device)
+    h = ops.exp(x)
+    out = ops.log(h + 1.0)
+    calls = []
+
+    def recording(candidates, outputs):
+        calls.append((list(candidates), list(outputs)))
+        return [True] * len(candidates)
+
+    checkpoint.annotate(out, [x], policy=recording)
+    assert len(calls) == 1 and calls[0][1] == [out] and [n is h for n in calls[0][0]] == [True, False]
+    nodes, outs = calls[0]
+    for policy in (checkpoint.nothing_saveable, checkpoint.dots_saveable, checkpoint.EverySegment(2),
+                   checkpoint.Sqrt(), checkpoint.Budget(10**9), checkpoint_budget.Planned(())):
+        assert len(policy(nodes, outs)) == len(nodes), policy
+
+
 def test_sqrt_prefers_cuts_and_never_keeps_a_view_of_a_leaf():
     """Sqrt: segments of ceil(sqrt n); per segment a cut first, then the cheapest; views of leaves never."""
     device = nd.cpu_numpy()
@@ -462,11 +485,9 @@ def test_rules_1_2_3_hold_on_the_backward_plan(lazy, gc):
 def test_predictor_and_executor_walk_the_same_plan():
     """The Budget's ledger and the real backward run one loop: their event sequences are identical.
 
-    Both are driven by autograd._realize and autograd.run_backward; a code path that served only one of them
+    Both are driven by autograd.realize and autograd.run_backward; a code path that served only one of them
     (a special case for the executor, a shortcut in the ledger) would change one sequence and fail here.
     """
-    from needle.checkpoint_budget import Ledger
-
     class Recording:
         def __init__(self, machine, log):
             self.machine, self.log = machine, log
@@ -475,7 +496,7 @@ def test_predictor_and_executor_walk_the_same_plan():
             method = getattr(self.machine, name)
 
             def record(node, *args):
-                if name in ("compute", "recompute", "free", "set_grad"):
+                if name in ("compute", "recompute", "release", "set_grad"):
                     self.log.append((name, node_number(node)))
                 return method(node, *args)
             return record
@@ -494,21 +515,30 @@ def test_predictor_and_executor_walk_the_same_plan():
         dropped = {id(n) for n in graph if n.drop}
         predicted, executed = [], []
         out_grad = ndl.Tensor(np.ones(()), device=nd.cpu_numpy(), requires_grad=True)
-        ledger = Recording(Ledger(loss, out_grad), predicted)
-        autograd._realize([loss], lambda n: id(n) not in dropped, ledger)
+        ledger = Recording(checkpoint_budget.Ledger(loss, out_grad), predicted)
+        autograd.realize([loss], lambda n: id(n) not in dropped, ledger)
         autograd.run_backward(autograd.plan_backward(loss, ledger.has), out_grad, ledger)
         with autograd.lazy_mode(True):
             run = Recording(autograd.Compute(), executed)
-            autograd._realize([loss], lambda n: not n.drop, run)
+            autograd.realize([loss], lambda n: not n.drop, run)
             autograd.run_backward(autograd.plan_backward(loss), out_grad, run)
         assert predicted == executed and len(executed) > len(graph)
 
 
-def test_no_import_cycle_involves_the_checkpointing_modules():
-    """Imports go one way: checkpoint -> checkpoint_budget -> autograd (and ops); autograd imports neither."""
-    import ast
-    import pathlib
+def test_compute_and_the_ledger_are_machines():
+    """Realization and backward are written against autograd.Machine; the executor and the Budget's ledger both
+    declare it and define every one of its methods themselves (none falls back to the protocol's empty stub)."""
+    methods = [name for name in vars(autograd.Machine) if not name.startswith("_")]
+    assert {"has", "compute", "recompute", "check_reads", "release", "set_grad", "value"} <= set(methods)
+    for machine in (autograd.Compute, checkpoint_budget.Ledger):
+        assert autograd.Machine in machine.__mro__  # declared, not only shaped alike
+        for name in methods:
+            assert getattr(machine, name) is not getattr(autograd.Machine, name), (machine.__name__, name)
 
+
+def test_no_import_cycle_involves_the_checkpointing_modules():
+    """Imports go one way: checkpoint -> checkpoint_budget -> backward, autograd (and ops); autograd and backward
+    import none of checkpoint, checkpoint_budget, amp, nn."""
     package = pathlib.Path(ndl.__file__).parent
 
     def imported(module):
@@ -521,7 +551,8 @@ def test_no_import_cycle_involves_the_checkpointing_modules():
                 names.add(node.module.split(".")[1])
         return names
 
-    assert not imported("autograd") & {"checkpoint", "checkpoint_budget"}
+    for core in ("autograd", "backward"):  # the graph core knows nothing of the modules built on it
+        assert not imported(core) & {"checkpoint", "checkpoint_budget", "amp", "nn"}, core
     assert "checkpoint" not in imported("checkpoint_budget")
     for name in ("ops_mathematic", "ops_logarithmic", "ops_tuple"):
         tree = ast.parse((package / "ops" / f"{name}.py").read_text())

@@ -223,6 +223,24 @@ def test_enable_gc_still_accepts_one_choice(kwargs):
     assert all(m.gc for m in model.modules)
 
 
+def test_enable_gc_resolves_the_policy_once_and_stores_it_once(monkeypatch):
+    """enable_gc resolves its arguments to one policy callable, once, and every module holds that one field (no
+    copies of segment_len/policy); forward passes annotate with it without resolving names again."""
+    model = _mlp(nd.cpu_numpy()).enable_gc(segment_len=2)
+    policy = model.checkpoint_policy
+    assert policy == checkpoint.EverySegment(2)
+    for m in [model] + model._children():
+        assert m.gc and m.checkpoint_policy is policy
+        assert not {"gc", "segment_len", "policy"} & set(vars(m))
+    resolved = []
+    real_resolve = checkpoint.resolve_policy
+    monkeypatch.setattr(checkpoint, "resolve_policy", lambda *args: resolved.append(args) or real_resolve(*args))
+    model(ndl.Tensor(np.ones((3, 8), np.float32), device=nd.cpu_numpy())).sum().backward()
+    assert resolved and all(args[0] is policy for args in resolved)  # handed the callable, never a name
+    model.disable_gc()
+    assert not any(m.gc or m.checkpoint_policy is not None for m in [model] + model._children())
+
+
 # ----- viz.to_dot ---------------------------------------------------------------------------------------------------
 def _gc_model_loss():
     device = nd.cpu_numpy()

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import needle as ndl
-from needle import autograd, checkpoint, nn
+from needle import autograd, checkpoint, checkpoint_budget, nn
 from needle import backend_ndarray as nd
 
 from conftest import count_computes
@@ -222,8 +222,6 @@ def test_budget_infeasible_raises_with_minimum():
 def _measured_peak(model, forward, make_batch, lazy=True, predict=False):
     """The allocator's peak over one training step, minus the bytes held when it started (before the batch is
     made, as Budget counts it); with `predict`, also predict_peak's prediction for the step's drops."""
-    from needle.checkpoint_budget import predict_peak
-
     model.parameters()
     python_gc.collect()
     nd.reset_peak_memory_stats(DEVICE)
@@ -233,7 +231,8 @@ def _measured_peak(model, forward, make_batch, lazy=True, predict=False):
     with autograd.lazy_mode(lazy):
         loss = nn.SoftmaxLoss()(forward(model, X), y)
         if predict:
-            predicted = predict_peak(loss, {id(n) for n in autograd.find_topo_sort([loss]) if n.drop})
+            dropped = {id(n) for n in autograd.find_topo_sort([loss]) if n.drop}
+            predicted = checkpoint_budget.predict_peak(loss, dropped)
         loss.backward()
     return predicted, nd.memory_stats(DEVICE)["peak_bytes"] - base
 

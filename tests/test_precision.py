@@ -177,9 +177,9 @@ def matmul_kernel(request, device):
 @pytest.fixture(autouse=True)
 def _no_autocast_leaks():
     """Every test starts and ends outside autocast (a failing test must not leave it on for the next)."""
-    autograd.AUTOCAST = None
+    autograd.set_autocast(None)
     yield
-    autograd.AUTOCAST = None
+    autograd.set_autocast(None)
 
 
 # ===== 1. every op in every float dtype vs the reference ============================================================
@@ -1127,6 +1127,51 @@ def test_autocast_op_dtypes():
         assert not ndl.amp.is_autocast_enabled() and (a @ b).dtype == "float32"
     with pytest.raises(ValueError):
         ndl.autocast("float32")
+
+
+def test_autocast_is_entered_and_left_through_autograd_set_autocast(monkeypatch):
+    """amp.autocast changes the active context only through autograd.set_autocast (which returns the previous
+    one), restoring it on exit, nested blocks included; autograd.active_autocast reads it."""
+    entered = []
+    real = autograd.set_autocast
+
+    def recording(context):
+        entered.append(context)
+        return real(context)
+
+    monkeypatch.setattr(autograd, "set_autocast", recording)
+    monkeypatch.setattr(ndl.amp, "set_autocast", recording)
+    outer, off = ndl.autocast("bfloat16"), ndl.autocast("float16", enabled=False)
+    with outer:
+        assert autograd.active_autocast() is outer
+        with off:
+            assert autograd.active_autocast() is None
+        assert autograd.active_autocast() is outer
+    assert autograd.active_autocast() is None
+    assert entered == [outer, None, outer, None]
+    assert real(outer) is None and real(None) is outer  # the setter returns the previous context
+
+
+def test_tensor_tuple_ops_apply_autocast_too():
+    """TensorTupleOp casts its inputs under autocast as TensorOp does (attention needs no code of its own): a
+    tuple op declaring autocast="low" sees 16-bit inputs, one declaring nothing its inputs' dtype."""
+    seen = []
+
+    class Pair(autograd.TensorTupleOp):
+        def compute(self, a, b):
+            seen.append((str(a.dtype), str(b.dtype)))
+            return a, b
+
+    class LowPair(Pair):
+        autocast = "low"
+
+    rs = np.random.RandomState(0)
+    a, b = (ndl.Tensor(rs.randn(2, 3).astype(np.float32), device=CPU) for _ in range(2))
+    with ndl.autocast("bfloat16"):
+        LowPair()(a, b).realize_cached_data()
+        Pair()(a, b).realize_cached_data()
+    LowPair()(a, b).realize_cached_data()
+    assert seen == [("bfloat16", "bfloat16"), ("float32", "float32"), ("float32", "float32")]
 
 
 @pytest.mark.parametrize("low,rtol", [("bfloat16", 4e-2), ("float16", 5e-3)])

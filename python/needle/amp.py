@@ -16,15 +16,16 @@ in their inputs' dtype. Every kernel computes in float32 and rounds once on stor
 
 The casts are graph nodes. A cast of a parameter is made once per `autocast` block and kept (the 16-bit weight
 copy that mixed precision costs); a cast of an activation is marked `drop` and recomputed if a backward step
-needs it, so the float32 input it came from and the 16-bit result are never both held.
+needs it, so the float32 input it came from and the 16-bit result are never both held. The active context lives
+in autograd (entered and left through `autograd.set_autocast`); `TensorOp` and `TensorTupleOp` apply it.
 """
 import math
 
 import numpy
 
-from . import autograd
-from .autograd import Tensor, lazy_mode
+from .autograd import Tensor, active_autocast, lazy_mode, set_autocast
 from .backend_selection import array_api
+from .ops import Cast
 
 __all__ = ["GradScaler", "autocast", "is_autocast_enabled"]
 
@@ -37,7 +38,7 @@ def _name(dtype):
 
 
 def is_autocast_enabled():
-    return autograd.AUTOCAST is not None
+    return active_autocast() is not None
 
 
 class autocast:
@@ -54,12 +55,11 @@ class autocast:
         self._previous = []
 
     def __enter__(self):
-        self._previous.append(autograd.AUTOCAST)
-        autograd.AUTOCAST = self if self.enabled else None
+        self._previous.append(set_autocast(self if self.enabled else None))
         return self
 
     def __exit__(self, *exc):
-        autograd.AUTOCAST = self._previous.pop()
+        set_autocast(self._previous.pop())
         if not self._previous:
             self._weights.clear()
         return False
@@ -71,8 +71,6 @@ class autocast:
                      and _name(x.dtype) != target else x for x in inputs)
 
     def _cast(self, x, dtype):
-        from .ops import Cast
-
         if x.op is None and x.requires_grad:  # a parameter: cast once per block, kept
             key = (id(x), dtype)
             if key not in self._weights:

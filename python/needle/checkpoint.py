@@ -15,37 +15,26 @@ backward recomputes them from their nearest kept ancestors (the checkpoints) jus
     checkpoint.print_saved_residuals(loss)                # what backward will find in memory, and why
 
 This file decides *what* is dropped: `annotate` and the policies. Backward itself (what to recompute before
-each step, when each value dies) is autograd's plan, which treats a dropped value as a missing one; the memory
+each step, when each value dies) is backward.py's plan, which treats a dropped value as a missing one; the memory
 budget planner is `checkpoint_budget.Budget`.
 
-The rules (enforced where noted; each test names the rule it checks):
+A policy is a callable `policy(candidates, outputs) -> keep flags`: `candidates` are a region's interior nodes in
+topological order, `outputs` its output nodes; it returns one flag per candidate (True: keep it as a checkpoint).
+The built-in ones below, `Budget` and `Planned` are all called this way.
 
-  Rule 1. Leaves (parameters, constants, dropout masks), the inputs and output of an annotated region, and the
-          output of a backward pass are never dropped or released (`annotate`, `autograd.plan_backward`).
-  Rule 2. During one backward pass, a dropped or released value is recomputed at most once: recomputed values
-          stay alive until their last use in that pass (`autograd.plan_backward` plans it; tests assert it on
-          the plan).
-  Rule 3. Every activation, dropped or not, is released after its last use: in the forward pass for dropped
-          values (eager: as soon as the region's output exists; lazy: after its last consumer is computed), and
-          in backward for every value after the last gradient that reads it. Gradient-graph temporaries are
-          released after the step that made them (`autograd._realize`, `autograd.run_backward`).
-  Rule 4. Recomputation and differentiation are exact (`autograd.Compute`):
-          (a) a recomputed value has the shape, dtype and device it had in the forward pass (checked every time);
-          (b) eager and lazy mode give bit-identical numbers;
-          (c) backward reads what the forward pass read. Every value has a version, bumped by each in-place write
-              (`.data =`, an optimizer's update, `t[idx] = ...`); each node records the versions of the inputs
-              its forward computation read. Before a gradient reads forward values (`Op.saves`) and before a
-              dropped value is recomputed from its inputs, the versions are compared, and a mismatch raises
-              RuntimeError — with checkpointing off too (a MatMul's gradient reads its weight).
-  Rule 5. When backward returns, every leaf gradient is realized, so an optimizer that updates parameters in
-          place can never change a value a gradient still depends on.
+The rules of checkpointing are numbered; each is stated where it is enforced, and each test names the rule it
+checks. Rule 1 is this file's: leaves (parameters, constants, dropout masks) and the inputs and output of an
+annotated region are never dropped (`annotate`). Rules 2-5 are about backward and are stated in backward.py:
+recompute at most once (2), release after the last use (3), exact recomputation and version checks (4), gradients
+realized when backward returns (5).
 """
 import itertools
 import math
 import weakref
 from dataclasses import dataclass
 
-from .autograd import Value, find_topo_sort, infer_spec, itemsize, last_backward_stats, release, spec_of
+from .autograd import Value, element_shapes, find_topo_sort, infer_spec, itemsize, release, spec_nbytes, spec_of
+from .backward import last_backward_stats
 from .checkpoint_budget import Budget
 
 __all__ = [
@@ -67,12 +56,12 @@ __all__ = [
 
 
 # ----- policies: small pure functions from the candidate nodes of a region to keep/drop flags ------------------
-def nothing_saveable(nodes):
+def nothing_saveable(nodes, outputs=()):
     """Drop every candidate ("all")."""
     return [False] * len(nodes)
 
 
-def dots_saveable(nodes):
+def dots_saveable(nodes, outputs=()):
     """Keep what is expensive to recompute (matmul, conv: `Op.saveable`); drop the cheap rest ("selective")."""
     return [n.op.saveable for n in nodes]
 
@@ -83,7 +72,7 @@ class EverySegment:
 
     k: int
 
-    def __call__(self, nodes):
+    def __call__(self, nodes, outputs=()):
         return [(i + 1) % self.k == 0 for i in range(len(nodes))]
 
 
@@ -99,7 +88,7 @@ class Sqrt:
     break cuts. Sizes come from shape inference, so a lazy graph is not computed to choose.
     """
 
-    def __call__(self, nodes):
+    def __call__(self, nodes, outputs=()):
         k = max(1, math.ceil(math.sqrt(len(nodes))))
         cost = [_keep_cost(n) for n in nodes]
         position = {id(n): i for i, n in enumerate(nodes)}
@@ -127,21 +116,21 @@ def _keep_cost(node):
     if node.is_leaf():
         return 0
     spec = infer_spec(node)
-    if spec is None or (spec[0] and isinstance(spec[0][0], tuple)):
+    if spec is None or element_shapes(spec[0]) is not None:  # a tuple value: unknown
         return math.inf
-    return math.prod(spec[0]) * itemsize(spec[1])
+    return spec_nbytes(spec)
 
 
 _POLICIES = {None: nothing_saveable, "all": nothing_saveable, "sqrt": Sqrt(), "selective": dots_saveable}
 
 
 def resolve_policy(policy=None, segment_len=None):
-    """The callable for a policy name, a segment length, or a callable policy itself."""
+    """The policy callable for a policy name, a segment length, or a callable policy itself (returned as is)."""
     if callable(policy):
         return policy
     if policy not in _POLICIES:
         raise ValueError(f"unknown checkpoint policy {policy!r}; use None, 'all', 'sqrt', 'selective', "
-                         f"Budget(bytes) or a callable")
+                         f"Budget(bytes) or a callable (candidates, outputs) -> keep flags")
     if segment_len is not None and policy in (None, "all"):
         if int(segment_len) < 1:
             raise ValueError(f"segment_len must be >= 1, got {segment_len}")
@@ -154,7 +143,8 @@ def annotate(out_node, in_nodes, segment_len=None, policy=None, label=None):
 
     Trade-off: every dropped node saves its bytes between the forward pass and its use in backward, and costs
     one recomputation during backward. `segment_len=k` keeps every k-th node as a checkpoint; `policy`
-    ("sqrt", "selective", a Budget or any callable nodes -> keep flags) chooses checkpoints otherwise.
+    ("sqrt", "selective", a Budget or any callable (candidates, outputs) -> keep flags) chooses checkpoints
+    otherwise.
     Rule 1: leaves, `in_nodes` and `out_node` are never dropped. A node once dropped stays dropped, so nested
     regions compose (the inner region decides first). Eager mode releases the dropped values at once (the
     region's output exists); lazy mode releases them as they are consumed. `label` (a module's class name)
@@ -168,8 +158,7 @@ def annotate(out_node, in_nodes, segment_len=None, policy=None, label=None):
     boundary = stop | {id(n) for n in outs}
     order = find_topo_sort(outs, expand=lambda n: id(n) not in stop)
     candidates = [n for n in order if id(n) not in boundary and not n.is_leaf() and not n.drop]
-    policy = resolve_policy(policy, segment_len)
-    keep = policy(candidates, outs) if isinstance(policy, Budget) else policy(candidates)
+    keep = resolve_policy(policy, segment_len)(candidates, outs)
     for node, kept in zip(candidates, keep):
         if kept:
             _reasons[node] = "checkpoint"

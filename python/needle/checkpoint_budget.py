@@ -11,8 +11,8 @@ How: layers annotate their regions as usual. For a region it has not seen, Budge
 defers the decision to the moment the graph is first realized (lazy mode: before anything is computed; eager
 mode: when backward starts, so the first eager step traces and only later ones are bounded). Then it predicts
 the step's peak for drop sets of growing size — cheapest to recompute first — and keeps the smallest that fits.
-The prediction walks the very plan autograd will execute (`autograd._realize`, `plan_backward`,
-`run_backward`) with a `Ledger` in place of the machine that computes: the ledger holds buffers and counts
+The prediction walks the very plan autograd will execute (`autograd.realize`, `backward.plan_backward`,
+`backward.run_backward`) with a `Ledger` in place of the machine that computes: the ledger holds buffers and counts
 bytes from the ops' own declarations (`view`/`view_strides`, `compacts_inputs`, `workspace`, the dtype's size).
 The decisions are frozen into a table keyed by each region's structure (its candidates' ops and shapes), so
 later steps replay them with no counters and no references to old graphs: an eval forward, a failed step or a
@@ -22,10 +22,11 @@ import math
 import weakref
 from dataclasses import dataclass
 
-from .autograd import (_realize, defer_until_realized, find_topo_sort, infer_spec, itemsize, placeholder,
-                       plan_backward, release, run_backward)
+from .autograd import (Machine, defer_until_realized, element_shapes, elements_of, find_topo_sort, infer_spec,
+                       itemsize, placeholder, realize, release, spec_nbytes)
 from .backend_ndarray.ndarray import compact_strides  # the strides NDArray gives a compact array
 from .backend_ndarray.ndarray import is_transposed_matrix  # the views a 2-D matmul reads in place
+from .backward import plan_backward, run_backward
 from .ops import MakeTensorTuple, TupleGetItem
 
 __all__ = ["Budget", "Ledger", "Planned", "predict_peak"]
@@ -39,14 +40,7 @@ def _spec(node):
     return spec
 
 
-def _elements(shape):
-    """Elements of a value's shape, or of a tuple value's shapes."""
-    if shape and isinstance(shape[0], tuple):
-        return sum(math.prod(s) for s in shape)
-    return math.prod(shape)
-
-
-class Ledger:
+class Ledger(Machine):
     """A backward machine that computes nothing: it tracks which values would exist and the bytes they hold.
 
     Memory is counted per buffer, as the allocator does: a view (`op.view`, and `op.view_strides` not None for
@@ -75,15 +69,12 @@ class Ledger:
         self.seen.append(node)
         shape, dtype, _ = _spec(node)
         self.made += 1  # a recomputed value gets new buffers, even while views of its old ones are held
-        if shape and isinstance(shape[0], tuple):
-            keys = [(self.made, k) for k in range(len(shape))]
-            for key, s in zip(keys, shape):
-                self.elements[key] = math.prod(s)
-                self.size[key] = math.prod(s) * itemsize(dtype)
-        else:
-            keys = [(self.made, 0)]
-            self.elements[keys[0]] = math.prod(shape)
-            self.size[keys[0]] = math.prod(shape) * itemsize(dtype)
+        elements = element_shapes(shape)  # a tuple value: one buffer per element
+        keys = [(self.made, k) for k in range(len(elements or [shape]))]
+        for key, s in zip(keys, elements or [shape]):
+            self.elements[key] = math.prod(s)
+            self.size[key] = math.prod(s) * itemsize(dtype)
+        if elements is None:  # an array, compact: the ledger follows its views' strides
             self.strides[id(node)] = compact_strides(shape)
         self.buffers[id(node)] = keys
 
@@ -126,14 +117,14 @@ class Ledger:
                     continue
                 if transposed_in_place and is_transposed_matrix(shape, strides) and self._whole_buffer(x, shape):
                     continue
-                extra += _elements(shape)
+                extra += elements_of(shape)
         return extra * itemsize(_spec(node)[1])
 
     def _whole_buffer(self, node, shape):
         keys = self.buffers[id(node)]
         return len(keys) == 1 and self.elements[keys[0]] == math.prod(shape)
 
-    # -- the machine interface of autograd.Compute
+    # -- the machine (autograd.Machine), as backward.Compute
     def has(self, node):
         if node.is_leaf() and id(node) not in self.present:  # a constant a gradient made: it exists, and counts
             self._own(node)
@@ -151,7 +142,7 @@ class Ledger:
 
     recompute = compute
 
-    def free(self, node):
+    def release(self, node):
         if id(node) not in self.present:
             return
         self.present.discard(id(node))
@@ -180,7 +171,7 @@ def predict_peak(root, dropped, regions=None):
     out_grad = placeholder(_spec(root))  # the root's gradient: its shape, dtype and device, no data
     ledger = Ledger(root, out_grad)
     if regions is None:
-        _realize([root], lambda n: id(n) not in dropped, ledger)
+        realize([root], lambda n: id(n) not in dropped, ledger)
     else:
         ends = {}
         for outputs, candidates in regions:
@@ -190,7 +181,7 @@ def predict_peak(root, dropped, regions=None):
                 ledger.compute(node)
             for n in ends.get(id(node), ()):
                 if id(n) in dropped:
-                    ledger.free(n)
+                    ledger.release(n)
     run_backward(plan_backward(root, ledger.has), out_grad, ledger)
     return ledger.peak
 
@@ -214,7 +205,7 @@ class Planned:
 
     table: tuple  # ((region structure, keep flags), ...)
 
-    def __call__(self, nodes):
+    def __call__(self, nodes, outputs=()):
         return list(dict(self.table).get(_structure(nodes), (True,) * len(nodes)))
 
 
@@ -310,5 +301,4 @@ class Budget:
 
 
 def _bytes(node):
-    shape, dtype, _ = _spec(node)
-    return _elements(shape) * itemsize(dtype)
+    return spec_nbytes(_spec(node))

@@ -10,10 +10,9 @@ bytes. The nodes of one annotated region (a module's forward when checkpointing 
 are boxed together under the module's class name. `hide_views=True` leaves out view nodes (reshape, broadcast,
 transpose: no buffer of their own) and draws their inputs straight to their consumers.
 """
-import math
-
 from . import checkpoint
-from .autograd import find_topo_sort, infer_spec, itemsize, plan_backward
+from .autograd import find_topo_sort, infer_spec, spec_nbytes
+from .backward import plan_backward
 
 __all__ = ["to_dot"]
 
@@ -50,9 +49,7 @@ def _size(node):
     spec = infer_spec(node)
     if spec is None:
         return "?", "?"
-    shape, dtype = spec[0], spec[1]
-    shapes = shape if shape and isinstance(shape[0], tuple) else [shape]  # a tuple op: one shape per element
-    return str(tuple(shape)), _human(sum(math.prod(s) for s in shapes) * itemsize(dtype))
+    return str(tuple(spec[0])), _human(spec_nbytes(spec))  # a tuple op's: its elements' summed
 
 
 def _human(nbytes):

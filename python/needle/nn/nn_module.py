@@ -46,17 +46,22 @@ class Module:
     """A layer: parameters in attributes (also inside lists, tuples and dicts), `forward` does the work.
 
     Checkpointing: `enable_gc(segment_len=None, policy=None)` turns it on for this module and every module
-    inside it; a module then calls `self.checkpoint(out, inputs)` at the end of its forward, which marks its
-    interior nodes `drop` (see needle.checkpoint.annotate).
+    inside it, storing the resolved policy in `checkpoint_policy` (None: off); a module then calls
+    `self.checkpoint(out, inputs)` at the end of its forward, which marks its interior nodes `drop` (see
+    needle.checkpoint.annotate).
     Saving: `state_dict()` gives NumPy copies of the parameters and buffers by dotted name; `load_state_dict(d)`
     copies them back in place (`ndl.save` / `ndl.load` write and read them as .npz).
     """
 
+    checkpoint_policy = None  # the policy callable when checkpointing is on (enable_gc), else None
+
     def __init__(self):
         self.training = True
-        self.gc = False
-        self.segment_len = None
-        self.policy = None
+
+    @property
+    def gc(self):
+        """Whether gradient checkpointing is on for this module."""
+        return self.checkpoint_policy is not None
 
     def _named_tensors(self):
         """(dotted name, Tensor) for every Parameter and buffer, first occurrence of each, in definition order."""
@@ -155,21 +160,20 @@ class Module:
         if segment_len is not None and policy not in (None, "all"):
             raise ValueError(f"enable_gc: segment_len={segment_len} and policy={policy!r} conflict: segment_len "
                              f"sets the checkpoints of the 'all' policy, {policy!r} chooses its own; pass only one")
-        checkpoint.resolve_policy(policy, segment_len)  # fail now on a bad policy, not in forward
+        resolved = checkpoint.resolve_policy(policy, segment_len)  # once: a bad policy fails now, not in forward
         for m in [self] + self._children():
-            m.gc, m.segment_len, m.policy = True, segment_len, policy
+            m.checkpoint_policy = resolved
         return self
 
     def disable_gc(self):
         for m in [self] + self._children():
-            m.gc, m.segment_len, m.policy = False, None, None
+            m.checkpoint_policy = None
         return self
 
     def checkpoint(self, out, inputs):
         """Mark the nodes between `inputs` and `out` as dropped when checkpointing is on; return `out`."""
-        if getattr(self, "gc", False):
-            checkpoint.annotate(out, inputs, segment_len=self.segment_len, policy=self.policy,
-                                label=type(self).__name__)
+        if self.checkpoint_policy is not None:
+            checkpoint.annotate(out, inputs, policy=self.checkpoint_policy, label=type(self).__name__)
         return out
 
     def __call__(self, *args, **kwargs):

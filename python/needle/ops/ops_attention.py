@@ -12,7 +12,7 @@ import math
 import numpy
 
 from .. import autograd
-from ..autograd import Tensor, TensorTuple, TensorTupleOp
+from ..autograd import Tensor, TensorTupleOp
 from ..backend_selection import array_api
 from .ops_tuple import tuple_get_item
 
@@ -36,11 +36,6 @@ class ScaledDotProductAttention(TensorTupleOp):
 
     def __init__(self, causal=False, scale=None, dropout_p=0.0, seed=0):
         self.causal, self.scale, self.dropout_p, self.seed = bool(causal), scale, float(dropout_p), int(seed)
-
-    def __call__(self, *args):
-        if autograd.AUTOCAST is not None:  # (TensorTupleOp does not cast; this op is a matmul for autocast)
-            args = autograd.AUTOCAST.cast_inputs(self, args)
-        return TensorTuple.make_from_op(self, args)
 
     def infer_shape(self, q, k, v):
         # (the ledger sizes a tuple in its first element's dtype: exact in float32, lse at 2 bytes a row in 16-bit)
@@ -90,7 +85,7 @@ def scaled_dot_product_attention(q, k, v, causal=False, scale=None, dropout_p=0.
         if not isinstance(x, Tensor):
             raise TypeError(f"{name}: {what} must be a Tensor, got {type(x).__name__}")
     _check_shapes(name, tuple(q.shape), tuple(k.shape), tuple(v.shape), causal)
-    if autograd.AUTOCAST is None and len({str(q.dtype), str(k.dtype), str(v.dtype)}) != 1:
+    if autograd.active_autocast() is None and len({str(q.dtype), str(k.dtype), str(v.dtype)}) != 1:
         raise TypeError(f"{name}: q, k, v need one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float, numpy.number))
                               or not math.isfinite(scale)):

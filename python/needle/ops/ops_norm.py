@@ -80,6 +80,6 @@ def layer_norm(x, weight, bias, eps=1e-5):
         raise ValueError(f"layer_norm: needs x (..., n) with n >= 1, weight (n,) and bias (n,); got x {shapes[0]}, "
                          f"weight {shapes[1]}, bias {shapes[2]}")
     dtypes = {str(t.dtype) for t in (x, weight, bias)}
-    if len(dtypes) > 1 and autograd.AUTOCAST is None:  # (under autocast the op's inputs are cast to one dtype)
+    if len(dtypes) > 1 and autograd.active_autocast() is None:  # (under autocast the op's inputs are cast to one dtype)
         x, weight, bias = (t if str(t.dtype) == "float32" else cast(t, "float32") for t in (x, weight, bias))
     return LayerNorm(eps)(x, weight, bias)

@@ -1,0 +1,333 @@
+"""Backward is planned, then executed.
+
+`plan_backward(root)` is plain data: one `Step` per value to differentiate, in reverse topological order, each
+naming the values to recompute before it (missing values its gradient reads: dropped by checkpointing or released
+earlier) and the values to release after it (whose last use it is). `run_backward` walks that plan with a machine
+(`autograd.Machine`): `Compute` does the work; checkpoint_budget's `Ledger` walks the very same loop and only
+counts bytes. A dropped value is just a missing value here; what to drop is decided in checkpoint.py.
+
+The rules of checkpointing that concern backward, enforced in this file (rule 1's region boundaries are
+`checkpoint.annotate`'s; each test names the rule it checks):
+
+  Rule 1. Leaves and the output of a backward pass are never released (`plan_backward`).
+  Rule 2. During one backward pass, a dropped or released value is recomputed at most once: recomputed values
+          stay alive until their last use in that pass (`plan_backward` plans it; tests assert it on the plan).
+  Rule 3. Every activation, dropped or not, is released after its last use: in the forward pass for dropped
+          values (eager: as soon as the region's output exists; lazy: after its last consumer is computed,
+          `autograd.realize`), and in backward for every value after the last gradient that reads it
+          (`plan_backward`). Gradient-graph temporaries are released after the step that made them
+          (`run_backward`, `_release_step_temporaries`).
+  Rule 4. Recomputation and differentiation are exact (`Compute`):
+          (a) a recomputed value has the shape, dtype and device it had in the forward pass (checked every time);
+          (b) eager and lazy mode give bit-identical numbers;
+          (c) backward reads what the forward pass read. Every value has a version, bumped by each in-place write
+              (`.data =`, an optimizer's update, `t[idx] = ...`); each node records the versions of the inputs
+              its forward computation read. Before a gradient reads forward values (`Op.saves`) and before a
+              dropped value is recomputed from its inputs, the versions are compared, and a mismatch raises
+              RuntimeError — with checkpointing off too (a MatMul's gradient reads its weight).
+  Rule 5. When backward returns, every leaf gradient is realized, so an optimizer that updates parameters in
+          place can never change a value a gradient still depends on (`run_backward` realizes each step).
+"""
+from dataclasses import dataclass, field
+
+import numpy
+
+from . import ops
+from .autograd import (Machine, Tensor, TensorTuple, Value, find_topo_sort, lazy_mode, nbytes_of, realize, release,
+                       run_deferred, spec_of)
+from .backend_selection import device_of
+
+__all__ = ["BackwardPlan", "Compute", "Step", "compute_gradient_of_variables", "last_backward_stats",
+           "plan_backward", "reads", "run_backward"]
+
+
+# ----- the plan -------------------------------------------------------------------------------------------------
+@dataclass
+class Step:
+    """One step of backward: differentiate `node` (a leaf: sum its gradient parts into `.grad`)."""
+
+    node: "Value"
+    recompute: list = field(default_factory=list)  # missing values its gradient reads, and their missing ancestors
+    release: list = field(default_factory=list)  # forward values whose last use is this step: released after it
+
+
+@dataclass
+class BackwardPlan:
+    """The whole backward pass as data: what to release first, then the steps in reverse topological order."""
+
+    root: "Value"
+    unused: list  # values no gradient reads: released before the first step (rule 3)
+    steps: list
+
+    def recomputed(self):
+        return [n for step in self.steps for n in step.recompute]
+
+
+def reads(node):
+    """The forward values whose data `node.op.gradient` reads, as the op declares (`saves`)."""
+    saves = node.op.saves
+    return {"none": (), "output": (node,), "both": node.inputs + (node,)}.get(saves, node.inputs)
+
+
+def plan_backward(root, has=None):
+    """The backward plan of the graph above `root`, given which values exist when it starts (`has`).
+
+    Simulates the pass in reverse topological order. Before a node's gradient, the values it reads must exist;
+    missing ones, and the missing ancestors they need, are recomputed at that step and from then on count as
+    available, so nothing is recomputed twice (rule 2). A value's last use is the last step that reads it or
+    recomputes a consumer from it; it is released right after (rule 3). Leaves and the root are never released
+    (rule 1).
+    """
+    has = has or Compute().has
+    reverse = list(reversed(find_topo_sort([root])))
+    available = {id(n) for n in reverse if has(n)}
+    steps, last_use = [], {}
+    for node in reverse:
+        if not node.requires_grad:
+            continue
+        step = Step(node)
+        steps.append(step)
+        if node.is_leaf():
+            continue
+        needed = reads(node)
+        for v in needed:
+            last_use[id(v)] = step
+        missing = [v for v in needed if id(v) not in available]
+        for n in find_topo_sort(missing, expand=lambda n: id(n) not in available):
+            if id(n) in available:
+                continue
+            available.add(id(n))  # rule 2: from now on it exists until its last use
+            step.recompute.append(n)
+            for inp in n.inputs:
+                last_use[id(inp)] = step
+    unused = []
+    for node in reverse:
+        if node.is_leaf() or node is root:
+            continue
+        if id(node) in last_use:
+            last_use[id(node)].release.append(node)
+        else:
+            unused.append(node)
+    return BackwardPlan(root, unused, steps)
+
+
+# ----- the machine that runs it for real --------------------------------------------------------------------------
+class Compute(Machine):
+    """The machine that runs realization and backward for real: it computes, checks (rule 4) and releases values."""
+
+    def __init__(self):
+        self.stats = {"recomputed_nodes": 0, "recomputed_bytes": 0, "released_bytes": 0,
+                      "max_recomputes_per_node": 0}
+        self.recomputed = {}  # id -> count, this pass
+
+    def has(self, node):
+        return node.cached_data is not None
+
+    def compute(self, node):
+        value = node.op.compute(*[x.cached_data for x in node.inputs])
+        if isinstance(value, numpy.generic):  # NEEDLE_BACKEND=np: NumPy turns 0-d results into scalars
+            value = numpy.asarray(value)
+        node.cached_data = value
+        if node._input_versions is None:  # the first computation is the forward pass: what backward must see
+            node._input_versions = tuple(x.version for x in node.inputs)
+
+    def recompute(self, node):
+        """Rule 4: a recomputation reads the versions the forward pass read and gives the same shape and dtype."""
+        if any(x.cached_data is None for x in node.inputs):
+            raise RuntimeError(f"backward plan violated: an input of {type(node.op).__name__} is missing at its "
+                               "recomputation (rule 2)")
+        check_unchanged(node, node.inputs, action="recompute")
+        expected = node._spec
+        self.compute(node)
+        got = spec_of(node.cached_data)
+        if expected is not None and got != expected:
+            raise RuntimeError(
+                f"checkpoint: recomputing {type(node.op).__name__} gave shape/dtype/device {got}, but the forward "
+                f"pass had {expected} (rule 4a). Does the op's compute depend on state other than its inputs, "
+                f"e.g. a global RNG? Make that state a leaf input.")
+        count = self.recomputed[id(node)] = self.recomputed.get(id(node), 0) + 1
+        self.stats["recomputed_nodes"] += 1
+        self.stats["recomputed_bytes"] += nbytes_of(node.cached_data)
+        self.stats["max_recomputes_per_node"] = max(self.stats["max_recomputes_per_node"], count)
+
+    def check_reads(self, node):
+        check_unchanged(node, reads(node))
+
+    def release(self, node):
+        if node.cached_data is not None:
+            self.stats["released_bytes"] += nbytes_of(node.cached_data)
+            release(node)
+
+    def set_grad(self, node, grad):
+        node.grad = grad
+        for hook in node._grad_hooks or ():  # e.g. DataParallel: start reducing while backward goes on
+            hook(node)
+
+    def value(self, node):
+        return node.cached_data
+
+
+def check_unchanged(node, values, action="differentiate"):
+    """Rule 4c: `values` (inputs of `node`, or `node` itself) hold the versions its forward computation read."""
+    read = {id(x): v for x, v in zip(node.inputs, node._input_versions or ())}
+    read[id(node)] = 0  # a computed value is never written by the graph itself
+    for x in values:
+        version = read.get(id(x), x.version)
+        if x.version != version:
+            what = "its output" if x is node else "one of its inputs"
+            name = getattr(x, "name", None)
+            kind = f"{type(x).__name__} {name!r}" if name else type(x).__name__
+            raise RuntimeError(
+                f"{type(node.op).__name__}: cannot {action} it: {what}, a {kind} of shape {tuple(x.shape)}, was "
+                f"modified in place after the forward pass read it (version {x.version}, the forward pass read "
+                f"version {version}), so the result would be wrong. Call backward() before optimizer.step(), or "
+                f"don't modify it in place (rule 4c)"
+            )
+
+
+# ----- executing the plan -----------------------------------------------------------------------------------------
+def run_backward(plan, out_grad, machine=None):
+    """Walk `plan`: recompute, differentiate, release. Gradients are graph nodes built lazily, realized per step.
+
+    Each step's gradient graph is built lazily and realized together, so its temporaries die as soon as they are
+    consumed; afterwards everything the step made is released unless a later step awaits it (rule 3).
+    """
+    machine = machine or Compute()
+    forward = {id(s.node) for s in plan.steps} | {id(n) for s in plan.steps for n in s.node.inputs}
+    grads = {id(plan.root): [out_grad]}
+    awaited = {}  # gradient node id -> how many later steps will consume it
+    for node in plan.unused:
+        machine.release(node)
+    for step in plan.steps:
+        node = step.node
+        for n in step.recompute:
+            machine.recompute(n)
+        parts = grads.pop(id(node), None)
+        if parts is not None and len(parts) == 1 and node.is_leaf() and machine.has(parts[0]):
+            machine.set_grad(node, parts[0])  # a parameter used once: its gradient is computed, nothing to release
+        elif parts is not None:
+            for g in parts:
+                awaited[id(g)] = awaited.get(id(g), 0) - 1
+            with lazy_mode(True):
+                grad = sum_node_list(parts)
+            walked = []
+            if node.is_leaf():
+                new = [grad]
+                realize(new, lambda n: n is grad, machine, walked)
+                machine.set_grad(node, grad)
+            else:
+                new = _input_gradients(node, grad, machine, walked, grads)
+            for g in new:
+                awaited[id(g)] = awaited.get(id(g), 0) + 1
+            _release_step_temporaries(walked, new, parts, grad, forward, awaited, machine)
+        for n in step.release:
+            machine.release(n)
+
+
+def _input_gradients(node, grad, machine, walked, grads):
+    """Differentiate `node`: build its inputs' gradients lazily, realize them together, file them under `grads`;
+    return them."""
+    machine.check_reads(node)
+    with lazy_mode(True):
+        in_grads = node.op.gradient_as_tuple(grad, node)
+    if len(in_grads) != len(node.inputs):
+        raise RuntimeError(f"{type(node.op).__name__}.gradient returned {len(in_grads)} values for "
+                           f"{len(node.inputs)} inputs")
+    pairs = [(x, _in_dtype_of(x, g, node)) for x, g in zip(node.inputs, in_grads)
+             if x.requires_grad and g is not None]
+    new = [g for _, g in pairs]
+    keep_ids = {id(g) for g in new}
+    realize(new, lambda n: id(n) in keep_ids, machine, walked)
+    for x, g in pairs:
+        grads.setdefault(id(x), []).append(g)
+    return new
+
+
+def _in_dtype_of(x, grad, node):
+    """An input's gradient in the input's dtype: an op on mixed dtypes computes (and differentiates) in the
+    promoted one, so the gradient of a bfloat16 input of a float32 op is cast back to bfloat16."""
+    if not isinstance(grad, Tensor) or _dtype(x) == _dtype(node) or grad.dtype == x.dtype:
+        return grad
+    with lazy_mode(True):
+        return ops.cast(grad, x.dtype)
+
+
+def _dtype(value):
+    data = value.cached_data  # a forward value's array, when it has one (cheaper than the full spec)
+    return data.dtype if data is not None and not isinstance(data, tuple) else value.dtype
+
+
+def _release_step_temporaries(walked, new, parts, grad, forward, awaited, machine):
+    """Release what a step made and consumed: its gradient graph's values, except the results later steps await.
+
+    `walked` is the step's realization walk: every value it computed (released there unless kept) and, not
+    expanded, the values that existed before it — forward values, the parts, leaves, and rarely a value the
+    step made that a shape query computed early (an op that cannot infer its shape); only that last case needs
+    a walk of its own, from those values and from `grad`, to reach what they hold.
+    """
+    part_ids = {id(g) for g in parts}
+    new_ids = {id(g) for g in new}
+    # A kept make_tuple of gradients holds its elements' data, and tuple arithmetic folds through it to the
+    # element nodes later: releasing them would give no memory back now and force a recomputation then.
+    new_ids |= {id(x) for g in new if isinstance(g, TensorTuple) and g.op is not None and g.op.view for x in g.inputs}
+
+    def made(n):  # made by this step (never a forward value or a part: expanding a part would re-walk every
+        return id(n) not in forward and id(n) not in part_ids and not n.is_leaf()  # earlier step: O(n^2))
+
+    early = [n for n in walked + [grad] if machine.has(n) and made(n) and id(n) not in new_ids]
+    if early:
+        early = find_topo_sort(early, expand=made)
+    # The parts are listed too: summing tuple gradients folds them away (make_tuple's elements are used directly),
+    # so the walk from the sum may not reach them, yet this step consumed them.
+    for n in list(parts) + early:
+        if id(n) not in forward and id(n) not in new_ids and not n.is_leaf() and awaited.get(id(n), 0) <= 0:
+            machine.release(n)
+
+
+def sum_node_list(node_list):
+    """The sum of a list of Tensors, in list order (so float sums are the same run to run)."""
+    total = node_list[0]
+    for node in node_list[1:]:
+        total = total + node
+    return total
+
+
+# ----- the entry point and its statistics -------------------------------------------------------------------------
+_last_stats = {}
+
+
+def last_backward_stats():
+    """Statistics of the last backward pass: recomputed nodes and bytes, released bytes, the allocator's peak.
+
+    `peak_bytes` is the device allocator's peak since its last reset (reset it when a step starts to read that
+    step's peak: `backend_ndarray.reset_peak_memory_stats(device)`);
+    `max_recomputes_per_node` is counted per node (rule 2 says it is at most 1).
+    """
+    return dict(_last_stats)
+
+
+def compute_gradient_of_variables(output_tensor, out_grad):
+    """Reverse-mode differentiation: fill `.grad` of every leaf above `output_tensor` that requires grad.
+
+    Realizes the forward pass (lazy mode computes it here), plans the backward pass (`plan_backward`) and runs
+    it (`run_backward`). Gradients are Tensors themselves (differentiable); each call replaces `.grad`, it does
+    not accumulate.
+    """
+    if not isinstance(out_grad, Value):
+        raise TypeError(f"backward(): out_grad must be a Tensor, got {type(out_grad).__name__}")
+    if tuple(out_grad.shape) != tuple(output_tensor.shape):
+        raise ValueError(f"backward(): out_grad has shape {tuple(out_grad.shape)}, but the output has shape "
+                         f"{tuple(output_tensor.shape)}; they must be equal")
+    # Decisions waiting for the whole graph (a Budget's), before anything more is computed.
+    run_deferred([output_tensor], pending_only=False)
+    output_tensor.realize_cached_data()  # the forward pass (in lazy mode it runs here)
+    # Gradients are built from an out_grad that requires grad, so every gradient value is a graph node that
+    # can be released after use and recomputed on demand (x.grad stays differentiable), never a stray constant.
+    out_grad = Tensor.make_const(out_grad, requires_grad=True)
+    device = device_of(output_tensor.cached_data)
+    machine = Compute()
+    run_backward(plan_backward(output_tensor), out_grad, machine)
+    stats = dict(machine.stats)
+    stats["peak_bytes"] = device.memory_stats()["peak_bytes"] if hasattr(device, "memory_stats") else None
+    _last_stats.clear()
+    _last_stats.update(stats)
