@@ -7,8 +7,9 @@ NEEDLE_CUDA ?= ON
 CMAKE_ARGS ?=
 
 # Re-installing is skipped while a stamp is newer than pyproject.toml and the package is still installed.
-# DEPS_STAMP: everything `make test` needs (the package, its dependencies, the test, torch, distributed extras);
-# DEMO_STAMP: what gc.py needs (the package and its runtime dependencies only).  A full install covers both.
+# DEPS_STAMP: everything `make test` needs (the package, its dependencies, the test, torch, distributed and
+# experiment extras); DEMO_STAMP: what gc.py needs (the package, its runtime dependencies and the experiment extra).
+# A full install covers both.
 DEPS_STAMP := $(BUILD_DIR)/.deps-installed
 DEMO_STAMP := $(BUILD_DIR)/.deps-demo-installed
 
@@ -27,17 +28,18 @@ cuda-off:
 pybind11:
 	@$(PYTHON) -c "import pybind11" 2>/dev/null || $(PYTHON) -m pip install pybind11
 
-# Everything pyproject.toml declares: the package (editable), its dependencies and the test, torch and
-# distributed (mpi4py + MPICH wheels, so the MPI tests run) extras.
+# Everything pyproject.toml declares: the package (editable), its dependencies and the test, torch, distributed
+# (mpi4py + MPICH wheels, so the MPI tests run) and experiment (gc.py's, which the tests run) extras.
 # The editable build skips CUDA: `make lib` (next step of test/demo) builds it in build/ anyway, so CUDA code
 # is compiled once, not twice.
 install-deps:
-	NEEDLE_CUDA=OFF $(PYTHON) -m pip install -e ".[test,torch,distributed]"
+	NEEDLE_CUDA=OFF $(PYTHON) -m pip install -e ".[test,torch,distributed,experiment]"
 	@mkdir -p $(BUILD_DIR) && touch $(DEPS_STAMP) $(DEMO_STAMP)
 
-# The demo's: the package and its runtime dependencies (numpy, tqdm, matplotlib, GPUtil), no test tools or torch.
+# The demo's: the package, its runtime dependencies (numpy, ml_dtypes) and the experiment extra (tqdm, matplotlib,
+# GPUtil); no test tools or torch.
 install-demo-deps:
-	NEEDLE_CUDA=OFF $(PYTHON) -m pip install -e .
+	NEEDLE_CUDA=OFF $(PYTHON) -m pip install -e ".[experiment]"
 	@mkdir -p $(BUILD_DIR) && touch $(DEMO_STAMP)
 
 $(DEPS_STAMP): pyproject.toml

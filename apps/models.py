@@ -1,8 +1,11 @@
-"""The course's models: ResNet9 for CIFAR-10 and an Embedding -> RNN/LSTM/Transformer -> Linear language model."""
+"""The course's models: ResNet9 for CIFAR-10 and an Embedding -> RNN/LSTM/Transformer -> Linear language model
+(and LMStage, a run of its Transformer layers as one pipeline stage)."""
+import numpy as np
+
 import needle as ndl
 from needle import nn
 
-__all__ = ["ConvBN", "LanguageModel", "ResNet9"]
+__all__ = ["ConvBN", "LMStage", "LanguageModel", "ResNet9"]
 
 
 class ConvBN(nn.Module):
@@ -95,3 +98,34 @@ class LanguageModel(nn.Module):
         hidden = ndl.reshape(out, (seq_len * batch, self.hidden_size))
         loss = ndl.ops.linear_cross_entropy(hidden, self.linear.weight, self.linear.bias, y, chunk_size=chunk_size)
         return loss, h
+
+
+class LMStage(nn.Module):
+    """A run of the LanguageModel's Transformer layers as one pipeline stage.  The first stage also embeds the word
+    ids and adds the positions, the last one turns the (B, T, D) stream back into (T*B, D) rows for the head, whose
+    weights it holds (the loss function applies them): exactly the operations of LanguageModel.forward /
+    Transformer.forward, cut between layers."""
+
+    def __init__(self, model, layers, first, last):
+        super().__init__()
+        transformer = model.seq_model
+        self.embedding = model.embedding if first else None
+        self.positional_embedding = transformer.positional_embedding if first else None
+        self.layers = layers
+        self.linear = model.linear if last else None
+        self.width = transformer.embedding_size
+        self.checkpoint_policy = transformer.checkpoint_policy  # checkpointed as the transformer is
+
+    def forward(self, x):
+        if self.embedding is not None:  # word ids (T, B) -> the layers' input (B, T, D), as Transformer.forward
+            T, B = x.shape
+            x = self.embedding(x)
+            positions = ndl.Tensor(np.arange(T).reshape(T, 1), device=x.device, dtype="float32", requires_grad=False)
+            pos = ndl.reshape(self.positional_embedding(positions), (1, T, self.width))
+            x = self.checkpoint(ndl.transpose(x, (0, 1)) + ndl.broadcast_to(pos, (B, T, self.width)), [x])
+        for layer in self.layers:
+            x = layer(x)
+        if self.linear is not None:  # (B, T, D) -> (T*B, D), as LanguageModel.forward
+            B, T, _ = x.shape
+            x = ndl.reshape(ndl.transpose(x, (0, 1)), (T * B, self.width))
+        return x

@@ -3,6 +3,7 @@
 Tests seed their own RNGs (the `rng` fixture, or np.random.seed inside the test), never at import.
 """
 import gc as python_gc
+import json
 import os
 import subprocess
 import sys
@@ -17,6 +18,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import needle as ndl  # noqa: E402
 from needle import autograd  # noqa: E402
 from needle import backend_ndarray as nd  # noqa: E402
+
+from experiment.cli import main as run_gc  # noqa: E402,F401  (gc.py's main, in this process: run_gc(argv))
 
 _CUDA_SKIP = pytest.mark.skipif(not nd.cuda().enabled(), reason="no GPU: needle's cuda() backend is not enabled")
 _CPU_SKIP = pytest.mark.skipif(not nd.cpu().enabled(), reason="C++ backend not built (run `make`)")
@@ -201,3 +204,40 @@ def peak_during(device, fn):
     base = nd.memory_stats(device)["current_bytes"]
     out = fn()
     return nd.memory_stats(device)["peak_bytes"] - base, out
+
+
+# ----- gc.py, the experiment: its command line as the tests run it ------------------------------------------------
+
+GC_ROOT = os.path.normpath(os.path.join(os.path.dirname(__file__), ".."))
+GC_DEVICE = "cpu" if nd.cpu().enabled() else "cpu_numpy"
+# The smallest model gc.py trains: 3 steps of it take about a second.
+GC_TINY = ["--batch_size", "4", "--seq_len", "5", "--embedding_size", "8", "--hidden_size", "8", "--num_layers", "1",
+           "--num_head", "2", "--max_batches", "3", "--warmup", "1", "--device", GC_DEVICE]
+
+
+def tiny_ptb(tmp_path, num_lines=40):
+    """A PTB-shaped folder (train.txt, test.txt) of 30 words, deterministic."""
+    folder = tmp_path / "ptb"
+    folder.mkdir()
+    words = [f"w{i}" for i in range(30)]
+    rs = np.random.RandomState(0)
+    lines = [" ".join(rs.choice(words, size=8)) for _ in range(num_lines)]
+    (folder / "train.txt").write_text("\n".join(lines) + "\n")
+    (folder / "test.txt").write_text("\n".join(lines[:5]) + "\n")
+    return str(folder)
+
+
+def gc_process(*argv, cwd=None, script=None):
+    """gc.py as a user runs it: a fresh process; (exit status, stdout, stderr)."""
+    proc = subprocess.run([sys.executable, script or os.path.join(GC_ROOT, "gc.py"), *map(str, argv)],
+                          capture_output=True, text=True, cwd=cwd, timeout=120)
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+def strict_json(path):
+    """json.load that rejects NaN / Infinity, as strict JSON parsers (JavaScript, jq, Go) do."""
+    def reject(constant):
+        raise ValueError(f"non-standard JSON constant {constant} in {path}")
+
+    with open(path) as f:
+        return json.load(f, parse_constant=reject)

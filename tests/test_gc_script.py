@@ -1,18 +1,31 @@
-"""gc.py, the experiment a user runs: it runs, writes what it measured, and keeps it when interrupted."""
+"""gc.py, the experiment a user runs, tested through its command line only (argv in; its JSON, text and exit
+status out): it runs, writes what it measured, keeps it when interrupted, and turns bad input into one line.
+The experiment package's own parts (apps/experiment/) are tested in test_experiment.py."""
 import json
+import math
 import os
-
-import importlib.util
+import shutil
+import socket
+import subprocess
+import sys
+import urllib.error
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
 
-from needle import backend_ndarray as nd
+import needle as ndl
+import simple_ml
+from models import LanguageModel
+from needle.data import download
 
-ROOT = os.path.join(os.path.dirname(__file__), "..")
-spec = importlib.util.spec_from_file_location("gc_script", os.path.join(ROOT, "gc.py"))
-gc_script = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(gc_script)
+from conftest import GC_DEVICE as DEVICE
+from conftest import GC_ROOT as ROOT
+from conftest import GC_TINY as TINY
+from conftest import gc_process as _gc
+from conftest import run_gc, strict_json, tiny_ptb
+
+SUBCOMMANDS = ["run", "sweep", "max-batch", "ablate", "plot"]
 
 
 def _read(path):
@@ -20,25 +33,15 @@ def _read(path):
         return json.load(f)
 
 
-DEVICE = "cpu" if nd.cpu().enabled() else "cpu_numpy"
-TINY = ["--batch_size", "4", "--seq_len", "5", "--embedding_size", "8", "--hidden_size", "8", "--num_layers", "1",
-        "--num_head", "2", "--max_batches", "3", "--warmup", "1", "--device", DEVICE]
+def _write(path, obj):
+    with open(path, "w") as f:
+        json.dump(obj, f)
 
 
-def _corpus(tmp_path, num_lines=40):
-    folder = tmp_path / "ptb"
-    folder.mkdir()
-    words = [f"w{i}" for i in range(30)]
-    rs = np.random.RandomState(0)
-    lines = [" ".join(rs.choice(words, size=8)) for _ in range(num_lines)]
-    (folder / "train.txt").write_text("\n".join(lines) + "\n")
-    (folder / "test.txt").write_text("\n".join(lines[:5]) + "\n")
-    return str(folder)
-
-
+@pytest.mark.smoke
 def test_gc_script_runs_and_writes_the_measurements(tmp_path, capsys):
     out = tmp_path / "out"
-    gc_script.main(TINY + ["--data", _corpus(tmp_path), "--out", str(out)])
+    run_gc(TINY + ["--data", tiny_ptb(tmp_path), "--out", str(out)])
     printed = capsys.readouterr().out
     assert "M_act (MB)" in printed and "M_peak (MB)" in printed and "T_step (s)" in printed
     records = [_read(out / f) for f in sorted(os.listdir(out))]
@@ -48,135 +51,116 @@ def test_gc_script_runs_and_writes_the_measurements(tmp_path, capsys):
         for key in ("time", "batch_size", "peak memory", "use_gc", "segment_len", "time_per_batch_median",
                     "peak_bytes", "peak_activation_bytes", "policy", "device", "loss", "recomputed_nodes"):
             assert key in r
+        assert r["head"] == "fused" and r["head_init_scale"] == 0.1  # gc.py's defaults (TINY sets neither)
     assert off["loss"] == on["loss"]  # checkpointing is exact
     assert on["activation_bytes"] < off["activation_bytes"]
     assert on["recomputed_nodes"] > 0 and off["recomputed_nodes"] == 0
 
 
-def test_gc_script_synthetic_corpus_when_data_is_absent(tmp_path, capsys, monkeypatch):
-    # Only the default path falls back to the synthetic corpus (an explicit --data must exist: see the CLI tests).
-    monkeypatch.setattr(gc_script, "DEFAULT_DATA", [str(tmp_path / "missing")])
-    out = tmp_path / "out"
-    gc_script.main(TINY + ["--use_gc", "1", "--max_batches", "1", "--out", str(out)])
-    assert "synthetic" in capsys.readouterr().out
+@pytest.fixture(scope="module")
+def bare_checkout_run(tmp_path_factory):
+    """gc.py run in a checkout of its own: gc.py copied, python/ and apps/ linked, beside no data/ptb (nor
+    ../shared/data/ptb) and outside any git repository; (its stdout, its one JSON record)."""
+    root = tmp_path_factory.mktemp("bare") / "checkout"
+    root.mkdir()
+    shutil.copy(os.path.join(ROOT, "gc.py"), root)
+    for name in ("python", "apps"):
+        os.symlink(os.path.join(ROOT, name), root / name)
+    out = root / "out"
+    code, printed, err = _gc(*TINY, "--use_gc", "1", "--max_batches", "1", "--out", out,
+                             script=str(root / "gc.py"), cwd=str(root))
+    assert code == 0, err
     (name,) = os.listdir(out)
-    assert _read(out / name)["data"] == "synthetic"
+    return printed, strict_json(out / name)
+
+
+def test_gc_script_synthetic_corpus_when_data_is_absent(bare_checkout_run):
+    # Only the default path falls back to the synthetic corpus (an explicit --data must exist: see the CLI tests).
+    printed, record = bare_checkout_run
+    assert "synthetic" in printed
+    assert record["data"] == "synthetic"
 
 
 def test_interrupted_run_keeps_the_results_written(tmp_path, monkeypatch):
     out = tmp_path / "out"
-    real_step = gc_script.train_step
-    calls = []
+    real_step, calls = ndl.optim.Adam.step, []
 
-    def interrupted(*args, **kwargs):
+    def interrupted(self):  # Ctrl-C in the third step's optimizer update
         calls.append(1)
         if len(calls) == 3:
             raise KeyboardInterrupt
-        return real_step(*args, **kwargs)
+        return real_step(self)
 
-    monkeypatch.setattr(gc_script, "train_step", interrupted)
+    monkeypatch.setattr(ndl.optim.Adam, "step", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        gc_script.main(TINY + ["--data", _corpus(tmp_path), "--out", str(out), "--use_gc", "1"])
+        run_gc(TINY + ["--data", tiny_ptb(tmp_path), "--out", str(out), "--use_gc", "1"])
     (name,) = os.listdir(out)
-    record = _read(out / name)
+    record = strict_json(out / name)
     assert len(record["steps"]) == 2  # both finished steps are on disk
 
 
 def test_max_batch_finds_a_larger_batch_with_checkpointing(tmp_path, capsys):
-    data = _corpus(tmp_path, num_lines=2000)
-    gc_script.main(["max-batch", "--memory_limit_mb", "0.5", "--policies", "off", "all", "--data", data,
+    data = tiny_ptb(tmp_path, num_lines=2000)
+    run_gc(["max-batch", "--memory_limit_mb", "0.5", "--policies", "off", "all", "--data", data,
                     "--out", str(tmp_path / "mb")] + TINY)
     result = _read(tmp_path / "mb" / "max_batch.json")["largest_batch"]
     assert result["all"] >= result["off"] > 0
 
 
 # ----- statistics that cannot lie: strict JSON, one file per child, the OS's view of memory ---------------------
-def _strict_load(path):
-    """json.load that rejects NaN / Infinity, as strict JSON parsers (JavaScript, jq, Go) do."""
-    def reject(constant):
-        raise ValueError(f"non-standard JSON constant {constant} in {path}")
 
-    with open(path) as f:
-        return json.load(f, parse_constant=reject)
-
-
-def test_json_writer_writes_null_for_values_that_are_not_finite(tmp_path):
-    path = str(tmp_path / "r.json")
-    gc_script._write_json(path, {"loss": float("nan"), "time": 0.5, "x": [1.0, float("inf"), -float("inf")],
-                                 "steps": [{"loss": np.float32("nan"), "n": np.int64(3), "ok": np.float64(2.5)}],
-                                 "pair": (float("nan"), 1)})
-    with open(path) as f:
-        text = f.read()
-    assert "NaN" not in text and "Infinity" not in text
-    assert _strict_load(path) == {"loss": None, "time": 0.5, "x": [1.0, None, None],
-                                  "steps": [{"loss": None, "n": 3, "ok": 2.5}], "pair": [None, 1]}
 
 
 def test_run_with_a_nan_loss_writes_strict_json(tmp_path, capsys):
     out = tmp_path / "out"
-    gc_script.main(TINY + ["--data", _corpus(tmp_path), "--out", str(out), "--use_gc", "0", "--lr", "1e30"])
+    run_gc(TINY + ["--data", tiny_ptb(tmp_path), "--out", str(out), "--use_gc", "0", "--lr", "1e30"])
     assert "loss nan" in capsys.readouterr().out  # the huge learning rate did make the loss NaN
     (name,) = os.listdir(out)
-    record = _strict_load(out / name)
+    record = strict_json(out / name)
     assert record["loss"] is None and None in [s["loss"] for s in record["steps"]]
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="RSS is read from /proc/self/status")
 def test_rss_peak_growth_is_reported_per_step_and_printed(tmp_path, capsys):
     out = tmp_path / "out"
-    gc_script.main(TINY + ["--data", _corpus(tmp_path), "--out", str(out)])
+    run_gc(TINY + ["--data", tiny_ptb(tmp_path), "--out", str(out)])
     assert "RSS_peak (MB)" in capsys.readouterr().out
     for name in os.listdir(out):
-        record = _strict_load(out / name)
+        record = strict_json(out / name)
         assert all(isinstance(s["rss_peak_bytes"], int) and s["rss_peak_bytes"] >= 0 for s in record["steps"])
         assert all(s["rss_start_bytes"] > 0 for s in record["steps"])
         assert record["rss_peak_bytes"] == max(s["rss_peak_bytes"] for s in record["steps"][1:])  # warmup 1
-
-
-def test_peak_rss_measures_the_peak_inside_an_interval():
-    if not os.path.exists("/proc/self/status"):
-        assert gc_script.PeakRSS().growth() is None
-        return
-    rss = gc_script.PeakRSS()
-    block = np.ones(64 << 20, dtype=np.uint8)  # 64 MiB, touched
-    del block  # freed before the reading: only the high-water mark still sees it
-    growth = rss.growth()
-    if rss.exact:
-        assert growth >= 60 << 20
-    else:
-        assert growth >= 0
 
 
 def test_a_sweep_reads_back_only_its_own_childrens_files(tmp_path, monkeypatch):
     # Another sweep (or any run) writing into the same --out while this one's child runs: its file must not be
     # taken for this child's result.
     out = tmp_path / "out"
-    real_child = gc_script._child
+    real_run = subprocess.run
 
-    def with_a_neighbour(*args, **kwargs):
-        out.mkdir(exist_ok=True)
-        foreign = {"batch_size": 999, "activation_bytes": 1, "peak_activation_bytes": 1, "time": 1.0,
-                   "hidden_size": 999}
-        gc_script._write_json(str(out / f"aaa_neighbour_{len(os.listdir(out))}.json"), foreign)
-        return real_child(*args, **kwargs)
+    def with_a_neighbour(cmd, *args, **kwargs):
+        if "--json" in cmd:  # a child `gc.py run`: a neighbour writes into the folder meanwhile
+            out.mkdir(exist_ok=True)
+            foreign = {"batch_size": 999, "activation_bytes": 1, "peak_activation_bytes": 1, "time": 1.0,
+                       "hidden_size": 999}
+            _write(out / f"aaa_neighbour_{len(os.listdir(out))}.json", foreign)
+        return real_run(cmd, *args, **kwargs)
 
-    monkeypatch.setattr(gc_script, "_child", with_a_neighbour)
-    gc_script.main(["sweep", "--values", "4", "6", "--repeats", "1", "--policies", "off", "--out", str(out),
-                    "--data", _corpus(tmp_path)] + TINY)
-    records = _strict_load(out / "sweep.json")
+    monkeypatch.setattr(subprocess, "run", with_a_neighbour)
+    run_gc(["sweep", "--values", "4", "6", "--repeats", "1", "--policies", "off", "--out", str(out),
+            "--data", tiny_ptb(tmp_path)] + TINY)
+    assert len([f for f in os.listdir(out) if f.startswith("aaa_neighbour")]) == 2  # both children had one
+    records = strict_json(out / "sweep.json")
     assert sorted(r["batch_size"] for r in records) == [4, 6]
     assert {r["hidden_size"] for r in records} == {8}
     (summary,) = [f for f in os.listdir(out) if f.startswith("sweep-") and "_" not in f]  # sweep-<id>.json
-    assert _strict_load(out / summary) == records
+    assert strict_json(out / summary) == records
     for r in records:  # each record is the file its child was told to write, inside --out
-        assert os.path.dirname(r["json"]) == str(out) and _strict_load(r["json"])["batch_size"] == r["batch_size"]
+        assert os.path.dirname(r["json"]) == str(out) and strict_json(r["json"])["batch_size"] == r["batch_size"]
 
 
 def test_two_concurrent_sweeps_into_one_out_folder_do_not_mix(tmp_path):
-    import subprocess
-    import sys
-
-    out, data = tmp_path / "out", _corpus(tmp_path)
+    out, data = tmp_path / "out", tiny_ptb(tmp_path)
     procs = [subprocess.Popen([sys.executable, os.path.join(ROOT, "gc.py"), "sweep", "--values", "4", "6", "8",
                                "--repeats", "1", "--policies", "off", "--out", str(out), "--data", data]
                               + TINY + ["--hidden_size", str(hidden)],
@@ -186,25 +170,13 @@ def test_two_concurrent_sweeps_into_one_out_folder_do_not_mix(tmp_path):
     for hidden, proc, log in zip((8, 12), procs, logs):
         assert proc.returncode == 0, log
         (line,) = [ln for ln in log.splitlines() if ln.startswith("wrote ")]
-        records = _strict_load(line.split()[1])  # this sweep's own summary
+        records = strict_json(line.split()[1])  # this sweep's own summary
         assert sorted(r["batch_size"] for r in records) == [4, 6, 8]
         assert {r["hidden_size"] for r in records} == {hidden}, log
         assert len({r["sweep_id"] for r in records}) == 1
 
 
 # ----- the command line: subcommands, help, spellings, one-line errors ---------------------------------------------
-import math  # noqa: E402
-import shutil  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-from concurrent.futures import ThreadPoolExecutor  # noqa: E402
-
-
-def _gc(*argv, cwd=None):
-    """gc.py as a user runs it: a fresh process; (exit status, stdout, stderr)."""
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "gc.py"), *argv], capture_output=True, text=True,
-                          cwd=cwd, timeout=120)
-    return proc.returncode, proc.stdout, proc.stderr
 
 
 def _one_line_error(code, out, err):
@@ -217,12 +189,12 @@ def _one_line_error(code, out, err):
 
 def test_every_subcommand_has_help_with_defaults_and_the_definitions():
     with ThreadPoolExecutor(5) as pool:
-        argvs = [["--help"]] + [[command, "--help"] for command in gc_script.SUBCOMMANDS]
-        results = dict(zip(["top"] + gc_script.SUBCOMMANDS, pool.map(lambda argv: _gc(*argv), argvs)))
+        argvs = [["--help"]] + [[command, "--help"] for command in SUBCOMMANDS]
+        results = dict(zip(["top"] + SUBCOMMANDS, pool.map(lambda argv: _gc(*argv), argvs)))
     for name, (code, out, err) in results.items():
         assert code == 0 and err == "", (name, err)
     top = results["top"][1]
-    for command in gc_script.SUBCOMMANDS:
+    for command in SUBCOMMANDS:
         assert f"  {command} " in top
     for name in ("top", "run", "sweep", "max-batch", "ablate"):  # the definitions, in the epilog
         for measure in ("M_act", "M_peak", "M_floor", "T_step", "RSS_peak"):
@@ -235,26 +207,25 @@ def test_every_subcommand_has_help_with_defaults_and_the_definitions():
     assert "--rows ROW" in results["ablate"][1] and "--steps N" in results["ablate"][1]
     assert "--memory-limit-mb MB" in results["max-batch"][1] and "(required)" in results["max-batch"][1]
     assert "DIR" in results["plot"][1]
-    # every flag of every subcommand has a help line, and each flag with an underscore spelling has both
-    _, parsers = gc_script.build_parser()
-    for command, parser in parsers.items():
-        for action in parser._actions:
-            assert action.help, (command, action.dest)
-            names = set(action.option_strings)
-            for name in names:
-                if "_" in name:
-                    assert name.replace("_", "-") in names, (command, name)
-                if name.startswith("--") and "-" in name[2:] and not name.startswith("--no-"):
-                    assert name.replace("-", "_").replace("__", "--", 1) in names, (command, name)
+    # that every flag has a help line and both spellings: test_experiment.py, on the parsers themselves
 
 
-def test_run_is_the_default_subcommand_and_both_spellings_parse_alike():
-    assert gc_script.parse_args(["--batch-size", "32"]).command == "run"
-    hyphens = vars(gc_script.parse_args(["--batch-size", "5", "--seq-len", "7", "--max-batches", "2",
-                                         "--budget-mb", "9", "--policy", "budget", "--no-lazy"]))
-    underscores = vars(gc_script.parse_args(["run", "--batch_size", "5", "--seq_len", "7", "--max_batches", "2",
-                                             "--budget_mb", "9", "--policy", "budget", "--no-lazy"]))
-    assert hyphens == underscores and hyphens["batch_size"] == 5 and hyphens["lazy"] is False
+def test_run_is_the_default_subcommand_and_both_spellings_parse_alike(tmp_path):
+    data, records = tiny_ptb(tmp_path), []
+    hyphens = TINY + ["--batch-size", "5", "--seq-len", "7", "--max-batches", "2", "--budget-mb", "9",
+                      "--policy", "budget", "--no-lazy"]
+    underscores = ["run"] + TINY + ["--batch_size", "5", "--seq_len", "7", "--max_batches", "2", "--budget_mb", "9",
+                                    "--policy", "budget", "--no-lazy"]
+    for name, argv in (("hyphens", hyphens), ("underscores", underscores)):
+        path = tmp_path / f"{name}.json"
+        run_gc(argv + ["--use-gc", "1", "--data", data, "--json", str(path)])  # the last of a flag's values wins
+        records.append(strict_json(path))
+    varies = {"argv", "started_at", "steps", "time", "time_per_batch_median", "step_time_seconds",
+              "tokens_per_second", "rss_peak_bytes"}
+    h, u = [{k: v for k, v in r.items() if k not in varies} for r in records]
+    assert h == u and h["kind"] == "run" and h["policy"] == "budget"  # run is the default subcommand
+    assert h["batch_size"] == 5 and h["seq_len"] == 7 and h["max_batches"] == 2 and h["lazy"] is False
+    assert h["budget_bytes"] == 9 * 2**20
 
 
 def test_a_stray_or_misspelt_flag_is_named_in_one_line():
@@ -274,7 +245,7 @@ def test_a_stray_or_misspelt_flag_is_named_in_one_line():
 
 
 def test_bad_input_is_one_line_and_exit_2_before_any_work(tmp_path):
-    data, out = _corpus(tmp_path), tmp_path / "out"
+    data, out = tiny_ptb(tmp_path), tmp_path / "out"
     tiny = TINY + ["--data", data, "--out", str(out)]
     cases = [
         (["--batch-size", "0"], "--batch-size must be a positive integer, got 0"),
@@ -322,44 +293,42 @@ def test_bad_input_is_one_line_and_exit_2_before_any_work(tmp_path):
     assert not out.exists()  # no pass ran: neither gc off nor gc on wrote a JSON
 
 
-def test_the_readme_budget_example_is_feasible_at_the_size_it_shows():
-    with open(os.path.join(ROOT, "README.md")) as f:
-        (line,) = [ln for ln in f if ln.strip().startswith("python gc.py --policy budget")]
-    argv = line.split("#")[0].split()[2:]  # after "python gc.py"
-    args = gc_script.parse_args(argv)
-    data, vocab = gc_script.synthetic_corpus()  # vocabulary 10,000: the largest head of the data gc.py runs on
-    gc_script.check_budget(args, data, vocab, gc_script.pick_device(None))  # no SystemExit: feasible
-    off = gc_script.parse_args(argv + ["--budget-mb", "1"])
-    with pytest.raises(SystemExit):
-        gc_script.check_budget(off, data, vocab, gc_script.pick_device(None))
-
-
 def test_policy_off_runs_gc_off_alone(tmp_path, capsys):
     out = tmp_path / "out"
-    gc_script.main(TINY + ["--data", _corpus(tmp_path), "--out", str(out), "--policy", "off"])
+    run_gc(TINY + ["--data", tiny_ptb(tmp_path), "--out", str(out), "--policy", "off"])
     printed = capsys.readouterr().out
     assert "gc off\n" in printed and "gc on" not in printed
     (name,) = os.listdir(out)
-    record = _strict_load(out / name)
+    record = strict_json(out / name)
     assert record["policy"] == "off" and record["use_gc"] is False and record["recomputed_nodes"] == 0
 
 
 def test_the_header_shows_the_effective_batch_of_accumulation(tmp_path, capsys):
     out = tmp_path / "out"
-    gc_script.main(TINY + ["--data", _corpus(tmp_path), "--out", str(out), "--use-gc", "0", "--batch-size", "2",
+    run_gc(TINY + ["--data", tiny_ptb(tmp_path), "--out", str(out), "--use-gc", "0", "--batch-size", "2",
                            "--accumulation-steps", "3", "--max-batches", "1"])
     assert "batch 2 x 3 = 6" in capsys.readouterr().out
     (name,) = os.listdir(out)
-    record = _strict_load(out / name)
+    record = strict_json(out / name)
     assert record["accumulation_steps"] == 3 and record["effective_batch_size"] == 6
 
 
 # ----- progress on stderr, tables on stdout --------------------------------------------------------------------------
-def test_progress_bars_go_to_stderr_and_tables_stay_on_stdout(tmp_path):
+def test_progress_bars_go_to_stderr_and_tables_stay_on_stdout(tmp_path, monkeypatch):
     import tqdm.auto
 
-    assert gc_script.tqdm is tqdm.auto.tqdm  # a widget in a notebook, a text bar in a terminal
-    argv = TINY + ["--data", _corpus(tmp_path), "--out", str(tmp_path / "out")]
+    made = []
+
+    class Recorded(tqdm.auto.tqdm):
+        def __init__(self, *args, **kwargs):
+            made.append(kwargs.get("desc"))
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(tqdm.auto, "tqdm", Recorded)
+    data = tiny_ptb(tmp_path)
+    run_gc(TINY + ["--data", data, "--out", str(tmp_path / "bars"), "--max-batches", "1"])
+    assert made == ["gc off", "gc on, all"]  # tqdm.auto's bars: a widget in a notebook, a text bar in a terminal
+    argv = TINY + ["--data", data, "--out", str(tmp_path / "out")]
     with ThreadPoolExecutor(2) as pool:
         (code, out, err), (code_quiet, _, err_quiet) = pool.map(lambda a: _gc(*a), [argv + ["--progress"], argv])
     assert code == 0 and code_quiet == 0
@@ -369,8 +338,8 @@ def test_progress_bars_go_to_stderr_and_tables_stay_on_stdout(tmp_path):
 
 
 def test_sweep_prints_a_line_per_run_as_it_starts_and_ends(tmp_path, capsys):
-    gc_script.main(["sweep", "--values", "4", "--repeats", "1", "--policies", "off", "--out", str(tmp_path / "out"),
-                    "--data", _corpus(tmp_path)] + TINY)
+    run_gc(["sweep", "--values", "4", "--repeats", "1", "--policies", "off", "--out", str(tmp_path / "out"),
+                    "--data", tiny_ptb(tmp_path)] + TINY)
     captured = capsys.readouterr()
     assert "[1/1] start  batch_size=4 policy=off rep 0" in captured.err
     assert "[1/1] done   batch_size=4 policy=off rep 0: M_act" in captured.out
@@ -379,10 +348,6 @@ def test_sweep_prints_a_line_per_run_as_it_starts_and_ends(tmp_path, capsys):
 
 def test_train_and_evaluate_ptb_end_with_a_line_of_loss_and_perplexity(capsys, monkeypatch):
     import tqdm.auto
-
-    import needle as ndl
-    import simple_ml
-    from models import LanguageModel
 
     made = []
 
@@ -406,57 +371,59 @@ def test_train_and_evaluate_ptb_end_with_a_line_of_loss_and_perplexity(capsys, m
 
 # ----- JSON: by default, self-describing, written as it goes -------------------------------------------------------
 def test_json_is_written_by_default_and_describes_itself(tmp_path, capsys, monkeypatch):
-    data = _corpus(tmp_path)
+    data = tiny_ptb(tmp_path)
     monkeypatch.chdir(tmp_path)
-    gc_script.main(TINY + ["--data", data, "--seed", "3", "--lr", "0.002"])
+    argv = TINY + ["--data", data, "--seed", "3", "--lr", "0.002"]
+    run_gc(argv)
     printed = capsys.readouterr().out
     files = sorted(os.listdir(tmp_path / "results"))
     assert len(files) == 2 and f"wrote results{os.sep}" in printed
     for name in files:
-        r = _strict_load(tmp_path / "results" / name)
+        r = strict_json(tmp_path / "results" / name)
         assert r["data"] == data and r["vocab_size"] == 31 and r["seed"] == 3 and r["lr"] == 0.002  # 30 words + eos
-        assert r["device"] and r["threads"] >= 1 and r["started_at"] and r["argv"][0] == "gc.py"
+        assert r["device"] and r["threads"] >= 1 and r["started_at"] and r["argv"] == ["gc.py"] + argv
         assert r["needle_commit"] is None or len(r["needle_commit"]) == 40
         for key in ("batch_size", "seq_len", "embedding_size", "hidden_size", "num_layers", "num_head", "dropout",
                     "accumulation_steps", "epochs", "max_batches", "warmup", "lazy", "policy", "head_init_scale"):
             assert key in r, key
         # one unit per kind: bytes and seconds, no MB anywhere; the earlier project's keys are documented aliases
         assert not [k for k in r if k.endswith("_mb")] and not [k for s in r["steps"] for k in s if k.endswith("_mb")]
-        assert r["aliases"] == gc_script.ALIASES
+        assert r["aliases"] == {"time": "step_time_seconds", "time_per_batch_median": "step_time_seconds",
+                                "peak memory": "peak_bytes", "use_gc": "policy != 'off'"}
         assert r["time"] == r["time_per_batch_median"] == r["step_time_seconds"]
         assert r["peak memory"] == r["peak_bytes"] and r["use_gc"] == (r["policy"] != "off")
         for key in ("peak_activation_bytes", "activation_bytes", "floor_bytes", "step_peak_bytes", "peak_bytes"):
             assert isinstance(r[key], int)
 
 
-def test_needle_commit_is_none_outside_a_repository(tmp_path, monkeypatch):
-    monkeypatch.setattr(gc_script, "ROOT", str(tmp_path))
-    monkeypatch.setattr(gc_script, "_COMMIT", [])
-    assert gc_script.needle_commit() is None
+def test_needle_commit_is_none_outside_a_repository(bare_checkout_run):
+    _, record = bare_checkout_run
+    assert "needle_commit" in record and record["needle_commit"] is None
 
 
 def test_sweep_json_is_written_as_the_sweep_goes(tmp_path, monkeypatch):
     out = tmp_path / "out"
-    real_child, seen = gc_script._child, []
+    real_run, seen = subprocess.run, []
 
-    def watched(*args, **kwargs):
-        path = out / "sweep.json"
-        seen.append(len(_strict_load(path)) if path.exists() else 0)  # the runs before this one are on disk
-        return real_child(*args, **kwargs)
+    def watched(cmd, *args, **kwargs):
+        if "--json" in cmd:  # a child `gc.py run`: the runs before this one are on disk
+            path = out / "sweep.json"
+            seen.append(len(strict_json(path)) if path.exists() else 0)
+        return real_run(cmd, *args, **kwargs)
 
-    monkeypatch.setattr(gc_script, "_child", watched)
-    gc_script.main(["sweep", "--values", "4", "6", "--repeats", "1", "--policies", "off", "all", "--out", str(out),
-                    "--data", _corpus(tmp_path)] + TINY)
+    monkeypatch.setattr(subprocess, "run", watched)
+    run_gc(["sweep", "--values", "4", "6", "--repeats", "1", "--policies", "off", "all", "--out", str(out),
+            "--data", tiny_ptb(tmp_path)] + TINY)
     assert seen == [0, 1, 2, 3]
 
 
 def test_t_step_from_fewer_than_3_timed_steps_is_flagged(tmp_path, capsys):
     out = tmp_path / "out"
-    gc_script.main(TINY + ["--data", _corpus(tmp_path), "--out", str(out), "--max-batches", "3", "--warmup", "1"])
+    run_gc(TINY + ["--data", tiny_ptb(tmp_path), "--out", str(out), "--max-batches", "3", "--warmup", "1"])
     printed = capsys.readouterr().out
     assert "unreliable: from 2 timed steps (< 3)" in printed and "time overhead" in printed
     for name in os.listdir(out):
-        r = _strict_load(out / name)
+        r = strict_json(out / name)
         assert r["timed_steps"] == 2 and r["step_time_reliable"] is False
 
 
@@ -477,7 +444,7 @@ def test_plot_draws_every_kind_of_json_a_folder_holds(tmp_path, capsys, monkeypa
     from matplotlib.colors import to_rgba
 
     out = tmp_path / "out"
-    gc_script.main(TINY + ["--data", _corpus(tmp_path), "--out", str(out)])  # 3 steps, warmup 1: T unreliable
+    run_gc(TINY + ["--data", tiny_ptb(tmp_path), "--out", str(out)])  # 3 steps, warmup 1: T unreliable
     off, on = sorted((_read(out / f) for f in os.listdir(out)), key=lambda r: r["use_gc"])
     # A sweep and a max-batch search, written from these records as gc.py writes them (without running them)
     sweep = []
@@ -487,14 +454,14 @@ def test_plot_draws_every_kind_of_json_a_folder_holds(tmp_path, capsys, monkeypa
                 sweep.append({**r, "batch_size": b, "activation_bytes": r["activation_bytes"] * b // 4,
                               "time": r["time"] * (1 + rep / 10), "repeat": rep, "label": r["policy"],
                               "sweep_id": "s1", "sweep_over": "batch_size"})
-    gc_script._write_json(str(out / "sweep-s1.json"), sweep)
-    gc_script._write_json(str(out / "sweep.json"), sweep)  # the same sweep again: drawn once
-    gc_script._write_json(str(out / "sweep-s1_batch_size4_all_rep0.json"), sweep[0])  # a child's: not a run of its own
-    gc_script._write_json(str(out / "max_batch.json"), {**off, "kind": "max-batch", "max_batch_id": "m1", "steps": None,
-                                                      "largest_batch": {"all": 24, "off": 10}, "tries": []})
+    _write(out / "sweep-s1.json", sweep)
+    _write(out / "sweep.json", sweep)  # the same sweep again: drawn once
+    _write(out / "sweep-s1_batch_size4_all_rep0.json", sweep[0])  # a child's: not a run of its own
+    _write(out / "max_batch.json", {**off, "kind": "max-batch", "max_batch_id": "m1", "steps": None,
+                                    "largest_batch": {"all": 24, "off": 10}, "tries": []})
     figures = _figures(monkeypatch)
     capsys.readouterr()
-    gc_script.main(["plot", str(out)])
+    run_gc(["plot", str(out)])
     pngs = sorted(f for f in os.listdir(out) if f.endswith(".png"))
     assert pngs == ["max_batch-m1.png", "runs_b4x5_e8_h8_l1_v31.png", "sweep_batch_size-s1.png"], pngs
     for name in pngs:
@@ -508,7 +475,8 @@ def test_plot_draws_every_kind_of_json_a_folder_holds(tmp_path, capsys, monkeypa
             assert ax.get_ylim()[0] == 0  # y from 0
     assert "M_act" in runs.axes[0].get_title() and "M_act" in sweep_fig.axes[0].get_title()
     assert [t.get_text() for t in runs.axes[0].get_xticklabels()] == ["off", "all"]  # off first ...
-    assert to_rgba(runs.axes[0].patches[0].get_facecolor()) == to_rgba(gc_script.NEUTRAL)  # ... in grey
+    red, green, blue, _ = to_rgba(runs.axes[0].patches[0].get_facecolor())
+    assert red == green == blue and 0 < red < 1  # ... in grey
     assert [t.get_text() for t in sweep_fig.axes[0].get_legend().get_texts()][:2] == ["off", "all"]
     assert list(sweep_fig.axes[0].get_xticks()) == [4, 8]  # integer ticks: the swept values
     assert any(type(c).__name__ == "ErrorbarContainer" for c in sweep_fig.axes[2].containers)  # over repeats
@@ -518,28 +486,12 @@ def test_plot_draws_every_kind_of_json_a_folder_holds(tmp_path, capsys, monkeypa
 
 
 # ----- the demo tells the truth --------------------------------------------------------------------------------------
-def test_the_output_layer_starts_near_a_uniform_guess_without_changing_the_rest(tmp_path):
-    import needle as ndl
 
-    data, vocab = gc_script.load_data(_corpus(tmp_path))
-    device = ndl.cpu() if DEVICE == "cpu" else ndl.cpu_numpy()
-    losses, weights = {}, {}
-    for scale in ("1", "0.1"):
-        args = gc_script.parse_args(TINY + ["--head-init-scale", scale])
-        model = gc_script.build_model(args, vocab, device, "off")
-        X, y = gc_script.micro_batches(gc_script.batchify(data, 4, device, "float32"), 0, args, device)[0]
-        losses[scale] = float(ndl.nn.SoftmaxLoss()(model(X)[0], y).numpy())
-        weights[scale] = [p.numpy() for p in model.parameters()]
-    assert abs(losses["0.1"] - math.log(vocab)) < 0.3  # a uniform guess: ln(vocab)
-    assert losses["1"] > math.log(vocab) + 1  # the course's init: far above it
-    assert gc_script.parse_args([]).head_init_scale == 0.1  # gc.py's default
-    scaled = [i for i, (a, b) in enumerate(zip(weights["1"], weights["0.1"])) if not np.array_equal(a, b)]
-    assert len(scaled) == 1 and np.allclose(weights["1"][scaled[0]] * 0.1, weights["0.1"][scaled[0]])
 
 
 def test_the_demo_model_halves_the_step_peak_and_says_where_the_loss_starts(tmp_path, capsys):
     # The defaults are the demo (`make demo` runs `python gc.py`): one step each, on the synthetic corpus.
-    gc_script.main(["--max-batches", "1", "--warmup", "0", "--data", "synthetic", "--out", str(tmp_path)])
+    run_gc(["--max-batches", "1", "--warmup", "0", "--data", "synthetic", "--out", str(tmp_path)])
     printed = capsys.readouterr().out
     assert "loss at init: about ln(10000) = 9.21, a uniform guess" in printed
     assert "output layer: its logits (1024 tokens x 10000 words x 4 bytes)" in printed
@@ -558,8 +510,8 @@ def test_make_demo_installs_only_the_runtime_and_make_test_the_extras(tmp_path):
 
     fresh = tmp_path / "fresh"
     (demo_install,) = dry_run("demo", fresh)
-    assert demo_install.rstrip().endswith("pip install -e .") and "test" not in demo_install
-    assert ".[test,torch,distributed]" in dry_run("test", tmp_path / "fresh2")[0]
+    assert demo_install.rstrip().endswith('pip install -e ".[experiment]"') and "test" not in demo_install
+    assert ".[test,torch,distributed,experiment]" in dry_run("test", tmp_path / "fresh2")[0]
     full = tmp_path / "full"  # after `make test`'s install, the demo installs nothing
     full.mkdir()
     (full / ".deps-installed").touch()
@@ -567,15 +519,10 @@ def test_make_demo_installs_only_the_runtime_and_make_test_the_extras(tmp_path):
     demo_only = tmp_path / "demo_only"  # after the demo's install, `make test` still installs the extras
     demo_only.mkdir()
     (demo_only / ".deps-demo-installed").touch()
-    assert dry_run("demo", demo_only) == [] and ".[test,torch,distributed]" in dry_run("test", demo_only)[0]
+    assert dry_run("demo", demo_only) == [] and ".[test,torch,distributed,experiment]" in dry_run("test", demo_only)[0]
 
 
 def test_download_without_a_network_says_so_and_which_files_go_where(tmp_path, monkeypatch, capsys):
-    import socket
-    import urllib.error
-
-    from needle.data import download
-
     def offline(url, path):
         raise urllib.error.URLError(socket.gaierror(-2, "Name or service not known"))
 
@@ -590,19 +537,19 @@ def test_download_without_a_network_says_so_and_which_files_go_where(tmp_path, m
 # ----- the LM head (--head full|fused) and gc.py ablate ---------------------------------------------------------------
 @pytest.mark.parametrize("policy, k", [("off", 1), ("all", 2)])
 def test_the_fused_and_the_full_head_give_the_same_first_step_loss(tmp_path, capsys, policy, k):
-    data, records = _corpus(tmp_path), {}
+    data, records = tiny_ptb(tmp_path), {}
     for head in ("full", "fused"):
         path = tmp_path / f"{head}.json"
-        gc_script.main(TINY + ["--data", data, "--json", str(path), "--policy", policy, "--head", head,
+        run_gc(TINY + ["--data", data, "--json", str(path), "--policy", policy, "--head", head,
                                "--use-gc", str(int(policy != "off")),
                                "--batch-size", str(4 // k), "--accumulation-steps", str(k), "--max-batches", "2"])
         assert f"{head} head" in capsys.readouterr().out  # in the header
-        records[head] = _strict_load(path)
+        records[head] = strict_json(path)
         assert records[head]["head"] == head and records[head]["policy"] == policy
     full, fused = records["full"], records["fused"]
     assert abs(full["steps"][0]["loss"] - fused["steps"][0]["loss"]) < 1e-5  # the fused head is exact
     assert abs(full["loss"] - fused["loss"]) < 1e-4  # and trains alike
-    assert gc_script.parse_args([]).head == "fused"  # the default
+    # the default head, fused: asserted on a run without --head (test_gc_script_runs_and_writes_the_measurements)
 
 
 ABLATE_TINY = ["--batch-size", "4", "--seq-len", "5", "--embedding-size", "8", "--hidden-size", "8",
@@ -611,21 +558,21 @@ ABLATE_TINY = ["--batch-size", "4", "--seq-len", "5", "--embedding-size", "8", "
 
 def test_ablate_prints_one_table_and_writes_its_json_and_png(tmp_path, monkeypatch):
     out = tmp_path / "out"
-    code, printed, err = _gc("ablate", "--steps", "2", "--rows", "baseline", "fused", "--data", _corpus(tmp_path),
+    code, printed, err = _gc("ablate", "--steps", "2", "--rows", "baseline", "fused", "--data", tiny_ptb(tmp_path),
                              "--out", str(out), *ABLATE_TINY)
     assert code == 0, err
     table = printed.split("\nrow ")[1]  # the table, after the lines each row printed as it ended
     assert "M_act MB" in table and "M_peak MB" in table and "T_step s" in table and "loss-base" in table
     lines = [ln.split()[0] for ln in table.splitlines()[1:3]]
     assert lines == ["baseline", "fused"]
-    result = _strict_load(out / "ablation.json")
+    result = strict_json(out / "ablation.json")
     assert result["kind"] == "ablation" and result["steps_per_row"] == 2 and result["batch_size"] == 4
     assert [r["row"] for r in result["rows"]] == ["baseline", "fused"]
     for r in result["rows"]:
         for key in ("setup", "policy", "head", "activation_bytes", "peak_activation_bytes", "rss_peak_bytes",
                     "step_time_seconds", "loss", "loss_diff", "peak_change", "time_change", "json"):
             assert key in r, key
-        assert _strict_load(r["json"])["ablation_id"] == result["ablation_id"]  # each row's own run JSON
+        assert strict_json(r["json"])["ablation_id"] == result["ablation_id"]  # each row's own run JSON
     base, fused = result["rows"]
     assert (base["policy"], base["head"], fused["policy"], fused["head"]) == ("off", "full", "off", "fused")
     assert base["loss_diff"] == 0 and abs(fused["loss_diff"]) < 1e-4
@@ -634,7 +581,7 @@ def test_ablate_prints_one_table_and_writes_its_json_and_png(tmp_path, monkeypat
     # plot redraws the ablation, and draws no run plot of the rows' own JSON
     os.remove(out / "ablation.png")
     _figures(monkeypatch)
-    gc_script.main(["plot", str(out)])
+    run_gc(["plot", str(out)])
     assert sorted(f for f in os.listdir(out) if f.endswith(".png")) == ["ablation.png"]
 
 

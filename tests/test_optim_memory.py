@@ -11,7 +11,8 @@ from needle import backend_ndarray as nd
 from needle import nn, optim
 from needle.optim.quantization import dynamic_map
 
-from conftest import DEVICES
+from conftest import DEVICES, GC_TINY, run_gc, tiny_ptb
+from experiment.ablations import ABLATIONS
 
 CPU = nd.cpu()
 requires_cpu = pytest.mark.skipif(not CPU.enabled(), reason="C++ backend not built (run `make`)")
@@ -393,15 +394,13 @@ def test_offload_brings_the_next_parameters_state_in_before_this_update(name, mo
 
 # ----- gc.py -----------------------------------------------------------------------------------------------------
 def test_gc_script_trains_with_each_optimizer_and_reports_their_bytes(tmp_path):
-    from test_gc_script import TINY, _corpus, gc_script
-
-    data = _corpus(tmp_path)
+    data = tiny_ptb(tmp_path)
     records = {}
     for opt_name, extra in (("adam", []), ("adam8bit", []), ("adafactor", []), ("sgd", []),
                             ("adam", ["--offload-state"])):
         path = tmp_path / f"{opt_name}{len(extra)}.json"
-        gc_script.main(TINY + ["--data", data, "--policy", "off", "--optimizer", opt_name, "--json", str(path),
-                               "--embedding-size", "64", "--hidden-size", "64", *extra])
+        run_gc(GC_TINY + ["--data", data, "--policy", "off", "--optimizer", opt_name, "--json", str(path),
+                          "--embedding-size", "64", "--hidden-size", "64", *extra])
         with open(path) as f:
             records[opt_name + "".join(extra)] = r = json.load(f)
         assert r["optimizer"] == opt_name and r["offload_state"] == bool(extra)
@@ -419,8 +418,6 @@ def test_gc_script_trains_with_each_optimizer_and_reports_their_bytes(tmp_path):
 
 
 def test_the_readme_table_rows_exist_in_gc_ablate():
-    from test_gc_script import gc_script
-
     for row in ("adam8bit", "adafactor", "offload", "toolbox", "mixed-bf16", "mixed-fp16", "bf16"):
-        assert row in gc_script.ABLATIONS, row
-    assert gc_script.ABLATIONS["toolbox"][1]["optimizer"] == "adam8bit"
+        assert row in ABLATIONS, row
+    assert ABLATIONS["toolbox"][1]["optimizer"] == "adam8bit"

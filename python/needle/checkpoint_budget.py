@@ -209,6 +209,11 @@ class Planned:
         return list(dict(self.table).get(_structure(nodes), (True,) * len(nodes)))
 
 
+class InfeasibleBudget(ValueError):
+    """Budget(b) cannot be met: no choice of checkpoints brings this graph's peak under b (the message names the
+    least peak it can reach; the Budget's minimum_peak holds it in bytes)."""
+
+
 class Budget:
     """Keep the step's activation peak M_peak at or under `bytes`, at the least recompute cost (see the module doc).
 
@@ -280,8 +285,9 @@ class Budget:
 
         self.minimum_peak = predict(len(ranked))
         if self.minimum_peak > self.bytes:
-            raise ValueError(f"{self!r} is infeasible: the least peak activation memory this graph can reach "
-                             f"by checkpointing is {self.minimum_peak} bytes ({self.minimum_peak / 2**20:.1f} MB)")
+            raise InfeasibleBudget(f"{self!r} is infeasible: the least peak activation memory this graph can "
+                                   f"reach by checkpointing is {self.minimum_peak} bytes "
+                                   f"({self.minimum_peak / 2**20:.1f} MB)")
         lo, hi = 0, len(ranked)  # the fewest groups (cheapest recomputation) whose prediction fits
         while lo < hi:
             mid = (lo + hi) // 2

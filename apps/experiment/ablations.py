@@ -1,0 +1,46 @@
+"""gc.py ablate's rows: every memory technique, trained on the same model for the same steps, one row each.
+
+row -> (what it is, the `gc.py run` flags it trains with).  A flag is named as its dest ("head": "full" is
+--head full; True is a bare flag), and "accumulate": K trains K micro-batches of --batch-size / K: the same
+effective batch.  A later technique is one more line, e.g.
+"mixed-bf16": ("bf16 autocast, fp32 master weights", {**BASE, "precision": "mixed-bf16"}).
+"""
+from needle import distributed as dist
+
+ACCUMULATE = 4  # the accumulation rows: ACCUMULATE micro-batches of --batch-size / ACCUMULATE per optimizer step
+BASE = {"policy": "off", "head": "full"}  # the course's step: no checkpointing, the logits held whole
+ABLATIONS = {
+    "baseline": ("gc off, full head: the course's step", BASE),
+    "accumulate": (f"gradient accumulation x{ACCUMULATE}: micro-batch = batch/{ACCUMULATE}, the same effective batch",
+                   {**BASE, "accumulate": ACCUMULATE}),
+    "all": ("checkpointing, policy all: every node inside each layer dropped", {**BASE, "policy": "all"}),
+    "sqrt": ("checkpointing, policy sqrt: Chen's schedule per layer", {**BASE, "policy": "sqrt"}),
+    "selective": ("checkpointing, policy selective: matmul outputs kept", {**BASE, "policy": "selective"}),
+    "budget": ("checkpointing, Budget(b): b midway between the least M_peak and gc off's (--budget-mb to choose)",
+               {**BASE, "policy": "budget"}),
+    "fused": ("the fused LM head (model.loss: the logits never held whole), gc off", {**BASE, "head": "fused"}),
+    "combined": (f"gc all + fused head + gradient accumulation x{ACCUMULATE}",
+                 {"policy": "all", "head": "fused", "accumulate": ACCUMULATE}),
+    "mixed-bf16": ("ndl.autocast(bfloat16): 16-bit activations, float32 master weights",
+                   {**BASE, "precision": "mixed-bf16"}),
+    "mixed-fp16": ("ndl.autocast(float16) + GradScaler, float32 master weights",
+                   {**BASE, "precision": "mixed-fp16"}),
+    "bf16": ("pure bfloat16 weights, activations and Adam state, stochastic rounding",
+             {**BASE, "precision": "bf16", "stochastic_rounding": True}),
+    "adam8bit": ("Adam8bit: both moments block-wise 8-bit (the embedding's state 32-bit)",
+                 {**BASE, "optimizer": "adam8bit"}),
+    "adafactor": ("Adafactor: factored second moments, no first moment", {**BASE, "optimizer": "adafactor"}),
+    "offload": ("Adam with its state offloaded to host memory", {**BASE, "offload_state": True}),
+    "toolbox": (f"gradient accumulation x{ACCUMULATE} + gc all + mixed-bf16 + Adam8bit",
+                {"policy": "all", "head": "full", "accumulate": ACCUMULATE, "precision": "mixed-bf16",
+                 "optimizer": "adam8bit"}),
+    # offered when gc.py ablate runs under mpiexec -n N: the row is `mpiexec -n N python gc.py run --parallel dp`
+    "dp": ("data parallel over the mpiexec ranks: batch/N per rank, gradients all-reduced",
+           {**BASE, "parallel": "dp"}),
+}
+
+
+def default_rows():
+    """Every row; the rows that need several processes (--parallel) only when gc.py runs under mpiexec."""
+    ranks = dist.comm.launcher_rank_and_size()[1]
+    return [name for name, (_, flags) in ABLATIONS.items() if ranks > 1 or not flags.get("parallel")]

@@ -1,0 +1,189 @@
+"""gc.py's command line: argv -> a RunConfig, checked -> the subcommand's function (COMMANDS).
+
+    python gc.py                          # gc off vs on ("all"), side by side: the demo model, ~1 minute on a CPU
+    python gc.py run --policy sqrt --batch-size 128 --hidden-size 512
+    python gc.py sweep --over batch-size --values 16 32 64     # a fresh process per run; JSON as it goes, PNGs
+    python gc.py max-batch --memory-limit-mb 400                 # the largest batch under a memory cap, per policy
+    python gc.py ablate --rows baseline all fused combined       # each technique, the same model and steps: a table
+    mpiexec -n 2 python gc.py run --parallel dp                  # data parallel (also zero1, zero2, pipeline)
+    python gc.py plot results/sweep_batch_size                   # the plots of whatever gc.py JSON a folder holds
+
+A bad input is one line on stderr and exit status 2, before any work: argparse's errors (parser.Parser) and the
+checks below, which need no data or model.
+"""
+import difflib
+import math
+import sys
+from dataclasses import replace
+
+from needle import distributed as dist
+
+from .ablations import ABLATIONS, ACCUMULATE, default_rows
+from .commands import ablate, plot, run, sweep
+from .console import BAD_INPUT_EXIT, fail
+from .parser import SUBCOMMANDS, build_parser
+from .setup import RunConfig
+
+COMMANDS = {"run": run.main, "sweep": sweep.main_sweep, "max-batch": sweep.main_max_batch, "ablate": ablate.main,
+            "plot": plot.main}
+POSITIVE = ("batch_size", "seq_len", "embedding_size", "hidden_size", "num_layers", "num_head", "accumulation_steps",
+            "epochs", "max_batches", "segment_len", "repeats", "steps")
+
+
+def main(argv=None):
+    """Run gc.py with `argv` (default: this process's command line)."""
+    config = parse_args(argv)
+    COMMANDS[config.command](config)
+
+
+def parse_args(argv=None):
+    """The RunConfig of a gc.py command line, validated (a bad input exits 2 with one line on stderr)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    top, parsers = build_parser()
+    if argv and argv[0] in ("-h", "--help"):
+        top.print_help()
+        sys.exit(0)
+    if argv and argv[0] in SUBCOMMANDS:
+        command, rest = argv[0], argv[1:]
+    elif argv and not argv[0].startswith("-"):
+        close = difflib.get_close_matches(argv[0], SUBCOMMANDS, n=1)
+        hint = f"; did you mean {close[0]}?" if close else ""
+        print(f"gc.py: error: {argv[0]!r} is not a subcommand ({', '.join(SUBCOMMANDS)}){hint} "
+              f"(see python gc.py --help)", file=sys.stderr)
+        sys.exit(BAD_INPUT_EXIT)
+    else:
+        command, rest = "run", argv
+    args = parsers[command].parse_args(rest)
+    args.command = command
+    config = RunConfig.from_args(args, argv)
+    validate(config)
+    return config
+
+
+def validate(config):
+    """Every check that needs no data or model: bad input fails here, before any work."""
+    command = config.command
+    if command == "plot":
+        return
+    if command == "ablate":
+        validate_ablate(config)
+    validate_numbers(config)
+    if command == "ablate":
+        return
+    _, ranks = dist.comm.launcher_rank_and_size()  # mpiexec's environment; MPI itself starts later
+    if command == "run":
+        validate_parallel(config, ranks)
+    elif ranks > 1:
+        fail(f"gc.py {command} runs in one process, not under mpiexec with {ranks} ranks (gc.py run --parallel and "
+             f"gc.py ablate do)")
+    validate_policies(config)
+    if command == "sweep":
+        validate_sweep(config)
+
+
+def validate_numbers(config):
+    """Sizes, rates and bounds: each in its range."""
+    for name in POSITIVE:
+        value = getattr(config, name)
+        if value is not None and value < 1:
+            fail(f"--{name.replace('_', '-')} must be a positive integer, got {value}")
+    if config.embedding_size % config.num_head:
+        fail(f"--num-head {config.num_head} must divide --embedding-size {config.embedding_size}")
+    if config.warmup < 0:
+        fail(f"--warmup must be 0 or more, got {config.warmup}")
+    if not 0 <= config.dropout < 1:
+        fail(f"--dropout must be in [0, 1), got {config.dropout:g}")
+    if not (math.isfinite(config.lr) and config.lr > 0):
+        fail(f"--lr must be a positive number, got {config.lr:g}")
+    if not 0 <= config.seed < 2**32:
+        fail(f"--seed must be in [0, 2**32), got {config.seed}")
+    if not (math.isfinite(config.init_scale) and config.init_scale > 0):
+        fail(f"--init-scale must be a positive number, got {config.init_scale:g}")
+    if not (math.isfinite(config.head_init_scale) and config.head_init_scale >= 0):
+        fail(f"--head-init-scale must be 0 or more, got {config.head_init_scale:g}")
+    for name, value in (("budget_mb", config.budget_mb), ("memory_limit_mb", config.memory_limit_mb)):
+        if value is not None and not (math.isfinite(value) and value > 0):
+            fail(f"--{name.replace('_', '-')} must be a positive number of MiB, got {value:g}")
+
+
+def validate_ablate(config):
+    """ablate's rows: known, each once, and trainable with this batch and this many processes."""
+    rows = config.rows or []
+    unknown = [r for r in rows if r not in ABLATIONS]
+    if unknown:
+        fail(f"ablate: unknown row{'s' * (len(unknown) > 1)} {' '.join(unknown)} (rows: {' '.join(ABLATIONS)})")
+    ranks = dist.comm.launcher_rank_and_size()[1]
+    parallel = [r for r in config.rows or default_rows() if ABLATIONS[r][1].get("parallel")]
+    if parallel and ranks < 2:
+        fail(f"ablate: row {parallel[0]} trains on several processes: run gc.py ablate under mpiexec -n N "
+             f"(N >= 2)")
+    if parallel and config.batch_size % ranks:
+        fail(f"ablate: row {parallel[0]} splits --batch-size {config.batch_size} over {ranks} ranks: give a "
+             f"multiple of {ranks}")
+    if len(set(rows)) < len(rows):
+        fail(f"ablate: a row is named twice in --rows {' '.join(rows)}")
+    accumulating = [r for r in config.rows or ABLATIONS if ABLATIONS[r][1].get("accumulate", 1) > 1]
+    if accumulating and config.batch_size % ACCUMULATE:
+        fail(f"ablate: row {accumulating[0]} trains {ACCUMULATE} micro-batches of --batch-size / {ACCUMULATE}: "
+             f"give a --batch-size that divides by {ACCUMULATE}, not {config.batch_size}")
+    if config.budget_mb is not None and "budget" not in (config.rows or ABLATIONS):
+        fail("ablate: --budget-mb is the bound of the budget row: add budget to --rows")
+
+
+def validate_policies(config):
+    """run's --policy / --use-gc / --json, and the flags that belong to one policy (run, sweep, max-batch)."""
+    command = config.command
+    if command == "run":
+        policies = [config.policy or "all"]
+        if config.use_gc == 1 and config.policy == "off":
+            fail("--use-gc 1 runs gc on, --policy off runs gc off: give one of them")
+        if config.use_gc == 0 and config.policy not in (None, "off"):
+            fail(f"--use-gc 0 runs gc off only, so --policy {config.policy} would be ignored: leave one out")
+        if config.json and config.use_gc is None and config.policy != "off":
+            fail("--json names one run's file; give --use-gc 0 or 1 (or --policy off) with it")
+    else:
+        policies = config.policies or ["off", "all"]
+    if config.budget_mb is not None and "budget" not in policies:
+        fail("--budget-mb is the bound of --policy budget: give --policy budget with it" if command == "run" else
+             "--budget-mb is the bound of policy budget: add budget to --policies")
+    if "budget" in policies and config.budget_mb is None:
+        fail("policy budget needs --budget-mb (the M_peak bound, in MiB)")
+    if config.segment_len is not None and set(policies) - {"off", "all"}:
+        other = sorted(set(policies) - {"off", "all"})[0]
+        fail(f"--segment-len sets the checkpoints of policy all; policy {other} chooses its own: give only one")
+
+
+def validate_sweep(config):
+    """sweep's values, and every configuration the sweep will run."""
+    policies = config.policies or ["off", "all"]
+    if any(v < 1 for v in config.values):
+        fail(f"--values must be positive integers, got {' '.join(map(str, config.values))}")
+    if config.over == "segment_len" and set(policies) - {"off", "all"}:
+        fail("a sweep over segment_len compares policies off and all only")
+    for value in config.values:  # each configuration the sweep will run must be valid too
+        trial = replace(config, **{config.over: value})
+        if trial.embedding_size % trial.num_head:
+            fail(f"--num-head {trial.num_head} must divide --embedding-size {trial.embedding_size} "
+                 f"(the sweep's value {value})")
+
+
+def validate_parallel(config, ranks):
+    """--parallel's checks, the same on every rank (each prints the line and exits 2: no rank is left waiting)."""
+    if config.parallel is None:
+        if ranks > 1:
+            fail(f"gc.py run is under mpiexec with {ranks} ranks: give --parallel dp|zero1|zero2|pipeline (without "
+                 f"it every rank would train the same model alone)")
+        return
+    if not (math.isfinite(config.bucket_mb) and config.bucket_mb > 0):
+        fail(f"--bucket-mb must be a positive number of MiB, got {config.bucket_mb:g}")
+    if config.parallel != "pipeline" and config.batch_size % ranks:
+        fail(f"--parallel {config.parallel}: --batch-size {config.batch_size} does not split over {ranks} ranks: "
+             f"give a multiple of {ranks}")
+    if config.parallel == "pipeline" and config.precision in ("mixed-bf16", "mixed-fp16"):
+        fail(f"--parallel pipeline with --precision {config.precision} is not supported (autocast would have to wrap "
+             f"each stage's forward apart from its backward); use fp32 or bf16")
+    if config.parallel == "pipeline" and config.policy == "budget":
+        fail("--parallel pipeline with --policy budget is not supported: each stage would need its own budget")
+    if config.parallel in ("zero2", "pipeline") and config.precision == "mixed-fp16":
+        fail(f"--parallel {config.parallel} with --precision mixed-fp16 is not supported: GradScaler's overflow check "
+             f"needs every gradient on every rank")

@@ -1,0 +1,153 @@
+"""gc.py run: one configuration trained with checkpointing off and on (or one of them), side by side; every step
+measured, the record written as JSON after each step, a table at the end."""
+import gc as python_gc  # the standard module (built in, so gc.py's name does not shadow it)
+import os
+import sys
+import time
+from dataclasses import replace
+
+import needle as ndl
+from needle import backend_ndarray as nd
+from needle import checkpoint
+from needle import distributed as dist
+from needle.checkpoint_budget import InfeasibleBudget
+from needle.data import batchify
+
+from ..console import OOM_EXIT, fail, progress_on, say, tqdm_class
+from ..data import check_corpus, load_data, resolve_data
+from ..records import ALIASES, config_of, summarize, write_json
+from ..report import print_run_header, print_single, print_table, step_line
+from ..setup import (AUTOCAST, build_model, check_budget, make_loss, make_optimizer, make_policy, pick_device,
+                     pipeline_loss, pipeline_stages)
+from ..step import pipeline_step, train_step
+
+
+def main(config):
+    """gc.py run: gc off and on (or the one pass --use-gc / --policy off asks for), then their table."""
+    if config.parallel:
+        dist.init()
+        if dist.rank() > 0:  # rank 0 prints (every rank's figures) and writes the JSON
+            sys.stdout = open(os.devnull, "w")
+    source = resolve_data(config.data)
+    data, vocab = load_data(source)
+    device = pick_device(config.device)
+    check_corpus(config, data)
+    which = [False, True] if config.use_gc is None else [bool(config.use_gc)]
+    if config.policy == "off":
+        which = [False]
+    if config.budget_mb is not None and True in which:  # before the gc-off pass: an infeasible budget fails now
+        per_rank = config.batch_size // (dist.world_size() if config.parallel else 1)  # the graph each rank plans
+        check_budget(replace(config, batch_size=per_rank), data, vocab, device)
+    print_run_header(config, which, device, source, data, vocab)
+    label = config.policy or "all"
+    out_dir = None if config.json else (config.out or "results")
+    results = {}
+    for use_gc in which:
+        print(f"{f'gc on ({label})' if use_gc else 'gc off'}:", flush=True)
+        try:
+            results[use_gc] = train(config, use_gc, data, vocab, source, out_dir=out_dir, json_path=config.json)
+        except MemoryError as err:
+            print(f"gc.py: out of memory under --memory-limit-mb {config.memory_limit_mb:g}: {err}", file=sys.stderr)
+            sys.exit(OOM_EXIT)
+    if len(results) == 2:
+        print_table(results[False], results[True])
+    else:
+        print_single(next(iter(results.values())))
+    for r in results.values():
+        if r["json"]:
+            print(f"wrote {r['json']}")
+    if out_dir:
+        print(f"plots: python gc.py plot {out_dir}")
+
+
+def train(config, use_gc, data, vocab, source, out_dir=None, quiet=False, json_path=None):
+    """Train for a few batches with checkpointing off or on; return the measured record (also as JSON: to
+    json_path if given, else to a new file in out_dir if given), written after every step."""
+    python_gc.collect()  # a previous run's model and optimizer must not count in this run's memory
+    device = pick_device(config.device)
+    policy = make_policy(config) if use_gc else "off"
+    model, loss_fn, params, opt = build_training(config, vocab, device, policy)
+    scaler = ndl.amp.GradScaler(init_scale=config.init_scale) if config.precision == "mixed-fp16" else None
+    batches = batchify(data, config.batch_size * config.accumulation_steps, device=device, dtype="float32")
+    label = (config.policy or "all") if use_gc else "off"
+    record = {"kind": "run", "policy": label, "use_gc": bool(use_gc), **config_of(config, source, vocab, device),
+              "aliases": ALIASES, "steps": []}
+    if not use_gc:
+        record["budget_bytes"] = None  # the gc-off pass has no budget
+    path = record_path(config, label, out_dir, json_path)
+    nbatch = min(config.max_batches, (batches.shape[0] - 1) // config.seq_len)
+    if config.memory_limit_mb:
+        nd.set_memory_limit(int(config.memory_limit_mb * 2**20), device)
+    bar = tqdm_class()(total=nbatch * config.epochs, desc=f"gc {'on, ' + label if use_gc else 'off'}", unit="step",
+                       file=sys.stderr, disable=not progress_on(config.progress), leave=False, dynamic_ncols=True)
+    try:
+        for i in range(nbatch * config.epochs):
+            start = (i % nbatch) * config.seq_len
+            try:
+                if config.parallel == "pipeline":
+                    step, loss = pipeline_step(model, loss_fn, opt, batches, start, config, device, params)
+                else:
+                    step, loss = train_step(model, loss_fn, opt, batches, start, config, device, params, scaler)
+            except InfeasibleBudget as err:
+                fail(str(err))  # planned before anything was computed
+            del loss
+            add_step(record, step, policy, config, path)
+            bar.set_postfix(loss=f"{step['loss']:.3f}", M_peak=f"{step['peak_activation_bytes'] / 2**20:.0f}MB",
+                            refresh=False)
+            bar.update()
+            if not quiet:
+                say(step_line(i, step))
+    finally:
+        bar.close()
+        if config.memory_limit_mb:
+            nd.set_memory_limit(0, device)
+    record["json"] = path
+    return record
+
+
+def build_training(config, vocab, device, policy):
+    """(the model, or with --parallel its wrapper; loss_fn(X, y); the parameters; the optimizer)."""
+    model = build_model(config, vocab, device, policy)
+    model.train()
+    if config.parallel == "pipeline":  # this rank's stage of the model; the rest of it is freed
+        model = dist.Pipeline(pipeline_stages(model, dist.world_size()), config.accumulation_steps)
+        loss_fn = pipeline_loss(model.stage, config.head)
+        params = model.parameters()
+        return model, loss_fn, params, make_optimizer(config, params, model.stage)
+    if config.parallel:
+        model = dist.DataParallel(model, bucket_mb=config.bucket_mb)
+    params = model.parameters()
+    opt = make_optimizer(config, params, model)
+    return model, make_loss(model, config.head, AUTOCAST[config.precision]), params, opt
+
+
+def record_path(config, label, out_dir, json_path):
+    """Where the run's JSON goes: json_path, else a new file in out_dir, else nowhere (and on ranks > 0 nowhere:
+    rank 0 writes it)."""
+    if config.parallel and dist.rank() > 0:
+        return None
+    if json_path:
+        os.makedirs(os.path.dirname(os.path.abspath(json_path)), exist_ok=True)
+        return json_path
+    if not out_dir:
+        return None
+    os.makedirs(out_dir, exist_ok=True)
+    segment = f"_s{config.segment_len}" if config.segment_len else ""
+    name = (f"{label}_b{config.batch_size}_h{config.hidden_size}_l{config.num_layers}{segment}_"
+            f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-{os.urandom(2).hex()}")
+    return os.path.join(out_dir, f"{name}.json")
+
+
+def add_step(record, step, policy, config, path):
+    """A finished step into the record, its summary updated, the JSON rewritten: an interrupted run keeps what it
+    measured."""
+    if isinstance(policy, checkpoint.Budget) and "predicted_peak_activation_bytes" not in record:
+        # Budget planned during this first step (lazy: before computing it; eager: at backward, after a forward
+        # that kept everything)
+        record["predicted_peak_activation_bytes"] = policy.predicted_peak
+        record["budget_minimum_bytes"] = policy.minimum_peak
+        step["traced"] = not config.lazy
+    record["steps"].append(step)
+    summarize(record, config.warmup)
+    if path:
+        write_json(path, record)

@@ -1,0 +1,151 @@
+"""gc.py sweep (one parameter over several values and policies) and gc.py max-batch (the largest batch under a
+memory cap, per policy): each configuration a child `gc.py run` process, the JSON written as they end."""
+import os
+import sys
+import time
+from dataclasses import replace
+
+from ..children import invocation_id, last_line, run_child
+from ..console import OOM_EXIT, note, progress_on, say, tqdm_class
+from ..data import check_corpus, load_data, resolve_data
+from ..records import config_of, read_json, write_json
+from ..report import mb, model_text
+from ..setup import pick_device
+from .plot import plot_max_batch, plot_sweep
+
+
+def main_sweep(config):
+    source = resolve_data(config.data)
+    pick_device(config.device)
+    data, _ = load_data(source)
+    for value in config.values:  # every configuration fits the corpus, or the sweep does not start
+        check_corpus(replace(config, **{config.over: value}), data)
+    del data
+    out_dir = config.out or os.path.join("results", f"sweep_{config.over}")
+    os.makedirs(out_dir, exist_ok=True)
+    policies = config.policies or (["off", "all", "sqrt", "selective"] if config.over == "num_layers"
+                                   else ["off", "all"])
+    sweep_id = invocation_id()
+    summary = os.path.join(out_dir, f"sweep-{sweep_id}.json")
+    total = config.repeats * len(config.values) * len(policies)
+    print(f"gc.py sweep {sweep_id}: {config.over} in {config.values}, policies {' '.join(policies)}, "
+          f"{config.repeats} repeat{'s' * (config.repeats != 1)} ({total} runs, each a fresh process); "
+          f"{model_text(config, {config.over})}; data {source}; writing {summary} as it goes", flush=True)
+    records, failed, n = [], 0, 0
+    bar = tqdm_class()(total=total, desc=f"sweep {config.over}", unit="run", file=sys.stderr,
+                       disable=not progress_on(config.progress), dynamic_ncols=True)
+    for rep in range(config.repeats):
+        for value in config.values:
+            for policy in policies:
+                n += 1
+                r = sweep_run(config, source, sweep_id, out_dir, (rep, value, policy), f"[{n}/{total}]")
+                bar.update()
+                if r is None:
+                    failed += 1
+                    continue
+                records.append(r)
+                for name in (summary, os.path.join(out_dir, "sweep.json")):  # as it goes; sweep.json: the latest
+                    write_json(name, records)
+    bar.close()
+    if not records:
+        print(f"gc.py sweep: all {total} runs failed", file=sys.stderr)
+        sys.exit(1)
+    pngs = plot_sweep(records, out_dir)
+    print(f"wrote {summary} (also as {os.path.join(out_dir, 'sweep.json')}) and {', '.join(pngs)}")
+    if failed:
+        print(f"gc.py sweep: {failed} of {total} runs failed (see above)", file=sys.stderr)
+        sys.exit(1)
+
+
+def sweep_run(config, source, sweep_id, out_dir, point, counter):
+    """One run of the sweep, point = (repeat, value, policy), in a child process; its record tagged with the
+    sweep, or None when it failed."""
+    rep, value, policy = point
+    name = f"{config.over}={value} policy={policy} rep {rep}"
+    note(f"  {counter} start  {name}")
+    t0 = time.perf_counter()
+    path = os.path.join(out_dir, f"sweep-{sweep_id}_{config.over}{value}_{policy}_rep{rep}.json")
+    code, log = run_child(config, source, {config.over: value}, policy, path)
+    if code != 0 or not os.path.exists(path):
+        say(f"  {counter} failed {name} (exit {code}): {last_line(log)}")
+        return None
+    r = read_json(path)  # exactly the file this child was told to write
+    r.update({"repeat": rep, "label": policy, "sweep_id": sweep_id, "sweep_over": config.over, "json": path})
+    write_json(path, r)  # the child's file says which sweep it belongs to (plot reads it)
+    unreliable = " (T unreliable)" if not r.get("step_time_reliable", True) else ""
+    say(f"  {counter} done   {name}: M_act {mb(r['activation_bytes'])} MB  "
+        f"M_peak {mb(r['peak_activation_bytes'])} MB  T {r['time']:.3f} s{unreliable}  "
+        f"({time.perf_counter() - t0:.0f} s)")
+    return r
+
+
+def main_max_batch(config):
+    source = resolve_data(config.data)
+    device = pick_device(config.device)
+    out_dir = config.out or os.path.join("results", "max_batch")
+    os.makedirs(out_dir, exist_ok=True)
+    search = BatchSearch(config, source, device, out_dir)
+    search.start()
+    for policy in search.policies:
+        lo, hi = 0, config.batch_size
+        while search.fits(hi, policy):  # double until a batch does not fit...
+            lo, hi = hi, hi * 2
+        while hi - lo > max(1, lo // 16):  # ...then bisect to within ~6%
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if search.fits(mid, policy) else (lo, mid)
+        search.result["largest_batch"][policy] = lo
+        write_json(search.path, search.result)
+        say(f"  {policy:>9s}: largest batch under {config.memory_limit_mb:g} MB = {lo}")
+    search.bar.close()
+    best = search.result["largest_batch"]
+    if best.get("off"):
+        for policy, b in best.items():
+            print(f"  {policy:>9s}: {b / best['off']:.2f}x the batch of gc off")
+    png = plot_max_batch(search.result, out_dir)
+    print(f"wrote {search.path} and {png}")
+
+
+class BatchSearch:
+    """max-batch's tries: each a child `gc.py run` of 2 steps under the cap, recorded in max_batch.json."""
+
+    def __init__(self, config, source, device, out_dir):
+        self.config, self.source, self.out_dir = config, source, out_dir
+        self.id = invocation_id()
+        self.policies = config.policies or ["off", "all", "sqrt", "selective"]
+        _, vocab = load_data(source)
+        self.result = {"kind": "max-batch", "max_batch_id": self.id, "policies": self.policies,
+                       **config_of(config, source, vocab, device), "largest_batch": {}, "tries": []}
+        self.result.update(batch_size=None, effective_batch_size=None, first_batch_size=config.batch_size,
+                           max_batches=2)  # the batch is what is searched; each try trains 2 steps
+        self.path = os.path.join(out_dir, "max_batch.json")
+        self.bar = None
+
+    def start(self):
+        """The search's header line, and its progress bar under it."""
+        config = self.config
+        print(f"gc.py max-batch {self.id}: the largest batch that trains under {config.memory_limit_mb:g} MB, per "
+              f"policy ({' '.join(self.policies)}), from batch {config.batch_size} (doubled, then bisected; a fresh "
+              f"process per try); {model_text(config, {'batch_size'})}; data {self.source}", flush=True)
+        self.bar = tqdm_class()(desc="max-batch tries", unit="try", file=sys.stderr,
+                                disable=not progress_on(config.progress), dynamic_ncols=True)
+
+    def fits(self, batch, policy):
+        """Whether `batch` trains under the cap with `policy` (a run that fails otherwise stops the search)."""
+        tries = self.result["tries"]
+        name = f"policy={policy} batch_size={batch}"
+        note(f"  [{len(tries) + 1}] start  {name}")
+        t0 = time.perf_counter()
+        json_path = os.path.join(self.out_dir, f"max-batch-{self.id}_{policy}_b{batch}.json")
+        code, log = run_child(self.config, self.source, {"batch_size": batch, "max_batches": 2}, policy, json_path)
+        self.bar.update()
+        if code not in (0, OOM_EXIT):
+            self.bar.close()
+            print(f"gc.py max-batch: the run {name} failed (exit {code}): {last_line(log)}", file=sys.stderr)
+            sys.exit(1)
+        if os.path.exists(json_path):  # tag it: plot leaves a search's tries out of its run plots
+            write_json(json_path, {**read_json(json_path), "max_batch_id": self.id})
+        tries.append({"policy": policy, "batch_size": batch, "fits": code == 0, "json": json_path})
+        write_json(self.path, self.result)
+        note(f"  [{len(tries)}] done   {name}: {'fits' if code == 0 else 'out of memory'} "
+             f"({time.perf_counter() - t0:.0f} s)")
+        return code == 0

@@ -1,0 +1,63 @@
+"""What the OS and the driver see of a step, next to the allocator's exact byte counts
+(needle.backend_ndarray.memory_stats, read in step.py): the process's peak resident memory, the GPU's used
+memory, and the CPU backend's thread count."""
+import os
+
+
+def gpu_memory_bytes():
+    """The GPU's used memory as the driver reports it (GPUtil), as the earlier project measured; None on CPU or
+    where GPUtil (the `experiment` extra) is not installed."""
+    try:
+        import GPUtil
+    except ImportError:
+        return None
+    gpus = GPUtil.getGPUs()
+    return int(gpus[0].memoryUsed * 2**20) if gpus else None
+
+
+def _proc_status():
+    """{'VmRSS': bytes, 'VmHWM': bytes} of this process from /proc/self/status; {} where there is none."""
+    try:
+        with open("/proc/self/status") as f:
+            return {line.split(":")[0]: int(line.split()[1]) * 1024
+                    for line in f if line.startswith(("VmRSS:", "VmHWM:"))}
+    except OSError:
+        return {}
+
+
+class PeakRSS:
+    """The process's peak resident memory over a step minus its resident memory at the step's start (bytes).
+
+    Exact where the kernel's high-water mark can be reset (Linux: writing 5 to /proc/self/clear_refs resets
+    VmHWM to VmRSS, about 50 us with the read); otherwise the largest VmRSS of the samples taken with sample(),
+    a lower bound.  growth() is None where /proc/self/status does not exist (not Linux)."""
+
+    def __init__(self):
+        self.start = _proc_status().get("VmRSS")
+        self.peak, self.exact = self.start, False
+        if self.start is not None:
+            try:
+                with open("/proc/self/clear_refs", "w") as f:
+                    f.write("5")  # VmHWM := VmRSS
+                self.exact = True
+            except OSError:
+                pass
+
+    def sample(self):
+        if self.start is not None and not self.exact:
+            self.peak = max(self.peak, _proc_status().get("VmRSS", 0))
+
+    def growth(self):
+        if self.start is None:
+            return None
+        self.sample()
+        peak = _proc_status().get("VmHWM", self.peak) if self.exact else self.peak
+        return max(0, peak - self.start)
+
+
+def threads():
+    """The CPU backend's thread count: OpenMP's, i.e. OMP_NUM_THREADS, else the cores this process may use."""
+    env = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if env.isdigit() and int(env) > 0:
+        return int(env)
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()

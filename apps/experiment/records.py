@@ -1,0 +1,115 @@
+"""The JSON a run writes: its whole configuration, a record per step, and their summary; strict JSON (no NaN),
+written whole or not at all.  Memory in bytes, times in seconds, everywhere."""
+import functools
+import json
+import math
+import os
+import statistics
+import subprocess
+import time
+
+import numpy as np
+
+from needle import distributed as dist
+
+from . import ROOT
+from .measure import threads
+
+# The earlier project's keys, kept next to the canonical ones (README: "gc.py — the experiment").
+ALIASES = {"time": "step_time_seconds", "time_per_batch_median": "step_time_seconds", "peak memory": "peak_bytes",
+           "use_gc": "policy != 'off'"}
+MIN_TIMED_STEPS = 3  # a median of fewer step times is flagged as unreliable
+
+
+@functools.cache
+def needle_commit():
+    """`git rev-parse HEAD` of this checkout, or None where that is unavailable (no git, not a repository)."""
+    try:
+        proc = subprocess.run(["git", "-C", ROOT, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return proc.stdout.strip() if proc.returncode == 0 and proc.stdout.strip() else None
+
+
+def config_of(config, source, vocab, device):
+    """The whole configuration of a run, as the JSON records it (memory in bytes, like every figure)."""
+    mb_to_bytes = lambda mb: None if mb is None else int(mb * 2**20)  # noqa: E731
+    batch = config.batch_size  # max-batch searches it
+    return {
+        "data": source, "vocab_size": int(vocab), "batch_size": batch,
+        "accumulation_steps": config.accumulation_steps,
+        "effective_batch_size": None if batch is None else batch * config.accumulation_steps,
+        "seq_len": config.seq_len, "embedding_size": config.embedding_size, "hidden_size": config.hidden_size,
+        "num_layers": config.num_layers, "num_head": config.num_head, "dropout": config.dropout,
+        "head_init_scale": config.head_init_scale, "head": config.head, "precision": config.precision,
+        "stochastic_rounding": bool(config.stochastic_rounding),
+        "init_scale": config.init_scale if config.precision == "mixed-fp16" else None,
+        "segment_len": config.segment_len, "budget_bytes": mb_to_bytes(config.budget_mb), "lazy": config.lazy,
+        "device": str(device), "threads": threads(), "epochs": config.epochs, "max_batches": config.max_batches,
+        "warmup": config.warmup, "lr": config.lr, "optimizer": config.optimizer,
+        "offload_state": bool(config.offload_state), "seed": config.seed, "parallel": config.parallel,
+        "bucket_bytes": mb_to_bytes(config.bucket_mb) if config.parallel else None,
+        "world_size": dist.world_size() if config.parallel else 1,
+        "memory_limit_bytes": mb_to_bytes(config.memory_limit_mb), "needle_commit": needle_commit(),
+        "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "argv": ["gc.py", *config.argv],
+    }
+
+
+def summarize(record, warmup):
+    """The record's summary of its steps so far: medians and maxima over the timed steps (after `warmup`)."""
+    steps = [s for s in record["steps"] if not s.get("traced")]
+    timed = steps[warmup:]
+    steps = timed or steps or record["steps"]  # too few steps: the warm-up ones, flagged below
+    t_step = statistics.median(s["time_seconds"] for s in steps)
+    peak = max(s["peak_bytes"] for s in steps)
+    record.update({
+        "step_time_seconds": t_step, "timed_steps": len(timed), "step_time_reliable": len(timed) >= MIN_TIMED_STEPS,
+        "time": t_step, "time_per_batch_median": t_step,  # the earlier project's names (ALIASES)
+        "peak_bytes": peak, "peak memory": peak,
+        "peak_activation_bytes": max(s["peak_activation_bytes"] for s in steps),
+        "step_peak_bytes": max(s["step_peak_bytes"] for s in steps),
+        "activation_bytes": max(s["activation_bytes"] for s in steps),
+        "floor_bytes": min((s["floor_bytes"] for s in steps if s["floor_bytes"] is not None), default=None),
+        "loss": record["steps"][-1]["loss"],
+        "recomputed_nodes": record["steps"][-1]["recomputed_nodes"],
+        **{key: record["steps"][-1].get(key) for key in ("param_bytes", "grad_bytes", "optimizer_bytes",
+                                                         "offloaded_bytes")},
+        "rss_peak_bytes": max((s["rss_peak_bytes"] for s in steps if s.get("rss_peak_bytes") is not None),
+                              default=None),
+        "tokens_per_second": record["effective_batch_size"] * record["seq_len"] / t_step if t_step else None,
+    })
+    last = record["steps"][-1]
+    if "ranks" in last:  # --parallel: every rank's memory, the last step's communication or pipeline figures
+        record["per_rank"] = last["ranks"]
+    if "sync" in last:
+        record["sync"] = last["sync"]
+    if "pipeline" in last:
+        record["pipeline"] = {**last["pipeline"], "bubble_median": statistics.median(
+            s["pipeline"]["bubble_mean"] for s in steps)}
+
+
+def json_safe(x):
+    """x with every float that is not finite (NaN, +-Infinity) replaced by None, recursively; NumPy scalars as
+    Python numbers.  JSON has no NaN: json.dump would write a bare NaN that strict parsers reject."""
+    if isinstance(x, dict):
+        return {k: json_safe(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [json_safe(v) for v in x]
+    if isinstance(x, np.generic):
+        x = x.item()
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    return x
+
+
+def write_json(path, record):
+    """record as strict JSON at path, whole or not at all, even with another process writing the same name."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(json_safe(record), f, indent=1, allow_nan=False)
+    os.replace(tmp, path)
+
+
+def read_json(path):
+    with open(path) as f:
+        return json.load(f)

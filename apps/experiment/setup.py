@@ -1,0 +1,234 @@
+"""A run's configuration, RunConfig (the parsed command line, converted once), and what a run builds from it: the
+device, the model, the checkpointing policy, the optimizer and the loss; Budget's plan checked before any work."""
+import gc as python_gc  # the standard module (built in, so gc.py's name does not shadow it)
+import math
+from dataclasses import dataclass, fields
+
+import numpy as np
+
+import needle as ndl
+from needle import autograd, checkpoint, nn
+from needle import backend_ndarray as nd
+from needle import distributed as dist
+from needle.checkpoint_budget import InfeasibleBudget
+from needle.data import batchify
+
+from models import LanguageModel, LMStage
+
+from .console import fail
+from .data import micro_batches
+
+POLICIES = ["off", "all", "sqrt", "selective", "budget"]
+HEADS = ["full", "fused"]  # the LM head + loss: the course's SoftmaxLoss(model(x)), or model.loss(x, y) (fused)
+# --precision -> (autocast dtype or None, loss scaling?)
+PRECISIONS = ["fp32", "mixed-bf16", "mixed-fp16", "bf16"]
+AUTOCAST = {"fp32": None, "mixed-bf16": "bfloat16", "mixed-fp16": "float16", "bf16": None}
+OPTIMIZERS = ["adam", "adam8bit", "adafactor", "sgd"]
+# --parallel: data parallel (gradients all-reduced), ZeRO stage 1 / 2 on top of it, or GPipe over the ranks
+PARALLEL = ["dp", "zero1", "zero2", "pipeline"]
+ZERO_STAGE = {"zero1": 1, "zero2": 2}
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Everything a gc.py command was told: every flag of every subcommand, by its dest.  A subcommand without a
+    flag gets the default here (ablate has no --precision: fp32), so code reads config.precision, never asks
+    whether it is there.  Memory flags are in MiB, as typed; the JSON records bytes."""
+    command: str = "run"
+    argv: tuple = ()  # the command line after `gc.py`, as the JSON records it
+    # model and data
+    data: str = None
+    batch_size: int = None
+    accumulation_steps: int = 1
+    seq_len: int = None
+    embedding_size: int = None
+    hidden_size: int = None
+    num_layers: int = None
+    num_head: int = None
+    dropout: float = None
+    head_init_scale: float = None
+    precision: str = "fp32"
+    stochastic_rounding: bool = False
+    init_scale: float = 2.0**16
+    optimizer: str = "adam"
+    offload_state: bool = False
+    head: str = None
+    # checkpointing
+    policy: str = None  # run: None is "all"
+    use_gc: int = None
+    policies: list = None  # sweep, max-batch
+    segment_len: int = None
+    budget_mb: float = None
+    # training and measurement
+    lazy: bool = True
+    device: str = None
+    epochs: int = 1
+    max_batches: int = None
+    warmup: int = None
+    lr: float = None
+    seed: int = None
+    memory_limit_mb: float = None
+    parallel: str = None
+    bucket_mb: float = None
+    # output
+    out: str = None
+    json: str = None
+    progress: bool = None
+    # sweep, ablate, plot
+    over: str = None
+    values: list = None
+    repeats: int = None
+    rows: list = None
+    steps: int = None
+    dir: str = None
+
+    @classmethod
+    def from_args(cls, args, argv=()):
+        """The argparse Namespace of one subcommand, as a RunConfig (a flag without a field is an error here)."""
+        given = vars(args)
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(given) - names)
+        if unknown:
+            raise TypeError(f"RunConfig has no field for the flag(s) {', '.join(unknown)}: add them")
+        return cls(argv=tuple(argv), **given)
+
+
+def pick_device(name):
+    if name == "cuda" or (name is None and nd.cuda().enabled()):
+        if not nd.cuda().enabled():
+            fail("--device cuda, but no GPU / CUDA build is available")
+        return nd.cuda()
+    if name == "cpu_numpy":
+        return nd.cpu_numpy()
+    if not nd.cpu().enabled():
+        fail("the C++ backend is not built; run `make` first (or give --device cpu_numpy)")
+    # RSS_peak is part of the experiment: a 64 MiB cache of freed buffers (the allocator's before its default grew to
+    # the high-water mark, and every figure of this script's so far) keeps resident memory following the
+    # allocator's bytes; the default would hold a step's freed buffers for the next one.
+    nd.set_cache_limit(64 << 20, nd.cpu())
+    return nd.cpu()
+
+
+def make_policy(config):
+    if config.policy == "budget":
+        return checkpoint.Budget(int(config.budget_mb * 2**20))
+    return None if config.policy in (None, "all") else config.policy
+
+
+def build_model(config, vocab, device, policy):
+    """The course's LanguageModel (a Transformer), seeded; checkpointing on when policy is not "off"."""
+    np.random.seed(config.seed)
+    model = LanguageModel(config.embedding_size, vocab, config.hidden_size, num_layers=config.num_layers,
+                          seq_model="transformer", seq_len=config.seq_len, device=device, num_head=config.num_head,
+                          dim_head=config.embedding_size // config.num_head, dropout=config.dropout)
+    if config.head_init_scale != 1:
+        # The course's init gives the output layer logits with a std of several units (its input, the residual
+        # stream, is not normalized), so the loss starts far above ln(vocab), a uniform guess.  Scaled down,
+        # training starts from about that guess.  Drawn the course's way first, so the random stream is the same.
+        w = model.linear.weight
+        w.data = w.data * config.head_init_scale
+    if config.precision == "bf16":
+        model.astype("bfloat16")  # pure bf16: the weights themselves (drawn in float32 first, then rounded)
+    if policy != "off":
+        model.enable_gc(segment_len=config.segment_len, policy=policy)
+    return model
+
+
+def make_optimizer(config, params, model=None):
+    """--optimizer at --lr: Adam (the course's); Adam8bit (block-wise 8-bit moments; the embedding's state kept
+    32-bit, the paper's stable-embedding recipe); Adafactor with the external lr (relative_step and
+    scale_parameter off, so the rows compare at one learning rate; factored second moments, no first moment);
+    SGD with momentum 0.9.  fp32 and mixed precision keep float32 parameters (the master weights); pure bf16 keeps
+    weights and state in bfloat16, with stochastic rounding if asked.  --offload-state keeps the state in host
+    memory.  --parallel zero1 / zero2 runs it inside ZeroRedundancyOptimizer (stage 1 / 2)."""
+    name = config.optimizer
+    kw = {"lr": config.lr, "offload_state": bool(config.offload_state)}
+    if config.precision == "bf16":
+        kw.update(master_weights=False, stochastic_rounding=config.stochastic_rounding)
+    cls = {"adam8bit": ndl.optim.Adam8bit, "adafactor": ndl.optim.Adafactor, "sgd": ndl.optim.SGD}.get(
+        name, ndl.optim.Adam)
+    if name == "adam8bit":
+        embedding = getattr(model, "embedding", None)  # a pipeline stage without the embedding has None
+        kw["fp32_state_params"] = [embedding.weight] if embedding is not None else []
+    elif name == "adafactor":
+        kw.update(relative_step=False, scale_parameter=False)
+    elif name == "sgd":
+        kw["momentum"] = 0.9
+    stage = ZERO_STAGE.get(config.parallel)
+    if stage:
+        return dist.ZeroRedundancyOptimizer(params, cls, stage=stage, **kw)
+    return cls(params, **kw)
+
+
+def make_loss(model, head, autocast=None):
+    """loss(X, y): the mean cross-entropy of one micro-batch through the LM head.
+
+    "full" is the course's path, nn.SoftmaxLoss()(model(X)[0], y): the (tokens x vocabulary) logits are a graph
+    value, held whole, and so is their gradient.  "fused" is model.loss(X, y), ops.linear_cross_entropy: the same
+    loss and gradients up to rounding, the logits computed a chunk of tokens at a time inside one op (again in its
+    gradient) and never held whole."""
+    if head == "fused":
+        loss = lambda X, y: model.loss(X, y)[0]  # noqa: E731
+    else:
+        softmax_loss = nn.SoftmaxLoss()
+        loss = lambda X, y: softmax_loss(model(X)[0], y)  # noqa: E731
+    if autocast is None:
+        return loss
+
+    def mixed(X, y):
+        with ndl.autocast(autocast):  # forward and loss; backward replays the graph's casts
+            return loss(X, y)
+    return mixed
+
+
+# ----- --parallel pipeline: the LanguageModel cut into stages (models.LMStage) --------------------------------
+def pipeline_stages(model, n):
+    """The LanguageModel cut into n stages of consecutive layers (the first ones get the extra layer)."""
+    layers = model.seq_model.layers
+    cuts = np.cumsum([0] + [len(part) for part in np.array_split(np.arange(len(layers)), n)])
+    return [LMStage(model, layers[cuts[s]:cuts[s + 1]], s == 0, s == n - 1) for s in range(n)]
+
+
+def pipeline_loss(stage, head):
+    """loss(rows, y) on the last stage: its head (the full or the fused one) and the mean cross-entropy."""
+    if stage.linear is None:
+        return None
+    if head == "fused":
+        return lambda h, y: ndl.ops.linear_cross_entropy(h, stage.linear.weight, stage.linear.bias, y)
+    softmax_loss = nn.SoftmaxLoss()
+    return lambda h, y: softmax_loss(stage.linear(h), y)
+
+
+# ----- Budget(b), planned before any work ------------------------------------------------------------------------
+def plan_budget(config, data, vocab, device, policy):
+    """`policy`, a checkpoint.Budget, planned on the graph of the run's first micro-batch exactly as the run's
+    first step will plan it; in lazy mode nothing is computed (the planner walks the graph with a byte ledger), in
+    eager mode one forward pass is.  Its minimum_peak is the least M_peak checkpointing can reach, its
+    predicted_peak the M_peak it plans for (with a budget above gc off's peak: gc off's, nothing dropped).
+    InfeasibleBudget when the budget is infeasible (minimum_peak is set then too)."""
+    model = build_model(config, vocab, device, policy)
+    model.train()
+    batches = batchify(data, config.batch_size * config.accumulation_steps, device=device, dtype="float32")
+    X, y = micro_batches(batches, 0, config, device)[0]
+    k = config.accumulation_steps
+    try:
+        with autograd.lazy_mode(config.lazy):
+            loss = make_loss(model, config.head)(X, y)
+            policy.plan(loss if k == 1 else loss / k)
+    finally:
+        del model, X, y
+        python_gc.collect()
+    return policy
+
+
+def check_budget(config, data, vocab, device):
+    """Fail with one line, before any work, when --budget-mb is below the least peak this graph can reach."""
+    policy = checkpoint.Budget(int(config.budget_mb * 2**20))
+    try:
+        plan_budget(config, data, vocab, device, policy)
+    except InfeasibleBudget:
+        least = policy.minimum_peak / 2**20
+        fail(f"--budget-mb {config.budget_mb:g} is infeasible: the least M_peak checkpointing can reach on this "
+             f"model is {least:.1f} MB ({policy.minimum_peak} bytes): give --budget-mb "
+             f"{math.ceil(least * 10) / 10:g} or more")
+    return policy

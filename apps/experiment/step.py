@@ -1,0 +1,164 @@
+"""One optimizer step of a run, measured: its micro-batches' forward and backward passes, the optimizer's update,
+and what they cost in memory (the allocator's exact bytes, the process's RSS) and time.  train_step for one
+process or data parallel (--parallel dp, zero1, zero2); pipeline_step for --parallel pipeline."""
+import contextlib
+import time
+
+import numpy as np
+
+import needle as ndl
+from needle import autograd, checkpoint
+from needle import backend_ndarray as nd
+from needle import distributed as dist
+
+from .data import micro_batches
+from .measure import PeakRSS, gpu_memory_bytes
+
+
+def train_step(model, loss_fn, opt, batches, start, config, device, params, scaler=None):
+    """One optimizer step (of `accumulation_steps` micro-batches), with its memory and time measured; loss_fn(X, y)
+    is make_loss's (the full or the fused head, under autocast for mixed precision); `scaler` a GradScaler for
+    mixed-fp16 (the step is skipped, and counted, when a gradient overflowed).  With a DataParallel model (--parallel
+    dp, zero1, zero2) each rank trains on its share of every micro-batch's columns, and the model sums the
+    micro-batches' gradients itself (no_sync), averaging them across the ranks in the last backward."""
+    data_parallel = isinstance(model, dist.DataParallel)
+    opt.reset_grad()
+    micro = micro_batches(batches, start, config, device)
+    if data_parallel:
+        micro = [rank_share(X, y, device) for X, y in micro]
+    nd.reset_peak_memory_stats(device)
+    baseline = nd.memory_stats(device)["current_bytes"]
+    rss = None if device.name == "cuda" else PeakRSS()  # host RSS says nothing of GPU memory: GPUtil there
+    t0 = time.perf_counter()
+    passes = _forward_backward(model, loss_fn, micro, config, device, params, scaler, baseline, rss)
+    del micro
+    # M_peak is forward + backward (what Budget bounds); the optimizer's own temporaries come after it.
+    forward_backward_peak = nd.memory_stats(device)["peak_bytes"] - baseline
+    grad_bytes = gradient_bytes(opt, params)
+    skipped = False
+    if scaler is None:
+        opt.step()
+    else:
+        skipped = not scaler.step(opt)
+        scaler.update()
+    elapsed = time.perf_counter() - t0 - passes["bookkeeping_seconds"]
+    stats = nd.memory_stats(device)
+    rss_peak = rss.growth() if rss else None
+    step = {
+        "loss": float(np.mean(passes["losses"])), "time_seconds": elapsed,
+        "activation_bytes": int(passes["activation_bytes"]), "floor_bytes": int(passes["floor_bytes"]),
+        "peak_bytes": int(stats["peak_bytes"]), "peak_activation_bytes": int(forward_backward_peak),
+        "step_peak_bytes": int(stats["peak_bytes"] - baseline), "baseline_bytes": int(baseline),
+        "recomputed_nodes": int(passes["recomputed_nodes"]), "gpu_memory_bytes": gpu_memory_bytes(),
+        "rss_peak_bytes": rss_peak, "rss_start_bytes": rss.start if rss else None,
+        **state_bytes(opt, params, grad_bytes), "skipped_step": skipped,
+        "loss_scale": None if scaler is None else scaler.get_scale(),
+    }
+    if data_parallel:
+        step["loss"] = float(np.mean(dist.all_gather_object(step["loss"])))  # the global batch's mean loss
+        step["sync"] = model.last_sync_stats()
+        step["ranks"] = per_rank_memory(step)
+    return step, passes["loss"]
+
+
+def _forward_backward(model, loss_fn, micro, config, device, params, scaler, baseline, rss):
+    """Forward and backward of every micro-batch, their gradients summed into the parameters' .grad.  M_act and
+    M_floor are read on the first micro-batch, when its backward is about to start; the time that reading takes
+    (bookkeeping_seconds) is left out of T_step."""
+    k = config.accumulation_steps
+    data_parallel = isinstance(model, dist.DataParallel)
+    act, floor, losses, recomputed, grads, accumulated, bookkeeping = 0, 0, [], 0, None, None, 0.0
+    for j, (X, y) in enumerate(micro):
+        with autograd.lazy_mode(config.lazy):
+            loss = loss_fn(X, y) if k == 1 else loss_fn(X, y) / k
+            losses.append(float(loss.numpy()) * k)
+            held = nd.memory_stats(device)["current_bytes"] - baseline
+            if j == 0:
+                act = held
+                t_floor = time.perf_counter()  # bookkeeping of the measurement, left out of T_step
+                floor = sum(b for _, reason, b in checkpoint.saved_residuals(loss, exclude=params + [X, y])
+                            if reason in ("leaf", "boundary"))
+                if rss:
+                    rss.sample()
+                bookkeeping += time.perf_counter() - t_floor
+            accumulating = data_parallel and j < k - 1
+            with model.no_sync() if accumulating else contextlib.nullcontext():
+                (loss if scaler is None else scaler.scale(loss)).backward()
+        recomputed += checkpoint.last_backward_stats()["recomputed_nodes"]
+        if rss:
+            rss.sample()
+        if k > 1 and not data_parallel:
+            grads = [p.grad.realize_cached_data() for p in params]
+            accumulated = grads if accumulated is None else [a + g for a, g in zip(accumulated, grads)]
+            for p in params:
+                p.grad = None
+    del micro, X, y
+    if k > 1 and not data_parallel:
+        for p, g in zip(params, accumulated):
+            p.grad = ndl.Tensor(g, device=device, requires_grad=False)
+    return {"activation_bytes": act, "floor_bytes": floor, "losses": losses, "recomputed_nodes": recomputed,
+            "bookkeeping_seconds": bookkeeping, "loss": loss,
+            # Gradient accumulation's buffers (the last micro-batch's gradients, the sums), held in `passes` until
+            # train_step returns, as gc.py always has: its step_peak_bytes (Adam's update included) counts them.
+            "accumulation_buffers": (grads, accumulated)}
+
+
+def state_bytes(opt, params, grad_bytes):
+    """The bytes of what a step keeps besides activations: parameters, gradients, the optimizer's state."""
+    return {"param_bytes": int(sum(p.realize_cached_data().nbytes for p in params)), "grad_bytes": grad_bytes,
+            "optimizer_bytes": int(opt.state_bytes()), "offloaded_bytes": int(opt.host_state_bytes())}
+
+
+def gradient_bytes(opt, params):
+    """Bytes of the gradients held for the optimizer step: every `.grad`, or with ZeRO-2 this rank's shard."""
+    if isinstance(opt, dist.ZeroRedundancyOptimizer):
+        return int(opt.gradient_bytes())
+    return int(sum(p.grad.realize_cached_data().nbytes for p in params if p.grad is not None))
+
+
+def rank_share(X, y, device):
+    """This rank's columns of a micro-batch: X (seq_len, b) and its targets y (seq_len * b,), b/N columns each."""
+    X_np = X.numpy()
+    y_np = y.numpy().reshape(X_np.shape)
+    X_mine, y_mine = dist.split_batch(X_np, axis=1), dist.split_batch(y_np, axis=1)
+    return (ndl.Tensor(X_mine, device=device, requires_grad=False),
+            ndl.Tensor(np.ascontiguousarray(y_mine).reshape(-1), device=device, requires_grad=False))
+
+
+def per_rank_memory(step):
+    """Every rank's memory in this step (one all-gather): parameters, gradients, optimizer state, activations."""
+    keys = ("param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes", "peak_activation_bytes")
+    return dist.all_gather_object({"rank": dist.rank(), **{key: step[key] for key in keys}})
+
+
+def pipeline_step(pipe, loss_fn, opt, batches, start, config, device, params):
+    """One optimizer step of --parallel pipeline: the step's accumulation_steps micro-batches through the stages
+    (GPipe), then this stage's optimizer step.  M_act is what this stage holds when its backward phase starts (all
+    micro-batches' activations, GPipe's price); every rank reports its own."""
+    opt.reset_grad()
+    micro = micro_batches(batches, start, config, device)
+    nd.reset_peak_memory_stats(device)
+    baseline = nd.memory_stats(device)["current_bytes"]
+    rss = None if device.name == "cuda" else PeakRSS()
+    t0 = time.perf_counter()
+    with autograd.lazy_mode(config.lazy):
+        loss = pipe.train_step(micro, loss_fn)
+    del micro
+    forward_backward_peak = nd.memory_stats(device)["peak_bytes"] - baseline
+    grad_bytes = gradient_bytes(opt, params)
+    opt.step()
+    elapsed = time.perf_counter() - t0
+    stats, memory = pipe.last_step_stats(), nd.memory_stats(device)
+    step = {
+        "loss": loss, "time_seconds": elapsed, "activation_bytes": int(stats["activation_bytes"] or 0),
+        "floor_bytes": None, "peak_bytes": int(memory["peak_bytes"]),
+        "peak_activation_bytes": int(forward_backward_peak),
+        "step_peak_bytes": int(memory["peak_bytes"] - baseline), "baseline_bytes": int(baseline),
+        "recomputed_nodes": int(stats["recomputed_nodes"]), "gpu_memory_bytes": gpu_memory_bytes(),
+        "rss_peak_bytes": rss.growth() if rss else None, "rss_start_bytes": rss.start if rss else None,
+        **state_bytes(opt, params, grad_bytes), "skipped_step": False, "loss_scale": None,
+        "pipeline": {key: stats[key] for key in ("bubble", "bubble_mean", "theory", "compute_seconds",
+                                                 "step_seconds", "compute_seconds_per_rank")},
+    }
+    step["ranks"] = per_rank_memory(step)
+    return step, None

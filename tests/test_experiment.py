@@ -1,0 +1,228 @@
+"""The experiment package behind gc.py (apps/experiment/), by its parts: the parsers, the RunConfig, a child's
+command line, the model set-up, the measurements and the JSON writer; and its layout (what a reader can rely on).
+gc.py as a user runs it (argv in, JSON out) is test_gc_script.py's."""
+import argparse
+import ast
+import json
+import math
+import os
+import subprocess
+import sys
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+import needle as ndl
+from needle import checkpoint
+from needle.checkpoint_budget import InfeasibleBudget
+from needle.data import batchify
+
+from conftest import GC_DEVICE, GC_ROOT, GC_TINY, strict_json, tiny_ptb
+from experiment import children, cli, data, parser, records, setup
+from experiment.measure import PeakRSS
+
+EXPERIMENT = os.path.join(GC_ROOT, "apps", "experiment")
+
+
+# ----- the command line --------------------------------------------------------------------------------------------
+@pytest.mark.smoke
+def test_every_flag_has_help_and_both_spellings():
+    _, parsers = parser.build_parser()
+    assert list(parsers) == parser.SUBCOMMANDS
+    for command, p in parsers.items():
+        for action in p.flags():
+            assert action.help, (command, action.dest)
+            names = set(action.option_strings)
+            for name in names:
+                if "_" in name:
+                    assert name.replace("_", "-") in names, (command, name)
+                if name.startswith("--") and "-" in name[2:] and not name.startswith("--no-"):
+                    assert name.replace("-", "_").replace("__", "--", 1) in names, (command, name)
+
+
+@pytest.mark.smoke
+def test_run_is_the_default_subcommand_and_both_spellings_parse_alike():
+    assert cli.parse_args(["--batch-size", "32"]).command == "run"
+    hyphens = cli.parse_args(["--batch-size", "5", "--seq-len", "7", "--max-batches", "2", "--budget-mb", "9",
+                              "--policy", "budget", "--no-lazy"])
+    underscores = cli.parse_args(["run", "--batch_size", "5", "--seq_len", "7", "--max_batches", "2",
+                                  "--budget_mb", "9", "--policy", "budget", "--no-lazy"])
+    assert replace(hyphens, argv=()) == replace(underscores, argv=())
+    assert hyphens.batch_size == 5 and hyphens.lazy is False and hyphens.budget_mb == 9
+
+
+@pytest.mark.smoke
+def test_the_config_is_frozen_and_every_flag_has_a_field():
+    config = cli.parse_args(["sweep", "--values", "4", "8"])
+    with pytest.raises(AttributeError):
+        config.batch_size = 3  # frozen: the Namespace is converted once, then only read
+    for argv in (["run"], ["sweep"], ["max-batch", "--memory-limit-mb", "1"], ["ablate"], ["plot", "DIR"]):
+        assert cli.parse_args(argv).command == argv[0]  # every flag's dest is a field (else a TypeError here)
+    with pytest.raises(TypeError, match="no field for the flag"):
+        setup.RunConfig.from_args(argparse.Namespace(command="run", batch_size=4, bogus=1))
+
+
+def test_a_childs_command_line_comes_from_the_run_parser(tmp_path):
+    """What a sweep's child is told is what the parent was told, with the sweep's value: parsed back, equal."""
+    parent = cli.parse_args(["sweep", "--values", "4", "6", "--precision", "bf16", "--stochastic-rounding",
+                             "--optimizer", "sgd", "--offload-state", "--no-lazy", "--memory-limit-mb", "300",
+                             "--head", "full"] + GC_TINY)
+    argv = children.child_argv(parent, "synthetic", {"batch_size": 6}, "all", tmp_path / "child.json")
+    child = cli.parse_args(argv)
+    assert (child.command, child.policy, child.use_gc, child.data, child.progress) == ("run", "all", 1,
+                                                                                       "synthetic", False)
+    assert child.json == str(tmp_path / "child.json")
+    expected = replace(parent, batch_size=6)
+    for action in parser.subcommand_parser("run").flags():
+        if action.dest not in children.SET_BY_CHILD and getattr(expected, action.dest) is not None:
+            assert getattr(child, action.dest) == getattr(expected, action.dest), action.dest
+    assert child.lazy is False
+    with pytest.raises(ValueError, match="rows is not a flag of gc.py run"):
+        children.child_argv(parent, "synthetic", {"rows": ["all"]}, "all", tmp_path / "x.json")
+
+
+# ----- set-up --------------------------------------------------------------------------------------------------------
+def test_the_output_layer_starts_near_a_uniform_guess_without_changing_the_rest(tmp_path):
+    corpus, vocab = data.load_data(tiny_ptb(tmp_path))
+    device = ndl.cpu() if GC_DEVICE == "cpu" else ndl.cpu_numpy()
+    losses, weights = {}, {}
+    for scale in ("1", "0.1"):
+        config = cli.parse_args(GC_TINY + ["--head-init-scale", scale])
+        model = setup.build_model(config, vocab, device, "off")
+        X, y = data.micro_batches(batchify(corpus, 4, device, "float32"), 0, config, device)[0]
+        losses[scale] = float(ndl.nn.SoftmaxLoss()(model(X)[0], y).numpy())
+        weights[scale] = [p.numpy() for p in model.parameters()]
+    assert abs(losses["0.1"] - math.log(vocab)) < 0.3  # a uniform guess: ln(vocab)
+    assert losses["1"] > math.log(vocab) + 1  # the course's init: far above it
+    assert cli.parse_args([]).head_init_scale == 0.1  # gc.py's default
+    scaled = [i for i, (a, b) in enumerate(zip(weights["1"], weights["0.1"])) if not np.array_equal(a, b)]
+    assert len(scaled) == 1 and np.allclose(weights["1"][scaled[0]] * 0.1, weights["0.1"][scaled[0]])
+
+
+def test_the_readme_budget_example_is_feasible_at_the_size_it_shows():
+    with open(os.path.join(GC_ROOT, "README.md")) as f:
+        (line,) = [ln for ln in f if ln.strip().startswith("python gc.py --policy budget")]
+    argv = line.split("#")[0].split()[2:]  # after "python gc.py"
+    config = cli.parse_args(argv)
+    corpus, vocab = data.synthetic_corpus()  # vocabulary 10,000: the largest head of the data gc.py runs on
+    setup.check_budget(config, corpus, vocab, setup.pick_device(None))  # no SystemExit: feasible
+    off = cli.parse_args(argv + ["--budget-mb", "1"])
+    with pytest.raises(SystemExit):
+        setup.check_budget(off, corpus, vocab, setup.pick_device(None))
+
+
+def test_an_infeasible_budget_raises_its_own_type_naming_the_least_peak():
+    """gc.py tells an infeasible budget by its type, InfeasibleBudget (a ValueError), not by its message."""
+    config = cli.parse_args(GC_TINY)
+    corpus, vocab = data.synthetic_corpus(num_tokens=2000)
+    budget = checkpoint.Budget(1)
+    with pytest.raises(InfeasibleBudget, match=r"infeasible: the least peak activation memory .* is \d+ bytes"):
+        setup.plan_budget(config, corpus, vocab, setup.pick_device(GC_DEVICE), budget)
+    assert issubclass(InfeasibleBudget, ValueError) and budget.minimum_peak > 1
+
+
+# ----- measurement and records ---------------------------------------------------------------------------------------
+def test_peak_rss_measures_the_peak_inside_an_interval():
+    if not os.path.exists("/proc/self/status"):
+        assert PeakRSS().growth() is None
+        return
+    rss = PeakRSS()
+    block = np.ones(64 << 20, dtype=np.uint8)  # 64 MiB, touched
+    del block  # freed before the reading: only the high-water mark still sees it
+    growth = rss.growth()
+    if rss.exact:
+        assert growth >= 60 << 20
+    else:
+        assert growth >= 0
+
+
+@pytest.mark.smoke
+def test_json_writer_writes_null_for_values_that_are_not_finite(tmp_path):
+    path = str(tmp_path / "r.json")
+    records.write_json(path, {"loss": float("nan"), "time": 0.5, "x": [1.0, float("inf"), -float("inf")],
+                              "steps": [{"loss": np.float32("nan"), "n": np.int64(3), "ok": np.float64(2.5)}],
+                              "pair": (float("nan"), 1)})
+    with open(path) as f:
+        text = f.read()
+    assert "NaN" not in text and "Infinity" not in text
+    assert strict_json(path) == {"loss": None, "time": 0.5, "x": [1.0, None, None],
+                                 "steps": [{"loss": None, "n": 3, "ok": 2.5}], "pair": [None, 1]}
+    assert json.loads(text)["x"] == [1.0, None, None]
+
+
+# ----- the layout: what a reader of apps/experiment can rely on ------------------------------------------------------
+def _modules():
+    """{dotted name: (path, its ast)} of every module of the experiment package."""
+    found = {}
+    for folder, _, files in os.walk(EXPERIMENT):
+        for name in sorted(files):
+            if name.endswith(".py"):
+                path = os.path.join(folder, name)
+                dotted = os.path.relpath(path, os.path.dirname(EXPERIMENT))[:-3].replace(os.sep, ".")
+                with open(path) as f:
+                    found[dotted.removesuffix(".__init__")] = (path, ast.parse(f.read()))
+    return found
+
+
+def _imports(dotted, path, tree, modules):
+    """The package's modules `dotted` imports, and the names it imports from them."""
+    package = dotted if path.endswith("__init__.py") else dotted.rsplit(".", 1)[0]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            base = package.split(".")[:len(package.split(".")) - node.level + 1]
+            target = ".".join(base + ([node.module] if node.module else []))
+            for alias in node.names:
+                yield (f"{target}.{alias.name}" if f"{target}.{alias.name}" in modules else target), alias.name
+
+
+@pytest.mark.smoke
+def test_the_experiment_reads_in_small_parts_without_cycles():
+    modules = _modules()
+    optional = {"matplotlib", "tqdm", "GPUtil", "mpi4py", "scipy", "torch"}
+    graph = {}
+    for dotted, (path, tree) in modules.items():
+        with open(path) as f:
+            assert len(f.read().splitlines()) <= 400, path
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                assert node.end_lineno - node.lineno < 60, f"{path}: {node.name} is over 60 lines"
+                for inner in ast.walk(node):  # only optional dependencies are imported inside functions
+                    if isinstance(inner, ast.Import):
+                        assert {a.name.split(".")[0] for a in inner.names} <= optional, (path, node.name)
+                    if isinstance(inner, ast.ImportFrom):
+                        assert inner.module.split(".")[0] in optional, (path, node.name)
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+                if any(n.split(".")[0] == "matplotlib" for n in names):
+                    assert dotted == "experiment.commands.plot", path  # the only module that draws
+        imports = list(_imports(dotted, path, tree, modules))
+        assert not [name for _, name in imports if name.startswith("_")], path  # no private names across modules
+        graph[dotted] = {target for target, _ in imports if target in modules and target != dotted}
+    done, on_path = set(), []
+
+    def visit(module):  # a depth-first walk; the package is a few levels deep
+        assert module not in on_path, f"import cycle: {' -> '.join(on_path + [module])}"
+        if module in done:
+            return
+        on_path.append(module)
+        for target in sorted(graph[module]):
+            visit(target)
+        on_path.pop()
+        done.add(module)
+
+    for module in graph:
+        visit(module)
+    with open(os.path.join(GC_ROOT, "gc.py")) as f:
+        assert len(f.read().splitlines()) <= 40
+
+
+def test_a_run_loads_no_matplotlib(tmp_path):
+    """Drawing is the only reason to import matplotlib: the CLI and a run never do."""
+    argv = GC_TINY + ["--max_batches", "1", "--use-gc", "1", "--json", str(tmp_path / "r.json"), "--data", "synthetic"]
+    code = f"import sys; from experiment import cli; cli.main({argv!r}); sys.exit('matplotlib' in sys.modules)"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=GC_ROOT,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join([os.path.join(GC_ROOT, "python"),
+                                                                            os.path.join(GC_ROOT, "apps")])})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert strict_json(tmp_path / "r.json")["policy"] == "all"
