@@ -1,9 +1,7 @@
 // attention.cuh -- fused scaled-dot-product attention (FlashAttention-2) for the CUDA backend.
 //
-// Included once by ndarray_backend_cuda.cu, after its section 7: it uses that file's CudaArray, data<T>, dtypes
-// (to_float / from_float, visit_floating), lowbias32, check_size, check_floating, check_kernel, kWarpSize and
-// kFullWarpMask.  src/README.md states the contract (attention_forward, attention_backward); the NumPy reference
-// backend writes the same algorithm as plain loops over tiles, and is the oracle of the tests.
+// src/README.md states the contract (attention_forward, attention_backward); the NumPy reference backend writes
+// the same algorithm as plain loops over tiles, and is the oracle of the tests.
 //
 // One matrix of the batch (one batch element and head) is q (t_q x d), k (t_k x d), v (t_k x d_v), row-major;
 // matrix b starts at b * t_q * d in q, and so on.  A block of kAttnThreads threads (8 warps) works on tiles held
@@ -32,6 +30,21 @@
 // larger head sizes ask for more (cudaFuncAttributeMaxDynamicSharedMemorySize), up to what the GPU offers, and
 // beyond that raise ValueError naming d and d_v.
 #pragma once
+
+#include <cuda_runtime.h>
+#include <pybind11/pybind11.h>
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <initializer_list>
+#include <sstream>
+#include <string>
+
+#include "array.cuh"
+#include "common.cuh"
+#include "dtypes.cuh"
+#include "random.cuh"
 
 namespace needle {
 namespace cuda {

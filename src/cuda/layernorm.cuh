@@ -1,9 +1,7 @@
 // layernorm.cuh -- fused layer normalization for the CUDA backend.
 //
-// Included once by ndarray_backend_cuda.cu, after its section 7: it uses that file's CudaArray, data<T>, dtypes
-// (to_float / from_float, visit_floating), block_reduce / SumReduce, reduce_threads, ScratchBuffer, check_size,
-// check_floating and check_kernel.  src/README.md states the contract (layernorm_forward, layernorm_backward);
-// the NumPy reference backend is the specification.
+// src/README.md states the contract (layernorm_forward, layernorm_backward); the NumPy reference backend is the
+// specification.
 //
 //   layernorm_forward_kernel   one block per row (grid-stride over rows): mean, then the centered sum of squares
 //                              (two block reductions), then each thread writes its elements of the row.
@@ -12,6 +10,20 @@
 //   layernorm_dwdb_kernel      one thread per column: dw and db summed over the rows in order (deterministic).
 // Arithmetic is float32 whatever the storage; results are rounded once when stored.
 #pragma once
+
+#include <cuda_runtime.h>
+#include <pybind11/pybind11.h>
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <initializer_list>
+#include <string>
+
+#include "array.cuh"
+#include "common.cuh"
+#include "dtypes.cuh"
+#include "reduce.cuh"
 
 namespace needle {
 namespace cuda {

@@ -1,0 +1,163 @@
+// optimizer.cuh -- fused optimizer steps: adam_step (Adam's update of one float32 parameter in one pass) and
+// adam8bit_step (8-bit Adam: moments stored block-wise in 8 bits, Dettmers et al. 2021).  Every operation is an
+// IEEE round-to-nearest intrinsic, so the bytes are the NumPy reference's.
+//
+// Kernels first, then the host wrappers.
+#pragma once
+
+#include <cuda_runtime.h>
+#include <pybind11/pybind11.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <utility>
+
+#include "array.cuh"
+#include "common.cuh"
+#include "quantize.cuh"
+#include "reduce.cuh"
+
+namespace needle {
+namespace cuda {
+
+// ---- Adam, fused -----------------------------------------------------------------------------------------
+
+// The hyper-parameters as the element-wise ops see Python floats: each rounded once to float32 (1 - beta in double
+// first).
+struct AdamHyper {
+  float b1, a1, b2, a2, c1, c2, lr, eps;  // beta1, 1 - beta1, beta2, 1 - beta2, 1 - beta1^t, 1 - beta2^t, lr, eps
+};
+
+AdamHyper adam_hyper(double lr, double beta1, double beta2, double eps, double correction1, double correction2) {
+  return {static_cast<float>(beta1), static_cast<float>(1.0 - beta1), static_cast<float>(beta2),
+          static_cast<float>(1.0 - beta2), static_cast<float>(correction1), static_cast<float>(correction2),
+          static_cast<float>(lr), static_cast<float>(eps)};
+}
+
+// adam_step (src/README.md): Adam's update of one float32 parameter, one thread per element (grid-stride), every
+// operation rounded as the element-wise kernels round it (no fused multiply-add).
+__global__ void adam_step_kernel(const float* theta, const float* grad, const float* m, const float* v, float* out,
+                                 float* out_m, float* out_v, int64_t n, bool first, AdamHyper h) {
+  for (int64_t i = first_index(); i < n; i += grid_stride()) {
+    const float g = grad[i], gg = __fmul_rn(g, g);
+    const float mk = first ? __fmul_rn(g, h.a1) : __fadd_rn(__fmul_rn(m[i], h.b1), __fmul_rn(g, h.a1));
+    const float vk = first ? __fmul_rn(gg, h.a2) : __fadd_rn(__fmul_rn(v[i], h.b2), __fmul_rn(gg, h.a2));
+    const float denom = __fadd_rn(__fsqrt_rn(__fdiv_rn(vk, h.c2)), h.eps);
+    out[i] = __fsub_rn(theta[i], __fdiv_rn(__fmul_rn(__fdiv_rn(mk, h.c1), h.lr), denom));
+    out_m[i] = mk;
+    out_v[i] = vk;
+  }
+}
+
+// ---- 8-bit Adam, fused (Dettmers et al. 2021) ----------------------------------------------------------------
+//
+// adam8bit_step (src/README.md): per element, m and v = r * r are dequantized (q_v stores r = sqrt(v)), updated as
+// Adam does, theta updated, and the block's new m and r quantized.  One thread block per quantization block
+// (grid-stride), each thread owning the same elements throughout, in two passes:
+//   1. compute the new m, r and theta (written), and the block's new absmax of m and of r (block_reduce);
+//   2. compute m and r again from the still unchanged bytes (cheaper than holding a block of any size in
+//      shared memory) and write their new bytes.
+// Every operation is an IEEE round-to-nearest intrinsic (no contraction into FMA), so the bytes are the NumPy
+// reference's.
+__device__ void adam8bit_moments(const AdamHyper& h, float m, float r, float g, float* m_out, float* v_out) {
+  *m_out = __fadd_rn(__fmul_rn(m, h.b1), __fmul_rn(g, h.a1));
+  *v_out = __fadd_rn(__fmul_rn(__fmul_rn(r, r), h.b2), __fmul_rn(__fmul_rn(g, g), h.a2));
+}
+
+__global__ void adam8bit_step_kernel(const float* theta, const float* grad, uint8_t* q_m, float* absmax_m,
+                                     uint8_t* q_v, float* absmax_v, const float* code_m, const float* code_v,
+                                     float* out, int64_t n, int64_t block_size, int64_t num_blocks, AdamHyper h) {
+  __shared__ float table_m[kCodeSize], table_v[kCodeSize];
+  for (int j = threadIdx.x; j < kCodeSize; j += blockDim.x) {
+    table_m[j] = code_m[j];
+    table_v[j] = code_v[j];
+  }
+  __syncthreads();
+  for (int64_t b = blockIdx.x; b < num_blocks; b += gridDim.x) {
+    const int64_t begin = b * block_size;
+    const int64_t end = n - begin < block_size ? n : begin + block_size;
+    const float old_m = absmax_m[b], old_r = absmax_v[b];
+    float new_m = 0.0f, new_r = 0.0f;
+    for (int64_t i = begin + threadIdx.x; i < end; i += blockDim.x) {  // pass 1
+      float m, v;
+      adam8bit_moments(h, __fmul_rn(table_m[q_m[i]], old_m), __fmul_rn(table_v[q_v[i]], old_r), grad[i], &m, &v);
+      const float denom = __fadd_rn(__fsqrt_rn(__fdiv_rn(v, h.c2)), h.eps);
+      out[i] = __fsub_rn(theta[i], __fdiv_rn(__fmul_rn(__fdiv_rn(m, h.c1), h.lr), denom));
+      new_m = MaximumOp()(new_m, fabsf(m));
+      new_r = MaximumOp()(new_r, __fsqrt_rn(v));
+    }
+    new_m = block_reduce(new_m, MaxReduce());  // every thread has read old_m, old_r before thread 0 writes
+    new_r = block_reduce(new_r, MaxReduce());
+    if (threadIdx.x == 0) {
+      absmax_m[b] = new_m;
+      absmax_v[b] = new_r;
+    }
+    for (int64_t i = begin + threadIdx.x; i < end; i += blockDim.x) {  // pass 2
+      float m, v;
+      adam8bit_moments(h, __fmul_rn(table_m[q_m[i]], old_m), __fmul_rn(table_v[q_v[i]], old_r), grad[i], &m, &v);
+      const float r = __fsqrt_rn(v);
+      q_m[i] = nearest_code(table_m, new_m == 0.0f ? 0.0f : __fdiv_rn(m, new_m));
+      q_v[i] = nearest_code(table_v, new_r == 0.0f ? 0.0f : __fdiv_rn(r, new_r));
+    }
+  }
+}
+
+// ---- Host wrappers ----------------------------------------------------------------------------------------
+
+void adam_step(const CudaArray& theta, const CudaArray& grad, const CudaArray& m, const CudaArray& v, CudaArray& out,
+               CudaArray& out_m, CudaArray& out_v, bool first, double lr, double beta1, double beta2, double eps,
+               double correction1, double correction2) {
+  const char* fn = "adam_step";
+  check_exact_dtypes(fn, {{"theta", theta, DType::kFloat32},
+                          {"grad", grad, DType::kFloat32},
+                          {"m", m, DType::kFloat32},
+                          {"v", v, DType::kFloat32},
+                          {"out", out, DType::kFloat32},
+                          {"out_m", out_m, DType::kFloat32},
+                          {"out_v", out_v, DType::kFloat32}});
+  for (const auto& [name, size] : {std::pair<const char*, size_t>{"grad", grad.size}, {"m", m.size}, {"v", v.size},
+                                   {"out", out.size}, {"out_m", out_m.size}, {"out_v", out_v.size}})
+    check_size(fn, name, size, theta.size);
+  const int64_t n = as_int64(theta.size);
+  if (n == 0) return;
+  adam_step_kernel<<<grid_for(n), kBlockSize>>>(data<float>(theta), data<float>(grad), data<float>(m), data<float>(v),
+                                                data<float>(out), data<float>(out_m), data<float>(out_v), n, first,
+                                                adam_hyper(lr, beta1, beta2, eps, correction1, correction2));
+  check_kernel(fn);
+}
+
+void adam8bit_step(const CudaArray& theta, const CudaArray& grad, CudaArray& q_m, CudaArray& absmax_m, CudaArray& q_v,
+                   CudaArray& absmax_v, const CudaArray& code_m, const CudaArray& code_v, CudaArray& out,
+                   int64_t block_size, double lr, double beta1, double beta2, double eps, double correction1,
+                   double correction2) {
+  const char* fn = "adam8bit_step";
+  const int64_t blocks = num_quantization_blocks(fn, theta.size, block_size);
+  check_exact_dtypes(fn, {{"theta", theta, DType::kFloat32},
+                          {"grad", grad, DType::kFloat32},
+                          {"q_m", q_m, DType::kUInt8},
+                          {"absmax_m", absmax_m, DType::kFloat32},
+                          {"q_v", q_v, DType::kUInt8},
+                          {"absmax_v", absmax_v, DType::kFloat32},
+                          {"code_m", code_m, DType::kFloat32},
+                          {"code_v", code_v, DType::kFloat32},
+                          {"out", out, DType::kFloat32}});
+  check_size(fn, "grad", grad.size, theta.size);
+  check_size(fn, "q_m", q_m.size, theta.size);
+  check_size(fn, "q_v", q_v.size, theta.size);
+  check_size(fn, "out", out.size, theta.size);
+  check_size(fn, "absmax_m", absmax_m.size, static_cast<size_t>(blocks));
+  check_size(fn, "absmax_v", absmax_v.size, static_cast<size_t>(blocks));
+  check_size(fn, "code_m", code_m.size, kCodeSize);
+  check_size(fn, "code_v", code_v.size, kCodeSize);
+  if (blocks == 0) return;
+  const AdamHyper h = adam_hyper(lr, beta1, beta2, eps, correction1, correction2);
+  const unsigned grid = static_cast<unsigned>(std::min(blocks, kReduceMaxBlocks));
+  adam8bit_step_kernel<<<grid, reduce_threads(static_cast<size_t>(block_size))>>>(
+      data<float>(theta), data<float>(grad), data<uint8_t>(q_m), data<float>(absmax_m), data<uint8_t>(q_v),
+      data<float>(absmax_v), data<float>(code_m), data<float>(code_v), data<float>(out), as_int64(theta.size),
+      block_size, blocks, h);
+  check_kernel(fn);
+}
+
+}  // namespace cuda
+}  // namespace needle
