@@ -109,17 +109,21 @@ def layer_norm(x, w, b, eps):
     n = x.shape[-1] if x.ndim else 0
     if n < 1 or w.shape != (n,) or b.shape != (n,):
         raise ValueError(f"layer_norm: needs x (..., n) with n >= 1, w and b (n,), got {x.shape}, {w.shape}, {b.shape}")
-    f32 = np.float32
-    y = ref.layernorm_rows_forward(x.reshape(-1, n).astype(f32), w.astype(f32), b.astype(f32), eps)
+    t = _layer_norm_dtype(x, w, b)
+    y = ref.layernorm_rows_forward(x.reshape(-1, n).astype(t), w.astype(t), b.astype(t), eps)
     return y.astype(x.dtype).reshape(x.shape)
+
+
+def _layer_norm_dtype(*arrays):
+    """float64 when an operand is float64 (it computes in the dtype it claims), else the contract's float32."""
+    return np.float64 if any(a.dtype == np.float64 for a in arrays) else np.float32
 
 
 def layer_norm_backward(x, w, g, eps):
     """(dx, dw, db) of layer_norm for the output gradient g."""
     x, w, g = np.asarray(x), np.asarray(w), np.asarray(g)
-    n, f32 = x.shape[-1], np.float32
-    dx, dw, db = ref.layernorm_rows_backward(x.reshape(-1, n).astype(f32), w.astype(f32),
-                                             g.reshape(-1, n).astype(f32), eps)
+    n, t = x.shape[-1], _layer_norm_dtype(x, w, g)
+    dx, dw, db = ref.layernorm_rows_backward(x.reshape(-1, n).astype(t), w.astype(t), g.reshape(-1, n).astype(t), eps)
     return dx.astype(x.dtype).reshape(x.shape), dw.astype(w.dtype), db.astype(w.dtype)
 
 

@@ -717,30 +717,34 @@ def _check_layernorm(fn, rows, n, eps, arrays):
 
 
 def layernorm_rows(x, eps):
-    """float32 (mean, rstd) of each row of x (rows, n): rstd = 1 / sqrt(mean((x - mean)^2) + eps)."""
-    mean = x.sum(axis=1, dtype=np.float32) / np.float32(x.shape[1])
+    """(mean, rstd) of each row of x (rows, n) in x's dtype (float32: the contract; float64 under
+    NEEDLE_BACKEND=np): rstd = 1 / sqrt(mean((x - mean)^2) + eps)."""
+    t = x.dtype.type
+    mean = x.sum(axis=1, dtype=t) / t(x.shape[1])
     centered = x - mean[:, None]
-    var = (centered * centered).sum(axis=1, dtype=np.float32) / np.float32(x.shape[1])
-    return mean, np.float32(1) / np.sqrt(var + np.float32(eps))
+    var = (centered * centered).sum(axis=1, dtype=t) / t(x.shape[1])
+    return mean, t(1) / np.sqrt(var + t(eps))
 
 
 def layernorm_rows_forward(x, w, b, eps):
-    """Layer norm of the float32 rows of x (rows, n) with float32 w, b (n,): the contract's arithmetic."""
+    """Layer norm of the rows of x (rows, n) with w, b (n,), all float32 (the contract's arithmetic) or all
+    float64."""
     with np.errstate(all="ignore"):
         mean, rstd = layernorm_rows(x, eps)
         return (x - mean[:, None]) * rstd[:, None] * w + b
 
 
 def layernorm_rows_backward(x, w, g, eps):
-    """(dx, dw, db) in float32 for the float32 rows of x and g (rows, n) and w (n,)."""
+    """(dx, dw, db) for the rows of x and g (rows, n) and w (n,), all float32 (the contract) or all float64."""
+    t = x.dtype.type
     with np.errstate(all="ignore"):
         mean, rstd = layernorm_rows(x, eps)
         xhat = (x - mean[:, None]) * rstd[:, None]
         gw = g * w
-        c1 = gw.sum(axis=1, dtype=np.float32) / np.float32(x.shape[1])
-        c2 = (gw * xhat).sum(axis=1, dtype=np.float32) / np.float32(x.shape[1])
+        c1 = gw.sum(axis=1, dtype=t) / t(x.shape[1])
+        c2 = (gw * xhat).sum(axis=1, dtype=t) / t(x.shape[1])
         dx = (gw - c1[:, None] - xhat * c2[:, None]) * rstd[:, None]
-        return dx, (g * xhat).sum(axis=0, dtype=np.float32), g.sum(axis=0, dtype=np.float32)
+        return dx, (g * xhat).sum(axis=0, dtype=t), g.sum(axis=0, dtype=t)
 
 
 def layernorm_forward(x, w, b, out, rows, n, eps):
