@@ -347,6 +347,51 @@ def test_an_uncaught_error_on_one_rank_ends_the_whole_job_instead_of_hanging():
     assert code != 0 and "rank 1 fails alone" in out and "not reached" not in out, out
 
 
+
+# ----- ranks that go different ways: an error on every rank still running, never a hang -----------------------------
+FAILURES = os.path.join(SCRIPTS, "failures.py")
+# case: {rank: what its error says}; the job runs with a 3 s timeout (failures.py) and must end well before 30 s
+FAILURE_MESSAGES = {
+    "exit_early": {1: ["all_reduce (collective #1) on rank 1", "rank 0 has exited"]},
+    "silent_rank": {1: ["all_reduce (collective #1) on rank 1", "timed out after 3 s", "rank 0 did not arrive"]},
+    "uneven_data": {1: ["DataParallel bucket 1 of 1 (all_reduce, collective #", "on rank 1", "rank 0 has exited"]},
+    "extra_backward": {r: [f"on rank {r}", "rank 0: all_reduce of shape (58,) float32 (mean), backward pass 1 "
+                                           "since its forward", "rank 1: all_reduce of shape (58,) float32 (mean), "
+                                           "backward pass 2 since its forward"] for r in (0, 1)},
+    "different_collectives": {r: [f"(collective #1) on rank {r}", "rank 0: barrier",
+                                  "rank 1: all_reduce of shape (3,) float32 (sum)"] for r in (0, 1)},
+    "all_reduce_shapes": {r: [f"all_reduce (collective #1) on rank {r}", "rank 0: all_reduce of shape (3,) float32",
+                              "rank 1: all_reduce of shape (5,) float32"] for r in (0, 1)},
+    "reduce_scatter_sizes": {r: [f"reduce_scatter (collective #1) on rank {r}", "of shape (4,) float32",
+                                 "of shape (6,) float32"] for r in (0, 1)},
+    "all_gather_shapes": {r: [f"all_gather (collective #1) on rank {r}", "of shape (2,) float32",
+                              "of shape (3,) float32"] for r in (0, 1)},
+    "broadcast_dtypes": {r: [f"broadcast (collective #1) on rank {r}", "of shape (3,) float32",
+                             "of shape (3,) float16"] for r in (0, 1)},
+    "bucket_sizes": {r: ["DataParallel bucket 1 of ", f"on rank {r}", "rank 0: all_reduce of shape (58,)",
+                         "rank 1: all_reduce of shape (26,)"] for r in (0, 1)},
+    "recv_timeout": {1: ["recv from rank 0 (tag 5) on rank 1 timed out after 3 s"]},
+}
+
+
+@needs_mpi
+@pytest.mark.parametrize("case", sorted(FAILURE_MESSAGES))
+def test_ranks_that_go_different_ways_end_the_job_with_an_error_naming_the_collective(case):
+    code, out = mpiexec(FAILURES, case, timeout=30)  # a hang fails the test after 30 s
+    assert code != 0, out
+    for r, parts in FAILURE_MESSAGES[case].items():
+        assert f"rank {r} finished" not in out, out
+        lines = [line for line in out.splitlines() if f"on rank {r}" in line]
+        assert any(all(part in line for part in parts) for line in lines), (case, r, parts, out)
+
+
+@needs_mpi
+def test_join_lets_ranks_with_uneven_batches_end_together_with_the_one_process_parameters():
+    code, out = mpiexec(FAILURES, "join", timeout=60)
+    assert code == 0, out
+    assert "rank 0 ok join ran 3 batches" in out and "rank 1 ok join ran 5 batches" in out, out
+
+
 def _tiny_gc_flags(tmp_path, batch_size=4):
     folder = tmp_path / "ptb"  # a tiny corpus: the tests need no data from outside
     folder.mkdir()

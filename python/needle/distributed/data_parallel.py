@@ -47,6 +47,7 @@ from . import comm
 
 __all__ = ["DataParallel", "batchify", "split_batch"]
 
+PASS_FORMAT = "backward pass {} since its forward"  # what a bucket's tag is, in error messages
 # parameter -> the DataParallel that reduces its gradient (ZeroRedundancyOptimizer looks it up)
 _WRAPPER = weakref.WeakKeyDictionary()
 
@@ -63,7 +64,7 @@ def check_same_model(what, named_tensors):
     One all-gather of the lists: every rank compares the same lists and so raises the same error (no rank is
     left waiting in a collective that the others never reach)."""
     mine = [(name, tuple(int(s) for s in t.shape), str(t.dtype)) for name, t in named_tensors]
-    everyone = comm.all_gather_object(mine)
+    everyone = comm.all_gather_object(mine, label=f"{what}'s model check")
     for r, theirs in enumerate(everyone[1:], 1):
         if theirs == everyone[0]:
             continue
@@ -100,19 +101,31 @@ class DataParallel(Module):
         self.bucket_mb = bucket_mb
         named = module.named_parameters()
         check_same_model("DataParallel", named + module.named_buffers())
-        everything = [t for _, t in named + module.named_buffers()]
-        if comm.world_size() > 1 and everything:
-            flat = comm.broadcast_buffer(np.concatenate([_host(t).astype(np.float32).reshape(-1) for t in everything]))
-            offset = 0
-            for t in everything:
-                size = int(np.prod(t.shape))
-                _set_value(t, flat[offset:offset + size])
-                offset += size
+        self._broadcast_state(root=0)
         params = [p for _, p in named if p.requires_grad]
         self._reducer = _Reducer(params, int(bucket_mb * 2**20))
         self._unhook = [p.register_grad_hook(self._reducer.on_grad) for p in params]
         for p in params:
             _WRAPPER[p] = weakref.ref(self)
+
+    def _broadcast_state(self, root):
+        """Rank `root`'s parameters and buffers copied to every rank (one broadcast of them all, in float32)."""
+        everything = [t for _, t in self.module.named_parameters() + self.module.named_buffers()]
+        if comm.world_size() == 1 or not everything:
+            return
+        flat = np.concatenate([_host(t).astype(np.float32).reshape(-1) for t in everything])
+        comm.broadcast_buffer(flat, root, label=f"DataParallel's parameter broadcast from rank {root}")
+        offset = 0
+        for t in everything:
+            size = int(np.prod(t.shape))
+            _set_value(t, flat[offset:offset + size])
+            offset += size
+
+    @property
+    def reducer(self):
+        """The gradient reducer behind the grad hooks (ZeroRedundancyOptimizer switches it to reduce-scatter and
+        takes its gradient shard)."""
+        return self._reducer
 
     def unwrap(self):
         """The wrapped model, its parameters' grad hooks removed: backward is plain needle's again."""
@@ -150,6 +163,17 @@ class DataParallel(Module):
             yield
         finally:
             self._reducer.sync = previous
+
+    @contextlib.contextmanager
+    def join(self):
+        """Uneven inputs: `with model.join(): for batch in my_batches: ...`. A rank whose loop ends first shadows
+        the others' collectives (its buckets contribute zeros) until every rank's loop has ended; then every rank
+        takes the parameters of the rank that trained longest. See the module docstring."""
+        if self._reducer.partition is not None:
+            raise ValueError("DataParallel.join(): not with ZeroRedundancyOptimizer(stage=2) (a rank out of data "
+                             "cannot update its shard of the parameters)")
+        yield self
+        self._broadcast_state(root=comm.shadow_until_all_joined())
 
     def last_sync_stats(self):
         """The last synchronizing backward: buckets, bytes reduced per rank, buckets started before backward's
@@ -230,6 +254,7 @@ class _Reducer:
             self.buckets.append(_Bucket(current, params))
         self.bucket_of = {i: b for b in self.buckets for i in b.indices}
         self.unused = set()
+        self.passes_since_forward = 0  # the ranks' buckets must agree on it: an extra backward on one rank is an error
         self.stats = {}
         self.buffer_bytes = 0
         self._copy_seconds = 0.0
@@ -248,6 +273,7 @@ class _Reducer:
         """Before a backward through `outputs`: the parameters it will not reach get a zero gradient."""
         used = {id(n) for n in find_topo_sort(outputs) if n.is_leaf()}
         self.unused = {i for i, p in enumerate(self.params) if id(p) not in used}
+        self.passes_since_forward = 0
         self._reset()
 
     def _reset(self):
@@ -293,6 +319,7 @@ class _Reducer:
             self._reset()
 
     def _first_gradient(self):
+        self.passes_since_forward += 1
         if self.sync:
             self.stats = {"buckets": len(self.buckets), "bytes": 0, "started_before_last_gradient": 0,
                           "wait_seconds": 0.0, "buffer_peak_bytes": self.buffer_bytes,
@@ -329,10 +356,13 @@ class _Reducer:
             b = self.buckets[self.next_launch]
             if b.ready < b.expected:
                 return
+            label, tag = f"DataParallel bucket {self.next_launch + 1} of {len(self.buckets)}", self.passes_since_forward
             if self.partition is None:
-                b.pending = comm.all_reduce_buffer(b.buffer, "mean", async_op=True)
+                b.pending = comm.all_reduce_buffer(b.buffer, "mean", async_op=True, label=label, tag=tag,
+                                                   tag_format=PASS_FORMAT)
             else:
-                b.pending = comm.reduce_scatter_buffer(b.buffer, b.counts(comm.world_size()), "mean")
+                b.pending = comm.reduce_scatter_buffer(b.buffer, b.counts(comm.world_size()), "mean", label=label,
+                                                       tag=tag, tag_format=PASS_FORMAT)
             self.stats["bytes"] += b.buffer.nbytes
             self.stats["started_before_last_gradient"] += len(self.seen) < len(self.params)
             self.next_launch += 1
