@@ -62,6 +62,7 @@ __all__ = [
     "all_gather_object",
     "all_reduce",
     "all_reduce_buffer",
+    "announce",
     "barrier",
     "broadcast",
     "broadcast_buffer",
@@ -315,10 +316,11 @@ class _Then(Pending):
 
 class _Collective(Pending):
     """A collective from its arrival notice to its result: announced (notice sent to every peer, theirs awaited),
-    begun (every notice in and agreeing: the MPI call started, `start(contributors, table)` -> (request, finish)),
-    done. Only the oldest announced collective may begin: MPI needs the same order on every rank."""
+    begun (every notice in and agreeing, and its data given: the MPI call started, `start(contributors, table)` ->
+    (request, finish)), done. Only the oldest announced collective may begin: MPI needs the same order on every
+    rank. `start` is None for one announced ahead of its data (`announce`), until `give_data` passes it."""
 
-    def __init__(self, world, notice, label, start, tag_format=None):
+    def __init__(self, world, notice, label, start, tag_format=None, ahead=False):
         if world.failed is not None:
             what = label or KINDS[notice[KIND]]
             raise CollectiveError(f"needle.distributed: {what} on rank {world.rank}: an earlier collective failed "
@@ -334,11 +336,20 @@ class _Collective(Pending):
         mine = self.table[world.rank]
         world.outgoing += [(world.notices.Isend(mine, dest=r, tag=NOTICE_TAG), mine) for r in world.peers]
         self.inbox = [world.notices.Irecv(self.table[r], source=r, tag=NOTICE_TAG) for r in world.peers]
-        self.request, self.begun = None, False
+        self.request, self.begun, self.ahead = None, False, ahead
         world.queue.append(self)
 
+    def give_data(self, notice, start):
+        """The data of a collective announced ahead: `notice` (what it turned out to be) must be what was announced."""
+        announced = self.table[self.world.rank]
+        if not np.array_equal(notice[KIND:], announced[KIND:]):
+            raise ValueError(f"needle.distributed: {self.name} was announced as {describe(announced)} but is given "
+                             f"{describe(notice)}")
+        self.start, self.ahead = start, False
+        return self
+
     def arrived(self):
-        return self.world.MPI.Request.Testall(self.inbox)
+        return not self.ahead and self.world.MPI.Request.Testall(self.inbox)
 
     def _error(self, kind, reason):
         return self.world.fail(kind(f"needle.distributed: {self.name} on rank {self.world.rank}: {reason}"))
@@ -395,13 +406,29 @@ class _Collective(Pending):
             + ". Every rank must call the same collectives in the same order (uneven data: DataParallel.join)")
 
 
-def _collective(notice, label, start, tag_format=None):
-    """Announce and (when its turn comes) run a collective; a job of one runs it at once. Returns a Pending."""
+def _collective(notice, label, start, tag_format=None, announced=None):
+    """Announce (unless `announced` did) and, when its turn comes, run a collective; a job of one runs it at once.
+    Returns a Pending."""
     world = _get()
     if world.size == 1:
         request, finish = start(1, notice[None])
         return Pending(finish=finish)
+    if announced is not None:
+        return announced.give_data(notice, start)
     return _Collective(world, notice, label, start, tag_format)
+
+
+def announce(kind, size, dtype, op, counts=None, label=None, tag=0, tag_format=None):
+    """Send the arrival notice of a 1-D buffer's all_reduce or reduce_scatter before its data exists, so that the
+    other ranks' notices are in by the time it does, and the collective starts the moment its data is given (pass
+    the returned ticket as `announced=` to all_reduce_buffer / reduce_scatter_buffer). DataParallel announces all
+    its buckets at a backward pass's first gradient: checking the notices then costs no time at each bucket.
+    Collectives start in the order they were announced. None in a job of one."""
+    world = _get()
+    if world.size == 1:
+        return None
+    notice = make_notice(kind, dtype, op, size=size, shape=(size,), counts=counts, tag=tag)
+    return _Collective(world, notice, label, None, tag_format, ahead=True)
 
 
 def _shadow(world, notice):
@@ -600,17 +627,17 @@ def _check_peer(world, peer, what):
 
 
 # ----- NumPy buffers: what DataParallel, ZeRO and Pipeline move -----------------------------------------------------
-def all_reduce_buffer(buffer, op="sum", async_op=False, label=None, tag=0, tag_format=None):
+def all_reduce_buffer(buffer, op="sum", async_op=False, label=None, tag=0, tag_format=None, announced=None):
     """Reduce a contiguous NumPy `buffer` over all ranks in place (MPI_Iallreduce); "mean" divides by the ranks
     that contributed (the world size, less ranks that have joined) after the sum. Returns the buffer, or with
     `async_op` a Pending whose wait() returns it. `label` names the collective in errors; `tag` is an integer the
-    ranks must agree on, `tag_format` ("backward pass {}") says what it is."""
+    ranks must agree on, `tag_format` ("backward pass {}") says what it is; `announced`: the ticket of `announce`."""
     notice = make_notice("all_reduce", str(buffer.dtype), op, size=buffer.size, shape=buffer.shape, tag=tag)
-    pending = _all_reduce(buffer, op, notice, label, tag_format)
+    pending = _all_reduce(buffer, op, notice, label, tag_format, announced)
     return pending if async_op else pending.wait()
 
 
-def _all_reduce(buffer, op, notice, label=None, tag_format=None):
+def _all_reduce(buffer, op, notice, label=None, tag_format=None, announced=None):
     world = _get()
     mpi_op = _op(world, op)
 
@@ -624,19 +651,19 @@ def _all_reduce(buffer, op, notice, label=None, tag_format=None):
 
         return request, finish
 
-    return _collective(notice, label, start, tag_format)
+    return _collective(notice, label, start, tag_format, announced)
 
 
-def reduce_scatter_buffer(buffer, counts, op="sum", label=None, tag=0, tag_format=None):
+def reduce_scatter_buffer(buffer, counts, op="sum", label=None, tag=0, tag_format=None, announced=None):
     """Reduce a 1-D NumPy `buffer` over all ranks and give rank r only elements [sum(counts[:r]), sum(counts[:r+1]))
     of the result (MPI_Ireduce_scatter: counts may differ, and be 0). Returns a Pending whose wait() gives this
-    rank's part, a new NumPy array of counts[rank()] elements. `label`, `tag`: as for all_reduce_buffer."""
+    rank's part, a new NumPy array of counts[rank()] elements. `label`, `tag`, `announced`: as for all_reduce_buffer."""
     notice = make_notice("reduce_scatter", str(buffer.dtype), op, size=buffer.size, shape=buffer.shape,
                          counts=counts, tag=tag)
-    return _reduce_scatter(buffer, counts, op, notice, label, tag_format)
+    return _reduce_scatter(buffer, counts, op, notice, label, tag_format, announced)
 
 
-def _reduce_scatter(buffer, counts, op, notice, label=None, tag_format=None):
+def _reduce_scatter(buffer, counts, op, notice, label=None, tag_format=None, announced=None):
     world = _get()
     mpi_op = _op(world, op)
     if len(counts) != world.size or sum(counts) != buffer.size:
@@ -658,7 +685,7 @@ def _reduce_scatter(buffer, counts, op, notice, label=None, tag_format=None):
 
         return request, finish
 
-    return _collective(notice, label, start, tag_format)
+    return _collective(notice, label, start, tag_format, announced)
 
 
 def broadcast_buffer(buffer, root=0, label=None):

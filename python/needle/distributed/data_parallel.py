@@ -210,6 +210,7 @@ class _Bucket:
         self.buffer = None  # allocated by the pass's first gradient, dropped when the reduction is done
         self.accumulated = False  # the buffer holds the sum of no_sync passes
         self.ready = self.expected = 0
+        self.ticket = None  # the reduction's arrival notice, sent at the pass's first gradient (comm.announce)
         self.pending = None
 
     def layout(self, partition):
@@ -321,6 +322,7 @@ class _Reducer:
     def _first_gradient(self):
         self.passes_since_forward += 1
         if self.sync:
+            self._announce()
             self.stats = {"buckets": len(self.buckets), "bytes": 0, "started_before_last_gradient": 0,
                           "wait_seconds": 0.0, "buffer_peak_bytes": self.buffer_bytes,
                           "first_gradient": time.perf_counter()}
@@ -350,19 +352,32 @@ class _Reducer:
         if i not in self.unused:
             b.ready += 1
 
+    def _announce(self):
+        """Send the notices of every bucket's reduction now, so that the other ranks' are in when a bucket is ready
+        and its reduction starts at once (the checks cost no wait)."""
+        n = comm.world_size()
+        for k, b in enumerate(self.buckets):
+            label = f"DataParallel bucket {k + 1} of {len(self.buckets)}"
+            if self.partition is None:
+                b.ticket = comm.announce("all_reduce", b.size, "float32", "mean", label=label,
+                                         tag=self.passes_since_forward, tag_format=PASS_FORMAT)
+            else:
+                b.ticket = comm.announce("reduce_scatter", b.size, "float32", "mean", counts=b.counts(n), label=label,
+                                         tag=self.passes_since_forward, tag_format=PASS_FORMAT)
+
     def _launch_ready(self):
         """Start the reductions of complete buckets, in bucket order (the same order on every rank)."""
         while self.next_launch < len(self.buckets):
             b = self.buckets[self.next_launch]
             if b.ready < b.expected:
                 return
-            label, tag = f"DataParallel bucket {self.next_launch + 1} of {len(self.buckets)}", self.passes_since_forward
+            tag = self.passes_since_forward
             if self.partition is None:
-                b.pending = comm.all_reduce_buffer(b.buffer, "mean", async_op=True, label=label, tag=tag,
-                                                   tag_format=PASS_FORMAT)
+                b.pending = comm.all_reduce_buffer(b.buffer, "mean", async_op=True, tag=tag, announced=b.ticket)
             else:
-                b.pending = comm.reduce_scatter_buffer(b.buffer, b.counts(comm.world_size()), "mean", label=label,
-                                                       tag=tag, tag_format=PASS_FORMAT)
+                b.pending = comm.reduce_scatter_buffer(b.buffer, b.counts(comm.world_size()), "mean", tag=tag,
+                                                       announced=b.ticket)
+            b.ticket = None
             self.stats["bytes"] += b.buffer.nbytes
             self.stats["started_before_last_gradient"] += len(self.seen) < len(self.params)
             self.next_launch += 1
