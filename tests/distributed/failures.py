@@ -118,6 +118,27 @@ def recv_timeout():
         dist.recv(0, tag=5)
 
 
+def send_timeout():
+    """Rank 0 sends 4 MB (too large to be buffered: it waits for a receive) that rank 1 never receives."""
+    if RANK == 0:
+        dist.send(DEVICE.full((2**20,), 1.0), 1, tag=2).wait()
+    else:
+        time.sleep(60)
+
+
+def caught_error():
+    """Both ranks catch the error and end normally: the job still ends with status 1, and the next collective
+    raises at once."""
+    try:
+        all_reduce_shapes()
+    except dist.CollectiveMismatch as err:
+        say(f"caught {err}")
+    try:
+        dist.barrier()
+    except dist.CollectiveError as err:
+        say(f"caught again {err}")
+
+
 def join():
     """3 batches on rank 0, 5 on rank 1, under join(): both end with the parameters of the one-process arithmetic:
     steps 1-3 the mean of both ranks' gradients, steps 4-5 rank 1's alone (the ranks still training)."""
@@ -154,7 +175,8 @@ def join():
 
 CASES = {f.__name__: f for f in (exit_early, silent_rank, uneven_data, extra_backward, different_collectives,
                                  all_reduce_shapes, reduce_scatter_sizes, all_gather_shapes, broadcast_dtypes,
-                                 bucket_sizes, recv_timeout, join)}
+                                 bucket_sizes, recv_timeout, send_timeout, caught_error,
+                                 join)}
 
 if __name__ == "__main__":
     dist.set_timeout(TIMEOUT)

@@ -10,6 +10,14 @@
   gradients (stage 2) partitioned across the ranks.
 - `Pipeline(stages, micro_batches)`: GPipe, one stage per rank, activations sent point-to-point.
 
+No hang, no silent garbage (`notices`): every collective first sends each other rank an arrival notice (its
+kind, shape, dtype, op, root) and checks everyone's before data moves. Ranks that called different collectives,
+or passed different shapes or dtypes, raise `CollectiveMismatch` on every rank, naming each rank's call; a rank
+that does not arrive within `get_timeout()` seconds (`set_timeout(seconds)`, default 300) is named in a
+`CollectiveTimeout` ("rank 0 did not arrive"), one that has exited at once; send/recv time out alike. After such
+an error the job ends with exit status 1 (MPI_Abort), caught or not. Uneven inputs: `with model.join(): ...`
+(DataParallel), where ranks out of data shadow the others' collectives until every rank is done.
+
 Importing this package imports no MPI; `init()` (called by everything that communicates) does, under mpiexec.
 """
 from . import comm

@@ -359,11 +359,10 @@ class _Collective(Pending):
         world, table = self.world, self.table
         world.sweep()
         for r in world.peers:
-            world.last[r] = table[r].copy()
-        for r in world.peers:
             if KINDS[table[r][KIND]] == "exit":
-                raise self._error(CollectiveError, f"rank {r} has exited (after its collective #{table[r][SEQ]}) "
-                                                   f"without calling this one")
+                raise self._error(CollectiveError, f"rank {r} has exited ({_last_words(world, r)}) without calling "
+                                                   f"this one")
+            world.last[r] = table[r].copy()
         live = [r for r in range(world.size) if KINDS[table[r][KIND]] != "joined"]
         if not live:  # everyone is out of data: DataParallel.join ends; each rank's tag says when it joined
             self._finish, self.begun = (lambda: [int(t) for t in table[:, TAG]]), True
@@ -399,11 +398,15 @@ class _Collective(Pending):
             return self._error(CollectiveTimeout, f"timed out after {_timeout:g} s: every rank arrived, but the "
                                                   f"transfer did not complete")
         missing = [r for r, request in zip(self.world.peers, self.inbox) if not request.Test()]
-        last = self.world.last
         return self._error(CollectiveTimeout, f"timed out after {_timeout:g} s: " + "; ".join(
-            f"rank {r} did not arrive (" + (f"its last collective: #{last[r][SEQ]}, {describe(last[r])}" if r in last
-                                            else "it has called none") + ")" for r in missing)
+            f"rank {r} did not arrive ({_last_words(self.world, r)})" for r in missing)
             + ". Every rank must call the same collectives in the same order (uneven data: DataParallel.join)")
+
+
+def _last_words(world, peer):
+    """What this rank last heard of `peer`'s collectives: "its last collective: #4, barrier"."""
+    last = world.last.get(peer)
+    return "it has called no collective" if last is None else f"its last collective: #{last[SEQ]}, {describe(last)}"
 
 
 def _collective(notice, label, start, tag_format=None, announced=None):

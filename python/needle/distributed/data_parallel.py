@@ -28,6 +28,26 @@ the running sum itself: backward passes inside `with model.no_sync():` only add 
 averages the sum across ranks: one synchronization per k micro-batches. Scale each micro-batch's loss by 1/k
 for the mean.
 
+Checks (comm, notices): every bucket's reduction is announced to the other ranks (its size, and the number of
+backward passes since the forward, which must agree: an extra backward on one rank is a CollectiveMismatch on
+every rank instead of pairing with the other rank's next step). The notices of all buckets go out at a
+synchronizing pass's first gradient, so the other ranks' are in when a bucket is ready and its reduction starts
+at once. A rank that leaves early, or runs one step fewer without join(), is named by the others' error.
+
+`join()`: uneven inputs, as PyTorch's Join.
+
+    with model.join():
+        for X, y in my_batches:                      # ranks may have different numbers of batches
+            opt.reset_grad(); loss_fn(model(X), y).backward(); opt.step()
+
+A rank whose loop ends first shadows the others' collectives (a bucket all-reduce: zeros; a barrier) until every
+rank's loop has ended. The averaged gradient is the mean over the ranks still training (a "mean" all-reduce
+divides by the ranks that contributed: PyTorch's `divide_by_initial_world_size=False`; its default would divide
+by all ranks, so the steps after a rank joined take a smaller step). When all have joined, every rank takes the
+parameters and buffers of the rank that joined last (the one that trained longest), so all leave identical; the
+optimizer state of a rank that joined early missed those steps, as in PyTorch. Only all_reduce and barrier can
+be shadowed: ZeRO (its all-gather of updated shards) cannot be joined.
+
 Parameters that a forward pass does not use get a zero gradient from this rank (found by walking the graph of the
 outputs of `model(...)` or of any method called through the wrapper, e.g. `model.loss(x, y)`), so no bucket
 waits for them. A backward through a graph that was not built through the wrapper must use every parameter.
