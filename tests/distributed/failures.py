@@ -146,8 +146,12 @@ def join():
     model = dist.DataParallel(build())
     opt = ndl.optim.SGD(model.parameters(), lr=0.1)
     with model.join():
-        for X, y in mine:
+        for j, (X, y) in enumerate(mine):
             step(model, opt, X, y)
+            # other all-reduces are shadowed too: a mean over the ranks still training, a max that ignores rank 0
+            mean = dist.all_reduce(DEVICE.full((2,), float(RANK + 1)), op="mean").numpy()
+            top = dist.all_reduce(DEVICE.full((2,), float(-RANK - 1)), op="max").numpy()
+            assert (mean == (1.5 if j < 3 else 2.0)).all() and (top == (-1.0 if j < 3 else -2.0)).all(), (j, mean, top)
     got = [p.numpy() for p in model.parameters()]
 
     ref = build()

@@ -189,17 +189,16 @@ def init():
     except ImportError as err:
         raise ImportError("needle.distributed: this process was started by mpiexec, but mpi4py is not installed: "
                           'pip install -e ".[distributed]" (mpi4py and MPICH from wheels)') from err
-    world = MPI.COMM_WORLD
-    if world.Get_size() == 1:
-        _world = _World(world, MPI)
-        return
-    notices, request = world.Idup()  # a collective too: a rank that never starts must not hang the others
-    _wait_until(request.Test, lambda: CollectiveTimeout(
-        f"needle.distributed: init on rank {world.Get_rank()} timed out after {_timeout:g} s: not every rank of the "
-        f"{world.Get_size()} started needle.distributed"))
-    _world = _World(world, MPI, notices)
-    _abort_on_uncaught_exception(_world)
-    atexit.register(_at_exit, _world)
+    world = _World(MPI.COMM_WORLD, MPI)
+    if world.size > 1:
+        _abort_on_uncaught_exception(world)
+        notices, request = world.comm.Idup()  # a collective too: a rank that never starts must not hang the others
+        _wait_until(request.Test, lambda: CollectiveTimeout(
+            f"needle.distributed: init on rank {world.rank} timed out after {_timeout:g} s: not every rank of the "
+            f"{world.size} started needle.distributed"))
+        world.notices = notices
+        atexit.register(_at_exit, world)
+    _world = world
 
 
 def _abort(world):
@@ -441,12 +440,10 @@ def _shadow(world, notice):
         return world.comm.Ibarrier(), None
     op = OPS[notice[OP]]
     dtype = _arith(np.empty(0, _numpy_dtype(dtype_name(notice)))).dtype
-    if op in ("sum", "mean"):
-        identity = 0
-    else:
-        info = np.finfo(dtype) if dtype.kind == "f" else np.iinfo(dtype)
-        identity = -np.inf if op == "max" and dtype.kind == "f" else np.inf if dtype.kind == "f" else \
-            info.min if op == "max" else info.max
+    identity = 0  # sum, mean: zeros (and the mean divides by the ranks that contributed)
+    if op in ("max", "min"):  # the value every contribution beats
+        low, high = (-np.inf, np.inf) if dtype.kind == "f" else (np.iinfo(dtype).min, np.iinfo(dtype).max)
+        identity = low if op == "max" else high
     buffer = np.full(int(notice[SIZE]), identity, dtype)
     return world.comm.Iallreduce(world.MPI.IN_PLACE, buffer, _op(world, op)), buffer
 
