@@ -157,6 +157,56 @@ def test_collectives_in_a_job_of_one_return_the_input():
         dist.send(x, 1)
 
 
+def test_the_timeout_is_set_read_and_checked():
+    previous = dist.get_timeout()
+    assert previous == comm.DEFAULT_TIMEOUT == 300
+    try:
+        dist.set_timeout(2.5)
+        assert dist.get_timeout() == 2.5
+        for bad in (0, -1, float("nan"), float("inf"), "5", True, None):
+            with pytest.raises(ValueError, match="seconds must be a positive finite number"):
+                dist.set_timeout(bad)
+        assert dist.get_timeout() == 2.5
+    finally:
+        dist.set_timeout(previous)
+
+
+def test_arrival_notices_agree_only_on_the_same_call_and_name_each_ranks_call():
+    from needle.distributed import notices
+
+    three = notices.make_notice("all_reduce", "float32", "sum", size=3, shape=(3,))
+    five = notices.make_notice("all_reduce", "float32", "sum", size=5, shape=(5,))
+    later = three.copy()
+    later[notices.SEQ] = 7  # sequence numbers are this rank's own count: not compared
+    assert notices.disagreement(np.stack([three, later]), [0, 1]) is None
+    assert notices.disagreement(np.stack([three, five]), [0, 1]) == (
+        "rank 0: all_reduce of shape (3,) float32 (sum); rank 1: all_reduce of shape (5,) float32 (sum)")
+    half = notices.make_notice("all_reduce", "float16", "sum", size=3, shape=(3,))
+    assert "float16" in notices.disagreement(np.stack([three, half]), [0, 1])
+    barrier = notices.make_notice("barrier")
+    assert notices.disagreement(np.stack([barrier, three]), [0, 1]).startswith("rank 0: barrier; rank 1: all_reduce")
+    # pickled objects differ in size by design; buffers gathered with different counts lists do not agree
+    objects = [notices.make_notice("all_gather_object", size=n) for n in (10, 20)]
+    assert notices.disagreement(np.stack(objects), [0, 1]) is None
+    gathers = [notices.make_notice("all_gather", "float32", size=6, counts=c) for c in ([3, 3], [2, 4])]
+    assert "counts checksum" in notices.disagreement(np.stack(gathers), [0, 1])
+    with pytest.raises(ValueError, match="op must be one of"):
+        notices.make_notice("all_reduce", "float32", "product")
+
+
+def test_join_in_one_process_changes_nothing_and_is_refused_under_zero_2():
+    model = dist.DataParallel(build_mlp())
+    opt = ndl.optim.Adam(model.parameters(), lr=0.01)
+    with model.join():
+        got = train(model, opt)
+    assert all(np.array_equal(a, b) for a, b in zip(got, reference()))
+    zero = dist.DataParallel(build_mlp())
+    dist.ZeroRedundancyOptimizer(zero.parameters(), ndl.optim.Adam, stage=2, lr=0.01)
+    with pytest.raises(ValueError, match="not with ZeroRedundancyOptimizer"):
+        with zero.join():
+            pass
+
+
 def test_mpiexec_is_found_next_to_python_or_on_path():
     path = comm.mpiexec_path()
     if _mpi_available():
@@ -356,6 +406,62 @@ def test_an_uncaught_error_on_one_rank_ends_the_whole_job_instead_of_hanging():
     # an error status and rank 1's error in the output, and rank 0 never gets past its barrier
     code, out = mpiexec(os.path.join(SCRIPTS, "bad_use.py"), "uncaught", timeout=60)
     assert code != 0 and "rank 1 fails alone" in out and "not reached" not in out, out
+
+
+
+# ----- ranks that go different ways: an error on every rank still running, never a hang -----------------------------
+FAILURES = os.path.join(SCRIPTS, "failures.py")
+# case: {rank: what its error says}; the job runs with a 3 s timeout (failures.py) and must end well before 30 s
+FAILURE_MESSAGES = {
+    "exit_early": {1: ["all_reduce (collective #1) on rank 1", "rank 0 has exited"]},
+    "silent_rank": {1: ["all_reduce (collective #1) on rank 1", "timed out after 3 s", "rank 0 did not arrive"]},
+    "uneven_data": {1: ["DataParallel bucket 1 of 1 (all_reduce, collective #", "on rank 1", "rank 0 has exited"]},
+    "extra_backward": {r: [f"on rank {r}", "rank 0: all_reduce of shape (58,) float32 (mean), backward pass 1 "
+                                           "since its forward", "rank 1: all_reduce of shape (58,) float32 (mean), "
+                                           "backward pass 2 since its forward"] for r in (0, 1)},
+    "different_collectives": {r: [f"(collective #1) on rank {r}", "rank 0: barrier",
+                                  "rank 1: all_reduce of shape (3,) float32 (sum)"] for r in (0, 1)},
+    "all_reduce_shapes": {r: [f"all_reduce (collective #1) on rank {r}", "rank 0: all_reduce of shape (3,) float32",
+                              "rank 1: all_reduce of shape (5,) float32"] for r in (0, 1)},
+    "reduce_scatter_sizes": {r: [f"reduce_scatter (collective #1) on rank {r}", "of shape (4,) float32",
+                                 "of shape (6,) float32"] for r in (0, 1)},
+    "all_gather_shapes": {r: [f"all_gather (collective #1) on rank {r}", "of shape (2,) float32",
+                              "of shape (3,) float32"] for r in (0, 1)},
+    "broadcast_dtypes": {r: [f"broadcast (collective #1) on rank {r}", "of shape (3,) float32",
+                             "of shape (3,) float16"] for r in (0, 1)},
+    "bucket_sizes": {r: ["DataParallel bucket 1 of ", f"on rank {r}", "rank 0: all_reduce of shape (58,)",
+                         "rank 1: all_reduce of shape (26,)"] for r in (0, 1)},
+    "recv_timeout": {1: ["recv from rank 0 (tag 5) on rank 1 timed out after 3 s", "rank 0 sent nothing"]},
+    "send_timeout": {0: ["send to rank 1 (tag 2) on rank 0 timed out after 3 s", "rank 1 did not take part"]},
+}
+
+
+@needs_mpi
+@pytest.mark.parametrize("case", sorted(FAILURE_MESSAGES))
+def test_ranks_that_go_different_ways_end_the_job_with_an_error_naming_the_collective(case):
+    code, out = mpiexec(FAILURES, case, timeout=30)  # a hang fails the test after 30 s
+    assert code != 0, out
+    for r, parts in FAILURE_MESSAGES[case].items():
+        assert f"rank {r} finished" not in out, out
+        lines = [line for line in out.splitlines() if f"on rank {r}" in line]
+        assert any(all(part in line for part in parts) for line in lines), (case, r, parts, out)
+
+
+@needs_mpi
+def test_a_caught_collective_error_still_ends_the_job_with_status_1_and_later_collectives_raise_at_once():
+    code, out = mpiexec(FAILURES, "caught_error", timeout=30)  # a normal exit would wait in MPI_Finalize
+    assert code != 0, out
+    for r in (0, 1):
+        assert f"rank {r} caught needle.distributed: all_reduce (collective #1) on rank {r}" in out, out
+        assert f"rank {r} caught again needle.distributed: barrier on rank {r}: an earlier collective failed" in out
+        assert f"rank {r} finished caught_error" in out, out
+
+
+@needs_mpi
+def test_join_lets_ranks_with_uneven_batches_end_together_with_the_one_process_parameters():
+    code, out = mpiexec(FAILURES, "join", timeout=60)
+    assert code == 0, out
+    assert "rank 0 ok join ran 3 batches" in out and "rank 1 ok join ran 5 batches" in out, out
 
 
 def _tiny_gc_flags(tmp_path, batch_size=4):

@@ -10,19 +10,29 @@
   gradients (stage 2) partitioned across the ranks.
 - `Pipeline(stages, micro_batches)`: GPipe, one stage per rank, activations sent point-to-point.
 
+No hang, no silent garbage (`notices`): every collective first sends each other rank an arrival notice (its
+kind, shape, dtype, op, root) and checks everyone's before data moves. Ranks that called different collectives,
+or passed different shapes or dtypes, raise `CollectiveMismatch` on every rank, naming each rank's call; a rank
+that does not arrive within `get_timeout()` seconds (`set_timeout(seconds)`, default 300) is named in a
+`CollectiveTimeout` ("rank 0 did not arrive"), one that has exited at once; send/recv time out alike. After such
+an error the job ends with exit status 1 (MPI_Abort), caught or not. Uneven inputs: `with model.join(): ...`
+(DataParallel), where ranks out of data shadow the others' collectives until every rank is done.
+
 Importing this package imports no MPI; `init()` (called by everything that communicates) does, under mpiexec.
 """
 from . import comm
 from .comm import (
-    all_gather, all_gather_object, all_reduce, barrier, broadcast, broadcast_object, init, is_initialized,
-    launched_by_mpiexec, rank, recv, reduce_scatter, send, world_size,
+    all_gather, all_gather_object, all_reduce, barrier, broadcast, broadcast_object, get_timeout, init, is_initialized,
+    launched_by_mpiexec, rank, recv, reduce_scatter, send, set_timeout, world_size,
 )
+from .notices import CollectiveError, CollectiveMismatch, CollectiveTimeout
 from .data_parallel import DataParallel, batchify, split_batch
 from .pipeline import Pipeline, bubble_fraction
 from .zero import ZeroRedundancyOptimizer
 
 __all__ = [
-    "DataParallel", "Pipeline", "ZeroRedundancyOptimizer", "all_gather", "all_gather_object", "all_reduce",
-    "barrier", "batchify", "broadcast", "broadcast_object", "bubble_fraction", "comm", "init", "is_initialized",
-    "launched_by_mpiexec", "rank", "recv", "reduce_scatter", "send", "split_batch", "world_size",
+    "CollectiveError", "CollectiveMismatch", "CollectiveTimeout", "DataParallel", "Pipeline", "ZeroRedundancyOptimizer",
+    "all_gather", "all_gather_object", "all_reduce", "barrier", "batchify", "broadcast", "broadcast_object",
+    "bubble_fraction", "comm", "get_timeout", "init", "is_initialized", "launched_by_mpiexec", "rank", "recv",
+    "reduce_scatter", "send", "set_timeout", "split_batch", "world_size",
 ]

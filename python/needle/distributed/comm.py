@@ -21,11 +21,25 @@ a rank that waits long (a pipeline stage in its bubble) leaves the CPU to proces
 Reduction order: MPI_Allreduce's order is MPICH's choice (for two ranks it is a + b, which is b + a in IEEE
 arithmetic, so every rank gets the same bits); `reduce_scatter` gives each rank its own chunk, reduced once.
 
-An uncaught exception on one rank would leave the others waiting in their next collective forever, so, like
-`python -m mpi4py`, `init()` makes an uncaught exception print its traceback and abort the whole job (exit
-status 1), when the world has more than one process.
+No hang, no garbage (notices.py says how): every collective first sends the other ranks an arrival notice (its
+sequence number, kind, shape, dtype, op, root) and waits for theirs, polling, until `get_timeout()` seconds
+(default 300; `set_timeout(seconds)`). Ranks that called different collectives, or passed different shapes or
+dtypes, raise `CollectiveMismatch` on every rank, naming each rank's call, before any data moves; a rank that does
+not come within the timeout is named by `CollectiveTimeout` ("rank 0 did not arrive"), and one that has exited
+(a process sends an `exit` notice as it ends) at once. send/recv time out alike. The cost: one 128-byte message
+to each other rank per collective.
+
+After such an error the job cannot go on (the ranks no longer agree on what comes next): later collectives raise at
+once, and the process ends with exit status 1 through MPI_Abort, whether or not the error was caught (a normal
+exit would wait in MPI_Finalize for ranks that will never come). Likewise an uncaught exception on one rank,
+which would leave the others waiting: as with `python -m mpi4py`, `init()` makes it print its traceback and abort
+the whole job (exit status 1), when the world has more than one process.
 """
+import atexit
+import collections
+import math
 import os
+import pickle
 import shutil
 import sys
 import time
@@ -34,21 +48,31 @@ import ml_dtypes
 import numpy as np
 
 from ..backend_selection import array_api, device_of
+from .notices import (
+    KIND, KINDS, NOTICE_SIZE, OP, OPS, SEQ, SIZE, TAG, CollectiveError, CollectiveMismatch, CollectiveTimeout,
+    describe, disagreement, dtype_name, make_notice,
+)
 
 __all__ = [
+    "CollectiveError",
+    "CollectiveMismatch",
+    "CollectiveTimeout",
+    "DEFAULT_TIMEOUT",
     "Pending",
     "all_gather",
     "all_gather_buffer",
     "all_gather_object",
     "all_reduce",
     "all_reduce_buffer",
+    "announce",
     "barrier",
     "broadcast",
     "broadcast_buffer",
     "broadcast_object",
+    "child_environment",
+    "get_timeout",
     "init",
     "is_initialized",
-    "child_environment",
     "launched_by_mpiexec",
     "launcher_rank_and_size",
     "mpiexec_path",
@@ -57,21 +81,64 @@ __all__ = [
     "reduce_scatter",
     "reduce_scatter_buffer",
     "send",
+    "set_timeout",
+    "shadow_until_all_joined",
     "world_size",
 ]
 
 # Environment variables a launcher sets in each process it starts: MPICH/Intel MPI/Slurm (PMI), Open MPI, PMIx.
 LAUNCHER_VARIABLES = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK")
-OPS = ("sum", "mean", "max", "min")
+DEFAULT_TIMEOUT = 300.0  # seconds a rank waits for the others in one collective, send or recv
+NOTICE_TAG = 0
+SHADOWED = ("all_reduce", "barrier")  # what a rank that has joined (out of data) takes part in, with no data
+
+_timeout = DEFAULT_TIMEOUT
+
+
+def set_timeout(seconds):
+    """How long (seconds, > 0) a rank waits in a collective, send or recv before it raises CollectiveTimeout.
+    Every rank should set the same."""
+    global _timeout
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not (math.isfinite(seconds) and
+                                                                                 seconds > 0):
+        raise ValueError(f"needle.distributed.set_timeout: seconds must be a positive finite number, got {seconds!r}")
+    _timeout = float(seconds)
+
+
+def get_timeout():
+    """The timeout of collectives, send and recv, in seconds (DEFAULT_TIMEOUT unless set_timeout changed it)."""
+    return _timeout
 
 
 class _World:
-    """The job as this process sees it: its rank, the size, and the MPI communicator (None for a job of one)."""
+    """The job as this process sees it: its rank, the size, the MPI communicators (None for a job of one), and the
+    bookkeeping of arrival notices: collectives entered (`seq`), those announced but not started (`queue`, in call
+    order, which is the order MPI must start them in), each peer's latest notice, and the error that ended the job."""
 
-    def __init__(self, comm=None, MPI=None):
-        self.comm, self.MPI = comm, MPI
+    def __init__(self, comm=None, MPI=None, notices=None):
+        self.comm, self.MPI, self.notices = comm, MPI, notices  # notices travel on their own communicator
         self.rank = 0 if comm is None else comm.Get_rank()
         self.size = 1 if comm is None else comm.Get_size()
+        self.peers = [r for r in range(self.size) if r != self.rank]
+        self.seq = 0
+        self.queue = collections.deque()
+        self.last = {}
+        self.outgoing = []  # (request, buffer) of notice sends not known to be complete
+        self.failed = None
+
+    def advance(self):
+        """Start the announced collectives whose notices are all in, in call order (raises their errors)."""
+        while self.queue and self.queue[0].arrived():
+            self.queue.popleft().begin()
+
+    def sweep(self):
+        self.outgoing = [(r, b) for r, b in self.outgoing if not r.Test()]
+
+    def fail(self, error):
+        """Record that `error` ended the job (later collectives raise, exit aborts); returns it to raise."""
+        if self.failed is None:
+            self.failed = str(error)
+        return error
 
 
 _world = None
@@ -122,9 +189,23 @@ def init():
     except ImportError as err:
         raise ImportError("needle.distributed: this process was started by mpiexec, but mpi4py is not installed: "
                           'pip install -e ".[distributed]" (mpi4py and MPICH from wheels)') from err
-    _world = _World(MPI.COMM_WORLD, MPI)
-    if _world.size > 1:
-        _abort_on_uncaught_exception(_world)
+    world = _World(MPI.COMM_WORLD, MPI)
+    if world.size > 1:
+        _abort_on_uncaught_exception(world)
+        notices, request = world.comm.Idup()  # a collective too: a rank that never starts must not hang the others
+        _wait_until(request.Test, lambda: CollectiveTimeout(
+            f"needle.distributed: init on rank {world.rank} timed out after {_timeout:g} s: not every rank of the "
+            f"{world.size} started needle.distributed"))
+        world.notices = notices
+        atexit.register(_at_exit, world)
+    _world = world
+
+
+def _abort(world):
+    sys.stderr.flush()
+    sys.stdout.flush()
+    time.sleep(0.5)  # mpiexec forwards output asynchronously: an abort at once can lose the traceback's end
+    world.comm.Abort(1)
 
 
 def _abort_on_uncaught_exception(world):
@@ -132,12 +213,22 @@ def _abort_on_uncaught_exception(world):
 
     def hook(kind, value, tb):
         previous(kind, value, tb)
-        sys.stderr.flush()
-        sys.stdout.flush()
-        time.sleep(0.5)  # mpiexec forwards output asynchronously: an abort at once can lose the traceback's end
-        world.comm.Abort(1)  # the other ranks would wait in their next collective forever
+        _abort(world)  # the other ranks would wait in their next collective until the timeout
 
     sys.excepthook = hook
+
+
+def _at_exit(world):
+    """As the process ends: after a collective error, abort the job (MPI_Finalize would wait for ranks that will
+    not come); otherwise tell the other ranks, so that one waiting for this rank in a collective raises at once."""
+    if world.failed is not None:
+        _abort(world)
+    goodbye = make_notice("exit")
+    goodbye[SEQ] = world.seq
+    requests = [world.notices.Isend(goodbye, dest=r, tag=NOTICE_TAG) for r in world.peers]
+    deadline = time.perf_counter() + 1.0  # a tiny message leaves at once; never delay the exit for it
+    while not world.MPI.Request.Testall(requests) and time.perf_counter() < deadline:
+        time.sleep(1e-3)
 
 
 def is_initialized():
@@ -160,53 +251,223 @@ def world_size():
     return _get().size
 
 
-def barrier():
-    """Wait until every rank has called barrier()."""
-    world = _get()
-    if world.size > 1:
-        _wait(world.comm.Ibarrier())
-
-
 # ----- waiting ----------------------------------------------------------------------------------------------------
 SPIN_SECONDS = 2e-3  # how long a wait polls without sleeping: MPI progresses only inside MPI calls
 
 
-def _wait(request):
-    """Wait for an MPI request: poll it for SPIN_SECONDS (a transfer moves only while MPI is called, so short
-    waits stay fast), then with sleeps growing to 1 ms (MPICH's own Wait would spin on a core for as long as it
-    takes: a pipeline stage in its bubble would hold a core another process needs)."""
-    _poll(request.Test)
-
-
-def _poll(done):
+def _wait_until(ready, timeout_error):
+    """Poll `ready()` for SPIN_SECONDS (a transfer moves only while MPI is called, so short waits stay fast), then
+    with sleeps growing to 1 ms (MPICH's own Wait would spin on a core for as long as it takes: a pipeline stage in
+    its bubble would hold a core another process needs); after the timeout raise `timeout_error()`."""
     start, delay = time.perf_counter(), 1e-5
-    while not done():
-        if time.perf_counter() - start > SPIN_SECONDS:
+    while not ready():
+        waited = time.perf_counter() - start
+        if waited > _timeout:
+            error = timeout_error()
+            raise error if _world is None else _world.fail(error)
+        if waited > SPIN_SECONDS:
             time.sleep(delay)
             delay = min(2 * delay, 1e-3)
 
 
 class Pending:
-    """A non-blocking collective in flight: `wait()` returns its result; `done()` tests it (and lets MPI progress)."""
+    """An operation in flight: `wait()` returns its result (raising CollectiveTimeout after the timeout); `done()`
+    tests it without waiting (and lets MPI progress). `what`, `peer`: for the timeout's message."""
 
-    def __init__(self, request, finish):
-        self._request, self._finish, self._result, self._done = request, finish, None, False
+    def __init__(self, requests=(), finish=lambda: None, what="an operation", peer=None):
+        self._requests, self._finish, self._what, self._peer = list(requests), finish, what, peer
+        self._result, self._done = None, False
+
+    def _ready(self):
+        return not self._requests or _world.MPI.Request.Testall(self._requests)
+
+    def _timeout_error(self):
+        return CollectiveTimeout(f"needle.distributed: {self._what} on rank {_world.rank} timed out after "
+                                 f"{_timeout:g} s: rank {self._peer} did not take part")
 
     def done(self):
-        if not self._done and (self._request is None or self._request.Test()):
+        if not self._done and self._ready():
             self._result, self._done = self._finish(), True
         return self._done
 
     def wait(self):
         if not self._done:
-            if self._request is not None:
-                _wait(self._request)
+            _wait_until(self._ready, self._timeout_error)
             self._result, self._done = self._finish(), True
         return self._result
 
     def then(self, fn):
         """A Pending for fn(this one's result)."""
-        return Pending(self._request, lambda: fn(self.wait()))
+        return _Then(self, fn)
+
+
+class _Then(Pending):
+    def __init__(self, inner, fn):
+        super().__init__(finish=lambda: fn(inner.wait()))
+        self._inner = inner
+
+    def _ready(self):
+        return self._inner.done()
+
+    def _timeout_error(self):
+        return self._inner._timeout_error()
+
+
+class _Collective(Pending):
+    """A collective from its arrival notice to its result: announced (notice sent to every peer, theirs awaited),
+    begun (every notice in and agreeing, and its data given: the MPI call started, `start(contributors, table)` ->
+    (request, finish)), done. Only the oldest announced collective may begin: MPI needs the same order on every
+    rank. `start` is None for one announced ahead of its data (`announce`), until `give_data` passes it."""
+
+    def __init__(self, world, notice, label, start, tag_format=None, ahead=False):
+        if world.failed is not None:
+            what = label or KINDS[notice[KIND]]
+            raise CollectiveError(f"needle.distributed: {what} on rank {world.rank}: an earlier collective failed "
+                                  f"({world.failed}); the job cannot communicate any more")
+        super().__init__()
+        world.seq += 1
+        notice[SEQ] = world.seq
+        self.world, self.seq, self.start, self.tag_format = world, world.seq, start, tag_format
+        kind = KINDS[notice[KIND]]
+        self.name = f"{label} ({kind}, collective #{self.seq})" if label else f"{kind} (collective #{self.seq})"
+        self.table = np.empty((world.size, NOTICE_SIZE), np.int64)
+        self.table[world.rank] = notice
+        mine = self.table[world.rank]
+        world.outgoing += [(world.notices.Isend(mine, dest=r, tag=NOTICE_TAG), mine) for r in world.peers]
+        self.inbox = [world.notices.Irecv(self.table[r], source=r, tag=NOTICE_TAG) for r in world.peers]
+        self.request, self.begun, self.ahead = None, False, ahead
+        world.queue.append(self)
+
+    def give_data(self, notice, start):
+        """The data of a collective announced ahead: `notice` (what it turned out to be) must be what was announced."""
+        announced = self.table[self.world.rank]
+        if not np.array_equal(notice[KIND:], announced[KIND:]):
+            raise ValueError(f"needle.distributed: {self.name} was announced as {describe(announced)} but is given "
+                             f"{describe(notice)}")
+        self.start, self.ahead = start, False
+        return self
+
+    def arrived(self):
+        return not self.ahead and self.world.MPI.Request.Testall(self.inbox)
+
+    def _error(self, kind, reason):
+        return self.world.fail(kind(f"needle.distributed: {self.name} on rank {self.world.rank}: {reason}"))
+
+    def begin(self):
+        """Every notice is in: check them, then start the MPI call (or raise the same error on every rank)."""
+        world, table = self.world, self.table
+        world.sweep()
+        for r in world.peers:
+            if KINDS[table[r][KIND]] == "exit":
+                raise self._error(CollectiveError, f"rank {r} has exited ({_last_words(world, r)}) without calling "
+                                                   f"this one")
+            world.last[r] = table[r].copy()
+        live = [r for r in range(world.size) if KINDS[table[r][KIND]] != "joined"]
+        if not live:  # everyone is out of data: DataParallel.join ends; each rank's tag says when it joined
+            self._finish, self.begun = (lambda: [int(t) for t in table[:, TAG]]), True
+            return
+        mismatch = disagreement(table, live, self.tag_format)
+        if mismatch is not None:
+            raise self._error(CollectiveMismatch, f"the ranks called different collectives or passed different "
+                                                  f"arrays: {mismatch}")
+        kind = KINDS[table[live[0]][KIND]]
+        if len(live) < world.size and kind not in SHADOWED:
+            joined = [r for r in range(world.size) if r not in live]
+            raise self._error(CollectiveMismatch, f"rank {', '.join(map(str, joined))} has joined (out of data, "
+                                                  f"DataParallel.join) and cannot take part in "
+                                                  f"{describe(table[live[0]])}: only {' and '.join(SHADOWED)} are "
+                                                  f"shadowed")
+        if table[world.rank][KIND] == KINDS.index("joined"):
+            self.request, self.shadow_buffer = _shadow(world, table[live[0]])
+            self._finish = lambda: None
+        else:
+            self.request, self._finish = self.start(len(live), table)
+        self.begun = True
+
+    def _ready(self):
+        self.world.advance()
+        return self.begun and (self.request is None or self.request.Test())
+
+    def _timeout_error(self):
+        stuck = self.world.queue[0] if self.world.queue else self  # the oldest collective is what everyone waits on
+        return stuck.timeout_error()
+
+    def timeout_error(self):
+        if self.begun:
+            return self._error(CollectiveTimeout, f"timed out after {_timeout:g} s: every rank arrived, but the "
+                                                  f"transfer did not complete")
+        missing = [r for r, request in zip(self.world.peers, self.inbox) if not request.Test()]
+        return self._error(CollectiveTimeout, f"timed out after {_timeout:g} s: " + "; ".join(
+            f"rank {r} did not arrive ({_last_words(self.world, r)})" for r in missing)
+            + ". Every rank must call the same collectives in the same order (uneven data: DataParallel.join)")
+
+
+def _last_words(world, peer):
+    """What this rank last heard of `peer`'s collectives: "its last collective: #4, barrier"."""
+    last = world.last.get(peer)
+    return "it has called no collective" if last is None else f"its last collective: #{last[SEQ]}, {describe(last)}"
+
+
+def _collective(notice, label, start, tag_format=None, announced=None):
+    """Announce (unless `announced` did) and, when its turn comes, run a collective; a job of one runs it at once.
+    Returns a Pending."""
+    world = _get()
+    if world.size == 1:
+        request, finish = start(1, notice[None])
+        return Pending(finish=finish)
+    if announced is not None:
+        return announced.give_data(notice, start)
+    return _Collective(world, notice, label, start, tag_format)
+
+
+def announce(kind, size, dtype, op, counts=None, label=None, tag=0, tag_format=None):
+    """Send the arrival notice of a 1-D buffer's all_reduce or reduce_scatter before its data exists, so that the
+    other ranks' notices are in by the time it does, and the collective starts the moment its data is given (pass
+    the returned ticket as `announced=` to all_reduce_buffer / reduce_scatter_buffer). DataParallel announces all
+    its buckets at a backward pass's first gradient: checking the notices then costs no time at each bucket.
+    Collectives start in the order they were announced. None in a job of one."""
+    world = _get()
+    if world.size == 1:
+        return None
+    notice = make_notice(kind, dtype, op, size=size, shape=(size,), counts=counts, tag=tag)
+    return _Collective(world, notice, label, None, tag_format, ahead=True)
+
+
+def _shadow(world, notice):
+    """Take part, with no data, in the collective of `notice` (a rank that has joined: DataParallel.join); returns
+    the MPI request and the buffer MPI works on until it completes."""
+    if KINDS[notice[KIND]] == "barrier":
+        return world.comm.Ibarrier(), None
+    op = OPS[notice[OP]]
+    dtype = _arith(np.empty(0, _numpy_dtype(dtype_name(notice)))).dtype
+    identity = 0  # sum, mean: zeros (and the mean divides by the ranks that contributed)
+    if op in ("max", "min"):  # the value every contribution beats
+        low, high = (-np.inf, np.inf) if dtype.kind == "f" else (np.iinfo(dtype).min, np.iinfo(dtype).max)
+        identity = low if op == "max" else high
+    buffer = np.full(int(notice[SIZE]), identity, dtype)
+    return world.comm.Iallreduce(world.MPI.IN_PLACE, buffer, _op(world, op)), buffer
+
+
+def shadow_until_all_joined():
+    """This rank is out of data (DataParallel.join): take part in the other ranks' collectives, contributing
+    nothing (all_reduce: zeros, and a mean divides by the ranks that contributed), until every rank has joined.
+    Returns the rank that joined last (the one that trained longest; the lowest such rank)."""
+    world = _get()
+    if world.size == 1:
+        return 0
+    joined_at = world.seq + 1
+    while True:
+        notice = make_notice("joined", tag=joined_at)
+        result = _Collective(world, notice, "DataParallel.join", None).wait()
+        if result is not None:
+            return max(range(world.size), key=lambda r: (result[r], -r))
+
+
+def barrier(label=None):
+    """Wait until every rank has called barrier()."""
+    world = _get()
+    if world.size > 1:
+        _collective(make_notice("barrier"), label, lambda n, table: (world.comm.Ibarrier(), lambda: None)).wait()
 
 
 # ----- NDArray <-> NumPy buffers ------------------------------------------------------------------------------------
@@ -240,13 +501,21 @@ def _op(world, op):
     return {"sum": world.MPI.SUM, "mean": world.MPI.SUM, "max": world.MPI.MAX, "min": world.MPI.MIN}[op]
 
 
+def _numpy_dtype(name):
+    if name == "bfloat16":
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
+
+
 # ----- collectives ------------------------------------------------------------------------------------------------
 def all_reduce(array, op="sum", async_op=False):
     """The elementwise reduction ("sum", "mean", "max", "min") of `array` over all ranks, on every rank.
 
     Returns a new array of `array`'s shape, dtype and device; with `async_op=True` a `Pending` whose `wait()`
     returns it (MPI_Iallreduce: the caller computes meanwhile)."""
-    pending = all_reduce_buffer(_arith(_host(array)), op, async_op=True).then(lambda buffer: _like(buffer, array))
+    buffer = _host(array)
+    notice = make_notice("all_reduce", str(array.dtype), op, size=buffer.size, shape=buffer.shape)
+    pending = _all_reduce(_arith(buffer), op, notice).then(lambda result: _like(result, array))
     return pending if async_op else pending.wait()
 
 
@@ -254,11 +523,12 @@ def reduce_scatter(array, op="sum"):
     """This rank's chunk of the reduction of `array` over all ranks: the flattened result cut into world_size()
     equal chunks, chunk `rank()` (1-D). `array.size` must divide by world_size()."""
     world = _get()
-    buffer = _arith(_host(array)).reshape(-1)
-    if buffer.size % world.size:
-        raise ValueError(f"reduce_scatter: {buffer.size} elements do not split evenly over {world.size} ranks")
-    counts = [buffer.size // world.size] * world.size
-    return _like(reduce_scatter_buffer(buffer, counts, op).wait(), array)
+    host = _host(array)
+    if host.size % world.size:
+        raise ValueError(f"reduce_scatter: {host.size} elements do not split evenly over {world.size} ranks")
+    counts = [host.size // world.size] * world.size
+    notice = make_notice("reduce_scatter", str(array.dtype), op, size=host.size, shape=host.shape, counts=counts)
+    return _like(_reduce_scatter(_arith(host).reshape(-1), counts, op, notice).wait(), array)
 
 
 def all_gather(array):
@@ -266,29 +536,69 @@ def all_gather(array):
     Each rank's array must have the same shape and dtype."""
     world = _get()
     buffer = _host(array)
-    out = all_gather_buffer(buffer.reshape(-1), [buffer.size] * world.size)
+    counts = [buffer.size] * world.size
+    notice = make_notice("all_gather", str(array.dtype), size=buffer.size, shape=buffer.shape, counts=counts)
+    out = _all_gather(buffer.reshape(-1), counts, notice).wait()
     return _like(out, array, (world.size,) + buffer.shape)
 
 
 def broadcast(array, root=0):
     """Rank `root`'s `array` on every rank (every rank passes an array of the same shape and dtype)."""
-    return _like(broadcast_buffer(_host(array), root), array)
+    buffer = _host(array)
+    notice = make_notice("broadcast", str(array.dtype), root=root, size=buffer.size, shape=buffer.shape)
+    return _like(_broadcast(buffer, root, notice).wait(), array)
 
 
+def all_gather_object(obj, label=None):
+    """Every rank's `obj` (a small picklable Python value), as a list in rank order."""
+    world = _get()
+    if world.size == 1:
+        return [obj]
+    mine = np.frombuffer(pickle.dumps(obj), np.uint8)
+
+    def start(contributors, table):
+        sizes = [int(s) for s in table[:, SIZE]]
+        out = np.empty(sum(sizes), np.uint8)
+        request = world.comm.Iallgatherv(mine, [out, sizes])
+        starts = np.cumsum([0] + sizes)
+        return request, lambda: [pickle.loads(out[starts[r]:starts[r + 1]].tobytes()) for r in range(world.size)]
+
+    return _collective(make_notice("all_gather_object", size=mine.size), label, start).wait()
+
+
+def broadcast_object(obj, root=0, label=None):
+    """Rank `root`'s `obj` (a small picklable Python value) on every rank."""
+    world = _get()
+    if world.size == 1:
+        return obj
+    mine = np.frombuffer(pickle.dumps(obj), np.uint8) if world.rank == root else np.zeros(0, np.uint8)
+
+    def start(contributors, table):
+        buffer = mine.copy() if world.rank == root else np.empty(int(table[root][SIZE]), np.uint8)
+        return world.comm.Ibcast(buffer, root=root), lambda: pickle.loads(buffer.tobytes())
+
+    return _collective(make_notice("broadcast_object", root=root, size=mine.size), label, start).wait()
+
+
+# ----- point to point ---------------------------------------------------------------------------------------------
 def send(array, dest, tag=0):
-    """Send `array` to rank `dest` without waiting for it to arrive; returns a `Pending` (wait() before exit).
+    """Send `array` to rank `dest` without waiting for it to arrive; returns a `Pending` (wait() before exit; it
+    raises CollectiveTimeout if `dest` does not receive it within the timeout).
 
     A small header (shape, dtype) goes first, so `recv` needs to know nothing in advance."""
     world = _get()
     _check_peer(world, dest, "send to")
     buffer = _host(array)
-    world.comm.send((buffer.shape, str(buffer.dtype)), dest=dest, tag=tag)
-    return Pending(world.comm.Isend(_wire(buffer), dest=dest, tag=tag), lambda: None)
+    header = world.comm.isend((buffer.shape, str(buffer.dtype)), dest=dest, tag=tag)
+    data = world.comm.Isend(_wire(buffer), dest=dest, tag=tag)
+    pending = Pending([header, data], what=f"send to rank {dest} (tag {tag})", peer=dest)
+    pending.buffer = buffer  # MPI reads it until the send completes
+    return pending
 
 
 def recv(source, tag=0, device=None, dtype=None):
     """The array that rank `source` sends with `send(array, rank(), tag)`, as an array on `device` (default:
-    the default device)."""
+    the default device). Raises CollectiveTimeout if nothing comes within the timeout."""
     world = _get()
     _check_peer(world, source, "receive from")
     request, header = world.comm.irecv(source=source, tag=tag), []
@@ -299,23 +609,13 @@ def recv(source, tag=0, device=None, dtype=None):
             header.append(message)
         return done
 
-    _poll(arrived)
+    what = f"recv from rank {source} (tag {tag})"
+    _wait_until(arrived, lambda: CollectiveTimeout(f"needle.distributed: {what} on rank {world.rank} timed out "
+                                                   f"after {_timeout:g} s: rank {source} sent nothing"))
     shape, name = header[0]
     buffer = np.empty(shape, _numpy_dtype(name))
-    _wait(world.comm.Irecv(_wire(buffer), source=source, tag=tag))
+    Pending([world.comm.Irecv(_wire(buffer), source=source, tag=tag)], what=what, peer=source).wait()
     return array_api.array(buffer, dtype=dtype or name, device=device)
-
-
-def all_gather_object(obj):
-    """Every rank's `obj` (a small picklable Python value), as a list in rank order."""
-    world = _get()
-    return [obj] if world.size == 1 else world.comm.allgather(obj)
-
-
-def broadcast_object(obj, root=0):
-    """Rank `root`'s `obj` (a small picklable Python value) on every rank."""
-    world = _get()
-    return obj if world.size == 1 else world.comm.bcast(obj, root=root)
 
 
 def _check_peer(world, peer, what):
@@ -324,70 +624,95 @@ def _check_peer(world, peer, what):
                          f"{world.size} (ranks 0..{world.size - 1}, not itself)")
 
 
-def _numpy_dtype(name):
-    if name == "bfloat16":
-        return np.dtype(ml_dtypes.bfloat16)
-    return np.dtype(name)
-
-
 # ----- NumPy buffers: what DataParallel, ZeRO and Pipeline move -----------------------------------------------------
-def all_reduce_buffer(buffer, op="sum", async_op=False):
-    """Reduce a contiguous NumPy `buffer` over all ranks in place (MPI_Iallreduce); "mean" divides by the world
-    size after the sum. Returns the buffer, or with `async_op` a Pending whose wait() returns it."""
-    world = _get()
-    mpi_op = _op(world, op)
-    request = None if world.size == 1 else world.comm.Iallreduce(world.MPI.IN_PLACE, buffer, mpi_op)
-
-    def finish():
-        if op == "mean" and world.size > 1:
-            buffer[...] *= 1.0 / world.size
-        return buffer
-
-    pending = Pending(request, finish)
+def all_reduce_buffer(buffer, op="sum", async_op=False, label=None, tag=0, tag_format=None, announced=None):
+    """Reduce a contiguous NumPy `buffer` over all ranks in place (MPI_Iallreduce); "mean" divides by the ranks
+    that contributed (the world size, less ranks that have joined) after the sum. Returns the buffer, or with
+    `async_op` a Pending whose wait() returns it. `label` names the collective in errors; `tag` is an integer the
+    ranks must agree on, `tag_format` ("backward pass {}") says what it is; `announced`: the ticket of `announce`."""
+    notice = make_notice("all_reduce", str(buffer.dtype), op, size=buffer.size, shape=buffer.shape, tag=tag)
+    pending = _all_reduce(buffer, op, notice, label, tag_format, announced)
     return pending if async_op else pending.wait()
 
 
-def reduce_scatter_buffer(buffer, counts, op="sum"):
+def _all_reduce(buffer, op, notice, label=None, tag_format=None, announced=None):
+    world = _get()
+    mpi_op = _op(world, op)
+
+    def start(contributors, table):
+        request = None if world.size == 1 else world.comm.Iallreduce(world.MPI.IN_PLACE, buffer, mpi_op)
+
+        def finish():
+            if op == "mean" and contributors > 1:
+                buffer[...] *= 1.0 / contributors
+            return buffer
+
+        return request, finish
+
+    return _collective(notice, label, start, tag_format, announced)
+
+
+def reduce_scatter_buffer(buffer, counts, op="sum", label=None, tag=0, tag_format=None, announced=None):
     """Reduce a 1-D NumPy `buffer` over all ranks and give rank r only elements [sum(counts[:r]), sum(counts[:r+1]))
     of the result (MPI_Ireduce_scatter: counts may differ, and be 0). Returns a Pending whose wait() gives this
-    rank's part, a new NumPy array of counts[rank()] elements."""
+    rank's part, a new NumPy array of counts[rank()] elements. `label`, `tag`, `announced`: as for all_reduce_buffer."""
+    notice = make_notice("reduce_scatter", str(buffer.dtype), op, size=buffer.size, shape=buffer.shape,
+                         counts=counts, tag=tag)
+    return _reduce_scatter(buffer, counts, op, notice, label, tag_format, announced)
+
+
+def _reduce_scatter(buffer, counts, op, notice, label=None, tag_format=None, announced=None):
     world = _get()
     mpi_op = _op(world, op)
     if len(counts) != world.size or sum(counts) != buffer.size:
         raise ValueError(f"reduce_scatter: counts {list(counts)} must have one entry per rank ({world.size}) and sum "
                          f"to the buffer's {buffer.size} elements")
     out = np.empty(counts[world.rank], buffer.dtype)
-    request = None
-    if world.size == 1:
-        out[...] = buffer
-    else:
-        request = world.comm.Ireduce_scatter(buffer, out, list(counts), mpi_op)
 
-    def finish():
-        if op == "mean" and world.size > 1:
-            out[...] *= 1.0 / world.size
-        return out
+    def start(contributors, table):
+        request = None
+        if world.size == 1:
+            out[...] = buffer
+        else:
+            request = world.comm.Ireduce_scatter(buffer, out, list(counts), mpi_op)
 
-    return Pending(request, finish)
+        def finish():
+            if op == "mean" and contributors > 1:
+                out[...] *= 1.0 / contributors
+            return out
+
+        return request, finish
+
+    return _collective(notice, label, start, tag_format, announced)
 
 
-def broadcast_buffer(buffer, root=0):
+def broadcast_buffer(buffer, root=0, label=None):
     """Rank `root`'s contiguous NumPy `buffer` written into every rank's (same shape and dtype); returns it."""
+    notice = make_notice("broadcast", str(buffer.dtype), root=root, size=buffer.size, shape=buffer.shape)
+    return _broadcast(buffer, root, notice, label).wait()
+
+
+def _broadcast(buffer, root, notice, label=None):
     world = _get()
-    if world.size > 1:
-        _wait(world.comm.Ibcast(_wire(buffer), root=root))
-    return buffer
+    if not (isinstance(root, int) and 0 <= root < world.size):
+        raise ValueError(f"broadcast: root must be a rank, 0..{world.size - 1}, got {root!r}")
+    return _collective(notice, label, lambda n, table: (
+        None if world.size == 1 else world.comm.Ibcast(_wire(buffer), root=root), lambda: buffer))
 
 
-def all_gather_buffer(buffer, counts):
+def all_gather_buffer(buffer, counts, label=None):
     """Every rank's 1-D NumPy `buffer` (rank r's of counts[r] elements), concatenated in rank order on every rank
     (MPI_Allgatherv)."""
+    notice = make_notice("all_gather", str(buffer.dtype), size=sum(counts), counts=counts)
+    return _all_gather(buffer, counts, notice, label).wait()
+
+
+def _all_gather(buffer, counts, notice, label=None):
     world = _get()
     if len(counts) != world.size or counts[world.rank] != buffer.size:
         raise ValueError(f"all_gather: counts {list(counts)} must have one entry per rank ({world.size}), this "
                          f"rank's ({world.rank}) equal to its {buffer.size} elements")
-    if world.size == 1:
-        return buffer.copy()
-    out = np.empty(sum(counts), buffer.dtype)
-    _wait(world.comm.Iallgatherv(_wire(buffer), [_wire(out), list(counts)]))
-    return out
+    out = buffer.copy() if world.size == 1 else np.empty(sum(counts), buffer.dtype)
+    return _collective(notice, label, lambda n, table: (
+        None if world.size == 1 else world.comm.Iallgatherv(_wire(buffer), [_wire(out), list(counts)]),
+        lambda: out))

@@ -28,6 +28,26 @@ the running sum itself: backward passes inside `with model.no_sync():` only add 
 averages the sum across ranks: one synchronization per k micro-batches. Scale each micro-batch's loss by 1/k
 for the mean.
 
+Checks (comm, notices): every bucket's reduction is announced to the other ranks (its size, and the number of
+backward passes since the forward, which must agree: an extra backward on one rank is a CollectiveMismatch on
+every rank instead of pairing with the other rank's next step). The notices of all buckets go out at a
+synchronizing pass's first gradient, so the other ranks' are in when a bucket is ready and its reduction starts
+at once. A rank that leaves early, or runs one step fewer without join(), is named by the others' error.
+
+`join()`: uneven inputs, as PyTorch's Join.
+
+    with model.join():
+        for X, y in my_batches:                      # ranks may have different numbers of batches
+            opt.reset_grad(); loss_fn(model(X), y).backward(); opt.step()
+
+A rank whose loop ends first shadows the others' collectives (a bucket all-reduce: zeros; a barrier) until every
+rank's loop has ended. The averaged gradient is the mean over the ranks still training (a "mean" all-reduce
+divides by the ranks that contributed: PyTorch's `divide_by_initial_world_size=False`; its default would divide
+by all ranks, so the steps after a rank joined take a smaller step). When all have joined, every rank takes the
+parameters and buffers of the rank that joined last (the one that trained longest), so all leave identical; the
+optimizer state of a rank that joined early missed those steps, as in PyTorch. Only all_reduce and barrier can
+be shadowed: ZeRO (its all-gather of updated shards) cannot be joined.
+
 Parameters that a forward pass does not use get a zero gradient from this rank (found by walking the graph of the
 outputs of `model(...)` or of any method called through the wrapper, e.g. `model.loss(x, y)`), so no bucket
 waits for them. A backward through a graph that was not built through the wrapper must use every parameter.
@@ -47,6 +67,7 @@ from . import comm
 
 __all__ = ["DataParallel", "batchify", "split_batch"]
 
+PASS_FORMAT = "backward pass {} since its forward"  # what a bucket's tag is, in error messages
 # parameter -> the DataParallel that reduces its gradient (ZeroRedundancyOptimizer looks it up)
 _WRAPPER = weakref.WeakKeyDictionary()
 
@@ -63,7 +84,7 @@ def check_same_model(what, named_tensors):
     One all-gather of the lists: every rank compares the same lists and so raises the same error (no rank is
     left waiting in a collective that the others never reach)."""
     mine = [(name, tuple(int(s) for s in t.shape), str(t.dtype)) for name, t in named_tensors]
-    everyone = comm.all_gather_object(mine)
+    everyone = comm.all_gather_object(mine, label=f"{what}'s model check")
     for r, theirs in enumerate(everyone[1:], 1):
         if theirs == everyone[0]:
             continue
@@ -100,19 +121,31 @@ class DataParallel(Module):
         self.bucket_mb = bucket_mb
         named = module.named_parameters()
         check_same_model("DataParallel", named + module.named_buffers())
-        everything = [t for _, t in named + module.named_buffers()]
-        if comm.world_size() > 1 and everything:
-            flat = comm.broadcast_buffer(np.concatenate([_host(t).astype(np.float32).reshape(-1) for t in everything]))
-            offset = 0
-            for t in everything:
-                size = int(np.prod(t.shape))
-                _set_value(t, flat[offset:offset + size])
-                offset += size
+        self._broadcast_state(root=0)
         params = [p for _, p in named if p.requires_grad]
         self._reducer = _Reducer(params, int(bucket_mb * 2**20))
         self._unhook = [p.register_grad_hook(self._reducer.on_grad) for p in params]
         for p in params:
             _WRAPPER[p] = weakref.ref(self)
+
+    def _broadcast_state(self, root):
+        """Rank `root`'s parameters and buffers copied to every rank (one broadcast of them all, in float32)."""
+        everything = [t for _, t in self.module.named_parameters() + self.module.named_buffers()]
+        if comm.world_size() == 1 or not everything:
+            return
+        flat = np.concatenate([_host(t).astype(np.float32).reshape(-1) for t in everything])
+        comm.broadcast_buffer(flat, root, label=f"DataParallel's parameter broadcast from rank {root}")
+        offset = 0
+        for t in everything:
+            size = int(np.prod(t.shape))
+            _set_value(t, flat[offset:offset + size])
+            offset += size
+
+    @property
+    def reducer(self):
+        """The gradient reducer behind the grad hooks (ZeroRedundancyOptimizer switches it to reduce-scatter and
+        takes its gradient shard)."""
+        return self._reducer
 
     def unwrap(self):
         """The wrapped model, its parameters' grad hooks removed: backward is plain needle's again."""
@@ -151,6 +184,17 @@ class DataParallel(Module):
         finally:
             self._reducer.sync = previous
 
+    @contextlib.contextmanager
+    def join(self):
+        """Uneven inputs: `with model.join(): for batch in my_batches: ...`. A rank whose loop ends first shadows
+        the others' collectives (its buckets contribute zeros) until every rank's loop has ended; then every rank
+        takes the parameters of the rank that trained longest. See the module docstring."""
+        if self._reducer.partition is not None:
+            raise ValueError("DataParallel.join(): not with ZeroRedundancyOptimizer(stage=2) (a rank out of data "
+                             "cannot update its shard of the parameters)")
+        yield self
+        self._broadcast_state(root=comm.shadow_until_all_joined())
+
     def last_sync_stats(self):
         """The last synchronizing backward: buckets, bytes reduced per rank, buckets started before backward's
         last gradient, seconds backward waited for communication at its end (`wait_seconds`) and spent copying
@@ -186,6 +230,7 @@ class _Bucket:
         self.buffer = None  # allocated by the pass's first gradient, dropped when the reduction is done
         self.accumulated = False  # the buffer holds the sum of no_sync passes
         self.ready = self.expected = 0
+        self.ticket = None  # the reduction's arrival notice, sent at the pass's first gradient (comm.announce)
         self.pending = None
 
     def layout(self, partition):
@@ -230,6 +275,7 @@ class _Reducer:
             self.buckets.append(_Bucket(current, params))
         self.bucket_of = {i: b for b in self.buckets for i in b.indices}
         self.unused = set()
+        self.passes_since_forward = 0  # the ranks' buckets must agree on it: an extra backward on one rank is an error
         self.stats = {}
         self.buffer_bytes = 0
         self._copy_seconds = 0.0
@@ -248,6 +294,7 @@ class _Reducer:
         """Before a backward through `outputs`: the parameters it will not reach get a zero gradient."""
         used = {id(n) for n in find_topo_sort(outputs) if n.is_leaf()}
         self.unused = {i for i, p in enumerate(self.params) if id(p) not in used}
+        self.passes_since_forward = 0
         self._reset()
 
     def _reset(self):
@@ -293,7 +340,9 @@ class _Reducer:
             self._reset()
 
     def _first_gradient(self):
+        self.passes_since_forward += 1
         if self.sync:
+            self._announce()
             self.stats = {"buckets": len(self.buckets), "bytes": 0, "started_before_last_gradient": 0,
                           "wait_seconds": 0.0, "buffer_peak_bytes": self.buffer_bytes,
                           "first_gradient": time.perf_counter()}
@@ -323,16 +372,32 @@ class _Reducer:
         if i not in self.unused:
             b.ready += 1
 
+    def _announce(self):
+        """Send the notices of every bucket's reduction now, so that the other ranks' are in when a bucket is ready
+        and its reduction starts at once (the checks cost no wait)."""
+        n = comm.world_size()
+        for k, b in enumerate(self.buckets):
+            label = f"DataParallel bucket {k + 1} of {len(self.buckets)}"
+            if self.partition is None:
+                b.ticket = comm.announce("all_reduce", b.size, "float32", "mean", label=label,
+                                         tag=self.passes_since_forward, tag_format=PASS_FORMAT)
+            else:
+                b.ticket = comm.announce("reduce_scatter", b.size, "float32", "mean", counts=b.counts(n), label=label,
+                                         tag=self.passes_since_forward, tag_format=PASS_FORMAT)
+
     def _launch_ready(self):
         """Start the reductions of complete buckets, in bucket order (the same order on every rank)."""
         while self.next_launch < len(self.buckets):
             b = self.buckets[self.next_launch]
             if b.ready < b.expected:
                 return
+            tag = self.passes_since_forward
             if self.partition is None:
-                b.pending = comm.all_reduce_buffer(b.buffer, "mean", async_op=True)
+                b.pending = comm.all_reduce_buffer(b.buffer, "mean", async_op=True, tag=tag, announced=b.ticket)
             else:
-                b.pending = comm.reduce_scatter_buffer(b.buffer, b.counts(comm.world_size()), "mean")
+                b.pending = comm.reduce_scatter_buffer(b.buffer, b.counts(comm.world_size()), "mean", tag=tag,
+                                                       announced=b.ticket)
+            b.ticket = None
             self.stats["bytes"] += b.buffer.nbytes
             self.stats["started_before_last_gradient"] += len(self.seen) < len(self.params)
             self.next_launch += 1

@@ -84,7 +84,7 @@ class Pipeline:
         if len(batches) != m:
             raise ValueError(f"Pipeline.train_step: {len(batches)} micro-batches, but the pipeline was built for "
                              f"micro_batches={m}")
-        comm.barrier()  # the step starts together on every rank: what the bubble is measured from
+        comm.barrier("Pipeline.train_step's start")  # the step starts together on every rank: the bubble's zero
         t0 = time.perf_counter()
         compute, recomputed, start_bytes = 0.0, 0, self._current_bytes()
         params = self.parameters()
@@ -126,7 +126,7 @@ class Pipeline:
         for s in sends:
             s.wait()
         mine = (compute, sum(losses) / m if self.last else None)
-        everyone = comm.all_gather_object(mine)
+        everyone = comm.all_gather_object(mine, label="Pipeline.train_step's statistics")
         step = time.perf_counter() - t0
         self._stats = {"step_seconds": step, "compute_seconds": compute, "bubble": 1 - compute / step,
                        "compute_seconds_per_rank": [c for c, _ in everyone],

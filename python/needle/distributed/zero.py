@@ -134,7 +134,7 @@ class ZeroRedundancyOptimizer(Optimizer):
             self.shard = None
             self.optimizer = optimizer_class(owned, **kw)
         if stage == 2 and self.wrapper is not None:
-            self.wrapper._reducer.reduce_scatter_to(self.pieces, self.shard_sizes[me])
+            self.wrapper.reducer.reduce_scatter_to(self.pieces, self.shard_sizes[me])
 
     def _data_parallel(self):
         wrappers = {id(w): w for w in (wrapper_of(p) for p in self.params)}
@@ -145,7 +145,7 @@ class ZeroRedundancyOptimizer(Optimizer):
                              "(model = DataParallel(model); ZeroRedundancyOptimizer(model.parameters(), ...)): its "
                              "backward averages the gradients across ranks")
         wrapper = next(iter(wrappers.values()))
-        if len(wrapper._reducer.params) != len(self.params):
+        if len(wrapper.reducer.params) != len(self.params):
             raise ValueError("ZeroRedundancyOptimizer: give it all the DataParallel model's parameters (ZeRO shards "
                              "the flat buffer of all of them)")
         return wrapper
@@ -168,7 +168,7 @@ class ZeroRedundancyOptimizer(Optimizer):
         """Give the inner optimizer this rank's averaged gradients: stage 1 cuts them out of the full `.grad`s
         (a missing `.grad` counts as zeros), stage 2 takes the shard that backward's reduce-scatter left."""
         if self.stage == 2 and self.wrapper is not None:
-            shard = self.wrapper._reducer.take_shard()
+            shard = self.wrapper.reducer.take_shard()
             if shard is None:
                 raise RuntimeError("ZeroRedundancyOptimizer.step(): no gradients: call backward() through the "
                                    "DataParallel model first")
@@ -188,7 +188,8 @@ class ZeroRedundancyOptimizer(Optimizer):
         mine = self._gather_mine(_host) if self.shard is None else _host(self.shard)
         if n == 1 and self.shard is None:
             return  # the inner optimizer updated the parameters themselves
-        everything = comm.all_gather_buffer(np.ascontiguousarray(mine.reshape(-1)), self.shard_sizes)
+        everything = comm.all_gather_buffer(np.ascontiguousarray(mine.reshape(-1)), self.shard_sizes,
+                                            label="ZeroRedundancyOptimizer's parameter all-gather")
         starts = np.cumsum([0] + self.shard_sizes)
         flats = {}
         for pieces in self.pieces:
@@ -208,7 +209,7 @@ class ZeroRedundancyOptimizer(Optimizer):
         if self.shard is not None:
             self.shard.grad = None
         if self.wrapper is not None and self.stage == 2:
-            self.wrapper._reducer.take_shard()
+            self.wrapper.reducer.take_shard()
 
     # ----- saving and resuming: each rank its own shard ----------------------------------------------------------
     def state_dict(self):
@@ -265,7 +266,7 @@ class ZeroRedundancyOptimizer(Optimizer):
     def gradient_bytes(self):
         """Bytes of gradients this rank holds for the step: stage 2 its float32 shard, stage 1 every `.grad`."""
         if self.stage == 2 and self.wrapper is not None:
-            shard = self.wrapper._reducer.shard
+            shard = self.wrapper.reducer.shard
             return 0 if shard is None else int(shard.nbytes)
         return sum(int(p.grad.realize_cached_data().nbytes) for p in self.params if p.grad is not None)
 
