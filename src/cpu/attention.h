@@ -1,10 +1,9 @@
-// attention.h -- fused scaled-dot-product attention (FlashAttention-2) for the C++ CPU backend.
+// attention.h -- fused scaled-dot-product attention (FlashAttention-2) for the C++ CPU backend:
+// attention_forward, attention_backward.
 //
-// Included once by ndarray_backend_cpu.cc, after its section 4: it uses that file's Array and dtypes
-// (to_float / from_float, visit_float, same_float_dtype), its gemm (the packed, register-tiled matmul, called
-// here on one thread per tile product), its vectorized exp / max (g_vector), lowbias32, check_size and
-// num_threads.  src/README.md states the contract (attention_forward, attention_backward); the NumPy reference
-// backend writes the same algorithm as plain loops over tiles.
+// Built on gemm (matmul_gemm.h: the packed, register-tiled matmul, called here on one thread per tile product),
+// the vectorized exp / max (g_vector, vector_math.h) and dropout's hash (lowbias32, random.h).  src/README.md
+// states the contract; the NumPy reference backend writes the same algorithm as plain loops over tiles.
 //
 // The T_q x T_k matrix of scores never exists.  One matrix of the batch (one batch element and head) is
 // q (t_q x d), k (t_k x d), v (t_k x d_v), all row-major; tiles are ATTN_BR query rows by ATTN_BC key rows.
@@ -30,6 +29,30 @@
 // per thread and linear in T (std::vector, outside the Array accounting, like matmul's packing buffers): about
 // (t_q + 2 t_k) (d + d_v) floats plus a few tiles.
 #pragma once
+
+#include "array.h"
+#include "common.h"
+#include "dtypes.h"
+#include "matmul_gemm.h"
+#include "random.h"
+#include "threads.h"
+#include "vector_math.h"
+
+#include <pybind11/pybind11.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <initializer_list>
+#include <limits>
+#include <memory>
+#include <new>
+#include <sstream>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
 
 namespace needle {
 namespace cpu {

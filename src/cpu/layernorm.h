@@ -1,8 +1,6 @@
-// layernorm.h -- fused layer normalization for the C++ CPU backend.
+// layernorm.h -- fused layer normalization for the C++ CPU backend: layernorm_forward, layernorm_backward.
 //
-// Included once by ndarray_backend_cpu.cc, after its section 4: it uses that file's Array and dtypes
-// (to_float / from_float, visit_float, same_float_dtype), check_size, fail and num_threads.  src/README.md states
-// the contract (layernorm_forward, layernorm_backward); the NumPy reference backend is the specification.
+// src/README.md states the contract; the NumPy reference backend is the specification.
 //
 // x is (rows, n), row-major; each row is normalized over its n elements, then scaled and shifted per column:
 //   mean = sum(x) / n,  rstd = 1 / sqrt(sum((x - mean)^2) / n + eps),  xhat = (x - mean) rstd,  y = xhat w + b
@@ -11,6 +9,19 @@
 // Arithmetic is float32 whatever the storage.  Rows are spread over the threads (forward, dx); dw and db over
 // blocks of columns, each column summed over the rows in order, so results do not depend on the thread count.
 #pragma once
+
+#include "array.h"
+#include "common.h"
+#include "dtypes.h"
+#include "threads.h"
+
+#include <pybind11/pybind11.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <vector>
 
 namespace needle {
 namespace cpu {
