@@ -22,6 +22,7 @@
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <unordered_set>
 #include <vector>
 
 #include <sys/mman.h>
@@ -51,20 +52,26 @@ class NeedleMemoryError : public std::runtime_error {
 //
 // A fresh mapping is zero pages that fault in on first touch: the kernel zeroes them (and, for the huge-page
 // hint, may first compact memory to find 2 MiB pages), about one pass over the buffer at best.  A training step
-// frees and asks again for the same sizes every step, so freed mapped blocks go into a cache (exact page-rounded
-// sizes, the most recently freed first; the oldest are unmapped when it overflows), from which a request of the
-// same size is served without asking the kernel.  How much it may hold: by default as many bytes as were ever
-// live at once (at least 64 MiB), so a repeated step runs without page faults and resident memory stays below
-// twice the high-water mark, as CUDA's caching allocator keeps its blocks; set_cache_limit(n) bounds it to
-// n bytes (0: every freed block is unmapped at once, so resident memory follows current_bytes).  Measured on the
-// benchmark model with gc off, 2 threads: 1.6-2.1 s a step with a 64 MiB cache (4,000 huge-page faults, up to
-// 1.2 s of system time compacting and zeroing) vs 1.05 s with the default.  Under set_memory_limit the cache
-// never holds more than the limit.  The cache is resident memory that current_bytes does not count, so it is
-// reported: memory_stats()["cached_bytes"] (and "reserved_bytes" = current_bytes + cached_bytes, as CUDA's
-// reserved bytes count live plus cached blocks); empty_cache() unmaps it, as does an allocation the kernel
-// refuses.
+// frees and asks again for the same sizes every step, so freed mapped blocks of a *recurring* size go into a
+// cache (exact page-rounded sizes, the most recently freed first; the oldest are unmapped when it overflows),
+// from which a request of the same size is served without asking the kernel.  Two rules keep both promises,
+// "freed memory goes back to the OS" and "a repeated step takes no page faults":
+//   - A size recurs once it is asked for again after a block of that size went back to the kernel.  Until then
+//     a freed block of that size is unmapped at once: `del` of a big array lowers resident memory right away,
+//     while a training step's sizes recur within its first step or two and are kept from then on.
+//   - The cache holds at most 1.15 x the high-water mark (the most bytes ever live at once) + 32 MiB, less what
+//     is live now, so resident memory never exceeds that bound (as CUDA's caching allocator keeps its blocks,
+//     but bounded).  The 15% + 32 MiB of slack is what keeps a step that frees blocks of one size and asks for
+//     another near its peak from giving back what it asks for again later (a cap of exactly high water - live
+//     did: 2,600 page faults a step on the benchmark model; with the slack 0-19, as with no bound at all).
+// set_cache_limit(n) bounds the cache further to n bytes (0: every freed block is unmapped at once, so resident
+// memory follows current_bytes).  Under set_memory_limit the cache never holds more than the limit.  The cache
+// is resident memory that current_bytes does not count, so it is reported: memory_stats()["cached_bytes"] (and
+// "reserved_bytes" = current_bytes + cached_bytes, as CUDA's reserved bytes count live plus cached blocks);
+// empty_cache() unmaps it, as does an allocation the kernel refuses.
 constexpr size_t MAP_THRESHOLD = size_t(1) << 20;
-constexpr size_t MIN_AUTO_CACHE = size_t(64) << 20;
+constexpr size_t CACHE_SLACK_BYTES = size_t(32) << 20;  // the bound's + 32 MiB
+constexpr size_t MAX_TRACKED_SIZES = 4096;  // sizes remembered as returned; forgotten all at once beyond this
 constexpr size_t AUTO_CACHE = std::numeric_limits<size_t>::max();
 constexpr size_t HUGE_PAGE = size_t(2) << 20;
 
@@ -80,9 +87,11 @@ struct MemoryStats {
   size_t allocations = 0;  // number of live Arrays
   size_t limit_bytes = 0;  // 0 = no limit
   size_t high_water_bytes = 0;       // the most bytes ever live at once (never reset)
-  size_t cache_limit = AUTO_CACHE;   // set_cache_limit's bytes, or AUTO_CACHE: max(64 MiB, high_water_bytes)
+  size_t cache_limit = AUTO_CACHE;   // set_cache_limit's bytes, or AUTO_CACHE: the bound in cache_capacity
   size_t cached_bytes = 0;           // sum of cache[i].bytes
   std::vector<CachedBlock> cache;    // freed mapped blocks, oldest first
+  std::unordered_set<size_t> returned;   // sizes of blocks that went back to the kernel (not yet recurring)
+  std::unordered_set<size_t> recurring;  // sizes asked for again after that: their freed blocks are cached
 };
 
 // Never destroyed, so Arrays that die during interpreter shutdown still find it.
@@ -140,13 +149,15 @@ static void release_cache(MemoryStats& s) {
   s.cached_bytes = 0;
 }
 
-// How many bytes the cache may hold.  By default as many as were ever live at once (at least 64 MiB): a step
-// frees and asks again for blocks of many sizes, and one that had to give back what it will ask for again
-// later (a cap of high water - live would, near the peak) faults those pages in again every step.  So resident
-// memory stays below twice the high-water mark.  Caller holds s.mu.
+// How many bytes the cache may hold now: 1.15 x the high-water mark + 32 MiB, less what is live, so that live
+// plus cached bytes stay within that bound; or set_cache_limit's bytes; never more than set_memory_limit's.
+// Caller holds s.mu.
 static size_t cache_capacity(const MemoryStats& s) {
   size_t cap = s.cache_limit;
-  if (cap == AUTO_CACHE) cap = std::max(MIN_AUTO_CACHE, s.high_water_bytes);
+  if (cap == AUTO_CACHE) {
+    const size_t bound = s.high_water_bytes + s.high_water_bytes / 100 * 15 + CACHE_SLACK_BYTES;
+    cap = bound - std::min(bound, s.current_bytes);
+  }
   if (s.limit_bytes != 0) cap = std::min(cap, s.limit_bytes);
   return cap;
 }
@@ -171,6 +182,7 @@ static void* get_mapped(MemoryStats& s, size_t bytes) {
       return p;
     }
   }
+  if (s.returned.erase(bytes) != 0) s.recurring.insert(bytes);  // asked for again: keep this size from now on
   void* p = map_pages(bytes);
   if (p == nullptr && !s.cache.empty()) {
     release_cache(s);
@@ -179,12 +191,15 @@ static void* get_mapped(MemoryStats& s, size_t bytes) {
   return p;
 }
 
-// A mapped block whose Array died: into the cache if it fits (unmapping the oldest blocks to make room), else
-// unmapped.  Caller holds s.mu.
+// A mapped block whose Array died: into the cache if its size recurs and it fits (unmapping the oldest blocks to
+// make room), else unmapped (and its size remembered, so that a later request of it makes the size recurring).
+// Caller holds s.mu.
 static void put_mapped(MemoryStats& s, void* ptr, size_t bytes) {
   const size_t cap = cache_capacity(s);
-  if (bytes > cap) {
+  if (bytes > cap || s.recurring.count(bytes) == 0) {
     munmap(ptr, bytes);
+    if (s.returned.size() >= MAX_TRACKED_SIZES) s.returned.clear();
+    s.returned.insert(bytes);
     return;
   }
   trim_cache(s, cap - bytes);
@@ -287,6 +302,7 @@ static py::dict memory_stats() {
   d["allocations"] = s.allocations;
   d["cached_bytes"] = s.cached_bytes;
   d["reserved_bytes"] = s.current_bytes + s.cached_bytes;
+  d["high_water_bytes"] = s.high_water_bytes;  // the most bytes ever live at once: what the cache's bound is of
   return d;
 }
 
