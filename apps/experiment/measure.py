@@ -1,6 +1,8 @@
 """What the OS and the driver see of a step, next to the allocator's exact byte counts
 (needle.backend_ndarray.memory_stats, read in step.py): the process's peak resident memory, the GPU's used
 memory, and the CPU backend's thread count."""
+import ctypes
+import ctypes.util
 import os
 
 
@@ -25,15 +27,36 @@ def _proc_status():
         return {}
 
 
+def _c_heap_trimmer():
+    """glibc's malloc_trim, or a no-op where the C library has none (macOS, musl)."""
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim
+    except (OSError, AttributeError, TypeError):
+        return lambda pad: 0
+
+
+_trim_c_heap = _c_heap_trimmer()
+
+
 class PeakRSS:
-    """The process's peak resident memory over a step minus its resident memory at the step's start (bytes).
+    """The resident memory a step uses at its peak beyond what it used at its start (bytes): the process's peak
+    resident memory (the OS's figure) minus its resident memory at the start, where the allocator's cache of freed
+    blocks — resident, but free for reuse — counts as unused at both ends (`cached_at_start`, and
+    `cached_at_peak` given to growth(): memory_stats' cached_bytes and cached_bytes_at_peak). Without a cache it
+    is the plain growth; with one, a step served from the cache still counts the bytes it uses, as M_peak does.
 
     Exact where the kernel's high-water mark can be reset (Linux: writing 5 to /proc/self/clear_refs resets
     VmHWM to VmRSS, about 50 us with the read); otherwise the largest VmRSS of the samples taken with sample(),
     a lower bound.  growth() is None where /proc/self/status does not exist (not Linux)."""
 
-    def __init__(self):
+    def __init__(self, cached_at_start=0):
+        # The C library keeps freed small blocks (the backend's buffers under 1 MiB, NumPy's) in its heap, where a
+        # step's small buffers would reuse them unseen: giving them back first makes the step's own count, as
+        # M_peak counts them (without it gc "all", whose many small buffers fit in that heap, read 5 MB low).
+        _trim_c_heap(0)
         self.start = _proc_status().get("VmRSS")
+        if self.start is not None:
+            self.start -= cached_at_start
         self.peak, self.exact = self.start, False
         if self.start is not None:
             try:
@@ -47,12 +70,12 @@ class PeakRSS:
         if self.start is not None and not self.exact:
             self.peak = max(self.peak, _proc_status().get("VmRSS", 0))
 
-    def growth(self):
+    def growth(self, cached_at_peak=0):
         if self.start is None:
             return None
         self.sample()
         peak = _proc_status().get("VmHWM", self.peak) if self.exact else self.peak
-        return max(0, peak - self.start)
+        return max(0, peak - cached_at_peak - self.start)
 
 
 def threads():

@@ -116,7 +116,8 @@ def print_table(off, on):
     print(f"{'recomputed nodes':18s}{off['recomputed_nodes']:12d}{on['recomputed_nodes']:12d}")
     if off.get("rss_peak_bytes") is not None and on.get("rss_peak_bytes") is not None:
         a, b = off["rss_peak_bytes"], on["rss_peak_bytes"]
-        print(f"{'RSS_peak (MB)':18s}{mb(a):>12s}{mb(b):>12s}{pct(b, a):>10s}   (process peak RSS growth per step)")
+        print(f"{'RSS_peak (MB)':18s}{mb(a):>12s}{mb(b):>12s}{pct(b, a):>10s}"
+              "   (resident memory a step uses at its peak)")
     if off.get("steps") and off["steps"][0].get("gpu_memory_bytes") is not None:
         used = [r["steps"][-1]["gpu_memory_bytes"] for r in (off, on)]
         print(f"{'GPUtil used (MB)':18s}{mb(used[0]):>12s}{mb(used[1]):>12s}")
@@ -125,7 +126,7 @@ def print_table(off, on):
     print(f"\nactivation memory at backward start: {lower('activation_bytes'):.1f}% lower; step peak: "
           f"{lower('peak_activation_bytes'):.1f}% lower; {overhead}")
     if off.get("rss_peak_bytes") and on.get("rss_peak_bytes") is not None:
-        print(f"process peak RSS growth per step (what the OS sees): {lower('rss_peak_bytes'):.1f}% lower")
+        print(f"resident memory a step uses at its peak (what the OS sees): {lower('rss_peak_bytes'):.1f}% lower")
     print(state_text(off))
     for r in (off, on) if off.get("parallel") else ():
         print(f"{'gc on' if r['use_gc'] else 'gc off'}: {parallel_text(r)}")
@@ -192,7 +193,8 @@ def print_ablation(result):
     print(textwrap.fill(
         f"M_act, M_peak: exact allocator bytes over forward + backward, parameters and optimizer state left out; "
         f"P+G: parameters and gradients; state: the optimizer's state on the device (moments, master weights); "
-        f"RSS: the process's peak resident memory growth in a step; T_step: median step time after the warm-up"
+        f"RSS: the resident memory a step uses at its peak (RSS less the allocator's free cache); "
+        f"T_step: median step time after the warm-up"
         f"{' (' + note + ')' if note else ''}; loss: the last step's, loss-base: minus the baseline's. Every row "
         f"trains the same {result['steps_per_row']} steps of {b} sequences each.{accumulation}", 110))
 

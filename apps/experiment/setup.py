@@ -102,10 +102,6 @@ def pick_device(name):
         return nd.cpu_numpy()
     if not nd.cpu().enabled():
         fail("the C++ backend is not built; run `make` first (or give --device cpu_numpy)")
-    # RSS_peak is part of the experiment: a 64 MiB cache of freed buffers (the allocator's before its default grew to
-    # the high-water mark, and every figure of this script's so far) keeps resident memory following the
-    # allocator's bytes; the default would hold a step's freed buffers for the next one.
-    nd.set_cache_limit(64 << 20, nd.cpu())
     return nd.cpu()
 
 

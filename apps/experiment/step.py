@@ -15,6 +15,12 @@ from .data import micro_batches
 from .measure import PeakRSS, gpu_memory_bytes
 
 
+def cached(device, at_peak=False):
+    """The allocator's freed blocks kept for reuse (resident, but free), now or when its peak was reached: the CPU
+    backend reports them; 0 elsewhere."""
+    return nd.memory_stats(device).get("cached_bytes_at_peak" if at_peak else "cached_bytes", 0)
+
+
 def train_step(model, loss_fn, opt, batches, start, config, device, params, scaler=None):
     """One optimizer step (of `accumulation_steps` micro-batches), with its memory and time measured; loss_fn(X, y)
     is make_loss's (the full or the fused head, under autocast for mixed precision); `scaler` a GradScaler for
@@ -28,12 +34,13 @@ def train_step(model, loss_fn, opt, batches, start, config, device, params, scal
         micro = [rank_share(X, y, device) for X, y in micro]
     nd.reset_peak_memory_stats(device)
     baseline = nd.memory_stats(device)["current_bytes"]
-    rss = None if device.name == "cuda" else PeakRSS()  # host RSS says nothing of GPU memory: GPUtil there
+    rss = None if device.name == "cuda" else PeakRSS(cached(device))  # GPU memory: GPUtil, not host RSS
     t0 = time.perf_counter()
     passes = _forward_backward(model, loss_fn, micro, config, device, params, scaler, baseline, rss)
     del micro
     # M_peak is forward + backward (what Budget bounds); the optimizer's own temporaries come after it.
     forward_backward_peak = nd.memory_stats(device)["peak_bytes"] - baseline
+    rss_peak = rss.growth(cached(device, at_peak=True)) if rss else None  # the same window as M_peak's
     grad_bytes = gradient_bytes(opt, params)
     skipped = False
     if scaler is None:
@@ -43,7 +50,6 @@ def train_step(model, loss_fn, opt, batches, start, config, device, params, scal
         scaler.update()
     elapsed = time.perf_counter() - t0 - passes["bookkeeping_seconds"]
     stats = nd.memory_stats(device)
-    rss_peak = rss.growth() if rss else None
     step = {
         "loss": float(np.mean(passes["losses"])), "time_seconds": elapsed,
         "activation_bytes": int(passes["activation_bytes"]), "floor_bytes": int(passes["floor_bytes"]),
@@ -139,12 +145,13 @@ def pipeline_step(pipe, loss_fn, opt, batches, start, config, device, params):
     micro = micro_batches(batches, start, config, device)
     nd.reset_peak_memory_stats(device)
     baseline = nd.memory_stats(device)["current_bytes"]
-    rss = None if device.name == "cuda" else PeakRSS()
+    rss = None if device.name == "cuda" else PeakRSS(cached(device))
     t0 = time.perf_counter()
     with autograd.lazy_mode(config.lazy):
         loss = pipe.train_step(micro, loss_fn)
     del micro
     forward_backward_peak = nd.memory_stats(device)["peak_bytes"] - baseline
+    rss_peak = rss.growth(cached(device, at_peak=True)) if rss else None  # the same window as M_peak's
     grad_bytes = gradient_bytes(opt, params)
     opt.step()
     elapsed = time.perf_counter() - t0
@@ -155,7 +162,7 @@ def pipeline_step(pipe, loss_fn, opt, batches, start, config, device, params):
         "peak_activation_bytes": int(forward_backward_peak),
         "step_peak_bytes": int(memory["peak_bytes"] - baseline), "baseline_bytes": int(baseline),
         "recomputed_nodes": int(stats["recomputed_nodes"]), "gpu_memory_bytes": gpu_memory_bytes(),
-        "rss_peak_bytes": rss.growth() if rss else None, "rss_start_bytes": rss.start if rss else None,
+        "rss_peak_bytes": rss_peak, "rss_start_bytes": rss.start if rss else None,
         **state_bytes(opt, params, grad_bytes), "skipped_step": False, "loss_scale": None,
         "pipeline": {key: stats[key] for key in ("bubble", "bubble_mean", "theory", "compute_seconds",
                                                  "step_seconds", "compute_seconds_per_rank")},

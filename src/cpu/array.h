@@ -89,6 +89,7 @@ struct MemoryStats {
   size_t high_water_bytes = 0;       // the most bytes ever live at once (never reset)
   size_t cache_limit = AUTO_CACHE;   // set_cache_limit's bytes, or AUTO_CACHE: the bound in cache_capacity
   size_t cached_bytes = 0;           // sum of cache[i].bytes
+  size_t cached_bytes_at_peak = 0;   // cached_bytes when peak_bytes was last raised (or reset)
   std::vector<CachedBlock> cache;    // freed mapped blocks, oldest first
   std::unordered_set<size_t> returned;   // sizes of blocks that went back to the kernel (not yet recurring)
   std::unordered_set<size_t> recurring;  // sizes asked for again after that: their freed blocks are cached
@@ -240,7 +241,11 @@ struct Array {
       throw NeedleMemoryError(msg.str());
     }
     s.current_bytes += bytes;
-    s.peak_bytes = std::max(s.peak_bytes, s.current_bytes);
+    if (s.current_bytes > s.peak_bytes) {
+      s.peak_bytes = s.current_bytes;
+  s.cached_bytes_at_peak = s.cached_bytes;
+      s.cached_bytes_at_peak = s.cached_bytes;
+    }
     s.high_water_bytes = std::max(s.high_water_bytes, s.current_bytes);
     s.allocations += 1;
   }
@@ -299,6 +304,7 @@ static py::dict memory_stats() {
   py::dict d;
   d["current_bytes"] = s.current_bytes;
   d["peak_bytes"] = s.peak_bytes;
+  d["cached_bytes_at_peak"] = s.cached_bytes_at_peak;  // resident but free when peak_bytes was reached
   d["allocations"] = s.allocations;
   d["cached_bytes"] = s.cached_bytes;
   d["reserved_bytes"] = s.current_bytes + s.cached_bytes;
@@ -324,6 +330,7 @@ static void reset_peak_memory_stats() {
   MemoryStats& s = stats();
   std::lock_guard<std::mutex> lock(s.mu);
   s.peak_bytes = s.current_bytes;
+  s.cached_bytes_at_peak = s.cached_bytes;
 }
 
 static void set_memory_limit(int64_t nbytes) {

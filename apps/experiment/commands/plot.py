@@ -224,8 +224,8 @@ ROW_COLOURS = {"baseline": NEUTRAL, "accumulate": "tab:brown", "fused": "tab:pur
 
 
 def plot_ablation(result, out_dir):
-    """ablation.png: a bar per row (baseline on top, in grey) of M_peak (M_act inside it), peak RSS growth and
-    T_step, each labelled with its change from the baseline; the final loss beside each row's name."""
+    """ablation.png: a bar per row (baseline on top, in grey) of M_peak (M_act inside it), resident memory in use at
+    the step's peak and T_step, each labelled with its change from the baseline; the final loss beside each row's name."""
     plt = _pyplot()
     rows = [r for r in result["rows"] if "failed" not in r]
     names = [f"{r['row']}\nloss {r['loss']:.4f}" if r.get("loss") is not None else r["row"] for r in rows]
@@ -233,7 +233,7 @@ def plot_ablation(result, out_dir):
     y = np.arange(len(rows))
     fig, axes = plt.subplots(1, 3, figsize=(16, 1.6 + 0.62 * len(rows)), sharey=True)
     panels = [("peak_activation_bytes", "M_peak (MB), M_act inside (hatched)", 2**20, "peak_change"),
-              ("rss_peak_bytes", "peak RSS growth per step (MB)", 2**20, None),
+              ("rss_peak_bytes", "resident memory a step uses at its peak (MB)", 2**20, None),
               ("step_time_seconds", "T_step (s): median step time", 1, "time_change")]
     for ax, (key, title, unit, change) in zip(axes, panels):
         values = [(r.get(key) or 0) / unit for r in rows]

@@ -65,6 +65,8 @@ def train(config, use_gc, data, vocab, source, out_dir=None, quiet=False, json_p
     json_path if given, else to a new file in out_dir if given), written after every step."""
     python_gc.collect()  # a previous run's model and optimizer must not count in this run's memory
     device = pick_device(config.device)
+    if hasattr(device.mod, "empty_cache"):  # nor its freed blocks, which the allocator keeps for reuse
+        device.mod.empty_cache()
     policy = make_policy(config) if use_gc else "off"
     model, loss_fn, params, opt = build_training(config, vocab, device, policy)
     scaler = ndl.amp.GradScaler(init_scale=config.init_scale) if config.precision == "mixed-fp16" else None
