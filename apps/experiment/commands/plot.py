@@ -225,7 +225,8 @@ ROW_COLOURS = {"baseline": NEUTRAL, "accumulate": "tab:brown", "fused": "tab:pur
 
 def plot_ablation(result, out_dir):
     """ablation.png: a bar per row (baseline on top, in grey) of M_peak (M_act inside it), resident memory in use at
-    the step's peak and T_step, each labelled with its change from the baseline; the final loss beside each row's name."""
+    the step's peak and T_step, each labelled with its change from the baseline; the final loss beside each row's
+    name."""
     plt = _pyplot()
     rows = [r for r in result["rows"] if "failed" not in r]
     names = [f"{r['row']}\nloss {r['loss']:.4f}" if r.get("loss") is not None else r["row"] for r in rows]
