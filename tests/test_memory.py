@@ -570,3 +570,25 @@ def test_cpu_rss_returns_to_start_after_rounds_with_small_survivors():
           f"({cached / MiB:.0f} MB had been cached)")
     assert end - start <= 100e6, f"{(end - start) / 1e6:.0f} MB still resident with only small arrays alive"
     del survivors
+
+
+@cpu_only
+def test_cpu_cached_bytes_at_peak_is_the_cache_when_the_peak_was_reached(cache_limit):
+    # Resident memory less these bytes is what was in use at the peak (gc.py's RSS_peak reads it).
+    device = nd.cpu()
+    cache_limit(None)
+    device.mod.empty_cache()
+    size = MiB + 3072
+    make_recurring(size, device)
+    blocks = [nd.empty((size,), device=device) for _ in range(3)]
+    del blocks  # three cached blocks
+    nd.reset_peak_memory_stats(device)
+    assert stats(device)["cached_bytes_at_peak"] == stats(device)["cached_bytes"]
+    cached = stats(device)["cached_bytes"]
+    a = nd.empty((size,), device=device)  # served from the cache: a new peak with one block fewer cached
+    s = stats(device)
+    assert s["peak_bytes"] == s["current_bytes"] and s["cached_bytes_at_peak"] == s["cached_bytes"] < cached
+    del a  # back into the cache: the peak, and what was cached then, stay
+    s2 = stats(device)
+    assert s2["cached_bytes"] > s2["cached_bytes_at_peak"] == s["cached_bytes"]
+    device.mod.empty_cache()
