@@ -635,6 +635,20 @@ def test_a_write_that_fails_later_is_one_line_and_leaves_no_temporary_file(tmp_p
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and f"gc.py: cannot write {path}: Is a directory" in err and "Traceback" not in err
     assert os.listdir(tmp_path / "out") == ["run.json"] and path.is_dir()  # no .tmp beside it
+    ckpt = tmp_path / "ckpt.npz"  # the same for a checkpoint: saved after step 1, a folder by step 2's save
+
+    def checkpoint_folder_appears(line):
+        if ckpt.is_file():
+            ckpt.unlink()
+            ckpt.mkdir()
+
+    monkeypatch.setattr(run_command, "say", checkpoint_folder_appears)
+    with pytest.raises(SystemExit) as exit_:
+        run_gc(TINY + ["--data", str(tmp_path / "ptb"), "--use-gc", "1", "--json", str(tmp_path / "r.json"),
+                       "--save-checkpoint", str(ckpt), "--save-every", "1"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and f"gc.py: --save-checkpoint: cannot write {ckpt}" in err and "Traceback" not in err
+    assert sorted(os.listdir(tmp_path)) == ["ckpt.npz", "out", "ptb", "r.json"]  # no .tmp
 
 
 def test_stochastic_rounding_outside_pure_bf16_is_refused(tmp_path):

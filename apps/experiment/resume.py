@@ -49,7 +49,11 @@ def save_training(config, vocab, step, model, opt, scaler):
     state = {"step": step, "config": identity(config, vocab), "model": module_of(model).state_dict(),
              "optimizer": opt.state_dict(), "scaler": None if scaler is None else scaler.state_dict(),
              "rng": ndl.random_state()}
-    ndl.save(state, checkpoint_file(config.save_checkpoint, *rank_and_size(config)))
+    path = checkpoint_file(config.save_checkpoint, *rank_and_size(config))
+    try:
+        ndl.save(state, path)  # atomic: a failed save leaves the previous file, and no temporary one
+    except OSError as err:
+        fail(f"--save-checkpoint: cannot write {path}: {err.strerror or err}")
 
 
 def load_training(config, vocab):
