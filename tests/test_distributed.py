@@ -532,3 +532,22 @@ def test_gc_ablate_under_mpiexec_offers_the_dp_row(tmp_path):
     assert dp["row"] == "dp" and dp["world_size"] == 2 and "dp over 2 ranks (4 per rank)" in dp["setup"]
     assert abs(dp["loss"] - base["loss"]) < 1e-5  # the same global batch, on two ranks
     assert dp["activation_bytes"] < base["activation_bytes"]  # each rank holds half the batch's activations
+
+
+@needs_mpi
+@pytest.mark.parametrize("parallel", ["zero2", "pipeline"])
+def test_gc_run_on_two_ranks_resumes_from_one_file_per_rank_bit_for_bit(tmp_path, parallel):
+    """gc.py run --save-checkpoint under mpiexec: each rank its own file (its RNG, its ZeRO shard or pipeline
+    stage); --resume continues as the uninterrupted job does, losses and final parameters alike (issue 26, item 6)."""
+    flags = ["run", "--parallel", parallel, *_tiny_gc_flags(tmp_path), "--policy", "off", "--dropout", "0.1",
+             "--accumulation-steps", "2"]
+    ckpt, gc_py = str(tmp_path / "ckpt"), os.path.join(ROOT, "gc.py")
+    for extra in (["--max-batches", "4", "--json", str(tmp_path / "whole.json")],
+                  ["--max-batches", "2", "--json", str(tmp_path / "first.json"), "--save-checkpoint", ckpt],
+                  ["--max-batches", "4", "--json", str(tmp_path / "rest.json"), "--resume", ckpt]):
+        code, out = mpiexec(gc_py, *flags, *extra)
+        assert code == 0, out
+    whole, first, rest = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("whole", "first", "rest"))
+    assert sorted(p.name for p in tmp_path.glob("ckpt*")) == ["ckpt.rank0.npz", "ckpt.rank1.npz"]
+    assert [s["loss"] for s in first["steps"] + rest["steps"]] == [s["loss"] for s in whole["steps"]]
+    assert rest["parameters_sha256"] == whole["parameters_sha256"]  # rank 0's parameters (a stage, for pipeline)

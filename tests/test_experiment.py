@@ -19,7 +19,7 @@ from needle.checkpoint_budget import InfeasibleBudget
 from needle.data import batchify
 
 from conftest import GC_DEVICE, GC_ROOT, GC_TINY, strict_json, tiny_ptb
-from experiment import children, cli, data, parser, records, setup
+from experiment import children, cli, data, footprint, parser, records, setup
 from experiment.measure import PeakRSS
 
 EXPERIMENT = os.path.join(GC_ROOT, "apps", "experiment")
@@ -122,6 +122,30 @@ def test_an_infeasible_budget_raises_its_own_type_naming_the_least_peak():
     assert issubclass(InfeasibleBudget, ValueError) and budget.minimum_peak > 1
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_the_footprint_from_the_flags_is_the_built_models_parameters_gradients_and_state(tmp_path, precision):
+    """footprint.py counts, from the flags alone, what a built model holds after a step: its parameters' shapes and
+    bytes and their gradients' exactly, the optimizer's state exactly or (Adam8bit: its absmax blocks) from below."""
+    corpus, vocab = data.load_data(tiny_ptb(tmp_path))
+    device = setup.pick_device(GC_DEVICE)
+    shapes = ["--embedding-size", "64", "--num-head", "4", "--hidden-size", "72", "--num-layers", "2"]  # 8-bit: 64 x 72
+    for optimizer in setup.OPTIMIZERS:
+        config = cli.parse_args(GC_TINY + shapes + ["--optimizer", optimizer, "--precision", precision])
+        model = setup.build_model(config, vocab, device, "off")
+        params = model.parameters()
+        opt = setup.make_optimizer(config, params, model)
+        X, y = data.micro_batches(batchify(corpus, 4, device, "float32"), 0, config, device)[0]
+        setup.make_loss(model, config.head)(X, y).backward()
+        opt.step()
+        estimate = footprint.model_bytes(config, vocab)
+        assert footprint.parameter_shapes(config, vocab) == [tuple(p.shape) for p in params]
+        assert estimate["parameters"] == sum(p.realize_cached_data().nbytes for p in params)
+        assert estimate["gradients"] == sum(p.grad.realize_cached_data().nbytes for p in params)
+        state = opt.state_bytes()
+        assert estimate["optimizer_state"] == state if optimizer != "adam8bit" else \
+            0.9 * state < estimate["optimizer_state"] <= state, (optimizer, estimate, state)
+
+
 # ----- measurement and records ---------------------------------------------------------------------------------------
 def test_peak_rss_measures_the_peak_inside_an_interval():
     if not os.path.exists("/proc/self/status"):
@@ -149,6 +173,23 @@ def test_json_writer_writes_null_for_values_that_are_not_finite(tmp_path):
     assert strict_json(path) == {"loss": None, "time": 0.5, "x": [1.0, None, None],
                                  "steps": [{"loss": None, "n": 3, "ok": 2.5}], "pair": [None, 1]}
     assert json.loads(text)["x"] == [1.0, None, None]
+
+
+def test_a_json_write_that_fails_is_one_line_and_leaves_nothing_beside_the_path(tmp_path, monkeypatch, capsys):
+    taken = tmp_path / "taken.json"
+    taken.mkdir()  # a folder where the file should go
+    with pytest.raises(SystemExit) as exit_:
+        records.write_json(str(taken), {"loss": 1.0})
+    assert exit_.value.code == 2 and f"cannot write {taken}" in capsys.readouterr().err
+    assert os.listdir(tmp_path) == ["taken.json"]
+
+    def interrupted(*args, **kwargs):  # Ctrl-C half-way through writing
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(records.json, "dump", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        records.write_json(str(tmp_path / "r.json"), {"loss": 1.0})
+    assert os.listdir(tmp_path) == ["taken.json"]
 
 
 # ----- the layout: what a reader of apps/experiment can rely on ------------------------------------------------------

@@ -24,6 +24,7 @@ from conftest import GC_ROOT as ROOT
 from conftest import GC_TINY as TINY
 from conftest import gc_process as _gc
 from conftest import run_gc, strict_json, tiny_ptb
+from experiment.commands import run as run_command
 
 SUBCOMMANDS = ["run", "sweep", "max-batch", "ablate", "plot"]
 
@@ -588,3 +589,175 @@ def test_ablate_prints_one_table_and_writes_its_json_and_png(tmp_path, monkeypat
 def test_ablate_names_an_unknown_row_in_one_line():
     line = _one_line_error(*_gc("ablate", "--rows", "baseline", "mixed-fp64", "fused"))
     assert "unknown row mixed-fp64" in line and "baseline accumulate all sqrt selective budget fused combined" in line
+
+
+# ----- the front door (issue 26, item 10): what a run writes, and what it can hold, checked before any work --------
+def test_output_paths_are_checked_before_any_work_and_nothing_is_left_behind(tmp_path):
+    data = tiny_ptb(tmp_path)
+    folder, a_file = tmp_path / "folder", tmp_path / "a_file"
+    (folder / "x.npz").mkdir(parents=True)  # --save-checkpoint folder/x writes folder/x.npz: a folder here
+    a_file.write_text("not a folder\n")
+    tiny = TINY + ["--data", data]
+    cases = [
+        (tiny + ["--use-gc", "1", "--json", folder], f"--json {folder} is a folder; give a file name"),
+        (tiny + ["--use-gc", "1", "--json", a_file / "run.json"], f"{a_file} is a file, so nothing can be created"),
+        (tiny + ["--out", a_file], f"--out {a_file} is a file; give a folder"),
+        (tiny + ["--out", a_file / "sub"], f"{a_file} is a file, so nothing can be created under it"),
+        (tiny + ["--out", "/sys/gc-results"], "cannot write in /sys"),  # sysfs creates no files, not even for root
+        (tiny + ["--use-gc", "1", "--save-checkpoint", folder / "x"],
+         f"--save-checkpoint {folder / 'x.npz'} is a folder"),
+        (["sweep"] + tiny + ["--out", a_file], f"--out {a_file} is a file"),
+        (["max-batch"] + tiny + ["--memory-limit-mb", "9", "--out", a_file], f"--out {a_file} is a file"),
+        (["ablate", "--rows", "baseline", "--data", data, "--out", a_file], f"--out {a_file} is a file"),
+    ]
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda argv: _gc(*argv), [argv for argv, _ in cases]))
+    for (argv, expected), result in zip(cases, results):
+        assert expected in _one_line_error(*result), argv
+    left = sorted(os.path.relpath(os.path.join(d, f), tmp_path) for d, _, fs in os.walk(tmp_path) for f in fs)
+    assert left == ["a_file", "ptb/test.txt", "ptb/train.txt"]  # no JSON, no .tmp, no checkpoint
+    assert sorted(os.listdir(folder)) == ["x.npz"]
+
+
+def test_a_write_that_fails_later_is_one_line_and_leaves_no_temporary_file(tmp_path, monkeypatch, capsys):
+    path = tmp_path / "out" / "run.json"
+    real_say = run_command.say
+
+    def folder_appears(line):  # after the first step's JSON: the path turns into a folder
+        real_say(line)
+        if path.is_file():
+            path.unlink()
+            path.mkdir()
+
+    monkeypatch.setattr(run_command, "say", folder_appears)
+    with pytest.raises(SystemExit) as exit_:
+        run_gc(TINY + ["--data", tiny_ptb(tmp_path), "--use-gc", "1", "--json", str(path)])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and f"gc.py: cannot write {path}: Is a directory" in err and "Traceback" not in err
+    assert os.listdir(tmp_path / "out") == ["run.json"] and path.is_dir()  # no .tmp beside it
+    ckpt = tmp_path / "ckpt.npz"  # the same for a checkpoint: saved after step 1, a folder by step 2's save
+
+    def checkpoint_folder_appears(line):
+        if ckpt.is_file():
+            ckpt.unlink()
+            ckpt.mkdir()
+
+    monkeypatch.setattr(run_command, "say", checkpoint_folder_appears)
+    with pytest.raises(SystemExit) as exit_:
+        run_gc(TINY + ["--data", str(tmp_path / "ptb"), "--use-gc", "1", "--json", str(tmp_path / "r.json"),
+                       "--save-checkpoint", str(ckpt), "--save-every", "1"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and f"gc.py: --save-checkpoint: cannot write {ckpt}" in err and "Traceback" not in err
+    assert sorted(os.listdir(tmp_path)) == ["ckpt.npz", "out", "ptb", "r.json"]  # no .tmp
+
+
+def test_stochastic_rounding_outside_pure_bf16_is_refused(tmp_path):
+    data = tiny_ptb(tmp_path)
+    for precision in ("fp32", "mixed-bf16"):
+        line = _one_line_error(*_gc(*TINY, "--data", data, "--precision", precision, "--stochastic-rounding"))
+        assert "--stochastic-rounding is for pure bf16 training (--precision bf16)" in line
+        assert f"--precision {precision} keeps float32 weights" in line
+    line = _one_line_error(*_gc("sweep", *TINY, "--data", data, "--stochastic-rounding"))
+    assert "--stochastic-rounding" in line
+
+
+def test_a_model_that_cannot_fit_is_refused_before_it_is_built(tmp_path):
+    data = tiny_ptb(tmp_path)
+    line = _one_line_error(*_gc(*TINY, "--data", data, "--embedding-size", "100000000"))
+    assert "the model would not fit" in line and "--embedding-size 100000000" in line
+    # the estimate (4 bytes per weight: 4 x 1e8^2 of attention projections alone) and what the machine has
+    assert "GiB of parameters" in line and ("the machine's memory gives" in line or "memory limit" in line)
+    need = float(line.split("need at least ")[1].split(" GiB")[0].replace(",", ""))
+    assert need >= 0.99 * 4 * 4 * 4e16 / 2**30  # 4e16 attention weights, 4 bytes, 4 copies (+ grads, 2 moments)
+    line = _one_line_error(*_gc(*TINY, "--data", data, "--embedding-size", "512", "--memory-limit-mb", "1"))
+    assert "the model would not fit" in line and "--memory-limit-mb 1 gives 1.0 MiB" in line
+    out = tmp_path / "out"  # sweep and max-batch check every configuration before their first child
+    for argv in (["sweep", "--over", "embedding-size", "--values", "8", "100000000"],
+                 ["max-batch", "--embedding-size", "512", "--memory-limit-mb", "1"]):
+        line = _one_line_error(*_gc(argv[0], *TINY, *argv[1:], "--data", data, "--out", out))
+        assert "the model would not fit" in line, argv
+    assert not out.exists()
+
+
+def test_a_corpus_that_is_not_utf8_is_one_line_naming_the_file(tmp_path):
+    data = tiny_ptb(tmp_path)
+    with open(os.path.join(data, "train.txt"), "ab") as f:
+        f.write(b"caf\xe9 latin-1\n")
+    line = _one_line_error(*_gc(*TINY, "--data", data))
+    assert os.path.join(data, "train.txt") in line and "not UTF-8" in line
+
+
+# ----- saving and resuming (issue 26, item 6): --save-checkpoint, --resume ---------------------------------------
+def _losses_and_digest(path):
+    record = strict_json(path)
+    return [s["loss"] for s in record["steps"]], record["parameters_sha256"], [s["step"] for s in record["steps"]]
+
+
+@pytest.mark.parametrize("flags", [
+    ["--dropout", "0.2"],  # dropout: the resumed run must draw the masks the uninterrupted one did
+    ["--precision", "mixed-fp16", "--init-scale", "1e6", "--policy", "selective"],  # the scale backs off at step 1
+    ["--precision", "bf16", "--stochastic-rounding", "--no-lazy", "--optimizer", "sgd"],
+    ["--optimizer", "adam8bit", "--accumulation-steps", "2", "--policy", "sqrt"],
+], ids=["adam-dropout", "mixed-fp16", "bf16-sgd-eager", "adam8bit-accumulate"])
+def test_a_resumed_run_equals_the_uninterrupted_one_bit_for_bit(tmp_path, capsys, flags):
+    data, ckpt = tiny_ptb(tmp_path), str(tmp_path / "ckpt")
+    run = TINY + ["--data", data, "--use-gc", "1"] + flags
+    run_gc(run + ["--max-batches", "5", "--json", str(tmp_path / "whole.json")])
+    run_gc(run + ["--max-batches", "2", "--json", str(tmp_path / "first.json"), "--save-checkpoint", ckpt])
+    run_gc(run + ["--max-batches", "5", "--json", str(tmp_path / "rest.json"), "--resume", ckpt])
+    whole, first, rest = (_losses_and_digest(tmp_path / f"{name}.json") for name in ("whole", "first", "rest"))
+    assert first[2] == [0, 1] and rest[2] == [2, 3, 4] and strict_json(tmp_path / "rest.json")["first_step"] == 2
+    assert first[0] + rest[0] == whole[0]  # every step's loss, to the bit
+    assert rest[1] == whole[1] != first[1]  # the final parameters, to the byte
+    saved = ndl.load(ckpt)
+    assert saved["step"] == 2 and set(saved) == {"step", "config", "model", "optimizer", "scaler", "rng"}
+
+
+def test_a_run_interrupted_after_a_periodic_save_resumes_where_it_was(tmp_path, monkeypatch, capsys):
+    data, ckpt = tiny_ptb(tmp_path), str(tmp_path / "ckpt")
+    run = TINY + ["--data", data, "--use-gc", "1", "--dropout", "0.1", "--max-batches", "6"]
+    run_gc(run + ["--json", str(tmp_path / "whole.json")])
+    real_step, calls = ndl.optim.Adam.step, []
+
+    def interrupted(self):  # Ctrl-C in the fourth step's optimizer update, after the save at step 2
+        calls.append(1)
+        if len(calls) == 4:
+            raise KeyboardInterrupt
+        return real_step(self)
+
+    monkeypatch.setattr(ndl.optim.Adam, "step", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        run_gc(run + ["--json", str(tmp_path / "first.json"), "--save-checkpoint", ckpt, "--save-every", "2"])
+    monkeypatch.undo()
+    assert ndl.load(ckpt)["step"] == 2
+    run_gc(run + ["--json", str(tmp_path / "rest.json"), "--resume", ckpt, "--save-checkpoint", ckpt])
+    (whole, whole_digest, _), (rest, rest_digest, _) = (_losses_and_digest(tmp_path / f"{name}.json")
+                                                        for name in ("whole", "rest"))
+    first = [s["loss"] for s in strict_json(tmp_path / "first.json")["steps"]]  # 3 steps ended, then Ctrl-C
+    assert len(first) == 3 and first[:2] + rest == whole and rest_digest == whole_digest
+    assert ndl.load(ckpt)["step"] == 6  # saved again when the resumed run ended
+
+
+def test_a_resume_that_does_not_match_the_run_is_one_line_naming_the_flag(tmp_path, capsys):
+    data, ckpt = tiny_ptb(tmp_path), str(tmp_path / "ckpt")
+    run = TINY + ["--data", data, "--use-gc", "1", "--json", str(tmp_path / "r.json")]
+    run_gc(run + ["--max-batches", "2", "--save-checkpoint", ckpt])
+    (tmp_path / "junk.npz").write_bytes(b"not a zip")
+    cases = [
+        (["--embedding-size", "16"], "was saved by a run with --embedding-size 8, this run has 16"),
+        (["--optimizer", "sgd"], "was saved by a run with --optimizer adam, this run has sgd"),
+        (["--precision", "bf16"], "--precision fp32, this run has bf16"),
+        (["--max-batches", "2"], "is at step 2, and this run's schedule (--max-batches x --epochs) ends at step 2"),
+        (["--resume", str(tmp_path / "missing")], f"there is no file {tmp_path / 'missing.npz'}"),
+        (["--resume", str(tmp_path / "junk.npz")], "is not an .npz archive"),
+        (["--save-every", "2"], "--save-every N saves to --save-checkpoint FILE"),
+        (["--save-every", "0", "--save-checkpoint", ckpt], "--save-every must be a positive integer"),
+    ]
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda argv: _gc(*run, "--max-batches", "4", "--resume", ckpt, *argv),
+                                [argv for argv, _ in cases]))
+    for (argv, expected), result in zip(cases, results):
+        line = _one_line_error(*result)
+        assert expected in line, (argv, line)
+    both = _one_line_error(*_gc(*TINY, "--data", data, "--save-checkpoint", ckpt))
+    assert "--save-checkpoint carries one pass's training; give --use-gc 0 or 1" in both

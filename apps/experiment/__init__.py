@@ -16,6 +16,10 @@ How to read it: a command line becomes one frozen RunConfig, and a subcommand's 
     ablations.py    ablate's rows: name -> (what it is, the `gc.py run` flags it trains with)
     children.py     sweep, max-batch and ablate run each configuration as a child `gc.py run` process
     console.py      one-line errors (exit status 2), progress bars, lines printed above them
+    outputs.py      where a command writes (--json, --out, --save-checkpoint), checked before any work
+    footprint.py    the model's parameters, gradients and optimizer state counted from the flags: refused before
+                    it is built when they cannot fit
+    resume.py       run --save-checkpoint / --resume: the training state saved, and continued bit for bit
     commands/       one file per subcommand: run.py, sweep.py (sweep and max-batch), ablate.py, plot.py (the only
                     importer of matplotlib)
 """

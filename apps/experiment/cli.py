@@ -8,11 +8,13 @@
     mpiexec -n 2 python gc.py run --parallel dp                  # data parallel (also zero1, zero2, pipeline)
     python gc.py plot results/sweep_batch_size                   # the plots of whatever gc.py JSON a folder holds
 
-A bad input is one line on stderr and exit status 2, before any work: argparse's errors (parser.Parser) and the
-checks below, which need no data or model.
+A bad input is one line on stderr and exit status 2, before any work: argparse's errors (parser.Parser), the
+checks below, which need no data or model, and the paths the command will write (outputs.py).  Those that need the
+data come first thing in the subcommand: the corpus, whether the model fits (footprint.py), a --resume's flags.
 """
 import difflib
 import math
+import os
 import sys
 from dataclasses import replace
 
@@ -21,13 +23,16 @@ from needle import distributed as dist
 from .ablations import ABLATIONS, ACCUMULATE, default_rows
 from .commands import ablate, plot, run, sweep
 from .console import BAD_INPUT_EXIT, fail
+from .outputs import check_outputs, checkpoint_file
 from .parser import SUBCOMMANDS, build_parser
 from .setup import RunConfig
 
 COMMANDS = {"run": run.main, "sweep": sweep.main_sweep, "max-batch": sweep.main_max_batch, "ablate": ablate.main,
             "plot": plot.main}
 POSITIVE = ("batch_size", "seq_len", "embedding_size", "hidden_size", "num_layers", "num_head", "accumulation_steps",
-            "epochs", "max_batches", "segment_len", "repeats", "steps")
+            "epochs", "max_batches", "segment_len", "repeats", "steps", "save_every")
+DEFAULT_OUT = {"run": "results", "max-batch": os.path.join("results", "max_batch"),
+               "ablate": os.path.join("results", "ablation")}  # sweep's: results/sweep_OVER
 
 
 def main(argv=None):
@@ -68,17 +73,41 @@ def validate(config):
     if command == "ablate":
         validate_ablate(config)
     validate_numbers(config)
-    if command == "ablate":
-        return
+    if command != "ablate":
+        validate_command(config)
+    check_outputs(config, DEFAULT_OUT.get(command) or os.path.join("results", f"sweep_{config.over}"))
+
+
+def validate_command(config):
+    """run's, sweep's and max-batch's checks (ablate's rows set what these check)."""
+    command = config.command
     _, ranks = dist.comm.launcher_rank_and_size()  # mpiexec's environment; MPI itself starts later
     if command == "run":
         validate_parallel(config, ranks)
+        validate_checkpoint_flags(config)
     elif ranks > 1:
         fail(f"gc.py {command} runs in one process, not under mpiexec with {ranks} ranks (gc.py run --parallel and "
              f"gc.py ablate do)")
     validate_policies(config)
     if command == "sweep":
         validate_sweep(config)
+    if config.stochastic_rounding and config.precision != "bf16":
+        fail(f"--stochastic-rounding is for pure bf16 training (--precision bf16), whose bfloat16 weights it rounds "
+             f"the updates of; --precision {config.precision} keeps float32 weights: leave it out, or give "
+             f"--precision bf16")
+
+
+def validate_checkpoint_flags(config):
+    """--save-checkpoint, --save-every, --resume: one pass's training, and a file to resume that exists."""
+    if (config.save_checkpoint or config.resume) and config.use_gc is None and config.policy != "off":
+        flag = "--save-checkpoint" if config.save_checkpoint else "--resume"
+        fail(f"{flag} carries one pass's training; give --use-gc 0 or 1 (or --policy off) with it")
+    if config.save_every is not None and not config.save_checkpoint:
+        fail("--save-every N saves to --save-checkpoint FILE: give that too")
+    if config.resume:
+        path = checkpoint_file(config.resume, *dist.comm.launcher_rank_and_size())
+        if not os.path.isfile(path):
+            fail(f"--resume {config.resume}: there is no file {path}")
 
 
 def validate_numbers(config):

@@ -42,13 +42,21 @@ def load_data(source):
     """(train token ids, vocabulary size) of a PTB folder, or of the synthetic corpus."""
     if source == SYNTHETIC:
         return synthetic_corpus()
-    corpus = Corpus(source)
+    try:
+        corpus = Corpus(source)
+    except (OSError, ValueError) as err:  # unreadable, or not UTF-8 text: the loader's message names the file
+        fail(f"--data {source}: {err}")
     return np.array(corpus.train, dtype=np.float32), len(corpus.dictionary)
 
 
 def batch_text(config):
     b, k = config.batch_size, config.accumulation_steps
     return f"batch {b}" if k == 1 else f"batch {b} x {k} = {b * k} (--accumulation-steps {k})"
+
+
+def windows(config, num_tokens):
+    """How many seq_len windows a corpus of num_tokens holds for the step's batch (what get_batch can start at)."""
+    return (num_tokens // (config.batch_size * config.accumulation_steps) - 1) // config.seq_len
 
 
 def check_corpus(config, data):

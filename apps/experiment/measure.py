@@ -1,6 +1,6 @@
 """What the OS and the driver see of a step, next to the allocator's exact byte counts
 (needle.backend_ndarray.memory_stats, read in step.py): the process's peak resident memory, the GPU's used
-memory, and the CPU backend's thread count."""
+memory, the CPU backend's thread count, and the memory the machine has at all."""
 import ctypes
 import ctypes.util
 import os
@@ -84,3 +84,26 @@ def threads():
     if env.isdigit() and int(env) > 0:
         return int(env)
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+
+def machine_memory_bytes(device):
+    """(the memory a run on `device` can have at most, bytes; what that is, in words): the GPU's total memory on
+    cuda (GPUtil; the host's where it is not installed), else the host's physical memory, or the cgroup's limit
+    (memory.max) where that is lower, as in a container."""
+    if device.name == "cuda":
+        try:
+            import GPUtil
+            gpus = GPUtil.getGPUs()
+        except ImportError:
+            gpus = []
+        if gpus:
+            return int(gpus[0].memoryTotal * 2**20), "the GPU's memory"
+    have, where = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "the machine's memory"
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+    except OSError:
+        limit = "max"
+    if limit.isdigit() and int(limit) < have:
+        have, where = int(limit), "the container's memory limit (cgroup memory.max)"
+    return have, where

@@ -126,6 +126,8 @@ def add_model_flags(p, command):
     if command == "run":
         add_parallel_flags(p)
     add_output_flags(p, command)
+    if command == "run":
+        add_checkpoint_flags(p)
 
 
 def add_step_flags(g):
@@ -209,6 +211,19 @@ def add_output_flags(p, command):
                   "max-batch give each child its own)")
     flag(g, "progress", action=argparse.BooleanOptionalAction, default=None,
          help="progress bars on stderr (default: when stderr is a terminal or in a notebook)")
+
+
+def add_checkpoint_flags(p):
+    g = p.add_argument_group("saving and resuming (one pass: with --use-gc or --policy off)")
+    flag(g, "save_checkpoint", default=None, metavar="FILE",
+         help="save the model, optimizer, loss scaler and RNG state, the step and the run's flags to FILE (.npz; "
+              "under mpiexec one FILE.rankR.npz per rank) when training ends, and every --save-every steps")
+    flag(g, "save_every", type=int, default=None, metavar="N",
+         help="with --save-checkpoint: also save after every N-th step (default: at the end only)")
+    flag(g, "resume", default=None, metavar="FILE",
+         help="continue the training a --save-checkpoint FILE saved, from its step to the end of this run's "
+              "schedule (--max-batches x --epochs), bit for bit as if it had not stopped; the model flags must "
+              "match")
 
 
 def add_ablate_flags(p):

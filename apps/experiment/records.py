@@ -13,6 +13,7 @@ import numpy as np
 from needle import distributed as dist
 
 from . import ROOT
+from .console import fail
 from .measure import threads
 
 # The earlier project's keys, kept next to the canonical ones (README: "gc.py — the experiment").
@@ -103,11 +104,28 @@ def json_safe(x):
 
 
 def write_json(path, record):
-    """record as strict JSON at path, whole or not at all, even with another process writing the same name."""
+    """record as strict JSON at path, whole or not at all, even with another process writing the same name.  The
+    paths were checked before any work (outputs.py); should writing fail all the same (the disk full, the folder
+    made read-only, a folder put at `path` meanwhile), that is one line and exit status 2, and the temporary file
+    is removed: a failed write leaves `path` as it was and nothing beside it."""
     tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(json_safe(record), f, indent=1, allow_nan=False)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            json.dump(json_safe(record), f, indent=1, allow_nan=False)
+        os.replace(tmp, path)
+    except OSError as err:
+        remove_quietly(tmp)
+        fail(f"cannot write {path}: {err.strerror or err}")
+    except BaseException:  # also Ctrl-C half-way through the dump
+        remove_quietly(tmp)
+        raise
+
+
+def remove_quietly(path):
+    try:
+        os.remove(path)
+    except OSError:
+        pass
 
 
 def read_json(path):

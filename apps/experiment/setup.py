@@ -74,6 +74,10 @@ class RunConfig:
     out: str = None
     json: str = None
     progress: bool = None
+    # saving and resuming (run)
+    save_checkpoint: str = None
+    save_every: int = None
+    resume: str = None
     # sweep, ablate, plot
     over: str = None
     values: list = None

@@ -12,6 +12,7 @@ from ..ablations import ABLATIONS, BASE, default_rows
 from ..children import invocation_id, last_line, run_child
 from ..console import note, progress_on, say, tqdm_class
 from ..data import check_corpus, load_data, resolve_data
+from ..footprint import check_fits
 from ..records import config_of, read_json, write_json
 from ..report import mb, model_text, plural, print_ablation
 from ..setup import check_budget, pick_device, plan_budget
@@ -32,6 +33,7 @@ def main(config):
     device = pick_device(config.device)
     data, vocab = load_data(source)
     check_corpus(config, data)  # the effective batch: every row trains on the same windows
+    check_fits(config, vocab, device)  # the baseline row's model (Adam, float32), before any row starts
     out_dir = config.out or os.path.join("results", "ablation")
     ablation_id = invocation_id()
     rows = config.rows or default_rows()

@@ -14,11 +14,13 @@ from needle.checkpoint_budget import InfeasibleBudget
 from needle.data import batchify
 
 from ..console import OOM_EXIT, fail, progress_on, say, tqdm_class
-from ..data import check_corpus, load_data, resolve_data
+from ..data import check_corpus, load_data, resolve_data, windows
+from ..footprint import check_fits
 from ..records import ALIASES, config_of, summarize, write_json
 from ..report import print_run_header, print_single, print_table, step_line
 from ..setup import (AUTOCAST, build_model, check_budget, make_loss, make_optimizer, make_policy, pick_device,
                      pipeline_loss, pipeline_stages)
+from ..resume import load_training, parameters_sha256, restore_training, save_training
 from ..step import pipeline_step, train_step
 
 
@@ -32,6 +34,11 @@ def main(config):
     data, vocab = load_data(source)
     device = pick_device(config.device)
     check_corpus(config, data)
+    check_fits(config, vocab, device)  # before any model is built: one that cannot fit is refused here
+    resumed = load_training(config, vocab) if config.resume else None
+    if resumed and resumed["step"] >= total_steps(config, data):
+        fail(f"--resume {config.resume} is at step {resumed['step']}, and this run's schedule (--max-batches x "
+             f"--epochs) ends at step {total_steps(config, data)}: nothing is left to train")
     which = [False, True] if config.use_gc is None else [bool(config.use_gc)]
     if config.policy == "off":
         which = [False]
@@ -45,7 +52,8 @@ def main(config):
     for use_gc in which:
         print(f"{f'gc on ({label})' if use_gc else 'gc off'}:", flush=True)
         try:
-            results[use_gc] = train(config, use_gc, data, vocab, source, out_dir=out_dir, json_path=config.json)
+            results[use_gc] = train(config, use_gc, data, vocab, source, out_dir=out_dir, json_path=config.json,
+                                    resumed=resumed)
         except MemoryError as err:
             print(f"gc.py: out of memory under --memory-limit-mb {config.memory_limit_mb:g}: {err}", file=sys.stderr)
             sys.exit(OOM_EXIT)
@@ -60,9 +68,10 @@ def main(config):
         print(f"plots: python gc.py plot {out_dir}")
 
 
-def train(config, use_gc, data, vocab, source, out_dir=None, quiet=False, json_path=None):
+def train(config, use_gc, data, vocab, source, out_dir=None, quiet=False, json_path=None, resumed=None):
     """Train for a few batches with checkpointing off or on; return the measured record (also as JSON: to
-    json_path if given, else to a new file in out_dir if given), written after every step."""
+    json_path if given, else to a new file in out_dir if given), written after every step.  `resumed`, a state
+    resume.load_training read, continues that training from its step instead of from the start."""
     python_gc.collect()  # a previous run's model and optimizer must not count in this run's memory
     device = pick_device(config.device)
     if hasattr(device.mod, "empty_cache"):  # nor its freed blocks, which the allocator keeps for reuse
@@ -70,21 +79,18 @@ def train(config, use_gc, data, vocab, source, out_dir=None, quiet=False, json_p
     policy = make_policy(config) if use_gc else "off"
     model, loss_fn, params, opt = build_training(config, vocab, device, policy)
     scaler = ndl.amp.GradScaler(init_scale=config.init_scale) if config.precision == "mixed-fp16" else None
+    first = restore_training(resumed, model, opt, scaler) if resumed else 0
     batches = batchify(data, config.batch_size * config.accumulation_steps, device=device, dtype="float32")
-    label = (config.policy or "all") if use_gc else "off"
-    record = {"kind": "run", "policy": label, "use_gc": bool(use_gc), **config_of(config, source, vocab, device),
-              "aliases": ALIASES, "steps": []}
-    if not use_gc:
-        record["budget_bytes"] = None  # the gc-off pass has no budget
-    path = record_path(config, label, out_dir, json_path)
-    nbatch = min(config.max_batches, (batches.shape[0] - 1) // config.seq_len)
+    record = new_record(config, use_gc, source, vocab, device, first)
+    path = record_path(config, record["policy"], out_dir, json_path)
+    nbatch, total = min(config.max_batches, windows(config, len(data))), total_steps(config, data)
     if config.memory_limit_mb:
         nd.set_memory_limit(int(config.memory_limit_mb * 2**20), device)
-    bar = tqdm_class()(total=nbatch * config.epochs, desc=f"gc {'on, ' + label if use_gc else 'off'}", unit="step",
+    bar = tqdm_class()(total=total - first, desc=f"gc {'on, ' + record['policy'] if use_gc else 'off'}", unit="step",
                        file=sys.stderr, disable=not progress_on(config.progress), leave=False, dynamic_ncols=True)
     try:
-        for i in range(nbatch * config.epochs):
-            start = (i % nbatch) * config.seq_len
+        for i in range(first, total):
+            start = (i % nbatch) * config.seq_len  # the step's window: a function of i, so a resumed run's too
             try:
                 if config.parallel == "pipeline":
                     step, loss = pipeline_step(model, loss_fn, opt, batches, start, config, device, params)
@@ -93,7 +99,9 @@ def train(config, use_gc, data, vocab, source, out_dir=None, quiet=False, json_p
             except InfeasibleBudget as err:
                 fail(str(err))  # planned before anything was computed
             del loss
-            add_step(record, step, policy, config, path)
+            add_step(record, {"step": i, **step}, policy, config, path)
+            if config.save_checkpoint and (i + 1 == total or config.save_every and (i + 1) % config.save_every == 0):
+                save_training(config, vocab, i + 1, model, opt, scaler)
             bar.set_postfix(loss=f"{step['loss']:.3f}", M_peak=f"{step['peak_activation_bytes'] / 2**20:.0f}MB",
                             refresh=False)
             bar.update()
@@ -103,8 +111,26 @@ def train(config, use_gc, data, vocab, source, out_dir=None, quiet=False, json_p
         bar.close()
         if config.memory_limit_mb:
             nd.set_memory_limit(0, device)
+    record["parameters_sha256"] = parameters_sha256(params)  # two runs that trained alike end alike, to the byte
+    if path:
+        write_json(path, record)
     record["json"] = path
     return record
+
+
+def new_record(config, use_gc, source, vocab, device, first_step):
+    """A run's record before its first step: what it is, its whole configuration, where it started."""
+    label = (config.policy or "all") if use_gc else "off"
+    record = {"kind": "run", "policy": label, "use_gc": bool(use_gc), **config_of(config, source, vocab, device),
+              "aliases": ALIASES, "first_step": first_step, "steps": []}
+    if not use_gc:
+        record["budget_bytes"] = None  # the gc-off pass has no budget
+    return record
+
+
+def total_steps(config, data):
+    """The run's schedule: --epochs passes over --max-batches windows (fewer where the corpus has fewer)."""
+    return min(config.max_batches, windows(config, len(data))) * config.epochs
 
 
 def build_training(config, vocab, device, policy):

@@ -8,6 +8,7 @@ from dataclasses import replace
 from ..children import invocation_id, last_line, run_child
 from ..console import OOM_EXIT, note, progress_on, say, tqdm_class
 from ..data import check_corpus, load_data, resolve_data
+from ..footprint import check_fits
 from ..records import config_of, read_json, write_json
 from ..report import mb, model_text
 from ..setup import pick_device
@@ -16,10 +17,11 @@ from .plot import plot_max_batch, plot_sweep
 
 def main_sweep(config):
     source = resolve_data(config.data)
-    pick_device(config.device)
-    data, _ = load_data(source)
-    for value in config.values:  # every configuration fits the corpus, or the sweep does not start
+    device = pick_device(config.device)
+    data, vocab = load_data(source)
+    for value in config.values:  # every configuration fits the corpus and the memory, or the sweep does not start
         check_corpus(replace(config, **{config.over: value}), data)
+        check_fits(replace(config, **{config.over: value}), vocab, device)
     del data
     out_dir = config.out or os.path.join("results", f"sweep_{config.over}")
     os.makedirs(out_dir, exist_ok=True)
@@ -83,8 +85,9 @@ def main_max_batch(config):
     source = resolve_data(config.data)
     device = pick_device(config.device)
     out_dir = config.out or os.path.join("results", "max_batch")
-    os.makedirs(out_dir, exist_ok=True)
     search = BatchSearch(config, source, device, out_dir)
+    check_fits(config, search.result["vocab_size"], device)  # the model alone under the cap, or no search
+    os.makedirs(out_dir, exist_ok=True)
     search.start()
     for policy in search.policies:
         lo, hi = 0, config.batch_size
