@@ -17,7 +17,7 @@ import pytest
 
 import needle as ndl
 from needle import distributed as dist
-from needle import nn
+from needle import nn, optim
 from needle.distributed import comm
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
@@ -551,3 +551,23 @@ def test_gc_run_on_two_ranks_resumes_from_one_file_per_rank_bit_for_bit(tmp_path
     assert sorted(p.name for p in tmp_path.glob("ckpt*")) == ["ckpt.rank0.npz", "ckpt.rank1.npz"]
     assert [s["loss"] for s in first["steps"] + rest["steps"]] == [s["loss"] for s in whole["steps"]]
     assert rest["parameters_sha256"] == whole["parameters_sha256"]  # rank 0's parameters (a stage, for pipeline)
+
+
+def test_zero_flat_shard_follows_a_model_loaded_after_it_was_built():
+    # The flat shard was a copy taken at construction: a model loaded afterwards (a warm start from a model-only
+    # file) was silently overwritten by the first step's all-gather of the old values.
+    np.random.seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 3))
+    warm = {k: v + 1.0 for k, v in model.state_dict().items()}
+    opt = dist.ZeroRedundancyOptimizer(model.parameters(), optim.SGD, lr=0.1)
+    model.load_state_dict(warm)
+    reference = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 3))
+    reference.load_state_dict(warm)
+    ref_opt = optim.SGD(reference.parameters(), lr=0.1)
+    x = ndl.Tensor(np.random.randn(5, 4).astype(np.float32), requires_grad=False)
+    for m, o in ((model, opt), (reference, ref_opt)):
+        o.reset_grad()
+        (m(x) * m(x)).sum().backward()
+        o.step()
+    for (name, got), want in zip(model.state_dict().items(), reference.state_dict().values()):
+        np.testing.assert_array_equal(got, want, err_msg=name)

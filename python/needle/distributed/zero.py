@@ -126,6 +126,7 @@ class ZeroRedundancyOptimizer(Optimizer):
                                    if dtypes else "float32")
             self.shard.name = f"ZeRO shard of rank {me}"
             self.optimizer = optimizer_class([self.shard], **kw)
+            self.param_versions = [p.version for p in self.params]  # what the shard was copied from
         else:
             owned = [self.params[i] for i, *_ in self.mine]
             if "fp32_state_params" in kw:  # per-tensor options: for the tensors this rank owns
@@ -160,9 +161,18 @@ class ZeroRedundancyOptimizer(Optimizer):
 
     # ----- a step ---------------------------------------------------------------------------------------------------
     def step(self):
+        self._refresh_shard()
         self._shard_gradients()
         self.optimizer.step()
         self._all_gather_parameters()
+
+    def _refresh_shard(self):
+        """A flat shard is a copy of this rank's pieces of the parameters: if they were written since it was taken
+        (a model's load_state_dict, `.data =`), it takes their values again, so the step updates what the model
+        holds — not the values from before, which its all-gather would write back over the load."""
+        if self.shard is not None and [p.version for p in self.params] != self.param_versions:
+            self.shard.cached_data = array_api.array(self._gather_mine(_host), dtype=str(self.shard.dtype),
+                                                     device=self.shard.device)
 
     def _shard_gradients(self):
         """Give the inner optimizer this rank's averaged gradients: stage 1 cuts them out of the full `.grad`s
@@ -202,6 +212,8 @@ class ZeroRedundancyOptimizer(Optimizer):
         for i, flat in flats.items():
             p = self.params[i]
             p.cached_data = array_api.array(flat.reshape(p.shape), dtype=str(p.dtype), device=p.device)
+        if self.shard is not None:
+            self.param_versions = [p.version for p in self.params]
 
     def reset_grad(self):
         for p in self.params:
@@ -254,6 +266,7 @@ class ZeroRedundancyOptimizer(Optimizer):
         self.optimizer.load_state_dict(state_dict["optimizer"])  # checks its own state before changing anything
         if self.shard is not None:
             self.shard.cached_data = array_api.array(shard, dtype=str(self.shard.dtype), device=self.shard.device)
+            self.param_versions = [p.version for p in self.params]  # the loaded shard, not the parameters, wins
 
     # ----- accounting ---------------------------------------------------------------------------------------------
     def state_bytes(self):
