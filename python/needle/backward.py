@@ -20,11 +20,14 @@ The rules of checkpointing that concern backward, enforced in this file (rule 1'
   Rule 4. Recomputation and differentiation are exact (`Compute`):
           (a) a recomputed value has the shape, dtype and device it had in the forward pass (checked every time);
           (b) eager and lazy mode give bit-identical numbers;
-          (c) backward reads what the forward pass read. Every value has a version, bumped by each in-place write
-              (`.data =`, an optimizer's update, `t[idx] = ...`); each node records the versions of the inputs
-              its forward computation read. Before a gradient reads forward values (`Op.saves`) and before a
-              dropped value is recomputed from its inputs, the versions are compared, and a mismatch raises
-              RuntimeError — with checkpointing off too (a MatMul's gradient reads its weight).
+          (c) a value, once computed, reads the same forever, or raises saying why it cannot. Every value has a
+              version, bumped by each in-place write (`.data =`, an optimizer's update, `t[idx] = ...`); each
+              node records its inputs' versions when it is built (lazy mode too: what a lazy graph computes is
+              what it read when it was built). Whenever a value is computed — eagerly, when a lazy graph is
+              realized, when backward recomputes a dropped value, when a value released by backward is read
+              again — and before a gradient reads forward values (`Op.saves`), the versions are compared, and a
+              mismatch raises RuntimeError naming the op, the input and both versions (`Compute`,
+              `check_unchanged`) — with checkpointing off too (a MatMul's gradient reads its weight).
   Rule 5. When backward returns, every leaf gradient is realized, so an optimizer that updates parameters in
           place can never change a value a gradient still depends on (`run_backward` realizes each step).
 """
@@ -124,19 +127,21 @@ class Compute(Machine):
         return node.cached_data is not None
 
     def compute(self, node):
+        """Rule 4c: a value is computed from the versions of its inputs that its graph read when it was built."""
+        for x, version in zip(node.inputs, node._input_versions):
+            if x.version != version:
+                check_unchanged(node, node.inputs, action="recompute" if node._released else "compute")
         value = node.op.compute(*[x.cached_data for x in node.inputs])
         if isinstance(value, numpy.generic):  # NEEDLE_BACKEND=np: NumPy turns 0-d results into scalars
             value = numpy.asarray(value)
         node.cached_data = value
-        if node._input_versions is None:  # the first computation is the forward pass: what backward must see
-            node._input_versions = tuple(x.version for x in node.inputs)
 
     def recompute(self, node):
-        """Rule 4: a recomputation reads the versions the forward pass read and gives the same shape and dtype."""
+        """Rule 4: a recomputation reads the versions the forward pass read (`compute` checks them) and gives the
+        same shape and dtype."""
         if any(x.cached_data is None for x in node.inputs):
             raise RuntimeError(f"backward plan violated: an input of {type(node.op).__name__} is missing at its "
                                "recomputation (rule 2)")
-        check_unchanged(node, node.inputs, action="recompute")
         expected = node._spec
         self.compute(node)
         got = spec_of(node.cached_data)
@@ -168,8 +173,13 @@ class Compute(Machine):
 
 
 def check_unchanged(node, values, action="differentiate"):
-    """Rule 4c: `values` (inputs of `node`, or `node` itself) hold the versions its forward computation read."""
-    read = {id(x): v for x, v in zip(node.inputs, node._input_versions or ())}
+    """Rule 4c: `values` (inputs of `node`, or `node` itself) hold the versions its graph read when it was built.
+
+    `action` says what was about to happen, and so why a changed version is an error: "compute" (a lazy graph
+    realized after a write), "recompute" (a value dropped by checkpointing or released by backward, needed
+    again) or "differentiate" (a gradient reading forward values).
+    """
+    read = {id(x): v for x, v in zip(node.inputs, node._input_versions)}
     read[id(node)] = 0  # a computed value is never written by the graph itself
     for x in values:
         version = read.get(id(x), x.version)
@@ -177,12 +187,25 @@ def check_unchanged(node, values, action="differentiate"):
             what = "its output" if x is node else "one of its inputs"
             name = getattr(x, "name", None)
             kind = f"{type(x).__name__} {name!r}" if name else type(x).__name__
-            raise RuntimeError(
-                f"{type(node.op).__name__}: cannot {action} it: {what}, a {kind} of shape {tuple(x.shape)}, was "
-                f"modified in place after the forward pass read it (version {x.version}, the forward pass read "
-                f"version {version}), so the result would be wrong. Call backward() before optimizer.step(), or "
-                f"don't modify it in place (rule 4c)"
-            )
+            raise RuntimeError(f"{type(node.op).__name__}: cannot {action} it: {what}, a {kind} of shape "
+                               f"{tuple(x.shape)}, was modified in place {_WHY_NOT[action](x.version, version)} "
+                               f"(rule 4c)")
+
+
+# Rule 4c's error, by what was about to happen: when the write came, why the number would be wrong, what to do.
+_WHY_NOT = {
+    "compute": lambda now, read: (
+        f"after the graph was built (version {now}, the graph read version {read}): computing it now would mix "
+        f"values from before and after the write. Build the graph after the write, or compute it before"),
+    "recompute": lambda now, read: (
+        f"after the forward pass read it (version {now}, the forward pass read version {read}). Its value was "
+        f"released (by backward after its last use, or dropped by checkpointing), and recomputing it now would "
+        f"give a different number than the forward pass did. Read the values you need before the write, call "
+        f"backward() before optimizer.step(), or don't modify it in place"),
+    "differentiate": lambda now, read: (
+        f"after the forward pass read it (version {now}, the forward pass read version {read}), so the "
+        f"gradient would be wrong. Call backward() before optimizer.step(), or don't modify it in place"),
+}
 
 
 # ----- executing the plan -----------------------------------------------------------------------------------------
