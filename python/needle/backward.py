@@ -9,7 +9,14 @@ counts bytes. A dropped value is just a missing value here; what to drop is deci
 The rules of checkpointing that concern backward, enforced in this file (rule 1's region boundaries are
 `checkpoint.annotate`'s; each test names the rule it checks):
 
-  Rule 1. Leaves and the output of a backward pass are never released (`plan_backward`).
+  Rule 1. Leaves, the output of a backward pass and values of one element (`KEPT_ELEMENTS`: a loss, a
+          norm) are never released (`plan_backward`); policies never drop the last (`checkpoint.annotate`). So
+          `loss.numpy()` after `(loss * 1.0).backward(); opt.step()` — or after `scaler.scale(loss).backward();
+          scaler.step(opt)`, read before backward or not — is the forward's loss, not the updated model's (other
+          values raise when their recomputation would read changed inputs: rule 4c). It costs next to nothing:
+          at most 8 bytes a value, for as long as the graph lives — less than the Python node that holds it,
+          which the graph keeps anyway — and a scalar is never worth recomputing. The Budget's ledger walks the
+          same plan, so it counts those bytes too and its prediction stays exact.
   Rule 2. During one backward pass, a dropped or released value is recomputed at most once: recomputed values
           stay alive until their last use in that pass (`plan_backward` plans it; tests assert it on the plan).
   Rule 3. Every activation, dropped or not, is released after its last use: in the forward pass for dropped
@@ -36,12 +43,12 @@ from dataclasses import dataclass, field
 import numpy
 
 from . import ops
-from .autograd import (Machine, Tensor, TensorTuple, Value, find_topo_sort, lazy_mode, nbytes_of, realize, release,
-                       run_deferred, spec_of)
+from .autograd import (Machine, Tensor, TensorTuple, Value, elements_of, find_topo_sort, infer_spec, lazy_mode,
+                       nbytes_of, realize, release, run_deferred, spec_of)
 from .backend_selection import device_of
 
-__all__ = ["BackwardPlan", "Compute", "Step", "compute_gradient_of_variables", "last_backward_stats",
-           "plan_backward", "reads", "run_backward"]
+__all__ = ["KEPT_ELEMENTS", "BackwardPlan", "Compute", "Step", "always_kept", "compute_gradient_of_variables",
+           "last_backward_stats", "plan_backward", "reads", "run_backward"]
 
 
 # ----- the plan -------------------------------------------------------------------------------------------------
@@ -72,14 +79,29 @@ def reads(node):
     return {"none": (), "output": (node,), "both": node.inputs + (node,)}.get(saves, node.inputs)
 
 
+# Rule 1: values of at most this many elements are never released by backward nor dropped by a policy, so the
+# loss a user reads after backward and optimizer.step() is the forward's. One element (a loss, a norm, a count):
+# at most 8 bytes each, less than the Python node that holds it; more would start keeping small models' activations.
+KEPT_ELEMENTS = 1
+
+
+def always_kept(node):
+    """Whether `node`'s value is small enough to stay in memory for as long as the graph lives (rule 1)."""
+    data = node.cached_data
+    if data is not None and not isinstance(data, tuple):
+        return data.size <= KEPT_ELEMENTS  # (backward asks for every value: the short way where there is one)
+    spec = infer_spec(node)
+    return spec is not None and elements_of(spec[0]) <= KEPT_ELEMENTS
+
+
 def plan_backward(root, has=None):
     """The backward plan of the graph above `root`, given which values exist when it starts (`has`).
 
     Simulates the pass in reverse topological order. Before a node's gradient, the values it reads must exist;
     missing ones, and the missing ancestors they need, are recomputed at that step and from then on count as
     available, so nothing is recomputed twice (rule 2). A value's last use is the last step that reads it or
-    recomputes a consumer from it; it is released right after (rule 3). Leaves and the root are never released
-    (rule 1).
+    recomputes a consumer from it; it is released right after (rule 3). Leaves, the root and one-element values
+    are never released (rule 1).
     """
     has = has or Compute().has
     reverse = list(reversed(find_topo_sort([root])))
@@ -105,7 +127,7 @@ def plan_backward(root, has=None):
                 last_use[id(inp)] = step
     unused = []
     for node in reverse:
-        if node.is_leaf() or node is root:
+        if node.is_leaf() or node is root or always_kept(node):
             continue
         if id(node) in last_use:
             last_use[id(node)].release.append(node)
