@@ -10,7 +10,8 @@ The rules of checkpointing that concern backward, enforced in this file (rule 1'
 `checkpoint.annotate`'s; each test names the rule it checks):
 
   Rule 1. Leaves, the output of a backward pass and values of one element (`KEPT_ELEMENTS`: a loss, a
-          norm) are never released (`plan_backward`); policies never drop the last (`checkpoint.annotate`). So
+          norm) are never released (`plan_backward`); no policy ever drops a one-element value (they are not
+          candidates: `checkpoint.annotate`). So
           `loss.numpy()` after `(loss * 1.0).backward(); opt.step()` — or after `scaler.scale(loss).backward();
           scaler.step(opt)`, read before backward or not — is the forward's loss, not the updated model's (other
           values raise when their recomputation would read changed inputs: rule 4c). It costs next to nothing:
