@@ -276,7 +276,8 @@ def test_backward_checks_out_grad_shape_and_that_something_requires_grad():
 
 
 def test_versions_count_in_place_writes():
-    """Rule 4c's counter: replacing data or writing into it bumps the version; computing or releasing does not."""
+    """Rule 4c's counter: replacing data or writing into it bumps the version; computing or releasing does not. A
+    node records its inputs' versions when it is built, lazy or not (a lazy graph reads them then)."""
     x = ndl.Tensor(np.zeros((2, 3), np.float32))
     y = ops.exp(x)
     assert (x.version, y.version) == (0, 0) and y._input_versions == (0,)
@@ -287,9 +288,11 @@ def test_versions_count_in_place_writes():
     np.testing.assert_array_equal(x.numpy(), [[4, 4, 2], [2, 2, 2]])
     with autograd.lazy_mode(True):
         z = ops.exp(x)
-        assert z._input_versions is None  # nothing computed yet: nothing read
+        assert z.cached_data is None and z._input_versions == (3,)  # nothing computed yet, the versions recorded
         z.realize_cached_data()
-    assert z._input_versions == (3,)
+    assert z._input_versions == (3,) and z.version == 0
+    autograd.release(z)
+    assert z.version == 0
 
 
 @pytest.mark.parametrize("copier", ["pickle", "deepcopy"])

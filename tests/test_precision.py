@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import needle as ndl
-from needle import autograd, init, nn, optim
+from needle import autograd, init, nn, ops, optim
 from needle import backend_ndarray as nd
 
 from conftest import DEVICES
@@ -1270,6 +1270,32 @@ def test_autocast_block_reused_for_two_steps_sees_updated_weights():
     with ac:
         again = float(nn.SoftmaxLoss()(model(x), y).numpy())
     assert again == fresh and again != losses[0]
+
+
+@pytest.mark.parametrize("lazy", [False, True], ids=["eager", "lazy"])
+def test_a_training_loop_inside_one_autocast_block_reads_the_current_weights(lazy):
+    """The block's 16-bit copy of a parameter is remade once the parameter was written (its version moved on), so
+    each step of a training loop inside one autocast block computes with the current weights, as a fresh block
+    does: a released copy would have to be recomputed from changed weights (rule 4c refuses), and the copy of a
+    one-element parameter, kept (rule 1), would hold the old value."""
+    rs = np.random.RandomState(0)
+    w = ndl.Tensor(rs.randn(8, 4).astype(np.float32), device=CPU)
+    scale = ndl.Tensor(np.array([1.5], np.float32), device=CPU)  # one element: its 16-bit copy is kept
+    x, y = _data()
+    opt = optim.SGD([w, scale], lr=0.5)
+
+    def loss_fn():
+        return nn.SoftmaxLoss()((x @ w) * ops.broadcast_to(ops.reshape(scale, (1, 1)), (12, 4)), y)
+
+    with ndl.autocast("bfloat16"), autograd.lazy_mode(lazy):
+        for _ in range(3):
+            loss = loss_fn()
+            with ndl.autocast("bfloat16"):  # a fresh block: fresh copies of the current weights
+                fresh = loss_fn()
+            assert np.array_equal(loss.numpy(), fresh.numpy())
+            loss.backward()
+            opt.step()
+    assert scale.version == 3
 
 
 # ===== 7. GradScaler ===============================================================================================

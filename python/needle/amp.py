@@ -15,9 +15,11 @@ means, so layer norm's statistics; log, log-sum-exp, log-softmax; the losses) ge
 in their inputs' dtype. Every kernel computes in float32 and rounds once on store, whatever the storage.
 
 The casts are graph nodes. A cast of a parameter is made once per `autocast` block and kept (the 16-bit weight
-copy that mixed precision costs); a cast of an activation is marked `drop` and recomputed if a backward step
-needs it, so the float32 input it came from and the 16-bit result are never both held. The active context lives
-in autograd (entered and left through `autograd.set_autocast`); `TensorOp` and `TensorTupleOp` apply it.
+copy that mixed precision costs), and made again once the parameter was written (an optimizer step inside the
+block: the old copy holds the old weights); a cast of an activation is marked `drop` and recomputed if a
+backward step needs it, so the float32 input it came from and the 16-bit result are never both held. The active
+context lives in autograd (entered and left through `autograd.set_autocast`); `TensorOp` and `TensorTupleOp`
+apply it.
 """
 import math
 
@@ -51,7 +53,7 @@ class autocast:
             raise ValueError(f"autocast: dtype must be 'bfloat16' or 'float16', got {dtype!r}")
         self.dtype = dtype
         self.enabled = enabled
-        self._weights = {}  # id(parameter) -> (parameter, its cast): one 16-bit copy per parameter per block
+        self._weights = {}  # (id(parameter), dtype) -> (parameter, its version, its cast): one copy per version
         self._previous = []
 
     def __enter__(self):
@@ -71,11 +73,11 @@ class autocast:
                      and _name(x.dtype) != target else x for x in inputs)
 
     def _cast(self, x, dtype):
-        if x.op is None and x.requires_grad:  # a parameter: cast once per block, kept
+        if x.op is None and x.requires_grad:  # a parameter: cast once per block and version, kept
             key = (id(x), dtype)
-            if key not in self._weights:
-                self._weights[key] = (x, Cast(dtype)(x))
-            return self._weights[key][1]
+            if key not in self._weights or self._weights[key][1] != x.version:
+                self._weights[key] = (x, x.version, Cast(dtype)(x))
+            return self._weights[key][2]
         with lazy_mode(True):  # built unrealized, so that it is marked before anything computes it
             out = Cast(dtype)(x)
         out.drop = True

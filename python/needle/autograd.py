@@ -6,7 +6,9 @@ memory facts that checkpointing reads; the graph node, a handful of fields (`op`
 subclasses TensorTuple and Tensor; the one traversal, `find_topo_sort`; then realization, which computes missing
 values through a `Machine`: `Compute` (backward.py) does the work, checkpoint_budget's `Ledger` only counts
 bytes, so what the Budget predicts and what runs cannot drift apart. A value's `version` counts the in-place
-writes to its data; backward compares it with the version the forward pass read (rule 4c, backward.py).
+writes to its data; a node records its inputs' versions when it is built, and computing it (lazily, or again
+after its value was released) or differentiating it compares them (rule 4c, backward.py): a value, once
+computed, reads the same forever, or raises saying why it cannot.
 """
 import contextlib
 import math
@@ -143,7 +145,7 @@ class Value:
     """A node of the computational graph."""
 
     __slots__ = ("op", "inputs", "_data", "requires_grad", "drop", "grad", "_spec", "version", "_input_versions",
-                 "_grad_hooks", "__weakref__")
+                 "_released", "_grad_hooks", "__weakref__")
 
     @property
     def cached_data(self):
@@ -214,7 +216,8 @@ class Value:
         self.grad = None
         self._spec = None
         self.version = 0
-        self._input_versions = None  # the versions of `inputs` its (forward) computation read
+        self._input_versions = tuple(x.version for x in inputs)  # what its value is a function of (rule 4c)
+        self._released = False  # its value was computed, then released: a missing value is one to recompute
         self._grad_hooks = None  # callables run when backward sets this leaf's .grad (register_grad_hook)
 
     @classmethod
@@ -495,6 +498,7 @@ def release(node):
     if node.cached_data is not None:
         node._spec = spec_of(node.cached_data)
         node.cached_data = None
+        node._released = True
 
 
 def _infer_specs(target):

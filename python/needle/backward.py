@@ -9,7 +9,15 @@ counts bytes. A dropped value is just a missing value here; what to drop is deci
 The rules of checkpointing that concern backward, enforced in this file (rule 1's region boundaries are
 `checkpoint.annotate`'s; each test names the rule it checks):
 
-  Rule 1. Leaves and the output of a backward pass are never released (`plan_backward`).
+  Rule 1. Leaves, the output of a backward pass and values of one element (`KEPT_ELEMENTS`: a loss, a
+          norm) are never released (`plan_backward`); no policy ever drops a one-element value (they are not
+          candidates: `checkpoint.annotate`). So
+          `loss.numpy()` after `(loss * 1.0).backward(); opt.step()` — or after `scaler.scale(loss).backward();
+          scaler.step(opt)`, read before backward or not — is the forward's loss, not the updated model's (other
+          values raise when their recomputation would read changed inputs: rule 4c). It costs next to nothing:
+          at most 8 bytes a value, for as long as the graph lives — less than the Python node that holds it,
+          which the graph keeps anyway — and a scalar is never worth recomputing. The Budget's ledger walks the
+          same plan, so it counts those bytes too and its prediction stays exact.
   Rule 2. During one backward pass, a dropped or released value is recomputed at most once: recomputed values
           stay alive until their last use in that pass (`plan_backward` plans it; tests assert it on the plan).
   Rule 3. Every activation, dropped or not, is released after its last use: in the forward pass for dropped
@@ -20,11 +28,14 @@ The rules of checkpointing that concern backward, enforced in this file (rule 1'
   Rule 4. Recomputation and differentiation are exact (`Compute`):
           (a) a recomputed value has the shape, dtype and device it had in the forward pass (checked every time);
           (b) eager and lazy mode give bit-identical numbers;
-          (c) backward reads what the forward pass read. Every value has a version, bumped by each in-place write
-              (`.data =`, an optimizer's update, `t[idx] = ...`); each node records the versions of the inputs
-              its forward computation read. Before a gradient reads forward values (`Op.saves`) and before a
-              dropped value is recomputed from its inputs, the versions are compared, and a mismatch raises
-              RuntimeError — with checkpointing off too (a MatMul's gradient reads its weight).
+          (c) a value, once computed, reads the same forever, or raises saying why it cannot. Every value has a
+              version, bumped by each in-place write (`.data =`, an optimizer's update, `t[idx] = ...`); each
+              node records its inputs' versions when it is built (lazy mode too: what a lazy graph computes is
+              what it read when it was built). Whenever a value is computed — eagerly, when a lazy graph is
+              realized, when backward recomputes a dropped value, when a value released by backward is read
+              again — and before a gradient reads forward values (`Op.saves`), the versions are compared, and a
+              mismatch raises RuntimeError naming the op, the input and both versions (`Compute`,
+              `check_unchanged`) — with checkpointing off too (a MatMul's gradient reads its weight).
   Rule 5. When backward returns, every leaf gradient is realized, so an optimizer that updates parameters in
           place can never change a value a gradient still depends on (`run_backward` realizes each step).
 """
@@ -33,12 +44,12 @@ from dataclasses import dataclass, field
 import numpy
 
 from . import ops
-from .autograd import (Machine, Tensor, TensorTuple, Value, find_topo_sort, lazy_mode, nbytes_of, realize, release,
-                       run_deferred, spec_of)
+from .autograd import (Machine, Tensor, TensorTuple, Value, elements_of, find_topo_sort, infer_spec, lazy_mode,
+                       nbytes_of, realize, release, run_deferred, spec_of)
 from .backend_selection import device_of
 
-__all__ = ["BackwardPlan", "Compute", "Step", "compute_gradient_of_variables", "last_backward_stats",
-           "plan_backward", "reads", "run_backward"]
+__all__ = ["KEPT_ELEMENTS", "BackwardPlan", "Compute", "Step", "always_kept", "compute_gradient_of_variables",
+           "last_backward_stats", "plan_backward", "reads", "run_backward"]
 
 
 # ----- the plan -------------------------------------------------------------------------------------------------
@@ -69,14 +80,29 @@ def reads(node):
     return {"none": (), "output": (node,), "both": node.inputs + (node,)}.get(saves, node.inputs)
 
 
+# Rule 1: values of at most this many elements are never released by backward nor dropped by a policy, so the
+# loss a user reads after backward and optimizer.step() is the forward's. One element (a loss, a norm, a count):
+# at most 8 bytes each, less than the Python node that holds it; more would start keeping small models' activations.
+KEPT_ELEMENTS = 1
+
+
+def always_kept(node):
+    """Whether `node`'s value is small enough to stay in memory for as long as the graph lives (rule 1)."""
+    data = node.cached_data
+    if data is not None and not isinstance(data, tuple):
+        return data.size <= KEPT_ELEMENTS  # (backward asks for every value: the short way where there is one)
+    spec = infer_spec(node)
+    return spec is not None and elements_of(spec[0]) <= KEPT_ELEMENTS
+
+
 def plan_backward(root, has=None):
     """The backward plan of the graph above `root`, given which values exist when it starts (`has`).
 
     Simulates the pass in reverse topological order. Before a node's gradient, the values it reads must exist;
     missing ones, and the missing ancestors they need, are recomputed at that step and from then on count as
     available, so nothing is recomputed twice (rule 2). A value's last use is the last step that reads it or
-    recomputes a consumer from it; it is released right after (rule 3). Leaves and the root are never released
-    (rule 1).
+    recomputes a consumer from it; it is released right after (rule 3). Leaves, the root and one-element values
+    are never released (rule 1).
     """
     has = has or Compute().has
     reverse = list(reversed(find_topo_sort([root])))
@@ -102,7 +128,7 @@ def plan_backward(root, has=None):
                 last_use[id(inp)] = step
     unused = []
     for node in reverse:
-        if node.is_leaf() or node is root:
+        if node.is_leaf() or node is root or always_kept(node):
             continue
         if id(node) in last_use:
             last_use[id(node)].release.append(node)
@@ -124,19 +150,21 @@ class Compute(Machine):
         return node.cached_data is not None
 
     def compute(self, node):
+        """Rule 4c: a value is computed from the versions of its inputs that its graph read when it was built."""
+        for x, version in zip(node.inputs, node._input_versions):
+            if x.version != version:
+                check_unchanged(node, node.inputs, action="recompute" if node._released else "compute")
         value = node.op.compute(*[x.cached_data for x in node.inputs])
         if isinstance(value, numpy.generic):  # NEEDLE_BACKEND=np: NumPy turns 0-d results into scalars
             value = numpy.asarray(value)
         node.cached_data = value
-        if node._input_versions is None:  # the first computation is the forward pass: what backward must see
-            node._input_versions = tuple(x.version for x in node.inputs)
 
     def recompute(self, node):
-        """Rule 4: a recomputation reads the versions the forward pass read and gives the same shape and dtype."""
+        """Rule 4: a recomputation reads the versions the forward pass read (`compute` checks them) and gives the
+        same shape and dtype."""
         if any(x.cached_data is None for x in node.inputs):
             raise RuntimeError(f"backward plan violated: an input of {type(node.op).__name__} is missing at its "
                                "recomputation (rule 2)")
-        check_unchanged(node, node.inputs, action="recompute")
         expected = node._spec
         self.compute(node)
         got = spec_of(node.cached_data)
@@ -168,8 +196,13 @@ class Compute(Machine):
 
 
 def check_unchanged(node, values, action="differentiate"):
-    """Rule 4c: `values` (inputs of `node`, or `node` itself) hold the versions its forward computation read."""
-    read = {id(x): v for x, v in zip(node.inputs, node._input_versions or ())}
+    """Rule 4c: `values` (inputs of `node`, or `node` itself) hold the versions its graph read when it was built.
+
+    `action` says what was about to happen, and so why a changed version is an error: "compute" (a lazy graph
+    realized after a write), "recompute" (a value dropped by checkpointing or released by backward, needed
+    again) or "differentiate" (a gradient reading forward values).
+    """
+    read = {id(x): v for x, v in zip(node.inputs, node._input_versions)}
     read[id(node)] = 0  # a computed value is never written by the graph itself
     for x in values:
         version = read.get(id(x), x.version)
@@ -177,12 +210,25 @@ def check_unchanged(node, values, action="differentiate"):
             what = "its output" if x is node else "one of its inputs"
             name = getattr(x, "name", None)
             kind = f"{type(x).__name__} {name!r}" if name else type(x).__name__
-            raise RuntimeError(
-                f"{type(node.op).__name__}: cannot {action} it: {what}, a {kind} of shape {tuple(x.shape)}, was "
-                f"modified in place after the forward pass read it (version {x.version}, the forward pass read "
-                f"version {version}), so the result would be wrong. Call backward() before optimizer.step(), or "
-                f"don't modify it in place (rule 4c)"
-            )
+            raise RuntimeError(f"{type(node.op).__name__}: cannot {action} it: {what}, a {kind} of shape "
+                               f"{tuple(x.shape)}, was modified in place {_WHY_NOT[action](x.version, version)} "
+                               f"(rule 4c)")
+
+
+# Rule 4c's error, by what was about to happen: when the write came, why the number would be wrong, what to do.
+_WHY_NOT = {
+    "compute": lambda now, read: (
+        f"after the graph was built (version {now}, the graph read version {read}): computing it now would mix "
+        f"values from before and after the write. Build the graph after the write, or compute it before"),
+    "recompute": lambda now, read: (
+        f"after the forward pass read it (version {now}, the forward pass read version {read}). Its value was "
+        f"released (by backward after its last use, or dropped by checkpointing), and recomputing it now would "
+        f"give a different number than the forward pass did. Read the values you need before the write, call "
+        f"backward() before optimizer.step(), or don't modify it in place"),
+    "differentiate": lambda now, read: (
+        f"after the forward pass read it (version {now}, the forward pass read version {read}), so the "
+        f"gradient would be wrong. Call backward() before optimizer.step(), or don't modify it in place"),
+}
 
 
 # ----- executing the plan -----------------------------------------------------------------------------------------

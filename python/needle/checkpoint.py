@@ -23,8 +23,9 @@ topological order, `outputs` its output nodes; it returns one flag per candidate
 The built-in ones below, `Budget` and `Planned` are all called this way.
 
 The rules of checkpointing are numbered; each is stated where it is enforced, and each test names the rule it
-checks. Rule 1 is this file's: leaves (parameters, constants, dropout masks) and the inputs and output of an
-annotated region are never dropped (`annotate`). Rules 2-5 are about backward and are stated in backward.py:
+checks. Rule 1 is this file's: leaves (parameters, constants, dropout masks), the inputs and output of an
+annotated region, and one-element values (a loss: backward never releases them either) are never dropped
+(`annotate`). Rules 2-5 are about backward and are stated in backward.py:
 recompute at most once (2), release after the last use (3), exact recomputation and version checks (4), gradients
 realized when backward returns (5).
 """
@@ -34,7 +35,7 @@ import weakref
 from dataclasses import dataclass
 
 from .autograd import Value, element_shapes, find_topo_sort, infer_spec, itemsize, release, spec_nbytes, spec_of
-from .backward import last_backward_stats
+from .backward import always_kept, last_backward_stats
 from .checkpoint_budget import Budget
 
 __all__ = [
@@ -145,7 +146,8 @@ def annotate(out_node, in_nodes, segment_len=None, policy=None, label=None):
     one recomputation during backward. `segment_len=k` keeps every k-th node as a checkpoint; `policy`
     ("sqrt", "selective", a Budget or any callable (candidates, outputs) -> keep flags) chooses checkpoints
     otherwise.
-    Rule 1: leaves, `in_nodes` and `out_node` are never dropped. A node once dropped stays dropped, so nested
+    Rule 1: leaves, `in_nodes`, `out_node` and one-element values (`backward.always_kept`) are never dropped:
+    they are not candidates, so a policy never sees them. A node once dropped stays dropped, so nested
     regions compose (the inner region decides first). Eager mode releases the dropped values at once (the
     region's output exists); lazy mode releases them as they are consumed. `label` (a module's class name)
     only names the region in the DOT graph.
@@ -157,7 +159,7 @@ def annotate(out_node, in_nodes, segment_len=None, policy=None, label=None):
     stop = {id(n) for n in in_nodes}
     boundary = stop | {id(n) for n in outs}
     order = find_topo_sort(outs, expand=lambda n: id(n) not in stop)
-    candidates = [n for n in order if id(n) not in boundary and not n.is_leaf() and not n.drop]
+    candidates = [n for n in order if id(n) not in boundary and not n.is_leaf() and not n.drop and not always_kept(n)]
     keep = resolve_policy(policy, segment_len)(candidates, outs)
     for node, kept in zip(candidates, keep):
         if kept:

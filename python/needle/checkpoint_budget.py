@@ -18,6 +18,7 @@ The decisions are frozen into a table keyed by each region's structure (its cand
 later steps replay them with no counters and no references to old graphs: an eval forward, a failed step or a
 change of batch size never derails it (a new structure is simply planned again).
 """
+import itertools
 import math
 import weakref
 from dataclasses import dataclass
@@ -226,17 +227,27 @@ class Budget:
         self.planned = {}  # region structure -> keep flags: the frozen policy
         self.predicted_peak = None
         self.minimum_peak = None
-        self._pending = []  # regions not yet decided: (weak refs to outputs, weak refs to candidates)
+        # The regions not decided yet, by number (the order they were annotated in): weak references to their
+        # outputs and candidates. A region leaves when it is decided, or at once when its graph is gone (a
+        # candidate's weak reference calls back), so this holds only live graphs' regions, whatever the steps.
+        self._pending = {}
+        self._numbers = itertools.count()
 
     def __repr__(self):
         return f"Budget({self.bytes})"
 
     def __call__(self, nodes, outputs=()):
+        if not nodes:  # a region of one op (Linear, ReLU): nothing to decide
+            return []
         flags = self.planned.get(_structure(nodes))
         if flags is not None:
             return list(flags)
-        self._pending = [r for r in self._pending if all(ref() is not None for ref in r[1])]
-        self._pending.append(([weakref.ref(n) for n in outputs], [weakref.ref(n) for n in nodes]))
+        number, pending = next(self._numbers), self._pending
+
+        def gone(_, number=number):  # no reference to the Budget: a dying graph never keeps it alive
+            pending.pop(number, None)
+
+        pending[number] = ([weakref.ref(n) for n in outputs], [weakref.ref(n, gone) for n in nodes])
         for n in nodes[:1]:  # the region's first value: realization reaches it before the rest
             defer_until_realized(n, self._decide)
         return [True] * len(nodes)
@@ -245,30 +256,26 @@ class Budget:
         if self._pending:
             self.plan(roots[0])
 
-    def _regions_above(self, root):
-        """The pending regions in the graph above `root`, in the order they were annotated."""
-        above = {id(n) for n in find_topo_sort([root])}
-        regions, rest = [], []
-        for outs, cands in self._pending:
-            outputs, candidates = [r() for r in outs], [r() for r in cands]
-            if any(n is None for n in candidates):
-                continue  # that graph is gone
-            if any(id(n) in above for n in candidates):
-                regions.append((outputs, candidates))
-            else:
-                rest.append((outs, cands))
-        self._pending = rest
+    def _take_regions_above(self, above):
+        """The pending regions with a candidate in `above` (ids of a graph's values), in the order they were
+        annotated; they are no longer pending."""
+        regions = []
+        for number, (outs, cands) in list(self._pending.items()):  # a copy: a dying graph's callback may pop
+            candidates = [r() for r in cands]
+            if all(n is not None for n in candidates) and any(id(n) in above for n in candidates):
+                regions.append(([r() for r in outs], candidates))
+                del self._pending[number]
         return regions
 
     def plan(self, root):
         """Choose what to drop in the graph above `root` (nothing computed), apply it, and freeze it; returns the
         frozen decisions (`Planned`)."""
-        regions = self._regions_above(root)
+        above = {id(n) for n in find_topo_sort([root])}
+        regions = self._take_regions_above(above)
         if not regions:
             return Planned(tuple(self.planned.items()))
         # Group a node by the first region that lists it and its place there: regions of one structure (the
         # layers of a stack) get one decision per place, so the frozen table replays them all.
-        above = {id(n) for n in find_topo_sort([root])}
         group_of, groups = {}, {}
         for _, candidates in regions:
             key = _structure(candidates)
