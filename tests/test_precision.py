@@ -1546,3 +1546,23 @@ def test_float32_results_unchanged_by_the_dtype_machinery(device, rng):
     check_op(device, "float32", lambda x: x * 0.3, lambda x: x * np.float32(0.3), [a])
     check_op(device, "float32", lambda x, y: x @ y.permute((1, 0)), lambda x, y: x @ y.T, [a, b],
              exact_reference=False)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_backward_inside_an_autocast_block_equals_backward_after_it(dtype):
+    # The gradient ops ran under autocast too: layer norm's gradient raised "needs floating arrays of one dtype"
+    # and other gradients were computed in other dtypes than after the block.
+    grads = []
+    for inside in (True, False):
+        np.random.seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm1d(16), nn.ReLU(), nn.Linear(16, 4))
+        x = ndl.Tensor(np.random.randn(5, 8).astype(np.float32), requires_grad=False)
+        with ndl.autocast(dtype):
+            loss = (model(x) * model(x)).sum()
+            if inside:
+                loss.backward()
+        if not inside:
+            loss.backward()
+        grads.append([p.grad.numpy() for p in model.parameters()])
+    for a, b in zip(*grads):
+        np.testing.assert_array_equal(a, b)

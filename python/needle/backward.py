@@ -45,7 +45,7 @@ import numpy
 
 from . import ops
 from .autograd import (Machine, Tensor, TensorTuple, Value, elements_of, find_topo_sort, infer_spec, lazy_mode,
-                       nbytes_of, realize, release, run_deferred, spec_of)
+                       nbytes_of, realize, release, run_deferred, set_autocast, spec_of)
 from .backend_selection import device_of
 
 __all__ = ["KEPT_ELEMENTS", "BackwardPlan", "Compute", "Step", "always_kept", "compute_gradient_of_variables",
@@ -372,7 +372,13 @@ def compute_gradient_of_variables(output_tensor, out_grad):
     out_grad = Tensor.make_const(out_grad, requires_grad=True)
     device = device_of(output_tensor.cached_data)
     machine = Compute()
-    run_backward(plan_backward(output_tensor), out_grad, machine)
+    # The gradient graph keeps the dtypes the forward pass chose: autocast applies to forward ops, so a backward()
+    # called inside an autocast block computes exactly what one called after it does.
+    autocast = set_autocast(None)
+    try:
+        run_backward(plan_backward(output_tensor), out_grad, machine)
+    finally:
+        set_autocast(autocast)
     stats = dict(machine.stats)
     stats["peak_bytes"] = device.memory_stats()["peak_bytes"] if hasattr(device, "memory_stats") else None
     _last_stats.clear()
