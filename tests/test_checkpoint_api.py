@@ -183,6 +183,7 @@ def test_checkpoint_sequential_rejects_bad_segment_counts(segments):
 
 
 # ----- print_saved_residuals ----------------------------------------------------------------------------------------
+@pytest.mark.filterwarnings("ignore::needle.checkpoint.NothingToDropWarning")  # one-op layers: nothing to drop
 def test_print_saved_residuals_table(capsys):
     """One row per buffer of saved_residuals, parameter names, op names, shapes, bytes, reasons and the total."""
     device = nd.cpu_numpy()
@@ -223,6 +224,7 @@ def test_enable_gc_still_accepts_one_choice(kwargs):
     assert all(m.gc for m in model.modules)
 
 
+@pytest.mark.filterwarnings("ignore::needle.checkpoint.NothingToDropWarning")  # one-op layers: nothing to drop
 def test_enable_gc_resolves_the_policy_once_and_stores_it_once(monkeypatch):
     """enable_gc resolves its arguments to one policy callable, once, and every module holds that one field (no
     copies of segment_len/policy); forward passes annotate with it without resolving names again."""
@@ -249,6 +251,7 @@ def _gc_model_loss():
     return model, model(x).sum()
 
 
+@pytest.mark.filterwarnings("ignore::needle.checkpoint.NothingToDropWarning")  # one-op layers: nothing to drop
 def test_to_dot_legend_parameter_names_bytes_and_module_clusters():
     """The legend shows the four styles; leaves carry parameter names; nodes their bytes; modules are clusters."""
     _, loss = _gc_model_loss()
@@ -311,3 +314,43 @@ def test_to_dot_styles_match_the_backward_plan_on_real_nodes():
                   if n.get("fillcolor") == '"#ffcc80"']
     plan = autograd.plan_backward(loss, lambda n: n.is_leaf() or not n.drop)
     assert sorted(recomputed) == sorted(type(n.op).__name__ for n in plan.recomputed()) and recomputed
+
+
+# ----- enable_gc on a model with nothing to drop says so, once ---------------------------------------------------
+def _course_mlp(seed=0):
+    np.random.seed(seed)  # needle's init draws from NumPy's global generator
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+
+
+def _course_batch(seed=0):
+    return ndl.Tensor(np.random.RandomState(seed).randn(4, 8).astype(np.float32))
+
+
+@pytest.mark.parametrize("policy", [None, "sqrt", "selective"])
+def test_enable_gc_with_nothing_to_drop_warns_once_naming_the_regions(policy):
+    model, x = _course_mlp(), _course_batch()
+    model.enable_gc(policy=policy)
+    with pytest.warns(checkpoint.NothingToDropWarning, match=r"nothing to drop.*Linear x3, ReLU x2.*"
+                      r"checkpoint_sequential.*Sequential") as record:
+        model(x).sum().backward()
+    assert len(record) == 1
+    assert checkpoint.last_backward_stats()["recomputed_nodes"] == 0  # what the warning announced
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per model: the next steps say nothing
+        model(x).sum().backward()
+
+
+def test_enable_gc_with_regions_that_have_an_interior_does_not_warn():
+    class CheckpointedMLP(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = _course_mlp()
+
+        def forward(self, x):
+            return checkpoint.checkpoint_sequential(self.layers, 2, x)
+
+    model = CheckpointedMLP().enable_gc()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model(_course_batch()).sum().backward()
+    assert checkpoint.last_backward_stats()["recomputed_nodes"] > 0

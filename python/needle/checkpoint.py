@@ -31,7 +31,9 @@ realized when backward returns (5).
 """
 import itertools
 import math
+import warnings
 import weakref
+from collections import Counter
 from dataclasses import dataclass
 
 from .autograd import Value, element_shapes, find_topo_sort, infer_spec, itemsize, release, spec_nbytes, spec_of
@@ -41,6 +43,7 @@ from .checkpoint_budget import Budget
 __all__ = [
     "Budget",
     "EverySegment",
+    "NothingToDropWarning",
     "Sqrt",
     "annotate",
     "checkpoint",
@@ -53,6 +56,7 @@ __all__ = [
     "region_of",
     "resolve_policy",
     "saved_residuals",
+    "warn_if_nothing_to_drop",
 ]
 
 
@@ -197,6 +201,40 @@ def keep_reason(node):
     if node.drop:
         return "dropped"
     return _reasons.get(node, "not annotated")
+
+
+class NothingToDropWarning(UserWarning):
+    """Checkpointing is on, yet no annotated region has an interior: backward will recompute nothing."""
+
+
+def warn_if_nothing_to_drop(outputs, model_name):
+    """Warn (NothingToDropWarning) when no region in the graph above `outputs` had an interior node to drop.
+
+    A layer made of one op (a fused Linear, a ReLU) annotates a region whose only nodes are its input and its
+    output, both kept (rule 1), and a container (Sequential) is no region: so `enable_gc()` on the course's
+    `Sequential(Linear, ReLU, ...)` changes nothing. That is correct, but a student trying the feature should
+    hear it, so Module calls this after the first forward pass that follows `enable_gc`. A region has an
+    interior when the policy saw candidates: some node was dropped or kept as a checkpoint. Returns whether it
+    warned.
+    """
+    roots, stack = [], [outputs]
+    while stack:  # a model may return nested tuples of Tensors (an LSTM's (out, (h, c)))
+        item = stack.pop()
+        if isinstance(item, Value):
+            roots.append(item)
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+    nodes = find_topo_sort(roots)
+    if any(node.drop or _reasons.get(node) == "checkpoint" for node in nodes):
+        return False
+    regions = Counter(label for label, _ in {_regions[n] for n in nodes if n in _regions})
+    named = ", ".join(f"{label} x{count}" for label, count in sorted(regions.items())) or "none"
+    warnings.warn(f"{model_name}.enable_gc(): nothing to drop, so backward will recompute nothing. Regions "
+                  f"without an interior (one op between input and output): {named}. Make one with "
+                  f"checkpoint.checkpoint_sequential(layers, segments, x) in forward, or "
+                  f"checkpoint.checkpoint(nn.Sequential(...), x) to make a Sequential one region",
+                  NothingToDropWarning, stacklevel=3)
+    return True
 
 
 def _buffer(data):

@@ -48,7 +48,8 @@ class Module:
     Checkpointing: `enable_gc(segment_len=None, policy=None)` turns it on for this module and every module
     inside it, storing the resolved policy in `checkpoint_policy` (None: off); a module then calls
     `self.checkpoint(out, inputs)` at the end of its forward, which marks its interior nodes `drop` (see
-    needle.checkpoint.annotate).
+    needle.checkpoint.annotate). The first forward pass after `enable_gc` warns once when no region had an
+    interior to drop (checkpoint.NothingToDropWarning: a model of one-op layers, such as the course's MLP).
     Saving: `state_dict()` gives NumPy copies of the parameters and buffers by dotted name; `load_state_dict(d)`
     copies them back in place (`ndl.save` / `ndl.load` write and read them as .npz).
     """
@@ -163,6 +164,7 @@ class Module:
         resolved = checkpoint.resolve_policy(policy, segment_len)  # once: a bad policy fails now, not in forward
         for m in [self] + self._children():
             m.checkpoint_policy = resolved
+        self.gc_first_forward = True  # the next forward checks there is something to drop (once, not every step)
         return self
 
     def disable_gc(self):
@@ -180,4 +182,7 @@ class Module:
         if "_named" not in self.__dict__:  # the outermost module runs first: its names are the full paths
             self.named_parameters()
             self._named = True
-        return self.forward(*args, **kwargs)
+        out = self.forward(*args, **kwargs)
+        if self.__dict__.pop("gc_first_forward", False) and self.gc:
+            checkpoint.warn_if_nothing_to_drop(out, type(self).__name__)
+        return out
