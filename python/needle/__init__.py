@@ -16,6 +16,9 @@ from .ops import (
 )
 from .amp import autocast
 from .serialization import load, random_state, save, set_random_state
+from .version import package_version
+
+__version__ = package_version()
 
 __all__ = [
     "BACKEND", "Tensor", "TensorTuple", "add", "add_scalar", "all_devices", "amp", "autocast", "autograd",
@@ -23,5 +26,5 @@ __all__ = [
     "dilate", "distributed", "divide", "divide_scalar", "exp", "flip", "init", "load", "log", "logsoftmax",
     "logsumexp", "make_tuple", "matmul", "mul_scalar", "multiply", "negate", "nn", "ops", "optim", "power",
     "power_scalar", "relu", "reshape", "save", "serialization", "sigmoid", "split", "stack", "summation", "tanh",
-    "transpose", "tuple_get_item", "undilate", "viz", "random_state", "set_random_state",
+    "transpose", "tuple_get_item", "undilate", "version", "viz", "random_state", "set_random_state",
 ]
