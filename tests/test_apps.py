@@ -3,7 +3,11 @@
 Runs on the C++ cpu() backend when it is built, else on the NumPy reference device.
 """
 import gzip
+import os
 import struct
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -11,8 +15,10 @@ import pytest
 import needle as ndl
 from apps import mlp_resnet, simple_ml
 from apps.models import LanguageModel, ResNet9
+from conftest import tiny_ptb
 
 DEVICE = ndl.cpu() if ndl.cpu().enabled() else ndl.cpu_numpy()
+REPO = Path(__file__).resolve().parents[1]
 
 
 def blobs(n, dim, classes, seed):
@@ -277,3 +283,55 @@ def test_course_import_style():
 
     assert models.LanguageModel.__name__ == "LanguageModel"
     assert callable(course_simple_ml.train_ptb) and callable(course_simple_ml.epoch_general_cifar10)
+
+
+def _python_in(cwd, code, pythonpath):
+    """Run `code` in a fresh interpreter in `cwd`, with PYTHONPATH exactly `pythonpath` (no apps/ from pytest)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(pythonpath))
+    return subprocess.run([sys.executable, "-c", code], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=120, check=False)
+
+
+def test_course_import_style_in_a_fresh_interpreter():
+    """README's notebook way, from the repository root: sys.path.append("./apps"), then `from models import`."""
+    code = ('import sys; sys.path.append("./apps")\n'
+            "from models import LanguageModel\nfrom simple_ml import train_ptb, evaluate_ptb\nprint('ok')")
+    result = _python_in(REPO, code, [str(REPO / "python")])
+    assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]
+
+
+def test_needle_apps_imports_the_repositorys_apps_without_apps_on_sys_path(tmp_path):
+    """An installed needle (here: only python/ importable, run from elsewhere) offers apps/ as needle.apps."""
+    code = ("import sys, importlib.util\n"
+            "assert importlib.util.find_spec('models') is None, 'apps/ should not be importable here'\n"
+            "from needle.apps.models import LanguageModel\n"
+            "from needle.apps.simple_ml import train_ptb, evaluate_ptb\n"
+            "import needle.apps.models as m\nprint(m.__file__)")
+    result = _python_in(tmp_path, code, [str(REPO / "python")])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert Path(result.stdout.strip()) == REPO / "apps" / "models.py"  # the one copy, not a duplicate
+
+
+def _readme_notebook_snippet():
+    """README's "From a notebook" code block, verbatim."""
+    readme = (REPO / "README.md").read_text()
+    start = readme.index("```python\n", readme.index("From a notebook, the course way")) + len("```python\n")
+    return readme[start:readme.index("```", start)]
+
+
+def test_readme_notebook_snippet_is_seeded_and_shows_both_calls(tmp_path):
+    """Run twice on a tiny corpus, the snippet prints the same (accuracy, loss) pairs: its figures reproduce."""
+    snippet = _readme_notebook_snippet()
+    assert "np.random.seed(" in snippet and "\ntrain_ptb(" in snippet and "\nevaluate_ptb(" in snippet
+    assert snippet.count("# (0.") == 2  # what each call returns, written under it
+    corpus = Path(tiny_ptb(tmp_path, num_lines=100))
+    (corpus / "test.txt").write_text((corpus / "train.txt").read_text())  # batch 32 x seq_len 20 needs > 640 words
+    code = (snippet.replace('"data/ptb"', repr(str(corpus)))
+            .replace("\ntrain_ptb(", "\nprint(train_ptb(").replace("\nevaluate_ptb(", "\nprint(evaluate_ptb(")
+            .replace("device=ndl.cpu())\n#", "device=ndl.cpu()))\n#"))
+    runs = [_python_in(REPO, code, [str(REPO / "python")]) for _ in range(2)]
+    for run in runs:
+        assert run.returncode == 0, run.stderr[-3000:]
+    printed = runs[0].stdout.strip().splitlines()
+    assert len(printed) == 2 and all(line.startswith("(") for line in printed), runs[0].stdout
+    assert runs[1].stdout == runs[0].stdout
