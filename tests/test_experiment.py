@@ -267,3 +267,17 @@ def test_a_run_loads_no_matplotlib(tmp_path):
                                                                             os.path.join(GC_ROOT, "apps")])})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert strict_json(tmp_path / "r.json")["policy"] == "all"
+
+
+def test_enable_gc_policy_off_is_no_checkpointing_as_gc_py_policy_off():
+    np.random.seed(0)
+    model = ndl.nn.Sequential(ndl.nn.Linear(4, 4), ndl.nn.ReLU(), ndl.nn.Linear(4, 4))
+    model.enable_gc(policy="all").enable_gc(policy="off")  # accepted, and it turns checkpointing off
+    assert all(m.checkpoint_policy is None for m in [model] + model._children())
+    assert checkpoint.resolve_policy("off") is None
+    x = ndl.Tensor(np.random.randn(3, 4).astype("float32"))
+    h = ndl.ops.relu(x @ model.modules[0].weight)
+    y = h @ model.modules[2].weight
+    checkpoint.annotate(y, [x], policy="off")  # nothing dropped
+    assert not h.drop and checkpoint.keep_reason(h) == "not annotated"
+    assert setup.POLICIES[0] == "off"  # the name gc.py's --policy takes

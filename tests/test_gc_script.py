@@ -5,9 +5,11 @@ import json
 import math
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import time
 import urllib.error
 from concurrent.futures import ThreadPoolExecutor
 
@@ -93,11 +95,13 @@ def test_interrupted_run_keeps_the_results_written(tmp_path, monkeypatch):
         return real_step(self)
 
     monkeypatch.setattr(ndl.optim.Adam, "step", interrupted)
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(SystemExit) as stopped:  # Ctrl-C ends the run with exit status 130
         run_gc(TINY + ["--data", tiny_ptb(tmp_path), "--out", str(out), "--use_gc", "1"])
+    assert stopped.value.code == 130
     (name,) = os.listdir(out)
     record = strict_json(out / name)
     assert len(record["steps"]) == 2  # both finished steps are on disk
+    assert record["complete"] is False
 
 
 def test_max_batch_finds_a_larger_batch_with_checkpointing(tmp_path, capsys):
@@ -464,7 +468,8 @@ def test_plot_draws_every_kind_of_json_a_folder_holds(tmp_path, capsys, monkeypa
     capsys.readouterr()
     run_gc(["plot", str(out)])
     pngs = sorted(f for f in os.listdir(out) if f.endswith(".png"))
-    assert pngs == ["max_batch-m1.png", "runs_b4x5_e8_h8_l1_v31.png", "sweep_batch_size-s1.png"], pngs
+    assert len(pngs) == 3 and pngs[0] == "max_batch-m1.png" and pngs[2] == "sweep_batch_size-s1.png", pngs
+    assert pngs[1].startswith("runs_b4x5_e8_h8_l1_v31_3steps-"), pngs
     for name in pngs:
         with open(out / name, "rb") as f:
             assert f.read(8) == b"\x89PNG\r\n\x1a\n"
@@ -726,8 +731,9 @@ def test_a_run_interrupted_after_a_periodic_save_resumes_where_it_was(tmp_path, 
         return real_step(self)
 
     monkeypatch.setattr(ndl.optim.Adam, "step", interrupted)
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(SystemExit) as stopped:  # Ctrl-C: exit status 130
         run_gc(run + ["--json", str(tmp_path / "first.json"), "--save-checkpoint", ckpt, "--save-every", "2"])
+    assert stopped.value.code == 130
     monkeypatch.undo()
     assert ndl.load(ckpt)["step"] == 2
     run_gc(run + ["--json", str(tmp_path / "rest.json"), "--resume", ckpt, "--save-checkpoint", ckpt])
@@ -761,3 +767,120 @@ def test_a_resume_that_does_not_match_the_run_is_one_line_naming_the_flag(tmp_pa
         assert expected in line, (argv, line)
     both = _one_line_error(*_gc(*TINY, "--data", data, "--save-checkpoint", ckpt))
     assert "--save-checkpoint carries one pass's training; give --use-gc 0 or 1" in both
+
+
+# ----- the front door, round 3 (issue 27): gc.py's own items ---------------------------------------------------------
+def test_ctrl_c_is_one_line_exit_130_and_the_json_says_incomplete(tmp_path):
+    out = tmp_path / "out"
+    argv = [sys.executable, os.path.join(ROOT, "gc.py"), *TINY, "--max_batches", "100000", "--data",
+            tiny_ptb(tmp_path, num_lines=4000), "--out", str(out), "--use_gc", "1"]
+    # SIGINT as a terminal delivers it (a test runner started in the background may have it ignored, and a child
+    # inherits that: Python then installs no KeyboardInterrupt handler)
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        for _ in range(1200):  # until two steps are on disk (or the run ended: the asserts below say how)
+            names = [n for n in os.listdir(out) if n.endswith(".json")] if out.exists() else []
+            if proc.poll() is not None or names and len(_read_quietly(out / names[0]).get("steps", [])) >= 2:
+                break
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGINT)
+        printed, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, (printed, err)
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    (name,) = os.listdir(out)
+    assert "interrupted at step " in err and f"results so far in {out / name}" in err, err
+    record = strict_json(out / name)
+    assert record["complete"] is False and len(record["steps"]) >= 2
+
+
+def _read_quietly(path):
+    """A JSON being rewritten as we read it: {} until it parses."""
+    try:
+        return _read(path)
+    except (OSError, ValueError):
+        return {}
+
+
+def test_a_finished_run_is_complete_and_plot_marks_an_interrupted_one(tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    run_gc(TINY + ["--data", tiny_ptb(tmp_path), "--out", str(out), "--use_gc", "0"])
+    (name,) = os.listdir(out)
+    record = _read(out / name)
+    assert record["complete"] is True
+    _write(out / "stopped.json", {**record, "policy": "all", "use_gc": True, "complete": False,
+                                  "steps": record["steps"][:2]})
+    figures = _figures(monkeypatch)
+    run_gc(["plot", str(out)])
+    ticks = [t.get_text() for t in figures[0].axes[0].get_xticklabels()]
+    assert ticks == ["off", "all\n(incomplete: 2 steps)"], ticks
+
+
+def test_plot_draws_each_run_set_into_its_own_png(tmp_path, capsys):
+    out, data = tmp_path / "out", tiny_ptb(tmp_path)
+    run_gc(TINY + ["--data", data, "--out", str(out)])
+    run_gc(TINY + ["--data", data, "--out", str(out), "--max_batches", "2", "--policy", "sqrt"])  # same model size
+    run_gc(["plot", str(out)])
+    pngs = sorted(f for f in os.listdir(out) if f.endswith(".png"))
+    assert len(pngs) == 2 and "2steps" in pngs[0] and "3steps" in pngs[1], pngs
+    printed = capsys.readouterr().out
+    assert all(name in printed for name in pngs)
+
+
+def test_a_budget_above_gc_offs_peak_says_nothing_to_drop(tmp_path, capsys):
+    data = tiny_ptb(tmp_path)
+    run_gc(TINY + ["--data", data, "--policy", "budget", "--budget-mb", "1000", "--use-gc", "1",
+                   "--json", str(tmp_path / "slack.json")])
+    (line,) = [ln for ln in capsys.readouterr().out.splitlines() if "nothing to drop" in ln]
+    assert line.startswith("--budget-mb 1000 is above gc off's peak of ") and " MB: nothing to drop" in line
+    record = strict_json(tmp_path / "slack.json")
+    assert record["recomputed_nodes"] == 0  # slack indeed
+    tight = record["budget_minimum_bytes"] / 2**20 * 1.01  # just above the least M_peak: Budget drops something
+    run_gc(TINY + ["--data", data, "--policy", "budget", "--budget-mb", f"{tight:.4f}", "--use-gc", "1",
+                   "--json", str(tmp_path / "tight.json")])
+    assert "nothing to drop" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("precision", ["fp32", "mixed-fp16"])
+def test_the_header_names_the_precision_the_loss_scale_and_the_skipped_steps(tmp_path, capsys, precision):
+    run_gc(TINY + ["--data", tiny_ptb(tmp_path), "--precision", precision, "--init-scale", "1e30", "--out",
+                   str(tmp_path / "out")])
+    printed = capsys.readouterr().out
+    header = printed.split("gc off:")[0]
+    assert f"precision: {precision} " in header
+    if precision == "mixed-fp16":
+        assert "loss scale 1e+30" in header  # an absurd scale: float16 overflows, steps are skipped
+        for which in ("gc off", "gc on"):
+            (line,) = [ln for ln in printed.splitlines() if ln.startswith(f"{which}: loss scale")]
+            assert "skipped step" in line and not line.endswith(" 0 skipped steps (gradients overflowed in float16)")
+    else:
+        assert "loss scale" not in printed
+
+
+def test_every_row_of_the_table_is_defined_in_help(tmp_path, capsys):
+    run_gc(TINY + ["--data", tiny_ptb(tmp_path), "--out", str(tmp_path / "out")])
+    table = capsys.readouterr().out.split("gc off       gc on")[1].split("\n\n")[0]
+    rows = [line[:18].strip() for line in table.splitlines()[1:] if line.strip()]
+    assert "peak bytes (MB)" in rows and "recomputed nodes" in rows, rows
+    code, help_text, _ = _gc("run", "--help")
+    assert code == 0
+    for row in rows:
+        assert row.split(" (")[0] in help_text, row
+
+
+def test_the_ablation_plot_says_per_rank_on_data_parallel_rows(tmp_path, monkeypatch):
+    from experiment.commands.plot import plot_ablation
+
+    row = {"setup": "s", "loss": 5.0, "activation_bytes": 2**20, "peak_activation_bytes": 2**21,
+           "rss_peak_bytes": 2**22, "step_time_seconds": 0.1, "peak_change": 0.0, "time_change": 0.0}
+    result = {"rows": [{**row, "row": "baseline"}, {**row, "row": "dp", "parallel": "dp", "peak_change": -0.5}],
+              "steps_per_row": 2, "warmup": 1, "batch_size": 4}
+    figures = _figures(monkeypatch)
+    plot_ablation(result, str(tmp_path))
+    names = [t.get_text() for t in figures[0].axes[0].get_yticklabels()]
+    assert "per rank" not in names[0] and "per rank" in names[1], names
+    texts = [t.get_text() for t in figures[0].axes[0].texts]
+    assert texts[1].endswith(" per rank") and "%" not in texts[1], texts

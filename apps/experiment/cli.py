@@ -22,7 +22,7 @@ from needle import distributed as dist
 
 from .ablations import ABLATIONS, ACCUMULATE, default_rows
 from .commands import ablate, plot, run, sweep
-from .console import BAD_INPUT_EXIT, fail
+from .console import BAD_INPUT_EXIT, INTERRUPTED_EXIT, fail
 from .outputs import check_outputs, checkpoint_file
 from .parser import SUBCOMMANDS, build_parser
 from .setup import RunConfig
@@ -38,7 +38,11 @@ DEFAULT_OUT = {"run": "results", "max-batch": os.path.join("results", "max_batch
 def main(argv=None):
     """Run gc.py with `argv` (default: this process's command line)."""
     config = parse_args(argv)
-    COMMANDS[config.command](config)
+    try:
+        COMMANDS[config.command](config)
+    except KeyboardInterrupt:  # Ctrl-C outside a run's steps (those say which step, and where its JSON is)
+        print(f"gc.py: {config.command} interrupted", file=sys.stderr)
+        sys.exit(INTERRUPTED_EXIT)
 
 
 def parse_args(argv=None):

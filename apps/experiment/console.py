@@ -3,6 +3,7 @@ printed above the bars.  tqdm (the `experiment` extra) is imported where a bar i
 import sys
 
 BAD_INPUT_EXIT = 2
+INTERRUPTED_EXIT = 130  # Ctrl-C, as a shell reports a process SIGINT ended (128 + 2)
 OOM_EXIT = 3  # exit status of a run that hit --memory-limit-mb (max-batch reads it)
 
 

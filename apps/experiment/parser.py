@@ -33,6 +33,17 @@ What is measured, per training step (forward + backward + Adam), from the alloca
            memory at the step's start (the kernel's high-water mark VmHWM, reset through
            /proc/self/clear_refs; where it cannot be reset, a lower bound from samples); CPU only
            [rss_peak_bytes]
+The table's other rows:
+  peak bytes        the allocator's peak over the step, baseline included (parameters, optimizer
+                    state, the batch, Adam's update)  [peak_bytes]
+  loss (last step)  the training loss of the last step  [loss]
+  recomputed nodes  graph nodes backward recomputed in the last step (0 with gc off)  [recomputed_nodes]
+  GPUtil used       (cuda) the GPU memory the driver reports in use after the last step
+                    [gpu_memory_bytes, per step]
+  parameters, gradients, state   their bytes on the device, which M_act and M_peak leave out
+                    [param_bytes, grad_bytes, optimizer_bytes; offloaded_bytes: in host memory]
+  loss scale, skipped steps      (mixed-fp16) GradScaler's scale at the end, and the steps it
+                    skipped because a gradient overflowed  [loss_scale, skipped_steps]
 Both runs release every activation after its last backward use: the difference is checkpointing alone."""
 
 

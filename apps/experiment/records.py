@@ -73,6 +73,8 @@ def summarize(record, warmup):
         "floor_bytes": min((s["floor_bytes"] for s in steps if s["floor_bytes"] is not None), default=None),
         "loss": record["steps"][-1]["loss"],
         "recomputed_nodes": record["steps"][-1]["recomputed_nodes"],
+        "skipped_steps": sum(bool(s.get("skipped_step")) for s in record["steps"]),  # GradScaler's overflows
+        "loss_scale": record["steps"][-1].get("loss_scale"),
         **{key: record["steps"][-1].get(key) for key in ("param_bytes", "grad_bytes", "optimizer_bytes",
                                                          "offloaded_bytes")},
         "rss_peak_bytes": max((s["rss_peak_bytes"] for s in steps if s.get("rss_peak_bytes") is not None),

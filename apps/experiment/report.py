@@ -77,6 +77,29 @@ def print_run_header(config, which, device, source, data, vocab):
             "several units, so the loss starts far above that; the default 0.1 starts near it")
     print(f"loss at init: about ln({vocab}) = {math.log(vocab):.2f}, a uniform guess over the vocabulary; {init}")
     print(head_text(config, vocab))
+    print(precision_text(config))
+
+
+PRECISION_TEXT = {"fp32": "float32 throughout", "mixed-bf16": "ndl.autocast(bfloat16), float32 master weights",
+                  "mixed-fp16": "ndl.autocast(float16), float32 master weights",
+                  "bf16": "pure bfloat16 weights, activations and optimizer state"}
+
+
+def precision_text(config):
+    """The header's line on --precision: what computes in what, and mixed-fp16's loss scale."""
+    text = f"precision: {config.precision} ({PRECISION_TEXT[config.precision]})"
+    if config.precision == "mixed-fp16":
+        text += (f"; loss scale {config.init_scale:g} at the start (GradScaler: a step whose gradients overflow is "
+                 f"skipped and the scale halved; the summary counts the skipped steps)")
+    return text
+
+
+def scaler_text(r):
+    """mixed-fp16's summary: the loss scale at the end and the steps GradScaler skipped."""
+    if r.get("precision") != "mixed-fp16":
+        return None
+    return (f"{'gc on' if r['use_gc'] else 'gc off'}: loss scale {r.get('loss_scale') or 0:g} at the end, "
+            f"{plural(r.get('skipped_steps') or 0, 'skipped step')} (gradients overflowed in float16)")
 
 
 def head_text(config, vocab):
@@ -128,6 +151,8 @@ def print_table(off, on):
     if off.get("rss_peak_bytes") and on.get("rss_peak_bytes") is not None:
         print(f"resident memory a step uses at its peak (what the OS sees): {lower('rss_peak_bytes'):.1f}% lower")
     print(state_text(off))
+    for line in filter(None, map(scaler_text, (off, on))):
+        print(line)
     for r in (off, on) if off.get("parallel") else ():
         print(f"{'gc on' if r['use_gc'] else 'gc off'}: {parallel_text(r)}")
 
@@ -139,6 +164,8 @@ def print_single(r):
           f"{mb(r['peak_activation_bytes']).strip()} MB, M_floor {mb(r['floor_bytes']).strip()} MB, "
           f"T_step {r['time']:.3f} s{f' ({note})' if note else ''}, loss {r['loss']:.4f}")
     print(state_text(r))
+    if scaler_text(r):
+        print(scaler_text(r))
     if r.get("parallel"):
         print(parallel_text(r))
 

@@ -126,15 +126,17 @@ def _keep_cost(node):
     return spec_nbytes(spec)
 
 
-_POLICIES = {None: nothing_saveable, "all": nothing_saveable, "sqrt": Sqrt(), "selective": dots_saveable}
+# "off" is no checkpointing at all (resolved to None: nothing annotated), the name gc.py's --policy off uses too.
+_POLICIES = {None: nothing_saveable, "all": nothing_saveable, "sqrt": Sqrt(), "selective": dots_saveable, "off": None}
 
 
 def resolve_policy(policy=None, segment_len=None):
-    """The policy callable for a policy name, a segment length, or a callable policy itself (returned as is)."""
+    """The policy callable for a policy name, a segment length, or a callable policy itself (returned as is);
+    None for "off" (no checkpointing)."""
     if callable(policy):
         return policy
     if policy not in _POLICIES:
-        raise ValueError(f"unknown checkpoint policy {policy!r}; use None, 'all', 'sqrt', 'selective', "
+        raise ValueError(f"unknown checkpoint policy {policy!r}; use None, 'all', 'sqrt', 'selective', 'off', "
                          f"Budget(bytes) or a callable (candidates, outputs) -> keep flags")
     if segment_len is not None and policy in (None, "all"):
         if int(segment_len) < 1:
@@ -159,12 +161,15 @@ def annotate(out_node, in_nodes, segment_len=None, policy=None, label=None):
         x = ndl.Tensor(...); h = ops.relu(x @ w); y = h @ v
         annotate(y, [x])           # x @ w and relu(...) are recomputed in backward
     """
+    keep_flags = resolve_policy(policy, segment_len)
+    if keep_flags is None:  # policy "off": nothing is dropped
+        return out_node
     outs = list(out_node) if isinstance(out_node, (list, tuple)) else [out_node]
     stop = {id(n) for n in in_nodes}
     boundary = stop | {id(n) for n in outs}
     order = find_topo_sort(outs, expand=lambda n: id(n) not in stop)
     candidates = [n for n in order if id(n) not in boundary and not n.is_leaf() and not n.drop and not always_kept(n)]
-    keep = resolve_policy(policy, segment_len)(candidates, outs)
+    keep = keep_flags(candidates, outs)
     for node, kept in zip(candidates, keep):
         if kept:
             _reasons[node] = "checkpoint"

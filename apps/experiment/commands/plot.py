@@ -1,6 +1,7 @@
 """gc.py plot DIR, and the plots sweep, max-batch and ablate draw as they end: the only module that imports
 matplotlib (inside the functions that draw, so a run that draws nothing never loads it)."""
 import glob
+import hashlib
 import json
 import os
 import statistics
@@ -139,7 +140,23 @@ def plot_sweep(records, out_dir):
 
 RUN_CONFIG_KEYS = ["data", "vocab_size", "batch_size", "accumulation_steps", "seq_len", "embedding_size",
                    "hidden_size", "num_layers", "num_head", "dropout", "head_init_scale", "head", "device", "lazy",
-                   "lr", "seed", "max_batches", "epochs", "warmup"]
+                   "lr", "seed", "max_batches", "epochs", "warmup", "precision", "optimizer", "offload_state",
+                   "parallel", "world_size"]
+
+
+def runs_png_name(key, r):
+    """A run set's PNG: the model's size and steps to read, and a digest of its whole configuration (`key`), so
+    that no other run set in the folder (other steps, precision, ...) is drawn over it."""
+    digest = hashlib.sha1(json.dumps(key).encode()).hexdigest()[:8]
+    return (f"runs_b{r.get('batch_size')}x{r.get('seq_len')}_e{r.get('embedding_size')}_h{r.get('hidden_size')}_"
+            f"l{r.get('num_layers')}_v{r.get('vocab_size')}{'_full' if r.get('head', 'full') == 'full' else ''}_"
+            f"{r.get('max_batches')}steps-{digest}.png")
+
+
+def _tick(label, rs):
+    """A bar's name: its policy, marked where one of its runs was interrupted (its JSON has "complete": false)."""
+    stopped = [r for r in rs if _label(r) == label and r.get("complete") is False]
+    return f"{label}\n(incomplete: {len(stopped[0]['steps'])} steps)" if stopped else label
 
 
 def plot_runs(records, out_dir):
@@ -150,7 +167,7 @@ def plot_runs(records, out_dir):
     for r in records:
         groups.setdefault(tuple(json.dumps(r.get(k)) for k in RUN_CONFIG_KEYS), []).append(r)
     pngs = []
-    for rs in groups.values():
+    for key, rs in groups.items():
         labels = _order(_label(r) for r in rs)
         n_repeats = max(sum(_label(r) == label for r in rs) for label in labels)
         fig, axes = plt.subplots(1, 3, figsize=(4 + 1.6 * len(labels) * 3, 4.4))
@@ -169,7 +186,7 @@ def plot_runs(records, out_dir):
                            label="M_floor: what no policy can drop")
                 ax.legend(fontsize=8)
             ax.set_xticks(range(len(labels)))
-            ax.set_xticklabels(labels, fontsize=9)
+            ax.set_xticklabels([_tick(label, rs) for label in labels], fontsize=9)
             ax.set_ylim(bottom=0)
             ax.grid(axis="y", alpha=0.3, zorder=0)
             ax.set_title(title + ("\n(from < 3 timed steps: unreliable)" if key == "time" and _unreliable(rs) else ""),
@@ -178,10 +195,7 @@ def plot_runs(records, out_dir):
         fig.suptitle(f"gc.py run: gradient checkpointing off vs on ({n_repeats} run{'s' * (n_repeats != 1)} "
                      f"each{spread})\n{_config_text(rs[0])}", fontsize=10)
         fig.tight_layout()
-        r = rs[0]
-        png = os.path.join(out_dir, f"runs_b{r.get('batch_size')}x{r.get('seq_len')}_e{r.get('embedding_size')}_"
-                                    f"h{r.get('hidden_size')}_l{r.get('num_layers')}_v{r.get('vocab_size')}"
-                                    f"{'_full' if r.get('head', 'full') == 'full' else ''}.png")
+        png = os.path.join(out_dir, runs_png_name(key, rs[0]))
         fig.savefig(png, dpi=100)
         plt.close(fig)
         pngs.append(png)
@@ -230,6 +244,7 @@ def plot_ablation(result, out_dir):
     plt = _pyplot()
     rows = [r for r in result["rows"] if "failed" not in r]
     names = [f"{r['row']}\nloss {r['loss']:.4f}" if r.get("loss") is not None else r["row"] for r in rows]
+    names = [f"{name}\n(per rank)" if r.get("parallel") else name for name, r in zip(names, rows)]
     colours = [ROW_COLOURS.get(r["row"], "tab:olive") for r in rows]
     y = np.arange(len(rows))
     fig, axes = plt.subplots(1, 3, figsize=(16, 1.6 + 0.62 * len(rows)), sharey=True)
@@ -244,7 +259,9 @@ def plot_ablation(result, out_dir):
                     height=0.35, lw=0.6, zorder=3)
         for i, (r, v) in enumerate(zip(rows, values)):
             text = f"{v:.3f}" if unit == 1 else f"{v:.1f}"
-            if change and r.get(change) is not None and r["row"] != "baseline":
+            if unit != 1 and r.get("parallel"):  # one rank's memory: no change from the baseline's whole model
+                text += " per rank"
+            elif change and r.get(change) is not None and r["row"] != "baseline":
                 text += f" ({r[change] * 100:+.0f}%)"
             ax.annotate(text, (v, i), xytext=(3, 0), textcoords="offset points", va="center", fontsize=8)
         ax.set_xlim(0, max(values + [1e-9]) * 1.35)

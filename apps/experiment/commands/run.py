@@ -13,7 +13,7 @@ from needle import distributed as dist
 from needle.checkpoint_budget import InfeasibleBudget
 from needle.data import batchify
 
-from ..console import OOM_EXIT, fail, progress_on, say, tqdm_class
+from ..console import INTERRUPTED_EXIT, OOM_EXIT, fail, progress_on, say, tqdm_class
 from ..data import check_corpus, load_data, resolve_data, windows
 from ..footprint import check_fits
 from ..records import ALIASES, config_of, summarize, write_json
@@ -44,8 +44,11 @@ def main(config):
         which = [False]
     if config.budget_mb is not None and True in which:  # before the gc-off pass: an infeasible budget fails now
         per_rank = config.batch_size // (dist.world_size() if config.parallel else 1)  # the graph each rank plans
-        check_budget(replace(config, batch_size=per_rank), data, vocab, device)
+        planned = check_budget(replace(config, batch_size=per_rank), data, vocab, device)
     print_run_header(config, which, device, source, data, vocab)
+    if config.budget_mb is not None and True in which and slack(planned):
+        print(f"--budget-mb {config.budget_mb:g} is above gc off's peak of {planned.predicted_peak / 2**20:.1f} MB: "
+              f"nothing to drop (give a budget between policy all's M_peak and that to see Budget choose)")
     label = config.policy or "all"
     out_dir = None if config.json else (config.out or "results")
     results = {}
@@ -88,6 +91,7 @@ def train(config, use_gc, data, vocab, source, out_dir=None, quiet=False, json_p
         nd.set_memory_limit(int(config.memory_limit_mb * 2**20), device)
     bar = tqdm_class()(total=total - first, desc=f"gc {'on, ' + record['policy'] if use_gc else 'off'}", unit="step",
                        file=sys.stderr, disable=not progress_on(config.progress), leave=False, dynamic_ncols=True)
+    i = first
     try:
         for i in range(first, total):
             start = (i % nbatch) * config.seq_len  # the step's window: a function of i, so a resumed run's too
@@ -107,11 +111,16 @@ def train(config, use_gc, data, vocab, source, out_dir=None, quiet=False, json_p
             bar.update()
             if not quiet:
                 say(step_line(i, step))
+    except KeyboardInterrupt:  # Ctrl-C: one line, no traceback; the JSON holds every finished step
+        where = f"results so far in {path}" if path else "no JSON written"
+        print(f"gc.py: interrupted at step {i}; {where}", file=sys.stderr)
+        sys.exit(INTERRUPTED_EXIT)
     finally:
         bar.close()
         if config.memory_limit_mb:
             nd.set_memory_limit(0, device)
     record["parameters_sha256"] = parameters_sha256(params)  # two runs that trained alike end alike, to the byte
+    record["complete"] = True
     if path:
         write_json(path, record)
     record["json"] = path
@@ -122,10 +131,15 @@ def new_record(config, use_gc, source, vocab, device, first_step):
     """A run's record before its first step: what it is, its whole configuration, where it started."""
     label = (config.policy or "all") if use_gc else "off"
     record = {"kind": "run", "policy": label, "use_gc": bool(use_gc), **config_of(config, source, vocab, device),
-              "aliases": ALIASES, "first_step": first_step, "steps": []}
+              "aliases": ALIASES, "first_step": first_step, "complete": False, "steps": []}
     if not use_gc:
         record["budget_bytes"] = None  # the gc-off pass has no budget
     return record
+
+
+def slack(budget):
+    """Whether a planned Budget drops nothing: its bound is above gc off's peak, which it then predicts."""
+    return all(all(flags) for flags in budget.planned.values())
 
 
 def total_steps(config, data):

@@ -156,7 +156,8 @@ class Module:
         """Turn gradient checkpointing on for this module and all its children (see needle.checkpoint).
 
         `segment_len` chooses the checkpoints of the "all" policy; any other policy chooses its own, so giving
-        both is an error (it used to ignore `segment_len` silently).
+        both is an error (it used to ignore `segment_len` silently).  `policy="off"` is no checkpointing, as
+        disable_gc() (the name gc.py's --policy off uses).
         """
         if segment_len is not None and policy not in (None, "all"):
             raise ValueError(f"enable_gc: segment_len={segment_len} and policy={policy!r} conflict: segment_len "
