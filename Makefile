@@ -4,6 +4,9 @@ BUILD_DIR ?= build
 BUILD_TYPE ?= Release
 JOBS ?= 2
 NEEDLE_CUDA ?= ON
+# The CUDA module is compiled for the GPU of this machine, or, with none, for one architecture (so that it is still
+# checked to compile); `make cuda-all` compiles it for every architecture CMakeLists.txt lists.
+CUDA_ARCHS ?= $(if $(wildcard /dev/nvidia0),native,75-real)
 CMAKE_ARGS ?=
 
 # Re-installing is skipped while a stamp is newer than pyproject.toml and the package is still installed.
@@ -13,15 +16,20 @@ CMAKE_ARGS ?=
 DEPS_STAMP := $(BUILD_DIR)/.deps-installed
 DEMO_STAMP := $(BUILD_DIR)/.deps-demo-installed
 
-.PHONY: lib cuda-off install-deps install-demo-deps deps demo-deps test demo clean
+.PHONY: lib cuda-off cuda-all install-deps install-demo-deps deps demo-deps test demo clean
 
 lib: pybind11
-	cmake -S . -B $(BUILD_DIR) -DCMAKE_BUILD_TYPE=$(BUILD_TYPE) -DNEEDLE_CUDA=$(NEEDLE_CUDA) \
-	  -DNEEDLE_INSTALL_INTO_PACKAGE=ON -DPython_EXECUTABLE="$$(command -v $(PYTHON))" $(CMAKE_ARGS)
+	cmake -S . -B $(BUILD_DIR) -DCMAKE_BUILD_TYPE=$(BUILD_TYPE) -DNEEDLE_CUDA=$(NEEDLE_CUDA) -DNEEDLE_MODULES=ON \
+	  -DCMAKE_CUDA_ARCHITECTURES="$(CUDA_ARCHS)" -DNEEDLE_INSTALL_INTO_PACKAGE=ON \
+	  -DPython_EXECUTABLE="$$(command -v $(PYTHON))" $(CMAKE_ARGS)
 	cmake --build $(BUILD_DIR) -j$(JOBS)
 
 cuda-off:
 	$(MAKE) lib NEEDLE_CUDA=OFF
+
+# Every architecture of CMakeLists.txt's list (an empty CMAKE_CUDA_ARCHITECTURES selects it).
+cuda-all:
+	$(MAKE) lib CUDA_ARCHS=
 
 # The in-tree build needs pybind11 in this interpreter (pip-installed if missing).
 .PHONY: pybind11
@@ -30,16 +38,16 @@ pybind11:
 
 # Everything pyproject.toml declares: the package (editable), its dependencies and the test, torch, distributed
 # (mpi4py + MPICH wheels, so the MPI tests run) and experiment (gc.py's, which the tests run) extras.
-# The editable build skips CUDA: `make lib` (next step of test/demo) builds it in build/ anyway, so CUDA code
-# is compiled once, not twice.
+# The editable install builds no module (NEEDLE_MODULES=OFF): `make lib`, the next step of test and demo, builds
+# them in build/, so the C++ and CUDA code is compiled once, not twice.
 install-deps:
-	NEEDLE_CUDA=OFF $(PYTHON) -m pip install -e ".[test,torch,distributed,experiment]"
+	NEEDLE_MODULES=OFF $(PYTHON) -m pip install -e ".[test,torch,distributed,experiment]"
 	@mkdir -p $(BUILD_DIR) && touch $(DEPS_STAMP) $(DEMO_STAMP)
 
 # The demo's: the package, its runtime dependencies (numpy, ml_dtypes) and the experiment extra (tqdm, matplotlib,
 # GPUtil); no test tools or torch.
 install-demo-deps:
-	NEEDLE_CUDA=OFF $(PYTHON) -m pip install -e ".[experiment]"
+	NEEDLE_MODULES=OFF $(PYTHON) -m pip install -e ".[experiment]"
 	@mkdir -p $(BUILD_DIR) && touch $(DEMO_STAMP)
 
 $(DEPS_STAMP): pyproject.toml
