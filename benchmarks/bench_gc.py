@@ -7,8 +7,8 @@
 
 Each configuration runs `gc.py` in a fresh process; the policies are interleaved and repeated, and the table
 shows medians over the repeats. M_act, M_peak and M_floor are exact allocator byte counts (see gc.py). `--head`
-is gc.py's: full (this benchmark's default, the course's SoftmaxLoss(model(x)) that README's checkpointing tables
-were measured with) or fused (model.loss(x, y), gc.py's default).
+is gc.py's: full (this benchmark's default, the course's SoftmaxLoss(model(x)) that docs/experiment.md's
+checkpointing tables were measured with) or fused (model.loss(x, y), gc.py's default).
 """
 import argparse
 import json
@@ -82,7 +82,8 @@ def main():
     p.add_argument("--skip_max_batch", action="store_true")
     p.add_argument("--skip_budget", action="store_true")
     p.add_argument("--head", choices=["full", "fused"], default="full",
-                   help="gc.py's --head: full (default here: the course's head, as README's tables) or fused")
+                   help="gc.py's --head: full (default here: the course's head, as docs/experiment.md's tables) "
+                        "or fused")
     p.add_argument("--policies", nargs="+", choices=["off", "all", "sqrt", "selective"],
                    default=["off", "all", "sqrt", "selective"], help="the policies of the table (off is needed)")
     p.add_argument("--head_part", action="store_true",

@@ -8,7 +8,7 @@ the minor page faults, the resident memory above the process's before the model 
 allocator peak (peak_bytes, reset at every step) and the bound the allocator promises, 1.15 x peak + 32 MiB
 (src/README.md, memory_stats): a repeated step is served by the allocator's cache of freed blocks (few faults),
 and the cache never holds more than that bound. Then `del` of two 256 MiB arrays: the bytes go back to the OS at
-once. The last line per policy is the summary README quotes.
+once. The last line per policy is the summary docs/memory.md quotes.
 """
 import argparse
 import gc

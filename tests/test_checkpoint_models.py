@@ -340,8 +340,8 @@ def test_budget_eager_traces_the_first_step_then_replays():
 
 
 def test_budget_needs_no_plan_call_survives_eval_and_failed_steps_and_does_not_grow():
-    """The README's one-liner: enable_gc(policy=Budget(b)) under a memory cap, 50 lazy steps with an eval forward
-    and a failed step among them; allocator bytes and live graph nodes do not grow."""
+    """docs/checkpointing.md's one-liner: enable_gc(policy=Budget(b)) under a memory cap, 50 lazy steps with an
+    eval forward and a failed step among them; allocator bytes and live graph nodes do not grow."""
     model = _lm(None, dropout=0.0, layers=1)
     opt = ndl.optim.Adam(model.parameters(), lr=0.01)
     _, off_peak = _measured_peak(_lm(None, dropout=0.0, layers=1), lambda m, X: m(X)[0], lambda: _batch(0))

@@ -16,7 +16,7 @@ from . import ROOT
 from .console import fail
 from .measure import threads
 
-# The earlier project's keys, kept next to the canonical ones (README: "gc.py — the experiment").
+# The earlier project's keys, kept next to the canonical ones (docs/experiment.md).
 ALIASES = {"time": "step_time_seconds", "time_per_batch_median": "step_time_seconds", "peak memory": "peak_bytes",
            "use_gc": "policy != 'off'"}
 MIN_TIMED_STEPS = 3  # a median of fewer step times is flagged as unreliable
