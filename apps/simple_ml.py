@@ -216,6 +216,10 @@ def epoch_general_ptb(data, model, seq_len=40, loss_fn=nn.SoftmaxLoss(), opt=Non
     model.train() if opt is not None else model.eval()
     device = device or _model_device(model)
     nbatch, batch_size = data.shape
+    if nbatch < 2:  # a window's targets are the next row: one row gives no window at all
+        raise ValueError(f"epoch_general_ptb: the batchified data has {nbatch} row(s) of {batch_size} tokens; at "
+                         "least 2 are needed (each window predicts the next row): use a smaller batch size or more "
+                         "text")
     k = int(accumulation_steps)
     if k < 1 or batch_size % k:
         raise ValueError(f"accumulation_steps={accumulation_steps} must divide the batch size {batch_size}")

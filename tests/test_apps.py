@@ -184,6 +184,14 @@ def test_evaluate_ptb_returns_acc_and_loss_without_changing_the_model(corpus):
         np.testing.assert_array_equal(a, b)
 
 
+def test_evaluate_ptb_on_a_split_of_one_row_says_what_is_wrong(corpus):
+    # It divided by zero (no window at all): a split shorter than two rows of the batch size
+    data = ndl.data.batchify(corpus.test[:7], 4, DEVICE, "float32")  # one row of 4 tokens
+    model = language_model(corpus, "lstm")
+    with pytest.raises(ValueError, match=r"the batchified data has 1 row\(s\) of 4 tokens; at least 2 are needed"):
+        simple_ml.evaluate_ptb(model, data, seq_len=6, device=DEVICE)
+
+
 @pytest.mark.parametrize("seq_model", ["rnn", "lstm"])
 def test_epoch_carries_the_recurrent_state_between_windows(corpus, seq_model):
     data = ndl.data.batchify(corpus.train, 4, DEVICE, "float32")[:9]  # windows at rows 0 and 4
