@@ -21,6 +21,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 sys.path[:0] = [os.path.join(ROOT, "python"), os.path.join(ROOT, "apps"), os.path.dirname(os.path.abspath(__file__))]
 
+from bench_step import add_model_arguments, needle_step_fn  # noqa: E402
+from needle import backend_ndarray as nd  # noqa: E402
+
 MiB = 1 << 20
 
 
@@ -36,9 +39,6 @@ def faults():
 
 def one_policy(args):
     """Train `args.steps` steps with gc `args.gc` in this process; print a line per step and a summary."""
-    from bench_step import needle_step_fn
-    from needle import backend_ndarray as nd
-
     device = nd.cpu()
     start = rss_bytes()
     step = needle_step_fn(args, args.gc == "all")
@@ -68,13 +68,7 @@ def one_policy(args):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--batch_size", type=int, default=128)
-    p.add_argument("--seq_len", type=int, default=32)
-    p.add_argument("--embedding_size", type=int, default=256)
-    p.add_argument("--hidden_size", type=int, default=256)
-    p.add_argument("--num_layers", type=int, default=4)
-    p.add_argument("--num_head", type=int, default=4)
-    p.add_argument("--vocab", type=int, default=10000)
+    add_model_arguments(p)
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--gc", choices=["off", "all"], default=None, help="one policy in this process (default: both, "
                    "each in its own process)")

@@ -118,8 +118,8 @@ def median_step(step, repeats):
     return statistics.median(times)
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def add_model_arguments(p):
+    """The benchmark model's flags (its defaults are the benchmark model), for this script and bench_rss.py."""
     p.add_argument("--batch_size", type=int, default=128)
     p.add_argument("--seq_len", type=int, default=32)
     p.add_argument("--embedding_size", type=int, default=256)
@@ -127,6 +127,11 @@ def main():
     p.add_argument("--num_layers", type=int, default=4)
     p.add_argument("--num_head", type=int, default=4)
     p.add_argument("--vocab", type=int, default=10000)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_model_arguments(p)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--profile", action="store_true")
     p.add_argument("--no-torch", "--no_torch", dest="no_torch", action="store_true", help="needle alone")
