@@ -319,7 +319,9 @@ def test_the_header_shows_the_effective_batch_of_accumulation(tmp_path, capsys):
 
 
 # ----- progress on stderr, tables on stdout --------------------------------------------------------------------------
-def test_progress_bars_go_to_stderr_and_tables_stay_on_stdout(tmp_path, monkeypatch):
+@pytest.fixture
+def bar_names(monkeypatch):
+    """The `desc` of every tqdm.auto bar made while the test runs, in order."""
     import tqdm.auto
 
     made = []
@@ -330,6 +332,11 @@ def test_progress_bars_go_to_stderr_and_tables_stay_on_stdout(tmp_path, monkeypa
             super().__init__(*args, **kwargs)
 
     monkeypatch.setattr(tqdm.auto, "tqdm", Recorded)
+    return made
+
+
+def test_progress_bars_go_to_stderr_and_tables_stay_on_stdout(tmp_path, bar_names):
+    made = bar_names
     data = tiny_ptb(tmp_path)
     run_gc(TINY + ["--data", data, "--out", str(tmp_path / "bars"), "--max-batches", "1"])
     assert made == ["gc off", "gc on, all"]  # tqdm.auto's bars: a widget in a notebook, a text bar in a terminal
@@ -351,17 +358,8 @@ def test_sweep_prints_a_line_per_run_as_it_starts_and_ends(tmp_path, capsys):
     assert "seq_len 5, embedding 8" in captured.out  # the rest of the configuration, once
 
 
-def test_train_and_evaluate_ptb_end_with_a_line_of_loss_and_perplexity(capsys, monkeypatch):
-    import tqdm.auto
-
-    made = []
-
-    class Recorded(tqdm.auto.tqdm):
-        def __init__(self, *args, **kwargs):
-            made.append(kwargs.get("desc"))
-            super().__init__(*args, **kwargs)
-
-    monkeypatch.setattr(tqdm.auto, "tqdm", Recorded)
+def test_train_and_evaluate_ptb_end_with_a_line_of_loss_and_perplexity(capsys, bar_names):
+    made = bar_names
     device = ndl.cpu() if DEVICE == "cpu" else ndl.cpu_numpy()
     data = ndl.data.batchify(list(np.random.RandomState(0).randint(0, 20, size=400)), 4, device, "float32")
     model = LanguageModel(8, 20, 8, num_layers=1, seq_model="rnn", device=device)

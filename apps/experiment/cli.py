@@ -1,12 +1,6 @@
 """gc.py's command line: argv -> a RunConfig, checked -> the subcommand's function (COMMANDS).
 
-    python gc.py                          # gc off vs on ("all"), side by side: the demo model, ~1 minute on a CPU
-    python gc.py run --policy sqrt --batch-size 128 --hidden-size 512
-    python gc.py sweep --over batch-size --values 16 32 64     # a fresh process per run; JSON as it goes, PNGs
-    python gc.py max-batch --memory-limit-mb 400                 # the largest batch under a memory cap, per policy
-    python gc.py ablate --rows baseline all fused combined       # each technique, the same model and steps: a table
-    mpiexec -n 2 python gc.py run --parallel dp                  # data parallel (also zero1, zero2, pipeline)
-    python gc.py plot results/sweep_batch_size                   # the plots of whatever gc.py JSON a folder holds
+The commands and an example of each are in gc.py's docstring; `python gc.py CMD --help` lists CMD's flags.
 
 A bad input is one line on stderr and exit status 2, before any work: argparse's errors (parser.Parser), the
 checks below, which need no data or model, and the paths the command will write (outputs.py).  Those that need the
