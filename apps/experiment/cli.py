@@ -15,17 +15,17 @@ from dataclasses import replace
 from needle import distributed as dist
 
 from .ablations import ABLATIONS, ACCUMULATE, default_rows
-from .commands import ablate, plot, run, sweep
+from .commands import ablate, plot, run, sweep, timeline
 from .console import BAD_INPUT_EXIT, INTERRUPTED_EXIT, fail
 from .outputs import check_outputs, checkpoint_file
 from .parser import SUBCOMMANDS, build_parser
 from .setup import RunConfig
 
 COMMANDS = {"run": run.main, "sweep": sweep.main_sweep, "max-batch": sweep.main_max_batch, "ablate": ablate.main,
-            "plot": plot.main}
+            "timeline": timeline.main, "plot": plot.main}
 POSITIVE = ("batch_size", "seq_len", "embedding_size", "hidden_size", "num_layers", "num_head", "accumulation_steps",
             "epochs", "max_batches", "segment_len", "repeats", "steps", "save_every")
-DEFAULT_OUT = {"run": "results", "max-batch": os.path.join("results", "max_batch"),
+DEFAULT_OUT = {"run": "results", "timeline": "results", "max-batch": os.path.join("results", "max_batch"),
                "ablate": os.path.join("results", "ablation")}  # sweep's: results/sweep_OVER
 
 
@@ -160,7 +160,9 @@ def validate_ablate(config):
 def validate_policies(config):
     """run's --policy / --use-gc / --json, and the flags that belong to one policy (run, sweep, max-batch)."""
     command = config.command
-    if command == "run":
+    if command == "timeline":
+        policies = [config.policy or "all"]
+    elif command == "run":
         policies = [config.policy or "all"]
         if config.use_gc == 1 and config.policy == "off":
             fail("--use-gc 1 runs gc on, --policy off runs gc off: give one of them")

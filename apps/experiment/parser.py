@@ -11,11 +11,12 @@ from .data import SYNTHETIC
 from .setup import HEADS, OPTIMIZERS, PARALLEL, POLICIES, PRECISIONS
 
 TITLE = "gc.py — how much memory gradient checkpointing saves on a PTB Transformer language model, and what it costs."
-SUBCOMMANDS = ["run", "sweep", "max-batch", "ablate", "plot"]
+SUBCOMMANDS = ["run", "sweep", "max-batch", "ablate", "timeline", "plot"]
 HELPS = {"run": "gc off vs on for one configuration, side by side (the default)",
          "sweep": "one parameter over several values and policies, a fresh process per run; JSON and plots",
          "max-batch": "the largest batch that trains under --memory-limit-mb, per policy (bisection)",
          "ablate": "every memory technique on the same model and steps, a fresh process per row; one table",
+         "timeline": "one step's memory, every allocation and free, gc off beside gc on: JSON, PNG and HTML page",
          "plot": "draw, into DIR, the plots of the gc.py JSON files DIR holds (run, sweep, max-batch, ablate)"}
 SWEEPABLE = ["batch_size", "hidden_size", "embedding_size", "num_layers", "seq_len", "segment_len"]
 MEASURES = """\
@@ -166,13 +167,14 @@ def add_step_flags(g):
 
 def add_checkpointing_flags(p, command):
     g = p.add_argument_group("checkpointing")
-    if command == "run":
+    if command in ("run", "timeline"):
         flag(g, "policy", default=None, choices=POLICIES,
              help="what gc on drops: all (every node inside each layer), sqrt (Chen's schedule), selective (keeps "
                   "matmul outputs), budget (keeps M_peak under --budget-mb); off runs gc off alone (default: all)")
+    if command == "run":
         flag(g, "use_gc", type=int, choices=[0, 1], default=None,
              help="run only gc off (0) or only gc on (1) (default: both, side by side)")
-    else:
+    if command not in ("run", "timeline"):
         flag(g, "policies", nargs="+", choices=POLICIES, default=None, metavar="POLICY",
              help="policies to compare, from " + "|".join(POLICIES) + " (default: " +
                   ("off all, or off all sqrt selective over num_layers" if command == "sweep"
@@ -191,7 +193,11 @@ def add_training_flags(p, command):
          help="array backend (default: cuda when available, else cpu)")
     flag(g, "epochs", type=int, default=1, metavar="N", help="passes over the --max-batches windows")
     flag(g, "max_batches", type=int, default=30, metavar="N", help="optimizer steps per epoch (at most)")
-    flag(g, "warmup", type=int, default=2, metavar="N", help="steps left out of the T_step median")
+    if command == "timeline":
+        flag(g, "warmup", type=int, default=1, metavar="N",
+             help="steps trained before the recorded one (so the optimizer's state exists, and a Budget has planned)")
+    else:
+        flag(g, "warmup", type=int, default=2, metavar="N", help="steps left out of the T_step median")
     flag(g, "lr", type=float, default=1e-3, metavar="LR", help="Adam's learning rate")
     flag(g, "seed", type=int, default=0, metavar="N", help="NumPy seed for the model's initialization")
     if command == "max-batch":
@@ -214,8 +220,10 @@ def add_parallel_flags(p):
 
 def add_output_flags(p, command):
     g = p.add_argument_group("output")
-    default_out = {"run": "results", "sweep": "results/sweep_OVER", "max-batch": "results/max_batch"}[command]
-    flag(g, "out", default=None, metavar="DIR", help=f"folder for the JSON (and PNG) files (default: {default_out})")
+    default_out = {"run": "results", "sweep": "results/sweep_OVER", "max-batch": "results/max_batch",
+                   "timeline": "results"}[command]
+    what = "the JSON, PNG and HTML files" if command == "timeline" else "the JSON (and PNG) files"
+    flag(g, "out", default=None, metavar="DIR", help=f"folder for {what} (default: {default_out})")
     if command == "run":
         flag(g, "json", default=None, metavar="FILE",
              help="write the one run's JSON to exactly FILE instead (needs --use-gc or --policy off; sweep and "

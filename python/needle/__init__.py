@@ -6,7 +6,7 @@
     x.grad  # [[2., 4.]]
 """
 from . import amp, autograd, backend_ndarray, checkpoint, data, init, nn, ops, optim, serialization, viz
-from . import distributed
+from . import distributed, memory
 from .autograd import Tensor, TensorTuple
 from .backend_selection import BACKEND, all_devices, cpu, cpu_numpy, cuda, default_device
 from .ops import (
@@ -23,7 +23,7 @@ __version__ = package_version()
 __all__ = [
     "BACKEND", "Tensor", "TensorTuple", "add", "add_scalar", "all_devices", "amp", "autocast", "autograd",
     "backend_ndarray", "broadcast_to", "checkpoint", "conv", "cpu", "cpu_numpy", "cuda", "data", "default_device",
-    "dilate", "distributed", "divide", "divide_scalar", "exp", "flip", "init", "load", "log", "logsoftmax",
+    "dilate", "distributed", "divide", "divide_scalar", "exp", "flip", "init", "load", "log", "logsoftmax", "memory",
     "logsumexp", "make_tuple", "matmul", "mul_scalar", "multiply", "negate", "nn", "ops", "optim", "power",
     "power_scalar", "relu", "reshape", "save", "serialization", "sigmoid", "split", "stack", "summation", "tanh",
     "transpose", "tuple_get_item", "undilate", "version", "viz", "random_state", "set_random_state",

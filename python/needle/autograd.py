@@ -17,6 +17,7 @@ from typing import Protocol
 
 import numpy
 
+from . import memory_hook
 from .backend_selection import NDArray, array_api, default_device, device_of
 
 __all__ = [
@@ -219,6 +220,8 @@ class Value:
         self._input_versions = tuple(x.version for x in inputs)  # what its value is a function of (rule 4c)
         self._released = False  # its value was computed, then released: a missing value is one to recompute
         self._grad_hooks = None  # callables run when backward sets this leaf's .grad (register_grad_hook)
+        if memory_hook.RECORDER is not None:
+            memory_hook.RECORDER.node_made(self)  # needle.memory: its module, or what its data is
 
     @classmethod
     def make_const(cls, data, requires_grad=False):

@@ -46,6 +46,7 @@ import numpy
 from . import ops
 from .autograd import (Machine, Tensor, TensorTuple, Value, elements_of, find_topo_sort, infer_spec, lazy_mode,
                        nbytes_of, realize, release, run_deferred, set_autocast, spec_of)
+from . import memory_hook
 from .backend_selection import device_of
 
 __all__ = ["KEPT_ELEMENTS", "BackwardPlan", "Compute", "Step", "always_kept", "compute_gradient_of_variables",
@@ -154,9 +155,14 @@ class Compute(Machine):
         for x, version in zip(node.inputs, node._input_versions):
             if x.version != version:
                 check_unchanged(node, node.inputs, action="recompute" if node._released else "compute")
+        recorder = memory_hook.RECORDER  # needle.memory: what the op makes is its result or its workspace
+        if recorder is not None:
+            recorder.computing(node)
         value = node.op.compute(*[x.cached_data for x in node.inputs])
         if isinstance(value, numpy.generic):  # NEEDLE_BACKEND=np: NumPy turns 0-d results into scalars
             value = numpy.asarray(value)
+        if recorder is not None:
+            recorder.computed(node, value)
         node.cached_data = value
 
     def recompute(self, node):
@@ -166,7 +172,8 @@ class Compute(Machine):
             raise RuntimeError(f"backward plan violated: an input of {type(node.op).__name__} is missing at its "
                                "recomputation (rule 2)")
         expected = node._spec
-        self.compute(node)
+        with memory_hook.phase("recompute"):
+            self.compute(node)
         got = spec_of(node.cached_data)
         if expected is not None and got != expected:
             raise RuntimeError(
@@ -246,6 +253,8 @@ def run_backward(plan, out_grad, machine=None):
         machine.release(node)
     for step in plan.steps:
         node = step.node
+        if memory_hook.RECORDER is not None:
+            memory_hook.RECORDER.differentiating(node)  # needle.memory: the gradients belong to node's module
         for n in step.recompute:
             machine.recompute(n)
         parts = grads.pop(id(node), None)
@@ -366,17 +375,20 @@ def compute_gradient_of_variables(output_tensor, out_grad):
                          f"{tuple(output_tensor.shape)}; they must be equal")
     # Decisions waiting for the whole graph (a Budget's), before anything more is computed.
     run_deferred([output_tensor], pending_only=False)
-    output_tensor.realize_cached_data()  # the forward pass (in lazy mode it runs here)
+    with memory_hook.phase("forward"):
+        output_tensor.realize_cached_data()  # the forward pass (in lazy mode it runs here)
     # Gradients are built from an out_grad that requires grad, so every gradient value is a graph node that
     # can be released after use and recomputed on demand (x.grad stays differentiable), never a stray constant.
-    out_grad = Tensor.make_const(out_grad, requires_grad=True)
+    with memory_hook.phase("backward"):  # (needle.memory: the seed is a gradient)
+        out_grad = Tensor.make_const(out_grad, requires_grad=True)
     device = device_of(output_tensor.cached_data)
     machine = Compute()
     # The gradient graph keeps the dtypes the forward pass chose: autocast applies to forward ops, so a backward()
     # called inside an autocast block computes exactly what one called after it does.
     autocast = set_autocast(None)
     try:
-        run_backward(plan_backward(output_tensor), out_grad, machine)
+        with memory_hook.phase("backward"):
+            run_backward(plan_backward(output_tensor), out_grad, machine)
     finally:
         set_autocast(autocast)
     stats = dict(machine.stats)

@@ -13,6 +13,7 @@ import math
 import numpy as np
 
 from . import ndarray_backend_numpy
+from .. import memory_hook
 from .threads import configure_openmp
 
 __all__ = [
@@ -349,13 +350,16 @@ class NDArray:
         array._strides = compact_strides(shape) if strides is None else tuple(int(s) for s in strides)
         array._offset = int(offset)
         array._device = device
-        if handle is None:
+        fresh = handle is None
+        if fresh:
             device._require()
             handle = device.mod.Array(prod(shape)) if dtype == "float32" else device.mod.Array(prod(shape), dtype)
         else:
             _check_view(shape, array._strides, array._offset, handle.size)
         array._handle = handle
         array._dtype = handle.dtype
+        if fresh and memory_hook.RECORDER is not None:
+            memory_hook.RECORDER.allocated(array)  # needle.memory: every buffer made, as it is made
         return array
 
     @staticmethod
@@ -369,6 +373,8 @@ class NDArray:
         array._device = device
         array._handle = device.mod.Array(prod(shape)) if dtype == "float32" else device.mod.Array(prod(shape), dtype)
         array._dtype = dtype
+        if memory_hook.RECORDER is not None:
+            memory_hook.RECORDER.allocated(array)  # needle.memory: every buffer made, as it is made
         return array
 
     # ----- properties ---------------------------------------------------------------------------------------

@@ -3,7 +3,7 @@ from collections import OrderedDict
 
 import numpy as np
 
-from .. import checkpoint
+from .. import checkpoint, memory_hook
 from ..backend_selection import array_api
 from ..autograd import Tensor
 
@@ -29,6 +29,18 @@ def _unpack_tensors(value, prefix=""):
         return [p for k, v in value.items() for p in _unpack_tensors(v, f"{prefix}.{k}" if prefix else str(k))]
     if isinstance(value, (list, tuple)):
         return [p for i, v in enumerate(value) for p in _unpack_tensors(v, f"{prefix}.{i}" if prefix else str(i))]
+    return []
+
+
+def _unpack_modules(value, prefix=""):
+    """(dotted name, Module) pairs found in `value` (a module: itself first, named `prefix`) and in its
+    attributes, lists, tuples and dicts, in order of definition."""
+    if isinstance(value, Module):
+        return [(prefix, value)] + _unpack_modules(value.__dict__, prefix)
+    if isinstance(value, dict):
+        return [p for k, v in value.items() for p in _unpack_modules(v, f"{prefix}.{k}" if prefix else str(k))]
+    if isinstance(value, (list, tuple)):
+        return [p for i, v in enumerate(value) for p in _unpack_modules(v, f"{prefix}.{i}" if prefix else str(i))]
     return []
 
 
@@ -84,6 +96,16 @@ class Module:
     def parameters(self):
         """Every Parameter of this module and its children, in order of definition."""
         return [p for _, p in self.named_parameters()]
+
+    def named_modules(self):
+        """(dotted name, Module) for this module (named "") and every module inside it, first occurrence of each,
+        in order of definition: "blocks.2.attn" is `self.blocks[2].attn`."""
+        named, seen = [], set()
+        for name, m in _unpack_modules(self):
+            if id(m) not in seen:
+                seen.add(id(m))
+                named.append((name, m))
+        return named
 
     def named_buffers(self):
         """(dotted name, Tensor) for the plain leaf Tensors that are state too (BatchNorm's running_mean...)."""
@@ -183,7 +205,8 @@ class Module:
         if "_named" not in self.__dict__:  # the outermost module runs first: its names are the full paths
             self.named_parameters()
             self._named = True
-        out = self.forward(*args, **kwargs)
+        with memory_hook.module(self):  # needle.memory's recorder: the values made belong to this module
+            out = self.forward(*args, **kwargs)
         if self.__dict__.pop("gc_first_forward", False) and self.gc:
             checkpoint.warn_if_nothing_to_drop(out, type(self).__name__)
         return out

@@ -21,8 +21,11 @@ parameter's already on its way (on cuda: page-locked host memory and a copy stre
 current update; elsewhere the copies are synchronous); `state_bytes()` counts what stays on the device,
 `host_state_bytes()` what was offloaded.
 """
+import functools
+
 import numpy as np
 
+from .. import memory_hook
 from ..backend_selection import array_api
 
 _LOW = ("float16", "bfloat16")
@@ -128,6 +131,14 @@ def _check_distinct(name, params):
                              f"and {i} of params; list each parameter once")
 
 
+def in_optimizer_phase(step):
+    @functools.wraps(step)
+    def step_in_phase(self, *args, **kwargs):
+        with memory_hook.phase("optimizer", self):
+            return step(self, *args, **kwargs)
+    return step_in_phase
+
+
 class Optimizer:
     """Holds the parameters; `step()` updates them from their `.grad`, `reset_grad()` clears the gradients."""
 
@@ -155,6 +166,14 @@ class Optimizer:
             if bad:
                 raise ValueError(f"{type(self).__name__}: stochastic_rounding needs bfloat16 parameters, got "
                                  f"{', '.join(bad)}")
+
+    def __init_subclass__(cls, **kwargs):
+        # needle.memory: every optimizer's step runs in the "optimizer" phase, and what it still holds when the
+        # step ends is its state (or its parameters' new data). Wrapped here so an optimizer written for the course
+        # (a subclass with its own `step`) is recorded the same way.
+        super().__init_subclass__(**kwargs)
+        if "step" in cls.__dict__:
+            cls.step = in_optimizer_phase(cls.__dict__["step"])
 
     def step(self):
         raise NotImplementedError()

@@ -1,0 +1,331 @@
+"""The recorder behind `ndl.memory.record()`: every buffer the device allocator hands out or takes back, as an event.
+
+A buffer is a `Block`. It is born in `allocated` (called by NDArray's constructors for each fresh buffer, through
+`memory_hook`) and dies in `freed` (a weak reference's callback on the buffer object, which runs just after the
+backend has given the bytes back), so the recorded live bytes follow the allocator's `current_bytes` event by event.
+What a block *is* is learnt around it, from hooks that cost nothing when recording is off:
+
+- the op computing when it was made (`computing`/`computed`, autograd's Compute): the op's result is its output,
+  anything else it made is the op's workspace;
+- the phase (`memory_hook.phase`): "forward" unless backward, a recomputation or an optimizer's step is running;
+- the module (`memory_hook.module`, Module.__call__): the innermost module whose forward built the graph value;
+  in backward, the module of the value being differentiated or recomputed;
+- leaves (`node_made`): the data of a Parameter is a parameter, that of another leaf Tensor an input.
+
+A block's category is settled by its phase and what it became (`CATEGORIES` below says how), some of it only later:
+a forward value is "activation_kept" if it is still alive when backward starts (or when recording stops), else it
+was a forward temporary ("workspace"); what an optimizer made and still holds when its step ends is its state.
+"""
+import gc
+import time
+import weakref
+
+from .. import memory_hook
+from ..autograd import Value
+from ..backend_ndarray import NDArray
+from ..checkpoint import keep_reason
+from ..nn import Parameter
+from ..optim import Optimizer
+
+# What each category means, in the words the plot's legend and the page's tooltip use.
+CATEGORIES = {
+    "parameter": "a Parameter's data",
+    "gradient": "made by backward: a parameter's .grad, or a gradient on its way there",
+    "optimizer_state": "what an optimizer keeps between steps (moments, master weights, quantized state)",
+    "activation_kept": "a forward value still alive when backward starts: kept for backward (the reason says why)",
+    "activation_recomputed": "a dropped value made again by backward (gradient checkpointing)",
+    "workspace": "a temporary: made and given back within an op, a forward pass or an optimizer step",
+    "input": "the data of a leaf Tensor that is not a Parameter (a batch, a constant)",
+    "other": "anything else (made outside ops, or alive before recording began and not recognised)",
+    "host": "an offloaded copy in host memory",
+}
+PHASES = ("forward", "backward", "recompute", "optimizer")
+
+
+class Block:
+    """One buffer of the device allocator, from its allocation to its free (event indices; `alloc` None: alive
+    before recording began)."""
+
+    __slots__ = ("id", "key", "bytes", "shape", "dtype", "category", "phase", "op", "module", "name", "reason",
+                 "alloc", "free", "node", "ref", "forward_value")
+
+    def __init__(self, number, buffer, array, phase, op, module, alloc):
+        self.id, self.key, self.bytes = number, id(buffer), buffer.size * buffer.itemsize
+        self.shape, self.dtype = tuple(array.shape), array.dtype
+        self.phase, self.op, self.module, self.alloc = phase, op, module, alloc
+        self.category, self.reason, self.free = "other", None, None
+        self.name = None  # a parameter's dotted name ("blocks.0.attn.q.weight"), of its gradient or state
+        self.node = None  # a weak reference to the graph value this buffer is the result of, if any
+        self.ref = None  # the weak reference whose callback reports the free
+        self.forward_value = False  # a forward op's result: its category is settled when backward starts
+
+
+class BufferRef(weakref.ref):
+    """A weak reference to a buffer that knows its block (the callback gets only the reference)."""
+
+    __slots__ = ("block",)
+
+
+def buffers_of(value):
+    """The ids of the device buffers behind `value`: a Tensor, an NDArray, or lists, tuples and dicts of them."""
+    ids, stack = set(), [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, Value):
+            stack.append(item.cached_data)
+        elif isinstance(item, NDArray):
+            ids.add(id(item.buffer))
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+    return ids
+
+
+class Recorder:
+    """Collects the events of one `record()`; `Snapshot` reads `blocks`, `events` and `phase_changes`."""
+
+    def __init__(self, device, check=False):
+        self.device, self.check = device, check
+        self.blocks, self.events = [], []  # events: (action, block, live bytes, seconds, backend's bytes or None)
+        self.live, self.live_bytes, self.baseline_bytes = {}, 0, 0  # live: id(buffer) -> Block
+        self.phase, self.phase_changes = "forward", [("forward", 0)]  # (phase, index of the first event in it)
+        self.op_node, self.op_blocks = None, []  # the value being computed, and the blocks made meanwhile
+        self.modules, self.roots = [], {}  # the stack of modules whose forward runs; the outermost ones seen
+        self.module_of = weakref.WeakKeyDictionary()  # graph value -> the module it belongs to
+        self.backward_module = None  # in backward: the module of the value being differentiated
+        self.parameters = weakref.WeakSet()
+        self.active, self.start, self.backend_peak_bytes = False, None, None
+
+    # ----- on and off ----------------------------------------------------------------------------------------
+    def begin(self):
+        self.start = time.perf_counter()
+        self.live_bytes = self.device.memory_stats()["current_bytes"]
+        self.adopt_existing_buffers()
+        self.previous = memory_hook.set_recorder(self)
+        self.active = True
+
+    def end(self):
+        memory_hook.set_recorder(self.previous)
+        self.active = False
+        self.settle_parameters()
+        for block in self.live.values():
+            if block.forward_value:
+                self.settle_forward_value(block, alive=True)
+            block.ref = None  # no callback after the end: the snapshot is complete
+        if self.check:
+            self.backend_peak_bytes = self.device.memory_stats()["peak_bytes"]
+
+    def adopt_existing_buffers(self):
+        """Track the buffers alive before recording began, so that their frees are events too: found through the
+        garbage collector's objects, named where a Parameter, its gradient or an optimizer holds them. Bytes the
+        allocator counts but no NDArray holds stay in `baseline_bytes`."""
+        names = {}
+        arrays = []
+        for obj in gc.get_objects():
+            if isinstance(obj, NDArray):
+                arrays.append(obj)
+            elif isinstance(obj, Parameter):
+                self.parameters.add(obj)
+                names.update(dict.fromkeys(buffers_of(obj.grad), "gradient"))
+            elif isinstance(obj, Optimizer):
+                for state in [obj.master] + [getattr(obj, slot) for slot in obj.slots]:
+                    names.update(dict.fromkeys(buffers_of(state), "optimizer_state"))
+        for p in self.parameters:
+            names.update(dict.fromkeys(buffers_of(p), "parameter"))
+        for array in arrays:
+            if array.device == self.device and id(array.buffer) not in self.live:
+                block = self.new_block(array, alloc=None)
+                block.category = names.get(block.key, "other")
+        self.baseline_bytes = self.live_bytes - sum(b.bytes for b in self.blocks)
+
+    # ----- buffers made and given back ------------------------------------------------------------------------
+    def new_block(self, array, alloc):
+        node = self.op_node
+        buffer = array.buffer
+        block = Block(len(self.blocks), buffer, array, self.phase,
+                      type(node.op).__name__ if node is not None else None, self.module_of_node(node), alloc)
+        block.ref = BufferRef(buffer, self.freed)
+        block.ref.block = block
+        self.blocks.append(block)
+        self.live[block.key] = block
+        if alloc is not None:
+            self.live_bytes += block.bytes
+        return block
+
+    def allocated(self, array):
+        """An NDArray constructor made `array` with a fresh buffer."""
+        if array.device != self.device:
+            return
+        block = self.new_block(array, alloc=len(self.events))
+        if self.op_node is not None:
+            block.category = "workspace"  # unless it is the op's result (`computed`)
+            self.op_blocks.append(block)
+        elif self.phase == "optimizer":
+            block.category = "workspace"  # unless the optimizer still holds it when its step ends
+        self.event("alloc", block)
+
+    def freed(self, ref):
+        """The callback of a buffer's weak reference: the backend has just given its bytes back."""
+        block = ref.block
+        if not self.active or self.live.get(block.key) is not block:
+            return
+        del self.live[block.key]
+        self.live_bytes -= block.bytes
+        block.free = len(self.events)
+        if block.forward_value:
+            self.settle_forward_value(block, alive=False)
+        self.event("free", block)
+
+    def event(self, action, block):
+        backend = self.device.memory_stats()["current_bytes"] if self.check else None
+        self.events.append((action, block, self.live_bytes, time.perf_counter() - self.start, backend))
+
+    # ----- what a buffer is: graph values, ops, modules -------------------------------------------------------
+    def node_made(self, node):
+        """A graph value was built: an op's result belongs to the module running (in backward: the one of the
+        value differentiated); a leaf's data is a parameter or an input."""
+        if node.op is not None:
+            module = self.modules[-1] if self.modules else self.backward_module
+            if module is not None:
+                self.module_of[node] = module
+            return
+        if isinstance(node, Parameter):
+            self.parameters.add(node)
+        for key in buffers_of(node.cached_data):
+            block = self.live.get(key)
+            if block is not None and isinstance(node, Parameter):
+                block.category = "parameter"
+            elif block is not None and self.phase == "backward" and block.category in ("other", "input"):
+                block.category = "gradient"  # backward's leaf: the seed of the gradients (out_grad)
+            elif block is not None and block.category == "other":
+                block.category = "input"
+
+    def computing(self, node):
+        self.op_node, self.op_blocks = node, []
+
+    def computed(self, node, value):
+        """`node`'s op returned `value`: the buffers it made for `value` are its result, the others workspace."""
+        results = buffers_of(value)
+        for block in self.op_blocks:
+            if block.key in results and self.live.get(block.key) is block:  # (a freed block's id may be reused)
+                block.node = weakref.ref(node)
+                if self.phase == "forward":
+                    block.forward_value, block.category = True, "activation_kept"
+                elif self.phase == "recompute":
+                    block.category, block.reason = "activation_recomputed", "dropped in forward, recomputed"
+                elif self.phase == "backward":
+                    block.category = "gradient"
+        self.op_node, self.op_blocks = None, []
+
+    def module_of_node(self, node):
+        return None if node is None else self.module_of.get(node, self.backward_module)
+
+    def in_module(self, module):
+        """The context of Module.__call__: values built inside belong to `module`."""
+        return ModuleScope(self, module)
+
+    def differentiating(self, node):
+        """backward.run_backward's step for `node`: the gradients it builds belong to `node`'s module."""
+        self.backward_module = self.module_of.get(node)
+
+    # ----- phases and what they settle ------------------------------------------------------------------------
+    def enter_phase(self, name, owner=None):
+        previous = (self.phase, len(self.blocks))
+        if name == "backward" and self.phase == "forward":
+            for block in self.live.values():
+                if block.forward_value:
+                    self.settle_forward_value(block, alive=True)
+        self.set_phase(name)
+        return previous
+
+    def exit_phase(self, previous, owner=None):
+        phase, first_block = previous
+        if self.phase == "optimizer" and owner is not None:
+            self.settle_optimizer_step(owner, self.blocks[first_block:])
+        if self.phase == "backward":
+            self.backward_module = None
+        self.set_phase(phase)
+
+    def set_phase(self, name):
+        if name != self.phase:
+            self.phase = name
+            self.phase_changes.append((name, len(self.events)))
+
+    def settle_forward_value(self, block, alive):
+        """A forward result alive when backward starts was kept for it, and says why; one freed before was a
+        temporary of the forward pass (a dropped value, or one no gradient reads)."""
+        block.forward_value = False
+        node = block.node() if block.node is not None else None
+        if not alive:
+            block.category = "workspace"
+            block.reason = "freed before backward" + (" (dropped by checkpointing)" if node is not None and
+                                                      node.drop else "")
+            return
+        block.category = "activation_kept"
+        block.reason = KEPT_BECAUSE.get(keep_reason(node), "kept") if node is not None else "kept"
+
+    def settle_optimizer_step(self, optimizer, made):
+        """What an optimizer's step made and still holds when it ends is a parameter (its new data) or its state
+        (named after its parameter and slot)."""
+        params = buffers_of(optimizer.params)
+        for block in made:
+            if block.free is None and block.alloc is not None:
+                block.category = "parameter" if block.key in params else "optimizer_state"
+        for slot in ("master",) + tuple(optimizer.slots):
+            for p, state in getattr(optimizer, slot).items():
+                self.name_blocks(state, f"{parameter_name(p)}: {slot}")
+        self.settle_parameters()
+
+    def settle_parameters(self):
+        """The current data of every Parameter seen is a parameter's; its .grad a gradient; both get its name."""
+        for p in list(self.parameters):
+            for key in buffers_of(p):
+                if key in self.live:
+                    self.live[key].category = "parameter"
+            self.name_blocks(p, parameter_name(p))
+            self.name_blocks(p.grad, f"{parameter_name(p)}.grad")
+
+    def name_blocks(self, value, name):
+        for key in buffers_of(value):
+            block = self.live.get(key)
+            if block is not None:
+                block.name = name
+
+
+# keep_reason (checkpoint.py) -> why a forward value was alive when backward started, in the page's words.
+KEPT_BECAUSE = {
+    "checkpoint": "kept by the checkpoint policy (a checkpoint)",
+    "boundary": "kept: the output of a checkpointed region",
+    "not annotated": "kept: not in a checkpointed region (gc off keeps every value a gradient may read)",
+    "dropped": "dropped by checkpointing, not yet released",
+}
+
+
+class ModuleScope:
+    """Module.__call__'s context while recording: pushes the module on the recorder's stack."""
+
+    def __init__(self, recorder, module):
+        self.recorder, self.module = recorder, module
+
+    def __enter__(self):
+        if not self.recorder.modules:
+            self.recorder.roots.setdefault(id(self.module), self.module)
+        self.recorder.modules.append(self.module)
+
+    def __exit__(self, *exc):
+        self.recorder.modules.pop()
+        return False
+
+
+def parameter_name(p):
+    return p.name or f"a Parameter of shape {tuple(p.shape)}"
+
+
+def module_names(roots):
+    """id(module) -> its name: the outermost modules by class name, the modules inside them by dotted path."""
+    names = {}
+    for root in roots:
+        for name, module in root.named_modules():
+            names.setdefault(id(module), name or type(root).__name__)
+    return names

@@ -1,0 +1,39 @@
+"""The switch between needle's core and `needle.memory`'s recorder: None (off) or the active recorder.
+
+The allocator's Python side (backend_ndarray/ndarray.py), the graph (autograd.py, backward.py), modules and
+optimizers call the recorder through this module only where `RECORDER is not None`, so recording costs one
+attribute read per allocation and per computed value when it is off. Only `needle.memory.record()` turns it on,
+through `set_recorder`. This module imports nothing of needle's, so any of them can import it.
+"""
+import contextlib
+
+RECORDER = None
+
+_NOTHING = contextlib.nullcontext()
+
+
+def set_recorder(recorder):
+    """Make `recorder` the active one (None: off); return the previous one."""
+    global RECORDER
+    previous, RECORDER = RECORDER, recorder
+    return previous
+
+
+@contextlib.contextmanager
+def _phase(recorder, name, owner):
+    previous = recorder.enter_phase(name, owner)
+    try:
+        yield
+    finally:
+        recorder.exit_phase(previous, owner)
+
+
+def phase(name, owner=None):
+    """A context in which the buffers made belong to phase `name` ("forward", "backward", "recompute",
+    "optimizer"); `owner` is the optimizer of an "optimizer" phase. Nothing to do when not recording."""
+    return _NOTHING if RECORDER is None else _phase(RECORDER, name, owner)
+
+
+def module(mod):
+    """A context in which the graph values made belong to module `mod` (Module.__call__)."""
+    return _NOTHING if RECORDER is None else RECORDER.in_module(mod)
