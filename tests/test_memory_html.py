@@ -191,8 +191,9 @@ def driver():
         pytest.skip("selenium is not installed (pip install selenium, or the test extra)")
     chromium = shutil.which("chromium") or shutil.which("chromium-browser")
     chromedriver = shutil.which("chromedriver")
-    if not (chromium and chromedriver):
-        pytest.skip("chromium or chromedriver is missing (make browser-deps, or "
+    missing = [name for name, found in (("chromium", chromium), ("chromedriver", chromedriver)) if not found]
+    if missing:
+        pytest.skip(f"{' and '.join(missing)} not found on PATH (make browser-deps, or "
                     "apt-get install chromium chromium-driver)")
     options = webdriver.ChromeOptions()
     options.binary_location = chromium
