@@ -150,11 +150,23 @@ def test_text_in_the_data_cannot_end_the_script_tag(tmp_path):
     assert page_payload(path)["title"] == "<b>x</b> & y"
 
 
+class HasToDict:
+    """Stands for needle.memory's Snapshot: write_html takes anything with a to_dict()."""
+
+    def __init__(self, snapshot):
+        self.snapshot = snapshot
+
+    def to_dict(self):
+        return self.snapshot
+
+
 def test_several_snapshots_keep_their_labels_in_order(tmp_path):
     off, on = training_step(n_layers=4, seed=1), training_step(n_layers=2, seed=2)
-    payload = page_payload(write_html([("gc off", off), ("gc on", on)], tmp_path / "t.html"))
+    payload = page_payload(write_html([("gc off", off), ("gc on", HasToDict(on))], tmp_path / "t.html"))
     assert [(s["label"], s["snapshot"]) for s in payload["snapshots"]] == [("gc off", off), ("gc on", on)]
     assert payload["title"] == "needle memory timeline"
+    assert page_payload(write_html(HasToDict(on), tmp_path / "one.html"))["snapshots"] == [
+        {"label": "", "snapshot": on}]
 
 
 @pytest.mark.parametrize("break_it, error, message", [
@@ -354,6 +366,9 @@ def test_drag_and_wheel_zoom_in_and_reset_zooms_out(driver, tmp_path):
 
 @pytest.mark.browser
 def test_snapshots_side_by_side_share_one_y_axis(driver, tmp_path):
+    from selenium.webdriver.common.action_chains import ActionChains
+    from selenium.webdriver.common.by import By
+
     big, small = training_step(n_layers=8, hidden=96, seed=1), training_step(n_layers=4, seed=2)
     open_page(driver, write_html([("gc off", big), ("gc on", small)], tmp_path / "t.html"))
     assert driver.execute_script("return [...document.querySelectorAll('.panel h2')].map(h => h.textContent)") \
@@ -367,6 +382,12 @@ def test_snapshots_side_by_side_share_one_y_axis(driver, tmp_path):
         ".map(t => t.textContent).join('|'))")
     assert peak_y[0] < peak_y[1], "the smaller peak must stand lower on the shared axis"
     assert tick_labels[0].split("|")[:5] == tick_labels[1].split("|")[:5]  # the same y ticks in both panels
+    for panel, label in ((0, "gc off"), (1, "gc on")):  # the alive list follows the last panel clicked
+        svg = driver.find_elements(By.CSS_SELECTOR, ".panel svg")[panel]
+        ActionChains(driver).move_to_element(svg).click().perform()
+        assert f" of {label}: " in driver.find_element(By.CSS_SELECTOR, "#alive h2").text
+        assert len(driver.find_elements(By.CSS_SELECTOR, "line.instant")) == 1
+    assert_no_console_errors(driver)
 
 
 @pytest.mark.browser

@@ -34,8 +34,8 @@ HOLE = re.compile(r"__NEEDLE_(TITLE|SNAPSHOTS_JSON|VIEWER_JS)__")
 def write_html(snapshots, path, title=None):
     """Write the memory timeline of `snapshots` to `path` as one self-contained HTML page; return the path.
 
-    `snapshots` is one snapshot dict (`Snapshot.to_dict()`, or the JSON `snap.save` writes, loaded) or a list of
-    (label, snapshot dict) pairs, drawn side by side on one shared y axis. `title` heads the page (default:
+    `snapshots` is one snapshot (a `Snapshot`, its `to_dict()`, or the JSON `snap.save` wrote, loaded) or a list
+    of (label, snapshot) pairs, drawn side by side on one shared y axis. `title` heads the page (default:
     "needle memory timeline").
     """
     labelled = labelled_snapshots(snapshots)
@@ -53,14 +53,17 @@ def write_html(snapshots, path, title=None):
 
 def labelled_snapshots(snapshots):
     """[{"label": ..., "snapshot": dict}, ...] from one snapshot dict or a list of (label, dict) pairs, checked."""
-    pairs = [("", snapshots)] if isinstance(snapshots, dict) else list(snapshots)
+    one = isinstance(snapshots, dict) or hasattr(snapshots, "to_dict")
+    pairs = [("", snapshots)] if one else list(snapshots)
     if not pairs:
         raise ValueError("write_html: no snapshots to draw (an empty list)")
     labelled = []
     for i, pair in enumerate(pairs):
-        if not (isinstance(pair, (tuple, list)) and len(pair) == 2 and isinstance(pair[1], dict)):
+        if not (isinstance(pair, (tuple, list)) and len(pair) == 2
+                and (isinstance(pair[1], dict) or hasattr(pair[1], "to_dict"))):
             raise TypeError(f"write_html: snapshots[{i}] is {type(pair).__name__}, not a (label, snapshot dict) pair")
         label, snapshot = pair
+        snapshot = snapshot.to_dict() if hasattr(snapshot, "to_dict") else snapshot
         check_snapshot(snapshot, f"snapshot {label!r}" if label else "the snapshot")
         labelled.append({"label": str(label), "snapshot": snapshot})
     return labelled

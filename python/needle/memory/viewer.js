@@ -173,7 +173,7 @@
     if (!events.length) return "";
     let d = "", lastX = -1;
     for (let i = 0; i < events.length; i++) {
-      if (g.xs[i + 1] < g.x0 || g.xs[i] > g.x1) continue;
+      if (g.xs[i + 1] < g.x0 || g.xs[i] > g.x1 || typeof events[i].live_bytes !== "number") continue;
       const x = g.X(g.xs[i]), y = g.Y(events[i].live_bytes).toFixed(1);
       d += (d ? (x - lastX < 0.5 ? "V" + y : "H" + x.toFixed(1) + "V" + y) : "M" + x.toFixed(1) + " " + y);
       if (x - lastX >= 0.5) lastX = x;
@@ -228,7 +228,10 @@
     tooltip.style.top = Math.min(event.clientY + 14, window.innerHeight - tooltip.offsetHeight - 4) + "px";
   }
 
+  let pickedPanel = null;  // the panel whose instant the alive list shows (its line is the only one drawn)
   function showAlive(panel, t) {
+    if (pickedPanel && pickedPanel !== panel) pickedPanel.instant = undefined;
+    pickedPanel = panel;
     const alive = panel.blocks.filter((b) => b.alloc <= t && (b.free === null || t < b.free));
     alive.sort((a, b) => b.bytes - a.bytes);
     const total = alive.reduce((sum, b) => sum + b.bytes, 0);
@@ -266,6 +269,9 @@
     let dragFrom = null;
     svg.addEventListener("mousedown", (event) => { dragFrom = pixelX(event); event.preventDefault(); });
     svg.addEventListener("mousemove", (event) => {
+      if (tooltip.style.display === "block" && event.target.classList.contains("alloc")) {
+        showTooltip(panel, panel.byId.get(event.target.dataset.block), event);  // follow the mouse
+      }
       if (dragFrom === null) return;
       const now = pixelX(event), rect = svg.querySelector(".selection");
       rect.setAttribute("x", Math.min(dragFrom, now));
@@ -305,7 +311,7 @@
     let yMax = 1;
     for (const p of panels) {
       yMax = Math.max(yMax, p.snapshot.peak ? p.snapshot.peak.bytes : 0, p.snapshot.baseline_bytes);
-      for (const e of p.snapshot.events) yMax = Math.max(yMax, e.live_bytes);
+      for (const e of p.snapshot.events) yMax = Math.max(yMax, e.live_bytes || 0);
     }
     yMax *= 1.08;
     if (!panels.every((p) => hasTimes(p.snapshot))) xmodeSelect.disabled = true;
