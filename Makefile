@@ -16,7 +16,7 @@ CMAKE_ARGS ?=
 DEPS_STAMP := $(BUILD_DIR)/.deps-installed
 DEMO_STAMP := $(BUILD_DIR)/.deps-demo-installed
 
-.PHONY: lib cuda-off cuda-all install-deps install-demo-deps deps demo-deps test demo clean
+.PHONY: lib cuda-off cuda-all install-deps install-demo-deps deps demo-deps browser-deps test demo clean
 
 lib: pybind11
 	cmake -S . -B $(BUILD_DIR) -DCMAKE_BUILD_TYPE=$(BUILD_TYPE) -DNEEDLE_CUDA=$(NEEDLE_CUDA) -DNEEDLE_MODULES=ON \
@@ -72,8 +72,22 @@ sys.exit(not (spec and spec.origin and os.path.samefile(spec.origin, "python/nee
 endef
 export NEEDLE_IS_HERE
 
+# The memory timeline page's browser tests (tests/test_memory_html.py) drive headless Chromium with chromedriver
+# (Debian's chromium and chromium-driver). Installed where this is root with apt-get (the package lists are
+# refreshed only if the install fails without); elsewhere those tests skip, saying why. Never fails `make test`.
+BROWSER_PACKAGES := chromium chromium-driver
+browser-deps:
+	@if [ -x /usr/bin/chromium ] && [ -x /usr/bin/chromedriver ]; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	  export DEBIAN_FRONTEND=noninteractive; \
+	  apt-get install -y --no-install-recommends $(BROWSER_PACKAGES) \
+	  || { apt-get update && apt-get install -y --no-install-recommends $(BROWSER_PACKAGES); } \
+	  || echo "browser-deps: installing $(BROWSER_PACKAGES) failed: the browser tests will skip"; \
+	else echo "browser-deps: no chromium/chromedriver and no root apt-get to install them: the browser tests will skip"; \
+	fi
+
 # The linter first (seconds), then the suite, whose summary stays the last line of the output.
-test: deps
+test: deps browser-deps
 	$(MAKE) lib
 	$(PYTHON) -m ruff check python tests apps benchmarks gc.py
 	$(PYTHON) -m pytest -q
