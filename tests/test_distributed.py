@@ -571,3 +571,36 @@ def test_zero_flat_shard_follows_a_model_loaded_after_it_was_built():
         o.step()
     for (name, got), want in zip(model.state_dict().items(), reference.state_dict().values()):
         np.testing.assert_array_equal(got, want, err_msg=name)
+
+
+# ----- process groups -----------------------------------------------------------------------------------------------
+def test_a_group_in_a_job_of_one_is_the_job():
+    group = dist.new_group([0])
+    assert dist.world_size(group) == 1 and dist.rank(group) == 0
+    x = DEVICE.full((3,), 2.0)
+    assert np.array_equal(dist.all_reduce(x, group=group).numpy(), [2.0, 2.0, 2.0])
+    with pytest.raises(ValueError, match="distinct ranks"):
+        dist.new_group([0, 0])
+
+
+@needs_mpi
+def test_groups_run_their_own_collectives_and_data_parallel_averages_within_its_group():
+    code, out = mpiexec(os.path.join(SCRIPTS, "groups.py"))
+    assert code == 0, out
+    checks = passed(out)
+    for name in ("group_all_reduce", "group_all_gather", "non_member_refused", "traffic_counted",
+                 "data_parallel_group"):
+        assert checks.get(name) == {0, 1}, (name, out)
+
+
+@needs_mpi
+@pytest.mark.parametrize("case, error, words", [
+    ("mismatch", "CollectiveMismatch", "in the group of ranks [0, 1]"),
+    ("timeout", "CollectiveTimeout", "rank 1 did not arrive"),
+])
+def test_a_mismatch_or_a_missing_rank_within_a_group_is_an_error_not_a_hang(case, error, words):
+    code, out = mpiexec(os.path.join(SCRIPTS, "groups.py"), case, timeout=40)
+    assert code != 0, out
+    assert f"rank 0 error {error}" in out and words in out, out
+    if case == "mismatch":
+        assert f"rank 1 error {error}" in out, out

@@ -22,8 +22,9 @@ Importing this package imports no MPI; `init()` (called by everything that commu
 """
 from . import comm
 from .comm import (
-    all_gather, all_gather_object, all_reduce, barrier, broadcast, broadcast_object, get_timeout, init, is_initialized,
-    launched_by_mpiexec, rank, recv, reduce_scatter, send, set_timeout, world_size,
+    Group, all_gather, all_gather_object, all_reduce, barrier, broadcast, broadcast_object, get_timeout, init,
+    is_initialized, launched_by_mpiexec, new_group, rank, recv, reduce_scatter, send, set_timeout, traffic,
+    world_size,
 )
 from .notices import CollectiveError, CollectiveMismatch, CollectiveTimeout
 from .data_parallel import DataParallel, batchify, split_batch
@@ -31,8 +32,8 @@ from .pipeline import Pipeline, bubble_fraction
 from .zero import ZeroRedundancyOptimizer
 
 __all__ = [
-    "CollectiveError", "CollectiveMismatch", "CollectiveTimeout", "DataParallel", "Pipeline", "ZeroRedundancyOptimizer",
+    "CollectiveError", "CollectiveMismatch", "CollectiveTimeout", "DataParallel", "Group", "Pipeline", "ZeroRedundancyOptimizer",
     "all_gather", "all_gather_object", "all_reduce", "barrier", "batchify", "broadcast", "broadcast_object",
-    "bubble_fraction", "comm", "get_timeout", "init", "is_initialized", "launched_by_mpiexec", "rank", "recv",
-    "reduce_scatter", "send", "set_timeout", "split_batch", "world_size",
+    "bubble_fraction", "comm", "get_timeout", "init", "is_initialized", "launched_by_mpiexec", "new_group", "rank",
+    "recv", "reduce_scatter", "send", "set_timeout", "split_batch", "traffic", "world_size",
 ]
