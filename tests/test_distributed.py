@@ -604,3 +604,48 @@ def test_a_mismatch_or_a_missing_rank_within_a_group_is_an_error_not_a_hang(case
     assert f"rank 0 error {error}" in out and words in out, out
     if case == "mismatch":
         assert f"rank 1 error {error}" in out, out
+
+
+# ----- tensor and sequence parallelism --------------------------------------------------------------------------------
+def test_checkpointing_never_drops_the_output_of_a_collective():
+    from needle import checkpoint
+    from needle.distributed import tensor_parallel as tp
+    np.random.seed(0)
+    x = ndl.Tensor(np.random.randn(4, 3), device=DEVICE, requires_grad=True)
+    inner = ndl.ops.relu(x) * 2.0
+    reduced = tp.reduce_from_region(inner)  # a collective: computing it again would call it again
+    copied = tp.copy_to_region(reduced)  # f: the identity forward, free to drop and recompute
+    out = ndl.ops.relu(copied) + 1.0
+    checkpoint.annotate(out, [x], policy="all")
+    assert inner.drop and copied.drop and not reduced.drop
+    assert not tp.regions.ReduceFromRegion.recomputable and tp.regions.CopyToRegion.recomputable
+    out.sum().backward()
+    assert np.allclose(x.grad.numpy(), 2.0 * (x.numpy() > 0))
+
+
+def test_tensor_parallel_of_one_process_is_the_plain_model():
+    # the MPI script's checks in a job of one: the same numbers, the collectives counted and unchanged by gc
+    proc = subprocess.run([sys.executable, os.path.join(SCRIPTS, "tensor_parallel_exact.py")], cwd=ROOT,
+                          env=comm.child_environment(), capture_output=True, text=True, timeout=TIMEOUT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert set(passed(proc.stdout)) >= {"exact_tp_all", "exact_tp_sp_all", "no_extra_collectives_tp"}, proc.stdout
+
+
+@needs_mpi
+def test_tensor_and_sequence_parallel_on_two_ranks_equal_one_process_with_and_without_checkpointing():
+    code, out = mpiexec(os.path.join(SCRIPTS, "tensor_parallel_exact.py"))
+    assert code == 0, out
+    checks = passed(out)
+    for name in ("state_dict_full_shapes", "exact_tp_off", "exact_tp_all", "exact_tp_sp_off", "exact_tp_sp_all",
+                 "no_extra_collectives_tp", "no_extra_collectives_tp_sp", "parameter_bytes", "megatron_volume_tp",
+                 "megatron_volume_tp_sp"):
+        assert checks.get(name) == {0, 1}, (name, out)
+
+
+@needs_mpi
+def test_heads_that_do_not_divide_by_the_tensor_parallel_size_are_a_value_error_on_every_rank():
+    code, out = mpiexec(os.path.join(SCRIPTS, "tensor_parallel_exact.py"), "indivisible", timeout=60)
+    assert code == 0, out
+    for r in (0, 1):
+        assert (f"rank {r} error ValueError: parallelize_transformer: seq_model.layers.0.attention has 3 heads, "
+                f"which do not divide by the tensor-parallel size 2") in out, out

@@ -439,8 +439,8 @@ class _Collective(Pending):
         world.sweep()
         for r in world.peers:
             if KINDS[table[r][KIND]] == "exit":
-                raise self._error(CollectiveError, f"{world.name(r)} has exited ({_last_words(world, r)}) without calling "
-                                                   f"this one")
+                raise self._error(CollectiveError, f"{world.name(r)} has exited ({_last_words(world, r)}) without "
+                                                   f"calling this one")
             world.last[r] = table[r].copy()
         live = [r for r in range(world.size) if KINDS[table[r][KIND]] != "joined"]
         if not live:  # everyone is out of data: DataParallel.join ends; each rank's tag says when it joined
