@@ -649,3 +649,11 @@ def test_heads_that_do_not_divide_by_the_tensor_parallel_size_are_a_value_error_
     for r in (0, 1):
         assert (f"rank {r} error ValueError: parallelize_transformer: seq_model.layers.0.attention has 3 heads, "
                 f"which do not divide by the tensor-parallel size 2") in out, out
+
+
+@needs_mpi
+def test_tensor_by_data_parallel_on_four_ranks_equals_one_process():
+    code, out = mpiexec(os.path.join(SCRIPTS, "tp_dp_exact.py"), n=4, timeout=180)  # 4 ranks oversubscribed
+    assert code == 0, out
+    checks = passed(out)
+    assert checks.get("exact_tp_dp") == {0, 1, 2, 3} and checks.get("exact_tp_dp_sp") == {0, 1, 2, 3}, out
