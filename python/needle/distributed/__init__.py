@@ -6,8 +6,8 @@
   send/recv) on NDArrays; without mpiexec a job of one, where everything still works and mpi4py is not imported.
 - `DataParallel(model, bucket_mb=25)`: gradients averaged across ranks in buckets while backward runs;
   `split_batch` / `batchify`: each rank's share of a batch.
-- `ZeroRedundancyOptimizer(params, optimizer_class, stage=1|2|3, **kw)`: ZeRO, the optimizer state (stage 1),
-  the gradients (stage 2) and the parameters (stage 3) partitioned across the ranks.
+- `ZeroRedundancyOptimizer(params, optimizer_class, stage=1|2, **kw)`: ZeRO, the optimizer state (stage 1) and
+  the gradients (stage 2) partitioned across the ranks.
 - `Pipeline(stages, micro_batches)`: GPipe, one stage per rank, activations sent point-to-point.
 - `new_group(ranks)`: a process group (an MPI sub-communicator); every collective, DataParallel and the
   tensor-parallel layers take `group=`, so one job holds 2-D layouts (tensor x data).

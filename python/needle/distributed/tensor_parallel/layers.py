@@ -139,9 +139,9 @@ class VocabParallelEmbedding(Module):
         mine = (local >= 0) & (local < self.weight.shape[0])
         rows = ops.gather_rows(self.weight, Tensor(np.where(mine, local, 0).astype(np.float32), device=x.device,
                                                    dtype="float32", requires_grad=False))
-        keep = Tensor(np.broadcast_to(mine[:, None], (ids.size, self.embedding_dim)).astype(np.float32),
-                      device=x.device, dtype=str(self.weight.dtype), requires_grad=False)
-        out = ops.reshape(rows * keep, shape + (self.embedding_dim,))  # other ranks' rows: zeros, added below
+        keep = Tensor(mine[:, None].astype(np.float32), device=x.device, dtype=str(self.weight.dtype),
+                      requires_grad=False)  # (k, 1), broadcast as a view
+        out = ops.reshape(rows * ops.broadcast_to(keep, tuple(rows.shape)), shape + (self.embedding_dim,))  # other ranks' rows: zeros, added below
         if self.reduce == "all_reduce":
             return reduce_from_region(out, self.group)
         return reduce_scatter_to_region(out, self.sequence_axis, self.group)
