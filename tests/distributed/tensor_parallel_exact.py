@@ -97,7 +97,8 @@ def check_exact():
                 model.enable_gc()
             losses, traffic = train(model)
             mine = sum(p.realize_cached_data().nbytes for p in model.parameters())
-            assert mine <= 0.55 * whole, (mine, whole)  # and Adam's state (2 per parameter) in proportion
+            # and Adam's state (2 per parameter) in proportion; 0.55 of one process's on 2 ranks
+            assert mine <= (1 / dist.world_size() + 0.05) * whole, (mine, whole)
             assert np.allclose(losses, ref_losses, rtol=1e-5), (losses, ref_losses)
             worst = compare(model.state_dict(), expected)
             counts[sp, policy] = traffic

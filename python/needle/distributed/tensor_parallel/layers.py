@@ -141,7 +141,8 @@ class VocabParallelEmbedding(Module):
                                                    dtype="float32", requires_grad=False))
         keep = Tensor(mine[:, None].astype(np.float32), device=x.device, dtype=str(self.weight.dtype),
                       requires_grad=False)  # (k, 1), broadcast as a view
-        out = ops.reshape(rows * ops.broadcast_to(keep, tuple(rows.shape)), shape + (self.embedding_dim,))  # other ranks' rows: zeros, added below
+        # other ranks' rows: zeros here, their values added by the reduction below
+        out = ops.reshape(rows * ops.broadcast_to(keep, tuple(rows.shape)), shape + (self.embedding_dim,))
         if self.reduce == "all_reduce":
             return reduce_from_region(out, self.group)
         return reduce_scatter_to_region(out, self.sequence_axis, self.group)
