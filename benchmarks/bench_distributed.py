@@ -22,6 +22,12 @@ OpenMP thread per rank (two ranks, two cores), and prints a table:
   global batch, and two plain processes of half the batch at once (no communication: the machine's ceiling for two
   processes); `--parallel pipeline` with m micro-batches: measured bubble vs (d - 1)/(m + d - 1), and vs GPipe's
   bubble for the stages' measured (unequal) costs.
+- tp: one model (E = 128, 2 layers, vocabulary 2,000, 4 heads, batch 8 x 32 tokens) trained with DP, ZeRO-1,
+  ZeRO-2, tensor parallelism and tensor + sequence parallelism on 2 ranks: exact bytes per rank of parameters,
+  gradients, Adam's state (parameter and state sizes) and activations (the allocator's bytes held at the start of
+  backward, less those held before the forward), the elements each rank's collectives moved per step (against
+  Megatron's count for TP), and the step time (median of 3 after a warm-up); printed as a Markdown table
+  (`python benchmarks/bench_distributed.py --parts tp`, what docs/distributed.md's table is made from).
 """
 import argparse
 import json
@@ -45,7 +51,7 @@ from needle.distributed import comm  # noqa: E402
 
 from models import LanguageModel  # noqa: E402
 
-PARTS = ["exactness", "memory", "comm", "overlap", "scaling"]
+PARTS = ["exactness", "memory", "comm", "overlap", "scaling", "tp"]
 TCP = {"MPIR_CVAR_CH4_NETMOD": "ofi", "FI_PROVIDER": "tcp", "MPIR_CVAR_NOLOCAL": "1"}
 DEVICE = ndl.cpu() if ndl.cpu().enabled() else ndl.cpu_numpy()
 
@@ -123,6 +129,56 @@ def worker_memory():
             row[setup] = dist.all_gather_object({"state": opt.state_bytes(), "grads": int(grads)})
             row["params"] = sum(int(np.prod(p.shape)) for p in params)
         out[name] = row
+    emit(out)
+
+
+TP_MODEL = {"embedding": 128, "layers": 2, "vocab": 2000, "seq": 32, "batch": 8}
+TP_SETUPS = ("dp", "zero1", "zero2", "tp", "tp+sp")
+# elements a rank sends per element of a collective's buffer, by the ring algorithm on 2 ranks (2(n-1)/n, (n-1)/n)
+RING = {"all_reduce": 1.0, "reduce_scatter": 0.5, "all_gather": 0.5, "barrier": 0, "all_gather_object": 0,
+        "broadcast_object": 0, "broadcast": 0.5}
+
+
+def worker_tp():
+    """Per-rank bytes, communicated elements and step time of one model under each setup (TP_SETUPS)."""
+    from needle.backend_ndarray import ndarray
+    from needle.distributed import tensor_parallel as tp
+    cfg = TP_MODEL
+    rs = np.random.RandomState(1)
+    tokens = rs.randint(0, cfg["vocab"], size=(cfg["seq"] + 1, cfg["batch"])).astype(np.float32)
+    out = {"model": cfg, "rows": {}}
+    for setup in TP_SETUPS:
+        model = lm(cfg["embedding"], cfg["layers"], cfg["vocab"], cfg["seq"])
+        X, y = tokens[:-1], tokens[1:]
+        if setup.startswith("tp"):
+            tp.parallelize_transformer(model, sequence_parallel=setup == "tp+sp")
+        else:  # data parallel: this rank's half of the batch
+            model = dist.DataParallel(model)
+            X, y = dist.split_batch(X, axis=1), dist.split_batch(y, axis=1)
+        X = ndl.Tensor(X, device=DEVICE, requires_grad=False)
+        y = ndl.Tensor(y.reshape(-1), device=DEVICE, requires_grad=False)
+        params = model.parameters()
+        opt = dist.ZeroRedundancyOptimizer(params, ndl.optim.Adam, stage=int(setup[-1]), lr=1e-3) \
+            if setup.startswith("zero") else ndl.optim.Adam(params, lr=1e-3)
+        times = []
+        for step in range(4):
+            opt.reset_grad()
+            dist.barrier()
+            dist.traffic(reset=True)
+            t0, before = time.perf_counter(), ndarray.memory_stats(DEVICE)["current_bytes"]
+            loss, _ = model.loss(X, y)
+            activations = ndarray.memory_stats(DEVICE)["current_bytes"] - before
+            loss.backward()
+            grads = opt.gradient_bytes() if setup.startswith("zero") else \
+                sum(p.grad.realize_cached_data().nbytes for p in params if p.grad is not None)
+            opt.step()
+            times.append(time.perf_counter() - t0)
+            traffic = dist.traffic()
+        mine = {"parameters": sum(p.realize_cached_data().nbytes for p in params), "gradients": int(grads),
+                "state": opt.state_bytes(), "activations": int(activations),
+                "elements": sum(RING[kind] * elements for kind, (_, elements) in traffic.items()),
+                "seconds": statistics.median(times[1:])}
+        out["rows"][setup] = dist.all_gather_object(mine)
     emit(out)
 
 
@@ -224,7 +280,8 @@ def worker_overlap():
     emit(rows)
 
 
-WORKERS = {"exactness": worker_exactness, "memory": worker_memory, "comm": worker_comm, "overlap": worker_overlap}
+WORKERS = {"exactness": worker_exactness, "memory": worker_memory, "comm": worker_comm, "overlap": worker_overlap,
+           "tp": worker_tp}
 
 
 # ----- the driver -----------------------------------------------------------------------------------------------
@@ -279,6 +336,36 @@ def part_memory(results):
     p = r["adam"]["params"]
     print(f"  Adam, ZeRO-1: {r['adam']['zero1'][0]['state']} + {r['adam']['zero1'][1]['state']} bytes = 8 x "
           f"{p} = {8 * p} (1/{n} each: {8 * -(-p // n)} and {8 * (p - -(-p // n))})")
+
+
+def part_tp(results):
+    """The Markdown table of the tp worker (stdout), one row per setup, rank 0's figures (and rank 1's where they
+    differ); ratios to one process's bytes (dp's parameters and state, dp's activations x 2 ranks)."""
+    r = run_worker("tp")
+    results["tp"] = r
+    cfg, rows = r["model"], r["rows"]
+    whole = rows["dp"][0]
+    one_activations = 2 * whole["activations"]  # one process holds both halves of the batch
+    bte, layers = cfg["batch"] * cfg["seq"] * cfg["embedding"], cfg["layers"]
+    print(f"\nPer rank, 2 ranks: Transformer LM (E = {cfg['embedding']}, {layers} layers, vocabulary {cfg['vocab']:,}, "
+          f"batch {cfg['batch']} x {cfg['seq']} tokens), Adam; x = fraction of one process's bytes "
+          f"(activations: one process's, the whole batch)\n")
+    print("| setup | parameters | gradients | Adam state | activations | elements sent / step (ring) | step time |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for setup in TP_SETUPS:
+        m = rows[setup][0]
+        cells = [f"{mb(m[k])} MB ({m[k] / whole[k]:.2f}x)" for k in ("parameters", "gradients", "state")]
+        cells.append(f"{mb(m['activations'])} MB ({m['activations'] / one_activations:.2f}x)")
+        cells.append(f"{m['elements']:,.0f}")
+        cells.append(f"{m['seconds'] * 1e3:.0f} ms")
+        print(f"| {setup} | " + " | ".join(cells) + " |")
+    megatron = 4 * layers * bte
+    print(f"\nSent per rank: a ring all-reduce sends 2(n-1)/n of its buffer, a reduce-scatter or all-gather (n-1)/n "
+          f"(n = 2). Megatron's TP: 4 all-reduces of B·T·E per layer and step = {megatron:,} elements; needle's TP "
+          f"adds the embedding's and the head's (2 B·T·E), the pre-norms' parameters and the loss's per-row "
+          f"numbers. Bytes are exact (parameter and state sizes, the allocator's counts); times are one run's on a "
+          f"shared machine. needle keeps every forward value until backward (eager mode, checkpointing off), so the "
+          f"partial sums before each all-reduce and the gathered copies count as activations.")
 
 
 def part_comm(results):

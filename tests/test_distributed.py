@@ -571,3 +571,89 @@ def test_zero_flat_shard_follows_a_model_loaded_after_it_was_built():
         o.step()
     for (name, got), want in zip(model.state_dict().items(), reference.state_dict().values()):
         np.testing.assert_array_equal(got, want, err_msg=name)
+
+
+# ----- process groups -----------------------------------------------------------------------------------------------
+def test_a_group_in_a_job_of_one_is_the_job():
+    group = dist.new_group([0])
+    assert dist.world_size(group) == 1 and dist.rank(group) == 0
+    x = DEVICE.full((3,), 2.0)
+    assert np.array_equal(dist.all_reduce(x, group=group).numpy(), [2.0, 2.0, 2.0])
+    with pytest.raises(ValueError, match="distinct ranks"):
+        dist.new_group([0, 0])
+
+
+@needs_mpi
+def test_groups_run_their_own_collectives_and_data_parallel_averages_within_its_group():
+    code, out = mpiexec(os.path.join(SCRIPTS, "groups.py"))
+    assert code == 0, out
+    checks = passed(out)
+    for name in ("group_all_reduce", "group_all_gather", "non_member_refused", "traffic_counted",
+                 "data_parallel_group"):
+        assert checks.get(name) == {0, 1}, (name, out)
+
+
+@needs_mpi
+@pytest.mark.parametrize("case, error, words", [
+    ("mismatch", "CollectiveMismatch", "in the group of ranks [0, 1]"),
+    ("timeout", "CollectiveTimeout", "rank 1 did not arrive"),
+])
+def test_a_mismatch_or_a_missing_rank_within_a_group_is_an_error_not_a_hang(case, error, words):
+    code, out = mpiexec(os.path.join(SCRIPTS, "groups.py"), case, timeout=40)
+    assert code != 0, out
+    assert f"rank 0 error {error}" in out and words in out, out
+    if case == "mismatch":
+        assert f"rank 1 error {error}" in out, out
+
+
+# ----- tensor and sequence parallelism --------------------------------------------------------------------------------
+def test_checkpointing_never_drops_the_output_of_a_collective():
+    from needle import checkpoint
+    from needle.distributed import tensor_parallel as tp
+    np.random.seed(0)
+    x = ndl.Tensor(np.random.randn(4, 3), device=DEVICE, requires_grad=True)
+    inner = ndl.ops.relu(x) * 2.0
+    reduced = tp.reduce_from_region(inner)  # a collective: computing it again would call it again
+    copied = tp.copy_to_region(reduced)  # f: the identity forward, free to drop and recompute
+    out = ndl.ops.relu(copied) + 1.0
+    checkpoint.annotate(out, [x], policy="all")
+    assert inner.drop and copied.drop and not reduced.drop
+    assert not tp.regions.ReduceFromRegion.recomputable and tp.regions.CopyToRegion.recomputable
+    out.sum().backward()
+    assert np.allclose(x.grad.numpy(), 2.0 * (x.numpy() > 0))
+
+
+def test_tensor_parallel_of_one_process_is_the_plain_model():
+    # the MPI script's checks in a job of one: the same numbers, the collectives counted and unchanged by gc
+    proc = subprocess.run([sys.executable, os.path.join(SCRIPTS, "tensor_parallel_exact.py")], cwd=ROOT,
+                          env=comm.child_environment(), capture_output=True, text=True, timeout=TIMEOUT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert set(passed(proc.stdout)) >= {"exact_tp_all", "exact_tp_sp_all", "no_extra_collectives_tp"}, proc.stdout
+
+
+@needs_mpi
+def test_tensor_and_sequence_parallel_on_two_ranks_equal_one_process_with_and_without_checkpointing():
+    code, out = mpiexec(os.path.join(SCRIPTS, "tensor_parallel_exact.py"))
+    assert code == 0, out
+    checks = passed(out)
+    for name in ("state_dict_full_shapes", "exact_tp_off", "exact_tp_all", "exact_tp_sp_off", "exact_tp_sp_all",
+                 "no_extra_collectives_tp", "no_extra_collectives_tp_sp", "parameter_bytes", "megatron_volume_tp",
+                 "megatron_volume_tp_sp"):
+        assert checks.get(name) == {0, 1}, (name, out)
+
+
+@needs_mpi
+def test_heads_that_do_not_divide_by_the_tensor_parallel_size_are_a_value_error_on_every_rank():
+    code, out = mpiexec(os.path.join(SCRIPTS, "tensor_parallel_exact.py"), "indivisible", timeout=60)
+    assert code == 0, out
+    for r in (0, 1):
+        assert (f"rank {r} error ValueError: parallelize_transformer: seq_model.layers.0.attention has 3 heads, "
+                f"which do not divide by the tensor-parallel size 2") in out, out
+
+
+@needs_mpi
+def test_tensor_by_data_parallel_on_four_ranks_equals_one_process():
+    code, out = mpiexec(os.path.join(SCRIPTS, "tp_dp_exact.py"), n=4, timeout=180)  # 4 ranks oversubscribed
+    assert code == 0, out
+    checks = passed(out)
+    assert checks.get("exact_tp_dp") == {0, 1, 2, 3} and checks.get("exact_tp_dp_sp") == {0, 1, 2, 3}, out

@@ -71,6 +71,9 @@ class Op:
     saveable = False  # expensive to recompute (matmul, conv): the "selective" policy keeps it
     view = False  # the output lives in its input's buffer (when `view_strides` says so), or a tuple's
     compacts_inputs = False  # compute copies a strided operand into a compact one first (True, or input positions)
+    # False: computing the output again would repeat a side effect (a collective: every rank must call it the same
+    # number of times), so checkpointing never drops it and backward never recomputes it (checkpoint.annotate)
+    recomputable = True
 
     def view_strides(self, shape, strides, out_shape):
         """For a view op: the output's element strides given its input's, or None where compute must copy."""

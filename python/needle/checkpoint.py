@@ -152,7 +152,8 @@ def annotate(out_node, in_nodes, segment_len=None, policy=None, label=None):
     one recomputation during backward. `segment_len=k` keeps every k-th node as a checkpoint; `policy`
     ("sqrt", "selective", a Budget or any callable (candidates, outputs) -> keep flags) chooses checkpoints
     otherwise.
-    Rule 1: leaves, `in_nodes`, `out_node` and one-element values (`backward.always_kept`) are never dropped:
+    Rule 1: leaves, `in_nodes`, `out_node`, one-element values (`backward.always_kept`) and the outputs of ops
+    that are not `recomputable` (collectives) are never dropped:
     they are not candidates, so a policy never sees them. A node once dropped stays dropped, so nested
     regions compose (the inner region decides first). Eager mode releases the dropped values at once (the
     region's output exists); lazy mode releases them as they are consumed. `label` (a module's class name)
@@ -168,7 +169,8 @@ def annotate(out_node, in_nodes, segment_len=None, policy=None, label=None):
     stop = {id(n) for n in in_nodes}
     boundary = stop | {id(n) for n in outs}
     order = find_topo_sort(outs, expand=lambda n: id(n) not in stop)
-    candidates = [n for n in order if id(n) not in boundary and not n.is_leaf() and not n.drop and not always_kept(n)]
+    candidates = [n for n in order if id(n) not in boundary and not n.is_leaf() and not n.drop and not always_kept(n)
+                  and n.op.recomputable]  # a collective's output is kept: recomputing it would call it again
     keep = keep_flags(candidates, outs)
     for node, kept in zip(candidates, keep):
         if kept:

@@ -58,6 +58,7 @@ __all__ = [
     "CollectiveMismatch",
     "CollectiveTimeout",
     "DEFAULT_TIMEOUT",
+    "Group",
     "Pending",
     "all_gather",
     "all_gather_buffer",
@@ -76,6 +77,7 @@ __all__ = [
     "launched_by_mpiexec",
     "launcher_rank_and_size",
     "mpiexec_path",
+    "new_group",
     "rank",
     "recv",
     "reduce_scatter",
@@ -83,6 +85,7 @@ __all__ = [
     "send",
     "set_timeout",
     "shadow_until_all_joined",
+    "traffic",
     "world_size",
 ]
 
@@ -115,7 +118,7 @@ class _World:
     bookkeeping of arrival notices: collectives entered (`seq`), those announced but not started (`queue`, in call
     order, which is the order MPI must start them in), each peer's latest notice, and the error that ended the job."""
 
-    def __init__(self, comm=None, MPI=None, notices=None):
+    def __init__(self, comm=None, MPI=None, notices=None, parent=None, ranks=None):
         self.comm, self.MPI, self.notices = comm, MPI, notices  # notices travel on their own communicator
         self.rank = 0 if comm is None else comm.Get_rank()
         self.size = 1 if comm is None else comm.Get_size()
@@ -124,7 +127,24 @@ class _World:
         self.queue = collections.deque()
         self.last = {}
         self.outgoing = []  # (request, buffer) of notice sends not known to be complete
-        self.failed = None
+        self.root = self if parent is None else parent  # the whole job's world: it holds the error and the groups
+        self.ranks = list(range(self.size)) if ranks is None else list(ranks)  # members' ranks in the job
+        self.groups = []  # (the job's world) the groups made by new_group that this rank is in
+        self.traffic = collections.Counter()  # (kind, "calls" or "elements") -> count: what this rank took part in
+        self._failed = None
+
+    @property
+    def failed(self):
+        """The error that ended the job (the job's, for a group too: one failure ends every group), or None."""
+        return self.root._failed
+
+    @failed.setter
+    def failed(self, message):
+        self.root._failed = message
+
+    def name(self, r):
+        """How errors name this world's rank r: its rank in the job ("rank 2"), not its index in a group."""
+        return f"rank {self.ranks[r]}"
 
     def advance(self):
         """Start the announced collectives whose notices are all in, in call order (raises their errors)."""
@@ -223,9 +243,12 @@ def _at_exit(world):
     not come); otherwise tell the other ranks, so that one waiting for this rank in a collective raises at once."""
     if world.failed is not None:
         _abort(world)
-    goodbye = make_notice("exit")
-    goodbye[SEQ] = world.seq
-    requests = [world.notices.Isend(goodbye, dest=r, tag=NOTICE_TAG) for r in world.peers]
+    requests, goodbyes = [], []
+    for w in [world] + world.groups:  # a peer waiting in a group's collective hears it on that group's notices
+        goodbye = make_notice("exit")
+        goodbye[SEQ] = w.seq
+        goodbyes.append(goodbye)
+        requests += [w.notices.Isend(goodbye, dest=r, tag=NOTICE_TAG) for r in w.peers]
     deadline = time.perf_counter() + 1.0  # a tiny message leaves at once; never delay the exit for it
     while not world.MPI.Request.Testall(requests) and time.perf_counter() < deadline:
         time.sleep(1e-3)
@@ -235,20 +258,73 @@ def is_initialized():
     return _world is not None
 
 
-def _get():
+def _get(group=None):
+    """The world a collective runs in: the job's (group None), or `group`'s, which this rank must belong to."""
     if _world is None:
         init()
-    return _world
+    if group is None:
+        return _world
+    if not isinstance(group, Group):
+        raise TypeError(f"needle.distributed: group must be a Group from new_group() or None, got {group!r}")
+    if group.world is None:
+        raise ValueError(f"needle.distributed: rank {_world.rank} is not in the group of ranks {group.ranks}: only "
+                         f"its members call its collectives")
+    return group.world
 
 
-def rank():
-    """This process's index in the job, 0 .. world_size() - 1."""
-    return _get().rank
+def rank(group=None):
+    """This process's index in the job (or in `group`), 0 .. world_size(group) - 1."""
+    return _get(group).rank
 
 
-def world_size():
-    """The number of processes in the job (1 without mpiexec)."""
-    return _get().size
+def world_size(group=None):
+    """The number of processes in the job (1 without mpiexec), or in `group`."""
+    return _get(group).size
+
+
+class Group:
+    """Some ranks of the job that communicate among themselves (`new_group`): pass it as `group=` to a collective.
+
+    `ranks`: the members' ranks in the job, in the group's rank order; `world`: this rank's view of the group (its
+    own MPI communicator and arrival notices), None on a rank that is not a member."""
+
+    def __init__(self, ranks, world):
+        self.ranks, self.world = tuple(ranks), world
+
+    def __contains__(self, job_rank):
+        return job_rank in self.ranks
+
+    def __repr__(self):
+        return f"Group(ranks={list(self.ranks)})"
+
+
+def new_group(ranks):
+    """A process group of the job's `ranks` (a sub-communicator of MPI_COMM_WORLD), as torch.distributed's: every
+    rank of the job calls new_group for every group, in the same order, members or not (one collective of the
+    whole job each). A member passes the returned Group as `group=` to collectives, DataParallel and the
+    tensor-parallel layers; its rank in the group is `rank(group)` (its position in `ranks`). The group's
+    collectives send their own arrival notices, so mismatches and timeouts are caught within it as in the job."""
+    world = _get()
+    ranks = [int(r) for r in ranks]
+    if not ranks or len(set(ranks)) != len(ranks) or not all(0 <= r < world.size for r in ranks):
+        raise ValueError(f"new_group: ranks must be distinct ranks of the job (0..{world.size - 1}), got {ranks}")
+    if world.size == 1:
+        return Group(ranks, _World())
+    everyone = all_gather_object(ranks, label="new_group")  # checked: every rank must name the same group
+    if any(theirs != ranks for theirs in everyone):
+        raise ValueError("new_group: the ranks asked for different groups (every rank must call new_group with the "
+                         "same ranks, in the same order): " + "; ".join(f"rank {r}: {g}" for r, g in
+                                                                        enumerate(everyone)))
+    member = world.rank in ranks
+    color = 0 if member else world.MPI.UNDEFINED
+    sub = world.comm.Split(color, key=ranks.index(world.rank) if member else 0)
+    if not member:
+        return Group(ranks, None)
+    notices, request = sub.Idup()
+    _wait_until(request.Test, lambda: CollectiveTimeout(f"needle.distributed: new_group({ranks}) timed out"))
+    group_world = _World(sub, world.MPI, notices, parent=world, ranks=ranks)
+    world.groups.append(group_world)
+    return Group(ranks, group_world)
 
 
 # ----- waiting ----------------------------------------------------------------------------------------------------
@@ -329,7 +405,11 @@ class _Collective(Pending):
         notice[SEQ] = world.seq
         self.world, self.seq, self.start, self.tag_format = world, world.seq, start, tag_format
         kind = KINDS[notice[KIND]]
+        world.traffic[kind, "calls"] += 1
+        world.traffic[kind, "elements"] += int(notice[SIZE])
         self.name = f"{label} ({kind}, collective #{self.seq})" if label else f"{kind} (collective #{self.seq})"
+        if world.root is not world:
+            self.name += f" in the group of ranks {world.ranks}"
         self.table = np.empty((world.size, NOTICE_SIZE), np.int64)
         self.table[world.rank] = notice
         mine = self.table[world.rank]
@@ -359,14 +439,14 @@ class _Collective(Pending):
         world.sweep()
         for r in world.peers:
             if KINDS[table[r][KIND]] == "exit":
-                raise self._error(CollectiveError, f"rank {r} has exited ({_last_words(world, r)}) without calling "
-                                                   f"this one")
+                raise self._error(CollectiveError, f"{world.name(r)} has exited ({_last_words(world, r)}) without "
+                                                   f"calling this one")
             world.last[r] = table[r].copy()
         live = [r for r in range(world.size) if KINDS[table[r][KIND]] != "joined"]
         if not live:  # everyone is out of data: DataParallel.join ends; each rank's tag says when it joined
             self._finish, self.begun = (lambda: [int(t) for t in table[:, TAG]]), True
             return
-        mismatch = disagreement(table, live, self.tag_format)
+        mismatch = disagreement(table, live, self.tag_format, world.ranks)
         if mismatch is not None:
             raise self._error(CollectiveMismatch, f"the ranks called different collectives or passed different "
                                                   f"arrays: {mismatch}")
@@ -398,7 +478,7 @@ class _Collective(Pending):
                                                   f"transfer did not complete")
         missing = [r for r, request in zip(self.world.peers, self.inbox) if not request.Test()]
         return self._error(CollectiveTimeout, f"timed out after {_timeout:g} s: " + "; ".join(
-            f"rank {r} did not arrive ({_last_words(self.world, r)})" for r in missing)
+            f"{self.world.name(r)} did not arrive ({_last_words(self.world, r)})" for r in missing)
             + ". Every rank must call the same collectives in the same order (uneven data: DataParallel.join)")
 
 
@@ -408,11 +488,12 @@ def _last_words(world, peer):
     return "it has called no collective" if last is None else f"its last collective: #{last[SEQ]}, {describe(last)}"
 
 
-def _collective(notice, label, start, tag_format=None, announced=None):
-    """Announce (unless `announced` did) and, when its turn comes, run a collective; a job of one runs it at once.
-    Returns a Pending."""
-    world = _get()
+def _collective(world, notice, label, start, tag_format=None, announced=None):
+    """Announce (unless `announced` did) and, when its turn comes, run a collective in `world` (the job's or a
+    group's); a job of one runs it at once. Returns a Pending."""
     if world.size == 1:
+        world.traffic[KINDS[notice[KIND]], "calls"] += 1
+        world.traffic[KINDS[notice[KIND]], "elements"] += int(notice[SIZE])
         request, finish = start(1, notice[None])
         return Pending(finish=finish)
     if announced is not None:
@@ -420,13 +501,13 @@ def _collective(notice, label, start, tag_format=None, announced=None):
     return _Collective(world, notice, label, start, tag_format)
 
 
-def announce(kind, size, dtype, op, counts=None, label=None, tag=0, tag_format=None):
+def announce(kind, size, dtype, op, counts=None, label=None, tag=0, tag_format=None, group=None):
     """Send the arrival notice of a 1-D buffer's all_reduce or reduce_scatter before its data exists, so that the
     other ranks' notices are in by the time it does, and the collective starts the moment its data is given (pass
     the returned ticket as `announced=` to all_reduce_buffer / reduce_scatter_buffer). DataParallel announces all
     its buckets at a backward pass's first gradient: checking the notices then costs no time at each bucket.
     Collectives start in the order they were announced. None in a job of one."""
-    world = _get()
+    world = _get(group)
     if world.size == 1:
         return None
     notice = make_notice(kind, dtype, op, size=size, shape=(size,), counts=counts, tag=tag)
@@ -448,11 +529,11 @@ def _shadow(world, notice):
     return world.comm.Iallreduce(world.MPI.IN_PLACE, buffer, _op(world, op)), buffer
 
 
-def shadow_until_all_joined():
+def shadow_until_all_joined(group=None):
     """This rank is out of data (DataParallel.join): take part in the other ranks' collectives, contributing
     nothing (all_reduce: zeros, and a mean divides by the ranks that contributed), until every rank has joined.
     Returns the rank that joined last (the one that trained longest; the lowest such rank)."""
-    world = _get()
+    world = _get(group)
     if world.size == 1:
         return 0
     joined_at = world.seq + 1
@@ -463,11 +544,11 @@ def shadow_until_all_joined():
             return max(range(world.size), key=lambda r: (result[r], -r))
 
 
-def barrier(label=None):
-    """Wait until every rank has called barrier()."""
-    world = _get()
+def barrier(label=None, group=None):
+    """Wait until every rank (of `group`) has called barrier()."""
+    world = _get(group)
     if world.size > 1:
-        _collective(make_notice("barrier"), label, lambda n, table: (world.comm.Ibarrier(), lambda: None)).wait()
+        _collective(world, make_notice("barrier"), label, lambda n, table: (world.comm.Ibarrier(), lambda: None)).wait()
 
 
 # ----- NDArray <-> NumPy buffers ------------------------------------------------------------------------------------
@@ -508,50 +589,50 @@ def _numpy_dtype(name):
 
 
 # ----- collectives ------------------------------------------------------------------------------------------------
-def all_reduce(array, op="sum", async_op=False):
-    """The elementwise reduction ("sum", "mean", "max", "min") of `array` over all ranks, on every rank.
+def all_reduce(array, op="sum", async_op=False, group=None):
+    """The elementwise reduction ("sum", "mean", "max", "min") of `array` over all ranks (of `group`), on every one.
 
     Returns a new array of `array`'s shape, dtype and device; with `async_op=True` a `Pending` whose `wait()`
     returns it (MPI_Iallreduce: the caller computes meanwhile)."""
     buffer = _host(array)
     notice = make_notice("all_reduce", str(array.dtype), op, size=buffer.size, shape=buffer.shape)
-    pending = _all_reduce(_arith(buffer), op, notice).then(lambda result: _like(result, array))
+    pending = _all_reduce(_get(group), _arith(buffer), op, notice).then(lambda result: _like(result, array))
     return pending if async_op else pending.wait()
 
 
-def reduce_scatter(array, op="sum"):
+def reduce_scatter(array, op="sum", group=None):
     """This rank's chunk of the reduction of `array` over all ranks: the flattened result cut into world_size()
     equal chunks, chunk `rank()` (1-D). `array.size` must divide by world_size()."""
-    world = _get()
+    world = _get(group)
     host = _host(array)
     if host.size % world.size:
         raise ValueError(f"reduce_scatter: {host.size} elements do not split evenly over {world.size} ranks")
     counts = [host.size // world.size] * world.size
     notice = make_notice("reduce_scatter", str(array.dtype), op, size=host.size, shape=host.shape, counts=counts)
-    return _like(_reduce_scatter(_arith(host).reshape(-1), counts, op, notice).wait(), array)
+    return _like(_reduce_scatter(world, _arith(host).reshape(-1), counts, op, notice).wait(), array)
 
 
-def all_gather(array):
+def all_gather(array, group=None):
     """Every rank's `array` stacked along a new first axis, rank order: shape (world_size(), *array.shape).
     Each rank's array must have the same shape and dtype."""
-    world = _get()
+    world = _get(group)
     buffer = _host(array)
     counts = [buffer.size] * world.size
     notice = make_notice("all_gather", str(array.dtype), size=buffer.size, shape=buffer.shape, counts=counts)
-    out = _all_gather(buffer.reshape(-1), counts, notice).wait()
+    out = _all_gather(world, buffer.reshape(-1), counts, notice).wait()
     return _like(out, array, (world.size,) + buffer.shape)
 
 
-def broadcast(array, root=0):
+def broadcast(array, root=0, group=None):
     """Rank `root`'s `array` on every rank (every rank passes an array of the same shape and dtype)."""
     buffer = _host(array)
     notice = make_notice("broadcast", str(array.dtype), root=root, size=buffer.size, shape=buffer.shape)
-    return _like(_broadcast(buffer, root, notice).wait(), array)
+    return _like(_broadcast(_get(group), buffer, root, notice).wait(), array)
 
 
-def all_gather_object(obj, label=None):
+def all_gather_object(obj, label=None, group=None):
     """Every rank's `obj` (a small picklable Python value), as a list in rank order."""
-    world = _get()
+    world = _get(group)
     if world.size == 1:
         return [obj]
     mine = np.frombuffer(pickle.dumps(obj), np.uint8)
@@ -563,12 +644,12 @@ def all_gather_object(obj, label=None):
         starts = np.cumsum([0] + sizes)
         return request, lambda: [pickle.loads(out[starts[r]:starts[r + 1]].tobytes()) for r in range(world.size)]
 
-    return _collective(make_notice("all_gather_object", size=mine.size), label, start).wait()
+    return _collective(world, make_notice("all_gather_object", size=mine.size), label, start).wait()
 
 
-def broadcast_object(obj, root=0, label=None):
+def broadcast_object(obj, root=0, label=None, group=None):
     """Rank `root`'s `obj` (a small picklable Python value) on every rank."""
-    world = _get()
+    world = _get(group)
     if world.size == 1:
         return obj
     mine = np.frombuffer(pickle.dumps(obj), np.uint8) if world.rank == root else np.zeros(0, np.uint8)
@@ -577,7 +658,7 @@ def broadcast_object(obj, root=0, label=None):
         buffer = mine.copy() if world.rank == root else np.empty(int(table[root][SIZE]), np.uint8)
         return world.comm.Ibcast(buffer, root=root), lambda: pickle.loads(buffer.tobytes())
 
-    return _collective(make_notice("broadcast_object", root=root, size=mine.size), label, start).wait()
+    return _collective(world, make_notice("broadcast_object", root=root, size=mine.size), label, start).wait()
 
 
 # ----- point to point ---------------------------------------------------------------------------------------------
@@ -625,18 +706,18 @@ def _check_peer(world, peer, what):
 
 
 # ----- NumPy buffers: what DataParallel, ZeRO and Pipeline move -----------------------------------------------------
-def all_reduce_buffer(buffer, op="sum", async_op=False, label=None, tag=0, tag_format=None, announced=None):
+def all_reduce_buffer(buffer, op="sum", async_op=False, label=None, tag=0, tag_format=None, announced=None,
+                      group=None):
     """Reduce a contiguous NumPy `buffer` over all ranks in place (MPI_Iallreduce); "mean" divides by the ranks
     that contributed (the world size, less ranks that have joined) after the sum. Returns the buffer, or with
     `async_op` a Pending whose wait() returns it. `label` names the collective in errors; `tag` is an integer the
     ranks must agree on, `tag_format` ("backward pass {}") says what it is; `announced`: the ticket of `announce`."""
     notice = make_notice("all_reduce", str(buffer.dtype), op, size=buffer.size, shape=buffer.shape, tag=tag)
-    pending = _all_reduce(buffer, op, notice, label, tag_format, announced)
+    pending = _all_reduce(_get(group), buffer, op, notice, label, tag_format, announced)
     return pending if async_op else pending.wait()
 
 
-def _all_reduce(buffer, op, notice, label=None, tag_format=None, announced=None):
-    world = _get()
+def _all_reduce(world, buffer, op, notice, label=None, tag_format=None, announced=None):
     mpi_op = _op(world, op)
 
     def start(contributors, table):
@@ -649,20 +730,20 @@ def _all_reduce(buffer, op, notice, label=None, tag_format=None, announced=None)
 
         return request, finish
 
-    return _collective(notice, label, start, tag_format, announced)
+    return _collective(world, notice, label, start, tag_format, announced)
 
 
-def reduce_scatter_buffer(buffer, counts, op="sum", label=None, tag=0, tag_format=None, announced=None):
+def reduce_scatter_buffer(buffer, counts, op="sum", label=None, tag=0, tag_format=None, announced=None,
+                          group=None):
     """Reduce a 1-D NumPy `buffer` over all ranks and give rank r only elements [sum(counts[:r]), sum(counts[:r+1]))
     of the result (MPI_Ireduce_scatter: counts may differ, and be 0). Returns a Pending whose wait() gives this
     rank's part, a new NumPy array of counts[rank()] elements. `label`, `tag`, `announced`: as for all_reduce_buffer."""
     notice = make_notice("reduce_scatter", str(buffer.dtype), op, size=buffer.size, shape=buffer.shape,
                          counts=counts, tag=tag)
-    return _reduce_scatter(buffer, counts, op, notice, label, tag_format, announced)
+    return _reduce_scatter(_get(group), buffer, counts, op, notice, label, tag_format, announced)
 
 
-def _reduce_scatter(buffer, counts, op, notice, label=None, tag_format=None, announced=None):
-    world = _get()
+def _reduce_scatter(world, buffer, counts, op, notice, label=None, tag_format=None, announced=None):
     mpi_op = _op(world, op)
     if len(counts) != world.size or sum(counts) != buffer.size:
         raise ValueError(f"reduce_scatter: counts {list(counts)} must have one entry per rank ({world.size}) and sum "
@@ -683,36 +764,47 @@ def _reduce_scatter(buffer, counts, op, notice, label=None, tag_format=None, ann
 
         return request, finish
 
-    return _collective(notice, label, start, tag_format, announced)
+    return _collective(world, notice, label, start, tag_format, announced)
 
 
-def broadcast_buffer(buffer, root=0, label=None):
+def broadcast_buffer(buffer, root=0, label=None, group=None):
     """Rank `root`'s contiguous NumPy `buffer` written into every rank's (same shape and dtype); returns it."""
     notice = make_notice("broadcast", str(buffer.dtype), root=root, size=buffer.size, shape=buffer.shape)
-    return _broadcast(buffer, root, notice, label).wait()
+    return _broadcast(_get(group), buffer, root, notice, label).wait()
 
 
-def _broadcast(buffer, root, notice, label=None):
-    world = _get()
+def _broadcast(world, buffer, root, notice, label=None):
     if not (isinstance(root, int) and 0 <= root < world.size):
         raise ValueError(f"broadcast: root must be a rank, 0..{world.size - 1}, got {root!r}")
-    return _collective(notice, label, lambda n, table: (
+    return _collective(world, notice, label, lambda n, table: (
         None if world.size == 1 else world.comm.Ibcast(_wire(buffer), root=root), lambda: buffer))
 
 
-def all_gather_buffer(buffer, counts, label=None):
+def all_gather_buffer(buffer, counts, label=None, group=None):
     """Every rank's 1-D NumPy `buffer` (rank r's of counts[r] elements), concatenated in rank order on every rank
     (MPI_Allgatherv)."""
     notice = make_notice("all_gather", str(buffer.dtype), size=sum(counts), counts=counts)
-    return _all_gather(buffer, counts, notice, label).wait()
+    return _all_gather(_get(group), buffer, counts, notice, label).wait()
 
 
-def _all_gather(buffer, counts, notice, label=None):
-    world = _get()
+def _all_gather(world, buffer, counts, notice, label=None):
     if len(counts) != world.size or counts[world.rank] != buffer.size:
         raise ValueError(f"all_gather: counts {list(counts)} must have one entry per rank ({world.size}), this "
                          f"rank's ({world.rank}) equal to its {buffer.size} elements")
     out = buffer.copy() if world.size == 1 else np.empty(sum(counts), buffer.dtype)
-    return _collective(notice, label, lambda n, table: (
+    return _collective(world, notice, label, lambda n, table: (
         None if world.size == 1 else world.comm.Iallgatherv(_wire(buffer), [_wire(out), list(counts)]),
         lambda: out))
+
+
+def traffic(group=None, reset=False):
+    """What this rank's collectives (in `group`, or in the job) have moved so far: {kind: (calls, elements)},
+    elements counted as each call's notice gives them (all_reduce, reduce_scatter: the buffer; all_gather: the
+    gathered result). `reset=True` starts the count again (after reading it). For the benchmarks and the tests
+    that count the collectives of a step."""
+    world = _get(group)
+    counts = {kind: (world.traffic[kind, "calls"], world.traffic[kind, "elements"])
+              for kind in KINDS if world.traffic[kind, "calls"]}
+    if reset:
+        world.traffic.clear()
+    return counts

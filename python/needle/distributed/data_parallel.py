@@ -78,13 +78,13 @@ def wrapper_of(param):
     return None if ref is None else ref()
 
 
-def check_same_model(what, named_tensors):
+def check_same_model(what, named_tensors, group=None):
     """Raise ValueError on every rank unless every rank has the same names, shapes and dtypes, in the same order.
 
     One all-gather of the lists: every rank compares the same lists and so raises the same error (no rank is
     left waiting in a collective that the others never reach)."""
     mine = [(name, tuple(int(s) for s in t.shape), str(t.dtype)) for name, t in named_tensors]
-    everyone = comm.all_gather_object(mine, label=f"{what}'s model check")
+    everyone = comm.all_gather_object(mine, label=f"{what}'s model check", group=group)
     for r, theirs in enumerate(everyone[1:], 1):
         if theirs == everyone[0]:
             continue
@@ -110,20 +110,25 @@ class DataParallel(Module):
 
     Wrapping checks that every rank built the same parameters (names, shapes, dtypes: one all-gather; a mismatch
     is a ValueError on every rank), then copies rank 0's parameters and buffers to every rank.
+
+    group: the ranks that share the data (a Group of new_group; None: the whole job). In a 2-D layout (tensor x
+    data parallel) each data-parallel group holds the same slice of a tensor-parallel model: its members average
+    their gradients among themselves, and "rank 0" above is the group's first member.
     """
 
-    def __init__(self, module, bucket_mb=25):
+    def __init__(self, module, bucket_mb=25, group=None):
         super().__init__()
         if not bucket_mb > 0:
             raise ValueError(f"DataParallel: bucket_mb must be positive, got {bucket_mb!r}")
         comm.init()
         self.module = module
         self.bucket_mb = bucket_mb
+        self.group = group
         named = module.named_parameters()
-        check_same_model("DataParallel", named + module.named_buffers())
+        check_same_model("DataParallel", named + module.named_buffers(), group)
         self._broadcast_state(root=0)
         params = [p for _, p in named if p.requires_grad]
-        self._reducer = _Reducer(params, int(bucket_mb * 2**20))
+        self._reducer = _Reducer(params, int(bucket_mb * 2**20), group)
         self._unhook = [p.register_grad_hook(self._reducer.on_grad) for p in params]
         for p in params:
             _WRAPPER[p] = weakref.ref(self)
@@ -131,10 +136,11 @@ class DataParallel(Module):
     def _broadcast_state(self, root):
         """Rank `root`'s parameters and buffers copied to every rank (one broadcast of them all, in float32)."""
         everything = [t for _, t in self.module.named_parameters() + self.module.named_buffers()]
-        if comm.world_size() == 1 or not everything:
+        if comm.world_size(self.group) == 1 or not everything:
             return
         flat = np.concatenate([_host(t).astype(np.float32).reshape(-1) for t in everything])
-        comm.broadcast_buffer(flat, root, label=f"DataParallel's parameter broadcast from rank {root}")
+        comm.broadcast_buffer(flat, root, label=f"DataParallel's parameter broadcast from rank {root}",
+                              group=self.group)
         offset = 0
         for t in everything:
             size = int(np.prod(t.shape))
@@ -193,7 +199,7 @@ class DataParallel(Module):
             raise ValueError("DataParallel.join(): not with ZeroRedundancyOptimizer(stage=2) (a rank out of data "
                              "cannot update its shard of the parameters)")
         yield self
-        self._broadcast_state(root=comm.shadow_until_all_joined())
+        self._broadcast_state(root=comm.shadow_until_all_joined(self.group))
 
     def last_sync_stats(self):
         """The last synchronizing backward: buckets, bytes reduced per rank, buckets started before backward's
@@ -257,8 +263,9 @@ class _Bucket:
 class _Reducer:
     """Runs DataParallel's grad hooks: copies gradients into buckets, starts and finishes their reductions."""
 
-    def __init__(self, params, bucket_bytes):
+    def __init__(self, params, bucket_bytes, group=None):
         self.params = params
+        self.group = group
         self.index = {id(p): i for i, p in enumerate(params)}
         self.sync = True
         self.partition = None  # ZeRO-2: parameter index -> its pieces; None: all-reduce whole gradients
@@ -375,15 +382,15 @@ class _Reducer:
     def _announce(self):
         """Send the notices of every bucket's reduction now, so that the other ranks' are in when a bucket is ready
         and its reduction starts at once (the checks cost no wait)."""
-        n = comm.world_size()
+        n = comm.world_size(self.group)
         for k, b in enumerate(self.buckets):
             label = f"DataParallel bucket {k + 1} of {len(self.buckets)}"
             if self.partition is None:
                 b.ticket = comm.announce("all_reduce", b.size, "float32", "mean", label=label,
-                                         tag=self.passes_since_forward, tag_format=PASS_FORMAT)
+                                         tag=self.passes_since_forward, tag_format=PASS_FORMAT, group=self.group)
             else:
                 b.ticket = comm.announce("reduce_scatter", b.size, "float32", "mean", counts=b.counts(n), label=label,
-                                         tag=self.passes_since_forward, tag_format=PASS_FORMAT)
+                                         tag=self.passes_since_forward, tag_format=PASS_FORMAT, group=self.group)
 
     def _launch_ready(self):
         """Start the reductions of complete buckets, in bucket order (the same order on every rank)."""
@@ -393,10 +400,11 @@ class _Reducer:
                 return
             tag = self.passes_since_forward
             if self.partition is None:
-                b.pending = comm.all_reduce_buffer(b.buffer, "mean", async_op=True, tag=tag, announced=b.ticket)
+                b.pending = comm.all_reduce_buffer(b.buffer, "mean", async_op=True, tag=tag, announced=b.ticket,
+                                                   group=self.group)
             else:
-                b.pending = comm.reduce_scatter_buffer(b.buffer, b.counts(comm.world_size()), "mean", tag=tag,
-                                                       announced=b.ticket)
+                b.pending = comm.reduce_scatter_buffer(b.buffer, b.counts(comm.world_size(self.group)), "mean",
+                                                       tag=tag, announced=b.ticket, group=self.group)
             b.ticket = None
             self.stats["bytes"] += b.buffer.nbytes
             self.stats["started_before_last_gradient"] += len(self.seen) < len(self.params)
@@ -416,7 +424,7 @@ class _Reducer:
         else:
             if self.shard is None:
                 self.shard = np.zeros(self.shard_size, np.float32)
-            me, taken = comm.rank(), 0
+            me, taken = comm.rank(self.group), 0
             for _, lo, hi, owner, at in b.pieces:
                 if owner == me:
                     self.shard[at:at + hi - lo] = result[taken:taken + hi - lo]
@@ -431,10 +439,11 @@ class _Reducer:
         return shard
 
 
-def split_batch(batch, axis=0):
-    """This rank's contiguous share of a global batch along `axis` (B/N of its B entries), as a Tensor (or the
-    input's kind of array). Every rank raises the same ValueError when B does not divide by the rank count."""
-    n, r = comm.world_size(), comm.rank()
+def split_batch(batch, axis=0, group=None):
+    """This rank's contiguous share of a global batch along `axis` (B/N of its B entries; N: the ranks of `group`),
+    as a Tensor (or the input's kind of array). Every rank raises the same ValueError when B does not divide by
+    the rank count."""
+    n, r = comm.world_size(group), comm.rank(group)
     size = batch.shape[axis]
     if size % n:
         raise ValueError(f"split_batch: a batch of {size} along axis {axis} does not split evenly over {n} ranks; "
@@ -448,13 +457,13 @@ def split_batch(batch, axis=0):
     return batch[index]
 
 
-def batchify(data, batch_size, device=None, dtype="float32"):
+def batchify(data, batch_size, device=None, dtype="float32", group=None):
     """`needle.data.batchify` of the global batch, then this rank's columns: rank r gets columns
     [r B/N, (r+1) B/N) of the (nbatch, B) array, so the ranks see disjoint streams of the same tokens that one
     process would see with batch_size B. ValueError (on every rank) when B does not divide by the rank count."""
-    n = comm.world_size()
+    n = comm.world_size(group)
     if batch_size % n:
         raise ValueError(f"batchify: batch_size {batch_size} does not split evenly over {n} ranks; give a batch size "
                          f"that divides by {n}")
-    return split_batch(_batchify(data, batch_size, device=device, dtype=dtype), axis=1)
+    return split_batch(_batchify(data, batch_size, device=device, dtype=dtype), axis=1, group=group)
 

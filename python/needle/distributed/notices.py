@@ -110,8 +110,10 @@ def _essence(notice):
     return fields.tobytes()
 
 
-def disagreement(table, ranks, tag_format=None):
-    """None if the notices of `ranks` (rows of `table`) agree; else "rank 0: ...; rank 1: ..." naming every call."""
+def disagreement(table, ranks, tag_format=None, job_ranks=None):
+    """None if the notices of `ranks` (rows of `table`) agree; else "rank 0: ...; rank 1: ..." naming every call
+    (by the rank in the job, `job_ranks[r]`, when the table is a group's)."""
     if len({_essence(table[r]) for r in ranks}) <= 1:
         return None
-    return "; ".join(f"rank {r}: {describe(table[r], tag_format)}" for r in ranks)
+    job_ranks = job_ranks or range(len(table))
+    return "; ".join(f"rank {job_ranks[r]}: {describe(table[r], tag_format)}" for r in ranks)

@@ -106,13 +106,14 @@ class ZeroRedundancyOptimizer(Optimizer):
         if len(dtypes) > 1:
             raise ValueError(f"ZeroRedundancyOptimizer: the parameters must have one dtype, got {', '.join(dtypes)}")
         comm.init()
+        self.wrapper = self._data_parallel()
+        self.group = None if self.wrapper is None else self.wrapper.group  # ZeRO shards over the data dimension
         self.stage, self.optimizer_class = stage, optimizer_class
         self.partition = partition if partition != "auto" else \
             "flat" if optimizer_class in ELEMENTWISE else "tensors"
-        n, me = comm.world_size(), comm.rank()
+        n, me = comm.world_size(self.group), comm.rank(self.group)
         check_same_model("ZeroRedundancyOptimizer", [(p.name or f"parameter {i}", p) for i, p in
-                                                     enumerate(self.params)])
-        self.wrapper = self._data_parallel()
+                                                     enumerate(self.params)], self.group)
         sizes = [int(np.prod(p.shape)) for p in self.params]
         cut = flat_partition if self.partition == "flat" else tensor_partition
         self.pieces, self.shard_sizes = cut(sizes, n)
@@ -194,12 +195,12 @@ class ZeroRedundancyOptimizer(Optimizer):
 
     def _all_gather_parameters(self):
         """Every rank's updated shard to every rank, written into the parameters (rank order, one Allgatherv)."""
-        n, me = comm.world_size(), comm.rank()
+        n, me = comm.world_size(self.group), comm.rank(self.group)
         mine = self._gather_mine(_host) if self.shard is None else _host(self.shard)
         if n == 1 and self.shard is None:
             return  # the inner optimizer updated the parameters themselves
         everything = comm.all_gather_buffer(np.ascontiguousarray(mine.reshape(-1)), self.shard_sizes,
-                                            label="ZeroRedundancyOptimizer's parameter all-gather")
+                                            label="ZeroRedundancyOptimizer's parameter all-gather", group=self.group)
         starts = np.cumsum([0] + self.shard_sizes)
         flats = {}
         for pieces in self.pieces:
@@ -233,7 +234,7 @@ class ZeroRedundancyOptimizer(Optimizer):
 
         and `load_state_dict` on rank r accepts only rank r's, saved by a job of the same world size and
         partition (the stage may differ: stages 1 and 2 keep the same optimizer state)."""
-        state = {"rank": comm.rank(), "world_size": comm.world_size(), "stage": self.stage,
+        state = {"rank": comm.rank(self.group), "world_size": comm.world_size(self.group), "stage": self.stage,
                  "partition": self.partition, "shard_sizes": list(self.shard_sizes),
                  "optimizer_class": self.optimizer_class.__name__, "optimizer": self.optimizer.state_dict()}
         if self.shard is not None:
@@ -248,7 +249,7 @@ class ZeroRedundancyOptimizer(Optimizer):
         if missing or (self.shard is not None and "shard" not in state_dict):
             raise ValueError(f"ZeroRedundancyOptimizer.load_state_dict: the state lacks "
                              f"{', '.join(missing or ['shard'])}")
-        here = {"rank": comm.rank(), "world_size": comm.world_size(), "partition": self.partition,
+        here = {"rank": comm.rank(self.group), "world_size": comm.world_size(self.group), "partition": self.partition,
                 "shard_sizes": list(self.shard_sizes), "optimizer_class": self.optimizer_class.__name__}
         for key, value in here.items():
             saved = state_dict[key]
@@ -285,7 +286,7 @@ class ZeroRedundancyOptimizer(Optimizer):
 
     def shard_size(self, rank=None):
         """Elements of the parameters `rank` (default: this one) updates."""
-        return self.shard_sizes[comm.rank() if rank is None else rank]
+        return self.shard_sizes[comm.rank(self.group) if rank is None else rank]
 
 
 def _host(t):
