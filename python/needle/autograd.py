@@ -17,7 +17,6 @@ from typing import Protocol
 
 import numpy
 
-from . import memory_hook
 from .backend_selection import NDArray, array_api, default_device, device_of
 
 __all__ = [
@@ -71,9 +70,7 @@ class Op:
     saveable = False  # expensive to recompute (matmul, conv): the "selective" policy keeps it
     view = False  # the output lives in its input's buffer (when `view_strides` says so), or a tuple's
     compacts_inputs = False  # compute copies a strided operand into a compact one first (True, or input positions)
-    # False: computing the output again would repeat a side effect (a collective: every rank must call it the same
-    # number of times), so checkpointing never drops it and backward never recomputes it (checkpoint.annotate)
-    recomputable = True
+    recomputable = True  # False: computing it again would repeat a collective, so checkpointing never drops it
 
     def view_strides(self, shape, strides, out_shape):
         """For a view op: the output's element strides given its input's, or None where compute must copy."""
@@ -644,7 +641,7 @@ def _keep_forward(node):
 
 
 # ops and backward need the classes above; backward's public names are re-exported here (the course's API).
-from . import ops  # noqa: E402
+from . import memory_hook, ops  # noqa: E402
 from .backward import (  # noqa: E402
     BackwardPlan, Compute, Step, compute_gradient_of_variables, last_backward_stats, plan_backward, reads,
     run_backward,

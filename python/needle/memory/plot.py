@@ -42,16 +42,22 @@ def draw(snapshot, ax, title=None, x="event", largest=3):
         if end < start or not xs:
             continue
         ax.axvspan(xs[start], xs[end], color=PHASE_COLORS.get(band["phase"], "#ffffff"), zorder=-1)
-        ax.text((xs[start] + xs[end]) / 2, 1.0, band["phase"], transform=ax.get_xaxis_transform(), ha="center",
-                va="bottom", fontsize=7, color="#555555", clip_on=True)
+        ax.text((xs[start] + xs[end]) / 2, 0.99, band["phase"], transform=ax.get_xaxis_transform(), ha="center",
+                va="top", fontsize=7, color="#555555", rotation=90 if end - start < 0.06 * len(xs) else 0,
+                clip_on=True)
     peak = snapshot.peak
     if peak["event"] is not None:
         at = xs[peak["event"]]
         ax.axvline(at, color="black", linewidth=0.8, linestyle="--")
-        names = [describe(b) for b in snapshot.alive_at(peak["event"])[:largest]]
-        ax.annotate(f"peak {peak['bytes'] / MB:.1f} MB\n" + "\n".join(names), xy=(at, peak["bytes"] / MB),
-                    xytext=(0.02, 0.97), textcoords="axes fraction", va="top", fontsize=7,
-                    bbox=dict(boxstyle="round", facecolor="white", alpha=0.85),
+        ax.plot([at], [peak["bytes"] / MB], marker="v", color="black", markersize=5)
+        alive = snapshot.alive_at(peak["event"])
+        # What made the peak: the largest tensors besides the parameters and the optimizer's state, which are
+        # there all step long (the bottom bands show them).
+        shown = [b for b in alive if b["category"] not in ("parameter", "optimizer_state")][:largest] or alive[:largest]
+        ax.annotate(f"peak {peak['bytes'] / MB:.1f} MB at event {peak['event']}; its largest tensors besides "
+                    f"parameters and optimizer state:\n" + "\n".join(describe(b) for b in shown),
+                    xy=(at, peak["bytes"] / MB), xytext=(0.98, 0.03), textcoords="axes fraction", ha="right",
+                    va="bottom", fontsize=6.5, bbox=dict(boxstyle="round", facecolor="white", alpha=0.9),
                     arrowprops=dict(arrowstyle="->", linewidth=0.6))
     ax.set_xlabel("time (s)" if x == "time" else "event (an allocation or a free)")
     ax.set_ylabel("live bytes (MB)")
