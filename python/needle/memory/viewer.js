@@ -292,7 +292,10 @@
     });
   }
 
-  function fullView(panel) { panel.view = { x0: panel.xs[0], x1: panel.xs[panel.xs.length - 1] }; }
+  function fullView(panel) {  // (an empty snapshot still gets an x axis one event wide)
+    const x0 = panel.xs[0], x1 = panel.xs[panel.xs.length - 1];
+    panel.view = { x0, x1: x1 > x0 ? x1 : x0 + 1 };
+  }
   function zoomTo(panel, x0, x1) {
     const lo = panel.xs[0], hi = panel.xs[panel.xs.length - 1], minSpan = (panel.xs[1] - panel.xs[0]) * 4 || 1e-9;
     x0 = Math.max(lo, x0); x1 = Math.min(hi, x1);
