@@ -391,6 +391,23 @@ def test_snapshots_side_by_side_share_one_y_axis(driver, tmp_path):
 
 
 @pytest.mark.browser
+def test_an_empty_snapshot_draws_its_axes_and_says_so(driver, tmp_path):
+    from selenium.webdriver.common.action_chains import ActionChains
+    from selenium.webdriver.common.actions.wheel_input import ScrollOrigin
+    from selenium.webdriver.common.by import By
+
+    empty = {"format": "needle-memory-snapshot", "version": 1, "device": "cpu()", "baseline_bytes": 1 << 20,
+             "blocks": [], "events": [], "peak": {"bytes": 1 << 20, "event": None}, "phases": []}
+    open_page(driver, write_html(empty, tmp_path / "t.html"))
+    assert "no events recorded" in driver.execute_script("return document.querySelector('svg').textContent")
+    assert drawn_blocks(driver) == []
+    svg = driver.find_element(By.CSS_SELECTOR, ".panel svg")
+    ActionChains(driver).scroll_from_origin(ScrollOrigin.from_element(svg), 0, -300).click(svg).perform()
+    assert driver.execute_script("return window.needleMemoryPanels[0].view") == {"x0": 0, "x1": 1}
+    assert_no_console_errors(driver)
+
+
+@pytest.mark.browser
 def test_a_5000_event_step_renders_in_under_a_second(driver, tmp_path):
     snapshot = training_step(n_layers=400, pad_to=5000)
     assert len(snapshot["events"]) == 5000

@@ -292,8 +292,12 @@
     });
   }
 
-  function fullView(panel) { panel.view = { x0: panel.xs[0], x1: panel.xs[panel.xs.length - 1] }; }
+  function fullView(panel) {  // (an empty snapshot still gets an x axis one event wide)
+    const x0 = panel.xs[0], x1 = panel.xs[panel.xs.length - 1];
+    panel.view = { x0, x1: x1 > x0 ? x1 : x0 + 1 };
+  }
   function zoomTo(panel, x0, x1) {
+    if (panel.xs.length < 2) return;  // nothing recorded: nothing to zoom into
     const lo = panel.xs[0], hi = panel.xs[panel.xs.length - 1], minSpan = (panel.xs[1] - panel.xs[0]) * 4 || 1e-9;
     x0 = Math.max(lo, x0); x1 = Math.min(hi, x1);
     if (x1 - x0 < minSpan) { const mid = (x0 + x1) / 2; x0 = Math.max(lo, mid - minSpan / 2); x1 = Math.min(hi, x0 + minSpan); }
