@@ -28,7 +28,7 @@ from conftest import gc_process as _gc
 from conftest import run_gc, strict_json, tiny_ptb
 from experiment.commands import run as run_command
 
-SUBCOMMANDS = ["run", "sweep", "max-batch", "ablate", "plot"]
+SUBCOMMANDS = ["run", "sweep", "max-batch", "ablate", "timeline", "plot"]
 
 
 def _read(path):
@@ -193,7 +193,7 @@ def _one_line_error(code, out, err):
 
 
 def test_every_subcommand_has_help_with_defaults_and_the_definitions():
-    with ThreadPoolExecutor(5) as pool:
+    with ThreadPoolExecutor(6) as pool:
         argvs = [["--help"]] + [[command, "--help"] for command in SUBCOMMANDS]
         results = dict(zip(["top"] + SUBCOMMANDS, pool.map(lambda argv: _gc(*argv), argvs)))
     for name, (code, out, err) in results.items():
@@ -896,3 +896,28 @@ def test_the_ablation_plot_says_per_rank_on_data_parallel_rows(tmp_path, monkeyp
     assert "per rank" not in names[0] and "per rank" in names[1], names
     texts = [t.get_text() for t in figures[0].axes[0].texts]
     assert texts[1].endswith(" per rank") and "%" not in texts[1], texts
+
+
+# ----- gc.py timeline ----------------------------------------------------------------------------------------------
+def test_timeline_writes_both_snapshots_a_png_and_a_page(tmp_path, capsys):
+    out = tmp_path / "out"
+    data = tiny_ptb(tmp_path)
+    run_gc(["timeline"] + TINY + ["--data", data, "--out", str(out)])
+    printed = capsys.readouterr().out
+    files = sorted(os.listdir(out))
+    stems = {name.rsplit(".", 1)[0] for name in files}
+    (stem,) = [s for s in stems if not s.endswith(("_off", "_all"))]
+    assert files == sorted([f"{stem}.html", f"{stem}.png", f"{stem}_all.json", f"{stem}_off.json"])
+    off, on = (ndl.memory.load(out / f"{stem}_{which}.json") for which in ("off", "all"))
+    assert not any(b["category"] == "activation_recomputed" for b in off.blocks)
+    assert any(b["category"] == "activation_recomputed" for b in on.blocks)
+    for snap in (off, on):
+        assert {p["phase"] for p in snap.phases} >= {"forward", "backward", "optimizer"}
+        assert f"peak {snap.peak['bytes'] / 2**20:.1f} MB (the allocator's {snap.peak['bytes'] / 2**20:.1f} MB)" \
+            in printed
+    assert (out / f"{stem}.png").read_bytes()[:4] == b"\x89PNG"
+    page = (out / f"{stem}.html").read_text()
+    assert "needle-memory-snapshot" in page and "gc off" in page and "gc on (all)" in page
+    # another configuration writes files of its own, never over these
+    run_gc(["timeline"] + TINY + ["--data", data, "--out", str(out), "--seq-len", "4"])
+    assert set(files) < set(os.listdir(out))

@@ -7,6 +7,7 @@ is missing (`make test` installs the last two where it can: the Makefile's brows
 The snapshots are synthetic (SyntheticStep below): the shape of a training step as the recorder writes it, built
 without running a model, so these tests say nothing about the recorder and everything about the page.
 """
+import contextlib
 import json
 import math
 import random
@@ -252,7 +253,8 @@ return [g.X((g.xs[t] + g.xs[t + 1]) / 2) * scale - box.width / 2,
 
 
 def alive_at(snapshot, t):
-    alive = [b for b in snapshot["blocks"] if b["alloc"] <= t and (b["free"] is None or t < b["free"])]
+    alive = [b for b in snapshot["blocks"] if (b["alloc"] is None or b["alloc"] <= t)
+             and (b["free"] is None or t < b["free"])]
     return sorted(alive, key=lambda b: -b["bytes"])
 
 
@@ -415,3 +417,43 @@ def test_a_5000_event_step_renders_in_under_a_second(driver, tmp_path):
     print(f"\n5,000-event snapshot ({len(snapshot['blocks'])} blocks): first draw in {render_ms:.0f} ms")
     assert len(drawn_blocks(driver)) == len(snapshot["blocks"])
     assert render_ms < 1000
+
+
+def recorded_training_step():
+    """A real snapshot: one step of a small LM with gc "all", recorded after a first, unrecorded step (so blocks
+    alive before recording began are in it, and some of them are freed while it records)."""
+    import numpy as np
+
+    import needle as ndl
+    from models import LanguageModel
+
+    device = ndl.cpu()
+    if not device.enabled():
+        pytest.skip("the compiled CPU backend is not built")
+    np.random.seed(0)
+    model = LanguageModel(16, 40, 32, num_layers=2, seq_model="transformer", seq_len=8, device=device, num_head=2,
+                          dim_head=8).enable_gc()
+    opt = ndl.optim.Adam(model.parameters(), lr=0.01)
+    X = ndl.Tensor(np.random.randint(0, 40, (8, 4)), device=device, requires_grad=False)
+    y = ndl.Tensor(np.random.randint(0, 40, (32,)), device=device, requires_grad=False)
+    for recorded in (False, True):
+        with ndl.memory.record(device) if recorded else contextlib.nullcontext() as snap:
+            opt.reset_grad()
+            ndl.nn.SoftmaxLoss()(model(X)[0], y).backward()
+            opt.step()
+    return snap
+
+
+@pytest.mark.browser
+def test_a_recorded_step_draws_every_block_and_its_exact_stack(driver, tmp_path):
+    snap = recorded_training_step()
+    snapshot = snap.to_dict()
+    assert any(b["alloc"] is None for b in snapshot["blocks"]) and any(b["category"] == "activation_recomputed"
+                                                                      for b in snapshot["blocks"])
+    open_page(driver, snap.to_html(tmp_path / "step.html"))
+    assert sorted(drawn_blocks(driver)) == [b["id"] for b in snapshot["blocks"]]
+    steps = driver.execute_script("return window.needleMemoryPanels[0].blocks.map(b => [b.id, b.steps])")
+    edges = {block_id: list(zip(s[::2], s[1::2])) for block_id, s in steps}
+    for t, event in enumerate(snapshot["events"]):
+        tops = [[off for e, off in edges[b["id"]] if e <= t][-1] + b["bytes"] for b in alive_at(snapshot, t)]
+        assert max(tops, default=snapshot["baseline_bytes"]) == event["live_bytes"], f"event {t}"

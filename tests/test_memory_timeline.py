@@ -2,6 +2,8 @@
 recorded peak = its peak_bytes) for every checkpointing policy, lazy and eager, float32 and mixed bf16, with every
 optimizer; each buffer is named by what made it; snapshots save, load, summarize and plot (issue #28)."""
 import json
+import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -73,7 +75,7 @@ def test_live_bytes_equal_the_allocators_at_every_event_for_every_policy(policy,
     assert bool(recomputed) == (policy not in (None, "budget")), len(recomputed)  # the Budget here keeps all
 
 
-@pytest.mark.parametrize("policy", [None, "all"], ids=["off", "all"])
+@pytest.mark.parametrize("policy", POLICIES, ids=lambda p: p or "off")
 def test_live_bytes_are_exact_in_mixed_bf16(policy):
     assert_exact(recorded_steps(policy, precision="mixed-bf16")[0])
 
@@ -177,3 +179,10 @@ def test_plot_draws_a_png(tmp_path):
     snap.plot(path)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert snap._repr_png_()[:4] == b"\x89PNG"
+
+
+def test_the_png_and_the_page_colour_each_category_alike():
+    from needle.memory.plot import COLORS, PHASE_COLORS
+    script = (Path(ndl.memory.__file__).parent / "viewer.js").read_text()
+    for name, colour in {**COLORS, **PHASE_COLORS}.items():
+        assert re.search(rf"\b{name}: \"{colour}\"", script), (name, colour)

@@ -12,7 +12,7 @@ from needle.memory.plot import plot_side_by_side
 
 from ..data import check_corpus, load_data, resolve_data
 from ..footprint import check_fits
-from ..report import print_run_header
+from ..report import model_text, print_run_header
 from ..setup import check_budget, make_policy, pick_device
 from ..step import train_step
 from .run import build_training
@@ -44,7 +44,8 @@ def main(config):
               f"{step['peak_bytes'] / MB:.1f} MB), {recomputed(snapshot)}; wrote {path}")
         print(largest_at_peak(snapshot))
         labelled.append((name, snapshot))
-    title = f"one training step of gc.py's model, {len(labelled)} way{'s' * (len(labelled) > 1)}: live bytes by category"
+    title = (f"one training step of gc.py's model ({model_text(config)}): live bytes by category, "
+             f"{' beside '.join(name for name, _ in labelled)}")
     png = plot_side_by_side(labelled, f"{base}.png", title=title)
     html = write_html([(name, s.data) for name, s in labelled], f"{base}.html", title=title)
     print(f"wrote {png} and {html} (open it in a browser: zoom with the wheel, hover an allocation, click an "
@@ -72,10 +73,13 @@ def recomputed(snapshot):
 
 
 def largest_at_peak(snapshot, n=4):
-    """The peak's largest tensors, one line each: what a student looks for first."""
+    """The peak's largest tensors besides the parameters and optimizer state (there all step long), one line each:
+    what made the peak, which a student looks for first."""
+    alive = [b for b in snapshot.alive_at(snapshot.peak["event"])
+             if b["category"] not in ("parameter", "optimizer_state")]
     rows = [f"    {b['bytes'] / MB:7.2f} MB  {b['category']:<21} {b.get('name') or b['op'] or ''} "
-            f"{b['module'] or ''} {list(b['shape'])}" for b in snapshot.alive_at(snapshot.peak["event"])[:n]]
-    return "  largest at the peak:\n" + "\n".join(rows)
+            f"{b['module'] or ''} {list(b['shape'])}" for b in alive[:n]]
+    return "  the peak's largest tensors besides parameters and optimizer state:\n" + "\n".join(rows)
 
 
 def file_stem(config, label):

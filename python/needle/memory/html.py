@@ -83,7 +83,8 @@ def check_snapshot(snapshot, name):
         if missing:
             raise ValueError(f"write_html: {name}: block {block.get('id')!r} lacks the keys {missing}")
         free = n_events if block["free"] is None else block["free"]
-        if not 0 <= block["alloc"] <= free <= n_events:
+        alloc = 0 if block["alloc"] is None else block["alloc"]  # None: alive before recording began
+        if not 0 <= alloc <= free <= n_events:
             raise ValueError(f"write_html: {name}: block {block['id']} has alloc {block['alloc']} and free "
                              f"{block['free']}, outside the {n_events} events")
         ids.add(block["id"])

@@ -7,10 +7,11 @@ with matplotlib's `Figure` directly, not pyplot: no window, no global state, any
 """
 from .recorder import CATEGORIES
 
-COLORS = {"parameter": "#4c72b0", "gradient": "#dd8452", "optimizer_state": "#8172b3",
-          "activation_kept": "#c44e52", "activation_recomputed": "#55a868", "workspace": "#937860",
-          "input": "#da8bc3", "other": "#8c8c8c", "host": "#64b5cd"}
-PHASE_COLORS = {"forward": "#f2f2f2", "backward": "#e3ecf7", "recompute": "#e2f2e2", "optimizer": "#f3e8f6"}
+# The HTML page's colours (viewer.js), so a PNG and a page read alike (a test keeps them equal).
+COLORS = {"parameter": "#4e79a7", "gradient": "#f28e2b", "optimizer_state": "#b07aa1",
+          "activation_kept": "#59a14f", "activation_recomputed": "#edc948", "workspace": "#bab0ac",
+          "input": "#76b7b2", "other": "#9c755f", "host": "#ff9da7"}
+PHASE_COLORS = {"forward": "#e6effc", "backward": "#fce9e7", "recompute": "#fdf5d3", "optimizer": "#e6f4e4"}
 MB = 2**20
 
 

@@ -99,11 +99,20 @@ class Recorder:
 
     # ----- on and off ----------------------------------------------------------------------------------------
     def begin(self):
+        """Adopt what is alive, then switch on. The garbage collector is held off meanwhile: a collection between
+        counting the allocator's bytes and switching on would free buffers no event reports."""
         self.start = time.perf_counter()
-        self.live_bytes = self.device.memory_stats()["current_bytes"]
-        self.adopt_existing_buffers()
-        self.previous = memory_hook.set_recorder(self)
-        self.active = True
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            self.adopt_existing_buffers()
+            self.live_bytes = self.device.memory_stats()["current_bytes"]
+            self.baseline_bytes = self.live_bytes - sum(b.bytes for b in self.blocks)
+            self.previous = memory_hook.set_recorder(self)
+            self.active = True
+        finally:
+            if collecting:
+                gc.enable()
 
     def end(self):
         memory_hook.set_recorder(self.previous)
@@ -137,7 +146,6 @@ class Recorder:
             if array.device == self.device and id(array.buffer) not in self.live:
                 block = self.new_block(array, alloc=None)
                 block.category = names.get(block.key, "other")
-        self.baseline_bytes = self.live_bytes - sum(b.bytes for b in self.blocks)
 
     # ----- buffers made and given back ------------------------------------------------------------------------
     def new_block(self, array, alloc):
@@ -149,8 +157,7 @@ class Recorder:
         block.ref.block = block
         self.blocks.append(block)
         self.live[block.key] = block
-        if alloc is not None:
-            self.live_bytes += block.bytes
+        self.live_bytes += block.bytes
         return block
 
     def allocated(self, array):

@@ -126,7 +126,7 @@ class Snapshot:
 
     def to_html(self, path, title=None):
         """One self-contained HTML page to explore the snapshot in a browser (no network needed)."""
-        return write_html(self.data, path, title=title)
+        return write_html(self, path, title=title)
 
     def _repr_png_(self):
         """A notebook shows a snapshot as its plot."""

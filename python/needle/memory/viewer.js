@@ -40,10 +40,18 @@
   function stackBlocks(snapshot) {
     const blocks = snapshot.blocks.map((b) => Object.assign({}, b, { steps: [], pos: -1, offset: 0 }));
     const n = snapshot.events.length;
-    const byAlloc = blocks.slice().sort((a, b) => a.alloc - b.alloc);
+    // Blocks alive before recording began (alloc null) sit at the bottom from the first event on.
+    const byAlloc = blocks.filter((b) => b.alloc !== null).sort((a, b) => a.alloc - b.alloc);
     const byFree = blocks.filter((b) => b.free !== null).sort((a, b) => a.free - b.free);
     const stack = [];
     let top = snapshot.baseline_bytes, nextAlloc = 0, nextFree = 0;
+    for (const block of blocks.filter((b) => b.alloc === null)) {
+      block.pos = stack.length;
+      block.offset = top;
+      block.steps.push(0, top);
+      stack.push(block);
+      top += block.bytes;
+    }
     for (let t = 0; t < n; t++) {
       while (nextFree < byFree.length && byFree[nextFree].free === t) {
         const gone = byFree[nextFree++];
@@ -103,7 +111,7 @@
   // merge (the later one wins), so a zoomed-out path has at most one vertex pair per pixel column.
   function blockPath(block, g) {
     const n = g.xs.length - 1, end = block.free === null ? n : block.free;
-    if (g.xs[end] <= g.x0 || g.xs[block.alloc] >= g.x1) return "";
+    if (g.xs[end] <= g.x0 || g.xs[block.alloc === null ? 0 : block.alloc] >= g.x1) return "";
     const px = [], lower = [], steps = block.steps;
     for (let k = 0; k < steps.length; k += 2) {
       const x = g.X(g.xs[steps[k]]), y = steps[k + 1];
@@ -221,7 +229,7 @@
   function showTooltip(panel, block, event) {
     let rows = "";
     for (const field of FIELDS) rows += "<tr><th>" + field + "</th><td>" + esc(fieldText(block, field)) + "</td></tr>";
-    rows += "<tr><th>alive</th><td>events " + block.alloc + " – " + (block.free === null ? "end" : block.free) + "</td></tr>";
+    rows += "<tr><th>alive</th><td>events " + (block.alloc === null ? "(before recording)" : block.alloc) + " – " + (block.free === null ? "end" : block.free) + "</td></tr>";
     tooltip.innerHTML = "<b>block " + esc(block.id) + "</b><table>" + rows + "</table>";
     tooltip.style.display = "block";
     tooltip.style.left = Math.min(event.clientX + 14, window.innerWidth - tooltip.offsetWidth - 4) + "px";
@@ -232,7 +240,7 @@
   function showAlive(panel, t) {
     if (pickedPanel && pickedPanel !== panel) pickedPanel.instant = undefined;
     pickedPanel = panel;
-    const alive = panel.blocks.filter((b) => b.alloc <= t && (b.free === null || t < b.free));
+    const alive = panel.blocks.filter((b) => (b.alloc === null || b.alloc <= t) && (b.free === null || t < b.free));
     alive.sort((a, b) => b.bytes - a.bytes);
     const total = alive.reduce((sum, b) => sum + b.bytes, 0);
     let rows = "<tr>" + FIELDS.map((f) => "<th>" + f + "</th>").join("") + "</tr>";
