@@ -119,10 +119,10 @@ class Snapshot:
             json.dump(self.data, f, separators=(",", ":"))
         return path
 
-    def plot(self, path=None, ax=None, title=None):
-        """Stacked live bytes by category over the events, phase bands, the peak labelled with the largest
-        tensors alive then; saved as a PNG at `path` if given. Returns the matplotlib figure."""
-        return plot_snapshot(self, path=path, ax=ax, title=title)
+    def plot(self, path=None, ax=None, title=None, x="event"):
+        """Stacked live bytes by category over the events (`x="time"`: over seconds), phase bands, the peak
+        labelled with the largest tensors alive then; saved as a PNG at `path` if given. Returns the figure."""
+        return plot_snapshot(self, path=path, ax=ax, title=title, x=x)
 
     def to_html(self, path, title=None):
         """One self-contained HTML page to explore the snapshot in a browser (no network needed)."""
