@@ -308,7 +308,7 @@ def test_zero_flat_partition_cuts_the_flat_buffer_evenly_and_tensor_partition_ke
 def test_zero_rejects_bad_arguments():
     params = build_mlp().parameters()
     with pytest.raises(ValueError, match="stage must be 1"):
-        dist.ZeroRedundancyOptimizer(params, ndl.optim.Adam, stage=3)
+        dist.ZeroRedundancyOptimizer(params, ndl.optim.Adam, stage=4)
     with pytest.raises(ValueError, match="partition must be one of"):
         dist.ZeroRedundancyOptimizer(params, ndl.optim.Adam, partition="rows")
     with pytest.raises(TypeError, match="Optimizer class"):
@@ -649,6 +649,35 @@ def test_heads_that_do_not_divide_by_the_tensor_parallel_size_are_a_value_error_
     for r in (0, 1):
         assert (f"rank {r} error ValueError: parallelize_transformer: seq_model.layers.0.attention has 3 heads, "
                 f"which do not divide by the tensor-parallel size 2") in out, out
+
+
+# ----- ZeRO-3 ------------------------------------------------------------------------------------------------------
+def test_zero_3_of_one_process_is_the_plain_model():
+    # the MPI script's checks in a job of one: bit-identical numbers, state dicts in full shapes, gc and bf16
+    proc = subprocess.run([sys.executable, os.path.join(SCRIPTS, "zero3_exact.py")], cwd=ROOT,
+                          env=comm.child_environment(), capture_output=True, text=True, timeout=TIMEOUT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert set(passed(proc.stdout)) >= {"zero3_state_dict_full_shapes", "exact_zero3_off", "exact_zero3_all",
+                                        "zero3_same_collectives_with_gc", "zero3_bf16_autocast"}, proc.stdout
+
+
+def test_zero_3_needs_a_data_parallel_model_and_an_elementwise_optimizer():
+    np.random.seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 3))
+    with pytest.raises(ValueError, match="DataParallel model"):
+        dist.ZeroRedundancyOptimizer(model.parameters(), optim.Adam, stage=3)
+    with pytest.raises(ValueError, match="element by element"):
+        dist.ZeroRedundancyOptimizer(dist.DataParallel(model).parameters(), optim.Adafactor, stage=3)
+
+
+@needs_mpi
+def test_zero_3_on_two_ranks_equals_one_process_with_half_the_model_state_and_1_5x_the_traffic():
+    code, out = mpiexec(os.path.join(SCRIPTS, "zero3_exact.py"))
+    assert code == 0, out
+    checks = passed(out)
+    for name in ("zero3_state_dict_full_shapes", "exact_zero3_off", "exact_zero3_all", "zero3_state_bytes",
+                 "zero3_same_collectives_with_gc", "zero3_volume", "zero3_bf16_autocast"):
+        assert checks.get(name) == {0, 1}, (name, out)
 
 
 @needs_mpi
