@@ -213,7 +213,8 @@ def add_parallel_flags(p):
     flag(g, "parallel", default=None, choices=PARALLEL,
          help="dp: data parallel, --batch-size split over the ranks, gradients all-reduced; zero1 / zero2 / zero3: "
               "ZeRO stage 1 / 2 / 3 on top (optimizer state / and gradients / and parameters partitioned); "
-              "pipeline: GPipe, one stage of layers per rank, the --accumulation-steps micro-batches flowing through them (default: none)")
+              "pipeline: GPipe, one stage of layers per rank, the --accumulation-steps micro-batches flowing through "
+              "them (default: none)")
     flag(g, "bucket_mb", type=float, default=25.0, metavar="MB",
          help="dp, zero: gradients are reduced in buckets of about MB (PyTorch DDP's 25)")
 
