@@ -23,7 +23,7 @@ OpenMP thread per rank (two ranks, two cores), and prints a table:
   processes); `--parallel pipeline` with m micro-batches: measured bubble vs (d - 1)/(m + d - 1), and vs GPipe's
   bubble for the stages' measured (unequal) costs.
 - tp: one model (E = 128, 2 layers, vocabulary 2,000, 4 heads, batch 8 x 32 tokens) trained with DP, ZeRO-1,
-  ZeRO-2, tensor parallelism and tensor + sequence parallelism on 2 ranks: exact bytes per rank of parameters,
+  ZeRO-2, ZeRO-3, tensor parallelism and tensor + sequence parallelism on 2 ranks: exact bytes per rank of parameters,
   gradients, Adam's state (parameter and state sizes) and activations (the allocator's bytes held at the start of
   backward, less those held before the forward), the elements each rank's collectives moved per step (against
   Megatron's count for TP), and the step time (median of 3 after a warm-up); printed as a Markdown table
@@ -133,7 +133,7 @@ def worker_memory():
 
 
 TP_MODEL = {"embedding": 128, "layers": 2, "vocab": 2000, "seq": 32, "batch": 8}
-TP_SETUPS = ("dp", "zero1", "zero2", "tp", "tp+sp")
+TP_SETUPS = ("dp", "zero1", "zero2", "zero3", "tp", "tp+sp")
 # elements a rank sends per element of a collective's buffer, by the ring algorithm on 2 ranks (2(n-1)/n, (n-1)/n)
 RING = {"all_reduce": 1.0, "reduce_scatter": 0.5, "all_gather": 0.5, "barrier": 0, "all_gather_object": 0,
         "broadcast_object": 0, "broadcast": 0.5}
@@ -174,7 +174,8 @@ def worker_tp():
             opt.step()
             times.append(time.perf_counter() - t0)
             traffic = dist.traffic()
-        mine = {"parameters": sum(p.realize_cached_data().nbytes for p in params), "gradients": int(grads),
+        held = opt.params if setup == "zero3" else params  # ZeRO-3: the shards (the model's are placeholders)
+        mine = {"parameters": sum(p.realize_cached_data().nbytes for p in held), "gradients": int(grads),
                 "state": opt.state_bytes(), "activations": int(activations),
                 "elements": sum(RING[kind] * elements for kind, (_, elements) in traffic.items()),
                 "seconds": statistics.median(times[1:])}

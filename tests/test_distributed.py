@@ -308,7 +308,7 @@ def test_zero_flat_partition_cuts_the_flat_buffer_evenly_and_tensor_partition_ke
 def test_zero_rejects_bad_arguments():
     params = build_mlp().parameters()
     with pytest.raises(ValueError, match="stage must be 1"):
-        dist.ZeroRedundancyOptimizer(params, ndl.optim.Adam, stage=3)
+        dist.ZeroRedundancyOptimizer(params, ndl.optim.Adam, stage=4)
     with pytest.raises(ValueError, match="partition must be one of"):
         dist.ZeroRedundancyOptimizer(params, ndl.optim.Adam, partition="rows")
     with pytest.raises(TypeError, match="Optimizer class"):
@@ -490,11 +490,12 @@ def test_gc_run_parallel_in_one_process_is_the_plain_run(tmp_path):
 
 
 @needs_mpi
-@pytest.mark.parametrize("parallel", ["dp", "zero2", "pipeline"])
+@pytest.mark.parametrize("parallel", ["dp", "zero2", "zero3", "pipeline"])
 def test_gc_run_parallel_on_two_ranks_reports_every_rank_and_rank_0_writes_the_json(tmp_path, parallel):
     json_path = tmp_path / "run.json"
+    accumulate = "1" if parallel == "zero3" else "2"  # zero3 refuses accumulation (each backward reduce-scatters)
     code, out = mpiexec(os.path.join(ROOT, "gc.py"), "run", "--parallel", parallel, *_tiny_gc_flags(tmp_path),
-                        "--policy", "off", "--max-batches", "2", "--accumulation-steps", "2", "--json",
+                        "--policy", "off", "--max-batches", "2", "--accumulation-steps", accumulate, "--json",
                         str(json_path))
     assert code == 0, out
     assert f"--parallel {parallel} over 2 ranks" in out and "tokens/s" in out
@@ -507,6 +508,10 @@ def test_gc_run_parallel_on_two_ranks_reports_every_rank_and_rank_0_writes_the_j
     if parallel == "zero2":  # each rank holds half the optimizer state and half the gradients (to an element)
         assert abs(ranks[0]["optimizer_bytes"] - ranks[1]["optimizer_bytes"]) <= 8
         assert sum(m["grad_bytes"] for m in ranks) == record["param_bytes"]
+    if parallel == "zero3":  # parameters, gradients and optimizer state: each rank its half (to an element)
+        assert abs(ranks[0]["param_bytes"] - ranks[1]["param_bytes"]) <= 4
+        assert all(m["grad_bytes"] == m["param_bytes"] and m["optimizer_bytes"] == 2 * m["param_bytes"]
+                   for m in ranks), ranks
     if parallel == "pipeline":
         assert 0 <= record["pipeline"]["bubble_median"] < 1 and record["pipeline"]["theory"] == pytest.approx(1 / 3)
         assert sum(m["param_bytes"] for m in ranks) > record["param_bytes"]  # each rank holds only its stage
@@ -516,7 +521,10 @@ def test_gc_run_parallel_on_two_ranks_reports_every_rank_and_rank_0_writes_the_j
 def test_gc_under_mpiexec_refuses_bad_parallel_use_on_every_rank(tmp_path):
     flags = _tiny_gc_flags(tmp_path) + ["--policy", "off", "--max-batches", "1"]
     code, out = mpiexec(os.path.join(ROOT, "gc.py"), "run", *flags, timeout=60)
-    assert code == 2 and out.count("give --parallel dp|zero1|zero2|pipeline") == 2, out
+    assert code == 2 and out.count("give --parallel dp|zero1|zero2|zero3|pipeline") == 2, out
+    code, out = mpiexec(os.path.join(ROOT, "gc.py"), "run", "--parallel", "zero3", *flags, "--accumulation-steps",
+                        "2", timeout=60)
+    assert code == 2 and out.count("--parallel zero3 needs --accumulation-steps 1") == 2, out
     code, out = mpiexec(os.path.join(ROOT, "gc.py"), "run", "--parallel", "dp", *flags, "--batch-size", "5",
                         timeout=60)
     assert code == 2 and out.count("--batch-size 5 does not split over 2 ranks") == 2, out
@@ -649,6 +657,35 @@ def test_heads_that_do_not_divide_by_the_tensor_parallel_size_are_a_value_error_
     for r in (0, 1):
         assert (f"rank {r} error ValueError: parallelize_transformer: seq_model.layers.0.attention has 3 heads, "
                 f"which do not divide by the tensor-parallel size 2") in out, out
+
+
+# ----- ZeRO-3 ------------------------------------------------------------------------------------------------------
+def test_zero_3_of_one_process_is_the_plain_model():
+    # the MPI script's checks in a job of one: bit-identical numbers, state dicts in full shapes, gc and bf16
+    proc = subprocess.run([sys.executable, os.path.join(SCRIPTS, "zero3_exact.py")], cwd=ROOT,
+                          env=comm.child_environment(), capture_output=True, text=True, timeout=TIMEOUT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert set(passed(proc.stdout)) >= {"zero3_state_dict_full_shapes", "exact_zero3_off", "exact_zero3_all",
+                                        "zero3_same_collectives_with_gc", "zero3_bf16_autocast"}, proc.stdout
+
+
+def test_zero_3_needs_a_data_parallel_model_and_an_elementwise_optimizer():
+    np.random.seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 3))
+    with pytest.raises(ValueError, match="DataParallel model"):
+        dist.ZeroRedundancyOptimizer(model.parameters(), optim.Adam, stage=3)
+    with pytest.raises(ValueError, match="element by element"):
+        dist.ZeroRedundancyOptimizer(dist.DataParallel(model).parameters(), optim.Adafactor, stage=3)
+
+
+@needs_mpi
+def test_zero_3_on_two_ranks_equals_one_process_with_half_the_model_state_and_1_5x_the_traffic():
+    code, out = mpiexec(os.path.join(SCRIPTS, "zero3_exact.py"))
+    assert code == 0, out
+    checks = passed(out)
+    for name in ("zero3_state_dict_full_shapes", "exact_zero3_off", "exact_zero3_all", "zero3_state_bytes",
+                 "zero3_same_collectives_with_gc", "zero3_volume", "zero3_bf16_autocast"):
+        assert checks.get(name) == {0, 1}, (name, out)
 
 
 @needs_mpi

@@ -200,8 +200,8 @@ def validate_parallel(config, ranks):
     """--parallel's checks, the same on every rank (each prints the line and exits 2: no rank is left waiting)."""
     if config.parallel is None:
         if ranks > 1:
-            fail(f"gc.py run is under mpiexec with {ranks} ranks: give --parallel dp|zero1|zero2|pipeline (without "
-                 f"it every rank would train the same model alone)")
+            fail(f"gc.py run is under mpiexec with {ranks} ranks: give --parallel dp|zero1|zero2|zero3|pipeline "
+                 f"(without it every rank would train the same model alone)")
         return
     if not (math.isfinite(config.bucket_mb) and config.bucket_mb > 0):
         fail(f"--bucket-mb must be a positive number of MiB, got {config.bucket_mb:g}")
@@ -213,6 +213,10 @@ def validate_parallel(config, ranks):
              f"each stage's forward apart from its backward); use fp32 or bf16")
     if config.parallel == "pipeline" and config.policy == "budget":
         fail("--parallel pipeline with --policy budget is not supported: each stage would need its own budget")
-    if config.parallel in ("zero2", "pipeline") and config.precision == "mixed-fp16":
+    if config.parallel == "zero3" and (config.accumulation_steps > 1 or config.optimizer not in ("adam", "sgd")):
+        fail(f"--parallel zero3 needs --accumulation-steps 1 (each backward reduce-scatters its gradients into the "
+             f"shards) and an element-wise optimizer (adam, sgd), got {config.accumulation_steps} and "
+             f"{config.optimizer}")
+    if config.parallel in ("zero2", "zero3", "pipeline") and config.precision == "mixed-fp16":
         fail(f"--parallel {config.parallel} with --precision mixed-fp16 is not supported: GradScaler's overflow check "
              f"needs every gradient on every rank")

@@ -211,9 +211,10 @@ def add_training_flags(p, command):
 def add_parallel_flags(p):
     g = p.add_argument_group("distributed: mpiexec -n N python gc.py run --parallel ...")
     flag(g, "parallel", default=None, choices=PARALLEL,
-         help="dp: data parallel, --batch-size split over the ranks, gradients all-reduced; zero1 / zero2: ZeRO "
-              "stage 1 / 2 on top (optimizer state / and gradients partitioned); pipeline: GPipe, one stage of "
-              "layers per rank, the --accumulation-steps micro-batches flowing through them (default: none)")
+         help="dp: data parallel, --batch-size split over the ranks, gradients all-reduced; zero1 / zero2 / zero3: "
+              "ZeRO stage 1 / 2 / 3 on top (optimizer state / and gradients / and parameters partitioned); "
+              "pipeline: GPipe, one stage of layers per rank, the --accumulation-steps micro-batches flowing through "
+              "them (default: none)")
     flag(g, "bucket_mb", type=float, default=25.0, metavar="MB",
          help="dp, zero: gradients are reduced in buckets of about MB (PyTorch DDP's 25)")
 

@@ -16,6 +16,8 @@ from .records import MIN_TIMED_STEPS
 PARALLEL_TEXT = {"dp": "data parallel (gradients all-reduced in buckets during backward)",
                  "zero1": "ZeRO stage 1 (data parallel, the optimizer state partitioned)",
                  "zero2": "ZeRO stage 2 (data parallel, optimizer state and gradients partitioned: reduce-scatter)",
+                 "zero3": "ZeRO stage 3 (data parallel, parameters too: each layer all-gathered for its forward and "
+                          "backward, gradients reduce-scattered)",
                  "pipeline": "GPipe (the layers cut into one stage per rank, --accumulation-steps micro-batches)"}
 
 

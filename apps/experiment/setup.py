@@ -24,9 +24,9 @@ HEADS = ["full", "fused"]  # the LM head + loss: the course's SoftmaxLoss(model(
 PRECISIONS = ["fp32", "mixed-bf16", "mixed-fp16", "bf16"]
 AUTOCAST = {"fp32": None, "mixed-bf16": "bfloat16", "mixed-fp16": "float16", "bf16": None}
 OPTIMIZERS = ["adam", "adam8bit", "adafactor", "sgd"]
-# --parallel: data parallel (gradients all-reduced), ZeRO stage 1 / 2 on top of it, or GPipe over the ranks
-PARALLEL = ["dp", "zero1", "zero2", "pipeline"]
-ZERO_STAGE = {"zero1": 1, "zero2": 2}
+# --parallel: data parallel (gradients all-reduced), ZeRO stage 1 / 2 / 3 on top of it, or GPipe over the ranks
+PARALLEL = ["dp", "zero1", "zero2", "zero3", "pipeline"]
+ZERO_STAGE = {"zero1": 1, "zero2": 2, "zero3": 3}
 
 
 @dataclass(frozen=True)
@@ -140,7 +140,7 @@ def make_optimizer(config, params, model=None):
     scale_parameter off, so the rows compare at one learning rate; factored second moments, no first moment);
     SGD with momentum 0.9.  fp32 and mixed precision keep float32 parameters (the master weights); pure bf16 keeps
     weights and state in bfloat16, with stochastic rounding if asked.  --offload-state keeps the state in host
-    memory.  --parallel zero1 / zero2 runs it inside ZeroRedundancyOptimizer (stage 1 / 2)."""
+    memory.  --parallel zero1 / zero2 / zero3 runs it inside ZeroRedundancyOptimizer (stage 1 / 2 / 3)."""
     name = config.optimizer
     kw = {"lr": config.lr, "offload_state": bool(config.offload_state)}
     if config.precision == "bf16":

@@ -160,6 +160,8 @@ def build_training(config, vocab, device, policy):
         model = dist.DataParallel(model, bucket_mb=config.bucket_mb)
     params = model.parameters()
     opt = make_optimizer(config, params, model)
+    if config.parallel == "zero3":  # what the rank holds are its shards (the model's parameters: placeholders)
+        params = opt.params
     return model, make_loss(model, config.head, AUTOCAST[config.precision]), params, opt
 
 

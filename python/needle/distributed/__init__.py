@@ -6,8 +6,8 @@
   send/recv) on NDArrays; without mpiexec a job of one, where everything still works and mpi4py is not imported.
 - `DataParallel(model, bucket_mb=25)`: gradients averaged across ranks in buckets while backward runs;
   `split_batch` / `batchify`: each rank's share of a batch.
-- `ZeroRedundancyOptimizer(params, optimizer_class, stage=1|2, **kw)`: ZeRO, the optimizer state (stage 1) and
-  the gradients (stage 2) partitioned across the ranks.
+- `ZeroRedundancyOptimizer(params, optimizer_class, stage=1|2|3, **kw)`: ZeRO, the optimizer state (stage 1),
+  the gradients (stage 2) and the parameters (stage 3: `fully_sharded`) partitioned across the ranks.
 - `Pipeline(stages, micro_batches)`: GPipe, one stage per rank, activations sent point-to-point.
 - `new_group(ranks)`: a process group (an MPI sub-communicator); every collective, DataParallel and the
   tensor-parallel layers take `group=`, so one job holds 2-D layouts (tensor x data).
@@ -34,12 +34,13 @@ from .notices import CollectiveError, CollectiveMismatch, CollectiveTimeout
 from .data_parallel import DataParallel, batchify, split_batch
 from .pipeline import Pipeline, bubble_fraction
 from .zero import ZeroRedundancyOptimizer
-from . import tensor_parallel
+from . import fully_sharded, tensor_parallel
 
 __all__ = [
     "CollectiveError", "CollectiveMismatch", "CollectiveTimeout", "DataParallel", "Group", "Pipeline",
     "ZeroRedundancyOptimizer",
     "all_gather", "all_gather_object", "all_reduce", "barrier", "batchify", "broadcast", "broadcast_object",
-    "bubble_fraction", "comm", "get_timeout", "init", "is_initialized", "launched_by_mpiexec", "new_group", "rank",
+    "bubble_fraction", "comm", "fully_sharded", "get_timeout", "init", "is_initialized", "launched_by_mpiexec",
+    "new_group", "rank",
     "recv", "reduce_scatter", "send", "set_timeout", "split_batch", "tensor_parallel", "traffic", "world_size",
 ]

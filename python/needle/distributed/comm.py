@@ -780,11 +780,12 @@ def _broadcast(world, buffer, root, notice, label=None):
         None if world.size == 1 else world.comm.Ibcast(_wire(buffer), root=root), lambda: buffer))
 
 
-def all_gather_buffer(buffer, counts, label=None, group=None):
+def all_gather_buffer(buffer, counts, label=None, async_op=False, group=None):
     """Every rank's 1-D NumPy `buffer` (rank r's of counts[r] elements), concatenated in rank order on every rank
-    (MPI_Allgatherv)."""
+    (MPI_Allgatherv); with `async_op` a Pending whose wait() returns it (ZeRO-3's prefetch)."""
     notice = make_notice("all_gather", str(buffer.dtype), size=sum(counts), counts=counts)
-    return _all_gather(_get(group), buffer, counts, notice, label).wait()
+    pending = _all_gather(_get(group), buffer, counts, notice, label)
+    return pending if async_op else pending.wait()
 
 
 def _all_gather(world, buffer, counts, notice, label=None):

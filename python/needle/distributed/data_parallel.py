@@ -129,6 +129,7 @@ class DataParallel(Module):
         self._broadcast_state(root=0)
         params = [p for _, p in named if p.requires_grad]
         self._reducer = _Reducer(params, int(bucket_mb * 2**20), group)
+        self._sharded, self._root_unit = False, None  # ZeRO-3 (shard_parameters)
         self._unhook = [p.register_grad_hook(self._reducer.on_grad) for p in params]
         for p in params:
             _WRAPPER[p] = weakref.ref(self)
@@ -155,9 +156,7 @@ class DataParallel(Module):
 
     def unwrap(self):
         """The wrapped model, its parameters' grad hooks removed: backward is plain needle's again."""
-        for remove in self._unhook:
-            remove()
-        self._unhook = []
+        self._remove_hooks()
         for p in self._reducer.params:
             _WRAPPER.pop(p, None)
         return self.module
@@ -176,7 +175,24 @@ class DataParallel(Module):
             return lambda *args, **kwargs: self._through(attr, args, kwargs)
         return attr
 
+    def shard_parameters(self, root):
+        """ZeRO-3 (ZeroRedundancyOptimizer(stage=3)): the gradients are reduce-scattered by the gather ops'
+        gradients, so the grad hooks come off; `root` (a fully_sharded.ShardedUnit, or None) is gathered around
+        every call through the wrapper."""
+        self._remove_hooks()
+        self._sharded, self._root_unit = True, root
+
+    def _remove_hooks(self):
+        for remove in self._unhook:
+            remove()
+        self._unhook = []
+
     def _through(self, fn, args, kwargs):
+        if self._sharded:  # ZeRO-3: no hooks, so no unused parameters to find
+            if self._root_unit is None:
+                return fn(*args, **kwargs)
+            with self._root_unit.in_use():
+                return fn(*args, **kwargs)
         out = fn(*args, **kwargs)
         self._reducer.expect(_tensors_in(out))
         return out

@@ -31,6 +31,10 @@ How parameters are split (`partition`):
   tensors in `fp32_state_params` in float32 (passed on for the tensors this rank owns). The price: a rank's share
   is 1/N only as far as whole tensors allow (the PTB LM's embedding is 38% of its parameters).
 
+- stage 3: the parameters too (`fully_sharded`): each layer's parameters flat-sharded, all-gathered just before its
+  forward and again in backward, freed after use; gradients reduce-scattered by the gather's gradient. The inner
+  optimizer updates the shards; the wrapped module's state_dict() gives full shapes.
+
 `state_bytes()` is this rank's optimizer state (the inner optimizer's), as every optimizer reports it.
 All parameters must have one dtype. At world size 1 the one rank owns everything; without mpiexec no
 DataParallel is needed.
@@ -41,7 +45,7 @@ from ..autograd import Tensor
 from ..backend_selection import array_api
 from ..nn import Parameter
 from ..optim import SGD, Adam, Optimizer
-from . import comm
+from . import comm, fully_sharded
 from .data_parallel import check_same_model, wrapper_of
 
 __all__ = ["ZeroRedundancyOptimizer", "flat_partition", "tensor_partition"]
@@ -88,14 +92,14 @@ def tensor_partition(sizes, n):
 
 
 class ZeroRedundancyOptimizer(Optimizer):
-    """`optimizer_class(**kw)` run on this rank's 1/N of the parameters (ZeRO stage 1 or 2); see the module
+    """`optimizer_class(**kw)` run on this rank's 1/N of the parameters (ZeRO stage 1, 2 or 3); see the module
     docstring. `params` are those of a DataParallel model (at world size 1, any parameters)."""
 
     def __init__(self, params, optimizer_class, stage=1, partition="auto", **kw):
         super().__init__(params)
-        if stage not in (1, 2):
-            raise ValueError(f"ZeroRedundancyOptimizer: stage must be 1 (optimizer state) or 2 (and gradients), "
-                             f"got {stage!r}; stage 3 (parameters) is not implemented")
+        if stage not in (1, 2, 3):
+            raise ValueError(f"ZeroRedundancyOptimizer: stage must be 1 (optimizer state), 2 (and gradients) or 3 "
+                             f"(and parameters), got {stage!r}")
         if partition not in PARTITIONS:
             raise ValueError(f"ZeroRedundancyOptimizer: partition must be one of {', '.join(PARTITIONS)}, got "
                              f"{partition!r}")
@@ -109,6 +113,9 @@ class ZeroRedundancyOptimizer(Optimizer):
         self.wrapper = self._data_parallel()
         self.group = None if self.wrapper is None else self.wrapper.group  # ZeRO shards over the data dimension
         self.stage, self.optimizer_class = stage, optimizer_class
+        if stage == 3:
+            self._shard_parameters(partition, kw)
+            return
         self.partition = partition if partition != "auto" else \
             "flat" if optimizer_class in ELEMENTWISE else "tensors"
         n, me = comm.world_size(self.group), comm.rank(self.group)
@@ -138,6 +145,26 @@ class ZeroRedundancyOptimizer(Optimizer):
         if stage == 2 and self.wrapper is not None:
             self.wrapper.reducer.reduce_scatter_to(self.pieces, self.shard_sizes[me])
 
+    def _shard_parameters(self, partition, kw):
+        """Stage 3 (fully_sharded): the model's units flat-sharded; the inner optimizer updates the shards."""
+        if partition not in ("auto", "flat") or self.optimizer_class not in ELEMENTWISE:
+            raise ValueError(f"ZeroRedundancyOptimizer(stage=3): shards are flat (partition 'flat'), so the "
+                             f"optimizer must update element by element (SGD, Adam), got "
+                             f"{self.optimizer_class.__name__} with partition {partition!r}")
+        if self.wrapper is None:
+            raise ValueError("ZeroRedundancyOptimizer(stage=3): the parameters must be those of a DataParallel "
+                             "model (model = DataParallel(model)), in one process too")
+        check_same_model("ZeroRedundancyOptimizer", [(p.name or f"parameter {i}", p) for i, p in
+                                                     enumerate(self.params)], self.group)
+        self.partition = "flat"
+        self.units, root = fully_sharded.shard_model(self.wrapper.module, self.group)
+        self.wrapper.shard_parameters(root)
+        self.full_params = self.params
+        self.params = [unit.shard for unit in self.units]
+        self.shard_sizes = [sum(unit.counts[r] for unit in self.units) for r in range(comm.world_size(self.group))]
+        self.shard = None
+        self.optimizer = self.optimizer_class(self.params, **kw)
+
     def _data_parallel(self):
         wrappers = {id(w): w for w in (wrapper_of(p) for p in self.params)}
         if comm.world_size() == 1 and None in wrappers.values():
@@ -162,6 +189,11 @@ class ZeroRedundancyOptimizer(Optimizer):
 
     # ----- a step ---------------------------------------------------------------------------------------------------
     def step(self):
+        if self.stage == 3:  # backward left each shard's averaged gradient in its .grad: the update is local
+            for unit in self.units:
+                unit.drain()
+            self.optimizer.step()
+            return
         self._refresh_shard()
         self._shard_gradients()
         self.optimizer.step()
@@ -278,7 +310,8 @@ class ZeroRedundancyOptimizer(Optimizer):
         return self.optimizer.host_state_bytes()
 
     def gradient_bytes(self):
-        """Bytes of gradients this rank holds for the step: stage 2 its float32 shard, stage 1 every `.grad`."""
+        """Bytes of gradients this rank holds for the step: stage 2 its float32 shard, stage 1 every `.grad`,
+        stage 3 its shards' `.grad`s."""
         if self.stage == 2 and self.wrapper is not None:
             shard = self.wrapper.reducer.shard
             return 0 if shard is None else int(shard.nbytes)
