@@ -27,8 +27,7 @@ __all__ = [
     "run_backward", "run_deferred", "set_autocast", "spec_nbytes", "spec_of",
 ]
 
-# When True, ops only record the graph; values are computed when something asks for them.
-LAZY_MODE = False
+LAZY_MODE = False  # when True, ops only record the graph; values are computed when something asks for them
 # Mixed precision: the active `needle.amp.autocast` context, or None; changed only through `set_autocast`. Read
 # only when an op is applied (never when a value is computed or recomputed), like LAZY_MODE: the casts it asks for
 # become graph nodes, so a checkpoint's recomputation replays them exactly.
@@ -262,8 +261,7 @@ class TensorTuple(Value):
     def __repr__(self):
         return "needle.TensorTuple" + str(self.tuple())
 
-    def __str__(self):
-        return self.__repr__()
+    __str__ = __repr__
 
     def __add__(self, other):
         if not isinstance(other, TensorTuple) or len(self) != len(other):
@@ -391,8 +389,7 @@ class Tensor(Value):
     def __matmul__(self, other):
         return ops.MatMul()(self, other)
 
-    def matmul(self, other):
-        return ops.MatMul()(self, other)
+    matmul = __matmul__
 
     def sum(self, axes=None):
         return ops.Summation(axes)(self)
@@ -550,11 +547,14 @@ class Machine(Protocol):
     def recompute(self, node) -> None:
         """Make again, in backward, a value the forward pass made and released (checked: rule 4, backward.py)."""
 
+    def fetch(self, node) -> None:
+        """Bring back, in backward, a value the forward pass parked in host memory (offload.py)."""
+
     def check_reads(self, node) -> None:
         """Check that the forward values `node`'s gradient reads are still those the forward pass read."""
 
     def release(self, node) -> None:
-        """Give `node`'s value back (a released value can be recomputed)."""
+        """Give `node`'s value back (a released value can be recomputed); its last release if `in_backward`."""
 
     def set_grad(self, node, grad) -> None:
         """Set a leaf's gradient: `grad`, complete."""

@@ -45,8 +45,8 @@ import numpy
 
 from . import ops
 from .autograd import (Machine, Tensor, TensorTuple, Value, elements_of, find_topo_sort, infer_spec, lazy_mode,
-                       nbytes_of, realize, release, run_deferred, set_autocast, spec_of)
-from . import memory_hook
+                       nbytes_of, realize, run_deferred, set_autocast, spec_of)
+from . import memory_hook, offload
 from .backend_selection import device_of
 
 __all__ = ["KEPT_ELEMENTS", "BackwardPlan", "Compute", "Step", "always_kept", "compute_gradient_of_variables",
@@ -61,6 +61,7 @@ class Step:
     node: "Value"
     recompute: list = field(default_factory=list)  # missing values its gradient reads, and their missing ancestors
     release: list = field(default_factory=list)  # forward values whose last use is this step: released after it
+    fetch: list = field(default_factory=list)  # parked values (offload.py) brought back before this step, for the next
 
 
 @dataclass
@@ -73,6 +74,9 @@ class BackwardPlan:
 
     def recomputed(self):
         return [n for step in self.steps for n in step.recompute]
+
+    def fetched(self):
+        return [n for step in self.steps for n in step.fetch]
 
 
 def reads(node):
@@ -96,16 +100,19 @@ def always_kept(node):
     return spec is not None and elements_of(spec[0]) <= KEPT_ELEMENTS
 
 
-def plan_backward(root, has=None):
-    """The backward plan of the graph above `root`, given which values exist when it starts (`has`).
+def plan_backward(root, has=None, parked=None):
+    """The backward plan of the graph above `root`, given which values exist when it starts (`has`) and which
+    missing ones wait in host memory (`parked`, default: those offload.py was asked to offload).
 
     Simulates the pass in reverse topological order. Before a node's gradient, the values it reads must exist;
     missing ones, and the missing ancestors they need, are recomputed at that step and from then on count as
-    available, so nothing is recomputed twice (rule 2). A value's last use is the last step that reads it or
-    recomputes a consumer from it; it is released right after (rule 3). Leaves, the root and one-element values
-    are never released (rule 1).
+    available, so nothing is recomputed twice (rule 2). A parked value is fetched instead of recomputed (its
+    ancestors are not needed), issued one step earlier, so that on a device with a copy stream the copy runs
+    beside that step's compute. A value's last use is the last step that reads it or recomputes a consumer from it;
+    it is released right after (rule 3). Leaves, the root and one-element values are never released (rule 1).
     """
     has = has or Compute().has
+    parked = parked or offload.is_marked
     reverse = list(reversed(find_topo_sort([root])))
     available = {id(n) for n in reverse if has(n)}
     steps, last_use = [], {}
@@ -120,10 +127,13 @@ def plan_backward(root, has=None):
         for v in needed:
             last_use[id(v)] = step
         missing = [v for v in needed if id(v) not in available]
-        for n in find_topo_sort(missing, expand=lambda n: id(n) not in available):
+        for n in find_topo_sort(missing, expand=lambda n: id(n) not in available and not parked(n)):
             if id(n) in available:
                 continue
             available.add(id(n))  # rule 2: from now on it exists until its last use
+            if parked(n):
+                (steps[-2] if len(steps) > 1 else step).fetch.append(n)  # issued a step ahead of its use
+                continue
             step.recompute.append(n)
             for inp in n.inputs:
                 last_use[id(inp)] = step
@@ -144,8 +154,9 @@ class Compute(Machine):
 
     def __init__(self):
         self.stats = {"recomputed_nodes": 0, "recomputed_bytes": 0, "released_bytes": 0,
-                      "max_recomputes_per_node": 0}
+                      "max_recomputes_per_node": 0, "fetched_nodes": 0}
         self.recomputed = {}  # id -> count, this pass
+        self.in_backward = False  # run_backward sets it: a release there is a value's last (offload.release_value)
 
     def has(self, node):
         return node.cached_data is not None
@@ -188,10 +199,15 @@ class Compute(Machine):
     def check_reads(self, node):
         check_unchanged(node, reads(node))
 
+    def fetch(self, node):
+        """A parked value back from host memory: the bytes the forward pass made (offload.py)."""
+        with memory_hook.phase("recompute"):
+            offload.fetch(node)
+        self.stats["fetched_nodes"] += 1
+
     def release(self, node):
-        if node.cached_data is not None:
-            self.stats["released_bytes"] += nbytes_of(node.cached_data)
-            release(node)
+        self.stats["released_bytes"] += nbytes_of(node.cached_data)
+        offload.release_value(node, self.in_backward)  # a value marked for offloading is parked first
 
     def set_grad(self, node, grad):
         node.grad = grad
@@ -246,6 +262,7 @@ def run_backward(plan, out_grad, machine=None):
     consumed; afterwards everything the step made is released unless a later step awaits it (rule 3).
     """
     machine = machine or Compute()
+    machine.in_backward = True
     forward = {id(s.node) for s in plan.steps} | {id(n) for s in plan.steps for n in s.node.inputs}
     grads = {id(plan.root): [out_grad]}
     awaited = {}  # gradient node id -> how many later steps will consume it
@@ -255,6 +272,8 @@ def run_backward(plan, out_grad, machine=None):
         node = step.node
         if memory_hook.RECORDER is not None:
             memory_hook.RECORDER.differentiating(node)  # needle.memory: the gradients belong to node's module
+        for n in step.fetch:  # first: a value recomputed here may read a fetched one
+            machine.fetch(n)
         for n in step.recompute:
             machine.recompute(n)
         parts = grads.pop(id(node), None)
@@ -352,7 +371,9 @@ _last_stats = {}
 
 
 def last_backward_stats():
-    """Statistics of the last backward pass: recomputed nodes and bytes, released bytes, the allocator's peak.
+    """Statistics of the last backward pass: recomputed nodes and bytes, released bytes, the allocator's peak, and
+    offloading's copies since the backward before (offload.traffic: offloaded_bytes, fetched_bytes,
+    host_peak_bytes, copy_seconds_exposed; fetched_nodes).
 
     `peak_bytes` is the device allocator's peak since its last reset (reset it when a step starts to read that
     step's peak: `backend_ndarray.reset_peak_memory_stats(device)`);
@@ -393,5 +414,7 @@ def compute_gradient_of_variables(output_tensor, out_grad):
         set_autocast(autocast)
     stats = dict(machine.stats)
     stats["peak_bytes"] = device.memory_stats()["peak_bytes"] if hasattr(device, "memory_stats") else None
+    stats.update(offload.traffic())  # the copies of this step: its forward's offloads, its backward's fetches
+    offload.reset_traffic()
     _last_stats.clear()
     _last_stats.update(stats)

@@ -19,8 +19,9 @@ each step, when each value dies) is backward.py's plan, which treats a dropped v
 budget planner is `checkpoint_budget.Budget`.
 
 A policy is a callable `policy(candidates, outputs) -> keep flags`: `candidates` are a region's interior nodes in
-topological order, `outputs` its output nodes; it returns one flag per candidate (True: keep it as a checkpoint).
-The built-in ones below, `Budget` and `Planned` are all called this way.
+topological order, `outputs` its output nodes; it returns one flag per candidate (True: keep it as a checkpoint;
+False: drop it, backward recomputes it; `OFFLOAD`: park it in host memory after its last forward use, backward
+fetches it back: offload.py). The built-in ones below, `Budget` and `Planned` are all called this way.
 
 The rules of checkpointing are numbered; each is stated where it is enforced, and each test names the rule it
 checks. Rule 1 is this file's: leaves (parameters, constants, dropout masks), the inputs and output of an
@@ -36,11 +37,13 @@ import weakref
 from collections import Counter
 from dataclasses import dataclass
 
-from .autograd import Value, element_shapes, find_topo_sort, infer_spec, itemsize, release, spec_nbytes, spec_of
+from . import offload
+from .autograd import Value, element_shapes, find_topo_sort, infer_spec, itemsize, release, spec_nbytes
 from .backward import always_kept, last_backward_stats
 from .checkpoint_budget import Budget
 
 __all__ = [
+    "OFFLOAD",
     "Budget",
     "EverySegment",
     "NothingToDropWarning",
@@ -61,9 +64,17 @@ __all__ = [
 
 
 # ----- policies: small pure functions from the candidate nodes of a region to keep/drop flags ------------------
+OFFLOAD = offload.OFFLOAD  # a policy's third answer: neither keep nor recompute, but park in host memory
+
+
 def nothing_saveable(nodes, outputs=()):
     """Drop every candidate ("all")."""
     return [False] * len(nodes)
+
+
+def offload_all(nodes, outputs=()):
+    """Offload what "all" drops: every candidate goes to host memory and comes back for backward ("offload")."""
+    return [OFFLOAD] * len(nodes)
 
 
 def dots_saveable(nodes, outputs=()):
@@ -127,7 +138,8 @@ def _keep_cost(node):
 
 
 # "off" is no checkpointing at all (resolved to None: nothing annotated), the name gc.py's --policy off uses too.
-_POLICIES = {None: nothing_saveable, "all": nothing_saveable, "sqrt": Sqrt(), "selective": dots_saveable, "off": None}
+_POLICIES = {None: nothing_saveable, "all": nothing_saveable, "sqrt": Sqrt(), "selective": dots_saveable,
+             "offload": offload_all, "off": None}
 
 
 def resolve_policy(policy=None, segment_len=None):
@@ -136,8 +148,8 @@ def resolve_policy(policy=None, segment_len=None):
     if callable(policy):
         return policy
     if policy not in _POLICIES:
-        raise ValueError(f"unknown checkpoint policy {policy!r}; use None, 'all', 'sqrt', 'selective', 'off', "
-                         f"Budget(bytes) or a callable (candidates, outputs) -> keep flags")
+        raise ValueError(f"unknown checkpoint policy {policy!r}; use None, 'all', 'sqrt', 'selective', 'offload', "
+                         f"'off', Budget(bytes) or a callable (candidates, outputs) -> keep flags")
     if segment_len is not None and policy in (None, "all"):
         if int(segment_len) < 1:
             raise ValueError(f"segment_len must be >= 1, got {segment_len}")
@@ -173,7 +185,13 @@ def annotate(out_node, in_nodes, segment_len=None, policy=None, label=None):
                   and n.op.recomputable]  # a collective's output is kept: recomputing it would call it again
     keep = keep_flags(candidates, outs)
     for node, kept in zip(candidates, keep):
-        if kept:
+        if kept is OFFLOAD or kept == OFFLOAD:
+            node.drop = True
+            if offload.offloadable(node):  # (a view or a tuple costs nothing to recompute: dropped instead)
+                offload.mark(node)
+                _reasons[node] = "offloaded"
+            offload.release_value(node)  # eager mode: parked now; lazy mode: after its last forward consumer
+        elif kept:
             _reasons[node] = "checkpoint"
         else:
             node.drop = True
@@ -202,9 +220,11 @@ def region_of(node):
 
 
 def keep_reason(node):
-    """'leaf', 'boundary', 'checkpoint', 'dropped' or 'not annotated' (no region covers the node)."""
+    """'leaf', 'boundary', 'checkpoint', 'offloaded', 'dropped' or 'not annotated' (no region covers the node)."""
     if node.is_leaf():
         return "leaf"
+    if offload.is_marked(node):
+        return "offloaded"
     if node.drop:
         return "dropped"
     return _reasons.get(node, "not annotated")
@@ -268,6 +288,8 @@ def saved_residuals(root, exclude=()):
     for node in find_topo_sort([root]):
         data = node.cached_data
         if data is None:
+            if offload.is_parked(node):  # in host memory, not on the device: its own row, its own total
+                rows.append((node, "offloaded", offload.parked_bytes(node)))
             continue
         for element in data if isinstance(data, tuple) else (data,):
             buffer, nbytes = _buffer(element)
@@ -286,14 +308,16 @@ def print_saved_residuals(loss, exclude=()):
     `saved_residuals`.
     """
     rows = [(getattr(node, "name", None) or ("leaf" if node.is_leaf() else type(node.op).__name__),
-             str(spec_of(node.cached_data)[0]), f"{nbytes:,}", reason)
+             str(tuple(node.shape)), f"{nbytes:,}", reason)
             for node, reason, nbytes in saved_residuals(loss, exclude)]
     table = [("name/op", "shape", "bytes", "reason")] + rows
     widths = [max(len(row[i]) for row in table) for i in range(4)]
     for name, shape, nbytes, reason in table:
         print(f"{name:<{widths[0]}}  {shape:<{widths[1]}}  {nbytes:>{widths[2]}}  {reason}")
-    total = sum(int(row[2].replace(",", "")) for row in rows)
-    print(f"total: {len(rows)} buffers, {total:,} bytes ({total / 2**20:.2f} MiB)")
+    device = sum(int(row[2].replace(",", "")) for row in rows if row[3] != "offloaded")
+    host = sum(int(row[2].replace(",", "")) for row in rows if row[3] == "offloaded")
+    print(f"total: {len(rows)} buffers, {device:,} bytes ({device / 2**20:.2f} MiB)"
+          + (f" on the device, {host:,} bytes ({host / 2**20:.2f} MiB) offloaded to host memory" if host else ""))
 
 
 # ----- checkpointing a function or a stack of layers (PyTorch's torch.utils.checkpoint) ------------------------

@@ -23,8 +23,9 @@ import math
 import weakref
 from dataclasses import dataclass
 
+from . import offload
 from .autograd import (Machine, defer_until_realized, element_shapes, elements_of, find_topo_sort, infer_spec,
-                       itemsize, placeholder, realize, release, spec_nbytes)
+                       itemsize, placeholder, realize, spec_nbytes)
 from .backend_ndarray.ndarray import compact_strides  # the strides NDArray gives a compact array
 from .backend_ndarray.ndarray import is_transposed_matrix  # the views a 2-D matmul reads in place
 from .backward import plan_backward, run_backward
@@ -50,10 +51,15 @@ class Ledger(Machine):
     the step starts), the others (batch, masks, constants) are.
     """
 
-    def __init__(self, root, out_grad):
+    def __init__(self, root, out_grad, offloaded=frozenset()):
         self.present, self.holders, self.size, self.buffers, self.strides = set(), {}, {}, {}, {}
         self.elements = {}  # buffer -> its elements (size is 0 for parameters' buffers: they are not counted)
         self.live = self.peak = self.made = 0
+        # Offloading (offload.py): the ids of the values parked in host memory when forward releases them; the
+        # host bytes they hold, at most; the bytes copied each way.
+        self.offloaded, self.parked = offloaded, {}
+        self.host_live = self.host_peak = self.offloaded_bytes = self.fetched_bytes = 0
+        self.in_backward = False  # as backward.Compute's: run_backward sets it
         self.seen = []  # every node the walk met, kept alive so that no id is reused while the ledger counts it
         for node in find_topo_sort([root]) + [out_grad]:
             if node.is_leaf():
@@ -143,7 +149,26 @@ class Ledger(Machine):
 
     recompute = compute
 
+    def fetch(self, node):
+        """A parked value brought back: a fresh device buffer (offload.fetch), its host copy still held."""
+        self._own(node)
+        self.present.add(id(node))
+        self._hold(node)
+        self.fetched_bytes += self.parked[id(node)]
+        self.peak = max(self.peak, self.live)
+
     def release(self, node):
+        """As offload.release_value: an offloaded value is parked on its first release (forward), and its host copy
+        goes with its last (backward)."""
+        if id(node) in self.parked:
+            if self.in_backward:
+                self.host_live -= self.parked.pop(id(node))
+        elif id(node) in self.offloaded and id(node) in self.present:
+            nbytes = _bytes(node)
+            self.parked[id(node)] = nbytes
+            self.host_live += nbytes
+            self.offloaded_bytes += nbytes
+            self.host_peak = max(self.host_peak, self.host_live)
         if id(node) not in self.present:
             return
         self.present.discard(id(node))
@@ -162,15 +187,22 @@ class Ledger(Machine):
         return None
 
 
-def predict_peak(root, dropped, regions=None):
-    """Predicted M_peak of a step on the graph above `root` if the values whose ids are in `dropped` were dropped.
+def predict_peak(root, dropped, regions=None, offloaded=frozenset()):
+    """Predicted M_peak of a step on the graph above `root` if the values whose ids are in `dropped` were dropped
+    (those also in `offloaded`: parked in host memory and fetched back, not recomputed).
 
     The forward pass is modelled as the executor runs it: lazy (`regions` None) — realization releases a dropped
     value after its last consumer; eager (`regions`: [(outputs, candidates)] in the order they ran) — every value
     lives until its region's output exists. Then the backward plan runs on the ledger. Nothing is computed.
     """
+    return walk_step(root, dropped, regions, offloaded).peak
+
+
+def walk_step(root, dropped, regions=None, offloaded=frozenset()):
+    """The Ledger after walking a step's forward and backward passes (see predict_peak): its device `peak`, its
+    `host_peak`, the bytes `offloaded_bytes` and `fetched_bytes` copied each way."""
     out_grad = placeholder(_spec(root))  # the root's gradient: its shape, dtype and device, no data
-    ledger = Ledger(root, out_grad)
+    ledger = Ledger(root, out_grad, offloaded)
     if regions is None:
         realize([root], lambda n: id(n) not in dropped, ledger)
     else:
@@ -183,8 +215,8 @@ def predict_peak(root, dropped, regions=None):
             for n in ends.get(id(node), ()):
                 if id(n) in dropped:
                     ledger.release(n)
-    run_backward(plan_backward(root, ledger.has), out_grad, ledger)
-    return ledger.peak
+    run_backward(plan_backward(root, ledger.has, lambda n: id(n) in offloaded), out_grad, ledger)
+    return ledger
 
 
 def _structure(nodes):
@@ -195,6 +227,11 @@ def _structure(nodes):
 def recompute_cost_per_byte(node):
     """A node's recompute cost relative to the bytes that dropping it saves (matmul/conv cost the most)."""
     return 64.0 if node.op.saveable else 1.0
+
+
+# Parking a value and fetching it back, per byte, on recompute_cost_per_byte's scale: two copies of its bytes, dearer
+# than recomputing an element-wise op, cheaper than a matmul.
+OFFLOAD_COST_PER_BYTE = 4.0
 
 
 @dataclass(frozen=True)
@@ -222,10 +259,14 @@ class Budget:
     policy. An infeasible budget raises ValueError naming the least peak the graph can reach by checkpointing.
     """
 
-    def __init__(self, bytes):
+    def __init__(self, bytes, offload=False, host_bandwidth=None):
         self.bytes = int(bytes)
-        self.planned = {}  # region structure -> keep flags: the frozen policy
+        self.offload = bool(offload)  # may a value be parked in host memory instead of recomputed?
+        self.host_bandwidth = host_bandwidth  # bytes/s to plan copies with (None: as measured on this machine)
+        self.planned = {}  # region structure -> keep flags (True, False or OFFLOAD): the frozen policy
         self.predicted_peak = None
+        self.predicted_time = None
+        self.predicted_host_peak = None
         self.minimum_peak = None
         # The regions not decided yet, by number (the order they were annotated in): weak references to their
         # outputs and candidates. A region leaves when it is decided, or at once when its graph is gone (a
@@ -234,7 +275,7 @@ class Budget:
         self._numbers = itertools.count()
 
     def __repr__(self):
-        return f"Budget({self.bytes})"
+        return f"Budget({self.bytes}{', offload=True' if self.offload else ''})"
 
     def __call__(self, nodes, outputs=()):
         if not nodes:  # a region of one op (Linear, ReLU): nothing to decide
@@ -283,12 +324,18 @@ class Budget:
                 if id(n) not in group_of and id(n) in above:  # a value outside the step frees nothing
                     group_of[id(n)] = (key, position)
                     groups.setdefault((key, position), []).append(n)
-        ranked = sorted(groups.values(), key=lambda ns: (recompute_cost_per_byte(ns[0]), -_bytes(ns[0])))
+        # How each group would leave the device, and at what cost per byte: recomputed, or (offload=True) parked.
+        how = {id(ns[0]): self._cheaper_way(ns[0]) for ns in groups.values()}
+        ranked = sorted(groups.values(), key=lambda ns: (how[id(ns[0])][1], -_bytes(ns[0])))
         # Model the forward pass the way later steps will run it: lazily if this one has not been computed yet.
         eager = None if root.cached_data is None else [([o for o in outs if o is not None], c) for outs, c in regions]
 
+        def chosen(t):  # (ids dropped, ids of those offloaded) with the t cheapest groups off the device
+            dropped = {id(n) for ns in ranked[:t] for n in ns}
+            return dropped, {id(n) for ns in ranked[:t] if how[id(ns[0])][0] is offload.OFFLOAD for n in ns}
+
         def predict(t):  # the peak with the t cheapest groups dropped
-            return predict_peak(root, {id(n) for ns in ranked[:t] for n in ns}, eager)
+            return predict_peak(root, *chosen(t)[:1], eager, chosen(t)[1])
 
         self.minimum_peak = predict(len(ranked))
         if self.minimum_peak > self.bytes:
@@ -299,18 +346,30 @@ class Budget:
         while lo < hi:
             mid = (lo + hi) // 2
             lo, hi = (lo, mid) if predict(mid) <= self.bytes else (mid + 1, hi)
-        self.predicted_peak = predict(lo)
-        dropped = {id(n) for ns in ranked[:lo] for n in ns}
+        dropped, offloaded = chosen(lo)
+        walk = walk_step(root, dropped, eager, offloaded)
+        self.predicted_peak, self.predicted_host_peak = walk.peak, walk.host_peak
         gone = set()
         for _, candidates in regions:  # replay annotate's order: inner regions decide first, drops stay dropped
             remaining = [n for n in candidates if id(n) not in gone]
-            self.planned[_structure(remaining)] = tuple(id(n) not in dropped for n in remaining)
+            self.planned[_structure(remaining)] = tuple(
+                offload.OFFLOAD if id(n) in offloaded else id(n) not in dropped for n in remaining)
             for n in remaining:
                 if id(n) in dropped:
                     n.drop = True
-                    release(n)  # eager mode computed it already; backward recomputes it when needed
+                    if id(n) in offloaded:
+                        offload.mark(n)
+                    offload.release_value(n)  # eager mode computed it already: recomputed, or parked, for backward
                     gone.add(id(n))
         return Planned(tuple(self.planned.items()))
+
+    def _cheaper_way(self, node):
+        """(how `node` leaves the device — False: recomputed, offload.OFFLOAD: parked in host memory —, its cost
+        per byte)."""
+        recompute = recompute_cost_per_byte(node)
+        if self.offload and offload.offloadable(node) and OFFLOAD_COST_PER_BYTE < recompute:
+            return offload.OFFLOAD, OFFLOAD_COST_PER_BYTE
+        return False, recompute
 
 
 def _bytes(node):

@@ -1,0 +1,147 @@
+"""Offloading: a saved value parked in host memory after its last forward use, and fetched back for backward.
+
+A third state for a value backward will read, beside kept and dropped (recomputed). A policy offloads a value by
+returning `checkpoint.OFFLOAD` for it; `checkpoint.annotate` then marks it (`mark`) and sets its `drop` flag, so
+the forward pass gives its device buffer back as it gives back a dropped value's — through `release_value`, which
+first copies a marked value to the host (`park`). The backward plan (backward.plan_backward) fetches a parked value
+instead of recomputing it: the fetch is issued a step before the step whose gradient reads it (`Step.fetch`), and
+the value is released after its last use like any other, its host copy with it (`release_value` again).
+
+Host copies come from a pool of NumPy buffers reused by size (a step parks the same sizes every time: allocating
+host memory per tensor is what makes offloading slow in practice), outside the device allocator, so
+`memory_stats()` shows exactly the device bytes a GPU would hold; `host_bytes()` counts the host side. On cuda the
+copies go through page-locked memory and the copy stream (`array_api.to_host` / `from_host_async`); on cpu() they
+are plain copies, so all their time is exposed (`traffic()["copy_seconds_exposed"]`).
+
+The copies are exact: a fetched value is the very bytes the forward pass made, so gradients are bit-identical to
+gc off's. Rule 4c still holds: a fetched value is a computed value, and reading it checks the versions as ever.
+"""
+import time
+import weakref
+
+import numpy as np
+
+from .autograd import element_shapes, infer_spec, release
+from .backend_ndarray import array_api
+
+__all__ = ["OFFLOAD", "HostPool", "fetch", "host_bytes", "is_marked", "is_parked", "mark", "offloadable", "park",
+           "parked_bytes", "release_value", "reset_traffic", "traffic"]
+
+OFFLOAD = "offload"  # what a policy answers for a value to offload (checkpoint.OFFLOAD)
+
+_marked = weakref.WeakSet()  # values to park when the forward pass gives them back
+_parked = weakref.WeakKeyDictionary()  # value -> (its host copy, its (shape, dtype, device), the copy's finalizer)
+_traffic = {"offloaded_bytes": 0, "fetched_bytes": 0, "host_peak_bytes": 0, "copy_seconds_exposed": 0.0}
+
+
+class HostPool:
+    """Host buffers reused by size: `take(nbytes)` gives a uint8 array (a free one of that size, else a new one),
+    `give(array)` returns it. What the pool holds (in use or free) is its `held_bytes`."""
+
+    def __init__(self):
+        self.free, self.in_use_bytes, self.held_bytes = {}, 0, 0
+
+    def take(self, nbytes):
+        free = self.free.get(nbytes)
+        buffer = free.pop() if free else None
+        if buffer is None:
+            buffer = np.empty(nbytes, dtype=np.uint8)
+            self.held_bytes += nbytes
+        self.in_use_bytes += nbytes
+        return buffer
+
+    def give(self, buffer):
+        self.in_use_bytes -= buffer.nbytes
+        self.free.setdefault(buffer.nbytes, []).append(buffer)
+
+    def clear(self):
+        """Give the free buffers back to the OS."""
+        self.held_bytes -= sum(b.nbytes for bs in self.free.values() for b in bs)
+        self.free.clear()
+
+
+POOL = HostPool()
+
+
+def offloadable(node):
+    """Whether offloading `node` would give device bytes back: an array with a buffer of its own, not a view (a
+    view or a tuple costs nothing to recompute)."""
+    if node.op is None or node.op.view:
+        return False
+    spec = infer_spec(node)
+    return spec is not None and element_shapes(spec[0]) is None
+
+
+def mark(node):
+    """Offload `node`: park it in host memory when the forward pass gives its device buffer back."""
+    _marked.add(node)
+
+
+def is_marked(node):
+    return node in _marked
+
+
+def is_parked(node):
+    return node in _parked
+
+
+def parked_bytes(node):
+    """Bytes of host memory holding `node`'s parked value (0 if it is not parked)."""
+    parked = _parked.get(node)
+    return 0 if parked is None else parked[0].nbytes
+
+
+def host_bytes():
+    """Bytes of host memory holding parked values now."""
+    return POOL.in_use_bytes
+
+
+def traffic():
+    """The copies since the last `reset_traffic()`: bytes offloaded and fetched, the most host bytes held at once,
+    and the seconds spent copying that nothing else ran beside (on cpu(): all of them)."""
+    return dict(_traffic)
+
+
+def reset_traffic():
+    _traffic.update(offloaded_bytes=0, fetched_bytes=0, host_peak_bytes=0, copy_seconds_exposed=0.0)
+
+
+def park(node):
+    """Copy `node`'s value (an array) to a host buffer from the pool; the caller releases the device value."""
+    data = node.cached_data
+    start = time.perf_counter()
+    host = array_api.to_host(data)  # on cuda: into page-locked memory, asynchronously
+    array_api.wait_for_copies(data.device)
+    buffer = POOL.take(host.nbytes)
+    buffer.view(host.dtype).reshape(host.shape)[...] = host
+    # A graph that dies before its backward (an exception, an eval step) still gives its host copies back.
+    _parked[node] = (buffer, (tuple(data.shape), host.dtype, data.device), weakref.finalize(node, POOL.give, buffer))
+    _traffic["copy_seconds_exposed"] += time.perf_counter() - start
+    _traffic["offloaded_bytes"] += host.nbytes
+    _traffic["host_peak_bytes"] = max(_traffic["host_peak_bytes"], POOL.in_use_bytes)
+
+
+def fetch(node):
+    """Bring a parked value back to its device: `node.cached_data` again, its host copy still parked (released with
+    the value after its last use)."""
+    buffer, (shape, dtype, device), _ = _parked[node]
+    start = time.perf_counter()
+    data, ready = array_api.from_host_async(buffer.view(dtype).reshape(shape), device)
+    ready()
+    node.cached_data = data
+    _traffic["copy_seconds_exposed"] += time.perf_counter() - start
+    _traffic["fetched_bytes"] += buffer.nbytes
+
+
+def release_value(node, last_use=False):
+    """Give `node`'s device value back (autograd.release). A marked value is parked first (the forward pass's
+    release); a parked value keeps its host copy until `last_use` (backward's release after its last use, or of a
+    value no gradient reads), and a second release before that changes nothing."""
+    if node in _parked:
+        if last_use:
+            buffer, _, finalizer = _parked.pop(node)
+            finalizer.detach()
+            POOL.give(buffer)
+    elif node in _marked and node.cached_data is not None and not isinstance(node.cached_data, tuple):
+        park(node)
+    release(node)

@@ -1,0 +1,142 @@
+"""Offloading (offload.py): a value parked in host memory after its last forward use and fetched back for backward.
+
+Exact (the copies are the forward's bytes: gradients bit-identical to gc off for lazy/eager x float32/bfloat16),
+planned as data (fetches in the backward plan, issued a step ahead, no recomputation of a fetched value's
+ancestors), counted (device bytes leave the allocator, host bytes are the pool's), predicted by the Budget's ledger,
+and still guarded by rule 4c (issue #29)."""
+import gc
+
+import numpy as np
+import pytest
+
+import needle as ndl
+from needle import checkpoint, nn, offload
+from needle.backend_ndarray import memory_stats, reset_peak_memory_stats
+from needle.backward import plan_backward, reads
+from models import LanguageModel
+
+DEVICE = ndl.cpu()
+pytestmark = pytest.mark.skipif(not DEVICE.enabled(), reason="the compiled CPU backend is not built")
+
+
+def lm(policy=None, layers=2, dtype="float32"):
+    np.random.seed(0)
+    model = LanguageModel(16, 40, 32, num_layers=layers, seq_model="transformer", seq_len=8, device=DEVICE,
+                          num_head=2, dim_head=8, dropout=0.1)
+    if dtype != "float32":
+        model.astype(dtype)
+    if policy is not None:
+        model.enable_gc(policy=policy)
+    return model
+
+
+def batch(seed=0):
+    rs = np.random.RandomState(seed)
+    X = ndl.Tensor(rs.randint(0, 40, (8, 4)).astype(np.float32), device=DEVICE, requires_grad=False)
+    y = ndl.Tensor(rs.randint(0, 40, (32,)).astype(np.float32), device=DEVICE, requires_grad=False)
+    return X, y
+
+
+def forward(model, lazy):
+    X, y = batch()
+    np.random.seed(7)  # dropout's masks: the same draws in every run
+    with ndl.autograd.lazy_mode(lazy):
+        return nn.SoftmaxLoss()(model(X)[0], y)
+
+
+def gradients(policy, lazy, dtype="float32"):
+    model = lm(policy, dtype=dtype)
+    loss = forward(model, lazy)
+    loss.backward()
+    return [p.grad.numpy() for p in model.parameters()], checkpoint.last_backward_stats()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("lazy", [True, False], ids=["lazy", "eager"])
+def test_offloaded_gradients_are_bit_identical_to_gc_off(lazy, dtype):
+    reference, _ = gradients(None, lazy, dtype)
+    got, stats = gradients("offload", lazy, dtype)
+    assert stats["fetched_nodes"] > 0 and stats["fetched_bytes"] > 0 and stats["offloaded_bytes"] > 0
+    for a, b in zip(reference, got):
+        assert np.array_equal(a, b)
+
+
+def test_a_fetched_value_is_not_recomputed_and_its_fetch_is_issued_a_step_ahead():
+    model = lm("offload")
+    loss = forward(model, lazy=True)
+    loss.realize_cached_data()
+    plan = plan_backward(loss)
+    fetched = plan.fetched()
+    assert fetched and all(offload.is_parked(n) for n in fetched)
+    recomputed = {id(n) for n in plan.recomputed()}
+    assert not recomputed & {id(n) for n in fetched}
+    # only views and tuples are recomputed (offload drops them: they cost nothing to make again)
+    assert all(not offload.offloadable(n) for n in plan.recomputed())
+    for i, step in enumerate(plan.steps):
+        for n in step.fetch:  # its first reader is the step after the one that issues the fetch (or, first, itself)
+            readers = [j for j, s in enumerate(plan.steps) if not s.node.is_leaf() and
+                       (any(x is n for x in reads(s.node)) or any(any(x is n for x in r.inputs) for r in s.recompute))]
+            assert min(readers) == i + (i > 0), (i, readers)
+
+
+def test_parked_values_leave_the_device_and_come_back_from_the_host_pool():
+    base = memory_stats(DEVICE)["current_bytes"]
+    off = forward(lm(None), lazy=True)
+    off.realize_cached_data()
+    kept_off = memory_stats(DEVICE)["current_bytes"] - base
+    del off
+    base, host_before = memory_stats(DEVICE)["current_bytes"], offload.host_bytes()
+    model = lm("offload")
+    on = forward(model, lazy=True)
+    on.realize_cached_data()
+    kept_on = memory_stats(DEVICE)["current_bytes"] - base
+    host = offload.host_bytes() - host_before
+    assert host > 0 and kept_on < kept_off
+    rows = checkpoint.saved_residuals(on)
+    assert sum(b for _, reason, b in rows if reason == "offloaded") == host
+    on.backward()
+    assert offload.host_bytes() == host_before, "every host copy goes back to the pool after its last use"
+    held = offload.POOL.held_bytes
+    forward(model, lazy=True).backward()
+    assert offload.POOL.held_bytes == held, "a second step reuses the pool's buffers"
+
+
+def test_a_write_in_place_between_forward_and_backward_is_still_caught():
+    model = lm("offload")
+    loss = forward(model, lazy=False)
+    p = model.parameters()[2]
+    p.data = p.data + 1.0
+    with pytest.raises(RuntimeError, match="rule 4c"):
+        loss.backward()
+
+
+@pytest.mark.parametrize("lazy", [True, False], ids=["lazy", "eager"])
+def test_budget_with_offload_predicts_the_device_and_host_bytes(lazy):
+    def step(model):
+        for p in model.parameters():  # last step's gradients would be given back during this one's backward
+            p.grad = None
+        gc.collect()  # and a previous model's garbage during this one's
+        base = memory_stats(DEVICE)["current_bytes"]
+        reset_peak_memory_stats(DEVICE)
+        forward(model, lazy).backward()
+        return memory_stats(DEVICE)["peak_bytes"] - base
+    probe = checkpoint.Budget(step(lm(None, layers=4)), offload=True)  # for the least peak offloading can reach
+    step(lm(probe, layers=4))
+    budget = checkpoint.Budget(int(1.1 * probe.minimum_peak), offload=True)
+    model = lm(budget, layers=4)
+    peaks = [step(model) for _ in range(2)]
+    stats = checkpoint.last_backward_stats()
+    assert stats["fetched_nodes"] > 0 and stats["recomputed_nodes"] > 0  # both ways off the device
+    assert peaks[-1] <= budget.bytes
+    if lazy:  # (eager: the first step traces, and its model of when values die errs high, on the safe side)
+        assert abs(peaks[-1] / budget.predicted_peak - 1) <= 0.01
+    assert budget.predicted_host_peak == stats["host_peak_bytes"]
+    assert {f for flags in budget.planned.values() for f in flags} >= {True, False, checkpoint.OFFLOAD}
+
+
+def test_policy_offload_is_a_named_policy_and_print_saved_residuals_totals_host_apart(capsys):
+    loss = forward(lm("offload"), lazy=False)
+    checkpoint.print_saved_residuals(loss)
+    printed = capsys.readouterr().out
+    assert " offloaded\n" in printed and "offloaded to host memory" in printed.splitlines()[-1]
+    assert checkpoint.resolve_policy("offload") is checkpoint.offload_all
