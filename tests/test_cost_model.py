@@ -71,11 +71,16 @@ def test_every_node_of_a_language_model_graph_gets_a_kind_and_nothing_is_compute
 
 
 def test_linear_flops_in_the_language_model_are_2mnk():
-    linears = [n for n in language_model_graph() if isinstance(n.op, ops.Linear)]
+    order = language_model_graph()
+    linears = [n for n in order if isinstance(n.op, ops.Linear)]
     assert len(linears) >= 8  # q, k, v, out and two MLP layers per layer, and the head
     for n in linears:
         x, w = (infer_spec(i)[0] for i in n.inputs[:2])
         assert op_work(n)[1] == 2 * math.prod(x[:-1]) * w[0] * w[1]
+    (head,) = [n for n in order if isinstance(n.op, ops.LinearCrossEntropy)]
+    (head_grad,) = [n for n in order if isinstance(n.op, ops.LinearCrossEntropyGrad)]
+    assert op_work(head)[1] == 2 * 32 * 16 * 50  # tokens x embedding x vocabulary: the logits h W
+    assert op_work(head_grad)[1] == 3 * op_work(head)[1]  # the logits again, dz W^T, h^T dz
 
 
 def test_matmul_flops_and_bytes_for_known_shapes():
@@ -91,6 +96,9 @@ def test_attention_flops_count_the_pairs_the_kernel_visits():
     causal = lazy(lambda q, k, v: ops.scaled_dot_product_attention(q, k, v, causal=True), *[(B, H, T, D)] * 3)
     assert op_work(full)[:2] == ("attention", 4 * B * H * T * T * D)
     assert op_work(causal.inputs[0])[:2] == ("attention", 4 * B * H * (T * (T + 1) // 2) * D)
+    with autograd.lazy_mode(True):
+        grads = full.op.gradient_as_tuple(stand_in_grad(full), full)
+    assert op_work(grads[0].inputs[0])[:2] == ("attention", 2 * B * H * T * T * 5 * D)  # five products per tile
 
 
 def test_conv_flops_are_im2col_matmul_flops():

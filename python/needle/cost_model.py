@@ -14,8 +14,11 @@ cache, never a stopwatch. `CostModel` answers the planner's questions from it:
     model.copy_seconds(nbytes, "to_host"), model.copy_seconds(nbytes, "to_device")
     model.hidden_seconds(copy, compute_around)                   # how much of that copy hides under compute
 
-The model is a roofline with one rate per kind: it is right about which values are cheap or dear to recompute
-and by how much, within tens of percent per op (benchmarks/bench_cost_model.py puts it beside measured times).
+The model is a roofline with one rate per kind, so what it knows is coarse: a kind's rate is its rate at the
+benchmark's sizes (a small matmul runs below it, a strided input's copy is in its op's time only where the
+benchmark had one too), and a view that must copy (a reshape of a transposed value) is priced as a view, its
+copy small beside the matmuls around it. What it gets right is which values are cheap or dear to recompute, and
+by how much; benchmarks/bench_cost_model.py puts its predictions beside measured times, kind by kind.
 """
 import hashlib
 import json
@@ -35,8 +38,8 @@ from .backend_selection import BACKEND, array_api, default_device
 from .backward import Compute
 from .version import package_version
 
-__all__ = ["DIRECTIONS", "FLOP_KINDS", "KINDS", "Calibration", "CostModel", "cache_dir", "device_copies_overlap",
-           "machine_key", "op_work"]
+__all__ = ["DIRECTIONS", "FLOP_KINDS", "KINDS", "MEASURED_KINDS", "Calibration", "CostModel", "cache_dir", "cpu_model",
+           "device_copies_overlap", "machine_key", "op_work"]
 
 # Every kind of work an op can be. The first three take time by their FLOPs, the rest by the bytes they move;
 # a view moves nothing (its output lives in its input's buffer), so it costs only the per-op overhead.
@@ -178,14 +181,22 @@ def _leaf(device, *shape, high=None):
     return Tensor(data.astype(numpy.float32), device=device, requires_grad=False)
 
 
+def _heads(x):
+    with autograd.lazy_mode(False):
+        return ops.transpose(x, (1, 2))  # computed now (a view: no copy), so the timed op reads it strided
+
+
 def _sample_node(kind, n, device):
     """One lazy graph node of `kind` at size `n` (its inputs are leaves with values): what the benchmark times."""
     with autograd.lazy_mode(True):
         if kind == "matmul":
             return ops.matmul(_leaf(device, n, n), _leaf(device, n, n))
-        if kind == "attention":  # scaled_dot_product_attention returns out = (out, lse)[0]: time the op itself
-            q, k, v = (_leaf(device, 2, 4, n, 32) for _ in range(3))
+        if kind == "attention":  # n = (B, T), 4 heads of 64, read as a Transformer reads them: each head a
+            # strided view of a projection's output (B, T, H, D); timed: the op itself, not its output [0]
+            q, k, v = (_heads(_leaf(device, n[0], n[1], 4, 64)) for _ in range(3))
             return ops.scaled_dot_product_attention(q, k, v, causal=True).inputs[0]
+        if kind == "view":
+            return ops.transpose(_leaf(device, n, 4))
         if kind == "conv":
             return ops.conv(_leaf(device, 2, n, n, 16), _leaf(device, 3, 3, 16, 16), padding=1)
         if kind == "layernorm":
@@ -209,10 +220,12 @@ def _sample_node(kind, n, device):
 
 # Sizes per kind (n of _sample_node): a few milliseconds each at the larger one, so the whole calibration takes
 # about a second; quick: tiny ones, for tests (their rates are positive, not meaningful).
-SIZES = {"matmul": (128, 256), "attention": (64, 128), "conv": (16, 32), "layernorm": (256, 1024),
+SIZES = {"matmul": (256, 512), "attention": ((16, 32), (4, 128)), "conv": (16, 32), "layernorm": (256, 1024),
          "softmax": (256, 1024), "logsumexp": (256, 1024), "cross_entropy": (256, 1024),
          "elementwise": (256, 1024), "reduction": (256, 1024), "copy": (256, 1024), "cast": (256, 1024)}
-QUICK_SIZES = {"matmul": (8,), "attention": (4,), "conv": (4,)}
+QUICK_SIZES = {"matmul": (8,), "attention": ((1, 4),), "conv": (4,)}
+# The per-op overhead: the median time of these kinds' ops at size 1 (their work is next to nothing).
+OVERHEAD_KINDS = ("elementwise", "view", "reduction", "layernorm", "matmul")
 COPY_BYTES, QUICK_COPY_BYTES = (16 << 20, 32 << 20), (1 << 20,)
 
 
@@ -237,7 +250,8 @@ def _compute_seconds(node, machine, repeats):
 def _measure_rates(device, quick, repeats):
     """({kind: flop/s or bytes/s}, per-op overhead in seconds) from timing each kind's op at its sizes."""
     machine = Compute()
-    overhead = _compute_seconds(_sample_node("elementwise", 1, device), machine, repeats)
+    overhead = statistics.median(_compute_seconds(_sample_node(kind, 1, device), machine, repeats)
+                                 for kind in OVERHEAD_KINDS)
     rates = {}
     for kind in MEASURED_KINDS:
         work = seconds = 0.0
