@@ -1,0 +1,402 @@
+"""What a value costs in seconds: to recompute it, and to move its bytes to host memory and back, on this machine.
+
+A checkpointing planner trades memory for time, so it needs the time. Each op's work is read from its class and
+its inputs' and output's specs (shapes and dtypes; nothing is computed): `op_work` gives its kind, its FLOPs (for
+the matmul-like kinds, whose time follows them) and the bytes it reads and writes (for the rest, whose time
+follows those). A short benchmark (`Calibration.measure`) times the real ops of each kind at a few sizes on the
+device, through the very machine that recomputes values (`backward.Compute`), and turns them into one rate per
+kind (flop/s or bytes/s) plus a fixed per-op overhead (Python dispatch), and times host copies each way for the
+bandwidth. It is measured once per machine and cached as JSON (`Calibration.load_or_measure`); planning reads the
+cache, never a stopwatch. `CostModel` answers the planner's questions from it:
+
+    model = CostModel(host_bandwidth=16e9)                       # plan as if copies ran over PCIe 4
+    model.recompute_seconds(path)                                # the ops on a recompute path, summed
+    model.copy_seconds(nbytes, "to_host"), model.copy_seconds(nbytes, "to_device")
+    model.hidden_seconds(copy, compute_around)                   # how much of that copy hides under compute
+
+The model is a roofline with one rate per kind, so what it knows is coarse: a kind's rate is its rate at the
+benchmark's sizes (a small matmul runs below it, a strided input's copy is in its op's time only where the
+benchmark had one too), and a view that must copy (a reshape of a transposed value) is priced as a view, its
+copy small beside the matmuls around it. What it gets right is which values are cheap or dear to recompute, and
+by how much; benchmarks/bench_cost_model.py puts its predictions beside measured times, kind by kind.
+"""
+import hashlib
+import json
+import math
+import os
+import platform
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy
+
+from . import autograd, ops
+from .autograd import Tensor, elements_of, infer_spec, spec_nbytes
+from .backend_selection import BACKEND, array_api, default_device
+from .backward import Compute
+from .version import package_version
+
+__all__ = ["DIRECTIONS", "FLOP_KINDS", "KINDS", "MEASURED_KINDS", "Calibration", "CostModel", "cache_dir", "cpu_model",
+           "device_copies_overlap", "machine_key", "op_work"]
+
+# Every kind of work an op can be. The first three take time by their FLOPs, the rest by the bytes they move;
+# a view moves nothing (its output lives in its input's buffer), so it costs only the per-op overhead.
+KINDS = ("matmul", "attention", "conv", "layernorm", "softmax", "logsumexp", "cross_entropy", "elementwise",
+         "reduction", "view", "copy", "cast")
+FLOP_KINDS = ("matmul", "attention", "conv")
+MEASURED_KINDS = tuple(k for k in KINDS if k != "view")
+DIRECTIONS = ("to_host", "to_device")
+
+# Op class -> kind, for the ops whose kind their class decides (a view op is told by `op.view`; any op not here
+# is "elementwise", priced by its bytes: right for the element-wise ops, a fair guess for new ones).
+KIND_OF_OP = {
+    ops.MatMul: "matmul", ops.Linear: "matmul", ops.LinearCrossEntropy: "matmul", ops.LinearCrossEntropyGrad: "matmul",
+    ops.ScaledDotProductAttention: "attention", ops.ScaledDotProductAttentionGrad: "attention",
+    ops.Conv: "conv",
+    ops.LayerNorm: "layernorm", ops.LayerNormGrad: "layernorm",
+    ops.LogSoftmax: "softmax", ops.LogSumExp: "logsumexp",
+    ops.SoftmaxCrossEntropy: "cross_entropy", ops.SoftmaxCrossEntropyGrad: "cross_entropy",
+    ops.Summation: "reduction",
+    ops.Stack: "copy", ops.Split: "copy", ops.Flip: "copy", ops.Pad: "copy", ops.Dilate: "copy",
+    ops.UnDilate: "copy", ops.GatherRows: "copy", ops.ScatterAddRows: "copy", ops.PickColumns: "copy",
+    ops.ScatterColumns: "copy",
+    ops.Cast: "cast",
+}
+
+
+# ----- work: what an op does, from specs alone ------------------------------------------------------------------
+def _spec(node, who):
+    spec = infer_spec(node)
+    if spec is None:
+        raise ValueError(f"op_work: cannot infer the shape of {who} without computing it; give the op an infer_shape")
+    return spec
+
+
+def _attention_pairs(t_q, t_k, causal):
+    """(query, key) pairs the fused kernel visits: all, or under the causal mask (query i sees keys j <= i +
+    T_k - T_q) the visible ones, which is all the CPU and CUDA kernels compute."""
+    if not causal:
+        return t_q * t_k
+    return t_q * (t_k - t_q) + t_q * (t_q + 1) // 2
+
+
+def _flops(op, input_shapes, out_shape):
+    """Multiply-adds x 2 of the matmul-like ops; 0 for the others (their time follows their bytes)."""
+    if isinstance(op, (ops.MatMul, ops.Linear)):
+        return 2 * elements_of(out_shape) * input_shapes[0][-1]  # (..., m, k) x (k, n): 2 m n k per batch
+    if isinstance(op, (ops.LinearCrossEntropy, ops.LinearCrossEntropyGrad)):
+        (n, h), v = input_shapes[0], input_shapes[1][1]
+        # forward: the logits h W; the gradient: the logits again, dz W^T and h^T dz
+        return 2 * n * h * v * (3 if isinstance(op, ops.LinearCrossEntropyGrad) else 1)
+    if isinstance(op, (ops.ScaledDotProductAttention, ops.ScaledDotProductAttentionGrad)):
+        (b, h, t_q, d), (_, _, t_k, _), d_v = input_shapes[0], input_shapes[1], input_shapes[2][-1]
+        pairs = b * h * _attention_pairs(t_q, t_k, op.causal)
+        if isinstance(op, ops.ScaledDotProductAttention):
+            return 2 * pairs * (d + d_v)  # q k^T, then p v: ~4 B H T T D
+        return 2 * pairs * (3 * d + 2 * d_v)  # q k^T again, dout v^T, p^T dout, ds k, ds^T q (FlashAttention-2)
+    if isinstance(op, ops.Conv):
+        kh, kw, c_in, _ = input_shapes[1]
+        return 2 * elements_of(out_shape) * kh * kw * c_in  # im2col's matmul
+    return 0
+
+
+def op_work(node):
+    """(kind, flops, bytes) of computing `node`, from its op's class and its inputs' and output's specs only.
+
+    kind is one of KINDS; flops counts the matmul-like kinds' (FLOP_KINDS) floating-point operations and is 0 for
+    the others; bytes are what the op reads and writes: its inputs' and its output's (0 for a view, which moves
+    nothing). A leaf has no op: ValueError.
+    """
+    if node.op is None:
+        raise ValueError("op_work: a leaf has no op (its value is data, never computed)")
+    op = node.op
+    if op.view:
+        return "view", 0, 0
+    who = type(op).__name__
+    input_specs = [_spec(x, f"an input of {who}") for x in node.inputs]
+    out_spec = _spec(node, who)
+    kind = KIND_OF_OP.get(type(op), "elementwise")
+    nbytes = sum(spec_nbytes(s) for s in input_specs) + spec_nbytes(out_spec)
+    flops = _flops(op, [s[0] for s in input_specs], out_spec[0]) if kind in FLOP_KINDS else 0
+    return kind, int(flops), int(nbytes)
+
+
+def _work(kind, flops, nbytes):
+    return flops if kind in FLOP_KINDS else nbytes
+
+
+# ----- the machine: where the calibration is cached -------------------------------------------------------------
+def cpu_model():
+    """The CPU's model name (/proc/cpuinfo), or what the platform says where there is none."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_key(device=None, quick=False):
+    """What a calibration is valid for: the CPU model, its cores, OpenMP's threads, the device, the array library
+    and needle's version. A calibration is reused only where all of them match."""
+    device = device or default_device()
+    return {"cpu": cpu_model(), "cores": os.cpu_count(), "omp_threads": os.environ.get("OMP_NUM_THREADS", ""),
+            "device": device.name, "backend": BACKEND, "needle": package_version(), "quick": bool(quick)}
+
+
+def cache_dir():
+    """Where calibrations are cached: $NEEDLE_CACHE_DIR, else $XDG_CACHE_HOME/needle, else ~/.cache/needle."""
+    if os.environ.get("NEEDLE_CACHE_DIR"):
+        return Path(os.environ["NEEDLE_CACHE_DIR"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "needle"
+
+
+def _cache_path(key):
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return cache_dir() / f"calibration-{digest}.json"
+
+
+def device_copies_overlap(device=None):
+    """Whether host copies on `device` run beside its compute (a copy stream: CUDA). On cpu() and the NumPy
+    backends `to_host`/`from_host_async` are synchronous copies, so nothing hides under compute there.
+    (The same test array_api applies to choose asynchronous copies.)"""
+    device = device or default_device()
+    return callable(getattr(getattr(device, "mod", None), "copy_from_host_async", None))
+
+
+def _check_rate(what, value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{what} must be a positive finite number, got {value!r}")
+    return float(value)
+
+
+# ----- the calibration: one short benchmark per machine ---------------------------------------------------------
+def _leaf(device, *shape, high=None):
+    rng = numpy.random.default_rng(0)  # its own stream: calibrating leaves the global RNG alone
+    data = rng.integers(0, high, shape) if high else rng.random(shape, dtype=numpy.float32) - 0.5
+    return Tensor(data.astype(numpy.float32), device=device, requires_grad=False)
+
+
+def _heads(x):
+    with autograd.lazy_mode(False):
+        return ops.transpose(x, (1, 2))  # computed now (a view: no copy), so the timed op reads it strided
+
+
+def _sample_node(kind, n, device):
+    """One lazy graph node of `kind` at size `n` (its inputs are leaves with values): what the benchmark times."""
+    with autograd.lazy_mode(True):
+        if kind == "matmul":
+            return ops.matmul(_leaf(device, n, n), _leaf(device, n, n))
+        if kind == "attention":  # n = (B, T), 4 heads of 64, read as a Transformer reads them: each head a
+            # strided view of a projection's output (B, T, H, D); timed: the op itself, not its output [0]
+            q, k, v = (_heads(_leaf(device, n[0], n[1], 4, 64)) for _ in range(3))
+            return ops.scaled_dot_product_attention(q, k, v, causal=True).inputs[0]
+        if kind == "view":
+            return ops.transpose(_leaf(device, n, 4))
+        if kind == "conv":
+            return ops.conv(_leaf(device, 2, n, n, 16), _leaf(device, 3, 3, 16, 16), padding=1)
+        if kind == "layernorm":
+            return ops.layer_norm(_leaf(device, n, 256), _leaf(device, 256), _leaf(device, 256))
+        if kind == "softmax":
+            return ops.logsoftmax(_leaf(device, n, 512))
+        if kind == "logsumexp":
+            return ops.logsumexp(_leaf(device, n, 512), axes=(1,))
+        if kind == "cross_entropy":
+            return ops.softmax_cross_entropy(_leaf(device, n, 512), _leaf(device, n, high=512))
+        if kind == "elementwise":
+            return ops.add(_leaf(device, n, 1024), _leaf(device, n, 1024))
+        if kind == "reduction":
+            return ops.summation(_leaf(device, n, 1024), axes=(1,))
+        if kind == "copy":
+            return ops.flip(_leaf(device, n, 1024), (0,))
+        if kind == "cast":
+            return ops.cast(_leaf(device, n, 1024), "bfloat16")
+    raise ValueError(f"Calibration: no benchmark for kind {kind!r}")
+
+
+# Sizes per kind (n of _sample_node): a few milliseconds each at the larger one, so the whole calibration takes
+# about a second; quick: tiny ones, for tests (their rates are positive, not meaningful).
+SIZES = {"matmul": (256, 512), "attention": ((16, 32), (4, 128)), "conv": (16, 32), "layernorm": (256, 1024),
+         "softmax": (256, 1024), "logsumexp": (256, 1024), "cross_entropy": (256, 1024),
+         "elementwise": (256, 1024), "reduction": (256, 1024), "copy": (256, 1024), "cast": (256, 1024)}
+QUICK_SIZES = {"matmul": (8,), "attention": ((1, 4),), "conv": (4,)}
+# The per-op overhead: the median time of these kinds' ops at size 1 (their work is next to nothing).
+OVERHEAD_KINDS = ("elementwise", "view", "reduction", "layernorm", "matmul")
+COPY_BYTES, QUICK_COPY_BYTES = (16 << 20, 32 << 20), (1 << 20,)
+
+
+def _median_seconds(run, repeats):
+    run()  # warm-up: first-touch page faults, the allocator's cache
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _compute_seconds(node, machine, repeats):
+    """Seconds `machine.compute(node)` takes (the recompute path's own call), the value released after each."""
+    def run():
+        machine.compute(node)
+        autograd.release(node)
+    return _median_seconds(run, repeats)
+
+
+def _measure_rates(device, quick, repeats):
+    """({kind: flop/s or bytes/s}, per-op overhead in seconds) from timing each kind's op at its sizes."""
+    machine = Compute()
+    overhead = statistics.median(_compute_seconds(_sample_node(kind, 1, device), machine, repeats)
+                                 for kind in OVERHEAD_KINDS)
+    rates = {}
+    for kind in MEASURED_KINDS:
+        work = seconds = 0.0
+        for n in (QUICK_SIZES.get(kind, (4,)) if quick else SIZES[kind]):
+            node = _sample_node(kind, n, device)
+            work += _work(*op_work(node))
+            seconds += max(_compute_seconds(node, machine, repeats) - overhead, 1e-9)
+        rates[kind] = work / seconds  # total work over total time: the larger size weighs most
+    return rates, overhead
+
+
+def _measure_bandwidth(device, quick, repeats):
+    """{direction: bytes/s} of host copies: to_host (device -> host) and from_host_async + ready()."""
+    sizes = QUICK_COPY_BYTES if quick else COPY_BYTES
+    seconds = {direction: 0.0 for direction in DIRECTIONS}
+    for nbytes in sizes:
+        host = numpy.full(nbytes // 4, 1.0, dtype=numpy.float32)
+        on_device, ready = array_api.from_host_async(host, device)
+        ready()
+
+        def to_device():
+            _, copy_ready = array_api.from_host_async(host, device)
+            copy_ready()
+
+        def to_host():
+            array_api.to_host(on_device)
+            array_api.wait_for_copies(device)
+        seconds["to_device"] += _median_seconds(to_device, repeats)
+        seconds["to_host"] += _median_seconds(to_host, repeats)
+    return {direction: sum(sizes) / max(s, 1e-9) for direction, s in seconds.items()}
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """This machine's rates: `rates[kind]` in flop/s (FLOP_KINDS) or bytes/s (the other kinds but "view"), the
+    fixed seconds every op costs besides its work (`overhead_seconds`: Python dispatch, a backend call), the host
+    copies' bandwidth each way (`host_bandwidth[direction]`, bytes/s) and the machine it was measured on."""
+
+    rates: dict
+    overhead_seconds: float
+    host_bandwidth: dict
+    machine: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        missing = [k for k in MEASURED_KINDS if k not in self.rates]
+        missing += [d for d in DIRECTIONS if d not in self.host_bandwidth]
+        if missing:
+            raise ValueError(f"Calibration: needs a rate for every kind of {MEASURED_KINDS} and a host bandwidth for "
+                             f"{DIRECTIONS}; missing {missing}")
+        for kind, rate in self.rates.items():
+            _check_rate(f"Calibration: the rate of {kind!r}", rate)
+        for direction, rate in self.host_bandwidth.items():
+            _check_rate(f"Calibration: host_bandwidth[{direction!r}]", rate)
+        if not math.isfinite(self.overhead_seconds) or self.overhead_seconds < 0:
+            raise ValueError(f"Calibration: overhead_seconds must be >= 0, got {self.overhead_seconds!r}")
+
+    @classmethod
+    def measure(cls, device=None, quick=False, repeats=3):
+        """Time each kind's op at a few sizes on `device` (the median of `repeats`) and host copies of 16 and 32 MB
+        each way: about a second. quick: tiny sizes, for tests (rates positive and finite, not meaningful)."""
+        device = device or default_device()
+        rates, overhead = _measure_rates(device, quick, repeats)
+        bandwidth = _measure_bandwidth(device, quick, repeats)
+        return cls(rates, overhead, bandwidth, machine_key(device, quick))
+
+    @classmethod
+    def load_or_measure(cls, device=None, quick=False):
+        """This machine's calibration from the cache (`cache_dir()`), measured and cached first if there is none
+        (or it is unreadable): measure once per machine, before training, never inside a step."""
+        key = machine_key(device, quick)
+        path = _cache_path(key)
+        try:
+            calibration = cls.from_dict(json.loads(path.read_text()))
+            if calibration.machine == key:
+                return calibration
+        except (OSError, ValueError, TypeError, KeyError):
+            pass  # none yet, or written by another version: measure again
+        calibration = cls.measure(device, quick)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # whole files only: processes may share it
+        partial.write_text(json.dumps(calibration.to_dict(), indent=1, sort_keys=True))
+        os.replace(partial, path)
+        return calibration
+
+    @classmethod
+    def nominal(cls):
+        """Round figures of a small CPU, not measured: for plans and tests that must not depend on the machine."""
+        rates = {"matmul": 2e10, "attention": 1e10, "conv": 1e10, "cast": 2e9}
+        rates.update({k: 4e9 for k in MEASURED_KINDS if k not in rates})
+        return cls(rates, 2e-5, {"to_host": 8e9, "to_device": 8e9}, {"nominal": True})
+
+    def to_dict(self):
+        return {"rates": dict(self.rates), "overhead_seconds": self.overhead_seconds,
+                "host_bandwidth": dict(self.host_bandwidth), "machine": dict(self.machine)}
+
+    @classmethod
+    def from_dict(cls, d):
+        return cls(dict(d["rates"]), float(d["overhead_seconds"]), dict(d["host_bandwidth"]), dict(d["machine"]))
+
+
+class CostModel:
+    """Seconds to compute a value, to recompute a path of them, and to copy bytes to the host and back.
+
+    device: whose calibration (default: the default device); calibration: a `Calibration` (default:
+    `Calibration.load_or_measure(device)`, measured once per machine and cached); host_bandwidth: bytes/s to
+    plan copies with instead of the measured figure, both ways (16e9: as if over PCIe 4).
+
+    compute_seconds(node) = overhead + work / rate[kind], work being op_work's FLOPs for the matmul-like kinds and
+    bytes for the others. `hidden_seconds` says how much of a copy a copy stream hides under the compute issued
+    beside it: what a GPU would hide. On cpu() copies are synchronous and hide nothing; `device_copies_overlap`
+    tells which case a device is.
+    """
+
+    def __init__(self, device=None, host_bandwidth=None, calibration=None):
+        self.device = device or default_device()
+        self.calibration = calibration if calibration is not None else Calibration.load_or_measure(self.device)
+        if host_bandwidth is not None:
+            host_bandwidth = _check_rate("CostModel: host_bandwidth (bytes/s)", host_bandwidth)
+        self.host_bandwidth = host_bandwidth
+
+    def compute_seconds(self, node):
+        """Seconds to compute `node` from its inputs (a leaf: 0, it is never computed)."""
+        if node.op is None:
+            return 0.0
+        kind, flops, nbytes = op_work(node)
+        rate = self.calibration.rates.get(kind)
+        return self.calibration.overhead_seconds + (_work(kind, flops, nbytes) / rate if rate else 0.0)
+
+    def recompute_seconds(self, nodes):
+        """Seconds to recompute a path: the ops of `nodes`, each once."""
+        return sum(self.compute_seconds(node) for node in nodes)
+
+    def copy_seconds(self, nbytes, direction="to_host"):
+        """Seconds to copy `nbytes` to the host ("to_host") or back ("to_device"), at `host_bandwidth` if given."""
+        if direction not in DIRECTIONS:
+            raise ValueError(f"CostModel.copy_seconds: direction must be one of {DIRECTIONS}, got {direction!r}")
+        if nbytes < 0:
+            raise ValueError(f"CostModel.copy_seconds: nbytes must be >= 0, got {nbytes}")
+        return nbytes / (self.host_bandwidth or self.calibration.host_bandwidth[direction])
+
+    def hidden_seconds(self, copy_seconds, compute_seconds_around):
+        """How much of a copy hides under the compute issued beside it: min(copy, compute). That is what a device
+        with a copy stream (CUDA) hides; on cpu() copies are synchronous and the real overlap is 0, so callers
+        that model this machine check `device_copies_overlap(device)` first."""
+        if copy_seconds < 0 or compute_seconds_around < 0:
+            raise ValueError(f"CostModel.hidden_seconds: seconds must be >= 0, got copy {copy_seconds}, compute "
+                             f"{compute_seconds_around}")
+        return min(copy_seconds, compute_seconds_around)
