@@ -34,6 +34,21 @@ DEVICES = [
 COMPILED_DEVICES = [DEVICES[0], DEVICES[2]]
 
 
+@pytest.fixture(autouse=True, scope="session")
+def nominal_costs():
+    """Every Budget made in a test plans with cost_model.Calibration.nominal(): round figures, not this machine's
+    measured rates, so that what a Budget chooses is the same on every machine and every run (the calibration
+    itself is tested in test_cost_model.py)."""
+    from needle import checkpoint_budget
+    from needle.cost_model import Calibration, CostModel
+
+    def nominal(device=None, host_bandwidth=None, calibration=None):
+        return CostModel(device, host_bandwidth, calibration or Calibration.nominal())
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(checkpoint_budget, "CostModel", nominal)
+        yield
+
+
 @pytest.fixture
 def rng():
     return np.random.default_rng(0)

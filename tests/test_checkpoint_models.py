@@ -224,7 +224,8 @@ def test_budget_infeasible_raises_with_minimum():
 def _measured_peak(model, forward, make_batch, lazy=True, predict=False):
     """The allocator's peak over one training step, minus the bytes held when it started (before the batch is
     made, as Budget counts it); with `predict`, also predict_peak's prediction for the step's drops."""
-    model.parameters()
+    for p in model.parameters():  # as an optimizer's reset_grad: last step's gradients are not freed in this one's
+        p.grad = None
     python_gc.collect()
     nd.reset_peak_memory_stats(DEVICE)
     base = nd.memory_stats(DEVICE)["current_bytes"]

@@ -29,6 +29,7 @@ from .autograd import (Machine, defer_until_realized, element_shapes, elements_o
 from .backend_ndarray.ndarray import compact_strides  # the strides NDArray gives a compact array
 from .backend_ndarray.ndarray import is_transposed_matrix  # the views a 2-D matmul reads in place
 from .backward import plan_backward, run_backward
+from .cost_model import CostModel, device_copies_overlap
 from .ops import MakeTensorTuple, TupleGetItem
 
 __all__ = ["Budget", "Ledger", "Planned", "predict_peak"]
@@ -224,14 +225,9 @@ def _structure(nodes):
     return tuple((type(n.op).__name__, tuple(_spec(n)[0])) for n in nodes)
 
 
-def recompute_cost_per_byte(node):
-    """A node's recompute cost relative to the bytes that dropping it saves (matmul/conv cost the most)."""
-    return 64.0 if node.op.saveable else 1.0
-
-
-# Parking a value and fetching it back, per byte, on recompute_cost_per_byte's scale: two copies of its bytes, dearer
-# than recomputing an element-wise op, cheaper than a matmul.
-OFFLOAD_COST_PER_BYTE = 4.0
+# The Budget plans for a peak this much under its bound, where it can: the ledger's prediction is within 1% of the
+# allocator's, and the bound is a promise (M_peak <= bytes at every step, the first included).
+PREDICTION_MARGIN = 0.01
 
 
 @dataclass(frozen=True)
@@ -259,10 +255,13 @@ class Budget:
     policy. An infeasible budget raises ValueError naming the least peak the graph can reach by checkpointing.
     """
 
-    def __init__(self, bytes, offload=False, host_bandwidth=None):
+    def __init__(self, bytes, offload=False, host_bandwidth=None, cost_model=None):
         self.bytes = int(bytes)
         self.offload = bool(offload)  # may a value be parked in host memory instead of recomputed?
         self.host_bandwidth = host_bandwidth  # bytes/s to plan copies with (None: as measured on this machine)
+        # Seconds to recompute a value or to copy it (cost_model.py): calibrated once per machine and cached, read
+        # here, when the Budget is made, so that no step's planning pays for it.
+        self.cost_model = cost_model or CostModel(host_bandwidth=host_bandwidth)
         self.planned = {}  # region structure -> keep flags (True, False or OFFLOAD): the frozen policy
         self.predicted_peak = None
         self.predicted_time = None
@@ -276,6 +275,10 @@ class Budget:
 
     def __repr__(self):
         return f"Budget({self.bytes}{', offload=True' if self.offload else ''})"
+
+    def copies_overlap(self):
+        """Whether copies run beside compute: on a device with a copy stream, or when planning for a given link."""
+        return self.host_bandwidth is not None or device_copies_overlap(self.cost_model.device)
 
     def __call__(self, nodes, outputs=()):
         if not nodes:  # a region of one op (Linear, ReLU): nothing to decide
@@ -324,9 +327,11 @@ class Budget:
                 if id(n) not in group_of and id(n) in above:  # a value outside the step frees nothing
                     group_of[id(n)] = (key, position)
                     groups.setdefault((key, position), []).append(n)
-        # How each group would leave the device, and at what cost per byte: recomputed, or (offload=True) parked.
-        how = {id(ns[0]): self._cheaper_way(ns[0]) for ns in groups.values()}
-        ranked = sorted(groups.values(), key=lambda ns: (how[id(ns[0])][1], -_bytes(ns[0])))
+        # How each group would leave the device, and at what cost in seconds: recomputed, or (offload=True) parked.
+        forward = [n for n in find_topo_sort([root]) if not n.is_leaf()]
+        around = sum(map(self.cost_model.compute_seconds, forward)) / max(len(forward), 1)  # one op's compute
+        how = {id(ns[0]): self._cheaper_way(ns[0], around) for ns in groups.values()}
+        ranked = sorted(groups.values(), key=lambda ns: (how[id(ns[0])][1] / max(_bytes(ns[0]), 1), -_bytes(ns[0])))
         # Model the forward pass the way later steps will run it: lazily if this one has not been computed yet.
         eager = None if root.cached_data is None else [([o for o in outs if o is not None], c) for outs, c in regions]
 
@@ -342,13 +347,16 @@ class Budget:
             raise InfeasibleBudget(f"{self!r} is infeasible: the least peak activation memory this graph can "
                                    f"reach by checkpointing is {self.minimum_peak} bytes "
                                    f"({self.minimum_peak / 2**20:.1f} MB)")
+        target = max(self.minimum_peak, self.bytes * (1 - PREDICTION_MARGIN))  # (with room for prediction error)
         lo, hi = 0, len(ranked)  # the fewest groups (cheapest recomputation) whose prediction fits
         while lo < hi:
             mid = (lo + hi) // 2
-            lo, hi = (lo, mid) if predict(mid) <= self.bytes else (mid + 1, hi)
+            lo, hi = (lo, mid) if predict(mid) <= target else (mid + 1, hi)
         dropped, offloaded = chosen(lo)
         walk = walk_step(root, dropped, eager, offloaded)
         self.predicted_peak, self.predicted_host_peak = walk.peak, walk.host_peak
+        # forward + backward, about three forward passes, plus what leaving the device costs
+        self.predicted_time = 3 * around * len(forward) + sum(how[id(ns[0])][1] for ns in ranked[:lo] for _ in ns)
         gone = set()
         for _, candidates in regions:  # replay annotate's order: inner regions decide first, drops stay dropped
             remaining = [n for n in candidates if id(n) not in gone]
@@ -363,13 +371,17 @@ class Budget:
                     gone.add(id(n))
         return Planned(tuple(self.planned.items()))
 
-    def _cheaper_way(self, node):
-        """(how `node` leaves the device — False: recomputed, offload.OFFLOAD: parked in host memory —, its cost
-        per byte)."""
-        recompute = recompute_cost_per_byte(node)
-        if self.offload and offload.offloadable(node) and OFFLOAD_COST_PER_BYTE < recompute:
-            return offload.OFFLOAD, OFFLOAD_COST_PER_BYTE
-        return False, recompute
+    def _cheaper_way(self, node, around):
+        """(how `node` leaves the device — False: recomputed, offload.OFFLOAD: parked in host memory —, what that
+        costs in seconds). A copy to the host and back; where copies overlap compute, the part of each that the
+        compute beside it (`around`: one op's seconds) does not hide."""
+        recompute = self.cost_model.compute_seconds(node)
+        if not (self.offload and offload.offloadable(node)):
+            return False, recompute
+        copies = [self.cost_model.copy_seconds(_bytes(node), way) for way in ("to_host", "to_device")]
+        if self.copies_overlap():
+            copies = [c - self.cost_model.hidden_seconds(c, around) for c in copies]
+        return (offload.OFFLOAD, sum(copies)) if sum(copies) < recompute else (False, recompute)
 
 
 def _bytes(node):
