@@ -140,3 +140,11 @@ def test_policy_offload_is_a_named_policy_and_print_saved_residuals_totals_host_
     printed = capsys.readouterr().out
     assert " offloaded\n" in printed and "offloaded to host memory" in printed.splitlines()[-1]
     assert checkpoint.resolve_policy("offload") is checkpoint.offload_all
+
+
+def test_to_dot_draws_offloaded_values_in_their_own_style():
+    loss = forward(lm("offload"), lazy=True)
+    dot = ndl.viz.to_dot(loss)
+    offloaded = [line for line in dot.splitlines() if "doubleoctagon" in line and "label=" in line]
+    assert offloaded and all("\\noffloaded" in line for line in offloaded if "legend" not in line)
+    assert "offloaded to host memory, fetched for backward" in dot

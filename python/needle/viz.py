@@ -4,13 +4,14 @@
     # then, in a shell (Graphviz):  dot -Tpng graph.dot -o graph.png     or paste it into any DOT viewer
 
 Kept values are solid boxes, dropped ones dashed grey, dropped values that backward recomputes orange (read
-off the backward plan of this very graph, so the marking cannot go stale), leaves (parameters, inputs,
+off the backward plan of this very graph, so the marking cannot go stale), offloaded values (parked in host
+memory, fetched back for backward: offload.py) purple double octagons, leaves (parameters, inputs,
 constants) green ellipses; a legend repeats this. Each node shows its op (a parameter: its name), shape and
 bytes. The nodes of one annotated region (a module's forward when checkpointing is on, a `checkpoint()` call)
 are boxed together under the module's class name. `hide_views=True` leaves out view nodes (reshape, broadcast,
 transpose: no buffer of their own) and draws their inputs straight to their consumers.
 """
-from . import checkpoint
+from . import checkpoint, offload
 from .autograd import find_topo_sort, infer_spec, spec_nbytes
 from .backward import plan_backward
 
@@ -21,19 +22,23 @@ _STYLES = {
     "kept": 'shape=box, style=filled, fillcolor="#dde8f7"',
     "dropped": 'shape=box, style="dashed,filled", fillcolor="#eeeeee", color="#888888"',
     "recomputed": 'shape=box, style="filled,bold", fillcolor="#ffcc80", color="#e65100"',
+    "offloaded": 'shape=doubleoctagon, style=filled, fillcolor="#e1d5f0", color="#6a3d9a"',
 }
 _LEGEND = {
     "leaf": "leaf: parameter, input, constant",
     "kept": "kept for backward",
     "dropped": "dropped, not needed again",
     "recomputed": "dropped, recomputed in backward",
+    "offloaded": "offloaded to host memory, fetched for backward",
 }
 
 
 def node_kind(node, recomputed_ids=frozenset()):
-    """'leaf', 'recomputed', 'dropped' or 'kept' (the reason a value is or is not in memory)."""
+    """'leaf', 'offloaded', 'recomputed', 'dropped' or 'kept' (the reason a value is or is not in memory)."""
     if node.is_leaf():
         return "leaf"
+    if offload.is_marked(node):
+        return "offloaded"
     if id(node) in recomputed_ids:
         return "recomputed"
     return "dropped" if node.drop else "kept"
