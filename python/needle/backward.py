@@ -203,6 +203,8 @@ class Compute(Machine):
         """A parked value back from host memory: the bytes the forward pass made (offload.py)."""
         with memory_hook.phase("recompute"):
             offload.fetch(node)
+        if memory_hook.RECORDER is not None:
+            memory_hook.RECORDER.fetched(node)  # needle.memory: what the fetched buffer is
         self.stats["fetched_nodes"] += 1
 
     def release(self, node):

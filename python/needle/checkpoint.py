@@ -37,7 +37,7 @@ import weakref
 from collections import Counter
 from dataclasses import dataclass
 
-from . import offload
+from . import autograd, offload
 from .autograd import Value, element_shapes, find_topo_sort, infer_spec, itemsize, release, spec_nbytes
 from .backward import always_kept, last_backward_stats
 from .checkpoint_budget import Budget
@@ -184,6 +184,7 @@ def annotate(out_node, in_nodes, segment_len=None, policy=None, label=None):
     candidates = [n for n in order if id(n) not in boundary and not n.is_leaf() and not n.drop and not always_kept(n)
                   and n.op.recomputable]  # a collective's output is kept: recomputing it would call it again
     keep = keep_flags(candidates, outs)
+    offload_outputs(outs, keep[len(candidates):])
     for node, kept in zip(candidates, keep):
         if kept is OFFLOAD or kept == OFFLOAD:
             node.drop = True
@@ -198,12 +199,25 @@ def annotate(out_node, in_nodes, segment_len=None, policy=None, label=None):
             _reasons.pop(node, None)
             release(node)
     for node in outs:
-        _reasons[node] = "boundary"
+        if _reasons.get(node) != "offloaded":
+            _reasons[node] = "boundary"
     region = (label or "region", next(_region_numbers))
     for node in order:  # the inner region ran first and keeps its nodes
         if id(node) not in stop and not node.is_leaf():
             _regions.setdefault(node, region)
     return out_node
+
+
+def offload_outputs(outputs, flags):
+    """A policy may answer for the region's outputs too, after its candidates (Budget(b, offload=True) does): an
+    output flagged OFFLOAD is parked once its last consumer has run, and fetched back for backward. Only in lazy
+    mode, where realization gives a value back after its last consumer; an eager forward keeps outputs."""
+    for node, flag in zip(outputs, flags):
+        if (flag is OFFLOAD or flag == OFFLOAD) and autograd.LAZY_MODE and node.cached_data is None \
+                and offload.offloadable(node) and not always_kept(node):
+            node.drop = True
+            offload.mark(node)
+            _reasons[node] = "offloaded"
 
 
 # Why an annotated node is kept ("boundary": a region's output; "checkpoint": chosen by the policy). Read by

@@ -28,7 +28,7 @@ from .autograd import (Machine, defer_until_realized, element_shapes, elements_o
                        itemsize, placeholder, realize, spec_nbytes)
 from .backend_ndarray.ndarray import compact_strides  # the strides NDArray gives a compact array
 from .backend_ndarray.ndarray import is_transposed_matrix  # the views a 2-D matmul reads in place
-from .backward import plan_backward, run_backward
+from .backward import always_kept, plan_backward, run_backward
 from .cost_model import CostModel, device_copies_overlap
 from .ops import MakeTensorTuple, TupleGetItem
 
@@ -320,17 +320,25 @@ class Budget:
             return Planned(tuple(self.planned.items()))
         # Group a node by the first region that lists it and its place there: regions of one structure (the
         # layers of a stack) get one decision per place, so the frozen table replays them all.
+        # Eager mode never gives a region's output back in its forward pass, so only a lazy step offloads outputs:
+        # with offload=True a region's output, the checkpoint recomputation starts from, may be parked too.
+        lazy = root.cached_data is None
         group_of, groups = {}, {}
-        for _, candidates in regions:
+        for outs, candidates in regions:
             key = _structure(candidates)
-            for position, n in enumerate(candidates):
+            places = [(position, n) for position, n in enumerate(candidates)]
+            if self.offload and lazy:
+                places += [(("out", position), n) for position, n in enumerate(outs)
+                           if n is not None and offload.offloadable(n) and not always_kept(n)]
+            for position, n in places:
                 if id(n) not in group_of and id(n) in above:  # a value outside the step frees nothing
                     group_of[id(n)] = (key, position)
                     groups.setdefault((key, position), []).append(n)
         # How each group would leave the device, and at what cost in seconds: recomputed, or (offload=True) parked.
         forward = [n for n in find_topo_sort([root]) if not n.is_leaf()]
         around = sum(map(self.cost_model.compute_seconds, forward)) / max(len(forward), 1)  # one op's compute
-        how = {id(ns[0]): self._cheaper_way(ns[0], around) for ns in groups.values()}
+        how = {id(ns[0]): self._cheaper_way(ns[0], around, output=isinstance(place, tuple))
+               for (_, place), ns in groups.items()}
         ranked = sorted(groups.values(), key=lambda ns: (how[id(ns[0])][1] / max(_bytes(ns[0]), 1), -_bytes(ns[0])))
         # Model the forward pass the way later steps will run it: lazily if this one has not been computed yet.
         eager = None if root.cached_data is None else [([o for o in outs if o is not None], c) for outs, c in regions]
@@ -358,11 +366,14 @@ class Budget:
         # forward + backward, about three forward passes, plus what leaving the device costs
         self.predicted_time = 3 * around * len(forward) + sum(how[id(ns[0])][1] for ns in ranked[:lo] for _ in ns)
         gone = set()
-        for _, candidates in regions:  # replay annotate's order: inner regions decide first, drops stay dropped
+        for outs, candidates in regions:  # replay annotate's order: inner regions decide first, drops stay dropped
             remaining = [n for n in candidates if id(n) not in gone]
-            self.planned[_structure(remaining)] = tuple(
-                offload.OFFLOAD if id(n) in offloaded else id(n) not in dropped for n in remaining)
-            for n in remaining:
+            flags = tuple(offload.OFFLOAD if id(n) in offloaded else id(n) not in dropped for n in remaining)
+            parked_outputs = [o for o in outs if lazy and o is not None and id(o) in offloaded and id(o) not in gone]
+            if parked_outputs:  # its outputs' flags follow its candidates' (annotate: offload_outputs)
+                flags += tuple(offload.OFFLOAD if n is not None and id(n) in offloaded else True for n in outs)
+            self.planned[_structure(remaining)] = flags
+            for n in parked_outputs + remaining:
                 if id(n) in dropped:
                     n.drop = True
                     if id(n) in offloaded:
@@ -371,17 +382,17 @@ class Budget:
                     gone.add(id(n))
         return Planned(tuple(self.planned.items()))
 
-    def _cheaper_way(self, node, around):
+    def _cheaper_way(self, node, around, output=False):
         """(how `node` leaves the device — False: recomputed, offload.OFFLOAD: parked in host memory —, what that
         costs in seconds). A copy to the host and back; where copies overlap compute, the part of each that the
-        compute beside it (`around`: one op's seconds) does not hide."""
+        compute beside it (`around`: one op's seconds) does not hide. A region's `output` can only be parked."""
         recompute = self.cost_model.compute_seconds(node)
         if not (self.offload and offload.offloadable(node)):
             return False, recompute
         copies = [self.cost_model.copy_seconds(_bytes(node), way) for way in ("to_host", "to_device")]
         if self.copies_overlap():
             copies = [c - self.cost_model.hidden_seconds(c, around) for c in copies]
-        return (offload.OFFLOAD, sum(copies)) if sum(copies) < recompute else (False, recompute)
+        return (offload.OFFLOAD, sum(copies)) if output or sum(copies) < recompute else (False, recompute)
 
 
 def _bytes(node):

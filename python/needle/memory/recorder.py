@@ -32,7 +32,8 @@ CATEGORIES = {
     "parameter": "a Parameter's data",
     "gradient": "made by backward: a parameter's .grad, or a gradient on its way there",
     "optimizer_state": "what an optimizer keeps between steps (moments, master weights, quantized state)",
-    "activation_kept": "a forward value still alive when backward starts: kept for backward (the reason says why)",
+    "activation_kept": "a forward value still alive when backward starts: kept for backward (the reason says why), "
+                       "or one offloaded to host memory and fetched back",
     "activation_recomputed": "a dropped value made again by backward (gradient checkpointing)",
     "workspace": "a temporary: made and given back within an op, a forward pass or an optimizer step",
     "input": "the data of a leaf Tensor that is not a Parameter (a batch, a constant)",
@@ -224,6 +225,15 @@ class Recorder:
                 elif self.phase == "backward":
                     block.category = "gradient"
         self.op_node, self.op_blocks = None, []
+
+    def fetched(self, node):
+        """backward fetched `node`'s value from host memory (offload.py): a kept activation, brought back."""
+        for key in buffers_of(node.cached_data):
+            block = self.live.get(key)
+            if block is not None:
+                block.category, block.node = "activation_kept", weakref.ref(node)
+                block.op, block.module = type(node.op).__name__, self.module_of.get(node)
+                block.reason = "offloaded after its last forward use, fetched back for backward"
 
     def module_of_node(self, node):
         return None if node is None else self.module_of.get(node, self.backward_module)
