@@ -347,24 +347,24 @@ class Budget:
             dropped = {id(n) for ns in ranked[:t] for n in ns}
             return dropped, {id(n) for ns in ranked[:t] if how[id(ns[0])][0] is offload.OFFLOAD for n in ns}
 
-        def predict(t):  # the peak with the t cheapest groups dropped
-            return predict_peak(root, *chosen(t)[:1], eager, chosen(t)[1])
+        walks = {}
 
-        self.minimum_peak = predict(len(ranked))
+        def walk(t):  # the ledger's walk with the t cheapest groups off the device (each t walked once)
+            if t not in walks:
+                walks[t] = walk_step(root, *chosen(t)[:1], eager, chosen(t)[1])
+            return walks[t]
+
+        self.minimum_peak = walk(len(ranked)).peak
         if self.minimum_peak > self.bytes:
             raise InfeasibleBudget(f"{self!r} is infeasible: the least peak activation memory this graph can "
                                    f"reach by checkpointing is {self.minimum_peak} bytes "
                                    f"({self.minimum_peak / 2**20:.1f} MB)")
         target = max(self.minimum_peak, self.bytes * (1 - PREDICTION_MARGIN))  # (with room for prediction error)
-        lo, hi = 0, len(ranked)  # the fewest groups (cheapest recomputation) whose prediction fits
-        while lo < hi:
-            mid = (lo + hi) // 2
-            lo, hi = (lo, mid) if predict(mid) <= target else (mid + 1, hi)
-        dropped, offloaded = chosen(lo)
-        walk = walk_step(root, dropped, eager, offloaded)
-        self.predicted_peak, self.predicted_host_peak = walk.peak, walk.host_peak
+        t = fewest_that_fit(lambda t: walk(t).peak, len(ranked), target)
+        dropped, offloaded = chosen(t)
+        self.predicted_peak, self.predicted_host_peak = walk(t).peak, walk(t).host_peak
         # forward + backward, about three forward passes, plus what leaving the device costs
-        self.predicted_time = 3 * around * len(forward) + sum(how[id(ns[0])][1] for ns in ranked[:lo] for _ in ns)
+        self.predicted_time = 3 * around * len(forward) + sum(how[id(ns[0])][1] for ns in ranked[:t] for _ in ns)
         gone = set()
         for outs, candidates in regions:  # replay annotate's order: inner regions decide first, drops stay dropped
             remaining = [n for n in candidates if id(n) not in gone]
@@ -393,6 +393,25 @@ class Budget:
         if self.copies_overlap():
             copies = [c - self.cost_model.hidden_seconds(c, around) for c in copies]
         return (offload.OFFLOAD, sum(copies)) if output or sum(copies) < recompute else (False, recompute)
+
+
+def fewest_that_fit(peak, n, target):
+    """The least t in [0, n] with peak(t) <= target, given peak(n) <= target (peak: falling as t grows). Each walk
+    of the ledger costs about a backward pass, so instead of halving the interval the search guesses where the
+    peak crosses the target by interpolating between the interval's ends (a falsi step), halving only when a guess
+    lands on an end: a few walks instead of log2(n)."""
+    lo, hi = 0, n  # peak(hi) fits; lo is the least t that may fit
+    if peak(0) <= target:
+        return 0
+    high, low = peak(0), peak(n)  # peak at lo (does not fit) and at hi (fits)
+    while hi - lo > 1:
+        guess = lo + int((high - target) / max(high - low, 1) * (hi - lo))
+        t = guess if lo < guess < hi else (lo + hi) // 2
+        if peak(t) <= target:
+            hi, low = t, peak(t)
+        else:
+            lo, high = t, peak(t)
+    return hi
 
 
 def _bytes(node):
