@@ -18,6 +18,10 @@ ABLATIONS = {
     "selective": ("checkpointing, policy selective: matmul outputs kept", {**BASE, "policy": "selective"}),
     "budget": ("checkpointing, Budget(b): b midway between the least M_peak and gc off's (--budget-mb to choose)",
                {**BASE, "policy": "budget"}),
+    "offload-all": ("offloading, policy offload: what all drops parked in host memory, fetched back for backward",
+                    {**BASE, "policy": "offload"}),
+    "budget-offload": ("Budget(b, offload=True): the budget row's b, each value kept, recomputed or offloaded",
+                       {**BASE, "policy": "budget", "offload": True}),
     "fused": ("the fused LM head (model.loss: the logits never held whole), gc off", {**BASE, "head": "fused"}),
     "combined": (f"gc all + fused head + gradient accumulation x{ACCUMULATE}",
                  {"policy": "all", "head": "fused", "accumulate": ACCUMULATE}),
@@ -38,6 +42,9 @@ ABLATIONS = {
     "dp": ("data parallel over the mpiexec ranks: batch/N per rank, gradients all-reduced",
            {**BASE, "parallel": "dp"}),
 }
+
+
+BUDGET_ROWS = {"budget", "budget-offload"}  # the rows bounded by one b: --budget-mb, or chosen up front
 
 
 def default_rows():

@@ -14,7 +14,7 @@ from dataclasses import replace
 
 from needle import distributed as dist
 
-from .ablations import ABLATIONS, ACCUMULATE, default_rows
+from .ablations import ABLATIONS, ACCUMULATE, BUDGET_ROWS, default_rows
 from .commands import ablate, plot, run, sweep, timeline
 from .console import BAD_INPUT_EXIT, INTERRUPTED_EXIT, fail
 from .outputs import check_outputs, checkpoint_file
@@ -155,8 +155,8 @@ def validate_ablate(config):
     if accumulating and config.batch_size % ACCUMULATE:
         fail(f"ablate: row {accumulating[0]} trains {ACCUMULATE} micro-batches of --batch-size / {ACCUMULATE}: "
              f"give a --batch-size that divides by {ACCUMULATE}, not {config.batch_size}")
-    if config.budget_mb is not None and "budget" not in (config.rows or ABLATIONS):
-        fail("ablate: --budget-mb is the bound of the budget row: add budget to --rows")
+    if config.budget_mb is not None and not BUDGET_ROWS & set(config.rows or ABLATIONS):
+        fail("ablate: --budget-mb is the bound of the budget rows: add budget to --rows (or budget-offload)")
 
 
 def validate_policies(config):

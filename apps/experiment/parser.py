@@ -274,8 +274,9 @@ def add_ablate_flags(p):
     flag(g, "steps", type=int, default=8, metavar="N", help="optimizer steps each row trains")
     flag(g, "warmup", type=int, default=2, metavar="N", help="steps left out of the T_step median")
     flag(g, "budget_mb", type=float, default=None, metavar="MB",
-         help="the budget row's M_peak bound, in MiB (default: midway between the least M_peak checkpointing can "
-              "reach and gc off's, as Budget's planner predicts them; checked before any row runs)")
+         help="the M_peak bound of the budget rows (budget, budget-offload), in MiB (default: midway between the "
+              "least M_peak checkpointing can reach and gc off's, as Budget's planner predicts them; checked before "
+              "any row runs)")
     g = p.add_argument_group("training and measurement")
     flag(g, "lazy", action=argparse.BooleanOptionalAction, default=True,
          help="lazy evaluation: ops record the graph and realization computes it (default: lazy)")
