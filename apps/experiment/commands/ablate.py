@@ -22,7 +22,8 @@ from .plot import plot_ablation
 ABLATION_KEYS = ["policy", "head", "batch_size", "accumulation_steps", "effective_batch_size", "budget_bytes",
                  "activation_bytes", "peak_activation_bytes", "floor_bytes", "rss_peak_bytes", "step_time_seconds",
                  "timed_steps", "step_time_reliable", "loss", "recomputed_nodes", "param_bytes", "grad_bytes",
-                 "optimizer_bytes", "offloaded_bytes", "parallel", "world_size", "tokens_per_second", "per_rank"]
+                 "optimizer_bytes", "offloaded_bytes", "parallel", "world_size", "tokens_per_second", "per_rank",
+                 "host_peak_bytes", "activation_offloaded_bytes", "copy_seconds_exposed", "copy_hidden_fraction"]
 
 
 def main(config):
