@@ -19,7 +19,7 @@ from needle.checkpoint_budget import InfeasibleBudget
 from needle.data import batchify
 
 from conftest import GC_DEVICE, GC_ROOT, GC_TINY, strict_json, tiny_ptb
-from experiment import children, cli, data, footprint, parser, records, setup
+from experiment import ablations, children, cli, data, footprint, parser, records, setup
 from experiment.measure import PeakRSS
 
 EXPERIMENT = os.path.join(GC_ROOT, "apps", "experiment")
@@ -80,6 +80,21 @@ def test_a_childs_command_line_comes_from_the_run_parser(tmp_path):
     assert child.lazy is False
     with pytest.raises(ValueError, match="rows is not a flag of gc.py run"):
         children.child_argv(parent, "synthetic", {"rows": ["all"]}, "all", tmp_path / "x.json")
+
+
+def test_only_a_budget_child_is_told_the_budget_offload_and_bandwidth(tmp_path):
+    """gc.py sweep --over budget_mb and ablate's offload rows: the Budget flags reach the children with policy
+    budget (budget-offload is --policy budget --offload), never a policy that would refuse them."""
+    parent = cli.parse_args(["sweep", "--over", "budget_mb", "--values", "0.5", "--host-bandwidth", "16"] + GC_TINY)
+    both = cli.parse_args(children.child_argv(parent, "synthetic", {"budget_mb": 0.5, "offload": True}, "budget",
+                                              tmp_path / "a.json"))
+    assert (both.policy, both.budget_mb, both.offload, both.host_bandwidth) == ("budget", 0.5, True, 16.0)
+    alone = cli.parse_args(children.child_argv(parent, "synthetic", {"budget_mb": 0.5, "offload": False}, "offload",
+                                               tmp_path / "b.json"))
+    assert (alone.policy, alone.budget_mb, alone.offload, alone.host_bandwidth) == ("offload", None, False, None)
+    assert setup.BUDGET_CURVES["budget-offload"] == ("budget", True)
+    assert ablations.ABLATIONS["offload-all"][1]["policy"] == "offload"
+    assert {"policy": "budget", "offload": True}.items() <= ablations.ABLATIONS["budget-offload"][1].items()
 
 
 # ----- set-up --------------------------------------------------------------------------------------------------------

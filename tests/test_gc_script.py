@@ -26,6 +26,7 @@ from conftest import GC_ROOT as ROOT
 from conftest import GC_TINY as TINY
 from conftest import gc_process as _gc
 from conftest import run_gc, strict_json, tiny_ptb
+from experiment import cli, setup
 from experiment.commands import run as run_command
 
 SUBCOMMANDS = ["run", "sweep", "max-batch", "ablate", "timeline", "plot"]
@@ -207,7 +208,8 @@ def test_every_subcommand_has_help_with_defaults_and_the_definitions():
     run_help = results["run"][1]
     assert "--batch-size N" in run_help and "(default: 32)" in run_help
     assert "--accumulation-steps K" in run_help and "effective batch" in run_help
-    assert "--policy {off,all,sqrt,selective,budget}" in run_help and "None" not in run_help.split("--policy")[1][:40]
+    assert "--policy {off,all,sqrt,selective,budget,offload}" in run_help and \
+        "None" not in run_help.split("--policy")[1][:48]
     assert "--head {full,fused}" in run_help and "(default: fused)" in run_help.split("--head {full,fused}")[1]
     assert "--rows ROW" in results["ablate"][1] and "--steps N" in results["ablate"][1]
     assert "--memory-limit-mb MB" in results["max-batch"][1] and "(required)" in results["max-batch"][1]
@@ -921,3 +923,105 @@ def test_timeline_writes_both_snapshots_a_png_and_a_page(tmp_path, capsys):
     # another configuration writes files of its own, never over these
     run_gc(["timeline"] + TINY + ["--data", data, "--out", str(out), "--seq-len", "4"])
     assert set(files) < set(os.listdir(out))
+
+
+# ----- offloading (issue #29): --policy offload, --offload, --host-bandwidth, the budget sweep -----------------------
+def test_offloading_flags_are_checked_in_one_line_before_any_work(tmp_path):
+    data, out = tiny_ptb(tmp_path), tmp_path / "out"
+    tiny = TINY + ["--data", data, "--out", str(out)]
+    cases = [
+        (["--offload"], "--offload lets Budget park values in host memory: give --policy budget"),
+        (["--policy", "offload", "--offload"], "--offload lets Budget park values in host memory"),
+        (["--policy", "budget", "--budget-mb", "5", "--host-bandwidth", "0"],
+         "--host-bandwidth must be a positive number of GB/s, got 0"),
+        (["--policy", "budget", "--budget-mb", "5", "--host-bandwidth", "-16"], "must be a positive number of GB/s"),
+        (["--policy", "budget", "--budget-mb", "5", "--host-bandwidth", "nan"], "must be a positive number of GB/s"),
+        (["--policy", "budget", "--budget-mb", "5", "--host-bandwidth", "fast"], "invalid float value: 'fast'"),
+        (["--policy", "offload", "--host-bandwidth", "16"], "--host-bandwidth is the bandwidth Budget plans"),
+        (["--policy", "budget", "--offload", "--budget-mb", "0.001"], "is infeasible: the least M_peak"),
+        (["sweep", "--over", "budget_mb", "--values", "0.02", "0"], "--values must be positive numbers of MiB"),
+        (["sweep", "--over", "budget_mb", "--values", "0.02", "--policies", "budget", "all"],
+         "policy all has no budget"),
+        (["sweep", "--over", "budget_mb", "--values", "0.02", "--budget-mb", "5"], "leave --budget-mb out"),
+        (["sweep", "--over", "budget_mb", "--values", "0.000001"], "--values 1e-06 is infeasible"),
+        (["sweep", "--values", "4.5"], "--values must be positive integers"),
+        (["sweep", "--policies", "off", "budget-offload"], "is a curve of gc.py sweep --over budget_mb"),
+        (["sweep", "--policies", "off", "--host-bandwidth", "16"], "add budget to --policies"),
+        (["ablate", "--rows", "offload-all", "--budget-mb", "5"], "add budget to --rows"),
+    ]
+    commands = [argv[:1] + tiny + argv[1:] if argv[0] in ("sweep", "ablate") else tiny + argv for argv, _ in cases]
+    commands[-1] = ["ablate", "--rows", "offload-all", "--budget-mb", "5"]  # ablate has no --max-batches
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda argv: _gc(*argv), commands))
+    for (argv, text), result in zip(cases, results):
+        assert text in _one_line_error(*result), argv
+    assert not out.exists()
+
+
+def test_policy_offload_writes_host_bytes_and_trains_exactly_as_gc_off(tmp_path, capsys):
+    out = tmp_path / "out"
+    run_gc(TINY + ["--data", tiny_ptb(tmp_path), "--out", str(out), "--policy", "offload", "--seed", "3"])
+    printed = capsys.readouterr().out
+    off, on = sorted((strict_json(out / f) for f in os.listdir(out)), key=lambda r: r["use_gc"])
+    assert on["policy"] == "offload"
+    assert on["host_peak_bytes"] > 0 and on["activation_offloaded_bytes"] >= on["host_peak_bytes"]
+    assert on["activation_fetched_bytes"] > 0 and on["fetched_nodes"] > 0
+    assert on["copy_seconds_exposed"] > 0 and on["copy_hidden_fraction"] == 0  # cpu(): copies are synchronous
+    for step in on["steps"]:
+        assert step["host_peak_bytes"] > 0 and step["copy_seconds_exposed"] > 0
+    assert off["host_peak_bytes"] == 0 and off["activation_offloaded_bytes"] == 0
+    assert off["copy_hidden_fraction"] is None  # nothing copied, no share to speak of
+    assert on["peak_activation_bytes"] < off["peak_activation_bytes"]  # parked outside the device allocator
+    # offload and fetch are copies: the same losses, and after the optimizer the same parameters, bit for bit
+    assert on["loss"] == off["loss"]
+    assert [s["loss"] for s in on["steps"]] == [s["loss"] for s in off["steps"]]
+    assert on["parameters_sha256"] == off["parameters_sha256"]
+    table = printed.split("gc off       gc on")[1].split("\n\n")[0]
+    rows = [line[:18].strip() for line in table.splitlines()[1:] if line.strip()]
+    assert "host memory (MB)" in rows and "copy time (s)" in rows, rows
+    code, help_text, _ = _gc("run", "--help")
+    for row in rows:  # every row stays defined in --help
+        assert row.split(" (")[0] in help_text, row
+
+
+def test_budget_offload_and_host_bandwidth_reach_the_budget_and_the_json(tmp_path, capsys):
+    path = tmp_path / "on.json"
+    run_gc(TINY + ["--data", tiny_ptb(tmp_path), "--json", str(path), "--use-gc", "1", "--policy", "budget",
+                   "--budget-mb", "0.03", "--offload", "--host-bandwidth", "16"])
+    r = strict_json(path)
+    assert r["policy"] == "budget" and r["budget_offload"] is True
+    assert r["host_bandwidth_bytes_per_second"] == 16e9 and r["budget_bytes"] == int(0.03 * 2**20)
+    assert r["peak_activation_bytes"] <= r["budget_bytes"]
+    assert "predicted_time_seconds" in r and "predicted_host_peak_bytes" in r  # None where Budget does not predict
+    argv = ["run", "--policy", "budget", "--budget-mb", "2", "--offload", "--host-bandwidth", "16"]
+    budget = setup.make_policy(cli.parse_args(argv))
+    assert (budget.bytes, budget.offload, budget.host_bandwidth) == (2 * 2**20, True, 16e9)
+    assert setup.make_policy(cli.parse_args(["run", "--policy", "offload"])) == "offload"
+
+
+def test_a_budget_sweep_draws_three_curves_of_step_time_in_one_png(tmp_path, capsys, monkeypatch):
+    from experiment.commands.plot import CURVE_LABELS
+
+    out = tmp_path / "out"
+    figures = _figures(monkeypatch)
+    run_gc(["sweep", "--over", "budget_mb", "--values", "0.02", "0.03", "--repeats", "1", "--out", str(out),
+            "--data", tiny_ptb(tmp_path)] + TINY)
+    records = strict_json(out / "sweep.json")
+    # the Budget curves at every budget; offload only (which no budget bounds) once
+    assert sorted((r["label"], r["sweep_value"]) for r in records) == [
+        ("budget", 0.02), ("budget", 0.03), ("budget-offload", 0.02), ("budget-offload", 0.03), ("offload", 0.02)]
+    for r in records:
+        policy, offload = {"budget": ("budget", False), "offload": ("offload", False),
+                           "budget-offload": ("budget", True)}[r["label"]]
+        assert (r["policy"], r["budget_offload"]) == (policy, offload), r["label"]
+        if policy == "budget":
+            assert r["budget_bytes"] == int(r["sweep_value"] * 2**20)
+            assert r["peak_activation_bytes"] <= r["budget_bytes"]
+    pngs = [f for f in os.listdir(out) if f.endswith(".png")]
+    assert len(pngs) == 1 and pngs[0].startswith("sweep_budget_mb-"), pngs
+    (fig,) = figures
+    step_time = fig.axes[0]
+    assert "T_step" in step_time.get_title() and step_time.get_xlabel() == "budget b (MB)"
+    labels = [t.get_text() for t in step_time.get_legend().get_texts()]
+    assert labels == [CURVE_LABELS[c] for c in ("budget", "offload", "budget-offload")]
+    assert "recompute only" in labels[0] and "offload only" in labels[1] and "offload=True" in labels[2]

@@ -31,6 +31,10 @@ ABLATIONS = {
                  {**BASE, "optimizer": "adam8bit"}),
     "adafactor": ("Adafactor: factored second moments, no first moment", {**BASE, "optimizer": "adafactor"}),
     "offload": ("Adam with its state offloaded to host memory", {**BASE, "offload_state": True}),
+    "offload-all": ("offloading, policy offload: what all drops parked in host memory, fetched back for backward",
+                    {**BASE, "policy": "offload"}),
+    "budget-offload": ("Budget(b, offload=True): the budget row's b, each value kept, recomputed or offloaded",
+                       {**BASE, "policy": "budget", "offload": True}),
     "toolbox": (f"gradient accumulation x{ACCUMULATE} + gc all + mixed-bf16 + Adam8bit",
                 {"policy": "all", "head": "full", "accumulate": ACCUMULATE, "precision": "mixed-bf16",
                  "optimizer": "adam8bit"}),
@@ -38,6 +42,9 @@ ABLATIONS = {
     "dp": ("data parallel over the mpiexec ranks: batch/N per rank, gradients all-reduced",
            {**BASE, "parallel": "dp"}),
 }
+
+
+BUDGET_ROWS = {"budget", "budget-offload"}  # the rows bounded by one b: --budget-mb, or chosen up front
 
 
 def default_rows():

@@ -14,6 +14,7 @@ from .parser import subcommand_parser
 
 # The `gc.py run` flags a child gets from run_child itself rather than from the parent's configuration.
 SET_BY_CHILD = {"help", "data", "policy", "use_gc", "json", "out", "progress", "lazy"}
+BUDGET_FLAGS = {"budget_mb", "offload", "host_bandwidth"}  # what only a child with policy budget reads
 
 
 def child_argv(config, source, overrides, policy, json_path):
@@ -29,7 +30,7 @@ def child_argv(config, source, overrides, policy, json_path):
     for action in flags:
         value = settings[action.dest]
         if value is None or value is False or (action.dest == "segment_len" and policy != "all") or \
-                (action.dest == "budget_mb" and policy != "budget"):
+                (action.dest in BUDGET_FLAGS and policy != "budget"):
             continue
         argv += [action.option_strings[0]] + ([] if action.nargs == 0 else [str(value)])
     argv.append("--lazy" if settings["lazy"] else "--no-lazy")

@@ -14,12 +14,12 @@ from dataclasses import replace
 
 from needle import distributed as dist
 
-from .ablations import ABLATIONS, ACCUMULATE, default_rows
+from .ablations import ABLATIONS, ACCUMULATE, BUDGET_ROWS, default_rows
 from .commands import ablate, plot, run, sweep, timeline
 from .console import BAD_INPUT_EXIT, INTERRUPTED_EXIT, fail
 from .outputs import check_outputs, checkpoint_file
 from .parser import SUBCOMMANDS, build_parser
-from .setup import RunConfig
+from .setup import BUDGET_CURVES, RunConfig
 
 COMMANDS = {"run": run.main, "sweep": sweep.main_sweep, "max-batch": sweep.main_max_batch, "ablate": ablate.main,
             "timeline": timeline.main, "plot": plot.main}
@@ -131,6 +131,8 @@ def validate_numbers(config):
     for name, value in (("budget_mb", config.budget_mb), ("memory_limit_mb", config.memory_limit_mb)):
         if value is not None and not (math.isfinite(value) and value > 0):
             fail(f"--{name.replace('_', '-')} must be a positive number of MiB, got {value:g}")
+    if config.host_bandwidth is not None and not (math.isfinite(config.host_bandwidth) and config.host_bandwidth > 0):
+        fail(f"--host-bandwidth must be a positive number of GB/s, got {config.host_bandwidth:g}")
 
 
 def validate_ablate(config):
@@ -153,8 +155,8 @@ def validate_ablate(config):
     if accumulating and config.batch_size % ACCUMULATE:
         fail(f"ablate: row {accumulating[0]} trains {ACCUMULATE} micro-batches of --batch-size / {ACCUMULATE}: "
              f"give a --batch-size that divides by {ACCUMULATE}, not {config.batch_size}")
-    if config.budget_mb is not None and "budget" not in (config.rows or ABLATIONS):
-        fail("ablate: --budget-mb is the bound of the budget row: add budget to --rows")
+    if config.budget_mb is not None and not BUDGET_ROWS & set(config.rows or ABLATIONS):
+        fail("ablate: --budget-mb is the bound of the budget rows: add budget to --rows (or budget-offload)")
 
 
 def validate_policies(config):
@@ -171,21 +173,48 @@ def validate_policies(config):
         if config.json and config.use_gc is None and config.policy != "off":
             fail("--json names one run's file; give --use-gc 0 or 1 (or --policy off) with it")
     else:
-        policies = config.policies or ["off", "all"]
-    if config.budget_mb is not None and "budget" not in policies:
+        policies = sweep_policies(config)
+    validate_offload_flags(config, policies)
+    if command == "sweep" and config.over == "budget_mb":
+        pass  # the budgets are its --values (validate_budget_sweep)
+    elif "budget-offload" in policies:
+        fail("policy budget-offload is a curve of gc.py sweep --over budget_mb (elsewhere: --policy budget "
+             "--offload)")
+    elif config.budget_mb is not None and "budget" not in policies:
         fail("--budget-mb is the bound of --policy budget: give --policy budget with it" if command == "run" else
              "--budget-mb is the bound of policy budget: add budget to --policies")
-    if "budget" in policies and config.budget_mb is None:
+    elif "budget" in policies and config.budget_mb is None:
         fail("policy budget needs --budget-mb (the M_peak bound, in MiB)")
     if config.segment_len is not None and set(policies) - {"off", "all"}:
         other = sorted(set(policies) - {"off", "all"})[0]
         fail(f"--segment-len sets the checkpoints of policy all; policy {other} chooses its own: give only one")
 
 
+def sweep_policies(config):
+    """sweep's and max-batch's policies: --policies, else off all (over budget_mb: the three Budget curves)."""
+    if config.policies:
+        return config.policies
+    return list(BUDGET_CURVES) if config.command == "sweep" and config.over == "budget_mb" else ["off", "all"]
+
+
+def validate_offload_flags(config, policies):
+    """--offload and --host-bandwidth shape a Budget's plan: a policy budget must be there to read them."""
+    budgets = {"budget", "budget-offload"} & set(policies)
+    if config.offload and "budget" not in policies:
+        fail("--offload lets Budget park values in host memory: give --policy budget with it (--policy offload "
+             "offloads what all drops)")
+    if config.host_bandwidth is not None and not budgets:
+        fail("--host-bandwidth is the bandwidth Budget plans its copies at: give --policy budget with it" if
+             config.command in ("run", "timeline") else "--host-bandwidth is the bandwidth Budget plans its "
+             "copies at: add budget to --policies")
+
+
 def validate_sweep(config):
     """sweep's values, and every configuration the sweep will run."""
-    policies = config.policies or ["off", "all"]
-    if any(v < 1 for v in config.values):
+    policies = sweep_policies(config)
+    if config.over == "budget_mb":
+        validate_budget_sweep(config, policies)
+    elif any(not isinstance(v, int) or v < 1 for v in config.values):
         fail(f"--values must be positive integers, got {' '.join(map(str, config.values))}")
     if config.over == "segment_len" and set(policies) - {"off", "all"}:
         fail("a sweep over segment_len compares policies off and all only")
@@ -194,6 +223,19 @@ def validate_sweep(config):
         if trial.embedding_size % trial.num_head:
             fail(f"--num-head {trial.num_head} must divide --embedding-size {trial.embedding_size} "
                  f"(the sweep's value {value})")
+
+
+def validate_budget_sweep(config, policies):
+    """A sweep over budget_mb: positive budgets, and only the policies a budget is a bound of, or that stand for
+    one (offload, its offload-only curve; off, the reference)."""
+    if not all(math.isfinite(v) and v > 0 for v in config.values):
+        fail(f"--values must be positive numbers of MiB over budget_mb, got {' '.join(map(str, config.values))}")
+    others = [p for p in policies if p not in BUDGET_CURVES and p != "off"]
+    if others:
+        fail(f"a sweep over budget_mb compares off and the Budget curves {' '.join(BUDGET_CURVES)}; policy "
+             f"{others[0]} has no budget")
+    if config.budget_mb is not None:
+        fail("a sweep over budget_mb takes its budgets from --values: leave --budget-mb out")
 
 
 def validate_parallel(config, ranks):

@@ -8,7 +8,7 @@ import sys
 from .ablations import ABLATIONS, ACCUMULATE
 from .console import BAD_INPUT_EXIT
 from .data import SYNTHETIC
-from .setup import HEADS, OPTIMIZERS, PARALLEL, POLICIES, PRECISIONS
+from .setup import BUDGET_CURVES, HEADS, OPTIMIZERS, PARALLEL, POLICIES, PRECISIONS
 
 TITLE = "gc.py — how much memory gradient checkpointing saves on a PTB Transformer language model, and what it costs."
 SUBCOMMANDS = ["run", "sweep", "max-batch", "ablate", "timeline", "plot"]
@@ -18,7 +18,7 @@ HELPS = {"run": "gc off vs on for one configuration, side by side (the default)"
          "ablate": "every memory technique on the same model and steps, a fresh process per row; one table",
          "timeline": "one step's memory, every allocation and free, gc off beside gc on: JSON, PNG and HTML page",
          "plot": "draw, into DIR, the plots of the gc.py JSON files DIR holds (run, sweep, max-batch, ablate)"}
-SWEEPABLE = ["batch_size", "hidden_size", "embedding_size", "num_layers", "seq_len", "segment_len"]
+SWEEPABLE = ["batch_size", "hidden_size", "embedding_size", "num_layers", "seq_len", "segment_len", "budget_mb"]
 MEASURES = """\
 What is measured, per training step (forward + backward + Adam), from the allocator's exact byte counts
 (needle.backend_ndarray.memory_stats); [JSON key]; memory in bytes, times in seconds:
@@ -34,6 +34,13 @@ What is measured, per training step (forward + backward + Adam), from the alloca
            memory at the step's start (the kernel's high-water mark VmHWM, reset through
            /proc/self/clear_refs; where it cannot be reset, a lower bound from samples); CPU only
            [rss_peak_bytes]
+  M_host   (offloading: --policy offload, --offload) the most host memory the step's offloaded
+           activations held at once, outside the device allocator and so outside M_act and M_peak
+           [host_peak_bytes; activation_offloaded_bytes, activation_fetched_bytes: copied each way]
+  T_copy   the seconds the step spent copying activations to and from host memory while nothing else
+           ran (exposed)  [copy_seconds_exposed]; hidden = 1 - exposed / all copy seconds: the share
+           overlapped with compute  [copy_hidden_fraction]; on cpu() the copies are synchronous, so
+           hidden is 0
 The table's other rows:
   peak bytes        the allocator's peak over the step, baseline included (parameters, optimizer
                     state, the batch, Adam's update)  [peak_bytes]
@@ -42,7 +49,11 @@ The table's other rows:
   GPUtil used       (cuda) the GPU memory the driver reports in use after the last step
                     [gpu_memory_bytes, per step]
   parameters, gradients, state   their bytes on the device, which M_act and M_peak leave out
-                    [param_bytes, grad_bytes, optimizer_bytes; offloaded_bytes: in host memory]
+                    [param_bytes, grad_bytes, optimizer_bytes; offloaded_bytes: the state in host
+                    memory, --offload-state]
+  host memory (MB)  (a pass that offloaded) M_host  [host_peak_bytes]
+  copy time (s)     (a pass that offloaded) T_copy, and the hidden share
+                    [copy_seconds_exposed, copy_hidden_fraction]
   loss scale, skipped steps      (mixed-fp16) GradScaler's scale at the end, and the steps it
                     skipped because a gradient overflowed  [loss_scale, skipped_steps]
 Both runs release every activation after its last backward use: the difference is checkpointing alone."""
@@ -170,19 +181,28 @@ def add_checkpointing_flags(p, command):
     if command in ("run", "timeline"):
         flag(g, "policy", default=None, choices=POLICIES,
              help="what gc on drops: all (every node inside each layer), sqrt (Chen's schedule), selective (keeps "
-                  "matmul outputs), budget (keeps M_peak under --budget-mb); off runs gc off alone (default: all)")
+                  "matmul outputs), budget (keeps M_peak under --budget-mb), offload (parks in host memory what all "
+                  "drops, fetched back for backward); off runs gc off alone (default: all)")
+        flag(g, "offload", action="store_true",
+             help="with --policy budget: Budget may also park a value in host memory instead of recomputing it, "
+                  "whichever it predicts is faster (Budget(b, offload=True))")
     if command == "run":
         flag(g, "use_gc", type=int, choices=[0, 1], default=None,
              help="run only gc off (0) or only gc on (1) (default: both, side by side)")
     if command not in ("run", "timeline"):
-        flag(g, "policies", nargs="+", choices=POLICIES, default=None, metavar="POLICY",
-             help="policies to compare, from " + "|".join(POLICIES) + " (default: " +
-                  ("off all, or off all sqrt selective over num_layers" if command == "sweep"
+        choices = POLICIES + (["budget-offload"] if command == "sweep" else [])
+        flag(g, "policies", nargs="+", choices=choices, default=None, metavar="POLICY",
+             help="policies to compare, from " + "|".join(choices) + " (default: " +
+                  ("off all; off all sqrt selective over num_layers; over budget_mb the three curves " +
+                   " ".join(BUDGET_CURVES) + ": recompute only, offload only, both" if command == "sweep"
                    else "off all sqrt selective") + ")")
     flag(g, "segment_len", type=int, default=None, metavar="N",
          help="with policy all: keep every N-th node of a region as a checkpoint (default: none kept)")
     flag(g, "budget_mb", type=float, default=None, metavar="MB",
          help="the M_peak bound of policy budget, in MiB (needs --policy budget)")
+    flag(g, "host_bandwidth", type=float, default=None, metavar="GBPS",
+         help="Budget plans its copies to and from host memory as if at GBPS GB/s (16: PCIe 4) (default: the "
+              "bandwidth measured on this machine)")
 
 
 def add_training_flags(p, command):
@@ -254,8 +274,9 @@ def add_ablate_flags(p):
     flag(g, "steps", type=int, default=8, metavar="N", help="optimizer steps each row trains")
     flag(g, "warmup", type=int, default=2, metavar="N", help="steps left out of the T_step median")
     flag(g, "budget_mb", type=float, default=None, metavar="MB",
-         help="the budget row's M_peak bound, in MiB (default: midway between the least M_peak checkpointing can "
-              "reach and gc off's, as Budget's planner predicts them; checked before any row runs)")
+         help="the M_peak bound of the budget rows (budget, budget-offload), in MiB (default: midway between the "
+              "least M_peak checkpointing can reach and gc off's, as Budget's planner predicts them; checked before "
+              "any row runs)")
     g = p.add_argument_group("training and measurement")
     flag(g, "lazy", action=argparse.BooleanOptionalAction, default=True,
          help="lazy evaluation: ops record the graph and realization computes it (default: lazy)")
@@ -273,12 +294,23 @@ def add_ablate_flags(p):
                    head=None)
 
 
+def number(text):
+    """A --values entry: an int where it is one (batch sizes, layers), else a float (budgets in MiB)."""
+    try:
+        return int(text)
+    except ValueError:
+        try:
+            return float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid number: {text!r}") from None
+
+
 def add_sweep_flags(p):
     g = p.add_argument_group("sweep")
     flag(g, "over", default="batch_size", type=lambda s: s.replace("-", "_"), choices=SWEEPABLE,
          help="the parameter to sweep")
-    flag(g, "values", type=int, nargs="+", default=[16, 32, 64, 128], metavar="V",
-         help="its values (positive integers)")
+    flag(g, "values", type=number, nargs="+", default=[16, 32, 64, 128], metavar="V",
+         help="its values (positive integers; over budget_mb, MiB)")
     flag(g, "repeats", type=int, default=2, metavar="N", help="runs per value and policy (error bars)")
 
 

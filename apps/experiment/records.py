@@ -45,7 +45,10 @@ def config_of(config, source, vocab, device):
         "head_init_scale": config.head_init_scale, "head": config.head, "precision": config.precision,
         "stochastic_rounding": bool(config.stochastic_rounding),
         "init_scale": config.init_scale if config.precision == "mixed-fp16" else None,
-        "segment_len": config.segment_len, "budget_bytes": mb_to_bytes(config.budget_mb), "lazy": config.lazy,
+        "segment_len": config.segment_len, "budget_bytes": mb_to_bytes(config.budget_mb),
+        "budget_offload": bool(config.offload),
+        "host_bandwidth_bytes_per_second": None if config.host_bandwidth is None else config.host_bandwidth * 1e9,
+        "lazy": config.lazy,
         "device": str(device), "threads": threads(), "epochs": config.epochs, "max_batches": config.max_batches,
         "warmup": config.warmup, "lr": config.lr, "optimizer": config.optimizer,
         "offload_state": bool(config.offload_state), "seed": config.seed, "parallel": config.parallel,
@@ -81,6 +84,7 @@ def summarize(record, warmup):
                               default=None),
         "tokens_per_second": record["effective_batch_size"] * record["seq_len"] / t_step if t_step else None,
     })
+    record.update(offload_summary(record["steps"][-1], steps))
     last = record["steps"][-1]
     if "ranks" in last:  # --parallel: every rank's memory, the last step's communication or pipeline figures
         record["per_rank"] = last["ranks"]
@@ -89,6 +93,20 @@ def summarize(record, warmup):
     if "pipeline" in last:
         record["pipeline"] = {**last["pipeline"], "bubble_median": statistics.median(
             s["pipeline"]["bubble_mean"] for s in steps)}
+
+
+def offload_summary(last, steps):
+    """Offloading's figures over the timed `steps`: the most host memory held (M_host), the median exposed copy
+    seconds and hidden share; the bytes copied each way, as the `last` step copied them."""
+    def median(key):
+        values = [s[key] for s in steps if s.get(key) is not None]
+        return statistics.median(values) if values else None
+
+    return {"host_peak_bytes": max((s.get("host_peak_bytes") or 0 for s in steps), default=0),
+            "copy_seconds_exposed": median("copy_seconds_exposed"),
+            "copy_hidden_fraction": median("copy_hidden_fraction"),
+            **{key: last.get(key) for key in ("activation_offloaded_bytes", "activation_fetched_bytes",
+                                              "fetched_nodes")}}
 
 
 def json_safe(x):

@@ -152,6 +152,11 @@ def print_table(off, on):
           + (f"   ({note})" if note else ""))
     print(f"{'loss (last step)':18s}{off['loss']:12.4f}{on['loss']:12.4f}")
     print(f"{'recomputed nodes':18s}{off['recomputed_nodes']:12d}{on['recomputed_nodes']:12d}")
+    if off.get("activation_offloaded_bytes") or on.get("activation_offloaded_bytes"):
+        print(f"{'host memory (MB)':18s}{mb(off.get('host_peak_bytes') or 0):>12s}"
+              f"{mb(on.get('host_peak_bytes') or 0):>12s}   (M_host: offloaded activations, outside M_peak)")
+        print(f"{'copy time (s)':18s}{off.get('copy_seconds_exposed') or 0:12.3f}"
+              f"{on.get('copy_seconds_exposed') or 0:12.3f}   ({copy_text(on)})")
     if off.get("rss_peak_bytes") is not None and on.get("rss_peak_bytes") is not None:
         a, b = off["rss_peak_bytes"], on["rss_peak_bytes"]
         print(f"{'RSS_peak (MB)':18s}{mb(a):>12s}{mb(b):>12s}{pct(b, a):>10s}"
@@ -178,11 +183,20 @@ def print_single(r):
     print(f"\n{r['policy']}: M_act {mb(r['activation_bytes']).strip()} MB, M_peak "
           f"{mb(r['peak_activation_bytes']).strip()} MB, M_floor {mb(r['floor_bytes']).strip()} MB, "
           f"T_step {r['time']:.3f} s{f' ({note})' if note else ''}, loss {r['loss']:.4f}")
+    if r.get("activation_offloaded_bytes"):
+        print(f"host memory {mb(r['host_peak_bytes']).strip()} MB (M_host: offloaded activations, outside M_peak), "
+              f"copy time {r['copy_seconds_exposed'] or 0:.3f} s ({copy_text(r)})")
     print(state_text(r))
     if scaler_text(r):
         print(scaler_text(r))
     if r.get("parallel"):
         print(parallel_text(r))
+
+
+def copy_text(r):
+    """What the copy time of an offloading pass is: the exposed seconds, and the share hidden under compute."""
+    hidden = r.get("copy_hidden_fraction")
+    return "exposed: nothing ran beside them" + ("" if hidden is None else f"; {hidden:.0%} hidden under compute")
 
 
 def state_text(r):

@@ -18,7 +18,10 @@ from models import LanguageModel, LMStage
 from .console import fail
 from .data import micro_batches
 
-POLICIES = ["off", "all", "sqrt", "selective", "budget"]
+POLICIES = ["off", "all", "sqrt", "selective", "budget", "offload"]
+# gc.py sweep --over budget_mb: its curves, each (the child's --policy, whether its Budget may offload).  "offload"
+# offloads what "all" drops whatever the budget: Budget has no offload-only mode, so that curve stands for it.
+BUDGET_CURVES = {"budget": ("budget", False), "offload": ("offload", False), "budget-offload": ("budget", True)}
 HEADS = ["full", "fused"]  # the LM head + loss: the course's SoftmaxLoss(model(x)), or model.loss(x, y) (fused)
 # --precision -> (autocast dtype or None, loss scaling?)
 PRECISIONS = ["fp32", "mixed-bf16", "mixed-fp16", "bf16"]
@@ -55,6 +58,8 @@ class RunConfig:
     head: str = None
     # checkpointing
     policy: str = None  # run: None is "all"
+    offload: bool = False  # --policy budget: may Budget park values in host memory?
+    host_bandwidth: float = None  # GB/s Budget plans its copies at (None: measured)
     use_gc: int = None
     policies: list = None  # sweep, max-batch
     segment_len: int = None
@@ -111,8 +116,16 @@ def pick_device(name):
 
 def make_policy(config):
     if config.policy == "budget":
-        return checkpoint.Budget(int(config.budget_mb * 2**20))
+        return budget_policy(config)
     return None if config.policy in (None, "all") else config.policy
+
+
+def budget_policy(config, bound=None):
+    """checkpoint.Budget at --budget-mb (or `bound` bytes), parking values in host memory with --offload, planning its
+    copies at --host-bandwidth GB/s when given."""
+    bandwidth = None if config.host_bandwidth is None else config.host_bandwidth * 1e9
+    bound = int(config.budget_mb * 2**20) if bound is None else bound
+    return checkpoint.Budget(bound, offload=bool(config.offload), host_bandwidth=bandwidth)
 
 
 def build_model(config, vocab, device, policy):
@@ -223,7 +236,7 @@ def plan_budget(config, data, vocab, device, policy):
 
 def check_budget(config, data, vocab, device):
     """Fail with one line, before any work, when --budget-mb is below the least peak this graph can reach."""
-    policy = checkpoint.Budget(int(config.budget_mb * 2**20))
+    policy = budget_policy(config)
     try:
         plan_budget(config, data, vocab, device, policy)
     except InfeasibleBudget:

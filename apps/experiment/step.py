@@ -58,7 +58,7 @@ def train_step(model, loss_fn, opt, batches, start, config, device, params, scal
         "recomputed_nodes": int(passes["recomputed_nodes"]), "gpu_memory_bytes": gpu_memory_bytes(),
         "rss_peak_bytes": rss_peak, "rss_start_bytes": rss.start if rss else None,
         **state_bytes(opt, params, grad_bytes), "skipped_step": skipped,
-        "loss_scale": None if scaler is None else scaler.get_scale(),
+        "loss_scale": None if scaler is None else scaler.get_scale(), **passes["offload"],
     }
     if data_parallel:
         step["loss"] = float(np.mean(dist.all_gather_object(step["loss"])))  # the global batch's mean loss
@@ -74,6 +74,7 @@ def _forward_backward(model, loss_fn, micro, config, device, params, scaler, bas
     k = config.accumulation_steps
     data_parallel = isinstance(model, dist.DataParallel)
     act, floor, losses, recomputed, grads, accumulated, bookkeeping = 0, 0, [], 0, None, None, 0.0
+    backward_stats = []
     for j, (X, y) in enumerate(micro):
         with autograd.lazy_mode(config.lazy):
             loss = loss_fn(X, y) if k == 1 else loss_fn(X, y) / k
@@ -90,7 +91,8 @@ def _forward_backward(model, loss_fn, micro, config, device, params, scaler, bas
             accumulating = data_parallel and j < k - 1
             with model.no_sync() if accumulating else contextlib.nullcontext():
                 (loss if scaler is None else scaler.scale(loss)).backward()
-        recomputed += checkpoint.last_backward_stats()["recomputed_nodes"]
+        backward_stats.append(checkpoint.last_backward_stats())
+        recomputed += backward_stats[-1]["recomputed_nodes"]
         if rss:
             rss.sample()
         if k > 1 and not data_parallel:
@@ -103,10 +105,27 @@ def _forward_backward(model, loss_fn, micro, config, device, params, scaler, bas
         for p, g in zip(params, accumulated):
             p.grad = ndl.Tensor(g, device=device, requires_grad=False)
     return {"activation_bytes": act, "floor_bytes": floor, "losses": losses, "recomputed_nodes": recomputed,
-            "bookkeeping_seconds": bookkeeping, "loss": loss,
+            "bookkeeping_seconds": bookkeeping, "loss": loss, "offload": offload_traffic(backward_stats),
             # Gradient accumulation's buffers (the last micro-batch's gradients, the sums), held in `passes` until
             # train_step returns, as gc.py always has: its step_peak_bytes (Adam's update included) counts them.
             "accumulation_buffers": (grads, accumulated)}
+
+
+def offload_traffic(backward_stats):
+    """The step's activation copies to and from host memory (--policy offload, --offload), from each backward's
+    last_backward_stats (which counts the copies since the backward before: its forward's and its own)."""
+    exposed = sum(s["copy_seconds_exposed"] for s in backward_stats)
+    # hidden = 1 - exposed / all copy seconds.  offload.py waits for each copy where it issues it (park, fetch), so
+    # every copy second is exposed and none hides under compute (on cpu() copies are synchronous anyway).
+    all_copy_seconds = exposed
+    hidden = 1 - exposed / all_copy_seconds if all_copy_seconds else 0.0
+    offloaded = sum(s["offloaded_bytes"] for s in backward_stats)
+    return {"activation_offloaded_bytes": int(offloaded),
+            "activation_fetched_bytes": int(sum(s["fetched_bytes"] for s in backward_stats)),
+            "host_peak_bytes": int(max((s["host_peak_bytes"] for s in backward_stats), default=0)),
+            "fetched_nodes": int(sum(s["fetched_nodes"] for s in backward_stats)),
+            "copy_seconds_exposed": exposed,
+            "copy_hidden_fraction": hidden if offloaded else None}  # None: nothing was copied
 
 
 def state_bytes(opt, params, grad_bytes):

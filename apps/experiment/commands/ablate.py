@@ -8,7 +8,7 @@ from dataclasses import replace
 from needle import checkpoint
 from needle import distributed as dist
 
-from ..ablations import ABLATIONS, BASE, default_rows
+from ..ablations import ABLATIONS, BASE, BUDGET_ROWS, default_rows
 from ..children import invocation_id, last_line, run_child
 from ..console import note, progress_on, say, tqdm_class
 from ..data import check_corpus, load_data, resolve_data
@@ -22,7 +22,8 @@ from .plot import plot_ablation
 ABLATION_KEYS = ["policy", "head", "batch_size", "accumulation_steps", "effective_batch_size", "budget_bytes",
                  "activation_bytes", "peak_activation_bytes", "floor_bytes", "rss_peak_bytes", "step_time_seconds",
                  "timed_steps", "step_time_reliable", "loss", "recomputed_nodes", "param_bytes", "grad_bytes",
-                 "optimizer_bytes", "offloaded_bytes", "parallel", "world_size", "tokens_per_second", "per_rank"]
+                 "optimizer_bytes", "offloaded_bytes", "parallel", "world_size", "tokens_per_second", "per_rank",
+                 "host_peak_bytes", "activation_offloaded_bytes", "copy_seconds_exposed", "copy_hidden_fraction"]
 
 
 def main(config):
@@ -38,8 +39,8 @@ def main(config):
     ablation_id = invocation_id()
     rows = config.rows or default_rows()
     budget = None
-    if "budget" in rows:  # chosen and checked up front: an infeasible budget stops here, before any row runs
-        budget = ablation_budget(config, data, vocab, device)
+    if BUDGET_ROWS & set(rows):  # chosen and checked up front: an infeasible budget stops here, before any row runs
+        budget = ablation_budget(config, data, vocab, device, offload="budget" not in rows)
     del data
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, "ablation.json")
@@ -80,7 +81,8 @@ def ablation_row(config, source, name, budget, out_dir, ablation_id, counter):
     flags = dict(flags)
     policy, k = flags.pop("policy", "off"), flags.pop("accumulate", 1)
     overrides = {**flags, "batch_size": config.batch_size // k, "accumulation_steps": k, "epochs": 1,
-                 "max_batches": config.steps, "budget_mb": budget[0] / 2**20 if policy == "budget" else None}
+                 "max_batches": config.steps, "budget_mb": budget[0] / 2**20 if policy == "budget" else None,
+                 "offload": flags.get("offload", False)}
     setup = setup_text(config, ABLATIONS[name][1], budget[0] if budget else 0)
     note(f"  {counter} start  {name}: {setup}")
     t0 = time.perf_counter()
@@ -100,8 +102,9 @@ def ablation_row(config, source, name, budget, out_dir, ablation_id, counter):
     return row
 
 
-def ablation_budget(config, data, vocab, device):
-    """(the budget row's b in bytes, how it was chosen, Budget's least M_peak, its gc-off M_peak), up front.
+def ablation_budget(config, data, vocab, device, offload=False):
+    """(the budget rows' b in bytes, how it was chosen, Budget's least M_peak, its gc-off M_peak), up front; the
+    budget-offload row plans with the same b (`offload`: it is the only budget row, so b is checked for it).
 
     Without --budget-mb, b is the midpoint between the least M_peak checkpointing can reach and gc off's M_peak,
     both as Budget's planner predicts them on the first step's graph (lazy: nothing computed; its predictions are
@@ -113,7 +116,7 @@ def ablation_budget(config, data, vocab, device):
     least, off = probe.minimum_peak, probe.predicted_peak
     if config.budget_mb is None:
         return (least + off) // 2, "midway between the least M_peak and gc off's (Budget's predictions)", least, off
-    check_budget(trial, data, vocab, device)
+    check_budget(replace(trial, offload=offload), data, vocab, device)
     return int(config.budget_mb * 2**20), "--budget-mb", least, off
 
 
@@ -121,11 +124,11 @@ def setup_text(config, flags, budget_bytes):
     """A row's setup in a few words: its policy, its head, its batch (micro-batches x accumulation)."""
     policy = flags.get("policy", "off")
     if policy == "budget":
-        policy = f"budget {budget_bytes / 2**20:.1f} MB"
+        policy = f"budget {budget_bytes / 2**20:.1f} MB" + (", offload" if flags.get("offload") else "")
     k = flags.get("accumulate", 1)
     batch = f"batch {config.batch_size}" if k == 1 else f"batch {config.batch_size // k} x {k} = {config.batch_size}"
     extra = [f"{key} {value}" for key, value in flags.items() if key not in ("policy", "head", "accumulate",
-                                                                            "parallel")]
+                                                                            "parallel", "offload")]
     if flags.get("parallel"):
         ranks = dist.comm.launcher_rank_and_size()[1]
         extra.append(f"{flags['parallel']} over {ranks} ranks ({config.batch_size // ranks} per rank)")

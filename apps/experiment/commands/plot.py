@@ -98,6 +98,9 @@ def plot_sweep(records, out_dir):
     for r in records:
         by_sweep.setdefault(r.get("sweep_id", "?"), []).append(r)
     for sweep_id, rs in by_sweep.items():
+        if rs[0].get("sweep_over") == "budget_mb":
+            pngs.append(plot_budget_sweep(rs, out_dir, sweep_id))
+            continue
         over = rs[0].get("sweep_over") or next(k for k in ("batch_size", "hidden_size", "segment_len", "num_layers")
                                                if len({r.get(k) for r in rs}) > 1)
         xs_all = sorted({r[over] for r in rs})
@@ -136,6 +139,56 @@ def plot_sweep(records, out_dir):
         plt.close(fig)
         pngs.append(png)
     return pngs
+
+
+# gc.py sweep --over budget_mb: each curve's legend.  "offload" (policy offload) parks what "all" drops whatever the
+# budget: Budget has no offload-only mode, so that policy stands for the offload-only curve, and no b bounds it.
+CURVE_LABELS = {"budget": "recompute only: Budget(b)",
+                "offload": "offload only: policy offload (not bounded by b)",
+                "budget-offload": "recompute + offload: Budget(b, offload=True)",
+                "off": "gc off"}
+CURVE_COLOURS = {"budget": COLOURS["budget"], "offload": "tab:purple", "budget-offload": "tab:cyan", "off": NEUTRAL}
+
+
+def plot_budget_sweep(rs, out_dir, sweep_id):
+    """sweep_budget_mb-<id>.png: T_step against the budget b, a curve each for recompute only, offload only and
+    both (error bars over repeats), and beside it M_peak against b under the line M_peak = b.  What no budget
+    bounds (gc off, offload only) ran once per repeat: a level line across the budgets."""
+    plt = _pyplot()
+    xs_all = sorted({r["sweep_value"] for r in rs})
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.6))
+    for curve in [c for c in CURVE_LABELS if any(r.get("label") == c for r in rs)]:
+        mine = [r for r in rs if r.get("label") == curve]
+        style = {"color": CURVE_COLOURS[curve], "label": CURVE_LABELS[curve]}
+        for ax, key, unit in ((axes[0], "time", 1), (axes[1], "peak_activation_bytes", 2**20)):
+            if curve in ("off", "offload"):
+                level = statistics.median(r[key] / unit for r in mine)
+                ax.plot([xs_all[0], xs_all[-1]], [level, level], ls="--", **style)
+                continue
+            xs = sorted({r["sweep_value"] for r in mine})
+            stats = [_spread([r[key] / unit for r in mine if r["sweep_value"] == x]) for x in xs]
+            ax.errorbar(xs, [m for m, _ in stats], yerr=np.array([e for _, e in stats]).T, marker="o", capsize=3,
+                        **style)
+    axes[1].plot(xs_all, xs_all, color="black", lw=1, ls=":", label="M_peak = b (the bound)")
+    titles = ["T_step (s): median step time" + ("\n(some from < 3 timed steps: unreliable)" if _unreliable(rs)
+                                                 else ""), "M_peak (MB): forward + backward peak"]
+    for ax, title in zip(axes, titles):
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("budget b (MB)")
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+        handles, names = ax.get_legend_handles_labels()  # the curves in CURVE_LABELS' order, the bound last
+        rank = {label: i for i, label in enumerate(CURVE_LABELS.values())}
+        order = sorted(range(len(names)), key=lambda i: rank.get(names[i], len(rank)))
+        ax.legend([handles[i] for i in order], [names[i] for i in order], fontsize=8)
+    repeats = len({r.get("repeat") for r in rs})
+    fig.suptitle(f"gc.py sweep over the budget: recompute, offload or both ({repeats} repeat"
+                 f"{'s' * (repeats != 1)}, median, bars: min-max)\n{_config_text(rs[0])}", fontsize=10)
+    fig.tight_layout()
+    png = os.path.join(out_dir, f"sweep_budget_mb-{sweep_id}.png")
+    fig.savefig(png, dpi=100)
+    plt.close(fig)
+    return png
 
 
 RUN_CONFIG_KEYS = ["data", "vocab_size", "batch_size", "accumulation_steps", "seq_len", "embedding_size",
@@ -231,10 +284,10 @@ def plot_max_batch(result, out_dir):
     return png
 
 
-ROW_COLOURS = {"baseline": NEUTRAL, "accumulate": "tab:brown", "fused": "tab:purple", "combined": "tab:cyan",
+ROW_COLOURS = {**COLOURS, "offload-all": CURVE_COLOURS["offload"], "budget-offload": CURVE_COLOURS["budget-offload"],
+               "baseline": NEUTRAL, "accumulate": "tab:brown", "fused": "tab:purple", "combined": "tab:cyan",
                "mixed-bf16": "tab:pink", "mixed-fp16": "tab:pink", "bf16": "tab:pink", "adam8bit": "tab:olive",
-               "adafactor": "tab:olive", "offload": "tab:olive", "toolbox": "black",
-               **COLOURS}
+               "adafactor": "tab:olive", "offload": "tab:olive", "toolbox": "black"}
 
 
 def plot_ablation(result, out_dir):
@@ -295,8 +348,9 @@ def main(config):
             continue
         if isinstance(data, list) and data and all(isinstance(r, dict) and "sweep_id" in r for r in data):
             for r in data:
-                sweeps.setdefault(r["sweep_id"], {})[(r.get("json"), r.get("repeat"), _label(r), r.get(r.get(
-                    "sweep_over") or "batch_size"))] = r  # sweep.json repeats a sweep-<id>.json: counted once
+                value = r.get("sweep_value", r.get(r.get("sweep_over") or "batch_size"))
+                sweeps.setdefault(r["sweep_id"], {})[(r.get("json"), r.get("repeat"), _label(r), value)] = r
+                # (sweep.json repeats a sweep-<id>.json: counted once)
         elif isinstance(data, dict) and "largest_batch" in data:
             searches[data.get("max_batch_id", path)] = data
         elif isinstance(data, dict) and data.get("kind") == "ablation":

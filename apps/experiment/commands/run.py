@@ -190,6 +190,9 @@ def add_step(record, step, policy, config, path):
         # that kept everything)
         record["predicted_peak_activation_bytes"] = policy.predicted_peak
         record["budget_minimum_bytes"] = policy.minimum_peak
+        # what the planner predicts besides the peak (None where it does not predict them)
+        record["predicted_host_peak_bytes"] = getattr(policy, "predicted_host_peak", None)
+        record["predicted_time_seconds"] = getattr(policy, "predicted_time", None)
         step["traced"] = not config.lazy
     record["steps"].append(step)
     summarize(record, config.warmup)

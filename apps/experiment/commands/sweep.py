@@ -6,12 +6,12 @@ import time
 from dataclasses import replace
 
 from ..children import invocation_id, last_line, run_child
-from ..console import OOM_EXIT, note, progress_on, say, tqdm_class
+from ..console import OOM_EXIT, fail, note, progress_on, say, tqdm_class
 from ..data import check_corpus, load_data, resolve_data
 from ..footprint import check_fits
 from ..records import config_of, read_json, write_json
 from ..report import mb, model_text
-from ..setup import pick_device
+from ..setup import BUDGET_CURVES, budget_policy, pick_device, plan_budget
 from .plot import plot_max_batch, plot_sweep
 
 
@@ -22,14 +22,17 @@ def main_sweep(config):
     for value in config.values:  # every configuration fits the corpus and the memory, or the sweep does not start
         check_corpus(replace(config, **{config.over: value}), data)
         check_fits(replace(config, **{config.over: value}), vocab, device)
+    policies = config.policies or (["off", "all", "sqrt", "selective"] if config.over == "num_layers" else
+                                   list(BUDGET_CURVES) if config.over == "budget_mb" else ["off", "all"])
+    points = [(value, policy) for value in config.values for policy in policies]
+    if config.over == "budget_mb":
+        points = budget_points(config, policies, data, vocab, device)
     del data
     out_dir = config.out or os.path.join("results", f"sweep_{config.over}")
     os.makedirs(out_dir, exist_ok=True)
-    policies = config.policies or (["off", "all", "sqrt", "selective"] if config.over == "num_layers"
-                                   else ["off", "all"])
     sweep_id = invocation_id()
     summary = os.path.join(out_dir, f"sweep-{sweep_id}.json")
-    total = config.repeats * len(config.values) * len(policies)
+    total = config.repeats * len(points)
     print(f"gc.py sweep {sweep_id}: {config.over} in {config.values}, policies {' '.join(policies)}, "
           f"{config.repeats} repeat{'s' * (config.repeats != 1)} ({total} runs, each a fresh process); "
           f"{model_text(config, {config.over})}; data {source}; writing {summary} as it goes", flush=True)
@@ -37,17 +40,16 @@ def main_sweep(config):
     bar = tqdm_class()(total=total, desc=f"sweep {config.over}", unit="run", file=sys.stderr,
                        disable=not progress_on(config.progress), dynamic_ncols=True)
     for rep in range(config.repeats):
-        for value in config.values:
-            for policy in policies:
-                n += 1
-                r = sweep_run(config, source, sweep_id, out_dir, (rep, value, policy), f"[{n}/{total}]")
-                bar.update()
-                if r is None:
-                    failed += 1
-                    continue
-                records.append(r)
-                for name in (summary, os.path.join(out_dir, "sweep.json")):  # as it goes; sweep.json: the latest
-                    write_json(name, records)
+        for value, policy in points:
+            n += 1
+            r = sweep_run(config, source, sweep_id, out_dir, (rep, value, policy), f"[{n}/{total}]")
+            bar.update()
+            if r is None:
+                failed += 1
+                continue
+            records.append(r)
+            for name in (summary, os.path.join(out_dir, "sweep.json")):  # as it goes; sweep.json: the latest
+                write_json(name, records)
     bar.close()
     if not records:
         print(f"gc.py sweep: all {total} runs failed", file=sys.stderr)
@@ -67,18 +69,44 @@ def sweep_run(config, source, sweep_id, out_dir, point, counter):
     note(f"  {counter} start  {name}")
     t0 = time.perf_counter()
     path = os.path.join(out_dir, f"sweep-{sweep_id}_{config.over}{value}_{policy}_rep{rep}.json")
-    code, log = run_child(config, source, {config.over: value}, policy, path)
+    child_policy, offload = BUDGET_CURVES.get(policy, (policy, False))  # budget-offload: --policy budget --offload
+    code, log = run_child(config, source, {config.over: value, "offload": offload}, child_policy, path)
     if code != 0 or not os.path.exists(path):
         say(f"  {counter} failed {name} (exit {code}): {last_line(log)}")
         return None
     r = read_json(path)  # exactly the file this child was told to write
-    r.update({"repeat": rep, "label": policy, "sweep_id": sweep_id, "sweep_over": config.over, "json": path})
+    r.update({"repeat": rep, "label": policy, "sweep_id": sweep_id, "sweep_over": config.over, "sweep_value": value,
+              "json": path})
     write_json(path, r)  # the child's file says which sweep it belongs to (plot reads it)
     unreliable = " (T unreliable)" if not r.get("step_time_reliable", True) else ""
     say(f"  {counter} done   {name}: M_act {mb(r['activation_bytes'])} MB  "
         f"M_peak {mb(r['peak_activation_bytes'])} MB  T {r['time']:.3f} s{unreliable}  "
         f"({time.perf_counter() - t0:.0f} s)")
     return r
+
+
+def budget_points(config, policies, data, vocab, device):
+    """A sweep over budget_mb: its (budget, policy) points.  What no budget bounds (off; offload, which stands for
+    offload only) runs once, at the first budget; a Budget curve's point under the least M_peak its Budget can
+    reach is left out, and said so; a budget under every Budget curve's least M_peak stops the sweep here."""
+    least = {}
+    for curve in [p for p in policies if BUDGET_CURVES.get(p, ("",))[0] == "budget"]:
+        probe = budget_policy(replace(config, offload=BUDGET_CURVES[curve][1]), bound=2**62)  # above any peak
+        plan_budget(replace(config, policy="budget"), data, vocab, device, probe)
+        least[curve] = probe.minimum_peak or 0
+    points = []
+    for value in config.values:
+        bound = int(value * 2**20)
+        if least and all(bound < m for m in least.values()):
+            fail(f"--values {value:g} is infeasible: the least M_peak Budget can reach on this model is "
+                 f"{min(least.values()) / 2**20:.3g} MB ({min(least.values())} bytes)")
+        for policy in policies:
+            if policy in least and bound < least[policy]:
+                print(f"budget {value:g} MB is under {policy}'s least M_peak ({least[policy] / 2**20:.3g} MB): "
+                      f"that point is left out")
+            elif policy in least or value == config.values[0]:
+                points.append((value, policy))
+    return points
 
 
 def main_max_batch(config):
