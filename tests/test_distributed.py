@@ -575,6 +575,20 @@ def test_gc_ablate_under_mpiexec_offers_the_dp_row(tmp_path):
 
 
 @needs_mpi
+def test_gc_ablate_under_mpiexec_offers_the_zero3_and_tp_rows(tmp_path):
+    flags = _tiny_gc_flags(tmp_path, batch_size=8, words=31) + ["--embedding-size", "16", "--hidden-size", "32"]
+    code, out = mpiexec(os.path.join(ROOT, "gc.py"), "ablate", *flags, "--rows", "baseline", "zero3", "tp", "--steps",
+                        "2", "--out", str(tmp_path / "ablation"))
+    assert code == 0, out
+    base, zero3, tp = json.loads((tmp_path / "ablation" / "ablation.json").read_text())["rows"]
+    assert "zero3 over 2 ranks (4 per rank)" in zero3["setup"] and "tp over 2 ranks (8 per rank)" in tp["setup"]
+    for row in (zero3, tp):  # the same global batch; each rank holds about half the parameters and Adam state
+        assert row["world_size"] == 2 and abs(row["loss"] - base["loss"]) < 1e-5, (row, base)
+        assert row["param_bytes"] <= 0.55 * base["param_bytes"], (row["row"], row["param_bytes"], base["param_bytes"])
+        assert row["optimizer_bytes"] <= 0.55 * base["optimizer_bytes"], row["row"]
+
+
+@needs_mpi
 @pytest.mark.parametrize("parallel", ["zero2", "pipeline"])
 def test_gc_run_on_two_ranks_resumes_from_one_file_per_rank_bit_for_bit(tmp_path, parallel):
     """gc.py run --save-checkpoint under mpiexec: each rank its own file (its RNG, its ZeRO shard or pipeline

@@ -147,6 +147,11 @@ def validate_ablate(config):
     if parallel and config.batch_size % ranks:
         fail(f"ablate: row {parallel[0]} splits --batch-size {config.batch_size} over {ranks} ranks: give a "
              f"multiple of {ranks}")
+    for row in [r for r in parallel if ABLATIONS[r][1]["parallel"] in TENSOR_PARALLEL]:
+        for name, value in (("--num-head", config.num_head), ("--hidden-size", config.hidden_size)):
+            if value % ranks:
+                fail(f"ablate: row {row} splits every layer over {ranks} ranks: {name} {value} does not divide by "
+                     f"{ranks}")
     if len(set(rows)) < len(rows):
         fail(f"ablate: a row is named twice in --rows {' '.join(rows)}")
     accumulating = [r for r in config.rows or ABLATIONS if ABLATIONS[r][1].get("accumulate", 1) > 1]
