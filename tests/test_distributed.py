@@ -692,7 +692,7 @@ def test_tensor_and_sequence_parallel_on_two_ranks_equal_one_process_with_and_wi
     checks = passed(out)
     for name in ("state_dict_full_shapes", "exact_tp_off", "exact_tp_all", "exact_tp_sp_off", "exact_tp_sp_all",
                  "no_extra_collectives_tp", "no_extra_collectives_tp_sp", "parameter_bytes", "megatron_volume_tp",
-                 "megatron_volume_tp_sp"):
+                 "megatron_volume_tp_sp", "sp_norm_dropout_activations"):
         assert checks.get(name) == {0, 1}, (name, out)
 
 
