@@ -519,27 +519,32 @@ def test_gc_run_parallel_on_two_ranks_reports_every_rank_and_rank_0_writes_the_j
 
 
 @needs_mpi
-@pytest.mark.parametrize("parallel", ["tp", "tp+sp"])
-def test_gc_run_tensor_parallel_on_two_ranks_equals_one_process_with_half_the_parameters_per_rank(tmp_path, parallel):
+@pytest.mark.parametrize("parallel", ["tp", "tp+sp", "tp+dp"])
+def test_gc_run_tensor_parallel_equals_one_process_with_about_half_the_parameters_per_rank(tmp_path, parallel):
+    """tp, tp+sp on 2 ranks; tp+dp on 4 (oversubscribed): tensor groups of 2, the batch split over 2 data groups."""
+    n = 4 if parallel == "tp+dp" else 2
     flags = _tiny_gc_flags(tmp_path, words=31) + ["--seq-len", "6", "--embedding-size", "16", "--hidden-size", "32",
                                                    "--max-batches", "2", "--use-gc", "1"]
     one, two = tmp_path / "one.json", tmp_path / "two.json"
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "gc.py"), "run", *flags, "--json", str(one)],
                           capture_output=True, text=True, timeout=TIMEOUT, env=comm.child_environment())
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    code, out = mpiexec(os.path.join(ROOT, "gc.py"), "run", "--parallel", parallel, *flags, "--json", str(two))
+    code, out = mpiexec(os.path.join(ROOT, "gc.py"), "run", "--parallel", parallel, *flags, "--json", str(two), n=n,
+                        timeout=180)
     assert code == 0, out
-    assert f"--parallel {parallel} over 2 ranks" in out and "the split layers' collectives" in out, out
+    assert f"--parallel {parallel} over {n} ranks" in out and "the split layers' collectives" in out, out
     alone, split = json.loads(one.read_text()), json.loads(two.read_text())
     assert split["vocab_size"] == 32 and len(split["steps"]) == 2
     assert np.allclose([s["loss"] for s in split["steps"]], [s["loss"] for s in alone["steps"]], rtol=1e-5, atol=0)
     ranks = split["per_rank"]
-    assert [m["rank"] for m in ranks] == [0, 1] and all(m["time_seconds"] > 0 for m in ranks)
+    assert [m["rank"] for m in ranks] == list(range(n)) and all(m["time_seconds"] > 0 for m in ranks)
     for m in ranks:  # the split layers halved; the layer norms and positions whole on both ranks: about half
         assert 0.45 * alone["param_bytes"] <= m["param_bytes"] <= 0.55 * alone["param_bytes"], (m, alone)
         assert m["optimizer_bytes"] == 2 * m["param_bytes"] and m["grad_bytes"] == m["param_bytes"], m
     kinds = split["tensor_parallel"]
-    assert set(kinds) == ({"all_reduce"} if parallel == "tp" else {"all_reduce", "all_gather", "reduce_scatter"})
+    assert set(kinds) == ({"all_reduce", "all_gather", "reduce_scatter"} if parallel == "tp+sp" else {"all_reduce"})
+    if parallel == "tp+dp":  # and the data-parallel groups' gradient buckets
+        assert split["sync"]["buckets"] >= 1, split["sync"]
 
 
 @needs_mpi
