@@ -22,14 +22,16 @@ OpenMP thread per rank (two ranks, two cores), and prints a table:
   global batch, and two plain processes of half the batch at once (no communication: the machine's ceiling for two
   processes); `--parallel pipeline` with m micro-batches: measured bubble vs (d - 1)/(m + d - 1), and vs GPipe's
   bubble for the stages' measured (unequal) costs.
-- tp: one model (E = 128, 2 layers, vocabulary 2,000, 4 heads, batch 8 x 32 tokens) trained with DP, ZeRO-1,
-  ZeRO-2, ZeRO-3, tensor parallelism and tensor + sequence parallelism on 2 ranks: exact bytes per rank of parameters,
-  gradients, Adam's state (parameter and state sizes) and activations (the allocator's bytes held at the start of
-  backward, less those held before the forward), the elements each rank's collectives moved per step (against
+- tp: one model (E = 128, 2 layers, vocabulary 2,000, 4 heads, batch 8 x 32 tokens, dropout 0.1) trained with DP,
+  ZeRO-1, ZeRO-2, ZeRO-3, tensor parallelism and tensor + sequence parallelism on 2 ranks: exact bytes per rank of
+  parameters, gradients, Adam's state (parameter and state sizes) and activations (the allocator's bytes held at the
+  start of backward, less those held before the forward; and of them the layer norms' and dropouts', from a
+  recorded step: what sequence parallelism divides), the elements each rank's collectives moved per step (against
   Megatron's count for TP), and the step time (median of 3 after a warm-up); printed as a Markdown table
   (`python benchmarks/bench_distributed.py --parts tp`, what docs/distributed.md's table is made from).
 """
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -56,10 +58,10 @@ TCP = {"MPIR_CVAR_CH4_NETMOD": "ofi", "FI_PROVIDER": "tcp", "MPIR_CVAR_NOLOCAL":
 DEVICE = ndl.cpu() if ndl.cpu().enabled() else ndl.cpu_numpy()
 
 
-def lm(embedding, layers, vocab, seq_len=32):
+def lm(embedding, layers, vocab, seq_len=32, dropout=0.0):
     np.random.seed(0)
     return LanguageModel(embedding, vocab, embedding, num_layers=layers, seq_model="transformer", seq_len=seq_len,
-                         device=DEVICE, num_head=4, dim_head=embedding // 4)
+                         device=DEVICE, num_head=4, dim_head=embedding // 4, dropout=dropout)
 
 
 def emit(obj):
@@ -132,7 +134,7 @@ def worker_memory():
     emit(out)
 
 
-TP_MODEL = {"embedding": 128, "layers": 2, "vocab": 2000, "seq": 32, "batch": 8}
+TP_MODEL = {"embedding": 128, "layers": 2, "vocab": 2000, "seq": 32, "batch": 8, "dropout": 0.1}
 TP_SETUPS = ("dp", "zero1", "zero2", "zero3", "tp", "tp+sp")
 # elements a rank sends per element of a collective's buffer, by the ring algorithm on 2 ranks (2(n-1)/n, (n-1)/n)
 RING = {"all_reduce": 1.0, "reduce_scatter": 0.5, "all_gather": 0.5, "barrier": 0, "all_gather_object": 0,
@@ -148,7 +150,7 @@ def worker_tp():
     tokens = rs.randint(0, cfg["vocab"], size=(cfg["seq"] + 1, cfg["batch"])).astype(np.float32)
     out = {"model": cfg, "rows": {}}
     for setup in TP_SETUPS:
-        model = lm(cfg["embedding"], cfg["layers"], cfg["vocab"], cfg["seq"])
+        model = lm(cfg["embedding"], cfg["layers"], cfg["vocab"], cfg["seq"], cfg["dropout"])
         X, y = tokens[:-1], tokens[1:]
         if setup.startswith("tp"):
             tp.parallelize_transformer(model, sequence_parallel=setup == "tp+sp")
@@ -165,10 +167,14 @@ def worker_tp():
             opt.reset_grad()
             dist.barrier()
             dist.traffic(reset=True)
-            t0, before = time.perf_counter(), ndarray.memory_stats(DEVICE)["current_bytes"]
-            loss, _ = model.loss(X, y)
-            activations = ndarray.memory_stats(DEVICE)["current_bytes"] - before
-            loss.backward()
+            recording = ndl.memory.record(DEVICE) if step == 0 else contextlib.nullcontext()
+            with recording as snap:  # the first step (its time is left out): what the layer norms and dropouts keep
+                t0, before = time.perf_counter(), ndarray.memory_stats(DEVICE)["current_bytes"]
+                loss, _ = model.loss(X, y)
+                activations = ndarray.memory_stats(DEVICE)["current_bytes"] - before
+                loss.backward()
+            if step == 0:
+                norms = tp.norm_and_dropout_bytes(snap)
             grads = opt.gradient_bytes() if setup.startswith("zero") else \
                 sum(p.grad.realize_cached_data().nbytes for p in params if p.grad is not None)
             opt.step()
@@ -176,7 +182,7 @@ def worker_tp():
             traffic = dist.traffic()
         held = opt.params if setup == "zero3" else params  # ZeRO-3: the shards (the model's are placeholders)
         mine = {"parameters": sum(p.realize_cached_data().nbytes for p in held), "gradients": int(grads),
-                "state": opt.state_bytes(), "activations": int(activations),
+                "state": opt.state_bytes(), "activations": int(activations), "norms_dropouts": int(norms),
                 "elements": sum(RING[kind] * elements for kind, (_, elements) in traffic.items()),
                 "seconds": statistics.median(times[1:])}
         out["rows"][setup] = dist.all_gather_object(mine)
@@ -351,12 +357,15 @@ def part_tp(results):
     print(f"\nPer rank, 2 ranks: Transformer LM (E = {cfg['embedding']}, {layers} layers, vocabulary {cfg['vocab']:,}, "
           f"batch {cfg['batch']} x {cfg['seq']} tokens), Adam; x = fraction of one process's bytes "
           f"(activations: one process's, the whole batch)\n")
-    print("| setup | parameters | gradients | Adam state | activations | elements sent / step (ring) | step time |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| setup | parameters | gradients | Adam state | activations | of which layer norms + dropouts | "
+          "elements sent / step (ring) | step time |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    one_norms = 2 * whole["norms_dropouts"]
     for setup in TP_SETUPS:
         m = rows[setup][0]
         cells = [f"{mb(m[k])} MB ({m[k] / whole[k]:.2f}x)" for k in ("parameters", "gradients", "state")]
         cells.append(f"{mb(m['activations'])} MB ({m['activations'] / one_activations:.2f}x)")
+        cells.append(f"{mb(m['norms_dropouts'])} MB ({m['norms_dropouts'] / one_norms:.2f}x)")
         cells.append(f"{m['elements']:,.0f}")
         cells.append(f"{m['seconds'] * 1e3:.0f} ms")
         print(f"| {setup} | " + " | ".join(cells) + " |")
@@ -365,8 +374,11 @@ def part_tp(results):
           f"(n = 2). Megatron's TP: 4 all-reduces of B·T·E per layer and step = {megatron:,} elements; needle's TP "
           f"adds the embedding's and the head's (2 B·T·E), the pre-norms' parameters and the loss's per-row "
           f"numbers. Bytes are exact (parameter and state sizes, the allocator's counts); times are one run's on a "
-          f"shared machine. needle keeps every forward value until backward (eager mode, checkpointing off), so the "
-          f"partial sums before each all-reduce and the gathered copies count as activations.")
+          f"shared machine. needle keeps every forward value until backward (eager mode, checkpointing off) "
+          f"unless an op marks it not kept: the row-parallel partial sums, and under TP+SP the gathered sequence "
+          f"(gathered again in backward), so TP+SP keeps the sequence shards. Layer norms + dropouts: "
+          f"tensor_parallel.norm_and_dropout_bytes of a recorded step (dropout {cfg['dropout']}), against one "
+          f"process's (DP's x 2 ranks).")
 
 
 def part_comm(results):

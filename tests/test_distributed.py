@@ -464,11 +464,12 @@ def test_join_lets_ranks_with_uneven_batches_end_together_with_the_one_process_p
     assert "rank 0 ok join ran 3 batches" in out and "rank 1 ok join ran 5 batches" in out, out
 
 
-def _tiny_gc_flags(tmp_path, batch_size=4):
+def _tiny_gc_flags(tmp_path, batch_size=4, words=30):
+    """gc.py's flags for a tiny model on a tiny corpus of `words` words (its vocabulary: words + 1, <eos>)."""
     folder = tmp_path / "ptb"  # a tiny corpus: the tests need no data from outside
     folder.mkdir()
     rs = np.random.RandomState(0)
-    lines = [" ".join(rs.choice([f"w{i}" for i in range(30)], size=8)) for _ in range(40)]
+    lines = [" ".join(rs.choice([f"w{i}" for i in range(words)], size=8)) for _ in range(40)]
     (folder / "train.txt").write_text("\n".join(lines) + "\n")
     (folder / "test.txt").write_text("\n".join(lines[:5]) + "\n")
     return ["--batch-size", str(batch_size), "--seq-len", "5", "--embedding-size", "8", "--hidden-size", "8",
@@ -518,6 +519,35 @@ def test_gc_run_parallel_on_two_ranks_reports_every_rank_and_rank_0_writes_the_j
 
 
 @needs_mpi
+@pytest.mark.parametrize("parallel", ["tp", "tp+sp", "tp+dp"])
+def test_gc_run_tensor_parallel_equals_one_process_with_about_half_the_parameters_per_rank(tmp_path, parallel):
+    """tp, tp+sp on 2 ranks; tp+dp on 4 (oversubscribed): tensor groups of 2, the batch split over 2 data groups."""
+    n = 4 if parallel == "tp+dp" else 2
+    flags = _tiny_gc_flags(tmp_path, words=31) + ["--seq-len", "6", "--embedding-size", "16", "--hidden-size", "32",
+                                                   "--max-batches", "2", "--use-gc", "1"]
+    one, two = tmp_path / "one.json", tmp_path / "two.json"
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "gc.py"), "run", *flags, "--json", str(one)],
+                          capture_output=True, text=True, timeout=TIMEOUT, env=comm.child_environment())
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    code, out = mpiexec(os.path.join(ROOT, "gc.py"), "run", "--parallel", parallel, *flags, "--json", str(two), n=n,
+                        timeout=180)
+    assert code == 0, out
+    assert f"--parallel {parallel} over {n} ranks" in out and "the split layers' collectives" in out, out
+    alone, split = json.loads(one.read_text()), json.loads(two.read_text())
+    assert split["vocab_size"] == 32 and len(split["steps"]) == 2
+    assert np.allclose([s["loss"] for s in split["steps"]], [s["loss"] for s in alone["steps"]], rtol=1e-5, atol=0)
+    ranks = split["per_rank"]
+    assert [m["rank"] for m in ranks] == list(range(n)) and all(m["time_seconds"] > 0 for m in ranks)
+    for m in ranks:  # the split layers halved; the layer norms and positions whole on both ranks: about half
+        assert 0.45 * alone["param_bytes"] <= m["param_bytes"] <= 0.55 * alone["param_bytes"], (m, alone)
+        assert m["optimizer_bytes"] == 2 * m["param_bytes"] and m["grad_bytes"] == m["param_bytes"], m
+    kinds = split["tensor_parallel"]
+    assert set(kinds) == ({"all_reduce", "all_gather", "reduce_scatter"} if parallel == "tp+sp" else {"all_reduce"})
+    if parallel == "tp+dp":  # and the data-parallel groups' gradient buckets
+        assert split["sync"]["buckets"] >= 1, split["sync"]
+
+
+@needs_mpi
 def test_gc_under_mpiexec_refuses_bad_parallel_use_on_every_rank(tmp_path):
     flags = _tiny_gc_flags(tmp_path) + ["--policy", "off", "--max-batches", "1"]
     code, out = mpiexec(os.path.join(ROOT, "gc.py"), "run", *flags, timeout=60)
@@ -528,6 +558,13 @@ def test_gc_under_mpiexec_refuses_bad_parallel_use_on_every_rank(tmp_path):
     code, out = mpiexec(os.path.join(ROOT, "gc.py"), "run", "--parallel", "dp", *flags, "--batch-size", "5",
                         timeout=60)
     assert code == 2 and out.count("--batch-size 5 does not split over 2 ranks") == 2, out
+    code, out = mpiexec(os.path.join(ROOT, "gc.py"), "run", "--parallel", "tp", *flags, "--num-head", "1",
+                        timeout=60)
+    refused = "--parallel tp: --num-head 1 does not divide by the tensor-parallel size 2"
+    assert code == 2 and out.count(refused) == 2, out
+    code, out = mpiexec(os.path.join(ROOT, "gc.py"), "run", "--parallel", "tp+sp", *flags, "--seq-len", "6",
+                        timeout=60)  # a corpus of 30 words: a vocabulary of 31
+    assert code == 2 and out.count("the vocabulary of 31 words does not divide by the tensor-parallel size 2") == 2, out
 
 
 @needs_mpi
@@ -540,6 +577,20 @@ def test_gc_ablate_under_mpiexec_offers_the_dp_row(tmp_path):
     assert dp["row"] == "dp" and dp["world_size"] == 2 and "dp over 2 ranks (4 per rank)" in dp["setup"]
     assert abs(dp["loss"] - base["loss"]) < 1e-5  # the same global batch, on two ranks
     assert dp["activation_bytes"] < base["activation_bytes"]  # each rank holds half the batch's activations
+
+
+@needs_mpi
+def test_gc_ablate_under_mpiexec_offers_the_zero3_and_tp_rows(tmp_path):
+    flags = _tiny_gc_flags(tmp_path, batch_size=8, words=31) + ["--embedding-size", "16", "--hidden-size", "32"]
+    code, out = mpiexec(os.path.join(ROOT, "gc.py"), "ablate", *flags, "--rows", "baseline", "zero3", "tp", "--steps",
+                        "2", "--out", str(tmp_path / "ablation"))
+    assert code == 0, out
+    base, zero3, tp = json.loads((tmp_path / "ablation" / "ablation.json").read_text())["rows"]
+    assert "zero3 over 2 ranks (4 per rank)" in zero3["setup"] and "tp over 2 ranks (8 per rank)" in tp["setup"]
+    for row in (zero3, tp):  # the same global batch; each rank holds about half the parameters and Adam state
+        assert row["world_size"] == 2 and abs(row["loss"] - base["loss"]) < 1e-5, (row, base)
+        assert row["param_bytes"] <= 0.55 * base["param_bytes"], (row["row"], row["param_bytes"], base["param_bytes"])
+        assert row["optimizer_bytes"] <= 0.55 * base["optimizer_bytes"], row["row"]
 
 
 @needs_mpi
@@ -646,7 +697,7 @@ def test_tensor_and_sequence_parallel_on_two_ranks_equal_one_process_with_and_wi
     checks = passed(out)
     for name in ("state_dict_full_shapes", "exact_tp_off", "exact_tp_all", "exact_tp_sp_off", "exact_tp_sp_all",
                  "no_extra_collectives_tp", "no_extra_collectives_tp_sp", "parameter_bytes", "megatron_volume_tp",
-                 "megatron_volume_tp_sp"):
+                 "megatron_volume_tp_sp", "sp_norm_dropout_activations"):
         assert checks.get(name) == {0, 1}, (name, out)
 
 

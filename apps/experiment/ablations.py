@@ -38,9 +38,14 @@ ABLATIONS = {
     "toolbox": (f"gradient accumulation x{ACCUMULATE} + gc all + mixed-bf16 + Adam8bit",
                 {"policy": "all", "head": "full", "accumulate": ACCUMULATE, "precision": "mixed-bf16",
                  "optimizer": "adam8bit"}),
-    # offered when gc.py ablate runs under mpiexec -n N: the row is `mpiexec -n N python gc.py run --parallel dp`
+    # offered when gc.py ablate runs under mpiexec -n N: a row is `mpiexec -n N python gc.py run --parallel dp` (zero3,
+    # tp); the memory columns are rank 0's, the loss the global batch's
     "dp": ("data parallel over the mpiexec ranks: batch/N per rank, gradients all-reduced",
            {**BASE, "parallel": "dp"}),
+    "zero3": ("ZeRO-3 over the mpiexec ranks: batch/N per rank, parameters, gradients and Adam state 1/N each",
+              {**BASE, "parallel": "zero3"}),
+    "tp": ("tensor parallel over the mpiexec ranks: every layer, the embedding and the head split N ways, the whole "
+           "batch on each", {**BASE, "parallel": "tp"}),
 }
 
 

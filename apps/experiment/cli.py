@@ -19,7 +19,7 @@ from .commands import ablate, plot, run, sweep, timeline
 from .console import BAD_INPUT_EXIT, INTERRUPTED_EXIT, fail
 from .outputs import check_outputs, checkpoint_file
 from .parser import SUBCOMMANDS, build_parser
-from .setup import BUDGET_CURVES, RunConfig
+from .setup import BUDGET_CURVES, PARALLEL, TENSOR_PARALLEL, TP_DP_TENSOR_SIZE, RunConfig, parallel_layout
 
 COMMANDS = {"run": run.main, "sweep": sweep.main_sweep, "max-batch": sweep.main_max_batch, "ablate": ablate.main,
             "timeline": timeline.main, "plot": plot.main}
@@ -149,6 +149,11 @@ def validate_ablate(config):
     if parallel and config.batch_size % ranks:
         fail(f"ablate: row {parallel[0]} splits --batch-size {config.batch_size} over {ranks} ranks: give a "
              f"multiple of {ranks}")
+    for row in [r for r in parallel if ABLATIONS[r][1]["parallel"] in TENSOR_PARALLEL]:
+        for name, value in (("--num-head", config.num_head), ("--hidden-size", config.hidden_size)):
+            if value % ranks:
+                fail(f"ablate: row {row} splits every layer over {ranks} ranks: {name} {value} does not divide by "
+                     f"{ranks}")
     if len(set(rows)) < len(rows):
         fail(f"ablate: a row is named twice in --rows {' '.join(rows)}")
     accumulating = [r for r in config.rows or ABLATIONS if ABLATIONS[r][1].get("accumulate", 1) > 1]
@@ -242,14 +247,17 @@ def validate_parallel(config, ranks):
     """--parallel's checks, the same on every rank (each prints the line and exits 2: no rank is left waiting)."""
     if config.parallel is None:
         if ranks > 1:
-            fail(f"gc.py run is under mpiexec with {ranks} ranks: give --parallel dp|zero1|zero2|zero3|pipeline "
+            fail(f"gc.py run is under mpiexec with {ranks} ranks: give --parallel {'|'.join(PARALLEL)} "
                  f"(without it every rank would train the same model alone)")
         return
     if not (math.isfinite(config.bucket_mb) and config.bucket_mb > 0):
         fail(f"--bucket-mb must be a positive number of MiB, got {config.bucket_mb:g}")
-    if config.parallel != "pipeline" and config.batch_size % ranks:
-        fail(f"--parallel {config.parallel}: --batch-size {config.batch_size} does not split over {ranks} ranks: "
-             f"give a multiple of {ranks}")
+    if config.parallel in TENSOR_PARALLEL:
+        validate_tensor_parallel(config, ranks)
+    _, data_ranks = parallel_layout(config.parallel, ranks)
+    if config.parallel != "pipeline" and config.batch_size % data_ranks:
+        fail(f"--parallel {config.parallel}: --batch-size {config.batch_size} does not split over {data_ranks} ranks: "
+             f"give a multiple of {data_ranks}")
     if config.parallel == "pipeline" and config.precision in ("mixed-bf16", "mixed-fp16"):
         fail(f"--parallel pipeline with --precision {config.precision} is not supported (autocast would have to wrap "
              f"each stage's forward apart from its backward); use fp32 or bf16")
@@ -262,3 +270,24 @@ def validate_parallel(config, ranks):
     if config.parallel in ("zero2", "zero3", "pipeline") and config.precision == "mixed-fp16":
         fail(f"--parallel {config.parallel} with --precision mixed-fp16 is not supported: GradScaler's overflow check "
              f"needs every gradient on every rank")
+
+
+def validate_tensor_parallel(config, ranks):
+    """--parallel tp, tp+sp, tp+dp: the model's heads, feed-forward width (and with tp+sp the sequence) split over
+    the tensor-parallel ranks; the vocabulary, known once the data is read, is checked by run (setup.py)."""
+    if config.parallel == "tp+dp" and ranks % TP_DP_TENSOR_SIZE:
+        fail(f"--parallel tp+dp: tensor groups of {TP_DP_TENSOR_SIZE} ranks need an even number of ranks, got {ranks} "
+             f"(mpiexec -n 4: two tensor groups of 2, data parallel across them)")
+    size, _ = parallel_layout(config.parallel, ranks)
+    splits = [("--num-head", config.num_head), ("--hidden-size", config.hidden_size)]
+    if config.parallel == "tp+sp":
+        splits.append(("--seq-len", config.seq_len))
+    for name, value in splits:
+        if value % size:
+            fail(f"--parallel {config.parallel}: {name} {value} does not divide by the tensor-parallel size {size}")
+    if config.policy == "budget":
+        fail(f"--parallel {config.parallel} with --policy budget is not supported: Budget plans the one-process "
+             f"graph, not a rank's slice of it")
+    if config.precision == "mixed-fp16":
+        fail(f"--parallel {config.parallel} with --precision mixed-fp16 is not supported: GradScaler's overflow "
+             f"check needs every gradient on every rank")

@@ -11,6 +11,7 @@ from needle import distributed as dist
 
 from .console import fail
 from .measure import machine_memory_bytes
+from .setup import parallel_layout
 
 ADAM8BIT_MIN_SIZE = 4096  # Adam8bit's min_8bit_size (its default, which gc.py keeps): smaller tensors stay 32-bit
 
@@ -39,13 +40,15 @@ def state_bytes(config, shapes, itemsize):
 def model_bytes(config, vocab, ranks=1):
     """{"parameters", "gradients", "optimizer_state"}: bytes one process holds for them (a lower bound).  Pure bf16
     keeps 2-byte weights, every other precision 4-byte ones; --parallel pipeline spreads the parameters over the
-    ranks, ZeRO the state (stage 1) and the gradients (stage 2)."""
+    ranks, ZeRO the state (stage 1), the gradients (stage 2) and the parameters (stage 3), tensor parallelism splits
+    all three (the layer norms, whole on every rank, make the division a lower bound still)."""
     shapes = parameter_shapes(config, vocab)
     itemsize = 2 if config.precision == "bf16" else 4
     params = itemsize * sum(math.prod(s) for s in shapes)
     state = state_bytes(config, shapes, itemsize)
-    share = {"pipeline": (ranks, ranks, ranks), "zero1": (1, 1, ranks), "zero2": (1, ranks, ranks)}.get(
-        config.parallel, (1, 1, 1))
+    split, _ = parallel_layout(config.parallel, ranks)  # tensor parallel: each rank about 1/split of the model
+    share = {"pipeline": (ranks, ranks, ranks), "zero1": (1, 1, ranks), "zero2": (1, ranks, ranks),
+             "zero3": (ranks, ranks, ranks)}.get(config.parallel, (split, split, split))
     return {"parameters": params // share[0], "gradients": params // share[1], "optimizer_state": state // share[2]}
 
 

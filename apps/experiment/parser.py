@@ -234,7 +234,9 @@ def add_parallel_flags(p):
          help="dp: data parallel, --batch-size split over the ranks, gradients all-reduced; zero1 / zero2 / zero3: "
               "ZeRO stage 1 / 2 / 3 on top (optimizer state / and gradients / and parameters partitioned); "
               "pipeline: GPipe, one stage of layers per rank, the --accumulation-steps micro-batches flowing through "
-              "them (default: none)")
+              "them; tp: tensor parallel (Megatron: heads, feed-forward width and vocabulary split over the ranks); "
+              "tp+sp: and sequence parallel (layer norms and dropouts on sequence shards); tp+dp: tensor groups of 2 "
+              "ranks, data parallel across them (mpiexec -n 4) (default: none)")
     flag(g, "bucket_mb", type=float, default=25.0, metavar="MB",
          help="dp, zero: gradients are reduced in buckets of about MB (PyTorch DDP's 25)")
 

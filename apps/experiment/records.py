@@ -90,6 +90,8 @@ def summarize(record, warmup):
         record["per_rank"] = last["ranks"]
     if "sync" in last:
         record["sync"] = last["sync"]
+    if "tensor_parallel" in last:  # the tensor-parallel collectives of the last step (comm.traffic)
+        record["tensor_parallel"] = last["tensor_parallel"]
     if "pipeline" in last:
         record["pipeline"] = {**last["pipeline"], "bubble_median": statistics.median(
             s["pipeline"]["bubble_mean"] for s in steps)}

@@ -12,13 +12,20 @@ from .ablations import ACCUMULATE
 from .data import SYNTHETIC, batch_text
 from .measure import threads
 from .records import MIN_TIMED_STEPS
+from .setup import parallel_layout
 
 PARALLEL_TEXT = {"dp": "data parallel (gradients all-reduced in buckets during backward)",
                  "zero1": "ZeRO stage 1 (data parallel, the optimizer state partitioned)",
                  "zero2": "ZeRO stage 2 (data parallel, optimizer state and gradients partitioned: reduce-scatter)",
                  "zero3": "ZeRO stage 3 (data parallel, parameters too: each layer all-gathered for its forward and "
                           "backward, gradients reduce-scattered)",
-                 "pipeline": "GPipe (the layers cut into one stage per rank, --accumulation-steps micro-batches)"}
+                 "pipeline": "GPipe (the layers cut into one stage per rank, --accumulation-steps micro-batches)",
+                 "tp": "tensor parallel (Megatron-LM: heads, feed-forward and vocabulary split between the ranks, "
+                       "the whole batch on each)",
+                 "tp+sp": "tensor + sequence parallel (Megatron-LM: layers split, the layer norms, dropouts and "
+                          "residual stream on sequence shards)",
+                 "tp+dp": "tensor x data parallel (tensor groups of 2 ranks split the model; the groups share the "
+                          "batch, gradients all-reduced across them)"}
 
 
 def mb(x):
@@ -67,10 +74,12 @@ def print_run_header(config, which, device, source, data, vocab):
           + (f", budget {config.budget_mb:g} MB" if config.budget_mb is not None else ""))
     if config.parallel:
         n = dist.world_size()
-        print(f"parallel: {PARALLEL_TEXT[config.parallel]}, {plural(n, 'rank')} "
-              + (f"({config.batch_size // n} sequences of each micro-batch per rank)"
-                 if config.parallel != "pipeline" else
-                 f"({config.accumulation_steps} micro-batches through {plural(n, 'stage')})"))
+        tensor_ranks, data_ranks = parallel_layout(config.parallel, n)
+        share = (f"({config.accumulation_steps} micro-batches through {plural(n, 'stage')})"
+                 if config.parallel == "pipeline" else
+                 f"({config.batch_size // data_ranks} sequences of each micro-batch per rank"
+                 + (f", each layer split {tensor_ranks} ways)" if tensor_ranks > 1 else ")"))
+        print(f"parallel: {PARALLEL_TEXT[config.parallel]}, {plural(n, 'rank')} {share}")
     if source == SYNTHETIC:
         why = "--data synthetic" if config.data == SYNTHETIC else "no PTB at data/ptb or ../shared/data/ptb"
         print(f"data: a synthetic Zipf corpus with a PTB-sized vocabulary ({why}), {vocab} words")
@@ -215,11 +224,16 @@ def parallel_text(r):
     lines = [f"--parallel {kind} over {plural(n, 'rank')}: {r['tokens_per_second']:,.0f} tokens/s (the global batch "
              f"{r['effective_batch_size']} x seq_len {r['seq_len']} per step)"]
     lines.append(f"  {'rank':>4s}{'parameters MB':>15s}{'gradients MB':>14s}{'opt. state MB':>15s}{'M_act MB':>10s}"
-                 f"{'M_peak MB':>11s}")
+                 f"{'M_peak MB':>11s}{'T_step s':>10s}")
     for m in r.get("per_rank") or []:
+        seconds = f"{m['time_seconds']:.3f}" if m.get("time_seconds") is not None else ""
         lines.append(f"  {m['rank']:4d}{mb(m['param_bytes']):>15s}{mb(m['grad_bytes']):>14s}"
                      f"{mb(m['optimizer_bytes']):>15s}{mb(m['activation_bytes']):>10s}"
-                     f"{mb(m['peak_activation_bytes']):>11s}")
+                     f"{mb(m['peak_activation_bytes']):>11s}{seconds:>10s}")
+    if r.get("tensor_parallel"):
+        moved = ", ".join(f"{calls} {kind.replace('_', '-')}s of {elements:,} elements in all"
+                          for kind, (calls, elements) in r["tensor_parallel"].items())
+        lines.append(f"  the split layers' collectives in the last step, per rank: {moved or 'none'}")
     if r.get("sync"):
         s = r["sync"]
         op = "reduce-scatter" if kind == "zero2" else "all-reduce"

@@ -27,9 +27,12 @@ HEADS = ["full", "fused"]  # the LM head + loss: the course's SoftmaxLoss(model(
 PRECISIONS = ["fp32", "mixed-bf16", "mixed-fp16", "bf16"]
 AUTOCAST = {"fp32": None, "mixed-bf16": "bfloat16", "mixed-fp16": "float16", "bf16": None}
 OPTIMIZERS = ["adam", "adam8bit", "adafactor", "sgd"]
-# --parallel: data parallel (gradients all-reduced), ZeRO stage 1 / 2 / 3 on top of it, or GPipe over the ranks
-PARALLEL = ["dp", "zero1", "zero2", "zero3", "pipeline"]
+# --parallel: data parallel (gradients all-reduced), ZeRO stage 1 / 2 / 3 on top of it, GPipe over the ranks, or
+# Megatron's tensor parallelism (with sequence parallelism, or in a 2-D layout with data parallelism)
+PARALLEL = ["dp", "zero1", "zero2", "zero3", "pipeline", "tp", "tp+sp", "tp+dp"]
 ZERO_STAGE = {"zero1": 1, "zero2": 2, "zero3": 3}
+TENSOR_PARALLEL = ("tp", "tp+sp", "tp+dp")
+TP_DP_TENSOR_SIZE = 2  # --parallel tp+dp: tensor groups of 2 consecutive ranks, data parallel across them
 
 
 @dataclass(frozen=True)
@@ -192,6 +195,56 @@ def make_loss(model, head, autocast=None):
         with ndl.autocast(autocast):  # forward and loss; backward replays the graph's casts
             return loss(X, y)
     return mixed
+
+
+# ----- --parallel tp, tp+sp, tp+dp: the LanguageModel split by Megatron's tensor parallelism ------------------------
+def parallel_layout(parallel, ranks):
+    """(tensor-parallel size, data-parallel size) of --parallel over `ranks` processes: dp and zero are all data
+    parallel, tp and tp+sp all tensor parallel, tp+dp tensor groups of TP_DP_TENSOR_SIZE."""
+    if parallel == "tp+dp":
+        return TP_DP_TENSOR_SIZE, ranks // TP_DP_TENSOR_SIZE
+    if parallel in TENSOR_PARALLEL:
+        return ranks, 1
+    return 1, ranks
+
+
+def parallel_groups(parallel):
+    """(tensor group, data group) of this rank, None meaning every rank of the job. tp+dp: ranks {0, 1}, {2, 3},
+    ... split the model, ranks equal mod 2 hold the same slice and share the batch. Every rank creates every
+    group, in the same order (MPI's sub-communicators are collective)."""
+    if parallel != "tp+dp":
+        return None, None
+    n, me, t = dist.world_size(), dist.rank(), TP_DP_TENSOR_SIZE
+    tensor = [dist.new_group(range(s, s + t)) for s in range(0, n, t)]
+    data = [dist.new_group(range(r, n, t)) for r in range(t)]
+    return tensor[me // t], data[me % t]
+
+
+def check_tensor_parallel_vocabulary(config, vocab):
+    """--parallel tp, tp+sp, tp+dp: the embedding's and the head's vocabulary split over the tensor-parallel ranks
+    (one line and exit 2 on every rank: they all read the same corpus)."""
+    if config.parallel not in TENSOR_PARALLEL:
+        return
+    size, _ = parallel_layout(config.parallel, dist.world_size())
+    if vocab % size:
+        fail(f"--parallel {config.parallel}: the vocabulary of {vocab} words does not divide by the tensor-parallel "
+             f"size {size} (the embedding and the LM head are split by vocabulary)")
+
+
+def tensor_parallel_model(config, model, policy):
+    """`model` (built with checkpointing off, the same on every rank) split by --parallel tp / tp+sp / tp+dp, then
+    checkpointed with `policy`; tp+dp wraps it in DataParallel over its data group."""
+    tensor_group, data_group = parallel_groups(config.parallel)
+    try:
+        dist.tensor_parallel.parallelize_transformer(model, group=tensor_group,
+                                                     sequence_parallel=config.parallel == "tp+sp")
+    except ValueError as err:  # the same model on every rank: every rank fails alike, no rank left waiting
+        fail(f"--parallel {config.parallel}: {err}")
+    if policy != "off":
+        model.enable_gc(segment_len=config.segment_len, policy=policy)
+    if config.parallel == "tp+dp":
+        return dist.DataParallel(model, bucket_mb=config.bucket_mb, group=data_group)
+    return model
 
 
 # ----- --parallel pipeline: the LanguageModel cut into stages (models.LMStage) --------------------------------

@@ -1,6 +1,7 @@
 """One optimizer step of a run, measured: its micro-batches' forward and backward passes, the optimizer's update,
 and what they cost in memory (the allocator's exact bytes, the process's RSS) and time.  train_step for one
-process or data parallel (--parallel dp, zero1, zero2); pipeline_step for --parallel pipeline."""
+process, data parallel (--parallel dp, zero1, zero2, zero3) or tensor parallel (tp, tp+sp, tp+dp); pipeline_step
+for --parallel pipeline."""
 import contextlib
 import time
 
@@ -25,13 +26,16 @@ def train_step(model, loss_fn, opt, batches, start, config, device, params, scal
     """One optimizer step (of `accumulation_steps` micro-batches), with its memory and time measured; loss_fn(X, y)
     is make_loss's (the full or the fused head, under autocast for mixed precision); `scaler` a GradScaler for
     mixed-fp16 (the step is skipped, and counted, when a gradient overflowed).  With a DataParallel model (--parallel
-    dp, zero1, zero2) each rank trains on its share of every micro-batch's columns, and the model sums the
+    dp, zero1, zero2, zero3, tp+dp) each rank trains on its share of every micro-batch's columns, and the model sums the
     micro-batches' gradients itself (no_sync), averaging them across the ranks in the last backward."""
     data_parallel = isinstance(model, dist.DataParallel)
+    tensor_parallel = tensor_parallel_group(model)
+    if tensor_parallel is not False:
+        dist.traffic(tensor_parallel, reset=True)  # this step's collectives of the split layers, counted below
     opt.reset_grad()
     micro = micro_batches(batches, start, config, device)
-    if data_parallel:
-        micro = [rank_share(X, y, device) for X, y in micro]
+    if data_parallel:  # tp+dp: the columns of this rank's data group (tensor-parallel ranks share theirs)
+        micro = [rank_share(X, y, device, model.group) for X, y in micro]
     nd.reset_peak_memory_stats(device)
     baseline = nd.memory_stats(device)["current_bytes"]
     rss = None if device.name == "cuda" else PeakRSS(cached(device))  # GPU memory: GPUtil, not host RSS
@@ -60,10 +64,13 @@ def train_step(model, loss_fn, opt, batches, start, config, device, params, scal
         **state_bytes(opt, params, grad_bytes), "skipped_step": skipped,
         "loss_scale": None if scaler is None else scaler.get_scale(), **passes["offload"],
     }
-    if data_parallel:
+    if tensor_parallel is not False:  # read before the all-gathers of the figures below
+        step["tensor_parallel"] = tensor_parallel_traffic(tensor_parallel)
+    if config.parallel:
         step["loss"] = float(np.mean(dist.all_gather_object(step["loss"])))  # the global batch's mean loss
-        step["sync"] = model.last_sync_stats()
         step["ranks"] = per_rank_memory(step)
+    if data_parallel:
+        step["sync"] = model.last_sync_stats()
     return step, passes["loss"]
 
 
@@ -141,18 +148,32 @@ def gradient_bytes(opt, params):
     return int(sum(p.grad.realize_cached_data().nbytes for p in params if p.grad is not None))
 
 
-def rank_share(X, y, device):
-    """This rank's columns of a micro-batch: X (seq_len, b) and its targets y (seq_len * b,), b/N columns each."""
+def rank_share(X, y, device, group=None):
+    """This rank's columns of a micro-batch: X (seq_len, b) and its targets y (seq_len * b,), b/N columns each
+    (N: the ranks of `group`, the job's by default)."""
     X_np = X.numpy()
     y_np = y.numpy().reshape(X_np.shape)
-    X_mine, y_mine = dist.split_batch(X_np, axis=1), dist.split_batch(y_np, axis=1)
+    X_mine, y_mine = dist.split_batch(X_np, axis=1, group=group), dist.split_batch(y_np, axis=1, group=group)
     return (ndl.Tensor(X_mine, device=device, requires_grad=False),
             ndl.Tensor(np.ascontiguousarray(y_mine).reshape(-1), device=device, requires_grad=False))
 
 
+def tensor_parallel_group(model):
+    """The tensor-parallel group of a model split by parallelize_transformer (None: every rank), or False."""
+    module = model.module if isinstance(model, dist.DataParallel) else model
+    return getattr(module, "tensor_parallel_group", False)
+
+
+def tensor_parallel_traffic(group):
+    """This step's collectives in the tensor-parallel group: {kind: [calls, elements]} (comm.traffic)."""
+    return {kind: list(counts) for kind, counts in dist.traffic(group).items()}
+
+
 def per_rank_memory(step):
-    """Every rank's memory in this step (one all-gather): parameters, gradients, optimizer state, activations."""
-    keys = ("param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes", "peak_activation_bytes")
+    """Every rank's memory and time in this step (one all-gather): parameters, gradients, optimizer state,
+    activations, the step's seconds."""
+    keys = ("param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes", "peak_activation_bytes",
+            "time_seconds")
     return dist.all_gather_object({"rank": dist.rank(), **{key: step[key] for key in keys}})
 
 

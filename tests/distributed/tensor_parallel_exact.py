@@ -26,7 +26,7 @@ from needle.distributed import tensor_parallel as tp  # noqa: E402
 from models import LanguageModel  # noqa: E402
 
 DEVICE = ndl.cpu() if ndl.cpu().enabled() else ndl.cpu_numpy()
-VOCAB, EMBED, HIDDEN, SEQ, BATCH, STEPS, LR = 100, 32, 64, 8, 4, 5, 1e-3
+VOCAB, EMBED, HIDDEN, SEQ, BATCH, STEPS, LR, LAYERS = 100, 32, 64, 8, 4, 5, 1e-3, 2
 RANK = dist.rank()
 ZERO_GRADIENT = ("attention.prenorm_k.bias",)  # exact gradient zero: rounding noise, amplified by Adam
 
@@ -38,7 +38,7 @@ def say(name, detail=""):
 
 def build(num_head=4):
     np.random.seed(0)
-    return LanguageModel(EMBED, VOCAB, HIDDEN, num_layers=2, seq_model="transformer", seq_len=2 * SEQ,
+    return LanguageModel(EMBED, VOCAB, HIDDEN, num_layers=LAYERS, seq_model="transformer", seq_len=2 * SEQ,
                          device=DEVICE, num_head=num_head, dim_head=8)
 
 
@@ -59,7 +59,12 @@ def train(model, group=None):
         opt.reset_grad()
         loss, _ = model.loss(X, y)
         dropped = sum(n.drop for n in find_topo_sort([loss]))
-        assert (dropped > 0) == model.gc, dropped  # gc "all" drops (and recomputes) activations
+        # gc off drops only what the layers do not keep (regions.not_kept): the partial sums before each of the 2
+        # reductions per layer, and with sequence parallelism the gathered sequence before each of the 4
+        # column-parallel matmuls per layer and the head; gc "all" drops (and recomputes) activations besides
+        split = hasattr(model, "tensor_parallel_group")  # the one-process reference drops nothing with gc off
+        not_kept = split * LAYERS * 2 + (LAYERS * 4 + 1 if getattr(model, "sequence_parallel", False) else 0)
+        assert dropped > not_kept if model.gc else dropped == not_kept, (dropped, not_kept)
         loss.backward()
         opt.step()
         losses.append(float(loss.numpy()))
@@ -116,15 +121,19 @@ def check_megatron_volume(tp_counts, sp_counts):
     becomes a reduce-scatter plus an all-gather (3 pre-norm gathers where Megatron has 1): per layer 4 gathers
     forward (reduce-scatters backward) and 2 reduce-scatters forward (gathers backward), plus the embedding's
     reduce-scatter and the head's gather; the all-reduces left are the gradients of the parameters used on a
-    shard (4 layer norms and linear2's bias per layer, the positional table) and the loss's."""
-    layers, bte, tb = 2, BATCH * SEQ * EMBED, BATCH * SEQ
+    shard (4 layer norms and linear2's bias per layer, the positional table) and the loss's. The gathered
+    sequence in front of each column-parallel matmul (4 per layer) and the head is not kept but gathered again
+    in backward for the weight's gradient, as Megatron-SP does: 4 more all-gathers per layer and 1 more for the
+    head, each of B T E (regions.not_kept)."""
+    layers, bte, tb = LAYERS, BATCH * SEQ * EMBED, BATCH * SEQ
     calls, elements = tp_counts["all_reduce"]
     assert calls == layers * (4 + 6) + 2 + 2, tp_counts
     assert elements == layers * (4 * bte + 6 * EMBED) + 2 * bte + 3 * tb, tp_counts
     say("megatron_volume_tp", f"{calls} all-reduces, {elements} elements")
     gathers, gathered = sp_counts["all_gather"]
     scatters, scattered = sp_counts["reduce_scatter"]
-    assert gathers == scatters == layers * 6 + 2 and gathered == scattered == (layers * 6 + 2) * bte, sp_counts
+    assert scatters == layers * 6 + 2 and scattered == (layers * 6 + 2) * bte, sp_counts
+    assert gathers == layers * (6 + 4) + 2 + 1 and gathered == (layers * (6 + 4) + 2 + 1) * bte, sp_counts
     assert sp_counts["all_reduce"] == (layers * 9 + 1 + 2, layers * 9 * EMBED + 2 * SEQ * EMBED + 3 * tb), sp_counts
     say("megatron_volume_tp_sp", str(sp_counts))
 
@@ -143,6 +152,36 @@ def check_state_dict_round_trip():
     say("state_dict_full_shapes")
 
 
+def check_sequence_parallel_activations():
+    """Recorded forward + backward (eager, gc off, dropout 0.1): the layer norms' and dropouts' activations kept at
+    backward's start per rank (tensor_parallel.norm_and_dropout_bytes) are at most 0.55 of one process's with
+    tensor + sequence parallelism (the gathered sequence is not kept: regions.not_kept), and every activation
+    together less than tensor parallelism's."""
+    (X, y), = list(batches())[:1]
+    kept, everything = {}, {}
+    for setup in ("one", "tp", "tp+sp"):
+        np.random.seed(0)
+        model = LanguageModel(EMBED, VOCAB, HIDDEN, num_layers=LAYERS, seq_model="transformer", seq_len=2 * SEQ,
+                              device=DEVICE, num_head=4, dim_head=8, dropout=0.1)
+        model.train()
+        if setup != "one":
+            tp.parallelize_transformer(model, sequence_parallel=setup == "tp+sp")
+        with ndl.memory.record(DEVICE) as snap:
+            loss, _ = model.loss(X, y)
+            loss.backward()
+        kept[setup] = tp.norm_and_dropout_bytes(snap)
+        start = next(p["start"] for p in snap.phases if p["phase"] == "backward")
+        everything[setup] = sum(b["bytes"] for b in snap.alive_at(start - 1)
+                                if b["alloc"] is not None and b["category"] == "activation_kept")
+        del loss, model
+    ratio = kept["tp+sp"] / kept["one"]
+    assert ratio <= 0.55 + (dist.world_size() == 1) * 0.45, kept  # a job of one keeps what one process keeps
+    assert everything["tp+sp"] <= everything["tp"], everything
+    say("sp_norm_dropout_activations", f"{ratio:.3f} of one process's (tp: {kept['tp'] / kept['one']:.3f}; all "
+        f"kept activations: tp+sp {everything['tp+sp'] / everything['one']:.3f}, tp "
+        f"{everything['tp'] / everything['one']:.3f})")
+
+
 def indivisible():
     try:
         tp.parallelize_transformer(build(num_head=3))
@@ -159,3 +198,4 @@ if __name__ == "__main__":
     else:
         check_state_dict_round_trip()
         check_exact()
+        check_sequence_parallel_activations()

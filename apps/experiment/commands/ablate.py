@@ -10,12 +10,12 @@ from needle import distributed as dist
 
 from ..ablations import ABLATIONS, BASE, BUDGET_ROWS, default_rows
 from ..children import invocation_id, last_line, run_child
-from ..console import note, progress_on, say, tqdm_class
+from ..console import fail, note, progress_on, say, tqdm_class
 from ..data import check_corpus, load_data, resolve_data
 from ..footprint import check_fits
 from ..records import config_of, read_json, write_json
 from ..report import mb, model_text, plural, print_ablation
-from ..setup import check_budget, pick_device, plan_budget
+from ..setup import TENSOR_PARALLEL, check_budget, parallel_layout, pick_device, plan_budget
 from .plot import plot_ablation
 
 # what each ablation row keeps of its run's record (the run's own JSON, named by "json", has everything)
@@ -34,6 +34,10 @@ def main(config):
     device = pick_device(config.device)
     data, vocab = load_data(source)
     check_corpus(config, data)  # the effective batch: every row trains on the same windows
+    split = [r for r in config.rows or default_rows() if ABLATIONS[r][1].get("parallel") in TENSOR_PARALLEL]
+    ranks = dist.comm.launcher_rank_and_size()[1]
+    if split and vocab % ranks:
+        fail(f"ablate: row {split[0]} splits the vocabulary over {ranks} ranks, and this corpus has {vocab} words")
     check_fits(config, vocab, device)  # the baseline row's model (Adam, float32), before any row starts
     out_dir = config.out or os.path.join("results", "ablation")
     ablation_id = invocation_id()
@@ -131,7 +135,8 @@ def setup_text(config, flags, budget_bytes):
                                                                             "parallel", "offload")]
     if flags.get("parallel"):
         ranks = dist.comm.launcher_rank_and_size()[1]
-        extra.append(f"{flags['parallel']} over {ranks} ranks ({config.batch_size // ranks} per rank)")
+        _, data_ranks = parallel_layout(flags["parallel"], ranks)
+        extra.append(f"{flags['parallel']} over {ranks} ranks ({config.batch_size // data_ranks} per rank)")
     return ", ".join([f"gc {policy}", f"{flags.get('head', 'full')} head", batch] + extra)
 
 

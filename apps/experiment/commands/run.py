@@ -18,8 +18,8 @@ from ..data import check_corpus, load_data, resolve_data, windows
 from ..footprint import check_fits
 from ..records import ALIASES, config_of, summarize, write_json
 from ..report import print_run_header, print_single, print_table, step_line
-from ..setup import (AUTOCAST, build_model, check_budget, make_loss, make_optimizer, make_policy, pick_device,
-                     pipeline_loss, pipeline_stages)
+from ..setup import (AUTOCAST, TENSOR_PARALLEL, build_model, check_budget, check_tensor_parallel_vocabulary, make_loss,
+                     make_optimizer, make_policy, pick_device, pipeline_loss, pipeline_stages, tensor_parallel_model)
 from ..resume import load_training, parameters_sha256, restore_training, save_training
 from ..step import pipeline_step, train_step
 
@@ -34,6 +34,7 @@ def main(config):
     data, vocab = load_data(source)
     device = pick_device(config.device)
     check_corpus(config, data)
+    check_tensor_parallel_vocabulary(config, vocab)
     check_fits(config, vocab, device)  # before any model is built: one that cannot fit is refused here
     resumed = load_training(config, vocab) if config.resume else None
     if resumed and resumed["step"] >= total_steps(config, data):
@@ -149,8 +150,14 @@ def total_steps(config, data):
 
 def build_training(config, vocab, device, policy):
     """(the model, or with --parallel its wrapper; loss_fn(X, y); the parameters; the optimizer)."""
-    model = build_model(config, vocab, device, policy)
+    tensor_parallel = config.parallel in TENSOR_PARALLEL
+    model = build_model(config, vocab, device, "off" if tensor_parallel else policy)
     model.train()
+    if tensor_parallel:  # this rank's slice of every split layer (tp+dp: inside DataParallel over its data group)
+        model = tensor_parallel_model(config, model, policy)
+        params = model.parameters()
+        opt = make_optimizer(config, params, getattr(model, "module", model))
+        return model, make_loss(model, config.head, AUTOCAST[config.precision]), params, opt
     if config.parallel == "pipeline":  # this rank's stage of the model; the rest of it is freed
         model = dist.Pipeline(pipeline_stages(model, dist.world_size()), config.accumulation_steps)
         loss_fn = pipeline_loss(model.stage, config.head)

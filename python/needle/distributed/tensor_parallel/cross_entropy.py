@@ -24,7 +24,7 @@ from ...nn import Module
 from ...ops.ops_fused import chunk_rows
 from .. import comm
 from .layers import slice_parameter
-from .regions import copy_to_region, gather_from_region
+from .regions import copy_to_region, gather_from_region, not_kept
 
 __all__ = ["VocabParallelCrossEntropy", "VocabParallelCrossEntropyGrad", "VocabParallelHead",
            "vocab_parallel_linear_cross_entropy"]
@@ -157,14 +157,22 @@ class VocabParallelHead(Module):
         self.bias = None if linear.bias is None else slice_parameter(linear.bias, 1, group, what)
 
     def _hidden(self, hidden):
-        if self.sequence_parallel:
-            return gather_from_region(hidden, 0, self.group)
+        if self.sequence_parallel:  # the whole rows: not kept, gathered again for the gradients (regions.not_kept)
+            return gather_from_region(hidden, 0, self.group, regather=True)
         return copy_to_region(hidden, self.group)
 
+    def _read(self, rows):
+        if self.sequence_parallel:
+            not_kept(rows)
+
     def forward(self, hidden):
-        logits = ops.linear(self._hidden(hidden), self.weight, self.bias)
+        rows = self._hidden(hidden)
+        logits = ops.linear(rows, self.weight, self.bias)
+        self._read(rows)
         return gather_from_region(logits, 1, self.group, grad="split")
 
     def loss(self, hidden, target, chunk_size=None):
-        return vocab_parallel_linear_cross_entropy(self._hidden(hidden), self.weight, self.bias, target, self.group,
-                                                   chunk_size)
+        rows = self._hidden(hidden)
+        loss = vocab_parallel_linear_cross_entropy(rows, self.weight, self.bias, target, self.group, chunk_size)
+        self._read(rows)
+        return loss

@@ -8,12 +8,13 @@ load_state_dict slices (transformer.py).
 - ColumnParallelLinear: y = x W + b with W (in, out) and b split by columns (output features): rank r computes
   its out/N features of y from the whole x. `input` says how x arrives: "copy" (replicated on every rank: f, whose
   backward all-reduces the partial input gradients), "gather" (sequence parallel: the ranks' sequence shards are
-  all-gathered, reduce-scattered in backward), or "ready" (the caller already did one of these).
+  all-gathered, reduce-scattered in backward; the gathered sequence is not kept but gathered again in backward,
+  as Megatron-SP does), or "ready" (the caller already did one of these).
 - RowParallelLinear: W split by rows (input features): rank r multiplies its in/N features of x (the column-
   parallel layer's output) by its rows, and the partial products are summed: "all_reduce" (g) or
   "reduce_scatter" along the sequence axis (sequence parallel). The bias, whole on every rank, is added after
   the sum; under sequence parallelism each rank adds it to its own positions only, so its gradient is partial
-  and goes through f (all-reduced in backward).
+  and goes through f (all-reduced in backward). The partial products are not kept: no gradient reads them.
 - VocabParallelEmbedding: the table's rows (vocabulary) split: rank r looks up the ids in its range, zeros for
   the others, and the sum over ranks (all-reduce, or reduce-scatter along the sequence) is the lookup.
 """
@@ -23,7 +24,7 @@ from ... import ops
 from ...autograd import Tensor
 from ...nn import Module, Parameter
 from .. import comm
-from .regions import copy_to_region, gather_from_region, reduce_from_region, reduce_scatter_to_region
+from .regions import copy_to_region, gather_from_region, not_kept, reduce_from_region, reduce_scatter_to_region
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "slice_parameter"]
 
@@ -68,9 +69,12 @@ class ColumnParallelLinear(Module):
     def forward(self, x, activation=None):
         if self.input == "copy":
             x = copy_to_region(x, self.group)
-        elif self.input == "gather":
-            x = gather_from_region(x, self.sequence_axis, self.group)
-        return ops.linear(x, self.weight, self.bias, activation)
+        elif self.input == "gather":  # the whole sequence: not kept, gathered again for the weight's gradient
+            x = gather_from_region(x, self.sequence_axis, self.group, regather=True)
+        out = ops.linear(x, self.weight, self.bias, activation)
+        if self.input == "gather":
+            not_kept(x)
+        return out
 
 
 class RowParallelLinear(Module):
@@ -100,6 +104,7 @@ class RowParallelLinear(Module):
         else:
             out = reduce_scatter_to_region(partial, self.sequence_axis, self.group)
             bias = None if self.bias is None else copy_to_region(self.bias, self.group)  # added to a shard
+        not_kept(partial)  # no gradient reads this rank's partial sums (the reduction's is the identity or a gather)
         if bias is None:
             return out
         return out + ops.broadcast_to(ops.reshape(bias, (1,) * (len(out.shape) - 1) + (self.out_features,)),

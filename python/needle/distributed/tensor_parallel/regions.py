@@ -16,15 +16,24 @@ same way on every rank does. The ops that communicate in their forward (all but 
 `recomputable` (autograd.Op): checkpointing never drops their output, so backward never recomputes them and a
 recomputation never repeats a collective; their gradients run once each, in backward. Collectives work on NumPy
 copies (comm), so the arrays go to the host and back, as every collective of needle.distributed does.
+
+One repeat is on purpose: `gather_from_region(..., regather=True)` (sequence parallelism's all-gather in front of
+a column-parallel matmul, Korthikanti et al. 2022, section 4.2.2). Its output, the whole sequence, is what the
+matmul's weight gradient reads; keeping it would hold N times the shard each rank keeps. So the op is
+`recomputable` and its caller marks the output dropped (`not_kept`) once the matmul has read it: backward's plan
+then all-gathers the shard again just before the weight gradient, as it recomputes any dropped value (at most
+once per backward, released after its last use). Every rank plans the same backward of the same graph, so every
+rank repeats the same all-gather at the same point, and gc "all" makes exactly the collectives of gc off (tested:
+the counts of `comm.traffic`). fully_sharded.GatherShards re-gathers ZeRO-3's weights the same way.
 """
 import numpy as np
 
-from ...autograd import TensorOp
+from ...autograd import TensorOp, release
 from ...backend_selection import array_api, device_of
 from .. import comm
 
 __all__ = ["CopyToRegion", "GatherFromRegion", "ReduceFromRegion", "ReduceScatterToRegion", "ScatterToRegion",
-           "copy_to_region", "gather_from_region", "reduce_from_region", "reduce_scatter_to_region",
+           "copy_to_region", "gather_from_region", "not_kept", "reduce_from_region", "reduce_scatter_to_region",
            "scatter_to_region"]
 
 
@@ -108,15 +117,17 @@ class ReduceFromRegion(TensorOp):
 
 
 class GatherFromRegion(TensorOp):
-    """All-gather along `axis`; d/dx: the reduce-scatter of the gradient ("reduce_scatter") or its slice ("split")."""
+    """All-gather along `axis`; d/dx: the reduce-scatter of the gradient ("reduce_scatter") or its slice ("split").
+    `regather`: backward may all-gather again instead of keeping the output (see the module docstring)."""
 
     saves = "none"
     recomputable = False
 
-    def __init__(self, axis, group, grad="reduce_scatter"):
+    def __init__(self, axis, group, grad="reduce_scatter", regather=False):
         if grad not in ("reduce_scatter", "split"):
             raise ValueError(f"gather_from_region: grad must be 'reduce_scatter' or 'split', got {grad!r}")
         self.axis, self.group, self.grad = axis, group, grad
+        self.recomputable = regather
 
     def infer_shape(self, shape):
         axis = _axis(self.axis, len(shape))
@@ -185,8 +196,16 @@ def reduce_from_region(x, group=None):
     return ReduceFromRegion(group)(x)
 
 
-def gather_from_region(x, axis, group=None, grad="reduce_scatter"):
-    return GatherFromRegion(axis, group, grad)(x)
+def gather_from_region(x, axis, group=None, grad="reduce_scatter", regather=False):
+    return GatherFromRegion(axis, group, grad, regather)(x)
+
+
+def not_kept(node):
+    """Keep no value of `node` after its consumers have read it: eager mode releases it now (call this once they
+    are built), lazy mode as soon as they are computed; backward computes it again if a gradient reads it."""
+    node.drop = True
+    release(node)
+    return node
 
 
 def reduce_scatter_to_region(x, axis, group=None):
