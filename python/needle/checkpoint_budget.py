@@ -374,3 +374,6 @@ class Budget:
 
 def _bytes(node):
     return spec_nbytes(_spec(node))
+
+
+from .checkpoint_optimal import OptimalPlan, optimal  # noqa: E402,F401  (issue #29: checkpoint_budget.optimal)
