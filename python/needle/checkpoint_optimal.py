@@ -12,7 +12,8 @@ How, in four steps:
      (`backward.always_kept`), views (they hold their base's buffer) and what cannot be recomputed (a collective's
      output). They are grouped as the Budget groups them — a value of an annotated region by its region's structure
      and its place there, so the layers of a stack share one decision per place — and a value outside every region
-     by (op class, shape, dtype). A 16-layer Transformer has a few dozen groups.
+     by (op class, shape, dtype). A view goes with the value whose buffer it holds (kept, it would keep that
+     buffer on the device; recomputed, it costs nothing). A 16-layer Transformer has about a dozen groups.
   2. Deltas. The peak is not linear in the choice, so it is linearized: the step is walked by the Budget's ledger
      once with nothing off the device, and once per (group, way) with only that group dropped (or offloaded),
      writing down the device bytes at fixed points of the walk — after every value computed, in forward and in
@@ -20,16 +21,20 @@ How, in four steps:
      point of the next computed value). Every walk computes the same forward values and the same gradient values
      in the same order, so the points align; a group's delta at a point is its walk's bytes there minus the base's.
   3. The program. Binary x_drop and x_offload per group (x_offload only with offload=True, for groups of arrays:
-     `offload.offloadable`), x_drop + x_offload <= 1; at every point base + sum(delta * x) <= bytes; minimize the
-     seconds added: a dropped group's recomputation (`CostModel.compute_seconds` of the members its walk
-     recomputed), an offloaded group's copies each way that no compute hides (all of them on a device whose
-     copies do not overlap compute, as on cpu()).
+     `offload.offloadable`; their views are recomputed from the fetched value), x_drop + x_offload <= 1; at every
+     point base + sum(delta * x) <= bytes; minimize the seconds added: a dropped group's recomputation
+     (`CostModel.compute_seconds` of the members its walk recomputed), an offloaded group's copies each way that no
+     compute hides (all of them on a device whose copies do not overlap compute, as on cpu()).
   4. The check. The deltas are not exactly additive (two groups recomputed in one step are alive together), so the
-     solution is walked once more with `walk_step`, the ledger the Budget trusts: if its true peak exceeds `bytes`,
-     the bound is tightened by the excess and the program solved again (a few rounds).
+     solution is walked once more by the ledger the Budget trusts: if its true peak exceeds `bytes`, the bound is
+     tightened by the excess at each point where the walk held more than the program predicted (`Program.learn`),
+     and the program solved again (a few rounds). The plan's figures are `walk_step`'s.
 
-So "optimal" means: optimal for the linearized model, with its peak verified by the ledger. Should no round verify
-(it has not happened on the models tried), the plan with every group off the device — the least peak — is returned.
+So "optimal" means: optimal for the linearized model, with its peak verified by the ledger. The least peak, which an
+infeasible `bytes` is told, is the least the ledger verifies among three plans: every group off the device
+(offloaded where it may be), the same with the annotated regions' outputs kept, and the program's plan of least
+linearized peak (min t subject to base + sum(delta * x) <= t). Should no round of step 4 verify (at the least peak
+itself the model has no slack), that least-peak plan is returned: it fits.
 The step is modelled as lazy mode runs it (realization releases a dropped value after its last consumer), and the
 graph's own drop flags and offload marks are ignored: it works on any traced graph, planned by a Budget or not.
 """
@@ -47,7 +52,7 @@ from .cost_model import CostModel, device_copies_overlap
 
 __all__ = ["OptimalPlan", "PointLedger", "added_seconds", "find_groups", "optimal", "walk_points"]
 
-ROUNDS = 5
+ROUNDS = 8  # solves at most: each corrects the points where the last solution held more than the model predicted
 # Seconds added to every way in the objective: among plans of equal time (a value no gradient reads costs nothing
 # to drop) the program prefers the one that moves fewer groups. Not counted in predicted_time.
 TIE_BREAK = 1e-9  # solves at most: each tightens the bound by the last solution's excess over the ledger's true peak
@@ -87,11 +92,12 @@ def find_groups(root):
 
     A value of an annotated region (`checkpoint.region_of`) joins the values at its place in every region of the
     same structure (its candidates' ops, shapes and dtypes), as the Budget groups them; any other value joins those
-    of its op class, shape and dtype.
+    of its op class, shape and dtype. A view (not a candidate) goes with the value whose buffer it holds: a kept
+    view would keep its dropped base's bytes on the device, and recomputing a view costs nothing.
     """
-    by_region, groups, place = {}, {}, {}
-    for node in find_topo_sort([root]):
-        place[id(node)] = len(place)
+    order = find_topo_sort([root])
+    by_region, groups, place = {}, {}, {id(n): i for i, n in enumerate(order)}
+    for node in order:
         if not _candidate(node, root):
             continue
         region = checkpoint.region_of(node)
@@ -103,7 +109,21 @@ def find_groups(root):
         structure = tuple(_describe(n) for n in members)
         for position, node in enumerate(members):
             groups.setdefault(("region", structure, position), []).append(node)
+    group_of = {id(n): members for members in groups.values() for n in members}
+    for node in order:  # in program order, so a view of a view finds its input's group
+        if node is not root and not node.is_leaf() and node.op.view and not always_kept(node):
+            members = group_of.get(id(node.inputs[0]))
+            if members is not None:
+                members.append(node)
+                group_of[id(node)] = members
     return sorted(groups.values(), key=lambda ns: place[id(ns[0])])
+
+
+def parkable(group):
+    """The members of a group that offloading it parks in host memory (the rest, its views, are recomputed), or
+    None where one of them cannot be parked (a tuple value: `offload.offloadable`)."""
+    owners = [n for n in group if not n.op.view]
+    return owners if all(map(offload.offloadable, owners)) else None
 
 
 # ----- the walk that writes down the bytes at fixed points -------------------------------------------------------
@@ -208,8 +228,8 @@ def optimal(root, bytes, offload=False, host_bandwidth=None, cost_model=None):
         offload: may a group of arrays be parked in host memory instead of recomputed?
         host_bandwidth: bytes/s to price copies with (16e9: as if over PCIe 4); default: the cost model's.
         cost_model: a `cost_model.CostModel` (default: this machine's calibration, measured once and cached).
-    Returns an `OptimalPlan`. Raises ValueError naming the least peak when even every group off the device
-    exceeds `bytes`, and ImportError when SciPy is missing (it is the `optimal` extra).
+    Returns an `OptimalPlan`. Raises ValueError naming the least peak found (see the module doc) when it exceeds
+    `bytes`, and ImportError when SciPy is missing (it is the `optimal` extra).
 
         plan = optimal(loss, 32 << 20, offload=True, cost_model=CostModel(calibration=Calibration.nominal()))
         plan.predicted_peak <= 32 << 20, plan.predicted_time, plan.offloaded
@@ -223,24 +243,19 @@ def optimal(root, bytes, offload=False, host_bandwidth=None, cost_model=None):
     groups = find_groups(root)
     ways = [(g, False) for g in range(len(groups))]  # (group, how it leaves the device): False is recomputed
     if offload:
-        ways += [(g, OFFLOAD) for g, members in enumerate(groups) if all(map(_offloadable, members))]
-    every = _plan(groups, ways, range(len(ways)))  # all off the device, offloaded where it may be: the least peak
-    least = walk_step(root, every[2], None, every[3])
-    if least.peak > bytes:
-        raise ValueError(f"optimal: a peak of {bytes} bytes is infeasible: the least peak this graph can reach with "
-                         f"every candidate off the device{' (offloaded where it may be)' if offload else ''} is "
-                         f"{least.peak} bytes ({least.peak / 2**20:.1f} MB)")
-    chosen, solve_seconds = _solve(scipy_optimize, root, groups, ways, int(bytes), cost_model)
-    dropped, parked, walk = chosen or (every[0], every[1], least)
+        ways += [(g, OFFLOAD) for g, members in enumerate(groups) if parkable(members) is not None]
+    program = Program(scipy_optimize, root, groups, ways, cost_model)
+    least = _least_peak(program)
+    if least[2].peak > bytes:
+        raise ValueError(f"optimal: a peak of {bytes} bytes is infeasible: the least peak found for this graph"
+                         f"{' (offloading)' if offload else ''} is {least[2].peak} bytes "
+                         f"({least[2].peak / 2**20:.1f} MB)")
+    dropped, parked, walk = _solve(program, int(bytes)) or least
     return OptimalPlan(walk.peak, added_seconds(root, dropped, parked, cost_model), walk.host_peak, tuple(dropped),
-                       tuple(parked), len(groups), solve_seconds)
+                       tuple(parked), len(groups), program.solve_seconds)
 
 
 OFFLOAD = offload.OFFLOAD
-
-
-def _offloadable(node):
-    return offload.offloadable(node)
 
 
 def _cost_model(cost_model, host_bandwidth):
@@ -251,44 +266,108 @@ def _cost_model(cost_model, host_bandwidth):
     return CostModel(cost_model.device, host_bandwidth, cost_model.calibration)
 
 
-def _plan(groups, ways, picked):
-    """(dropped nodes, offloaded nodes, ids off the device, ids offloaded) for the ways numbered `picked`; a group
-    picked both ways is offloaded."""
-    parked_groups = {ways[i][0] for i in picked if ways[i][1] is OFFLOAD}
-    off_groups = {ways[i][0] for i in picked}
-    dropped = [n for g in sorted(off_groups - parked_groups) for n in groups[g]]
-    parked = [n for g in sorted(parked_groups) for n in groups[g]]
-    return dropped, parked, {id(n) for n in dropped + parked}, {id(n) for n in parked}
+class Program:
+    """The linearized choice: a binary x per way (`ways`: (group, False or OFFLOAD)); at every point of the walk,
+    base + correction + deltas . x <= bound (one constraint per distinct row of deltas, at its worst point);
+    x_drop + x_offload <= 1 per group; the seconds of each way. `correction` is what the ledger taught it: at each
+    point, the most bytes a verified solution held beyond the linear prediction (`learn`)."""
 
+    def __init__(self, scipy_optimize, root, groups, ways, cost_model):
+        self.optimize, self.root, self.groups, self.ways = scipy_optimize, root, groups, ways
+        self.base, self.deltas, self.seconds = _linearize(root, groups, ways, cost_model)
+        # Most points of a long walk repeat another's changes: one constraint per distinct row, at its worst point.
+        self.rows, inverse = numpy.unique(self.deltas, axis=0, return_inverse=True)
+        self.row_of = numpy.ravel(inverse)
+        self.correction = numpy.zeros(len(self.base))
+        pairs = [(ways.index((g, False)), i) for i, (g, way) in enumerate(ways) if way is OFFLOAD]
+        self.one_way = numpy.zeros((len(pairs), len(ways)))
+        for row, (drop, park) in enumerate(pairs):
+            self.one_way[row, drop] = self.one_way[row, park] = 1.0
+        self.solve_seconds = 0.0
 
-def _solve(scipy_optimize, root, groups, ways, bytes, cost_model):
-    """((dropped, offloaded, its walk) or None, seconds in milp): solve, check the solution with the ledger,
-    tighten the bound by the excess and solve again, up to ROUNDS times."""
-    from scipy.optimize import Bounds, LinearConstraint
+    @property
+    def worst(self):
+        """Per distinct row, the most bytes any of its points holds besides the changes."""
+        worst = numpy.full(len(self.rows), -math.inf)
+        numpy.maximum.at(worst, self.row_of, self.base + self.correction)
+        return worst
 
-    base, deltas, seconds = _linearize(root, groups, ways, cost_model)
-    rows, worst = _distinct_rows(deltas, base)
-    pairs = [(ways.index((g, False)), i) for i, (g, way) in enumerate(ways) if way is OFFLOAD]
-    one_way = numpy.zeros((len(pairs), len(ways)))
-    for row, (drop, park) in enumerate(pairs):
-        one_way[row, drop] = one_way[row, park] = 1.0  # x_drop + x_offload <= 1
-    solve_seconds, bound = 0.0, bytes
-    for _ in range(ROUNDS):
-        constraints = [LinearConstraint(rows, -numpy.inf, bound - worst)]
-        if pairs:
-            constraints.append(LinearConstraint(one_way, -numpy.inf, 1.0))
+    def learn(self, picked, walk):
+        """Where the walk of the ways `picked` (a PointLedger) held more bytes than base + deltas . x predicted,
+        raise those points' correction to the excess: the interaction of the groups chosen together."""
+        predicted = self.base + self.deltas[:, picked].sum(axis=1)
+        self.correction = numpy.maximum(self.correction, numpy.asarray(walk.points) - predicted)
+
+    def _milp(self, cost, rows, upper, integrality):
+        constraints = [self.optimize.LinearConstraint(rows, -numpy.inf, upper)]
+        if len(self.one_way):
+            one_way = numpy.pad(self.one_way, ((0, 0), (0, rows.shape[1] - len(self.ways))))
+            constraints.append(self.optimize.LinearConstraint(one_way, -numpy.inf, 1.0))
         start = time.perf_counter()
-        result = scipy_optimize.milp(numpy.asarray(seconds) + TIE_BREAK, integrality=numpy.ones(len(ways)),
-                                     bounds=Bounds(0, 1), constraints=constraints)
-        solve_seconds += time.perf_counter() - start
-        if result.x is None:  # infeasible at this bound: the linearized peak is too pessimistic here
-            return None, solve_seconds
-        dropped, parked, off, parked_ids = _plan(groups, ways, numpy.flatnonzero(result.x > 0.5))
-        walk = walk_step(root, off, None, parked_ids)
+        result = self.optimize.milp(cost, integrality=integrality, constraints=constraints,
+                                    bounds=self.optimize.Bounds(0, [1] * len(self.ways) + [numpy.inf] * (
+                                        rows.shape[1] - len(self.ways))))
+        self.solve_seconds += time.perf_counter() - start
+        return None if result.x is None else numpy.flatnonzero(result.x[:len(self.ways)] > 0.5)
+
+    def least_time(self, bound):
+        """The ways (numbers) of least seconds whose linearized peak is at most `bound`, or None."""
+        return self._milp(numpy.asarray(self.seconds) + TIE_BREAK, self.rows, bound - self.worst,
+                          numpy.ones(len(self.ways)))
+
+    def least_peak(self):
+        """The ways of least linearized peak (t: a continuous variable over every row), then of least seconds."""
+        rows = numpy.hstack([self.rows, -numpy.ones((len(self.rows), 1))])  # changes . x - t <= -base
+        cost = numpy.append(self.seconds, 1.0)  # a byte outweighs every second: seconds only break ties
+        return self._milp(cost, rows, -self.worst, numpy.append(numpy.ones(len(self.ways)), 0))
+
+    def nodes(self, picked):
+        """(dropped nodes, offloaded nodes) of the ways numbered `picked`."""
+        parked_groups = {self.ways[i][0] for i in picked if self.ways[i][1] is OFFLOAD}
+        off_groups = {self.ways[i][0] for i in picked}
+        parked = [n for g in sorted(parked_groups) for n in parkable(self.groups[g])]
+        parked_ids = {id(n) for n in parked}
+        return [n for g in sorted(off_groups) for n in self.groups[g] if id(n) not in parked_ids], parked
+
+    def plan(self, picked):
+        """(dropped nodes, offloaded nodes, the ledger's walk of them) for the ways numbered `picked`."""
+        return self.nodes_plan(*self.nodes(picked))
+
+    def nodes_plan(self, dropped, parked):
+        parked_ids = {id(n) for n in parked}
+        return dropped, parked, walk_step(self.root, {id(n) for n in dropped} | parked_ids, None, parked_ids)
+
+
+def _least_peak(program):
+    """(dropped, offloaded, walk) of the least peak the ledger verifies among: every group off the device
+    (offloaded where it may be), the same but the annotated regions' outputs kept (the checkpoints that spare a
+    recomputation the walk back to the inputs), and the program's plan of least linearized peak."""
+    plans = [program.plan(range(len(program.ways)))]
+    every_dropped, every_parked, _ = plans[0]
+    boundary = {id(n) for ns in program.groups for n in ns if checkpoint.keep_reason(n) == "boundary"}
+    if boundary:
+        plans.append(program.nodes_plan([n for n in every_dropped if id(n) not in boundary],
+                                        [n for n in every_parked if id(n) not in boundary]))
+    picked = program.least_peak()
+    if picked is not None:
+        plans.append(program.plan(picked))
+    return min(plans, key=lambda plan: plan[2].peak)
+
+
+def _solve(program, bytes):
+    """(dropped, offloaded, walk) of least seconds whose walk the ledger puts at or under `bytes`, or None: solve,
+    walk the solution, and where it held more than predicted, correct those points and solve again (ROUNDS)."""
+    for _ in range(ROUNDS):
+        picked = program.least_time(bytes)
+        if picked is None:  # infeasible: the corrected linear peak is too pessimistic here
+            return None
+        dropped, parked = program.nodes(picked)
+        parked_ids = {id(n) for n in parked}
+        walk = walk_points(program.root, {id(n) for n in dropped} | parked_ids, parked_ids)
         if walk.peak <= bytes:
-            return (dropped, parked, walk), solve_seconds
-        bound -= walk.peak - bytes  # the model was short by this much: ask for that much less
-    return None, solve_seconds
+            return program.nodes_plan(dropped, parked)
+        program.learn(picked, walk)
+    return None
 
 
 def _linearize(root, groups, ways, cost_model):
@@ -298,19 +377,10 @@ def _linearize(root, groups, ways, cost_model):
     columns, seconds = [], []
     for g, way in ways:
         ids = {id(n) for n in groups[g]}
-        walk = walk_points(root, ids, ids if way is OFFLOAD else frozenset())
+        walk = walk_points(root, ids, {id(n) for n in parkable(groups[g])} if way is OFFLOAD else frozenset())
         if len(walk.points) != len(base):
             raise RuntimeError(f"optimal: the walk with group {g} off the device has {len(walk.points)} points, the "
                                f"base {len(base)}: the gradient graph should not depend on what is dropped")
         columns.append(numpy.asarray(walk.points, dtype=numpy.float64) - base)
         seconds.append(_seconds(walk, cost_model, consumers))
     return base, numpy.column_stack(columns) if columns else numpy.zeros((len(base), 0)), seconds
-
-
-def _distinct_rows(deltas, base):
-    """The distinct rows of `deltas`, each with the largest base among the points that share it: one constraint
-    each (most points of a long walk repeat another's changes)."""
-    rows, inverse = numpy.unique(deltas, axis=0, return_inverse=True)
-    worst = numpy.full(len(rows), -math.inf)
-    numpy.maximum.at(worst, numpy.ravel(inverse), base)
-    return rows, worst
