@@ -55,7 +55,7 @@ __all__ = ["OptimalPlan", "PointLedger", "added_seconds", "find_groups", "optima
 ROUNDS = 8  # solves at most: each corrects the points where the last solution held more than the model predicted
 # Seconds added to every way in the objective: among plans of equal time (a value no gradient reads costs nothing
 # to drop) the program prefers the one that moves fewer groups. Not counted in predicted_time.
-TIE_BREAK = 1e-9  # solves at most: each tightens the bound by the last solution's excess over the ledger's true peak
+TIE_BREAK = 1e-9
 
 
 @dataclass(frozen=True)
