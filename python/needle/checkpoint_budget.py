@@ -416,3 +416,6 @@ def fewest_that_fit(peak, n, target):
 
 def _bytes(node):
     return spec_nbytes(_spec(node))
+
+
+from .checkpoint_optimal import OptimalPlan, optimal  # noqa: E402,F401  (issue #29: checkpoint_budget.optimal)
