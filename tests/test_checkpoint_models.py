@@ -453,7 +453,7 @@ def test_budget_bookkeeping_stays_bounded_over_many_steps(lazy):
 
     tracemalloc.start()  # before the first step: memory allocated untraced and freed later would read as growth
     try:
-        for _ in range(3):  # the first steps plan and fill the caches
+        for _ in range(10):  # the first steps plan and fill the caches (and the weak dictionaries reach their size)
             step()
         python_gc.collect()
         before = tracemalloc.get_traced_memory()[0]

@@ -30,14 +30,13 @@ annotated region, and one-element values (a loss: backward never releases them e
 recompute at most once (2), release after the last use (3), exact recomputation and version checks (4), gradients
 realized when backward returns (5).
 """
-import itertools
 import math
 import warnings
-import weakref
 from collections import Counter
 from dataclasses import dataclass
 
-from . import autograd, offload
+from . import autograd, offload, regions
+from .regions import keep_reason, region_of
 from .autograd import Value, element_shapes, find_topo_sort, infer_spec, itemsize, release, spec_nbytes
 from .backward import always_kept, last_backward_stats
 from .checkpoint_budget import Budget
@@ -190,21 +189,21 @@ def annotate(out_node, in_nodes, segment_len=None, policy=None, label=None):
             node.drop = True
             if offload.offloadable(node):  # (a view or a tuple costs nothing to recompute: dropped instead)
                 offload.mark(node)
-                _reasons[node] = "offloaded"
+                regions.note_reason(node, "offloaded")
             offload.release_value(node)  # eager mode: parked now; lazy mode: after its last forward consumer
         elif kept:
-            _reasons[node] = "checkpoint"
+            regions.note_reason(node, "checkpoint")
         else:
             node.drop = True
-            _reasons.pop(node, None)
+            regions.note_reason(node, None)
             release(node)
     for node in outs:
-        if _reasons.get(node) != "offloaded":
-            _reasons[node] = "boundary"
-    region = (label or "region", next(_region_numbers))
+        if regions.reason_noted(node) != "offloaded":
+            regions.note_reason(node, "boundary")
+    region = regions.new_region(label)
     for node in order:  # the inner region ran first and keeps its nodes
         if id(node) not in stop and not node.is_leaf():
-            _regions.setdefault(node, region)
+            regions.note_region(node, region)
     return out_node
 
 
@@ -217,31 +216,7 @@ def offload_outputs(outputs, flags):
                 and offload.offloadable(node) and not always_kept(node):
             node.drop = True
             offload.mark(node)
-            _reasons[node] = "offloaded"
-
-
-# Why an annotated node is kept ("boundary": a region's output; "checkpoint": chosen by the policy). Read by
-# keep_reason/saved_residuals and the DOT graph; weak, so it never keeps a node alive.
-_reasons = weakref.WeakKeyDictionary()
-# The innermost annotated region that made a node: (label, number), for the DOT graph's clusters. Weak as well.
-_regions = weakref.WeakKeyDictionary()
-_region_numbers = itertools.count()
-
-
-def region_of(node):
-    """(label, number) of the innermost annotated region that contains `node` (its output included), or None."""
-    return _regions.get(node)
-
-
-def keep_reason(node):
-    """'leaf', 'boundary', 'checkpoint', 'offloaded', 'dropped' or 'not annotated' (no region covers the node)."""
-    if node.is_leaf():
-        return "leaf"
-    if offload.is_marked(node):
-        return "offloaded"
-    if node.drop:
-        return "dropped"
-    return _reasons.get(node, "not annotated")
+            regions.note_reason(node, "offloaded")
 
 
 class NothingToDropWarning(UserWarning):
@@ -266,10 +241,10 @@ def warn_if_nothing_to_drop(outputs, model_name):
         elif isinstance(item, (list, tuple)):
             stack.extend(item)
     nodes = find_topo_sort(roots)
-    if any(node.drop or _reasons.get(node) == "checkpoint" for node in nodes):
+    if any(node.drop or regions.reason_noted(node) == "checkpoint" for node in nodes):
         return False
-    regions = Counter(label for label, _ in {_regions[n] for n in nodes if n in _regions})
-    named = ", ".join(f"{label} x{count}" for label, count in sorted(regions.items())) or "none"
+    labels = Counter(label for label, _ in {region_of(n) for n in nodes if region_of(n) is not None})
+    named = ", ".join(f"{label} x{count}" for label, count in sorted(labels.items())) or "none"
     warnings.warn(f"{model_name}.enable_gc(): nothing to drop, so backward will recompute nothing. Regions "
                   f"without an interior (one op between input and output): {named}. Make one with "
                   f"checkpoint.checkpoint_sequential(layers, segments, x) in forward, or "

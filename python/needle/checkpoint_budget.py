@@ -19,210 +19,22 @@ later steps replay them with no counters and no references to old graphs: an eva
 change of batch size never derails it (a new structure is simply planned again).
 """
 import itertools
-import math
 import weakref
 from dataclasses import dataclass
 
 from . import offload
-from .autograd import (Machine, defer_until_realized, element_shapes, elements_of, find_topo_sort, infer_spec,
-                       itemsize, placeholder, realize, spec_nbytes)
-from .backend_ndarray.ndarray import compact_strides  # the strides NDArray gives a compact array
-from .backend_ndarray.ndarray import is_transposed_matrix  # the views a 2-D matmul reads in place
-from .backward import always_kept, plan_backward, run_backward
+from .autograd import defer_until_realized, find_topo_sort
+from .backward import always_kept
+from .checkpoint_optimal import OptimalPlan, optimal
 from .cost_model import CostModel, device_copies_overlap
-from .ops import MakeTensorTuple, TupleGetItem
+from .ledger import Ledger, predict_peak, required_spec, value_bytes, walk_step
 
-__all__ = ["Budget", "Ledger", "Planned", "predict_peak"]
-
-
-def _spec(node):
-    spec = infer_spec(node)
-    if spec is None:
-        raise RuntimeError(f"Budget: cannot infer the shape of {type(node.op).__name__} without computing it; "
-                           f"give the op an infer_shape")
-    return spec
-
-
-class Ledger(Machine):
-    """A backward machine that computes nothing: it tracks which values would exist and the bytes they hold.
-
-    Memory is counted per buffer, as the allocator does: a view (`op.view`, and `op.view_strides` not None for
-    its input's strides) holds its base's buffer; a tuple's elements are buffers of their own. Values that exist
-    when the walk starts are leaves; those that require grad (parameters) are not counted (they are held before
-    the step starts), the others (batch, masks, constants) are.
-    """
-
-    def __init__(self, root, out_grad, offloaded=frozenset()):
-        self.present, self.holders, self.size, self.buffers, self.strides = set(), {}, {}, {}, {}
-        self.elements = {}  # buffer -> its elements (size is 0 for parameters' buffers: they are not counted)
-        self.live = self.peak = self.made = 0
-        # Offloading (offload.py): the ids of the values parked in host memory when forward releases them; the
-        # host bytes they hold, at most; the bytes copied each way.
-        self.offloaded, self.parked = offloaded, {}
-        self.host_live = self.host_peak = self.offloaded_bytes = self.fetched_bytes = 0
-        self.in_backward = False  # as backward.Compute's: run_backward sets it
-        self.seen = []  # every node the walk met, kept alive so that no id is reused while the ledger counts it
-        for node in find_topo_sort([root]) + [out_grad]:
-            if node.is_leaf():
-                self._own(node)
-                self.present.add(id(node))
-                if node.requires_grad and node is not out_grad:  # a parameter: held before the step, not counted
-                    for key in self.buffers[id(node)]:
-                        self.size[key] = 0
-                self._hold(node)
-
-    # -- buffers
-    def _own(self, node):
-        """Fresh buffers for `node`'s value: one per tuple element, else one."""
-        self.seen.append(node)
-        shape, dtype, _ = _spec(node)
-        self.made += 1  # a recomputed value gets new buffers, even while views of its old ones are held
-        elements = element_shapes(shape)  # a tuple value: one buffer per element
-        keys = [(self.made, k) for k in range(len(elements or [shape]))]
-        for key, s in zip(keys, elements or [shape]):
-            self.elements[key] = math.prod(s)
-            self.size[key] = math.prod(s) * itemsize(dtype)
-        if elements is None:  # an array, compact: the ledger follows its views' strides
-            self.strides[id(node)] = compact_strides(shape)
-        self.buffers[id(node)] = keys
-
-    def _alias(self, node):
-        """The buffers a view's value lives in, or False if computing it makes a fresh buffer."""
-        op = node.op
-        if not op.view:
-            return False
-        if isinstance(op, MakeTensorTuple):  # packs its inputs' buffers
-            self.buffers[id(node)] = [b for x in node.inputs for b in self.buffers[id(x)]]
-            return True
-        inp = node.inputs[0]
-        if isinstance(op, TupleGetItem):  # an element of a tuple
-            self.buffers[id(node)] = [self.buffers[id(inp)][op.index]]
-            self.strides[id(node)] = compact_strides(_spec(node)[0])
-            return True
-        strides = self.strides.get(id(inp))
-        out = strides and op.view_strides(_spec(inp)[0], strides, _spec(node)[0])
-        if out is None or strides is None:
-            return False
-        self.buffers[id(node)], self.strides[id(node)] = self.buffers[id(inp)], out
-        return True
-
-    def _hold(self, node):
-        for key in self.buffers[id(node)]:
-            self.holders[key] = self.holders.get(key, 0) + 1
-            if self.holders[key] == 1:
-                self.live += self.size[key]
-
-    def _workspace(self, node):
-        """Bytes compute allocates besides its result: declared temporaries and compact copies of strided inputs."""
-        shapes = [_spec(x)[0] for x in node.inputs]
-        extra = node.op.workspace(*shapes)
-        compacted = node.op.compacts_inputs  # True (every input) or the positions of the inputs it compacts
-        transposed_in_place = node.op.reads_transposed(*shapes)
-        for i, (x, shape) in enumerate(zip(node.inputs, shapes)):
-            if compacted is True or (compacted and i in compacted):
-                strides = self.strides.get(id(x))
-                if strides is None or strides == compact_strides(shape):
-                    continue
-                if transposed_in_place and is_transposed_matrix(shape, strides) and self._whole_buffer(x, shape):
-                    continue
-                extra += elements_of(shape)
-        return extra * itemsize(_spec(node)[1])
-
-    def _whole_buffer(self, node, shape):
-        keys = self.buffers[id(node)]
-        return len(keys) == 1 and self.elements[keys[0]] == math.prod(shape)
-
-    # -- the machine (autograd.Machine), as backward.Compute
-    def has(self, node):
-        if node.is_leaf() and id(node) not in self.present:  # a constant a gradient made: it exists, and counts
-            self._own(node)
-            self.present.add(id(node))
-            self._hold(node)
-        return id(node) in self.present
-
-    def compute(self, node):
-        if not self._alias(node):
-            self._own(node)
-        self.seen.append(node)
-        self.present.add(id(node))
-        self._hold(node)
-        self.peak = max(self.peak, self.live + self._workspace(node))
-
-    recompute = compute
-
-    def fetch(self, node):
-        """A parked value brought back: a fresh device buffer (offload.fetch), its host copy still held."""
-        self._own(node)
-        self.present.add(id(node))
-        self._hold(node)
-        self.fetched_bytes += self.parked[id(node)]
-        self.peak = max(self.peak, self.live)
-
-    def release(self, node):
-        """As offload.release_value: an offloaded value is parked on its first release (forward), and its host copy
-        goes with its last (backward)."""
-        if id(node) in self.parked:
-            if self.in_backward:
-                self.host_live -= self.parked.pop(id(node))
-        elif id(node) in self.offloaded and id(node) in self.present:
-            nbytes = _bytes(node)
-            self.parked[id(node)] = nbytes
-            self.host_live += nbytes
-            self.offloaded_bytes += nbytes
-            self.host_peak = max(self.host_peak, self.host_live)
-        if id(node) not in self.present:
-            return
-        self.present.discard(id(node))
-        for key in self.buffers[id(node)]:
-            self.holders[key] -= 1
-            if self.holders[key] == 0:
-                self.live -= self.size[key]
-
-    def check_reads(self, node):
-        pass
-
-    def set_grad(self, node, grad):
-        pass
-
-    def value(self, node):
-        return None
-
-
-def predict_peak(root, dropped, regions=None, offloaded=frozenset()):
-    """Predicted M_peak of a step on the graph above `root` if the values whose ids are in `dropped` were dropped
-    (those also in `offloaded`: parked in host memory and fetched back, not recomputed).
-
-    The forward pass is modelled as the executor runs it: lazy (`regions` None) — realization releases a dropped
-    value after its last consumer; eager (`regions`: [(outputs, candidates)] in the order they ran) — every value
-    lives until its region's output exists. Then the backward plan runs on the ledger. Nothing is computed.
-    """
-    return walk_step(root, dropped, regions, offloaded).peak
-
-
-def walk_step(root, dropped, regions=None, offloaded=frozenset()):
-    """The Ledger after walking a step's forward and backward passes (see predict_peak): its device `peak`, its
-    `host_peak`, the bytes `offloaded_bytes` and `fetched_bytes` copied each way."""
-    out_grad = placeholder(_spec(root))  # the root's gradient: its shape, dtype and device, no data
-    ledger = Ledger(root, out_grad, offloaded)
-    if regions is None:
-        realize([root], lambda n: id(n) not in dropped, ledger)
-    else:
-        ends = {}
-        for outputs, candidates in regions:
-            ends.setdefault(id(outputs[-1]), []).extend(candidates)
-        for node in find_topo_sort([root]):
-            if not ledger.has(node):
-                ledger.compute(node)
-            for n in ends.get(id(node), ()):
-                if id(n) in dropped:
-                    ledger.release(n)
-    run_backward(plan_backward(root, ledger.has, lambda n: id(n) in offloaded), out_grad, ledger)
-    return ledger
+__all__ = ["Budget", "InfeasibleBudget", "Ledger", "OptimalPlan", "Planned", "optimal", "predict_peak", "walk_step"]
 
 
 def _structure(nodes):
     """A region's key: its candidates' ops and shapes (what a replay must match)."""
-    return tuple((type(n.op).__name__, tuple(_spec(n)[0])) for n in nodes)
+    return tuple((type(n.op).__name__, tuple(required_spec(n)[0])) for n in nodes)
 
 
 # The Budget plans for a peak this much under its bound, where it can: the ledger's prediction is within 1% of the
@@ -318,28 +130,15 @@ class Budget:
         regions = self._take_regions_above(above)
         if not regions:
             return Planned(tuple(self.planned.items()))
-        # Group a node by the first region that lists it and its place there: regions of one structure (the
-        # layers of a stack) get one decision per place, so the frozen table replays them all.
-        # Eager mode never gives a region's output back in its forward pass, so only a lazy step offloads outputs:
-        # with offload=True a region's output, the checkpoint recomputation starts from, may be parked too.
         lazy = root.cached_data is None
-        group_of, groups = {}, {}
-        for outs, candidates in regions:
-            key = _structure(candidates)
-            places = [(position, n) for position, n in enumerate(candidates)]
-            if self.offload and lazy:
-                places += [(("out", position), n) for position, n in enumerate(outs)
-                           if n is not None and offload.offloadable(n) and not always_kept(n)]
-            for position, n in places:
-                if id(n) not in group_of and id(n) in above:  # a value outside the step frees nothing
-                    group_of[id(n)] = (key, position)
-                    groups.setdefault((key, position), []).append(n)
+        groups = self._groups(regions, above, lazy)
         # How each group would leave the device, and at what cost in seconds: recomputed, or (offload=True) parked.
         forward = [n for n in find_topo_sort([root]) if not n.is_leaf()]
         around = sum(map(self.cost_model.compute_seconds, forward)) / max(len(forward), 1)  # one op's compute
         how = {id(ns[0]): self._cheaper_way(ns[0], around, output=isinstance(place, tuple))
                for (_, place), ns in groups.items()}
-        ranked = sorted(groups.values(), key=lambda ns: (how[id(ns[0])][1] / max(_bytes(ns[0]), 1), -_bytes(ns[0])))
+        ranked = sorted(groups.values(),
+                        key=lambda ns: (how[id(ns[0])][1] / max(value_bytes(ns[0]), 1), -value_bytes(ns[0])))
         # Model the forward pass the way later steps will run it: lazily if this one has not been computed yet.
         eager = None if root.cached_data is None else [([o for o in outs if o is not None], c) for outs, c in regions]
 
@@ -365,8 +164,32 @@ class Budget:
         self.predicted_peak, self.predicted_host_peak = walk(t).peak, walk(t).host_peak
         # forward + backward, about three forward passes, plus what leaving the device costs
         self.predicted_time = 3 * around * len(forward) + sum(how[id(ns[0])][1] for ns in ranked[:t] for _ in ns)
+        self._apply(regions, dropped, offloaded, lazy)
+        return Planned(tuple(self.planned.items()))
+
+    def _groups(self, regions, above, lazy):
+        """{(region structure, place): its values}. A node goes by the first region that lists it and its place
+        there: regions of one structure (the layers of a stack) get one decision per place, so the frozen table
+        replays them all. With offload=True, in a lazy step, a region's outputs (which recomputation starts from)
+        are places too: eager mode never gives an output back in its forward pass."""
+        group_of, groups = {}, {}
+        for outs, candidates in regions:
+            key = _structure(candidates)
+            places = list(enumerate(candidates))
+            if self.offload and lazy:
+                places += [(("out", position), n) for position, n in enumerate(outs)
+                           if n is not None and offload.offloadable(n) and not always_kept(n)]
+            for position, n in places:
+                if id(n) not in group_of and id(n) in above:  # a value outside the step frees nothing
+                    group_of[id(n)] = (key, position)
+                    groups.setdefault((key, position), []).append(n)
+        return groups
+
+    def _apply(self, regions, dropped, offloaded, lazy):
+        """Freeze the decisions per region structure, in annotate's order (inner regions decide first, and what
+        they drop is not a candidate of the regions around them), and apply them to this graph."""
         gone = set()
-        for outs, candidates in regions:  # replay annotate's order: inner regions decide first, drops stay dropped
+        for outs, candidates in regions:
             remaining = [n for n in candidates if id(n) not in gone]
             flags = tuple(offload.OFFLOAD if id(n) in offloaded else id(n) not in dropped for n in remaining)
             parked_outputs = [o for o in outs if lazy and o is not None and id(o) in offloaded and id(o) not in gone]
@@ -380,7 +203,6 @@ class Budget:
                         offload.mark(n)
                     offload.release_value(n)  # eager mode computed it already: recomputed, or parked, for backward
                     gone.add(id(n))
-        return Planned(tuple(self.planned.items()))
 
     def _cheaper_way(self, node, around, output=False):
         """(how `node` leaves the device — False: recomputed, offload.OFFLOAD: parked in host memory —, what that
@@ -389,7 +211,7 @@ class Budget:
         recompute = self.cost_model.compute_seconds(node)
         if not (self.offload and offload.offloadable(node)):
             return False, recompute
-        copies = [self.cost_model.copy_seconds(_bytes(node), way) for way in ("to_host", "to_device")]
+        copies = [self.cost_model.copy_seconds(value_bytes(node), way) for way in ("to_host", "to_device")]
         if self.copies_overlap():
             copies = [c - self.cost_model.hidden_seconds(c, around) for c in copies]
         return (offload.OFFLOAD, sum(copies)) if output or sum(copies) < recompute else (False, recompute)
@@ -412,10 +234,3 @@ def fewest_that_fit(peak, n, target):
         else:
             lo, high = t, peak(t)
     return hi
-
-
-def _bytes(node):
-    return spec_nbytes(_spec(node))
-
-
-from .checkpoint_optimal import OptimalPlan, optimal  # noqa: E402,F401  (issue #29: checkpoint_budget.optimal)

@@ -44,10 +44,11 @@ from dataclasses import dataclass
 
 import numpy
 
-from . import checkpoint, offload
+from . import offload
 from .autograd import find_topo_sort, infer_spec, placeholder, realize, spec_nbytes
 from .backward import always_kept, plan_backward, run_backward
-from .checkpoint_budget import Ledger, walk_step
+from .ledger import Ledger, walk_step
+from .regions import keep_reason, region_of
 from .cost_model import CostModel, device_copies_overlap
 
 __all__ = ["OptimalPlan", "PointLedger", "added_seconds", "find_groups", "optimal", "walk_points"]
@@ -100,7 +101,7 @@ def find_groups(root):
     for node in order:
         if not _candidate(node, root):
             continue
-        region = checkpoint.region_of(node)
+        region = region_of(node)
         if region is None:
             groups.setdefault(("op",) + _describe(node), []).append(node)
         else:
@@ -344,7 +345,7 @@ def _least_peak(program):
     recomputation the walk back to the inputs), and the program's plan of least linearized peak."""
     plans = [program.plan(range(len(program.ways)))]
     every_dropped, every_parked, _ = plans[0]
-    boundary = {id(n) for ns in program.groups for n in ns if checkpoint.keep_reason(n) == "boundary"}
+    boundary = {id(n) for ns in program.groups for n in ns if keep_reason(n) == "boundary"}
     if boundary:
         plans.append(program.nodes_plan([n for n in every_dropped if id(n) not in boundary],
                                         [n for n in every_parked if id(n) not in boundary]))

@@ -1,0 +1,208 @@
+"""The Budget's ledger: a backward machine that computes nothing and counts the bytes a step would hold.
+
+`Ledger` implements `autograd.Machine` like `backward.Compute`, so `walk_step` runs the very realization and
+backward plan the executor will run (`autograd.realize`, `backward.plan_backward`, `backward.run_backward`) and
+only counts: the device buffers alive, their peak, and (offload.py) the host bytes of parked values and the bytes
+copied each way. checkpoint_budget.Budget plans on it; checkpoint_optimal linearizes it.
+"""
+import math
+
+from .autograd import (Machine, element_shapes, elements_of, find_topo_sort, infer_spec, itemsize, placeholder,
+                       realize, spec_nbytes)
+from .backend_ndarray.ndarray import compact_strides  # the strides NDArray gives a compact array
+from .backend_ndarray.ndarray import is_transposed_matrix  # the views a 2-D matmul reads in place
+from .backward import plan_backward, run_backward
+from .ops import MakeTensorTuple, TupleGetItem
+
+__all__ = ["Ledger", "predict_peak", "required_spec", "value_bytes", "walk_step"]
+
+
+def required_spec(node):
+    """(shape, dtype, device) of `node` from shape inference; an error naming the op where it cannot infer it."""
+    spec = infer_spec(node)
+    if spec is None:
+        raise RuntimeError(f"Budget: cannot infer the shape of {type(node.op).__name__} without computing it; "
+                           f"give the op an infer_shape")
+    return spec
+
+
+class Ledger(Machine):
+    """A backward machine that computes nothing: it tracks which values would exist and the bytes they hold.
+
+    Memory is counted per buffer, as the allocator does: a view (`op.view`, and `op.view_strides` not None for
+    its input's strides) holds its base's buffer; a tuple's elements are buffers of their own. Values that exist
+    when the walk starts are leaves; those that require grad (parameters) are not counted (they are held before
+    the step starts), the others (batch, masks, constants) are.
+    """
+
+    def __init__(self, root, out_grad, offloaded=frozenset()):
+        self.present, self.holders, self.size, self.buffers, self.strides = set(), {}, {}, {}, {}
+        self.elements = {}  # buffer -> its elements (size is 0 for parameters' buffers: they are not counted)
+        self.live = self.peak = self.made = 0
+        # Offloading (offload.py): the ids of the values parked in host memory when forward releases them; the
+        # host bytes they hold, at most; the bytes copied each way.
+        self.offloaded, self.parked = offloaded, {}
+        self.host_live = self.host_peak = self.offloaded_bytes = self.fetched_bytes = 0
+        self.in_backward = False  # as backward.Compute's: run_backward sets it
+        self.seen = []  # every node the walk met, kept alive so that no id is reused while the ledger counts it
+        for node in find_topo_sort([root]) + [out_grad]:
+            if node.is_leaf():
+                self._own(node)
+                self.present.add(id(node))
+                if node.requires_grad and node is not out_grad:  # a parameter: held before the step, not counted
+                    for key in self.buffers[id(node)]:
+                        self.size[key] = 0
+                self._hold(node)
+
+    # -- buffers
+    def _own(self, node):
+        """Fresh buffers for `node`'s value: one per tuple element, else one."""
+        self.seen.append(node)
+        shape, dtype, _ = required_spec(node)
+        self.made += 1  # a recomputed value gets new buffers, even while views of its old ones are held
+        elements = element_shapes(shape)  # a tuple value: one buffer per element
+        keys = [(self.made, k) for k in range(len(elements or [shape]))]
+        for key, s in zip(keys, elements or [shape]):
+            self.elements[key] = math.prod(s)
+            self.size[key] = math.prod(s) * itemsize(dtype)
+        if elements is None:  # an array, compact: the ledger follows its views' strides
+            self.strides[id(node)] = compact_strides(shape)
+        self.buffers[id(node)] = keys
+
+    def _alias(self, node):
+        """The buffers a view's value lives in, or False if computing it makes a fresh buffer."""
+        op = node.op
+        if not op.view:
+            return False
+        if isinstance(op, MakeTensorTuple):  # packs its inputs' buffers
+            self.buffers[id(node)] = [b for x in node.inputs for b in self.buffers[id(x)]]
+            return True
+        inp = node.inputs[0]
+        if isinstance(op, TupleGetItem):  # an element of a tuple
+            self.buffers[id(node)] = [self.buffers[id(inp)][op.index]]
+            self.strides[id(node)] = compact_strides(required_spec(node)[0])
+            return True
+        strides = self.strides.get(id(inp))
+        out = strides and op.view_strides(required_spec(inp)[0], strides, required_spec(node)[0])
+        if out is None or strides is None:
+            return False
+        self.buffers[id(node)], self.strides[id(node)] = self.buffers[id(inp)], out
+        return True
+
+    def _hold(self, node):
+        for key in self.buffers[id(node)]:
+            self.holders[key] = self.holders.get(key, 0) + 1
+            if self.holders[key] == 1:
+                self.live += self.size[key]
+
+    def _workspace(self, node):
+        """Bytes compute allocates besides its result: declared temporaries and compact copies of strided inputs."""
+        shapes = [required_spec(x)[0] for x in node.inputs]
+        extra = node.op.workspace(*shapes)
+        compacted = node.op.compacts_inputs  # True (every input) or the positions of the inputs it compacts
+        transposed_in_place = node.op.reads_transposed(*shapes)
+        for i, (x, shape) in enumerate(zip(node.inputs, shapes)):
+            if compacted is True or (compacted and i in compacted):
+                strides = self.strides.get(id(x))
+                if strides is None or strides == compact_strides(shape):
+                    continue
+                if transposed_in_place and is_transposed_matrix(shape, strides) and self._whole_buffer(x, shape):
+                    continue
+                extra += elements_of(shape)
+        return extra * itemsize(required_spec(node)[1])
+
+    def _whole_buffer(self, node, shape):
+        keys = self.buffers[id(node)]
+        return len(keys) == 1 and self.elements[keys[0]] == math.prod(shape)
+
+    # -- the machine (autograd.Machine), as backward.Compute
+    def has(self, node):
+        if node.is_leaf() and id(node) not in self.present:  # a constant a gradient made: it exists, and counts
+            self._own(node)
+            self.present.add(id(node))
+            self._hold(node)
+        return id(node) in self.present
+
+    def compute(self, node):
+        if not self._alias(node):
+            self._own(node)
+        self.seen.append(node)
+        self.present.add(id(node))
+        self._hold(node)
+        self.peak = max(self.peak, self.live + self._workspace(node))
+
+    recompute = compute
+
+    def fetch(self, node):
+        """A parked value brought back: a fresh device buffer (offload.fetch), its host copy still held."""
+        self._own(node)
+        self.present.add(id(node))
+        self._hold(node)
+        self.fetched_bytes += self.parked[id(node)]
+        self.peak = max(self.peak, self.live)
+
+    def release(self, node):
+        """As offload.release_value: an offloaded value is parked on its first release (forward), and its host copy
+        goes with its last (backward)."""
+        if id(node) in self.parked:
+            if self.in_backward:
+                self.host_live -= self.parked.pop(id(node))
+        elif id(node) in self.offloaded and id(node) in self.present:
+            nbytes = value_bytes(node)
+            self.parked[id(node)] = nbytes
+            self.host_live += nbytes
+            self.offloaded_bytes += nbytes
+            self.host_peak = max(self.host_peak, self.host_live)
+        if id(node) not in self.present:
+            return
+        self.present.discard(id(node))
+        for key in self.buffers[id(node)]:
+            self.holders[key] -= 1
+            if self.holders[key] == 0:
+                self.live -= self.size[key]
+
+    def check_reads(self, node):
+        pass
+
+    def set_grad(self, node, grad):
+        pass
+
+    def value(self, node):
+        return None
+
+
+def predict_peak(root, dropped, regions=None, offloaded=frozenset()):
+    """Predicted M_peak of a step on the graph above `root` if the values whose ids are in `dropped` were dropped
+    (those also in `offloaded`: parked in host memory and fetched back, not recomputed).
+
+    The forward pass is modelled as the executor runs it: lazy (`regions` None) — realization releases a dropped
+    value after its last consumer; eager (`regions`: [(outputs, candidates)] in the order they ran) — every value
+    lives until its region's output exists. Then the backward plan runs on the ledger. Nothing is computed.
+    """
+    return walk_step(root, dropped, regions, offloaded).peak
+
+
+def walk_step(root, dropped, regions=None, offloaded=frozenset()):
+    """The Ledger after walking a step's forward and backward passes (see predict_peak): its device `peak`, its
+    `host_peak`, the bytes `offloaded_bytes` and `fetched_bytes` copied each way."""
+    out_grad = placeholder(required_spec(root))  # the root's gradient: its shape, dtype and device, no data
+    ledger = Ledger(root, out_grad, offloaded)
+    if regions is None:
+        realize([root], lambda n: id(n) not in dropped, ledger)
+    else:
+        ends = {}
+        for outputs, candidates in regions:
+            ends.setdefault(id(outputs[-1]), []).extend(candidates)
+        for node in find_topo_sort([root]):
+            if not ledger.has(node):
+                ledger.compute(node)
+            for n in ends.get(id(node), ()):
+                if id(n) in dropped:
+                    ledger.release(n)
+    run_backward(plan_backward(root, ledger.has, lambda n: id(n) in offloaded), out_grad, ledger)
+    return ledger
+
+
+def value_bytes(node):
+    """Bytes of `node`'s value, from its spec (nothing computed)."""
+    return spec_nbytes(required_spec(node))
