@@ -8,9 +8,9 @@ sweep of budgets, with the measured M_peak of a step.
 Ten budgets b from recompute-only's least peak (Budget(1)'s minimum_peak) to gc off's measured peak. At each:
 Budget(b) and Budget(b, offload=True) plan a lazy step on their own (enable_gc(policy=...), no plan() call) and
 it runs, so their predicted peak and time sit beside the M_peak measured by the allocator; `optimal` solves the
-same choice as a MILP on the same graph, recompute-only and with offloading. Times are the seconds a plan ADDS to
-a step (recomputation and exposed copies) by this machine's cost model; the Budget's column reads its
-`predicted_time` ("n/a" where it has none). "infeasible": no plan reaches b.
+same choice as a MILP on the same graph, recompute-only and with offloading. Times are a step's predicted seconds
+by this machine's cost model: its compute plus what the plan adds (recomputation, exposed copies), the Budget's
+`predicted_time` beside the optimum's, and their ratio (issue #29: within 5%). "infeasible": no plan reaches b.
 """
 import argparse
 import gc
@@ -111,6 +111,11 @@ def _ms(seconds):
     return "n/a" if seconds is None else f"{1e3 * seconds:.2f}"
 
 
+def _ratio(budget, plan):
+    """The Budget's predicted step time over the optimum's (issue #29: within 5%)."""
+    return "n/a" if budget is None or plan is None or budget[1] is None else f"{budget[1] / plan.predicted_time:.3f}"
+
+
 def cells(row):
     b, recompute, best, both, best_both = row
     out = [_mb(b)]
@@ -123,12 +128,13 @@ def cells(row):
             out += ["infeasible"] * 3
         else:
             out += [_mb(plan.predicted_peak), _ms(plan.predicted_time), f"{plan.solve_seconds:.2f}"]
+        out.append(_ratio(budget, plan))
     return out
 
 
-HEADER = ("b MB", "Budget peak MB", "Budget +ms", "M_peak MB", "optimal peak MB", "optimal +ms", "solve s",
-          "Budget+offload peak MB", "Budget+offload +ms", "M_peak MB (offload)", "optimal+offload peak MB",
-          "optimal+offload +ms", "solve s (offload)")
+HEADER = ("b MB", "Budget peak MB", "Budget ms", "M_peak MB", "optimal peak MB", "optimal ms", "solve s",
+          "Budget / optimal time", "Budget+offload peak MB", "Budget+offload ms", "M_peak MB (offload)",
+          "optimal+offload peak MB", "optimal+offload ms", "solve s (offload)", "Budget / optimal time (offload)")
 
 
 def table(rows, markdown):

@@ -69,11 +69,11 @@ def test_the_optimum_fits_and_is_no_slower_than_any_greedy_prefix():
         assert plan.predicted_peak <= bytes
         assert plan.predicted_peak == walk_step(loss, ids(plan.dropped)).peak  # the ledger's, for the chosen plan
         assert plan.offloaded == () and plan.predicted_host_peak == 0
-        assert plan.predicted_time == pytest.approx(added_seconds(loss, plan.dropped, cost_model=NOMINAL))
+        assert plan.added_time == pytest.approx(added_seconds(loss, plan.dropped, cost_model=NOMINAL))
         greedy = [seconds for peak, seconds in prefixes if peak <= bytes]
-        assert greedy and plan.predicted_time <= min(greedy) * (1 + 1e-9), (fraction, plan.predicted_time, greedy)
+        assert greedy and plan.added_time <= min(greedy) * (1 + 1e-9), (fraction, plan.added_time, greedy)
         assert 0 < plan.groups <= 30 and plan.solve_seconds > 0
-    assert checkpoint_budget.optimal(loss, top, cost_model=NOMINAL).predicted_time == 0  # all fits: nothing moves
+    assert checkpoint_budget.optimal(loss, top, cost_model=NOMINAL).added_time == 0  # all fits: nothing moves
     assert loss.cached_data is None  # nothing computed
 
 
@@ -84,14 +84,14 @@ def test_offloading_is_never_worse_and_is_priced_with_the_given_bandwidth():
         bytes = int(least + fraction * (top - least))
         recompute = checkpoint_budget.optimal(loss, bytes, cost_model=NOMINAL)
         both = checkpoint_budget.optimal(loss, bytes, offload=True, cost_model=NOMINAL)
-        assert both.predicted_peak <= bytes and both.predicted_time <= recompute.predicted_time
+        assert both.predicted_peak <= bytes and both.added_time <= recompute.added_time
         assert both.offloaded and not ids(both.offloaded) & ids(both.dropped)
         assert both.predicted_host_peak > 0
         off_device = ids(both.dropped + both.offloaded)
         assert both.predicted_peak == walk_step(loss, off_device, None, ids(both.offloaded)).peak
     # copies at a kilobyte a second cost more than any recomputation: nothing is offloaded
     slow = checkpoint_budget.optimal(loss, bytes, offload=True, host_bandwidth=1e3, cost_model=NOMINAL)
-    assert slow.offloaded == () and slow.predicted_time == pytest.approx(recompute.predicted_time)
+    assert slow.offloaded == () and slow.added_time == pytest.approx(recompute.added_time)
 
 
 def test_offloading_reaches_below_recompute_only_least_peak():
@@ -139,8 +139,8 @@ def test_it_works_without_annotations_and_ignores_a_budgets_drop_flags():
     flags = [n.drop for n in find_topo_sort([planned])]
     assert any(flags) and flags != [n.drop for n in find_topo_sort([lm_loss("all")])]
     a, b = (checkpoint_budget.optimal(loss, bytes, cost_model=NOMINAL) for loss in (lm_loss("all"), planned))
-    assert (a.predicted_peak, a.predicted_time, len(a.dropped), a.groups) == (
-        b.predicted_peak, b.predicted_time, len(b.dropped), b.groups)
+    assert (a.predicted_peak, a.added_time, len(a.dropped), a.groups) == (
+        b.predicted_peak, b.added_time, len(b.dropped), b.groups)
     assert [n.drop for n in find_topo_sort([planned])] == flags  # optimal changes no flag
 
 
@@ -149,7 +149,7 @@ def test_a_computed_graph_gets_the_lazy_graphs_plan():
     assert eager.cached_data is not None
     least, top = peaks(lazy)
     a, b = (checkpoint_budget.optimal(loss, (least + top) // 2, cost_model=NOMINAL) for loss in (lazy, eager))
-    assert (a.predicted_peak, a.predicted_time, len(a.dropped)) == (b.predicted_peak, b.predicted_time, len(b.dropped))
+    assert (a.predicted_peak, a.added_time, len(a.dropped)) == (b.predicted_peak, b.added_time, len(b.dropped))
 
 
 def test_the_points_of_a_walk_hold_its_peak():
@@ -167,3 +167,17 @@ def test_without_scipy_it_says_how_to_install_it(monkeypatch):
     monkeypatch.setitem(sys.modules, "scipy.optimize", None)
     with pytest.raises(ImportError, match=r"needs? .*SciPy|SciPy is not installed.*pip install"):
         checkpoint_budget.optimal(lm_loss(layers=1), 1 << 30, cost_model=NOMINAL)
+
+
+def test_the_budget_and_the_optimum_report_a_steps_time_alike():
+    """predicted_time is a step's compute (CostModel.step_seconds) plus what the plan adds, for both planners, so
+    the Budget's can be set beside the optimum's (benchmarks/bench_budget.py)."""
+    off = checkpoint_budget.walk_step(lm_loss("off", layers=4), set()).peak
+    budget = checkpoint.Budget(int(0.6 * off), cost_model=NOMINAL)
+    loss = lm_loss(budget, layers=4)
+    budget.plan(loss)
+    plan = checkpoint_budget.optimal(loss, int(0.6 * off), cost_model=NOMINAL)
+    base = NOMINAL.step_seconds(loss)
+    assert budget.predicted_time == pytest.approx(base + budget.predicted_added_time)
+    assert plan.predicted_time == pytest.approx(base + plan.added_time)
+    assert plan.added_time <= budget.predicted_added_time * (1 + 1e-9)

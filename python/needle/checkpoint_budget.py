@@ -76,7 +76,8 @@ class Budget:
         self.cost_model = cost_model or CostModel(host_bandwidth=host_bandwidth)
         self.planned = {}  # region structure -> keep flags (True, False or OFFLOAD): the frozen policy
         self.predicted_peak = None
-        self.predicted_time = None
+        self.predicted_time = None  # seconds of a step under the plan: its compute plus what the plan adds
+        self.predicted_added_time = None  # what the plan adds: recomputations, copies not hidden
         self.predicted_host_peak = None
         self.minimum_peak = None
         # The regions not decided yet, by number (the order they were annotated in): weak references to their
@@ -162,8 +163,9 @@ class Budget:
         t = fewest_that_fit(lambda t: walk(t).peak, len(ranked), target)
         dropped, offloaded = chosen(t)
         self.predicted_peak, self.predicted_host_peak = walk(t).peak, walk(t).host_peak
-        # forward + backward, about three forward passes, plus what leaving the device costs
-        self.predicted_time = 3 * around * len(forward) + sum(how[id(ns[0])][1] for ns in ranked[:t] for _ in ns)
+        # forward + backward (about three forward passes), plus what leaving the device costs
+        self.predicted_added_time = sum(how[id(ns[0])][1] for ns in ranked[:t] for _ in ns)
+        self.predicted_time = self.cost_model.step_seconds(root) + self.predicted_added_time
         self._apply(regions, dropped, offloaded, lazy)
         return Planned(tuple(self.planned.items()))
 

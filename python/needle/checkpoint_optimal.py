@@ -64,12 +64,14 @@ class OptimalPlan:
     """The optimum of `optimal`: what leaves the device, and what the ledger predicts for it.
 
     `dropped` (recomputed in backward) and `offloaded` (parked in host memory, fetched back) are disjoint tuples of
-    the graph's nodes (a plan holds its graph alive). `predicted_time` is the seconds the plan ADDS to a step, by the
-    cost model: recomputations plus copy time not hidden under compute — not the step's whole time.
+    the graph's nodes (a plan holds its graph alive). `predicted_time` is a step's seconds under the plan, by the cost
+    model, as the Budget's `predicted_time`: the step's compute (`CostModel.step_seconds`) plus what the plan adds,
+    `added_time` (recomputations, copy time not hidden under compute).
     """
 
     predicted_peak: int  # device bytes (M_peak), walked by the Budget's ledger
-    predicted_time: float  # added seconds: recompute + exposed copies
+    predicted_time: float  # seconds: the step's compute + added_time
+    added_time: float  # recompute + exposed copies
     predicted_host_peak: int  # host bytes held by parked values, at most
     dropped: tuple
     offloaded: tuple
@@ -252,7 +254,8 @@ def optimal(root, bytes, offload=False, host_bandwidth=None, cost_model=None):
                          f"{' (offloading)' if offload else ''} is {least[2].peak} bytes "
                          f"({least[2].peak / 2**20:.1f} MB)")
     dropped, parked, walk = _solve(program, int(bytes)) or least
-    return OptimalPlan(walk.peak, added_seconds(root, dropped, parked, cost_model), walk.host_peak, tuple(dropped),
+    added = added_seconds(root, dropped, parked, cost_model)
+    return OptimalPlan(walk.peak, cost_model.step_seconds(root) + added, added, walk.host_peak, tuple(dropped),
                        tuple(parked), len(groups), program.solve_seconds)
 
 

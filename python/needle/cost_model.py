@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy
 
 from . import autograd, ops
-from .autograd import Tensor, elements_of, infer_spec, spec_nbytes
+from .autograd import find_topo_sort, Tensor, elements_of, infer_spec, spec_nbytes
 from .backend_selection import BACKEND, array_api, default_device
 from .backward import Compute
 from .version import package_version
@@ -379,6 +379,12 @@ class CostModel:
         kind, flops, nbytes = op_work(node)
         rate = self.calibration.rates.get(kind)
         return self.calibration.overhead_seconds + (_work(kind, flops, nbytes) / rate if rate else 0.0)
+
+    def step_seconds(self, root):
+        """A training step's compute on the graph above `root`, nothing dropped or offloaded: its forward ops'
+        seconds, three times (backward computes about two forward passes' worth). The base that the Budget and
+        `checkpoint_budget.optimal` add their plans' seconds to."""
+        return 3 * sum(self.compute_seconds(n) for n in find_topo_sort([root]) if n.op is not None)
 
     def recompute_seconds(self, nodes):
         """Seconds to recompute a path: the ops of `nodes`, each once."""
