@@ -186,3 +186,12 @@ def test_the_png_and_the_page_colour_each_category_alike():
     script = (Path(ndl.memory.__file__).parent / "viewer.js").read_text()
     for name, colour in {**COLORS, **PHASE_COLORS}.items():
         assert re.search(rf"\b{name}: \"{colour}\"", script), (name, colour)
+
+
+def test_a_buffer_held_without_an_ndarray_before_recording_is_seen_freed():
+    held = [DEVICE.mod.Array(1000)]  # as a bucket or a flat shard holds one: no NDArray around it
+    reset_peak_memory_stats(DEVICE)
+    with ndl.memory.record(check=True) as snap:
+        held.clear()
+    assert_exact(snap)
+    assert [(e["action"], e["bytes"]) for e in snap.events] == [("free", 4000)]

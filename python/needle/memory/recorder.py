@@ -61,6 +61,15 @@ class Block:
         self.forward_value = False  # a forward op's result: its category is settled when backward starts
 
 
+class RawBuffer:
+    """A buffer held without an NDArray, described as one: its elements, flat."""
+
+    __slots__ = ("buffer", "shape", "dtype")
+
+    def __init__(self, buffer):
+        self.buffer, self.shape, self.dtype = buffer, (buffer.size,), buffer.dtype
+
+
 class BufferRef(weakref.ref):
     """A weak reference to a buffer that knows its block (the callback gets only the reference)."""
 
@@ -128,11 +137,13 @@ class Recorder:
 
     def adopt_existing_buffers(self):
         """Track the buffers alive before recording began, so that their frees are events too: found through the
-        garbage collector's objects, named where a Parameter, its gradient or an optimizer holds them. Bytes the
-        allocator counts but no NDArray holds stay in `baseline_bytes`."""
+        garbage collector's objects (NDArrays, and buffers held without one: a bucket, a flat shard), named where a
+        Parameter, its gradient or an optimizer holds them. Bytes the allocator counts but nothing in Python holds
+        stay in `baseline_bytes`."""
         names = {}
         arrays = []
-        for obj in gc.get_objects():
+        objects = gc.get_objects()
+        for obj in objects:
             if isinstance(obj, NDArray):
                 arrays.append(obj)
             elif isinstance(obj, Parameter):
@@ -143,8 +154,10 @@ class Recorder:
                     names.update(dict.fromkeys(buffers_of(state), "optimizer_state"))
         for p in self.parameters:
             names.update(dict.fromkeys(buffers_of(p), "parameter"))
-        for array in arrays:
-            if array.device == self.device and id(array.buffer) not in self.live:
+        buffer_type = getattr(self.device.mod, "Array", None)  # the backend's buffer (None: not built)
+        held = [RawBuffer(b) for b in gc.get_referents(*objects) if buffer_type and type(b) is buffer_type]
+        for array in [a for a in arrays if a.device == self.device] + held:
+            if id(array.buffer) not in self.live:
                 block = self.new_block(array, alloc=None)
                 block.category = names.get(block.key, "other")
 
