@@ -1,6 +1,6 @@
 """gc.py — how much memory gradient checkpointing saves on a PTB Transformer language model, and what it costs.
 
-    python gc.py                          # gc off vs on ("all"), side by side: the demo model, ~1 minute on a CPU
+    python gc.py                          # gc off vs on ("all"), side by side: the demo model (README: its time)
     python gc.py run --policy sqrt --batch-size 128 --hidden-size 512
     python gc.py sweep --over batch-size --values 16 32 64     # a fresh process per run; JSON as it goes, PNGs
     python gc.py max-batch --memory-limit-mb 400                 # the largest batch under a memory cap, per policy

@@ -863,6 +863,15 @@ def test_the_header_names_the_precision_the_loss_scale_and_the_skipped_steps(tmp
         assert "loss scale" not in printed
 
 
+@pytest.mark.parametrize("load", [0.0, 5.0])
+def test_the_header_names_the_threads_and_notes_a_busy_machine(tmp_path, capsys, monkeypatch, load):
+    monkeypatch.setattr(os, "getloadavg", lambda: (load, load, load))
+    run_gc(TINY + ["--data", tiny_ptb(tmp_path), "--out", str(tmp_path / "out"), "--use-gc", "0"])
+    header = capsys.readouterr().out.split("gc off:")[0]
+    assert f"threads: {ndl.cpu().num_threads()} " in header and "waiting passively" in header
+    assert ("note: the machine is busy (load average 5.0" in header) == (load > 0)
+
+
 def test_every_row_of_the_table_is_defined_in_help(tmp_path, capsys):
     run_gc(TINY + ["--data", tiny_ptb(tmp_path), "--out", str(tmp_path / "out")])
     table = capsys.readouterr().out.split("gc off       gc on")[1].split("\n\n")[0]

@@ -5,6 +5,9 @@ import ctypes
 import ctypes.util
 import os
 
+import needle as ndl
+from needle.backend_ndarray.threads import physical_cores
+
 
 def gpu_memory_bytes():
     """The GPU's used memory as the driver reports it (GPUtil), as the earlier project measured; None on CPU or
@@ -79,11 +82,13 @@ class PeakRSS:
 
 
 def threads():
-    """The CPU backend's thread count: OpenMP's, i.e. OMP_NUM_THREADS, else the cores this process may use."""
+    """The CPU backend's thread count, as the compiled module reports it (OMP_NUM_THREADS, which needle sets to
+    the physical cores where it is unset: backend_ndarray/threads.py); the same rule without the module."""
+    cpu = ndl.cpu()
+    if cpu.enabled():
+        return cpu.num_threads()
     env = os.environ.get("OMP_NUM_THREADS", "").strip()
-    if env.isdigit() and int(env) > 0:
-        return int(env)
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return int(env) if env.isdigit() and int(env) > 0 else physical_cores()
 
 
 def machine_memory_bytes(device):

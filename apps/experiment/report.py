@@ -1,13 +1,16 @@
 """The text gc.py prints: a run's header, the gc off / on table (or one pass's line), the --parallel figures, and
 the ablation's table.  Memory in MB here (MiB, 2**20 bytes); the JSON keeps bytes."""
 import math
+import os
 import textwrap
 
 from needle import distributed as dist
+from needle.backend_ndarray.threads import busy_machine_note
 from needle.ops.ops_fused import chunk_rows
 
 from .ablations import ACCUMULATE
 from .data import SYNTHETIC, batch_text
+from .measure import threads
 from .records import MIN_TIMED_STEPS
 
 PARALLEL_TEXT = {"dp": "data parallel (gradients all-reduced in buckets during backward)",
@@ -78,6 +81,16 @@ def print_run_header(config, which, device, source, data, vocab):
     print(f"loss at init: about ln({vocab}) = {math.log(vocab):.2f}, a uniform guess over the vocabulary; {init}")
     print(head_text(config, vocab))
     print(precision_text(config))
+    if device.name == "cpu":
+        print(threads_text())
+
+
+def threads_text():
+    """The header's line on the CPU backend's threads, and a note when other work shares the machine."""
+    text = (f"threads: {threads()} (OMP_NUM_THREADS; needle's default is the physical cores), waiting "
+            f"{os.environ.get('OMP_WAIT_POLICY', 'PASSIVE').lower()}ly between parallel loops")
+    note = busy_machine_note()
+    return text + (f"\n{note}" if note else "")
 
 
 PRECISION_TEXT = {"fp32": "float32 throughout", "mixed-bf16": "ndl.autocast(bfloat16), float32 master weights",

@@ -13,6 +13,7 @@ import math
 import numpy as np
 
 from . import ndarray_backend_numpy
+from .threads import configure_openmp
 
 __all__ = [
     "BackendDevice",
@@ -169,6 +170,7 @@ class BackendDevice:
         self.mod.reset_peak_memory_stats()
 
 
+configure_openmp()  # before OpenMP starts, which the compiled module loads
 _CPU = BackendDevice("cpu", _load("ndarray_backend_cpu"), "ndarray_backend_cpu")
 _CUDA = BackendDevice("cuda", _load("ndarray_backend_cuda"), "ndarray_backend_cuda")
 _CPU_NUMPY = BackendDevice("cpu_numpy", ndarray_backend_numpy)
