@@ -92,14 +92,14 @@ FIGURES = [
     Figure("optim-state", "docs/optimizers.md", bench("bench_optim.py", "--markdown"),
            STEP + ("benchmarks/bench_optim.py",), ONE_THREAD),
     Figure("optim-quality", "docs/optimizers.md",
-           bench("bench_optim.py", "--skip-bytes", "--quality", "--seeds", "1", "--steps", "150", "--markdown"),
+           bench("bench_optim.py", "--skip-bytes", "--quality", "--seeds", "1", "--steps", "100", "--markdown"),
            GC + ("benchmarks/bench_optim.py",), ONE_THREAD),
     Figure("precision-memory", "docs/precision.md", bench("bench_precision.py", "--batches", "2", "--markdown"),
            GC + ("benchmarks/bench_precision.py",), ONE_THREAD),
     Figure("distributed-memory", "docs/distributed.md", bench("gc_tables.py", "parallel"),
            GC + ("python/needle/distributed/", "benchmarks/gc_tables.py"), ONE_THREAD),
     Figure("precision-quality", "docs/precision.md",
-           bench("bench_precision.py", "--skip-memory", "--quality", "--steps", "150", "--markdown"),
+           bench("bench_precision.py", "--skip-memory", "--quality", "--steps", "100", "--markdown"),
            GC + ("benchmarks/bench_precision.py",), ONE_THREAD),
 ]
 BY_NAME = {f.name: f for f in FIGURES}

@@ -9,7 +9,8 @@ packages; pip's download cache is used as it would be), and times, as a new user
 root: `make test` (installs, builds, lints, runs the suite), `make demo`, and `make demo` again while one other
 process spins on a core (`python -c "while True: pass"`). Prints a Markdown table on stdout (the commands' own
 output goes to a log in the temporary folder; its last lines are shown on stderr if one fails), each against the
-goal of issue 27 on a 2-core machine.
+goal of issue 27 on a 2-core machine. A command that fails is a row that says so (with `make test`'s last line,
+pytest's summary), not a missing table.
 """
 import argparse
 import os
@@ -100,8 +101,6 @@ def main():
              last if command == "make test" else ""]
             for command, condition, goal, (seconds, code, last) in runs]
     print(markdown_table(["command", "condition", "wall time", "goal", "", "last line"], rows, right=(2,)))
-    if any(code for *_, (_, code, _) in runs):
-        sys.exit(1)
 
 
 if __name__ == "__main__":
