@@ -7,8 +7,14 @@ none of these (a flag's number sits in a code span) and are written by hand; a m
 `<!-- figure: NAME -->` ... `<!-- /figure: NAME -->` block whose stamp names the command, the commit, the date
 and the machine that produced it, and NAME must be a figure of the registry (benchmarks/figures.py's FIGURES).
 A figure is current when its `measures` paths are the same in the working tree as in the stamp's commit.
+
+One exception, by construction: `quickstart-times` times `make test` on a fresh clone, so that clone's suite runs
+while the figure is being regenerated, necessarily before its new stamp exists (it measures tests/ and
+everything else). benchmarks/fresh_clone.py names it in NEEDLE_FIGURE_BEING_MEASURED, and these checks skip that
+one figure there, saying so; everywhere else it is checked like every other.
 """
 import importlib.util
+import os
 import re
 import subprocess
 from pathlib import Path
@@ -16,6 +22,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
+BEING_MEASURED = os.environ.get("NEEDLE_FIGURE_BEING_MEASURED")
 PAGES = [REPO / "README.md"] + sorted((REPO / "docs").glob("*.md"))
 _spec = importlib.util.spec_from_file_location("figures", REPO / "benchmarks" / "figures.py")
 figures = importlib.util.module_from_spec(_spec)
@@ -61,7 +68,8 @@ def test_every_measured_table_is_a_stamped_figure(page):
     loose = measured_tables(text)
     assert not loose, (f"{page.name}: measured tables outside a figure block (generate them with "
                        f"benchmarks/figures.py, see its docstring): {loose}")
-    unstamped = [name for name, body in figures.blocks(text).items() if figures.stamp_of(body) is None]
+    unstamped = [name for name, body in figures.blocks(text).items()
+                 if figures.stamp_of(body) is None and name != BEING_MEASURED]
     assert not unstamped, f"{page.name}: figure blocks without a stamp: {unstamped} (python benchmarks/figures.py " \
                           f"--only {' '.join(unstamped)})"
     dirty = [name for name, body in figures.blocks(text).items()
@@ -85,6 +93,8 @@ def test_every_figure_was_measured_on_the_current_code(figure):
     reason = in_git_checkout()
     if reason:
         pytest.skip(reason)
+    if figure.name == BEING_MEASURED:
+        pytest.skip(f"{figure.name} is being measured by this very run (NEEDLE_FIGURE_BEING_MEASURED)")
     body = figures.blocks((REPO / figure.page).read_text()).get(figure.name)
     stamp = body and figures.stamp_of(body)
     if stamp is None:
