@@ -16,7 +16,7 @@ CMAKE_ARGS ?=
 DEPS_STAMP := $(BUILD_DIR)/.deps-installed
 DEMO_STAMP := $(BUILD_DIR)/.deps-demo-installed
 
-.PHONY: lib cuda-off cuda-all install-deps install-demo-deps deps demo-deps browser-deps test demo clean
+.PHONY: lib cuda-off cuda-all install-deps install-demo-deps deps demo-deps browser-deps test demo figures clean
 
 lib: pybind11
 	cmake -S . -B $(BUILD_DIR) -DCMAKE_BUILD_TYPE=$(BUILD_TYPE) -DNEEDLE_CUDA=$(NEEDLE_CUDA) -DNEEDLE_MODULES=ON \
@@ -95,6 +95,12 @@ test: deps browser-deps
 demo: demo-deps
 	$(MAKE) lib
 	$(if $(wildcard gc.py),$(PYTHON) gc.py,$(PYTHON) apps/train_demo.py)
+
+# Every table of measured figures in README.md and docs/, run and stamped (long: see benchmarks/figures.py;
+# `python benchmarks/figures.py --stale` runs only those whose code changed).
+figures: deps
+	$(MAKE) lib
+	$(PYTHON) benchmarks/figures.py
 
 clean:
 	rm -rf $(BUILD_DIR) python/needle/backend_ndarray/*.so

@@ -3,6 +3,7 @@
     python benchmarks/bench_attention.py              # B8 H4 T1024 D64 causal; then the LM at seq_len 256
     python benchmarks/bench_attention.py --quick      # T256 and a smaller LM batch, for a first look
     OMP_NUM_THREADS=2 python benchmarks/bench_attention.py --repeats 5
+    python benchmarks/bench_attention.py --markdown   # the two tables alone on stdout, in Markdown (figures.py)
 
 1. The op alone, float32, causal, on the C++ CPU backend: the allocator's peak over forward + backward beyond what
    both paths must hold at the end (the output and the gradients of q, k and v), as a fraction of one float32
@@ -35,6 +36,7 @@ import needle as ndl  # noqa: E402
 from needle import backend_ndarray as nd  # noqa: E402
 from needle import checkpoint, nn  # noqa: E402
 
+from md_table import markdown_table, progress_to_stderr  # noqa: E402
 from models import LanguageModel  # noqa: E402
 
 F32 = 4
@@ -86,6 +88,12 @@ def op_benchmark(args, device):
           f"{time_u:.3f} s")
     print(f"  time fused / unfused: {time_f / time_u:.2f}x (goal <= 1: {'met' if time_f <= time_u else 'MISSED'}); "
           f"max relative difference (out, dq, dk, dv): {', '.join(f'{e:.1e}' for e in errors)}")
+    return markdown_table([f"B{B}·H{H}·T{T}·D{D}, causal, float32", "fused", "unfused (`MultiHeadAttention`, eval)"], [
+        ["allocator peak over forward + backward beyond out, dq, dk, dv",
+         f"{mb(peak_f):.1f} MB = {peak_f / bhtt * 100:.1f}% of one fp32 B·H·T·T tensor ({mb(bhtt):.0f} MB)",
+         f"{mb(peak_u):.1f} MB = {peak_u / bhtt * 100:.0f}%"],
+        [f"forward + backward, median of {args.repeats}", f"{time_f:.3f} s", f"{time_u:.3f} s"],
+        ["largest relative difference (out, dq, dk, dv)", ", ".join(f"{e:.1e}" for e in errors), ""]])
 
 
 def lm_step(args, device, fused, dropout, heads):
@@ -121,6 +129,7 @@ def lm_step(args, device, fused, dropout, heads):
 def lm_benchmark(args, device):
     print(f"\n2. LM, gc 'all': batch {args.lm_batch} x seq_len {args.lm_seq}, E = H = {args.embedding}, "
           f"{args.layers} layers, vocabulary {args.vocab}, fused LM head, training mode")
+    rows = []
     for dropout, heads in args.lm_configs:
         print(f"  dropout {dropout}, {heads} heads of {args.embedding // heads} (fused: fused_attention=True; "
               "unfused: False)")
@@ -138,6 +147,13 @@ def lm_benchmark(args, device):
         print(f"    M_act unfused / fused: {act_u / act_f:.2f}x (goal >= 2: "
               f"{'met' if act_u >= 2 * act_f else 'MISSED'}); M_peak unfused / fused: {peak_u / peak_f:.2f}x; "
               f"step time fused / unfused: {time_f / time_u:.2f}x")
+        rows.append([f"{heads} heads of {args.embedding // heads}, dropout {dropout:g}",
+                     f"{mb(act_u):.1f} / {mb(act_f):.1f} MB: {act_u / act_f:.2f}×",
+                     f"{mb(peak_u):.1f} / {mb(peak_f):.1f} MB: {peak_u / peak_f:.2f}×",
+                     f"{time_f:.2f} / {time_u:.2f} s: {time_f / time_u:.2f}×"])
+    return markdown_table([f"LM, seq_len {args.lm_seq}, batch {args.lm_batch}, E = H = {args.embedding}, "
+                           f"{args.layers} layers, gc \"all\"", "M_act unfused / fused", "M_peak unfused / fused",
+                           "step (fwd + bwd) fused / unfused"], rows)
 
 
 def main():
@@ -150,6 +166,7 @@ def main():
     p.add_argument("--lm_batch", type=int, default=16)
     p.add_argument("--lm_configs", nargs="+", default=["0:4", "0.1:4", "0:8"], metavar="DROPOUT:HEADS",
                    help="the LM's attention dropout and number of heads (of E / heads each), one run per pair")
+    p.add_argument("--markdown", action="store_true", help="print the tables in Markdown on stdout, the rest on stderr")
     args = p.parse_args()
     args.lm_configs = [(float(c.split(":")[0]), int(c.split(":")[1])) for c in args.lm_configs]
     args.batch, args.heads, args.seq, args.dim = 8, 4, (256 if args.quick else 1024), 64
@@ -159,12 +176,16 @@ def main():
     device = ndl.cpu()
     if not device.enabled():
         raise SystemExit("bench_attention: the C++ backend is not built (run `make`)")
-    print(f"bench_attention: C++ CPU backend, {device.num_threads()} threads (OMP_NUM_THREADS="
-          f"{os.environ.get('OMP_NUM_THREADS', 'unset')})")
-    if not args.skip_op:
-        op_benchmark(args, device)
-    if not args.skip_lm:
-        lm_benchmark(args, device)
+    tables = []
+    with progress_to_stderr(args.markdown):
+        print(f"bench_attention: C++ CPU backend, {device.num_threads()} threads (OMP_NUM_THREADS="
+              f"{os.environ.get('OMP_NUM_THREADS', 'unset')})")
+        if not args.skip_op:
+            tables.append(op_benchmark(args, device))
+        if not args.skip_lm:
+            tables.append(lm_benchmark(args, device))
+    if args.markdown:
+        print("\n\n".join(tables))
 
 
 if __name__ == "__main__":

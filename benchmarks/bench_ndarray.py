@@ -2,11 +2,13 @@
 
     python benchmarks/bench_ndarray.py              # threads = OMP_NUM_THREADS (default: all cores)
     OMP_NUM_THREADS=1 python benchmarks/bench_ndarray.py
+    python benchmarks/bench_ndarray.py --markdown   # the same, as one Markdown table on stdout (figures.py)
 
 Prints matmul GFLOP/s (square 256/512/1024 and the language model's shapes) and element-wise / reduction
 throughput (GB/s), each the median of repeated runs after a warm-up, with the ratio needle / NumPy; for matmul
 also needle's bfloat16 (bfloat16 out, and float32 out) with the ratio to needle's float32 from the same run.
 """
+import argparse
 import os
 import statistics
 import sys
@@ -16,9 +18,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 threads = os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count()))
 os.environ.setdefault("OPENBLAS_NUM_THREADS", threads)  # before numpy is imported
 sys.path.insert(0, os.path.join(ROOT, "python"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import numpy as np  # noqa: E402
 
+from md_table import markdown_table, progress_to_stderr  # noqa: E402
 from needle import backend_ndarray as nd  # noqa: E402
 
 
@@ -89,13 +93,29 @@ def bench_elementwise(size=1 << 22):
     return rows
 
 
+def markdown(matmul, elementwise):
+    """One table: GFLOP/s of every matmul shape (with needle's bfloat16 beside it), GB/s of every element-wise op."""
+    rows = [[f"matmul {m}×{n} @ {n}×{p} (GFLOP/s)", f"{ours:.1f}", f"{theirs:.1f}", f"{ratio:.2f}",
+             f"{bf16:.1f} ({bf16 / ours:.2f}×)"] for m, n, p, ours, theirs, ratio, bf16, _ in matmul]
+    rows += [[f"{name} (GB/s)", f"{ours:.1f}", f"{theirs:.1f}", f"{ratio:.2f}", ""]
+             for name, ours, theirs, ratio in elementwise]
+    return markdown_table([f"{threads} thread(s)", "needle", "NumPy", "needle / NumPy",
+                           "needle bfloat16 (× its float32)"], rows, right=(1, 2, 3, 4))
+
+
 def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--markdown", action="store_true", help="print one Markdown table on stdout, the rest on stderr")
+    args = p.parse_args()
     if not nd.cpu().enabled():
         raise SystemExit("bench_ndarray: the C++ backend is not built; run `make` first")
     np.random.seed(0)
-    bench_matmul([(256, 256, 256), (512, 512, 512), (1024, 1024, 1024), (4096, 256, 256), (4096, 256, 1024),
-                  (4096, 256, 10000)])
-    bench_elementwise()
+    with progress_to_stderr(args.markdown):
+        matmul = bench_matmul([(256, 256, 256), (512, 512, 512), (1024, 1024, 1024), (4096, 256, 256),
+                               (4096, 256, 1024), (4096, 256, 10000)])
+        elementwise = bench_elementwise()
+    if args.markdown:
+        print(markdown(matmul, elementwise))
 
 
 if __name__ == "__main__":

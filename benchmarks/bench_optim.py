@@ -2,6 +2,7 @@
 
     python benchmarks/bench_optim.py                  # bytes and optimizer step time, the benchmark model
     python benchmarks/bench_optim.py --quality        # + 300 steps x 3 seeds per optimizer on the reduced PTB
+    python benchmarks/bench_optim.py --markdown       # the tables alone on stdout, in Markdown (figures.py)
 
 Bytes and time (one process, the same gradients for every optimizer): the model of gc.py's defaults (E = H = 256,
 4 layers, the PTB vocabulary); for each optimizer the device bytes of its state after a step (exactly what the
@@ -25,6 +26,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [os.path.join(ROOT, "python"), os.path.join(ROOT, "apps")]
 
 import numpy as np  # noqa: E402
+from md_table import markdown_table, progress_to_stderr  # noqa: E402
 
 import needle as ndl  # noqa: E402
 from needle import backend_ndarray as nd  # noqa: E402
@@ -100,7 +102,13 @@ def bytes_and_time(args):
         sizes[type(opt).__name__] = opt.state_bytes()
     print(f"a 256 x 1024 weight: Adafactor's state {sizes['Adafactor']} B = "
           f"{sizes['Adafactor'] / sizes['Adam']:.2%} of Adam's {sizes['Adam']} B")
-    return rows
+    return markdown_table(
+        [f"optimizer ({base['params'] / 1e6:.2f} M parameters)", "device state MB", "× Adam", "host MB",
+         "bytes / parameter", "on quantized tensors", "step ms", "× Adam"],
+        [[name, f"{r['state'] / 2**20:.2f}", f"{r['state'] / base['state']:.3f}",
+          f"{r['host'] / 2**20:.2f}", f"{(r['state'] + r['host']) / r['params']:.3f}",
+          "" if r["per_param_quantized"] is None else f"{r['per_param_quantized']:.3f}", f"{r['step'] * 1e3:.1f}",
+          f"{r['step'] / base['step']:.2f}"] for name, r in rows.items()], right=tuple(range(1, 8)))
 
 
 def quality(args):
@@ -134,6 +142,18 @@ def quality(args):
                 for name in names}
     print("largest relative difference to Adam in any one seed: "
           + ", ".join(f"{name} {d:.1%}" for name, d in per_seed.items() if name != "adam"))
+    rows = []
+    for name in names:
+        rel = [abs(mean[name][i] - mean["adam"][i]) / mean["adam"][i] for i in marks]
+        rows.append([name] + [f"{mean[name][i]:.3f}" + ("" if name == "adam" else f" ({r:.1%})")
+                              for i, r in zip(marks, rel)] + ["—" if name == "adam" else f"{max(rel):.1%}"])
+    title = f"optimizer ({plural_seeds(args.seeds)}, batch {args.quality_batch}, lr {args.lr:g})"
+    return markdown_table([title] + [f"step {i + 1}" for i in marks] + ["max \\|rel\\|"], rows,
+                          right=tuple(range(1, len(marks) + 2)))
+
+
+def plural_seeds(n):
+    return "1 seed" if n == 1 else f"mean of {n} seeds"
 
 
 def main():
@@ -149,12 +169,17 @@ def main():
                                                           "144 steps at batch 16)")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--skip-bytes", action="store_true")
+    p.add_argument("--markdown", action="store_true", help="print the tables in Markdown on stdout, the rest on stderr")
     args = p.parse_args()
-    print(f"bench_optim: data {PTB}")
-    if not args.skip_bytes:
-        bytes_and_time(args)
-    if args.quality:
-        quality(args)
+    tables = []
+    with progress_to_stderr(args.markdown):
+        print(f"bench_optim: data {PTB}")
+        if not args.skip_bytes:
+            tables.append(bytes_and_time(args))
+        if args.quality:
+            tables.append(quality(args))
+    if args.markdown:
+        print("\n\n".join(tables))
 
 
 if __name__ == "__main__":

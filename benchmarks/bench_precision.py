@@ -3,6 +3,7 @@
     python benchmarks/bench_precision.py                 # memory: batch 128, seq 32, E = H = 256, 4 layers
     python benchmarks/bench_precision.py --quality       # + 300 Adam steps per precision (smaller batch)
     python benchmarks/bench_precision.py --quick          # a smaller model, for a first look
+    python benchmarks/bench_precision.py --markdown       # the tables alone on stdout, in Markdown (figures.py)
 
 Memory: each (precision, gc off / gc all) runs `gc.py run` in a fresh process; M_act (values held when backward
 starts), M_peak (forward + backward) are the allocator's exact byte counts, and the parameters' and the
@@ -20,6 +21,8 @@ import os
 import subprocess
 import sys
 import tempfile
+
+from md_table import markdown_table, progress_to_stderr
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PTB = next((p for p in (os.path.join(ROOT, "data", "ptb"), os.path.join(ROOT, "..", "shared", "data", "ptb"))
@@ -61,7 +64,18 @@ def memory_table(args, model_args, out):
         print(f"{precision:12s}{'all' if use_gc else 'off':>5s}{mb(r['act'])}{r['act'] / base['act']:7.2f}"
               f"{mb(r['peak'])}{r['peak'] / base['peak']:7.2f}{mb(r['params'])}{mb(r['opt']):>11s}"
               f"{r['time']:10.3f}{r['time'] / base['time']:7.2f}")
-    return rows
+    return markdown_table(
+        [f"batch {args.batch_size}, seq {args.seq_len}, E = H = {args.embedding_size}, {args.num_layers} layers, "
+         f"{args.head} head", "gc", "M_act MB", "× fp32", "M_peak MB", "× fp32", "params MB", "Adam state MB",
+         "T_step", "× fp32"],
+        [memory_row(precision, use_gc, r, rows["fp32", use_gc]) for (precision, use_gc), r in rows.items()],
+        right=tuple(range(2, 10)))
+
+
+def memory_row(precision, use_gc, r, fp32):
+    return [precision, "all" if use_gc else "off", f"{r['act'] / 2**20:.1f}", f"{r['act'] / fp32['act']:.2f}",
+            f"{r['peak'] / 2**20:.1f}", f"{r['peak'] / fp32['peak']:.2f}", f"{r['params'] / 2**20:.1f}",
+            f"{r['opt'] / 2**20:.1f}", f"{r['time']:.3f} s", f"{r['time'] / fp32['time']:.2f}"]
 
 
 def torch_reference(args):
@@ -123,6 +137,18 @@ def quality(args, out):
         rel = [abs(curve[i] - curves["fp32"][i]) / curves["fp32"][i] for i in marks]
         print(f"{name:14s}" + "".join(f"{curve[i]:9.3f} ({r:5.1%})" for i, r in zip(marks, rel))
               + f"{max(rel):10.1%}")
+    rows = []
+    for name, curve in curves.items():
+        rel = [abs(curve[i] - curves["fp32"][i]) / curves["fp32"][i] for i in marks]
+        values = [f"{curve[i]:.3f}" + ("" if name == "fp32" else f" ({r:.1%})") for i, r in zip(marks, rel)]
+        rows.append([QUALITY_NAMES[name]] + values + ["—" if name == "fp32" else f"{max(rel):.1%}"])
+    return markdown_table([f"precision (batch {args.quality_batch})"] + [f"step {i + 1}" for i in marks]
+                          + ["max \\|rel\\|"], rows, right=tuple(range(1, len(marks) + 2)))
+
+
+QUALITY_NAMES = {"fp32": "fp32", "mixed-bf16": "mixed-bf16", "mixed-fp16": "mixed-fp16 + GradScaler",
+                 "mixed-fp16 2^13": "mixed-fp16, GradScaler(init_scale=2**13)", "bf16": "bf16, round to nearest",
+                 "bf16 +SR": "bf16 + stochastic rounding"}
 
 
 def main():
@@ -140,19 +166,23 @@ def main():
                    "training text gives 144 steps of batch 16 x 32 tokens per pass)")
     p.add_argument("--skip-memory", action="store_true")
     p.add_argument("--quick", action="store_true", help="batch 16, 2 layers")
+    p.add_argument("--markdown", action="store_true", help="print the tables in Markdown on stdout, the rest on stderr")
     args = p.parse_args()
     if args.quick:
         args.batch_size, args.num_layers = 16, 2
     model_args = ["--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len), "--embedding-size",
                   str(args.embedding_size), "--hidden-size", str(args.embedding_size), "--num-layers",
                   str(args.num_layers), "--head", args.head]
-    print(f"bench_precision: data {PTB}")
-    with tempfile.TemporaryDirectory() as out:
+    tables = []
+    with tempfile.TemporaryDirectory() as out, progress_to_stderr(args.markdown):
+        print(f"bench_precision: data {PTB}")
         if not args.skip_memory:
-            memory_table(args, model_args, out)
+            tables.append(memory_table(args, model_args, out))
             torch_reference(args)
         if args.quality:
-            quality(args, out)
+            tables.append(quality(args, out))
+    if args.markdown:
+        print("\n\n".join(tables))
 
 
 if __name__ == "__main__":

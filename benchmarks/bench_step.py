@@ -3,6 +3,7 @@
     python benchmarks/bench_step.py                 # batch 128, seq_len 32, embedding = hidden = 256, 4 layers
     python benchmarks/bench_step.py --batch_size 32 --num_layers 2
     python benchmarks/bench_step.py --profile        # where needle's step spends its time (cProfile, top 25)
+    python benchmarks/bench_step.py --markdown       # the table alone on stdout, in Markdown (figures.py)
 
 Same architecture (pre-norm attention + ReLU MLP, 4 heads, positional embedding, PTB-sized vocabulary), same
 thread count (OMP_NUM_THREADS, default all cores; torch.set_num_threads likewise), forward + backward + Adam.
@@ -26,6 +27,7 @@ import numpy as np  # noqa: E402
 import needle as ndl  # noqa: E402
 from needle import nn  # noqa: E402
 
+from md_table import markdown_table, progress_to_stderr  # noqa: E402
 from models import LanguageModel  # noqa: E402
 
 
@@ -129,25 +131,8 @@ def add_model_arguments(p):
     p.add_argument("--vocab", type=int, default=10000)
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    add_model_arguments(p)
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--profile", action="store_true")
-    p.add_argument("--no-torch", "--no_torch", dest="no_torch", action="store_true", help="needle alone")
-    p.add_argument("--rounds", type=int, default=2, help="interleaved rounds; each framework keeps its best median")
-    args = p.parse_args()
-    if not ndl.cpu().enabled():
-        raise SystemExit("bench_step: the C++ backend is not built; run `make` first")
-    print(f"bench_step: batch {args.batch_size} x seq_len {args.seq_len}, embedding {args.embedding_size}, hidden "
-          f"{args.hidden_size}, {args.num_layers} layers, {args.num_head} heads, vocab {args.vocab}, "
-          f"{threads} thread(s); median of {args.repeats} steps after a warm-up")
-    if args.profile:
-        step = needle_step_fn(args, gc=False)
-        step()
-        cProfile.runctx("step()", globals(), {"step": step}, "/tmp/bench_step.prof")
-        pstats.Stats("/tmp/bench_step.prof").sort_stats("tottime").print_stats(25)
-        return
+def timed_rounds(args):
+    """{configuration: its best median step time over the interleaved rounds}; PyTorch's rows if it is there."""
     try:
         if args.no_torch:
             raise ImportError
@@ -166,13 +151,41 @@ def main():
             if make:
                 t = median_step(make(), args.repeats)
                 results[name] = min(t, results.get(name, t))
-    base = results.get("pytorch")
-    print(f"{'':24s}{'s / step':>10s}{'x pytorch':>11s}")
-    for name, t in results.items():
-        print(f"{name:24s}{t:10.3f}{(t / base if base else float('nan')):11.2f}")
-    if "needle, mixed-bf16" in results:
-        ratio = results["needle, mixed-bf16"] / results["needle, gc off"]
-        print(f"needle mixed-bf16 / needle fp32 (gc off): {ratio:.2f}")
+    return results
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_model_arguments(p)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--profile", action="store_true")
+    p.add_argument("--no-torch", "--no_torch", dest="no_torch", action="store_true", help="needle alone")
+    p.add_argument("--rounds", type=int, default=2, help="interleaved rounds; each framework keeps its best median")
+    p.add_argument("--markdown", action="store_true", help="print the table in Markdown on stdout, the rest on stderr")
+    args = p.parse_args()
+    if not ndl.cpu().enabled():
+        raise SystemExit("bench_step: the C++ backend is not built; run `make` first")
+    with progress_to_stderr(args.markdown):
+        print(f"bench_step: batch {args.batch_size} x seq_len {args.seq_len}, embedding {args.embedding_size}, "
+              f"hidden {args.hidden_size}, {args.num_layers} layers, {args.num_head} heads, vocab {args.vocab}, "
+              f"{threads} thread(s); median of {args.repeats} steps after a warm-up")
+        if args.profile:
+            step = needle_step_fn(args, gc=False)
+            step()
+            cProfile.runctx("step()", globals(), {"step": step}, "/tmp/bench_step.prof")
+            pstats.Stats("/tmp/bench_step.prof").sort_stats("tottime").print_stats(25)
+            return
+        results = timed_rounds(args)
+        base = results.get("pytorch")
+        print(f"{'':24s}{'s / step':>10s}{'x pytorch':>11s}")
+        for name, t in results.items():
+            print(f"{name:24s}{t:10.3f}{(t / base if base else float('nan')):11.2f}")
+        if "needle, mixed-bf16" in results:
+            ratio = results["needle, mixed-bf16"] / results["needle, gc off"]
+            print(f"needle mixed-bf16 / needle fp32 (gc off): {ratio:.2f}")
+    if args.markdown:
+        rows = [[name, f"{t:.3f}", f"{t / base:.2f}" if base else ""] for name, t in results.items()]
+        print(markdown_table([f"{threads} thread(s)", "s / step", "× PyTorch"], rows, right=(1, 2)))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,227 @@
+"""Every table of measured figures in README.md and docs/, generated: the registry, and the command that writes them.
+
+    python benchmarks/figures.py                     # every figure (long: about an hour on 2 cores); `make figures`
+    python benchmarks/figures.py --stale             # only those whose measured code changed since their stamp
+    python benchmarks/figures.py --only demo rss     # these
+    python benchmarks/figures.py --list              # name, page, fresh or stale
+
+A figure is one entry of FIGURES: the command that measures it (a benchmark or gc.py that prints the Markdown
+table on stdout), the page it goes to, and `measures`, the repository paths whose content the numbers depend on.
+Its table lives in the page between two markers, under a stamp that says how it was made:
+
+    <!-- figure: NAME -->
+    *`python benchmarks/figures.py --only NAME` ran `COMMAND` at commit 0123456789ab on 2026-01-31 12:00 UTC, on
+    CPU, N cores, load average L at the start; S s.*
+
+    | the table |
+    <!-- /figure: NAME -->
+
+A figure is stale when any of its `measures` paths differs between the stamp's commit and the working tree
+(`git diff <commit> -- PATHS`, or an untracked file there): tests/test_figures.py fails then, and `--stale`
+regenerates exactly those. So that a stamp never names a commit that does not hold the code it ran, this script
+refuses to stamp a figure while its `measures` have uncommitted changes (`--allow-dirty` stamps "dirty", which the
+test rejects).
+"""
+import argparse
+import datetime
+import os
+import re
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# What the numbers depend on, by layer.  The CPU backend: the kernels, their bindings, the build flags, NDArray.
+BACKEND = ("src/cpu/", "src/ndarray_backend_cpu.cc", "CMakeLists.txt", "python/needle/backend_ndarray/",
+           "python/needle/backend_selection.py")
+# A training step of the Transformer LM: the graph, backward, checkpointing, every op and layer, the optimizers,
+# the data, the package's set-up (the thread policy) and the model itself.
+STEP = BACKEND + ("python/needle/__init__.py", "python/needle/autograd.py", "python/needle/backward.py",
+                  "python/needle/checkpoint.py", "python/needle/checkpoint_budget.py", "python/needle/amp.py",
+                  "python/needle/ops/", "python/needle/nn/", "python/needle/init/", "python/needle/optim/",
+                  "python/needle/data/", "apps/models.py")
+# gc.py's runs: the step, and the experiment that drives and measures it.
+GC = STEP + ("gc.py", "apps/experiment/")
+# A fresh clone's `make test` and `make demo`: everything they install, build and run.
+CLONE = ("Makefile", "pyproject.toml", "CMakeLists.txt", "src/", "python/", "apps/", "tests/", "gc.py", ".ci/",
+         "benchmarks/fresh_clone.py")
+
+
+@dataclass(frozen=True)
+class Figure:
+    """One measured table: `command` runs with this repository as the working directory ("python" is this
+    interpreter), `env` is added to the environment (and shown in the stamp)."""
+    name: str
+    page: str
+    command: tuple
+    measures: tuple
+    env: dict = field(default_factory=dict)
+
+    def shown(self):
+        """The command as a shell line, as the stamp shows it."""
+        return " ".join([f"{k}={v}" for k, v in self.env.items()] + [shlex.quote(a) for a in self.command])
+
+
+def bench(script, *flags):
+    return ("python", f"benchmarks/{script}", *flags)
+
+
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}
+FIGURES = [
+    Figure("demo", "README.md", bench("gc_tables.py", "demo"), GC + ("benchmarks/gc_tables.py",)),
+    Figure("quickstart-times", "README.md", bench("fresh_clone.py"), CLONE),
+    Figure("ndarray-1-thread", "docs/benchmarks.md", bench("bench_ndarray.py", "--markdown"),
+           BACKEND + ("benchmarks/bench_ndarray.py",), ONE_THREAD),
+    Figure("ndarray-2-threads", "docs/benchmarks.md", bench("bench_ndarray.py", "--markdown"),
+           BACKEND + ("benchmarks/bench_ndarray.py",), {"OMP_NUM_THREADS": "2"}),
+    Figure("step", "docs/benchmarks.md", bench("bench_step.py", "--repeats", "5", "--rounds", "3", "--markdown"),
+           STEP + ("benchmarks/bench_step.py",), {"OMP_NUM_THREADS": "2"}),
+    Figure("gc-policies", "docs/experiment.md", bench("bench_gc.py", "--skip_max_batch", "--markdown"),
+           GC + ("benchmarks/bench_gc.py",), ONE_THREAD),
+    Figure("ablate", "docs/experiment.md", bench("gc_tables.py", "ablate"), GC + ("benchmarks/gc_tables.py",),
+           ONE_THREAD),
+    Figure("fused-head", "docs/fused-ops.md", bench("gc_tables.py", "heads"), GC + ("benchmarks/gc_tables.py",),
+           ONE_THREAD),
+    Figure("attention", "docs/fused-ops.md", bench("bench_attention.py", "--lm_repeats", "1", "--markdown"),
+           STEP + ("benchmarks/bench_attention.py",), ONE_THREAD),
+    Figure("rss", "docs/memory.md", bench("bench_rss.py", "--markdown"),
+           STEP + ("benchmarks/bench_rss.py", "benchmarks/bench_step.py"), ONE_THREAD),
+    Figure("optim-state", "docs/optimizers.md", bench("bench_optim.py", "--markdown"),
+           STEP + ("benchmarks/bench_optim.py",), ONE_THREAD),
+    Figure("optim-quality", "docs/optimizers.md",
+           bench("bench_optim.py", "--skip-bytes", "--quality", "--seeds", "1", "--steps", "100", "--markdown"),
+           GC + ("benchmarks/bench_optim.py",), ONE_THREAD),
+    Figure("precision-memory", "docs/precision.md", bench("bench_precision.py", "--batches", "2", "--markdown"),
+           GC + ("benchmarks/bench_precision.py",), ONE_THREAD),
+    Figure("distributed-memory", "docs/distributed.md", bench("gc_tables.py", "parallel"),
+           GC + ("python/needle/distributed/", "benchmarks/gc_tables.py"), ONE_THREAD),
+    Figure("precision-quality", "docs/precision.md",
+           bench("bench_precision.py", "--skip-memory", "--quality", "--steps", "100", "--markdown"),
+           GC + ("benchmarks/bench_precision.py",), ONE_THREAD),
+]
+BY_NAME = {f.name: f for f in FIGURES}
+
+BLOCK = re.compile(r"<!-- figure: (?P<name>[\w.-]+) -->\n(?P<body>.*?)<!-- /figure: (?P=name) -->", re.S)
+STAMP = re.compile(r"^\*`python benchmarks/figures.py --only (?P<name>[\w.-]+)` ran `.+?` at commit "
+                   r"(?P<commit>[0-9a-f]{12})(?P<dirty> \(dirty\))? on ", re.M)
+
+
+# ----- git: the stamp's commit against the code ---------------------------------------------------------------
+def git(repo, *args, check=True):
+    return subprocess.run(["git", "-C", repo, *args], capture_output=True, text=True, check=check)
+
+
+def changed_since(repo, commit, paths):
+    """The `paths` (files or folders) whose content in the working tree of `repo` differs from `commit`'s:
+    committed since, changed and not committed, or untracked. Empty: a table stamped with `commit` is current."""
+    if git(repo, "cat-file", "-e", f"{commit}^{{commit}}", check=False).returncode != 0:
+        raise ValueError(f"commit {commit} is not in the repository at {repo} (a shallow clone, or a stamp "
+                         f"from a branch never merged)")
+    diff = git(repo, "diff", "--name-only", commit, "--", *paths).stdout.split()
+    untracked = git(repo, "ls-files", "--others", "--exclude-standard", "--", *paths).stdout.split()
+    return diff + untracked
+
+
+def uncommitted(repo, paths):
+    """The `paths` with changes HEAD does not hold (stamping HEAD on them would be a lie)."""
+    return changed_since(repo, "HEAD", paths)
+
+
+# ----- pages: blocks and stamps -------------------------------------------------------------------------------
+def blocks(text):
+    """{figure name: the text between its markers} of a page."""
+    return {m["name"]: m["body"] for m in BLOCK.finditer(text)}
+
+
+def stamp_of(body):
+    """The stamp's match in a block's text, or None."""
+    return STAMP.search(body)
+
+
+def status(figure, repo=ROOT):
+    """"fresh", "stale (PATHS changed)", "not generated" or "no block in PAGE" for a figure."""
+    with open(os.path.join(repo, figure.page)) as f:
+        body = blocks(f.read()).get(figure.name)
+    if body is None:
+        return f"no block in {figure.page}"
+    stamp = stamp_of(body)
+    if stamp is None:
+        return "not generated"
+    if stamp["dirty"]:
+        return "stale (stamped dirty)"
+    changed = changed_since(repo, stamp["commit"], figure.measures)
+    return f"stale ({len(changed)} measured files changed: {', '.join(changed[:3])}...)" if changed else "fresh"
+
+
+def machine():
+    """CPU model, core count and the load average now, for the stamp."""
+    model = "unknown CPU"
+    if os.path.exists("/proc/cpuinfo"):
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    return f"{model}, {os.cpu_count()} cores, load average {load:.2f} at the start"
+
+
+def write_block(page_path, name, body):
+    with open(page_path) as f:
+        text = f.read()
+    if name not in blocks(text):
+        raise SystemExit(f"figures.py: {page_path} has no block for {name}: put `<!-- figure: {name} -->` and "
+                         f"`<!-- /figure: {name} -->` (each on its own line) where the table goes")
+    text = BLOCK.sub(lambda m: m.group(0) if m["name"] != name else
+                     f"<!-- figure: {name} -->\n{body}<!-- /figure: {name} -->", text)
+    with open(page_path, "w") as f:
+        f.write(text)
+
+
+def generate(figure, allow_dirty=False):
+    """Run the figure's command and write its stamped table into its page."""
+    dirty = uncommitted(ROOT, figure.measures)
+    if dirty and not allow_dirty:
+        raise SystemExit(f"figures.py: {figure.name} measures files with uncommitted changes ({', '.join(dirty)}); "
+                         f"commit them first, so the stamp's commit holds the code that ran (or --allow-dirty)")
+    commit = git(ROOT, "rev-parse", "--short=12", "HEAD").stdout.strip()
+    where, date = machine(), datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    argv = [sys.executable if a == "python" else a for a in figure.command]
+    print(f"figures.py: {figure.name}: {figure.shown()}", file=sys.stderr, flush=True)
+    start = time.time()
+    proc = subprocess.run(argv, cwd=ROOT, env={**os.environ, **figure.env}, stdout=subprocess.PIPE, text=True)
+    seconds = time.time() - start
+    table = proc.stdout.strip()
+    if proc.returncode != 0 or not table.startswith("|"):
+        raise SystemExit(f"figures.py: {figure.name}: `{figure.shown()}` exited {proc.returncode} and printed no "
+                         f"Markdown table on stdout:\n{proc.stdout[-2000:]}")
+    stamp = (f"*`python benchmarks/figures.py --only {figure.name}` ran `{figure.shown()}` at commit {commit}"
+             f"{' (dirty)' if dirty else ''} on {date}, on {where}; {seconds:.0f} s.*")
+    write_block(os.path.join(ROOT, figure.page), figure.name, f"{stamp}\n\n{table}\n")
+    print(f"figures.py: {figure.name}: written into {figure.page} ({seconds:.0f} s)", file=sys.stderr, flush=True)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--only", nargs="+", metavar="NAME", help="these figures (see --list)")
+    p.add_argument("--stale", action="store_true", help="only the figures that are not fresh")
+    p.add_argument("--list", action="store_true", help="print each figure's name, page and status, and exit")
+    p.add_argument("--allow-dirty", action="store_true",
+                   help="stamp even when measured files have uncommitted changes (the stamp says dirty)")
+    args = p.parse_args()
+    unknown = sorted(set(args.only or ()) - set(BY_NAME))
+    if unknown:
+        p.error(f"no figure named {', '.join(unknown)}; the figures: {', '.join(BY_NAME)}")
+    chosen = [BY_NAME[n] for n in args.only] if args.only else FIGURES
+    if args.list:
+        for f in chosen:
+            print(f"{f.name:20s}{f.page:22s}{status(f)}")
+        return
+    if args.stale:
+        chosen = [f for f in chosen if status(f) != "fresh"]
+    for f in chosen:
+        generate(f, args.allow_dirty)
+
+
+if __name__ == "__main__":
+    main()
