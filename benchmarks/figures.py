@@ -41,6 +41,8 @@ BACKEND = ("src/cpu/", "src/ndarray_backend_cpu.cc", "CMakeLists.txt", "python/n
 # the data, the package's set-up (the thread policy) and the model itself.
 STEP = BACKEND + ("python/needle/__init__.py", "python/needle/autograd.py", "python/needle/backward.py",
                   "python/needle/checkpoint.py", "python/needle/checkpoint_budget.py", "python/needle/amp.py",
+                  "python/needle/offload.py", "python/needle/ledger.py", "python/needle/regions.py",
+                  "python/needle/cost_model.py", "python/needle/memory_hook.py",
                   "python/needle/ops/", "python/needle/nn/", "python/needle/init/", "python/needle/optim/",
                   "python/needle/data/", "apps/models.py")
 # gc.py's runs: the step, and the experiment that drives and measures it.
@@ -98,6 +100,18 @@ FIGURES = [
            GC + ("benchmarks/bench_precision.py",), ONE_THREAD),
     Figure("distributed-memory", "docs/distributed.md", bench("gc_tables.py", "parallel"),
            GC + ("python/needle/distributed/", "benchmarks/gc_tables.py"), ONE_THREAD),
+    Figure("distributed-tp", "docs/distributed.md", bench("bench_distributed.py", "--parts", "tp"),
+           STEP + ("python/needle/distributed/", "benchmarks/bench_distributed.py"), ONE_THREAD),
+    Figure("timeline", "README.md", bench("readme_pictures.py", "timeline"),
+           GC + ("python/needle/memory/", "benchmarks/readme_pictures.py")),
+    Figure("budget-sweep", "README.md", bench("readme_pictures.py", "budget-sweep"),
+           GC + ("python/needle/checkpoint_optimal.py", "benchmarks/readme_pictures.py")),
+    Figure("memory-record", "docs/timeline.md", bench("bench_memory_record.py", "--markdown"),
+           STEP + ("python/needle/memory/", "benchmarks/bench_memory_record.py", "benchmarks/bench_step.py")),
+    Figure("offload", "docs/offloading.md", bench("bench_offload.py", "--markdown"),
+           STEP + ("benchmarks/bench_offload.py",)),
+    Figure("budget-optimal", "docs/offloading.md", bench("bench_budget.py", "--markdown"),
+           STEP + ("python/needle/checkpoint_optimal.py", "benchmarks/bench_budget.py")),
     Figure("precision-quality", "docs/precision.md",
            bench("bench_precision.py", "--skip-memory", "--quality", "--steps", "100", "--markdown"),
            GC + ("benchmarks/bench_precision.py",), ONE_THREAD),
