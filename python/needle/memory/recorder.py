@@ -144,12 +144,13 @@ class Recorder:
         arrays = []
         objects = gc.get_objects()
         for obj in objects:
-            if isinstance(obj, NDArray):
+            kind = type(obj)  # (not isinstance: it would read __class__, which some objects answer with a warning)
+            if issubclass(kind, NDArray):
                 arrays.append(obj)
-            elif isinstance(obj, Parameter):
+            elif issubclass(kind, Parameter):
                 self.parameters.add(obj)
                 names.update(dict.fromkeys(buffers_of(obj.grad), "gradient"))
-            elif isinstance(obj, Optimizer):
+            elif issubclass(kind, Optimizer):
                 for state in [obj.master] + [getattr(obj, slot) for slot in obj.slots]:
                     names.update(dict.fromkeys(buffers_of(state), "optimizer_state"))
         for p in self.parameters:
