@@ -206,3 +206,17 @@ def test_recording_starts_beside_objects_that_warn_when_asked_their_class():
     with ndl.memory.record() as snap:
         pass
     assert snap.events == [] and proxy is not None
+
+
+def test_a_module_called_by_the_models_own_method_keeps_its_path_in_the_model():
+    """model.loss(X, y) runs model.seq_model's forward itself (no model.__call__): its modules are still named
+    from the model (seq_model.layers.0...), as their parameters are."""
+    model = lm(None)
+    model.parameters()  # (an optimizer names them so)
+    X, y = batch(0)
+    with ndl.memory.record() as snap:
+        loss, _ = model.loss(X, y)
+        loss.backward()
+    modules = {b["module"] for b in snap.blocks if b["module"]}
+    assert any(m.startswith("seq_model.layers.0.") for m in modules), modules
+    assert not any(m.startswith("layers.") for m in modules), modules

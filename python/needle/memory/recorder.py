@@ -354,9 +354,21 @@ def parameter_name(p):
 
 
 def module_names(roots):
-    """id(module) -> its name: the outermost modules by class name, the modules inside them by dotted path."""
+    """id(module) -> its name: the dotted path from the model (`seq_model.layers.1.attention`). A module whose
+    forward ran outermost (a root) may sit inside the model (`model.loss` calls `model.seq_model` itself): its
+    parameters' names, given by the model's named_parameters, say where; a root with none goes by its class name."""
     names = {}
     for root in roots:
+        prefix = path_in_model(root)
         for name, module in root.named_modules():
-            names.setdefault(id(module), name or type(root).__name__)
+            full = ".".join(part for part in (prefix, name) if part)
+            names.setdefault(id(module), full or type(root).__name__)
     return names
+
+
+def path_in_model(module):
+    """The dotted path of `module` in the model its parameters were named from ("" if it is the model, or unnamed)."""
+    for local, p in module.named_parameters():
+        if p.name and p.name != local and p.name.endswith("." + local):
+            return p.name[:-len(local) - 1]
+    return ""
