@@ -161,3 +161,15 @@ def test_a_recorded_step_names_fetched_values_and_stays_exact():
     assert all(e["live_bytes"] == e["backend_bytes"] for e in snap.events)
     fetched = [b for b in snap.blocks if b["reason"] and "fetched back" in b["reason"]]
     assert fetched and all(b["category"] == "activation_kept" and b["op"] for b in fetched)
+
+
+def test_a_recorded_step_shows_the_host_copies_apart_from_the_device():
+    model = lm("offload")
+    reset_peak_memory_stats(DEVICE)
+    with ndl.memory.record(check=True) as snap:
+        forward(model, lazy=True).backward()
+    assert all(e["live_bytes"] == e["backend_bytes"] for e in snap.events)  # host copies stay out of live_bytes
+    host = [b for b in snap.blocks if b["category"] == "host"]
+    assert host and all(b["free"] is not None for b in host), "every host copy is recorded given back"
+    assert max(e["host_bytes"] for e in snap.events) == checkpoint.last_backward_stats()["host_peak_bytes"]
+    assert snap.events[-1]["host_bytes"] == 0

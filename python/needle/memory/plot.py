@@ -31,13 +31,17 @@ def draw(snapshot, ax, title=None, x="event", largest=3):
     else:
         xs = list(range(len(snapshot.events)))
     baseline = snapshot.data["baseline_bytes"]
-    used = [c for c in CATEGORIES if any(series[c])]
+    used = [c for c in CATEGORIES if c != "host" and any(series[c])]  # the device's bytes, stacked
     bottom = [baseline] * len(xs)
     for category in used:
         top = [b + v for b, v in zip(bottom, series[category])]
         ax.fill_between(xs, [b / MB for b in bottom], [t / MB for t in top], step="post", linewidth=0,
                         color=COLORS[category], label=category)
         bottom = top
+    if any(series["host"]):  # offloaded values' host copies: host memory, beside the device's stack
+        ax.plot(xs, [b / MB for b in series["host"]], color=COLORS["host"], linestyle="--", linewidth=1,
+                label="host (offloaded copies, not stacked)")
+        used.append("host")
     for band in snapshot.phases:
         start, end = band["start"], min(band["end"], len(xs)) - 1
         if end < start or not xs:

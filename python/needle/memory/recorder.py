@@ -20,7 +20,7 @@ import gc
 import time
 import weakref
 
-from .. import memory_hook
+from .. import memory_hook, offload
 from ..autograd import Value
 from ..backend_ndarray import NDArray
 from ..checkpoint import keep_reason
@@ -70,6 +70,16 @@ class RawBuffer:
         self.buffer, self.shape, self.dtype = buffer, (buffer.size,), buffer.dtype
 
 
+class HostCopy:
+    """A parked value's host copy (offload.py), described as a buffer: its bytes, the value's shape and dtype."""
+
+    __slots__ = ("buffer", "shape", "dtype", "size", "itemsize")
+
+    def __init__(self, nbytes, node):
+        self.buffer, self.size, self.itemsize = self, nbytes, 1
+        self.shape, self.dtype = tuple(node.shape), node.dtype
+
+
 class BufferRef(weakref.ref):
     """A weak reference to a buffer that knows its block (the callback gets only the reference)."""
 
@@ -106,6 +116,9 @@ class Recorder:
         self.backward_module = None  # in backward: the module of the value being differentiated
         self.parameters = weakref.WeakSet()
         self.active, self.start, self.backend_peak_bytes = False, None, None
+        # Offloaded values' host copies (category "host", outside the device allocator): id(value) -> (a weak
+        # reference to the value, its block); `host_bytes` is what they hold. live_bytes stays the device's.
+        self.host, self.host_bytes = {}, 0
 
     # ----- on and off ----------------------------------------------------------------------------------------
     def begin(self):
@@ -127,6 +140,8 @@ class Recorder:
     def end(self):
         memory_hook.set_recorder(self.previous)
         self.active = False
+        if self.host:
+            self.settle_host()
         self.settle_parameters()
         for block in self.live.values():
             if block.forward_value:
@@ -194,14 +209,45 @@ class Recorder:
             return
         del self.live[block.key]
         self.live_bytes -= block.bytes
+        node = block.node() if block.node is not None else None
+        if node is not None and id(node) not in self.host and offload.is_parked(node):
+            self.host_parked(node)  # the forward pass parked it just before giving its device buffer back
         block.free = len(self.events)
         if block.forward_value:
             self.settle_forward_value(block, alive=False)
         self.event("free", block)
 
     def event(self, action, block):
+        if self.host:
+            self.settle_host()
+        self.append(action, block)
+
+    def append(self, action, block):
         backend = self.device.memory_stats()["current_bytes"] if self.check else None
-        self.events.append((action, block, self.live_bytes, time.perf_counter() - self.start, backend))
+        self.events.append((action, block, self.live_bytes, time.perf_counter() - self.start, backend,
+                            self.host_bytes))
+
+    # ----- offloaded values' host copies (offload.py) --------------------------------------------------------
+    def host_parked(self, node):
+        block = Block(len(self.blocks), HostCopy(offload.parked_bytes(node), node), HostCopy(0, node), self.phase,
+                      type(node.op).__name__, self.module_of.get(node), len(self.events))
+        block.category, block.node = "host", weakref.ref(node)
+        block.reason = "offloaded after its last forward use: the host copy backward fetches from"
+        self.blocks.append(block)
+        self.host[id(node)] = (block.node, block)
+        self.host_bytes += block.bytes
+        self.append("alloc", block)
+
+    def settle_host(self):
+        """Host copies given back since the last event (after their last use in backward, or with their graph)
+        are recorded now: offload.py gives them back without a device event, so at most one event late."""
+        for key, (ref, block) in list(self.host.items()):
+            node = ref()
+            if node is None or not offload.is_parked(node):
+                del self.host[key]
+                self.host_bytes -= block.bytes
+                block.free = len(self.events)
+                self.append("free", block)
 
     # ----- what a buffer is: graph values, ops, modules -------------------------------------------------------
     def node_made(self, node):

@@ -9,12 +9,14 @@ The JSON file (`snap.save(path)`, read back by `ndl.memory.load(path)`) is one o
                  # alloc/free: event indices (alloc null: alive when recording began; free null: alive at its end);
                  # name: a parameter's ("blocks.0.attn.q.weight"), its gradient's (".grad") or its state's (": m")
      "events": [{"action": "alloc" | "free", "block", "bytes", "category", "phase", "op", "module", "name",
-                 "shape", "dtype", "reason", "live_bytes", "time", "backend_bytes"}, ...],
+                 "shape", "dtype", "reason", "live_bytes", "time", "backend_bytes", "host_bytes"}, ...],
      "peak": {"bytes", "event"},           # the most live bytes, and the first event that reached them
      "phases": [{"phase", "start", "end"}, ...],   # event index ranges [start, end)
      "backend_peak_bytes": null}           # the allocator's peak_bytes when recording ended (record(check=True))
 
-`live_bytes` is every byte live after the event, those of the blocks alive when recording began included;
+`live_bytes` is every device byte live after the event, those of the blocks alive when recording began included;
+`host_bytes` the bytes of offloaded values' host copies (category "host": outside the device allocator, so not in
+`live_bytes`; a host copy's free is recorded at the next event after offload.py gives it back);
 `backend_bytes` is the allocator's `current_bytes` read right after the event (record(check=True) only, else
 null): the two are equal at every event, which is what the tests check. `category` is one of
 `recorder.CATEGORIES`, `phase` one of "forward", "backward", "recompute", "optimizer"; `op` and `module` name what
@@ -57,11 +59,11 @@ class Snapshot:
                    "phase": b.phase, "op": b.op, "module": module_name(b, names), "name": b.name,
                    "reason": b.reason, "alloc": b.alloc, "free": b.free} for b in recorder.blocks]
         events = []
-        for action, block, live, seconds, backend in recorder.events:
+        for action, block, live, seconds, backend, host in recorder.events:
             info = blocks[block.id]
             events.append({"action": action, "block": block.id, "bytes": block.bytes,
                            **{k: info[k] for k in EVENT_FIELDS}, "live_bytes": live, "time": seconds,
-                           "backend_bytes": backend})
+                           "backend_bytes": backend, "host_bytes": host})
         return cls({"format": FORMAT, "version": VERSION, "device": str(recorder.device),
                     "baseline_bytes": recorder.baseline_bytes, "blocks": blocks, "events": events,
                     "peak": peak_of(events, recorder.baseline_bytes + sum(b["bytes"] for b in blocks
@@ -106,7 +108,7 @@ class Snapshot:
             if b["alloc"] is None:
                 live[b["category"]] += b["bytes"]
         for e in self.events:
-            live[e["category"]] += e["bytes"] if e["action"] == "alloc" else -e["bytes"]
+            live[e["category"]] += e["bytes"] if e["action"] == "alloc" else -e["bytes"]  # ("host": its own series)
             for c in CATEGORIES:
                 series[c].append(live[c])
         return series

@@ -41,11 +41,13 @@
     const blocks = snapshot.blocks.map((b) => Object.assign({}, b, { steps: [], pos: -1, offset: 0 }));
     const n = snapshot.events.length;
     // Blocks alive before recording began (alloc null) sit at the bottom from the first event on.
-    const byAlloc = blocks.filter((b) => b.alloc !== null).sort((a, b) => a.alloc - b.alloc);
-    const byFree = blocks.filter((b) => b.free !== null).sort((a, b) => a.free - b.free);
+    // Host copies of offloaded values are not device memory: listed when alive, never stacked.
+    const device = blocks.filter((b) => b.category !== "host");
+    const byAlloc = device.filter((b) => b.alloc !== null).sort((a, b) => a.alloc - b.alloc);
+    const byFree = device.filter((b) => b.free !== null).sort((a, b) => a.free - b.free);
     const stack = [];
     let top = snapshot.baseline_bytes, nextAlloc = 0, nextFree = 0;
-    for (const block of blocks.filter((b) => b.alloc === null)) {
+    for (const block of device.filter((b) => b.alloc === null)) {
       block.pos = stack.length;
       block.offset = top;
       block.steps.push(0, top);
@@ -212,7 +214,7 @@
     // Blocks at least 3 px tall get a white edge to tell neighbours apart; on thinner ones it would only wash the
     // colours out.
     const parts = [], edgeBytes = 3 * yMax / (g.bottom - g.top);
-    for (const b of panel.blocks) {
+    for (const b of panel.blocks.filter((b) => b.category !== "host")) {
       parts.push('<path class="alloc' + (b.bytes >= edgeBytes ? " edged" : "") + '" data-block="' + esc(b.id)
         + '" fill="' + colorOf(b.category) + '" d="' + blockPath(b, g) + '"/>');
     }
