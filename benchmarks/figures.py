@@ -206,7 +206,7 @@ def generate(figure, allow_dirty=False):
     proc = subprocess.run(argv, cwd=ROOT, env={**os.environ, **figure.env}, stdout=subprocess.PIPE, text=True)
     seconds = time.time() - start
     table = proc.stdout.strip()
-    if proc.returncode != 0 or not table.startswith("|"):
+    if proc.returncode != 0 or not any(line.startswith("|") for line in table.splitlines()):
         raise SystemExit(f"figures.py: {figure.name}: `{figure.shown()}` exited {proc.returncode} and printed no "
                          f"Markdown table on stdout:\n{proc.stdout[-2000:]}")
     stamp = (f"*`python benchmarks/figures.py --only {figure.name}` ran `{figure.shown()}` at commit {commit}"
