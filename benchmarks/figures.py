@@ -100,7 +100,7 @@ FIGURES = [
            GC + ("benchmarks/bench_precision.py",), ONE_THREAD),
     Figure("distributed-memory", "docs/distributed.md", bench("gc_tables.py", "parallel"),
            GC + ("python/needle/distributed/", "benchmarks/gc_tables.py"), ONE_THREAD),
-    Figure("distributed-tp", "docs/distributed.md", bench("bench_distributed.py", "--parts", "tp"),
+    Figure("distributed-tp", "README.md", bench("bench_distributed.py", "--parts", "tp"),
            STEP + ("python/needle/distributed/", "benchmarks/bench_distributed.py"), ONE_THREAD),
     Figure("timeline", "README.md", bench("readme_pictures.py", "timeline"),
            GC + ("python/needle/memory/", "benchmarks/readme_pictures.py")),
