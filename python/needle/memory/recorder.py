@@ -125,6 +125,7 @@ class Recorder:
         """Adopt what is alive, then switch on. The garbage collector is held off meanwhile: a collection between
         counting the allocator's bytes and switching on would free buffers no event reports."""
         self.start = time.perf_counter()
+        gc.collect()  # earlier steps' garbage is given back now, not in the middle of the recorded one
         collecting = gc.isenabled()
         gc.disable()
         try:
@@ -155,27 +156,39 @@ class Recorder:
         garbage collector's objects (NDArrays, and buffers held without one: a bucket, a flat shard), named where a
         Parameter, its gradient or an optimizer holds them. Bytes the allocator counts but nothing in Python holds
         stay in `baseline_bytes`."""
-        names = {}
-        arrays = []
+        names, arrays, kinds = {}, [], {}
         objects = gc.get_objects()
         for obj in objects:
-            kind = type(obj)  # (not isinstance: it would read __class__, which some objects answer with a warning)
-            if issubclass(kind, NDArray):
+            # What each type is, asked once per type (not isinstance per object: that would read __class__, which
+            # some objects answer with a warning, and a step's heap holds a hundred thousand objects).
+            kind = kinds.get(type(obj))
+            if kind is None:
+                kind = kinds[type(obj)] = next((k for k in (NDArray, Parameter, Optimizer) if issubclass(type(obj), k)),
+                                               False)
+            if kind is NDArray:
                 arrays.append(obj)
-            elif issubclass(kind, Parameter):
+            elif kind is Parameter:
                 self.parameters.add(obj)
                 names.update(dict.fromkeys(buffers_of(obj.grad), "gradient"))
-            elif issubclass(kind, Optimizer):
+            elif kind is Optimizer:
                 for state in [obj.master] + [getattr(obj, slot) for slot in obj.slots]:
                     names.update(dict.fromkeys(buffers_of(state), "optimizer_state"))
         for p in self.parameters:
             names.update(dict.fromkeys(buffers_of(p), "parameter"))
+        for array in arrays:
+            if array.device == self.device and id(array.buffer) not in self.live:
+                self.new_block(array, alloc=None).category = names.get(id(array.buffer), "other")
+        if sum(b.bytes for b in self.blocks) < self.device.memory_stats()["current_bytes"]:
+            self.adopt_held_buffers(objects)  # only when NDArrays do not account for every byte: it costs a scan
+
+    def adopt_held_buffers(self, objects):
+        """Buffers held without an NDArray (a bucket, a flat shard), among the objects' referents."""
         buffer_type = getattr(self.device.mod, "Array", None)  # the backend's buffer (None: not built)
-        held = [RawBuffer(b) for b in gc.get_referents(*objects) if buffer_type and type(b) is buffer_type]
-        for array in [a for a in arrays if a.device == self.device] + held:
-            if id(array.buffer) not in self.live:
-                block = self.new_block(array, alloc=None)
-                block.category = names.get(block.key, "other")
+        if buffer_type is None:
+            return
+        for buffer in gc.get_referents(*objects):
+            if type(buffer) is buffer_type and id(buffer) not in self.live:
+                self.new_block(RawBuffer(buffer), alloc=None)
 
     # ----- buffers made and given back ------------------------------------------------------------------------
     def new_block(self, array, alloc):
