@@ -23,7 +23,8 @@ __all__ = ["CATEGORIES", "PHASES", "Snapshot", "Summary", "load", "record", "sum
 class record:
     """`with ndl.memory.record(device=None, check=False) as snap:` records every allocation and free of
     `device`'s allocator (default: the default device) inside the block; `snap` is complete when it ends.
-    `check=True` also stores the allocator's own count after each event (`backend_bytes`) and its peak."""
+    `check=True` also stores the allocator's own count after each event (`backend_bytes`) and resets its peak
+    when recording begins, to store it when it ends. Recording begins with a garbage collection."""
 
     def __init__(self, device=None, check=False):
         device = device or default_device()
