@@ -173,3 +173,27 @@ def test_a_recorded_step_shows_the_host_copies_apart_from_the_device():
     assert host and all(b["free"] is not None for b in host), "every host copy is recorded given back"
     assert max(e["host_bytes"] for e in snap.events) == checkpoint.last_backward_stats()["host_peak_bytes"]
     assert snap.events[-1]["host_bytes"] == 0
+
+
+@pytest.mark.parametrize("offload_on", [False, True], ids=["recompute", "offload"])
+def test_budget_peaks_are_at_most_b_and_monotone_over_a_ten_point_sweep(offload_on):
+    """Issue #29's promises: M_peak <= b at every step, the first included (lazy), and a smaller b never gives a
+    larger peak, over ten budgets from the least feasible peak to gc off's."""
+    def step(model):
+        for p in model.parameters():
+            p.grad = None
+        gc.collect()
+        base = memory_stats(DEVICE)["current_bytes"]
+        reset_peak_memory_stats(DEVICE)
+        forward(model, lazy=True).backward()
+        return memory_stats(DEVICE)["peak_bytes"] - base
+    off_peak = step(lm(None, layers=3))
+    probe = checkpoint.Budget(off_peak, offload=offload_on)
+    step(lm(probe, layers=3))
+    measured = []
+    for b in np.linspace(probe.minimum_peak, off_peak, 10).astype(int):
+        model = lm(checkpoint.Budget(int(b), offload=offload_on), layers=3)
+        peaks = [step(model) for _ in range(2)]
+        assert max(peaks) <= b, (b, peaks)
+        measured.append(peaks[-1])
+    assert measured == sorted(measured), measured
