@@ -143,49 +143,50 @@ class GatherFromRegion(TensorOp):
         return reduce_scatter_to_region(out_grad, self.axis, self.group)
 
 
-class ReduceScatterToRegion(TensorOp):
+class ToShards(TensorOp):
+    """This rank's slice along `axis` of `shard(values)`; d/dx: the all-gather of the gradient. The two ops below
+    differ only in what they slice: the sum over the group, or the value as it is."""
+
+    saves = "none"
+    name = "to_shards"
+
+    def __init__(self, axis, group):
+        self.axis, self.group = axis, group
+
+    def infer_shape(self, shape):
+        axis = _axis(self.axis, len(shape))
+        return tuple(s // comm.world_size(self.group) if i == axis else s for i, s in enumerate(shape))
+
+    def shard(self, values, axis):
+        raise NotImplementedError
+
+    def compute(self, a):
+        values = array_api.to_numpy(a)
+        axis = _axis(self.axis, values.ndim)
+        _check_divisible(self.name, values.shape, axis, self.group)
+        return _like(self.shard(values, axis), a)
+
+    def gradient(self, out_grad, node):
+        return gather_from_region(out_grad, self.axis, self.group, grad="split")
+
+
+class ReduceScatterToRegion(ToShards):
     """This rank's slice along `axis` of the sum over the group; d/dx: the all-gather of the gradient."""
 
-    saves = "none"
     recomputable = False
+    name = "reduce_scatter_to_region"
 
-    def __init__(self, axis, group):
-        self.axis, self.group = axis, group
-
-    def infer_shape(self, shape):
-        axis = _axis(self.axis, len(shape))
-        return tuple(s // comm.world_size(self.group) if i == axis else s for i, s in enumerate(shape))
-
-    def compute(self, a):
-        values = array_api.to_numpy(a)
-        axis = _axis(self.axis, values.ndim)
-        _check_divisible("reduce_scatter_to_region", values.shape, axis, self.group)
-        return _like(reduce_scatter_along(values, axis, self.group), a)
-
-    def gradient(self, out_grad, node):
-        return gather_from_region(out_grad, self.axis, self.group, grad="split")
+    def shard(self, values, axis):
+        return reduce_scatter_along(values, axis, self.group)
 
 
-class ScatterToRegion(TensorOp):
+class ScatterToRegion(ToShards):
     """This rank's slice along `axis` (no communication); d/dx: the all-gather of the gradient."""
 
-    saves = "none"
+    name = "scatter_to_region"
 
-    def __init__(self, axis, group):
-        self.axis, self.group = axis, group
-
-    def infer_shape(self, shape):
-        axis = _axis(self.axis, len(shape))
-        return tuple(s // comm.world_size(self.group) if i == axis else s for i, s in enumerate(shape))
-
-    def compute(self, a):
-        values = array_api.to_numpy(a)
-        axis = _axis(self.axis, values.ndim)
-        _check_divisible("scatter_to_region", values.shape, axis, self.group)
-        return _like(slice_along(values, axis, self.group), a)
-
-    def gradient(self, out_grad, node):
-        return gather_from_region(out_grad, self.axis, self.group, grad="split")
+    def shard(self, values, axis):
+        return slice_along(values, axis, self.group)
 
 
 def copy_to_region(x, group=None):
