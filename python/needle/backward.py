@@ -352,7 +352,10 @@ def _release_step_temporaries(walked, new, parts, grad, forward, awaited, machin
 
     early = [n for n in walked + [grad] if machine.has(n) and made(n) and id(n) not in new_ids]
     if early:
-        early = find_topo_sort(early, expand=made)
+        # Expanded: only what this step walked or what holds a value. A value without data that this step did not
+        # walk holds nothing, and behind it lie earlier steps' values: walking them each step would be O(n^2).
+        walked_ids = {id(n) for n in walked}
+        early = find_topo_sort(early, expand=lambda n: made(n) and (id(n) in walked_ids or machine.has(n)))
     # The parts are listed too: summing tuple gradients folds them away (make_tuple's elements are used directly),
     # so the walk from the sum may not reach them, yet this step consumed them.
     for n in list(parts) + early:
