@@ -19,6 +19,7 @@ later steps replay them with no counters and no references to old graphs: an eva
 change of batch size never derails it (a new structure is simply planned again).
 """
 import itertools
+import time
 import weakref
 from dataclasses import dataclass
 
@@ -80,6 +81,11 @@ class Budget:
         self.predicted_added_time = None  # what the plan adds: recomputations, copies not hidden
         self.predicted_host_peak = None
         self.minimum_peak = None
+        # Seconds the forward pass spent building the graph in Python (lazy mode), timed from the first region it
+        # annotated to the plan: not ops, so no cost model sees it (a module's own work, such as Dropout drawing
+        # the course's random numbers), yet a step pays it. 0 in eager mode, whose trace computes as it goes.
+        self.trace_seconds = 0.0
+        self._traced_since = None
         # The regions not decided yet, by number (the order they were annotated in): weak references to their
         # outputs and candidates. A region leaves when it is decided, or at once when its graph is gone (a
         # candidate's weak reference calls back), so this holds only live graphs' regions, whatever the steps.
@@ -100,6 +106,8 @@ class Budget:
         if flags is not None:
             return list(flags)
         number, pending = next(self._numbers), self._pending
+        if self._traced_since is None:
+            self._traced_since = time.perf_counter()
 
         def gone(_, number=number):  # no reference to the Budget: a dying graph never keeps it alive
             pending.pop(number, None)
@@ -132,6 +140,8 @@ class Budget:
         if not regions:
             return Planned(tuple(self.planned.items()))
         lazy = root.cached_data is None
+        self.trace_seconds = time.perf_counter() - self._traced_since if lazy and self._traced_since else 0.0
+        self._traced_since = None
         groups = self._groups(regions, above, lazy)
         # How each group would leave the device, and at what cost in seconds: recomputed, or (offload=True) parked.
         forward = [n for n in find_topo_sort([root]) if not n.is_leaf()]
@@ -160,12 +170,18 @@ class Budget:
                                    f"reach by checkpointing is {self.minimum_peak} bytes "
                                    f"({self.minimum_peak / 2**20:.1f} MB)")
         target = max(self.minimum_peak, self.bytes * (1 - PREDICTION_MARGIN))  # (with room for prediction error)
-        t = fewest_that_fit(lambda t: walk(t).peak, len(ranked), target)
+        # The search's first guess: with t groups off the device, the peak is the least one, or the forward pass's
+        # peak with everything off plus the bytes still kept (on a stack of layers, where the peak sits at the end
+        # of forward, that is exact).
+        kept_from = list(itertools.accumulate(sum(map(value_bytes, ns)) for ns in reversed(ranked)))[::-1] + [0]
+        least = walk(len(ranked))
+        t = fewest_that_fit(lambda t: walk(t).peak, len(ranked), target,
+                            lambda t: max(least.peak, least.forward_peak + kept_from[t]))
         dropped, offloaded = chosen(t)
         self.predicted_peak, self.predicted_host_peak = walk(t).peak, walk(t).host_peak
-        # forward + backward (about three forward passes), plus what leaving the device costs
+        # the step (its ops forward and backward, the update, the Python that traced it) plus what the plan adds
         self.predicted_added_time = sum(how[id(ns[0])][1] for ns in ranked[:t] for _ in ns)
-        self.predicted_time = self.cost_model.step_seconds(root) + self.predicted_added_time
+        self.predicted_time = self.cost_model.step_seconds(root) + self.trace_seconds + self.predicted_added_time
         self._apply(regions, dropped, offloaded, lazy)
         return Planned(tuple(self.planned.items()))
 
@@ -219,20 +235,31 @@ class Budget:
         return (offload.OFFLOAD, sum(copies)) if output or sum(copies) < recompute else (False, recompute)
 
 
-def fewest_that_fit(peak, n, target):
-    """The least t in [0, n] with peak(t) <= target, given peak(n) <= target (peak: falling as t grows). Each walk
-    of the ledger costs about a backward pass, so instead of halving the interval the search guesses where the
-    peak crosses the target by interpolating between the interval's ends (a falsi step), halving only when a guess
-    lands on an end: a few walks instead of log2(n)."""
-    lo, hi = 0, n  # peak(hi) fits; lo is the least t that may fit
-    if peak(0) <= target:
-        return 0
-    high, low = peak(0), peak(n)  # peak at lo (does not fit) and at hi (fits)
+def fewest_that_fit(peak, n, target, estimate=None):
+    """The least t in [0, n] with peak(t) <= target, given peak(n) <= target (peak: falling as t grows).
+
+    Each walk of the ledger costs about a backward pass, so the search starts where a cheap model says the peak
+    crosses the target: `estimate(t)`, a guess at peak(t) from bytes alone (the Budget's is exact on a stack of
+    layers: see `plan`). It walks there, then one step toward the crossing, doubling the step while the walks
+    stay on one side of it and halving the interval once they have been on both: with a good estimate, two walks.
+    Without one (None), the estimate is the straight line between peak(0) and peak(n).
+    """
+    if estimate is None:
+        high, low = peak(0), peak(n)
+        estimate = lambda t: high + (low - high) * t / max(n, 1)  # noqa: E731
+    lo, hi = -1, n  # lo: -1 or a t known not to fit; hi: a t known to fit
+    t = next((t for t in range(n + 1) if estimate(t) <= target), n)
+    step, direction, bracketed = 1, 0, False
     while hi - lo > 1:
-        guess = lo + int((high - target) / max(high - low, 1) * (hi - lo))
-        t = guess if lo < guess < hi else (lo + hi) // 2
-        if peak(t) <= target:
-            hi, low = t, peak(t)
+        t = min(max(t, lo + 1), hi - 1)
+        fits = peak(t) <= target
+        toward = -1 if fits else 1  # fits: the least t may lie below; does not: it lies above
+        bracketed = bracketed or (direction != 0 and toward != direction)
+        step = step * 2 if toward == direction else 1
+        direction = toward
+        if fits:
+            hi = t
         else:
-            lo, high = t, peak(t)
+            lo = t
+        t = (lo + hi) // 2 if bracketed else t + toward * step
     return hi

@@ -39,6 +39,7 @@ class Ledger(Machine):
         self.present, self.holders, self.size, self.buffers, self.strides = set(), {}, {}, {}, {}
         self.elements = {}  # buffer -> its elements (size is 0 for parameters' buffers: they are not counted)
         self.live = self.peak = self.made = 0
+        self.forward_peak = None  # walk_step: the peak when backward begins
         # Offloading (offload.py): the ids of the values parked in host memory when forward releases them; the
         # host bytes they hold, at most; the bytes copied each way.
         self.offloaded, self.parked = offloaded, {}
@@ -199,6 +200,7 @@ def walk_step(root, dropped, regions=None, offloaded=frozenset()):
             for n in ends.get(id(node), ()):
                 if id(n) in dropped:
                     ledger.release(n)
+    ledger.forward_peak = ledger.peak  # the peak of the forward pass alone
     run_backward(plan_backward(root, ledger.has, lambda n: id(n) in offloaded), out_grad, ledger)
     return ledger
 
