@@ -20,6 +20,7 @@ benchmark had one too), and a view that must copy (a reshape of a transposed val
 copy small beside the matmuls around it. What it gets right is which values are cheap or dear to recompute, and
 by how much; benchmarks/bench_cost_model.py puts its predictions beside measured times, kind by kind.
 """
+import dataclasses
 import hashlib
 import json
 import math
@@ -33,7 +34,7 @@ from pathlib import Path
 import numpy
 
 from . import autograd, ops
-from .autograd import find_topo_sort, Tensor, elements_of, infer_spec, spec_nbytes
+from .autograd import find_topo_sort, Tensor, element_shapes, elements_of, infer_spec, spec_nbytes
 from .backend_selection import BACKEND, array_api, default_device
 from .backward import Compute
 from .version import package_version
@@ -43,16 +44,20 @@ __all__ = ["DIRECTIONS", "FLOP_KINDS", "KINDS", "MEASURED_KINDS", "Calibration",
 
 # Every kind of work an op can be. The first three take time by their FLOPs, the rest by the bytes they move;
 # a view moves nothing (its output lives in its input's buffer), so it costs only the per-op overhead.
-KINDS = ("matmul", "attention", "conv", "layernorm", "softmax", "logsumexp", "cross_entropy", "elementwise",
+KINDS = ("matmul", "linear_cross_entropy", "attention", "conv", "layernorm", "softmax", "logsumexp", "cross_entropy", "elementwise",
          "reduction", "view", "copy", "cast")
-FLOP_KINDS = ("matmul", "attention", "conv")
+FLOP_KINDS = ("matmul", "linear_cross_entropy", "attention", "conv")
 MEASURED_KINDS = tuple(k for k in KINDS if k != "view")
 DIRECTIONS = ("to_host", "to_device")
 
 # Op class -> kind, for the ops whose kind their class decides (a view op is told by `op.view`; any op not here
 # is "elementwise", priced by its bytes: right for the element-wise ops, a fair guess for new ones).
 KIND_OF_OP = {
-    ops.MatMul: "matmul", ops.Linear: "matmul", ops.LinearCrossEntropy: "matmul", ops.LinearCrossEntropyGrad: "matmul",
+    ops.MatMul: "matmul", ops.Linear: "matmul",
+    # The fused LM head is matmuls too, but chunked, thin (a chunk of tokens against the whole vocabulary) and
+    # with a softmax over each chunk's logits: its own kind, so it gets its own rate (a third of a square
+    # matmul's here, and its gradient's less again).
+    ops.LinearCrossEntropy: "linear_cross_entropy", ops.LinearCrossEntropyGrad: "linear_cross_entropy",
     ops.ScaledDotProductAttention: "attention", ops.ScaledDotProductAttentionGrad: "attention",
     ops.Conv: "conv",
     ops.LayerNorm: "layernorm", ops.LayerNormGrad: "layernorm",
@@ -191,6 +196,9 @@ def _sample_node(kind, n, device):
     with autograd.lazy_mode(True):
         if kind == "matmul":
             return ops.matmul(_leaf(device, n, n), _leaf(device, n, n))
+        if kind == "linear_cross_entropy":  # n tokens against a vocabulary of 4096, width 256
+            return ops.linear_cross_entropy(_leaf(device, n, 256), _leaf(device, 256, 4096), _leaf(device, 4096),
+                                            _leaf(device, n, high=4096))
         if kind == "attention":  # n = (B, T), 4 heads of 64, read as a Transformer reads them: each head a
             # strided view of a projection's output (B, T, H, D); timed: the op itself, not its output [0]
             q, k, v = (_heads(_leaf(device, n[0], n[1], 4, 64)) for _ in range(3))
@@ -208,7 +216,7 @@ def _sample_node(kind, n, device):
         if kind == "cross_entropy":
             return ops.softmax_cross_entropy(_leaf(device, n, 512), _leaf(device, n, high=512))
         if kind == "elementwise":
-            return ops.add(_leaf(device, n, 1024), _leaf(device, n, 1024))
+            return ops.multiply(_leaf(device, n, 1024), _leaf(device, n, 1024))  # its gradient does work, as most do
         if kind == "reduction":
             return ops.summation(_leaf(device, n, 1024), axes=(1,))
         if kind == "copy":
@@ -220,10 +228,10 @@ def _sample_node(kind, n, device):
 
 # Sizes per kind (n of _sample_node): a few milliseconds each at the larger one, so the whole calibration takes
 # about a second; quick: tiny ones, for tests (their rates are positive, not meaningful).
-SIZES = {"matmul": (256, 512), "attention": ((16, 32), (4, 128)), "conv": (16, 32), "layernorm": (256, 1024),
+SIZES = {"matmul": (256, 512), "linear_cross_entropy": (256, 512), "attention": ((16, 32), (4, 128)), "conv": (16, 32), "layernorm": (256, 1024),
          "softmax": (256, 1024), "logsumexp": (256, 1024), "cross_entropy": (256, 1024),
          "elementwise": (256, 1024), "reduction": (256, 1024), "copy": (256, 1024), "cast": (256, 1024)}
-QUICK_SIZES = {"matmul": (8,), "attention": ((1, 4),), "conv": (4,)}
+QUICK_SIZES = {"matmul": (8,), "linear_cross_entropy": (4,), "attention": ((1, 4),), "conv": (4,)}
 # The per-op overhead: the median time of these kinds' ops at size 1 (their work is next to nothing).
 OVERHEAD_KINDS = ("elementwise", "view", "reduction", "layernorm", "matmul")
 COPY_BYTES, QUICK_COPY_BYTES = (16 << 20, 32 << 20), (1 << 20,)
@@ -247,20 +255,117 @@ def _compute_seconds(node, machine, repeats):
     return _median_seconds(run, repeats)
 
 
-def _measure_rates(device, quick, repeats):
-    """({kind: flop/s or bytes/s}, per-op overhead in seconds) from timing each kind's op at its sizes."""
+def _gradient_seconds(node, machine, repeats):
+    """Seconds to differentiate `node` as backward does: its op's gradient graph built lazily and realized, every
+    input's gradient at once (its forward value computed beforehand, not timed)."""
+    machine.compute(node)
+    shapes = element_shapes(node.shape)
+    out_grad = (ops.make_tuple(*[_leaf(node.device, *s) for s in shapes]) if shapes
+                else _leaf(node.device, *node.shape))
+    existing = {id(node), id(out_grad), *map(id, node.inputs), *map(id, out_grad.inputs)}
+
+    def run():  # what the gradient made is released; what existed before (a gradient may be one of them) is not
+        with autograd.lazy_mode(True):
+            grads = [g for g in node.op.gradient_as_tuple(out_grad, node) if isinstance(g, Tensor)]
+        autograd.realize(grads, lambda n: n.is_leaf() or id(n) in existing, machine)
+    seconds = _median_seconds(run, repeats)
+    autograd.release(node)
+    return seconds
+
+
+def _measure_rates(device, quick, repeats, timer=_compute_seconds):
+    """({kind: flop/s or bytes/s}, per-op overhead in seconds) from timing each kind's op at its sizes with
+    `timer` (its forward computation, or its gradient's: the work is the forward op's either way)."""
     machine = Compute()
-    overhead = statistics.median(_compute_seconds(_sample_node(kind, 1, device), machine, repeats)
-                                 for kind in OVERHEAD_KINDS)
+    overhead = statistics.median(timer(_sample_node(kind, 1, device), machine, repeats) for kind in OVERHEAD_KINDS)
     rates = {}
     for kind in MEASURED_KINDS:
         work = seconds = 0.0
         for n in (QUICK_SIZES.get(kind, (4,)) if quick else SIZES[kind]):
             node = _sample_node(kind, n, device)
             work += _work(*op_work(node))
-            seconds += max(_compute_seconds(node, machine, repeats) - overhead, 1e-9)
+            seconds += max(timer(node, machine, repeats) - overhead, 1e-9)
         rates[kind] = work / seconds  # total work over total time: the larger size weighs most
     return rates, overhead
+
+
+def _measure_update(device, quick, repeats):
+    """(parameter bytes/s, seconds per parameter) of an optimizer's update: Adam's step (the optimizer gc.py and
+    the course default to) over many tiny parameters, for its fixed cost per parameter, and over two large ones,
+    for its rate."""
+    from .optim import Adam  # (optim is above this module: the Budget that prices steps is imported by nn)
+
+    def step_seconds(count, n):
+        params = [_leaf(device, n) for _ in range(count)]
+        for p in params:
+            p.requires_grad = True
+            p.grad = _leaf(device, n)
+        return _median_seconds(Adam(params, lr=1e-3).step, repeats)
+    count = 16
+    overhead = step_seconds(count, 1) / count
+    n = 1 << (10 if quick else 20)
+    seconds = max(step_seconds(2, n) - 2 * overhead, 1e-9)
+    return 2 * n * 4 / seconds, overhead
+
+
+REFERENCES = ((16, 64, 8, 4, 1), (256, 2048, 32, 32, 2))  # (width, vocabulary, seq, batch, layers)
+QUICK_REFERENCES = ((8, 16, 2, 2, 1), (16, 32, 4, 2, 1))
+
+
+def _reference_step(device, width, vocab, t, b, layers):
+    """A Transformer LM's training step, for `_measure_step_factors`: (trace, run). trace() builds its loss
+    lazily; run(loss) computes forward and backward and Adam's update."""
+    from . import nn, optim  # (both are above this module: the Budget that prices steps is imported by nn)
+    embed, head = nn.Embedding(vocab, width, device=device), nn.Linear(width, vocab, device=device)
+    body = nn.Transformer(width, width, layers, num_head=4, dim_head=width // 4, device=device, sequence_len=t)
+    x, y = _leaf(device, t, b, high=vocab), _leaf(device, t * b, high=vocab)
+    opt = optim.Adam(embed.parameters() + body.parameters() + head.parameters(), lr=1e-3)
+
+    def trace():
+        with autograd.lazy_mode(True):
+            out, _ = body(embed(x))
+            return nn.SoftmaxLoss()(head(ops.reshape(out, (t * b, width))), y)
+
+    def run(loss):
+        loss.backward()
+        opt.step()
+        opt.reset_grad()
+    return trace, run
+
+
+def _reference_parts(calibration, device, reference, repeats):
+    """([overhead part, work part] of a reference step as `calibration` predicts them, its measured seconds)."""
+    trace, run = _reference_step(device, *reference)
+    times = []
+    for _ in range(repeats + 1):  # the first: a warm-up
+        loss = trace()
+        start = time.perf_counter()
+        run(loss)
+        times.append(time.perf_counter() - start)
+    loss = trace()
+    parts = [CostModel(device, calibration=dataclasses.replace(calibration, overhead_factor=o, work_factor=w))
+             .step_seconds(loss) for o, w in ((1.0, 0.0), (0.0, 1.0))]
+    return parts, statistics.median(times[1:])
+
+
+def _measure_step_factors(calibration, device, quick, repeats):
+    """(overhead_factor, work_factor): how much slower an op's fixed cost and its work run inside a real step than
+    alone (the step's bookkeeping and allocations; colder caches). Fitted to two reference steps, one made of
+    small ops (its time mostly fixed costs) and one of large ones (mostly work): measured = overhead part x the
+    first + work part x the second, each part as the isolated rates predict it. Not the trace: see Budget."""
+    state = numpy.random.get_state()  # the models' initialization and dropout draw from NumPy's RNG: put it back
+    try:
+        parts, measured = zip(*(_reference_parts(calibration, device, reference, repeats)
+                                for reference in (QUICK_REFERENCES if quick else REFERENCES)))
+    finally:
+        numpy.random.set_state(state)
+    (a, b), (c, d) = parts
+    det = a * d - b * c
+    if abs(det) < 1e-12:
+        return 1.0, 1.0
+    overhead, work = (measured[0] * d - b * measured[1]) / det, (a * measured[1] - c * measured[0]) / det
+    clamp = lambda f: min(max(f, 0.5), 10.0)  # noqa: E731  (a noisy fit is kept within reason)
+    return clamp(overhead), clamp(work)
 
 
 def _measure_bandwidth(device, quick, repeats):
@@ -288,14 +393,36 @@ def _measure_bandwidth(device, quick, repeats):
 class Calibration:
     """This machine's rates: `rates[kind]` in flop/s (FLOP_KINDS) or bytes/s (the other kinds but "view"), the
     fixed seconds every op costs besides its work (`overhead_seconds`: Python dispatch, a backend call), the host
-    copies' bandwidth each way (`host_bandwidth[direction]`, bytes/s) and the machine it was measured on."""
+    copies' bandwidth each way (`host_bandwidth[direction]`, bytes/s) and the machine it was measured on.
+
+    `backward_rates[kind]` and `backward_overhead_seconds` price differentiating an op the same way: the forward
+    op's work over the seconds its gradient takes. They are measured apart because a gradient is not "twice the
+    forward": a matmul's reads a transposed operand, a layer norm's is its own kernel. None: twice the work at the
+    forward rates (round figures, as `nominal`'s). `update_rate` (parameter bytes/s) and
+    `update_overhead_seconds` (per parameter) price the optimizer's update (Adam's); None: seven passes over the
+    parameters' bytes at the element-wise rate (it reads value, gradient and two moments, writes three).
+    """
 
     rates: dict
     overhead_seconds: float
     host_bandwidth: dict
     machine: dict = field(default_factory=dict)
+    backward_rates: dict = None
+    backward_overhead_seconds: float = None
+    update_rate: float = None
+    update_overhead_seconds: float = None
+    overhead_factor: float = 1.0
+    work_factor: float = 1.0
 
     def __post_init__(self):
+        if self.backward_rates is None:
+            object.__setattr__(self, "backward_rates", {k: r / 2 for k, r in self.rates.items()})
+        if self.backward_overhead_seconds is None:
+            object.__setattr__(self, "backward_overhead_seconds", 2 * self.overhead_seconds)
+        if self.update_rate is None and "elementwise" in self.rates:
+            object.__setattr__(self, "update_rate", self.rates["elementwise"] / 7)
+        if self.update_overhead_seconds is None:
+            object.__setattr__(self, "update_overhead_seconds", self.overhead_seconds)
         missing = [k for k in MEASURED_KINDS if k not in self.rates]
         missing += [d for d in DIRECTIONS if d not in self.host_bandwidth]
         if missing:
@@ -303,19 +430,31 @@ class Calibration:
                              f"{DIRECTIONS}; missing {missing}")
         for kind, rate in self.rates.items():
             _check_rate(f"Calibration: the rate of {kind!r}", rate)
+        for kind, rate in self.backward_rates.items():
+            _check_rate(f"Calibration: the backward rate of {kind!r}", rate)
+        _check_rate("Calibration: update_rate", self.update_rate)
         for direction, rate in self.host_bandwidth.items():
             _check_rate(f"Calibration: host_bandwidth[{direction!r}]", rate)
-        if not math.isfinite(self.overhead_seconds) or self.overhead_seconds < 0:
-            raise ValueError(f"Calibration: overhead_seconds must be >= 0, got {self.overhead_seconds!r}")
+        for name in ("overhead_seconds", "backward_overhead_seconds", "update_overhead_seconds", "overhead_factor",
+                     "work_factor"):
+            value = getattr(self, name)
+            if not math.isfinite(value) or value < 0:
+                raise ValueError(f"Calibration: {name} must be >= 0, got {value!r}")
 
     @classmethod
     def measure(cls, device=None, quick=False, repeats=3):
-        """Time each kind's op at a few sizes on `device` (the median of `repeats`) and host copies of 16 and 32 MB
-        each way: about a second. quick: tiny sizes, for tests (rates positive and finite, not meaningful)."""
+        """Time each kind's op and its gradient at a few sizes on `device` (the median of `repeats`) and host copies
+        of 16 and 32 MB each way: a few seconds. quick: tiny sizes, for tests (rates positive and finite, not
+        meaningful)."""
         device = device or default_device()
         rates, overhead = _measure_rates(device, quick, repeats)
+        backward_rates, backward_overhead = _measure_rates(device, quick, repeats, _gradient_seconds)
+        update_rate, update_overhead = _measure_update(device, quick, repeats)
         bandwidth = _measure_bandwidth(device, quick, repeats)
-        return cls(rates, overhead, bandwidth, machine_key(device, quick))
+        isolated = cls(rates, overhead, bandwidth, machine_key(device, quick), backward_rates, backward_overhead,
+                       update_rate, update_overhead)
+        overhead_factor, work_factor = _measure_step_factors(isolated, device, quick, repeats)
+        return dataclasses.replace(isolated, overhead_factor=overhead_factor, work_factor=work_factor)
 
     @classmethod
     def load_or_measure(cls, device=None, quick=False):
@@ -339,17 +478,22 @@ class Calibration:
     @classmethod
     def nominal(cls):
         """Round figures of a small CPU, not measured: for plans and tests that must not depend on the machine."""
-        rates = {"matmul": 2e10, "attention": 1e10, "conv": 1e10, "cast": 2e9}
+        rates = {"matmul": 2e10, "linear_cross_entropy": 1e10, "attention": 1e10, "conv": 1e10, "cast": 2e9}
         rates.update({k: 4e9 for k in MEASURED_KINDS if k not in rates})
         return cls(rates, 2e-5, {"to_host": 8e9, "to_device": 8e9}, {"nominal": True})
 
     def to_dict(self):
         return {"rates": dict(self.rates), "overhead_seconds": self.overhead_seconds,
-                "host_bandwidth": dict(self.host_bandwidth), "machine": dict(self.machine)}
+                "host_bandwidth": dict(self.host_bandwidth), "machine": dict(self.machine),
+                "backward_rates": dict(self.backward_rates), "backward_overhead_seconds": self.backward_overhead_seconds,
+                "update_rate": self.update_rate, "update_overhead_seconds": self.update_overhead_seconds,
+                "overhead_factor": self.overhead_factor, "work_factor": self.work_factor}
 
     @classmethod
     def from_dict(cls, d):
-        return cls(dict(d["rates"]), float(d["overhead_seconds"]), dict(d["host_bandwidth"]), dict(d["machine"]))
+        return cls(dict(d["rates"]), float(d["overhead_seconds"]), dict(d["host_bandwidth"]), dict(d["machine"]),
+                   dict(d["backward_rates"]), float(d["backward_overhead_seconds"]), float(d["update_rate"]),
+                   float(d["update_overhead_seconds"]), float(d["overhead_factor"]), float(d["work_factor"]))
 
 
 class CostModel:
@@ -376,15 +520,35 @@ class CostModel:
         """Seconds to compute `node` from its inputs (a leaf: 0, it is never computed)."""
         if node.op is None:
             return 0.0
+        return self._seconds(node, self.calibration.rates, self.calibration.overhead_seconds)
+
+    def _seconds(self, node, rates, overhead):
+        """The op's fixed cost plus its work at its kind's rate, each as it runs inside a step (the factors)."""
         kind, flops, nbytes = op_work(node)
-        rate = self.calibration.rates.get(kind)
-        return self.calibration.overhead_seconds + (_work(kind, flops, nbytes) / rate if rate else 0.0)
+        rate, c = rates.get(kind), self.calibration
+        return overhead * c.overhead_factor + (_work(kind, flops, nbytes) / rate * c.work_factor if rate else 0.0)
+
+    def gradient_seconds(self, node):
+        """Seconds to differentiate `node` (its inputs' gradients from its own), at the calibrated backward rates;
+        0 for a leaf or a value backward does not differentiate (nothing above it requires grad)."""
+        if node.op is None or not node.requires_grad:
+            return 0.0
+        return self._seconds(node, self.calibration.backward_rates, self.calibration.backward_overhead_seconds)
+
+    def update_seconds(self, params):
+        """Seconds of the optimizer's update of `params` (leaves), priced as Adam's."""
+        c = self.calibration
+        return sum(c.update_overhead_seconds * c.overhead_factor + spec_nbytes(infer_spec(p)) / c.update_rate *
+                   c.work_factor for p in params)
 
     def step_seconds(self, root):
-        """A training step's compute on the graph above `root`, nothing dropped or offloaded: its forward ops'
-        seconds, three times (backward computes about two forward passes' worth). The base that the Budget and
-        `checkpoint_budget.optimal` add their plans' seconds to."""
-        return 3 * sum(self.compute_seconds(n) for n in find_topo_sort([root]) if n.op is not None)
+        """A training step on the graph above `root`, nothing dropped or offloaded: every op's forward seconds and
+        its gradient's, and the update of the parameters (the leaves that require grad). The base that the Budget
+        and `checkpoint_budget.optimal` add their plans' seconds to."""
+        nodes = find_topo_sort([root])
+        ops_ = [n for n in nodes if n.op is not None]
+        params = [n for n in nodes if n.op is None and n.requires_grad]
+        return sum(map(self.compute_seconds, ops_)) + sum(map(self.gradient_seconds, ops_)) + self.update_seconds(params)
 
     def recompute_seconds(self, nodes):
         """Seconds to recompute a path: the ops of `nodes`, each once."""
