@@ -110,6 +110,8 @@ FIGURES = [
            STEP + ("python/needle/memory/", "benchmarks/bench_memory_record.py", "benchmarks/bench_step.py")),
     Figure("offload", "docs/offloading.md", bench("bench_offload.py", "--markdown"),
            STEP + ("benchmarks/bench_offload.py",)),
+    Figure("offload-overhead", "README.md", bench("bench_offload_overhead.py", "--markdown"),
+           STEP + ("benchmarks/bench_offload_overhead.py",)),
     Figure("budget-optimal", "docs/offloading.md", bench("bench_budget.py", "--markdown"),
            STEP + ("python/needle/checkpoint_optimal.py", "benchmarks/bench_budget.py")),
     Figure("precision-quality", "docs/precision.md",

@@ -63,8 +63,8 @@ def budget_sweep():
     """Step time against the budget on gc.py's model with 16 layers (gc off's M_peak: about 235 MB; "all"'s: 48 MB):
     recompute only, offload only, both (issue #29's three curves)."""
     with tempfile.TemporaryDirectory() as out:
-        gc_py("sweep", "--over", "budget_mb", "--values", "50", "90", "130", "170", "210", "--num-layers", "16",
-              "--repeats", "1", "--max-batches", "4", "--warmup", "1", "--out", out)
+        gc_py("sweep", "--over", "budget_mb", "--values", "25", "50", "90", "130", "170", "210", "--num-layers", "16",
+              "--repeats", "1", "--max-batches", "6", "--warmup", "1", "--out", out)
         (png,) = glob.glob(os.path.join(out, "sweep_budget_mb-*.png"))
         os.makedirs(IMG, exist_ok=True)
         shutil.copyfile(png, os.path.join(IMG, "budget-sweep.png"))

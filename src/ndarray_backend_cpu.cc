@@ -14,7 +14,7 @@
 //   array.h           Array and its allocator (mapped large buffers, the cache of freed ones), memory_stats & co.
 //   threads.h         num_threads, threads_for, parallel_range (OpenMP)
 //   walk.h            walking strided views: Walk, make_walk, for_each_run
-//   views.h           compact (astype), ewise_setitem, scalar_setitem, to_numpy, from_numpy, fill
+//   views.h           compact (astype), ewise_setitem, scalar_setitem, to_numpy(_into), from_numpy, fill
 //   random.h          the counter-based hash lowbias32: dropout, round_stochastic
 //   quantize.h        block-wise 8-bit quantization: quantize_blockwise, dequantize_blockwise
 //   adam.h            the optimizer kernels: adam_step, adam8bit_step
@@ -84,6 +84,7 @@ PYBIND11_MODULE(ndarray_backend_cpu, m) {
       .def_property_readonly("dtype", &Array::dtype_name);
 
   m.def("to_numpy", to_numpy);
+  m.def("to_numpy_into", to_numpy_into);
   m.def("from_numpy", from_numpy);
   m.def("fill", fill);
   m.def("compact", compact);

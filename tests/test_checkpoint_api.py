@@ -354,3 +354,26 @@ def test_enable_gc_with_regions_that_have_an_interior_does_not_warn():
         warnings.simplefilter("error")
         model(_course_batch()).sum().backward()
     assert checkpoint.last_backward_stats()["recomputed_nodes"] > 0
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_the_budget_search_finds_the_fewest_that_fit_whatever_its_first_guess(seed):
+    """checkpoint_budget.fewest_that_fit: the least t whose peak fits, as a scan would find it, for an estimate that
+    is exact, off by some groups, or absent; and with an exact estimate, two walks."""
+    from needle.checkpoint_budget import fewest_that_fit
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(1, 40))
+    peaks = np.concatenate([[0], np.sort(rng.integers(0, 50, n))])[::-1].cumsum()[::-1]  # falling in t
+    target = int(rng.integers(peaks[-1], peaks[0] + 2))
+    fewest = next(t for t in range(n + 1) if peaks[t] <= target)
+    for estimate in (lambda t: peaks[t], lambda t: peaks[min(t + 3, n)], lambda t: peaks[max(t - 5, 0)], None):
+        walked = []
+
+        def peak(t):
+            walked.append(t)
+            return peaks[t]
+        assert fewest_that_fit(peak, n, target, estimate) == fewest
+        assert len(walked) <= 2 * int(np.log2(n + 1)) + 4, walked
+    walked = []
+    fewest_that_fit(lambda t: walked.append(t) or peaks[t], n, target, lambda t: peaks[t])
+    assert len(set(walked)) <= 2

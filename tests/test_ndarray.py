@@ -97,6 +97,20 @@ def test_numpy_returns_a_copy_and_ndarray_copies(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_numpy_into_copies_a_strided_view_into_a_reused_array_and_refuses_a_wrong_one(device, dtype):
+    """offload.py parks values in reused host buffers: numpy_into writes into one, no array made per copy."""
+    a = nd.array(np.arange(24, dtype=np.float32).reshape(2, 3, 4), device=device, dtype=dtype).permute((2, 0, 1))
+    out = np.full((4, 2, 3), -1, dtype=nd.DTYPES[dtype])
+    assert nd.array_api.copy_to_host(a, out) is out
+    np.testing.assert_array_equal(out, a.numpy())
+    with pytest.raises(ValueError, match="numpy_into"):
+        a.numpy_into(np.empty((4, 2, 2), dtype=nd.DTYPES[dtype]))
+    with pytest.raises(ValueError, match="numpy_into"):
+        a.numpy_into(np.empty((4, 2, 3), dtype=np.float64))
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_empty_full_zeros(device):
     E = nd.empty((2, 3), device=device)
     assert E.shape == (2, 3) and E.is_compact() and E.device == device

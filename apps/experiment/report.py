@@ -163,7 +163,7 @@ def print_table(off, on):
     print(f"{'recomputed nodes':18s}{off['recomputed_nodes']:12d}{on['recomputed_nodes']:12d}")
     if off.get("activation_offloaded_bytes") or on.get("activation_offloaded_bytes"):
         print(f"{'host memory (MB)':18s}{mb(off.get('host_peak_bytes') or 0):>12s}"
-              f"{mb(on.get('host_peak_bytes') or 0):>12s}   (M_host: offloaded activations, outside M_peak)")
+              f"{mb(on.get('host_peak_bytes') or 0):>12s}   (M_host: {host_text(on)}, outside M_peak)")
         print(f"{'copy time (s)':18s}{off.get('copy_seconds_exposed') or 0:12.3f}"
               f"{on.get('copy_seconds_exposed') or 0:12.3f}   ({copy_text(on)})")
     if off.get("rss_peak_bytes") is not None and on.get("rss_peak_bytes") is not None:
@@ -193,13 +193,19 @@ def print_single(r):
           f"{mb(r['peak_activation_bytes']).strip()} MB, M_floor {mb(r['floor_bytes']).strip()} MB, "
           f"T_step {r['time']:.3f} s{f' ({note})' if note else ''}, loss {r['loss']:.4f}")
     if r.get("activation_offloaded_bytes"):
-        print(f"host memory {mb(r['host_peak_bytes']).strip()} MB (M_host: offloaded activations, outside M_peak), "
+        print(f"host memory {mb(r['host_peak_bytes']).strip()} MB (M_host: {host_text(r)}, outside M_peak), "
               f"copy time {r['copy_seconds_exposed'] or 0:.3f} s ({copy_text(r)})")
     print(state_text(r))
     if scaler_text(r):
         print(scaler_text(r))
     if r.get("parallel"):
         print(parallel_text(r))
+
+
+def host_text(r):
+    """What a run's host memory holds: offloaded activations, and the parameters' gradients where the Budget
+    parked them too (nothing fit without)."""
+    return "offloaded activations and gradients" if r.get("parks_gradients") else "offloaded activations"
 
 
 def copy_text(r):

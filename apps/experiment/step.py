@@ -9,6 +9,7 @@ import numpy as np
 
 import needle as ndl
 from needle import autograd, checkpoint
+from needle.autograd import nbytes_of
 from needle import backend_ndarray as nd
 from needle import distributed as dist
 
@@ -142,10 +143,11 @@ def state_bytes(opt, params, grad_bytes):
 
 
 def gradient_bytes(opt, params):
-    """Bytes of the gradients held for the optimizer step: every `.grad`, or with ZeRO-2 this rank's shard."""
+    """Bytes of the gradients held on the device for the optimizer step: every `.grad` there (one a Budget parked in
+    host memory is not, and is not fetched to be counted), or with ZeRO-2 this rank's shard."""
     if isinstance(opt, dist.ZeroRedundancyOptimizer):
         return int(opt.gradient_bytes())
-    return int(sum(p.grad.realize_cached_data().nbytes for p in params if p.grad is not None))
+    return int(sum(nbytes_of(p.grad.cached_data) for p in params if p.grad is not None))
 
 
 def rank_share(X, y, device, group=None):

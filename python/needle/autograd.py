@@ -19,13 +19,11 @@ import numpy
 
 from .backend_selection import NDArray, array_api, default_device, device_of
 
-__all__ = [
-    "LAZY_MODE", "TENSOR_COUNTER", "BackwardPlan", "Compute", "Machine", "Op", "Step", "Tensor", "TensorOp",
-    "TensorTuple", "TensorTupleOp", "Value", "active_autocast", "compute_gradient_of_variables",
-    "defer_until_realized", "element_shapes", "elements_of", "find_topo_sort", "infer_spec", "itemsize",
-    "last_backward_stats", "lazy_mode", "nbytes_of", "placeholder", "plan_backward", "reads", "realize", "release",
-    "run_backward", "run_deferred", "set_autocast", "spec_nbytes", "spec_of",
-]
+__all__ = ["LAZY_MODE", "TENSOR_COUNTER", "BackwardPlan", "Compute", "Machine", "Op", "Step", "Tensor", "TensorOp",
+           "TensorTuple", "TensorTupleOp", "Value", "active_autocast", "compute_gradient_of_variables",
+           "defer_until_realized", "element_shapes", "elements_of", "find_topo_sort", "infer_spec", "itemsize",
+           "last_backward_stats", "lazy_mode", "nbytes_of", "placeholder", "plan_backward", "reads", "realize",
+           "release", "run_backward", "run_deferred", "set_autocast", "spec_nbytes", "spec_of"]
 
 LAZY_MODE = False  # when True, ops only record the graph; values are computed when something asks for them
 # Mixed precision: the active `needle.amp.autocast` context, or None; changed only through `set_autocast`. Read
@@ -161,9 +159,11 @@ class Value:
     def realize_cached_data(self):
         """The value of this node, computed (iteratively, with what it needs) if it is not cached.
 
-        A dropped node's value is computed and returned but not kept.
+        A dropped node's value is computed and returned but not kept; a parked one (offload.py) is fetched back.
         """
         if self.cached_data is None:
+            if offload.is_parked(self):  # e.g. a parameter's gradient, parked in host memory
+                return offload.fetch(self)
             return realize([self], _keep_forward)[0]
         return self.cached_data
 
@@ -641,7 +641,7 @@ def _keep_forward(node):
 
 
 # ops and backward need the classes above; backward's public names are re-exported here (the course's API).
-from . import memory_hook, ops  # noqa: E402
+from . import memory_hook, offload, ops  # noqa: E402
 from .backward import (  # noqa: E402
     BackwardPlan, Compute, Step, compute_gradient_of_variables, last_backward_stats, plan_backward, reads,
     run_backward,

@@ -215,6 +215,8 @@ class Compute(Machine):
         node.grad = grad
         for hook in node._grad_hooks or ():  # e.g. DataParallel: start reducing while backward goes on
             hook(node)
+        if offload.parks_gradient(node):  # a Budget that could not fit otherwise: to the host until the update
+            offload.park_gradient(node)
 
     def value(self, node):
         return node.cached_data

@@ -81,6 +81,7 @@ class Budget:
         self.predicted_added_time = None  # what the plan adds: recomputations, copies not hidden
         self.predicted_host_peak = None
         self.minimum_peak = None
+        self.parks_gradients = False  # offload=True and nothing fit without: parameters' gradients go to the host
         # Seconds the forward pass spent building the graph in Python (lazy mode), timed from the first region it
         # annotated to the plan: not ops, so no cost model sees it (a module's own work, such as Dropout drawing
         # the course's random numbers), yet a step pays it. 0 in eager mode, whose trace computes as it goes.
@@ -135,7 +136,8 @@ class Budget:
     def plan(self, root):
         """Choose what to drop in the graph above `root` (nothing computed), apply it, and freeze it; returns the
         frozen decisions (`Planned`)."""
-        above = {id(n) for n in find_topo_sort([root])}
+        order = find_topo_sort([root])
+        above = {id(n) for n in order}
         regions = self._take_regions_above(above)
         if not regions:
             return Planned(tuple(self.planned.items()))
@@ -144,7 +146,7 @@ class Budget:
         self._traced_since = None
         groups = self._groups(regions, above, lazy)
         # How each group would leave the device, and at what cost in seconds: recomputed, or (offload=True) parked.
-        forward = [n for n in find_topo_sort([root]) if not n.is_leaf()]
+        forward = [n for n in order if not n.is_leaf()]
         around = sum(map(self.cost_model.compute_seconds, forward)) / max(len(forward), 1)  # one op's compute
         how = {id(ns[0]): self._cheaper_way(ns[0], around, output=isinstance(place, tuple))
                for (_, place), ns in groups.items()}
@@ -152,38 +154,53 @@ class Budget:
                         key=lambda ns: (how[id(ns[0])][1] / max(value_bytes(ns[0]), 1), -value_bytes(ns[0])))
         # Model the forward pass the way later steps will run it: lazily if this one has not been computed yet.
         eager = None if root.cached_data is None else [([o for o in outs if o is not None], c) for outs, c in regions]
+        t, park, walk = self._search(root, ranked, how, eager)
+        dropped, offloaded = _chosen(ranked, how, t)
+        self.predicted_peak, self.predicted_host_peak = walk.peak, walk.host_peak
+        # the step (its ops forward and backward, the update, the Python that traced it) plus what the plan adds
+        self.predicted_added_time = sum(how[id(ns[0])][1] for ns in ranked[:t] for _ in ns)
+        params = [n for n in order if n.is_leaf() and n.requires_grad]
+        if park:  # each gradient to the host and back for its update
+            self.predicted_added_time += sum(self.cost_model.copy_seconds(value_bytes(p), way)
+                                             for p in params for way in ("to_host", "to_device"))
+        self.predicted_time = self.cost_model.step_seconds(root) + self.trace_seconds + self.predicted_added_time
+        self.parks_gradients = park
+        offload.unmark_gradients(params)
+        for p in params if park else ():
+            offload.mark_gradient(p)
+        self._apply(regions, dropped, offloaded, lazy)
+        return Planned(tuple(self.planned.items()))
 
-        def chosen(t):  # (ids dropped, ids of those offloaded) with the t cheapest groups off the device
-            dropped = {id(n) for ns in ranked[:t] for n in ns}
-            return dropped, {id(n) for ns in ranked[:t] if how[id(ns[0])][0] is offload.OFFLOAD for n in ns}
-
+    def _search(self, root, ranked, how, eager):
+        """(t, park, the ledger's walk at t): the fewest of the `ranked` groups off the device that fit, and whether
+        parameters' gradients must be parked for it (only where offloading is allowed and nothing fits without).
+        Sets `minimum_peak`; an infeasible budget raises here, before anything is computed."""
         walks = {}
 
-        def walk(t):  # the ledger's walk with the t cheapest groups off the device (each t walked once)
-            if t not in walks:
-                walks[t] = walk_step(root, *chosen(t)[:1], eager, chosen(t)[1])
-            return walks[t]
+        def walk(t, park):  # the ledger's walk with the t cheapest groups off the device (each walked once)
+            if (t, park) not in walks:
+                dropped, offloaded = _chosen(ranked, how, t)
+                walks[t, park] = walk_step(root, dropped, eager, offloaded, park)
+            return walks[t, park]
 
-        self.minimum_peak = walk(len(ranked)).peak
+        n = len(ranked)
+        least = walk(n, self.offload)  # the least peak: everything off the device, and the gradients too if allowed
+        self.minimum_peak = least.peak
         if self.minimum_peak > self.bytes:
             raise InfeasibleBudget(f"{self!r} is infeasible: the least peak activation memory this graph can "
-                                   f"reach by checkpointing is {self.minimum_peak} bytes "
-                                   f"({self.minimum_peak / 2**20:.1f} MB)")
+                                   f"reach by checkpointing{' and offloading' if self.offload else ''} is "
+                                   f"{self.minimum_peak} bytes ({self.minimum_peak / 2**20:.1f} MB)")
         target = max(self.minimum_peak, self.bytes * (1 - PREDICTION_MARGIN))  # (with room for prediction error)
         # The search's first guess: with t groups off the device, the peak is the least one, or the forward pass's
         # peak with everything off plus the bytes still kept (on a stack of layers, where the peak sits at the end
         # of forward, that is exact).
         kept_from = list(itertools.accumulate(sum(map(value_bytes, ns)) for ns in reversed(ranked)))[::-1] + [0]
-        least = walk(len(ranked))
-        t = fewest_that_fit(lambda t: walk(t).peak, len(ranked), target,
-                            lambda t: max(least.peak, least.forward_peak + kept_from[t]))
-        dropped, offloaded = chosen(t)
-        self.predicted_peak, self.predicted_host_peak = walk(t).peak, walk(t).host_peak
-        # the step (its ops forward and backward, the update, the Python that traced it) plus what the plan adds
-        self.predicted_added_time = sum(how[id(ns[0])][1] for ns in ranked[:t] for _ in ns)
-        self.predicted_time = self.cost_model.step_seconds(root) + self.trace_seconds + self.predicted_added_time
-        self._apply(regions, dropped, offloaded, lazy)
-        return Planned(tuple(self.planned.items()))
+        for park in (False, True) if self.offload else (False,):  # gradients parked only where nothing fits without
+            t = fewest_that_fit(lambda t: walk(t, park).peak, n, target,
+                                lambda t: max(least.peak, least.forward_peak + kept_from[t]))
+            if walk(t, park).peak <= target:  # (t = n is walked only here: it fits unless the gradients must go)
+                break
+        return t, park, walk(t, park)
 
     def _groups(self, regions, above, lazy):
         """{(region structure, place): its values}. A node goes by the first region that lists it and its place
@@ -233,6 +250,12 @@ class Budget:
         if self.copies_overlap():
             copies = [c - self.cost_model.hidden_seconds(c, around) for c in copies]
         return (offload.OFFLOAD, sum(copies)) if output or sum(copies) < recompute else (False, recompute)
+
+
+def _chosen(ranked, how, t):
+    """(ids dropped, ids of those offloaded) with the t cheapest groups of `ranked` off the device."""
+    dropped = {id(n) for ns in ranked[:t] for n in ns}
+    return dropped, {id(n) for ns in ranked[:t] if how[id(ns[0])][0] is offload.OFFLOAD for n in ns}
 
 
 def fewest_that_fit(peak, n, target, estimate=None):

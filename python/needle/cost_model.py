@@ -5,11 +5,15 @@ its inputs' and output's specs (shapes and dtypes; nothing is computed): `op_wor
 the matmul-like kinds, whose time follows them) and the bytes it reads and writes (for the rest, whose time
 follows those). A short benchmark (`Calibration.measure`) times the real ops of each kind at a few sizes on the
 device, through the very machine that recomputes values (`backward.Compute`), and turns them into one rate per
-kind (flop/s or bytes/s) plus a fixed per-op overhead (Python dispatch), and times host copies each way for the
-bandwidth. It is measured once per machine and cached as JSON (`Calibration.load_or_measure`); planning reads the
-cache, never a stopwatch. `CostModel` answers the planner's questions from it:
+kind (flop/s or bytes/s) plus a fixed per-op overhead (Python dispatch), the same for each kind's gradient, times
+Adam's update per parameter byte and host copies each way. Ops inside a real step run slower than alone (the
+step's bookkeeping, allocations, colder caches): two factors, one for the fixed costs and one for the work, are
+fitted to two reference steps built from ops. It is measured once per machine and cached as JSON
+(`Calibration.load_or_measure`); planning reads the cache, never a stopwatch. `CostModel` answers the planner's
+questions from it:
 
     model = CostModel(host_bandwidth=16e9)                       # plan as if copies ran over PCIe 4
+    model.step_seconds(loss)                                     # a step: every op and its gradient, the update
     model.recompute_seconds(path)                                # the ops on a recompute path, summed
     model.copy_seconds(nbytes, "to_host"), model.copy_seconds(nbytes, "to_device")
     model.hidden_seconds(copy, compute_around)                   # how much of that copy hides under compute
@@ -42,10 +46,10 @@ from .version import package_version
 __all__ = ["DIRECTIONS", "FLOP_KINDS", "KINDS", "MEASURED_KINDS", "Calibration", "CostModel", "cache_dir", "cpu_model",
            "device_copies_overlap", "machine_key", "op_work"]
 
-# Every kind of work an op can be. The first three take time by their FLOPs, the rest by the bytes they move;
+# Every kind of work an op can be. The first four take time by their FLOPs, the rest by the bytes they move;
 # a view moves nothing (its output lives in its input's buffer), so it costs only the per-op overhead.
-KINDS = ("matmul", "linear_cross_entropy", "attention", "conv", "layernorm", "softmax", "logsumexp", "cross_entropy", "elementwise",
-         "reduction", "view", "copy", "cast")
+KINDS = ("matmul", "linear_cross_entropy", "attention", "conv", "layernorm", "softmax", "logsumexp", "cross_entropy",
+         "elementwise", "reduction", "view", "copy", "cast")
 FLOP_KINDS = ("matmul", "linear_cross_entropy", "attention", "conv")
 MEASURED_KINDS = tuple(k for k in KINDS if k != "view")
 DIRECTIONS = ("to_host", "to_device")
@@ -196,9 +200,9 @@ def _sample_node(kind, n, device):
     with autograd.lazy_mode(True):
         if kind == "matmul":
             return ops.matmul(_leaf(device, n, n), _leaf(device, n, n))
-        if kind == "linear_cross_entropy":  # n tokens against a vocabulary of 4096, width 256
-            return ops.linear_cross_entropy(_leaf(device, n, 256), _leaf(device, 256, 4096), _leaf(device, 4096),
-                                            _leaf(device, n, high=4096))
+        if kind == "linear_cross_entropy":  # n tokens against a vocabulary of 8192, width 256: chunks of 128 tokens
+            return ops.linear_cross_entropy(_leaf(device, n, 256), _leaf(device, 256, 8192), _leaf(device, 8192),
+                                            _leaf(device, n, high=8192))
         if kind == "attention":  # n = (B, T), 4 heads of 64, read as a Transformer reads them: each head a
             # strided view of a projection's output (B, T, H, D); timed: the op itself, not its output [0]
             q, k, v = (_heads(_leaf(device, n[0], n[1], 4, 64)) for _ in range(3))
@@ -226,11 +230,13 @@ def _sample_node(kind, n, device):
     raise ValueError(f"Calibration: no benchmark for kind {kind!r}")
 
 
-# Sizes per kind (n of _sample_node): a few milliseconds each at the larger one, so the whole calibration takes
-# about a second; quick: tiny ones, for tests (their rates are positive, not meaningful).
-SIZES = {"matmul": (256, 512), "linear_cross_entropy": (256, 512), "attention": ((16, 32), (4, 128)), "conv": (16, 32), "layernorm": (256, 1024),
-         "softmax": (256, 1024), "logsumexp": (256, 1024), "cross_entropy": (256, 1024),
-         "elementwise": (256, 1024), "reduction": (256, 1024), "copy": (256, 1024), "cast": (256, 1024)}
+# Sizes per kind (n of _sample_node): a few milliseconds each at the larger one (the fused head's: tens), so the
+# whole calibration, gradients and reference steps included, takes a few seconds; quick: tiny ones, for tests
+# (their rates are positive, not meaningful).
+SIZES = {"matmul": (256, 512), "linear_cross_entropy": (256, 1024), "attention": ((16, 32), (4, 128)),
+         "conv": (16, 32), "layernorm": (256, 1024), "softmax": (256, 1024), "logsumexp": (256, 1024),
+         "cross_entropy": (256, 1024), "elementwise": (256, 1024), "reduction": (256, 1024), "copy": (256, 1024),
+         "cast": (256, 1024)}
 QUICK_SIZES = {"matmul": (8,), "linear_cross_entropy": (4,), "attention": ((1, 4),), "conv": (4,)}
 # The per-op overhead: the median time of these kinds' ops at size 1 (their work is next to nothing).
 OVERHEAD_KINDS = ("elementwise", "view", "reduction", "layernorm", "matmul")
@@ -289,18 +295,32 @@ def _measure_rates(device, quick, repeats, timer=_compute_seconds):
     return rates, overhead
 
 
-def _measure_update(device, quick, repeats):
-    """(parameter bytes/s, seconds per parameter) of an optimizer's update: Adam's step (the optimizer gc.py and
-    the course default to) over many tiny parameters, for its fixed cost per parameter, and over two large ones,
-    for its rate."""
-    from .optim import Adam  # (optim is above this module: the Budget that prices steps is imported by nn)
+def _adam_updates(params, state):
+    """Adam's update of each parameter (leaves with a .grad), as optim.Adam runs it: one `adam_step` each, its
+    moments kept in `state`."""
+    for p in params:
+        m, v = state.get(id(p), (None, None))
+        theta, m, v = array_api.adam_step(p.realize_cached_data(), p.grad.realize_cached_data(), m, v, 1e-3, 0.9,
+                                          0.999, 1e-8, 0.1, 0.001)
+        p.cached_data, state[id(p)] = theta, (m, v)
 
+
+def _param(device, *shape):
+    """A parameter of small values (as a trained model's): large ones make the logits' softmax underflow into
+    denormal numbers, which this CPU computes many times slower, and would time that instead of the step."""
+    rng = numpy.random.default_rng(0)
+    return Tensor((rng.random(shape, dtype=numpy.float32) - 0.5) * 0.05, device=device, requires_grad=True)
+
+
+def _measure_update(device, quick, repeats):
+    """(parameter bytes/s, seconds per parameter) of an optimizer's update, Adam's (the optimizer gc.py and the
+    course default to): over many tiny parameters for its fixed cost per parameter, over two large ones for its
+    rate."""
     def step_seconds(count, n):
-        params = [_leaf(device, n) for _ in range(count)]
+        params, state = [_param(device, n) for _ in range(count)], {}
         for p in params:
-            p.requires_grad = True
             p.grad = _leaf(device, n)
-        return _median_seconds(Adam(params, lr=1e-3).step, repeats)
+        return _median_seconds(lambda: _adam_updates(params, state), repeats)
     count = 16
     overhead = step_seconds(count, 1) / count
     n = 1 << (10 if quick else 20)
@@ -312,24 +332,38 @@ REFERENCES = ((16, 64, 8, 4, 1), (256, 2048, 32, 32, 2))  # (width, vocabulary, 
 QUICK_REFERENCES = ((8, 16, 2, 2, 1), (16, 32, 4, 2, 1))
 
 
+def _reference_layer(x, w, b, t, width):
+    """A pre-norm Transformer layer from ops (4 heads, causal attention, a ReLU MLP) on x (b t, width)."""
+    (g1, c1, wq, wk, wv, wo, bo, g2, c2, w1, b1, w2, b2), heads = w, 4
+
+    def heads_of(z):  # (b t, width) -> (b, heads, t, width / heads)
+        return ops.transpose(ops.reshape(z, (b, t, heads, width // heads)), (1, 2))
+    h = ops.layer_norm(x, g1, c1)
+    a = ops.scaled_dot_product_attention(*(heads_of(ops.linear(h, w_)) for w_ in (wq, wk, wv)), causal=True)
+    x = x + ops.linear(ops.reshape(ops.transpose(a, (1, 2)), (b * t, width)), wo, bo)
+    return x + ops.linear(ops.relu(ops.linear(ops.layer_norm(x, g2, c2), w1, b1)), w2, b2)
+
+
 def _reference_step(device, width, vocab, t, b, layers):
-    """A Transformer LM's training step, for `_measure_step_factors`: (trace, run). trace() builds its loss
-    lazily; run(loss) computes forward and backward and Adam's update."""
-    from . import nn, optim  # (both are above this module: the Budget that prices steps is imported by nn)
-    embed, head = nn.Embedding(vocab, width, device=device), nn.Linear(width, vocab, device=device)
-    body = nn.Transformer(width, width, layers, num_head=4, dim_head=width // 4, device=device, sequence_len=t)
-    x, y = _leaf(device, t, b, high=vocab), _leaf(device, t * b, high=vocab)
-    opt = optim.Adam(embed.parameters() + body.parameters() + head.parameters(), lr=1e-3)
+    """A Transformer LM's training step built from ops, for `_measure_step_factors`: (trace, run). trace() builds
+    its loss lazily (embedding, `layers` layers, the LM head fused with the loss, as gc.py runs it); run(loss)
+    computes forward and backward and Adam's update."""
+    shapes = [(width,), (width,)] + [(width, width)] * 4 + [(width,)] * 3 + [(width, width), (width,)] * 2
+    table, head, bias = _param(device, vocab, width), _param(device, width, vocab), _param(device, vocab)
+    weights = [[_param(device, *shape) for shape in shapes] for _ in range(layers)]
+    params, state = [table, head, bias] + [p for w in weights for p in w], {}
+    x, y = _leaf(device, b * t, high=vocab), _leaf(device, b * t, high=vocab)
 
     def trace():
         with autograd.lazy_mode(True):
-            out, _ = body(embed(x))
-            return nn.SoftmaxLoss()(head(ops.reshape(out, (t * b, width))), y)
+            h = ops.gather_rows(table, x)
+            for w in weights:
+                h = _reference_layer(h, w, b, t, width)
+            return ops.linear_cross_entropy(h, head, bias, y)
 
     def run(loss):
         loss.backward()
-        opt.step()
-        opt.reset_grad()
+        _adam_updates(params, state)
     return trace, run
 
 
@@ -485,7 +519,8 @@ class Calibration:
     def to_dict(self):
         return {"rates": dict(self.rates), "overhead_seconds": self.overhead_seconds,
                 "host_bandwidth": dict(self.host_bandwidth), "machine": dict(self.machine),
-                "backward_rates": dict(self.backward_rates), "backward_overhead_seconds": self.backward_overhead_seconds,
+                "backward_rates": dict(self.backward_rates),
+                "backward_overhead_seconds": self.backward_overhead_seconds,
                 "update_rate": self.update_rate, "update_overhead_seconds": self.update_overhead_seconds,
                 "overhead_factor": self.overhead_factor, "work_factor": self.work_factor}
 
@@ -546,9 +581,10 @@ class CostModel:
         its gradient's, and the update of the parameters (the leaves that require grad). The base that the Budget
         and `checkpoint_budget.optimal` add their plans' seconds to."""
         nodes = find_topo_sort([root])
-        ops_ = [n for n in nodes if n.op is not None]
+        computed = [n for n in nodes if n.op is not None]
         params = [n for n in nodes if n.op is None and n.requires_grad]
-        return sum(map(self.compute_seconds, ops_)) + sum(map(self.gradient_seconds, ops_)) + self.update_seconds(params)
+        return (sum(map(self.compute_seconds, computed)) + sum(map(self.gradient_seconds, computed)) +
+                self.update_seconds(params))
 
     def recompute_seconds(self, nodes):
         """Seconds to recompute a path: the ops of `nodes`, each once."""

@@ -35,7 +35,7 @@ class Ledger(Machine):
     the step starts), the others (batch, masks, constants) are.
     """
 
-    def __init__(self, root, out_grad, offloaded=frozenset()):
+    def __init__(self, root, out_grad, offloaded=frozenset(), park_gradients=False):
         self.present, self.holders, self.size, self.buffers, self.strides = set(), {}, {}, {}, {}
         self.elements = {}  # buffer -> its elements (size is 0 for parameters' buffers: they are not counted)
         self.live = self.peak = self.made = 0
@@ -44,6 +44,7 @@ class Ledger(Machine):
         # host bytes they hold, at most; the bytes copied each way.
         self.offloaded, self.parked = offloaded, {}
         self.host_live = self.host_peak = self.offloaded_bytes = self.fetched_bytes = 0
+        self.park_gradients = park_gradients  # parameters' gradients parked once complete (offload.park_gradient)
         self.in_backward = False  # as backward.Compute's: run_backward sets it
         self.seen = []  # every node the walk met, kept alive so that no id is reused while the ledger counts it
         for node in find_topo_sort([root]) + [out_grad]:
@@ -166,28 +167,36 @@ class Ledger(Machine):
         pass
 
     def set_grad(self, node, grad):
-        pass
+        """As backward.Compute's: with park_gradients, a parameter's complete gradient goes to the host (a
+        parameter with a grad hook keeps it, as offload.parks_gradient says)."""
+        if self.park_gradients and not node._grad_hooks and id(grad) in self.present:
+            nbytes = value_bytes(grad)
+            self.host_live += nbytes
+            self.offloaded_bytes += nbytes
+            self.host_peak = max(self.host_peak, self.host_live)
+            self.release(grad)
 
     def value(self, node):
         return None
 
 
-def predict_peak(root, dropped, regions=None, offloaded=frozenset()):
+def predict_peak(root, dropped, regions=None, offloaded=frozenset(), park_gradients=False):
     """Predicted M_peak of a step on the graph above `root` if the values whose ids are in `dropped` were dropped
     (those also in `offloaded`: parked in host memory and fetched back, not recomputed).
 
     The forward pass is modelled as the executor runs it: lazy (`regions` None) — realization releases a dropped
     value after its last consumer; eager (`regions`: [(outputs, candidates)] in the order they ran) — every value
-    lives until its region's output exists. Then the backward plan runs on the ledger. Nothing is computed.
+    lives until its region's output exists. Then the backward plan runs on the ledger; with `park_gradients`,
+    parameters' gradients go to host memory as they are completed. Nothing is computed.
     """
-    return walk_step(root, dropped, regions, offloaded).peak
+    return walk_step(root, dropped, regions, offloaded, park_gradients).peak
 
 
-def walk_step(root, dropped, regions=None, offloaded=frozenset()):
+def walk_step(root, dropped, regions=None, offloaded=frozenset(), park_gradients=False):
     """The Ledger after walking a step's forward and backward passes (see predict_peak): its device `peak`, its
     `host_peak`, the bytes `offloaded_bytes` and `fetched_bytes` copied each way."""
     out_grad = placeholder(required_spec(root))  # the root's gradient: its shape, dtype and device, no data
-    ledger = Ledger(root, out_grad, offloaded)
+    ledger = Ledger(root, out_grad, offloaded, park_gradients)
     if regions is None:
         realize([root], lambda n: id(n) not in dropped, ledger)
     else:

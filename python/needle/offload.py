@@ -15,7 +15,16 @@ are plain copies, so all their time is exposed (`traffic()["copy_seconds_exposed
 
 The copies are exact: a fetched value is the very bytes the forward pass made, so gradients are bit-identical to
 gc off's. Rule 4c still holds: a fetched value is a computed value, and reading it checks the versions as ever.
+
+Parameters' gradients can be parked too (ZeRO-Offload's gradient offloading), for a Budget that cannot fit
+otherwise: at the end of backward every parameter's gradient is alive at once, a floor no choice among the
+activations moves. A marked parameter's gradient (`mark_gradient`) is parked as soon as backward has finished it
+(backward.Compute.set_grad) and its device buffer given back. Reading it brings it back (`Value.realize_cached_data`
+fetches a parked value); the optimizers fetch each gradient for its own update only, and give it back after
+(`optim.Optimizer`). Its host copy lives as long as the gradient (until `reset_grad`). A parameter with a grad hook
+(DataParallel reducing gradients as they come) is never parked: the hook needs its gradient on the device.
 """
+import math
 import time
 import weakref
 
@@ -23,13 +32,16 @@ import numpy as np
 
 from .autograd import element_shapes, infer_spec, release
 from .backend_ndarray import array_api
+from .backend_ndarray.ndarray import DTYPES
 
-__all__ = ["OFFLOAD", "HostPool", "fetch", "host_bytes", "is_marked", "is_parked", "mark", "offloadable", "park",
-           "parked_bytes", "release_value", "reset_traffic", "traffic"]
+__all__ = ["OFFLOAD", "HostPool", "fetch", "host_bytes", "is_marked", "is_parked", "mark", "mark_gradient",
+           "offloadable", "park", "park_gradient", "parked_bytes", "parks_gradient", "release_value", "reset_traffic",
+           "traffic", "unmark_gradients"]
 
 OFFLOAD = "offload"  # what a policy answers for a value to offload (checkpoint.OFFLOAD)
 
 _marked = weakref.WeakSet()  # values to park when the forward pass gives them back
+_gradient_marked = weakref.WeakSet()  # parameters whose gradients backward parks as soon as they are complete
 _parked = weakref.WeakKeyDictionary()  # value -> (its host copy, its (shape, dtype, device), the copy's finalizer)
 _traffic = {"offloaded_bytes": 0, "fetched_bytes": 0, "host_peak_bytes": 0, "copy_seconds_exposed": 0.0}
 
@@ -81,6 +93,30 @@ def is_marked(node):
     return node in _marked
 
 
+def mark_gradient(param):
+    """Park `param`'s gradient in host memory as soon as backward has finished it (until `unmark_gradients`)."""
+    _gradient_marked.add(param)
+
+
+def unmark_gradients(params):
+    for p in params:
+        _gradient_marked.discard(p)
+
+
+def parks_gradient(param):
+    """Whether backward parks `param`'s gradient: it is marked, and no grad hook waits for it on the device."""
+    return param in _gradient_marked and not param._grad_hooks
+
+
+def park_gradient(param):
+    """Park `param.grad` (a complete gradient) in host memory and give its device buffer back."""
+    grad = param.grad
+    if grad.cached_data is None or isinstance(grad.cached_data, tuple) or grad in _parked:
+        return
+    park(grad)
+    release(grad)
+
+
 def is_parked(node):
     return node in _parked
 
@@ -110,20 +146,19 @@ def park(node):
     """Copy `node`'s value (an array) to a host buffer from the pool; the caller releases the device value."""
     data = node.cached_data
     start = time.perf_counter()
-    host = array_api.to_host(data)  # on cuda: into page-locked memory, asynchronously
-    array_api.wait_for_copies(data.device)
-    buffer = POOL.take(host.nbytes)
-    buffer.view(host.dtype).reshape(host.shape)[...] = host
+    shape, dtype = tuple(data.shape), DTYPES[data.dtype]
+    buffer = POOL.take(math.prod(shape) * dtype.itemsize)
+    array_api.copy_to_host(data, buffer.view(dtype).reshape(shape))  # on cuda: through page-locked memory
     # A graph that dies before its backward (an exception, an eval step) still gives its host copies back.
-    _parked[node] = (buffer, (tuple(data.shape), host.dtype, data.device), weakref.finalize(node, POOL.give, buffer))
+    _parked[node] = (buffer, (shape, dtype, data.device), weakref.finalize(node, POOL.give, buffer))
     _traffic["copy_seconds_exposed"] += time.perf_counter() - start
-    _traffic["offloaded_bytes"] += host.nbytes
+    _traffic["offloaded_bytes"] += buffer.nbytes
     _traffic["host_peak_bytes"] = max(_traffic["host_peak_bytes"], POOL.in_use_bytes)
 
 
 def fetch(node):
-    """Bring a parked value back to its device: `node.cached_data` again, its host copy still parked (released with
-    the value after its last use)."""
+    """Bring a parked value back to its device: `node.cached_data` again (returned), its host copy still parked
+    (released with the value after its last use)."""
     buffer, (shape, dtype, device), _ = _parked[node]
     start = time.perf_counter()
     data, ready = array_api.from_host_async(buffer.view(dtype).reshape(shape), device)
@@ -131,6 +166,7 @@ def fetch(node):
     node.cached_data = data
     _traffic["copy_seconds_exposed"] += time.perf_counter() - start
     _traffic["fetched_bytes"] += buffer.nbytes
+    return data
 
 
 def release_value(node, last_use=False):

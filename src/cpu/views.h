@@ -109,6 +109,27 @@ static py::array to_numpy(const Array& a, const std::vector<int64_t>& shape, con
   return result;
 }
 
+// to_numpy into `out`, a C-contiguous NumPy array of a's dtype and the view's size, that the caller reuses (offload
+// parks values in a pool of host buffers: a fresh NumPy array per value would cost an allocation and its page faults)
+static void to_numpy_into(const Array& a, const std::vector<int64_t>& shape, const std::vector<int64_t>& strides,
+                          int64_t offset, py::array out) {
+  Walk<1> v = make_view("to_numpy_into", shape, strides, offset, a.size);
+  if (static_cast<size_t>(out.itemsize()) != a.itemsize || !(out.flags() & py::array::c_style) ||
+      !out.writeable()) {
+    std::ostringstream msg;
+    msg << "to_numpy_into: a " << a.dtype_name() << " array needs a writeable C-contiguous array of " << a.itemsize
+        << "-byte elements, got " << out.itemsize() << "-byte elements";
+    throw py::type_error(msg.str());
+  }
+  size_t n = 1;
+  for (int64_t d : shape) n *= static_cast<size_t>(d);
+  check_size("to_numpy_into", "the numpy array", static_cast<size_t>(out.size()), n);
+  visit_any(a.dtype, [&](auto t) {
+    using T = decltype(t);
+    compact_into(a.data<T>(), static_cast<T*>(out.mutable_data()), v);
+  });
+}
+
 // float32 buffers take any numeric numpy array (converted, as before dtypes existed); other dtypes take the
 // storage type's bytes exactly (ndarray.py converts first).
 static void from_numpy(py::array a, Array& out) {

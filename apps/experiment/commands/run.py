@@ -200,6 +200,8 @@ def add_step(record, step, policy, config, path):
         # what the planner predicts besides the peak (None where it does not predict them)
         record["predicted_host_peak_bytes"] = getattr(policy, "predicted_host_peak", None)
         record["predicted_time_seconds"] = getattr(policy, "predicted_time", None)
+        record["trace_seconds"] = policy.trace_seconds  # the Python that built the graph, timed (in predicted time)
+        record["parks_gradients"] = policy.parks_gradients  # gradients to host memory: nothing fit without
         step["traced"] = not config.lazy
     record["steps"].append(step)
     summarize(record, config.warmup)

@@ -238,6 +238,18 @@ def to_host(a, out=None):
     return out
 
 
+def copy_to_host(a, out):
+    """Copy `a` into `out`, a host (NumPy) array of a's shape and dtype that the caller reuses, and return it when
+    the copy is complete. On a device with asynchronous copies through page-locked memory (`to_host`); elsewhere
+    straight into `out` (no host array made per copy: offload.py's pool relies on it)."""
+    if not _copies_async(a.device):
+        return a.numpy_into(out)
+    host = to_host(a)
+    wait_for_copies(a.device)
+    out[...] = host
+    return out
+
+
 def from_host_async(host, device):
     """(NDArray on `device` holding the NumPy array `host`, ready): with asynchronous copies the copy is only
     queued, and `ready()` must be called before the array is first used (the device then waits for the copy, not

@@ -457,6 +457,18 @@ class NDArray:
         out = self.device.mod.to_numpy(self._handle, list(self._shape), list(self._strides), self._offset)
         return out if self._dtype == "float32" else out.view(DTYPES[self._dtype])
 
+    def numpy_into(self, out):
+        """Copy into `out`, a C-contiguous NumPy array of this shape and dtype, and return it: no new host array."""
+        if tuple(out.shape) != tuple(self._shape) or out.dtype != DTYPES[self._dtype]:
+            raise ValueError(f"numpy_into: out is {out.dtype}{tuple(out.shape)}, the array {self._dtype}"
+                             f"{tuple(self._shape)}")
+        into = getattr(self.device.mod, "to_numpy_into", None)
+        if into is None:  # a backend without it: through a fresh copy
+            out[...] = self.numpy()
+        else:
+            into(self._handle, list(self._shape), list(self._strides), self._offset, out)
+        return out
+
     def astype(self, dtype):
         """A compact copy converted to `dtype` (a copy also when the dtype is the same, as in NumPy): floats round
         to nearest even; to an integer dtype the fraction is dropped and values saturate (src/README.md)."""

@@ -25,7 +25,7 @@ import functools
 
 import numpy as np
 
-from .. import memory_hook
+from .. import memory_hook, offload
 from ..backend_selection import array_api
 
 _LOW = ("float16", "bfloat16")
@@ -348,6 +348,8 @@ class Optimizer:
                     if k + 1 < len(params):
                         self._prefetch(params[k + 1])
                 yield (p, *self._value_and_grad(p, l2))
+                if offload.is_parked(p.grad):  # a gradient parked in host memory came back for this update only
+                    offload.release_value(p.grad)
         finally:
             if self.offload_state:  # every copy complete (the host's new state too) before anything is dropped
                 for device in {str(p.device): p.device for p in params}.values():

@@ -1,0 +1,137 @@
+"""What leaving the device costs: the step-time overhead over gc off of recompute-only and of keep/drop/offload,
+at the same budgets, on gc.py's model with 16 layers (issue #29: the combination's at most half of recompute-only's).
+
+    python benchmarks/bench_offload_overhead.py              # 16 layers, embedding = hidden = 256, batch 32 x 32
+    python benchmarks/bench_offload_overhead.py --markdown   # the table alone (benchmarks/figures.py)
+
+Budgets: five, from recompute-only's least M_peak to gc off's M_peak x 0.9. At each, three planners: Budget(b)
+(recompute only), Budget(b, offload=True) (planned with this machine's measured copy bandwidth) and
+Budget(b, offload=True, host_bandwidth=16e9) (planned as if copies ran over PCIe 4; run here, on this machine's
+copies). Every configuration is a model of its own, built once; after a first step (planning) the steps run in
+rounds, one step of each configuration per round, so that a slow minute of a shared machine slows all of them
+alike; a configuration's time is its median over the rounds. The overhead is that over gc off's median, and the
+ratio is the combination's overhead over recompute-only's. Beside it, the ratio the planners predicted
+(`predicted_added_time`), which no noise touches.
+"""
+import argparse
+import gc
+import os
+import statistics
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [os.path.join(ROOT, "python"), os.path.join(ROOT, "apps")]
+
+import numpy as np  # noqa: E402
+
+import needle as ndl  # noqa: E402
+from needle import checkpoint  # noqa: E402
+from needle.backend_ndarray import memory_stats, reset_peak_memory_stats  # noqa: E402
+from models import LanguageModel  # noqa: E402
+
+MB = 2**20
+DEVICE = ndl.cpu()
+PCIE4 = 16e9
+
+
+class Config:
+    """One model under one policy, with its optimizer and batch: `step()` times a training step."""
+
+    def __init__(self, args, name, policy):
+        np.random.seed(0)
+        self.name, self.policy, self.times, self.peak = name, policy, [], None
+        self.model = LanguageModel(args.embedding, args.vocab, args.embedding, num_layers=args.layers,
+                                   seq_model="transformer", seq_len=args.seq_len, device=DEVICE, num_head=4,
+                                   dim_head=args.embedding // 4)
+        head = self.model.linear.weight
+        head.cached_data = head.realize_cached_data() * 0.1  # gc.py's --head-init-scale
+        if policy is not None:
+            self.model.enable_gc(policy=policy)
+        rs = np.random.RandomState(0)
+        self.x = ndl.Tensor(rs.randint(0, args.vocab, (args.seq_len, args.batch)), device=DEVICE, requires_grad=False)
+        self.y = ndl.Tensor(rs.randint(0, args.vocab, (args.seq_len * args.batch,)), device=DEVICE,
+                            requires_grad=False)
+        self.opt = ndl.optim.Adam(self.model.parameters(), lr=1e-3)
+
+    def step(self):
+        """One step (gc.py's: lazy forward with the fused head, backward, Adam); its seconds and M_peak."""
+        self.opt.reset_grad()
+        gc.collect()
+        base = memory_stats(DEVICE)["current_bytes"]
+        reset_peak_memory_stats(DEVICE)
+        start = time.perf_counter()
+        with ndl.autograd.lazy_mode(True):
+            loss, _ = self.model.loss(self.x, self.y)
+        loss.backward()
+        peak = memory_stats(DEVICE)["peak_bytes"] - base
+        self.opt.step()
+        return time.perf_counter() - start, peak
+
+    def median(self):
+        return statistics.median(self.times)
+
+
+def least_peak(args):
+    probe = checkpoint.Budget(2**62)
+    Config(args, "probe", probe).step()
+    return probe.minimum_peak
+
+
+def overhead(config, off):
+    return config.median() / off.median() - 1
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--layers", type=int, default=16)
+    p.add_argument("--embedding", type=int, default=256)
+    p.add_argument("--vocab", type=int, default=10000)
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--seq_len", type=int, default=32)
+    p.add_argument("--budgets", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--markdown", action="store_true", help="print the table alone")
+    args = p.parse_args()
+
+    off = Config(args, "gc off", None)
+    off_peak = off.step()[1]
+    least = least_peak(args)
+    budgets = [int(b) for b in np.linspace(least, 0.9 * off_peak, args.budgets)]
+    rows = [(b, Config(args, "recompute", checkpoint.Budget(b)),
+             Config(args, "offload", checkpoint.Budget(b, offload=True)),
+             Config(args, "offload 16e9", checkpoint.Budget(b, offload=True, host_bandwidth=PCIE4))) for b in budgets]
+    configs = [off] + [c for row in rows for c in row[1:]]
+    for c in configs[1:]:
+        c.peak = c.step()[1]  # the first step plans
+    for _ in range(args.rounds):
+        for c in configs:
+            seconds, peak = c.step()
+            c.times.append(seconds)
+            c.peak = max(c.peak or 0, peak)
+
+    def cell(c, recompute):
+        ratio = overhead(c, off) / overhead(recompute, off) if overhead(recompute, off) > 0 else float("nan")
+        predicted = c.policy.predicted_added_time / recompute.policy.predicted_added_time \
+            if recompute.policy.predicted_added_time else float("nan")
+        return (f"{c.peak / MB:.1f} MB, {100 * overhead(c, off):+.1f}% | {ratio:.2f} (predicted {predicted:.2f}) | "
+                f"{c.policy.predicted_host_peak / MB:.0f} MB")
+
+    out = ["| budget | recompute only: M_peak, overhead | recompute + offload (measured bandwidth) | ratio | "
+           "host peak | recompute + offload (planned at 16 GB/s) | ratio | host peak |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for b, recompute, both, both_pcie in rows:
+        out.append(f"| {b / MB:.0f} MB | {recompute.peak / MB:.1f} MB, {100 * overhead(recompute, off):+.1f}% | "
+                   f"{cell(both, recompute)} | {cell(both_pcie, recompute)} |")
+    if not args.markdown:
+        print(f"bench_offload_overhead: {args.layers} layers, embedding {args.embedding}, vocabulary {args.vocab}, "
+              f"batch {args.batch} x seq {args.seq_len}, lazy, fused head; gc off: M_peak {off_peak / MB:.1f} MB, "
+              f"{off.median():.3f} s a step (median of {args.rounds} rounds)")
+    else:
+        print(f"gc off: M_peak {off_peak / MB:.1f} MB, {off.median():.3f} s a step; medians of {args.rounds} "
+              f"interleaved rounds.\n")
+    print("\n".join(out))
+
+
+if __name__ == "__main__":
+    main()
