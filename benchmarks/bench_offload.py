@@ -4,10 +4,11 @@
     python benchmarks/bench_offload.py --markdown   # the table alone (benchmarks/figures.py)
 
 For recompute-only (Budget(b)) and keep/drop/offload (Budget(b, offload=True)), lazy mode: the least feasible
-peak; then, at a budget 10% above recompute-only's least peak and at gc off's peak x 0.5, the measured M_peak of 4
-steps (each <= b, and the prediction beside the allocator), the host bytes, the time of the first step (planning
-included) over the median of the later ones, and the median step time. Both planners read this machine's cost
-model (cost_model.py, calibrated once and cached).
+peak (offloading's, where nothing else fits, with the parameters' gradients parked too); then, at budgets 10% above
+each least peak and at gc off's peak x 0.5, the measured M_peak of 4 steps (each <= b, and the prediction beside
+the allocator), the host bytes, whether gradients were parked, the time of the first step (planning included) over
+the median of the later ones, and the median step time. Both planners read this machine's cost model
+(cost_model.py, calibrated once and cached).
 """
 import argparse
 import gc
@@ -75,7 +76,8 @@ def run(args, budget_bytes, offload):
     stats = checkpoint.last_backward_stats()
     later = statistics.median(t for t, _ in results[1:])
     return {"b": budget.bytes, "peaks": [p for _, p in results], "predicted": budget.predicted_peak,
-            "host": stats["host_peak_bytes"], "first": results[0][0] / later, "time": later}
+            "host": stats["host_peak_bytes"], "first": results[0][0] / later, "time": later,
+            "gradients": "parked" if budget.parks_gradients else "on the device"}
 
 
 def main():
@@ -92,13 +94,17 @@ def main():
     _, off_peak = make_step(make_model(args), args)()
     least = {offload: least_peak(args, offload) for offload in (False, True)}
     rows = ["| planner | least feasible M_peak | b | measured M_peak, 4 steps (max / b) | predicted / measured | "
-            "host peak | first step / later | step time |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for b in (1.1 * least[False], 0.5 * off_peak):
-        for offload in (False, True):
+            "host peak | gradients | first step / later | step time |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    # 10% above each planner's least peak (recompute-only's is infeasible below its own), then gc off's x 0.5
+    both = (False, True)
+    for b, planners in ((1.1 * least[True], (True,)), (1.1 * least[False], both), (0.5 * off_peak, both)):
+        for offload in planners:
             r = run(args, b, offload)
             rows.append(f"| {'keep/drop/offload' if offload else 'recompute only'} | {least[offload] / MB:.2f} MB | "
                         f"{r['b'] / MB:.2f} MB | {max(r['peaks']) / MB:.2f} MB ({max(r['peaks']) / r['b']:.3f}) | "
-                        f"{r['predicted'] / r['peaks'][-1]:.3f} | {r['host'] / MB:.2f} MB | {r['first']:.2f}x | "
+                        f"{r['predicted'] / r['peaks'][-1]:.3f} | {r['host'] / MB:.2f} MB | {r['gradients']} | "
+                        f"{r['first']:.2f}x | "
                         f"{r['time']:.3f} s |")
     if not args.markdown:
         print(f"bench_offload: {args.layers} layers, embedding {args.embedding}, {args.heads} heads, vocabulary "

@@ -71,15 +71,18 @@ def budget_sweep():
         with open(os.path.join(out, "sweep.json")) as f:
             records = json.load(f)
     print("![step time against the budget: recompute only, offload only, both](docs/img/budget-sweep.png)\n")
-    print("| curve | budget | M_peak | T_step | predicted T_step | host peak |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    print("| curve | budget | M_peak | T_step | predicted T_step (/ measured) | first step (planning) / T_step | "
+          "host peak |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     for r in sorted(records, key=lambda r: (r.get("label"), r.get("budget_bytes") or 0)):
         curve = {"budget": "recompute only", "offload": "offload only (policy offload)",
                  "budget-offload": "recompute + offload"}.get(r.get("label"), r.get("label"))
         budget = f"{r['budget_bytes'] / MB:.0f} MB" if r.get("budget_bytes") else "none"
-        print(f"| {curve} | {budget} | {fmt_mb(r.get('peak_activation_bytes'))} | "
-              f"{fmt_s(r.get('step_time_seconds'))} | {fmt_s(r.get('predicted_time_seconds'))} | "
-              f"{fmt_mb(r.get('host_peak_bytes'))} |")
+        measured, predicted = r.get("step_time_seconds"), r.get("predicted_time_seconds")
+        first = (r.get("steps") or [{}])[0].get("time_seconds")
+        print(f"| {curve} | {budget} | {fmt_mb(r.get('peak_activation_bytes'))} | {fmt_s(measured)} | "
+              f"{fmt_s(predicted)}{f' ({predicted / measured:.2f})' if predicted and measured else ''} | "
+              f"{f'{first / measured:.2f}x' if first and measured else 'n/a'} | {fmt_mb(r.get('host_peak_bytes'))} |")
 
 
 def fmt_mb(n):

@@ -154,12 +154,12 @@ class Budget:
                         key=lambda ns: (how[id(ns[0])][1] / max(value_bytes(ns[0]), 1), -value_bytes(ns[0])))
         # Model the forward pass the way later steps will run it: lazily if this one has not been computed yet.
         eager = None if root.cached_data is None else [([o for o in outs if o is not None], c) for outs, c in regions]
-        t, park, walk = self._search(root, ranked, how, eager)
+        params = [n for n in order if n.is_leaf() and n.requires_grad]
+        t, park, walk = self._search(root, ranked, how, eager, params)
         dropped, offloaded = _chosen(ranked, how, t)
         self.predicted_peak, self.predicted_host_peak = walk.peak, walk.host_peak
         # the step (its ops forward and backward, the update, the Python that traced it) plus what the plan adds
         self.predicted_added_time = sum(how[id(ns[0])][1] for ns in ranked[:t] for _ in ns)
-        params = [n for n in order if n.is_leaf() and n.requires_grad]
         if park:  # each gradient to the host and back for its update
             self.predicted_added_time += sum(self.cost_model.copy_seconds(value_bytes(p), way)
                                              for p in params for way in ("to_host", "to_device"))
@@ -171,7 +171,7 @@ class Budget:
         self._apply(regions, dropped, offloaded, lazy)
         return Planned(tuple(self.planned.items()))
 
-    def _search(self, root, ranked, how, eager):
+    def _search(self, root, ranked, how, eager, params):
         """(t, park, the ledger's walk at t): the fewest of the `ranked` groups off the device that fit, and whether
         parameters' gradients must be parked for it (only where offloading is allowed and nothing fits without).
         Sets `minimum_peak`; an infeasible budget raises here, before anything is computed."""
@@ -195,11 +195,12 @@ class Budget:
         # peak with everything off plus the bytes still kept (on a stack of layers, where the peak sits at the end
         # of forward, that is exact).
         kept_from = list(itertools.accumulate(sum(map(value_bytes, ns)) for ns in reversed(ranked)))[::-1] + [0]
-        for park in (False, True) if self.offload else (False,):  # gradients parked only where nothing fits without
-            t = fewest_that_fit(lambda t: walk(t, park).peak, n, target,
-                                lambda t: max(least.peak, least.forward_peak + kept_from[t]))
-            if walk(t, park).peak <= target:  # (t = n is walked only here: it fits unless the gradients must go)
-                break
+        # Gradients are parked only where nothing fits without. Parking them saves at most their bytes, so above the
+        # least peak plus those, everything off the device fits without: no walk needed to tell.
+        park = (self.offload and target < least.peak + sum(map(value_bytes, params)) and
+                walk(n, False).peak > target)
+        t = fewest_that_fit(lambda t: walk(t, park).peak, n, target,
+                            lambda t: max(least.peak, least.forward_peak + kept_from[t]))
         return t, park, walk(t, park)
 
     def _groups(self, regions, above, lazy):

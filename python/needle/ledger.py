@@ -47,6 +47,7 @@ class Ledger(Machine):
         self.park_gradients = park_gradients  # parameters' gradients parked once complete (offload.park_gradient)
         self.in_backward = False  # as backward.Compute's: run_backward sets it
         self.seen = []  # every node the walk met, kept alive so that no id is reused while the ledger counts it
+        self.specs = {}  # id -> (node, its spec): each node's shape inferred once per walk (the node kept alive)
         for node in find_topo_sort([root]) + [out_grad]:
             if node.is_leaf():
                 self._own(node)
@@ -57,10 +58,17 @@ class Ledger(Machine):
                 self._hold(node)
 
     # -- buffers
+    def spec(self, node):
+        """required_spec(node), inferred once per walk."""
+        known = self.specs.get(id(node))
+        if known is None:
+            known = self.specs[id(node)] = (node, required_spec(node))
+        return known[1]
+
     def _own(self, node):
         """Fresh buffers for `node`'s value: one per tuple element, else one."""
         self.seen.append(node)
-        shape, dtype, _ = required_spec(node)
+        shape, dtype, _ = self.spec(node)
         self.made += 1  # a recomputed value gets new buffers, even while views of its old ones are held
         elements = element_shapes(shape)  # a tuple value: one buffer per element
         keys = [(self.made, k) for k in range(len(elements or [shape]))]
@@ -82,10 +90,10 @@ class Ledger(Machine):
         inp = node.inputs[0]
         if isinstance(op, TupleGetItem):  # an element of a tuple
             self.buffers[id(node)] = [self.buffers[id(inp)][op.index]]
-            self.strides[id(node)] = compact_strides(required_spec(node)[0])
+            self.strides[id(node)] = compact_strides(self.spec(node)[0])
             return True
         strides = self.strides.get(id(inp))
-        out = strides and op.view_strides(required_spec(inp)[0], strides, required_spec(node)[0])
+        out = strides and op.view_strides(self.spec(inp)[0], strides, self.spec(node)[0])
         if out is None or strides is None:
             return False
         self.buffers[id(node)], self.strides[id(node)] = self.buffers[id(inp)], out
@@ -99,7 +107,7 @@ class Ledger(Machine):
 
     def _workspace(self, node):
         """Bytes compute allocates besides its result: declared temporaries and compact copies of strided inputs."""
-        shapes = [required_spec(x)[0] for x in node.inputs]
+        shapes = [self.spec(x)[0] for x in node.inputs]
         extra = node.op.workspace(*shapes)
         compacted = node.op.compacts_inputs  # True (every input) or the positions of the inputs it compacts
         transposed_in_place = node.op.reads_transposed(*shapes)
@@ -111,7 +119,7 @@ class Ledger(Machine):
                 if transposed_in_place and is_transposed_matrix(shape, strides) and self._whole_buffer(x, shape):
                     continue
                 extra += elements_of(shape)
-        return extra * itemsize(required_spec(node)[1])
+        return extra * itemsize(self.spec(node)[1])
 
     def _whole_buffer(self, node, shape):
         keys = self.buffers[id(node)]
