@@ -150,12 +150,11 @@ class Budget:
         around = sum(map(self.cost_model.compute_seconds, forward)) / max(len(forward), 1)  # one op's compute
         how = {id(ns[0]): self._cheaper_way(ns[0], around, output=isinstance(place, tuple))
                for (_, place), ns in groups.items()}
-        ranked = sorted(groups.values(),
-                        key=lambda ns: (how[id(ns[0])][1] / max(value_bytes(ns[0]), 1), -value_bytes(ns[0])))
+        ranked, freed = _ranked(groups, how)
         # Model the forward pass the way later steps will run it: lazily if this one has not been computed yet.
         eager = None if root.cached_data is None else [([o for o in outs if o is not None], c) for outs, c in regions]
         params = [n for n in order if n.is_leaf() and n.requires_grad]
-        t, park, walk = self._search(root, ranked, how, eager, params)
+        t, park, walk = self._search(root, ranked, freed, how, eager, params)
         dropped, offloaded = _chosen(ranked, how, t)
         self.predicted_peak, self.predicted_host_peak = walk.peak, walk.host_peak
         # the step (its ops forward and backward, the update, the Python that traced it) plus what the plan adds
@@ -171,7 +170,7 @@ class Budget:
         self._apply(regions, dropped, offloaded, lazy)
         return Planned(tuple(self.planned.items()))
 
-    def _search(self, root, ranked, how, eager, params):
+    def _search(self, root, ranked, freed, how, eager, params):
         """(t, park, the ledger's walk at t): the fewest of the `ranked` groups off the device that fit, and whether
         parameters' gradients must be parked for it (only where offloading is allowed and nothing fits without).
         Sets `minimum_peak`; an infeasible budget raises here, before anything is computed."""
@@ -194,7 +193,7 @@ class Budget:
         # The search's first guess: with t groups off the device, the peak is the least one, or the forward pass's
         # peak with everything off plus the bytes still kept (on a stack of layers, where the peak sits at the end
         # of forward, that is exact).
-        kept_from = list(itertools.accumulate(sum(map(value_bytes, ns)) for ns in reversed(ranked)))[::-1] + [0]
+        kept_from = list(itertools.accumulate(reversed(freed)))[::-1] + [0]
         # Gradients are parked only where nothing fits without. Parking them saves at most their bytes, so above the
         # least peak plus those, everything off the device fits without: no walk needed to tell.
         park = (self.offload and target < least.peak + sum(map(value_bytes, params)) and
@@ -253,6 +252,41 @@ class Budget:
         return (offload.OFFLOAD, sum(copies)) if output or sum(copies) < recompute else (False, recompute)
 
 
+def _is_view(node):
+    return node.op is not None and node.op.view
+
+
+def _ranked(groups, how):
+    """(the groups in the order the Budget takes them off the device, the bytes each frees): cheapest per byte
+    freed first.
+
+    A view holds no buffer of its own, so dropping it frees nothing, yet while it is kept the buffer of the value
+    it views cannot be freed. So each view's group goes with the group of the value it views (followed through
+    views), just before it, its cost counted in that bundle's, freeing nothing itself; a view of a value that is
+    no candidate goes last, and frees its bytes (it may be the last holder of its base's buffer).
+    """
+    group_of = {id(n): key for key, ns in groups.items() for n in ns}
+    views_of, loose = {key: [] for key in groups}, []
+    for key, ns in groups.items():
+        base = ns[0]
+        while _is_view(base):
+            base = base.inputs[0]
+        if not _is_view(ns[0]):
+            continue
+        owner = group_of.get(id(base))
+        (views_of[owner] if owner is not None else loose).append(key)
+
+    def seconds(key):
+        return how[id(groups[key][0])][1] * len(groups[key])
+
+    def nbytes(key):
+        return sum(map(value_bytes, groups[key]))
+    bases = [key for key in groups if not _is_view(groups[key][0])]
+    bases.sort(key=lambda k: ((seconds(k) + sum(map(seconds, views_of[k]))) / max(nbytes(k), 1), -nbytes(k)))
+    order = [(k, k == base) for base in bases for k in views_of[base] + [base]] + [(k, True) for k in loose]
+    return [groups[k] for k, _ in order], [nbytes(k) if frees else 0 for k, frees in order]
+
+
 def _chosen(ranked, how, t):
     """(ids dropped, ids of those offloaded) with the t cheapest groups of `ranked` off the device."""
     dropped = {id(n) for ns in ranked[:t] for n in ns}
@@ -264,8 +298,9 @@ def fewest_that_fit(peak, n, target, estimate=None):
 
     Each walk of the ledger costs about a backward pass, so the search starts where a cheap model says the peak
     crosses the target: `estimate(t)`, a guess at peak(t) from bytes alone (the Budget's is exact on a stack of
-    layers: see `plan`). It walks there, then one step toward the crossing, doubling the step while the walks
-    stay on one side of it and halving the interval once they have been on both: with a good estimate, two walks.
+    layers: see `plan`). It walks there, then toward the crossing: down one step (doubling while the walks fit),
+    or up to where the estimate, shifted by how far it was off, says the crossing is; once walks have been on both
+    sides, it halves the interval. With a good estimate, two walks.
     Without one (None), the estimate is the straight line between peak(0) and peak(n).
     """
     if estimate is None:
@@ -285,5 +320,11 @@ def fewest_that_fit(peak, n, target, estimate=None):
             hi = t
         else:
             lo = t
-        t = (lo + hi) // 2 if bracketed else t + toward * step
+        if bracketed:
+            t = (lo + hi) // 2
+        elif fits:
+            t -= step
+        else:  # up to where the estimate, shifted by how far it was off here, says the peak crosses the target
+            shift = peak(t) - estimate(t)
+            t = max(t + step, next((u for u in range(lo + 1, hi) if estimate(u) + shift <= target), hi))
     return hi
