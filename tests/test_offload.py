@@ -103,6 +103,38 @@ def test_parked_values_leave_the_device_and_come_back_from_the_host_pool():
     assert offload.POOL.held_bytes == held, "a second step reuses the pool's buffers"
 
 
+class PinnedModule:
+    """A backend with asynchronous copies, as far as the host pool looks: page-locked buffers, counted."""
+
+    def __init__(self):
+        self.pinned = 0
+
+    def copy_from_host_async(self, *args):
+        raise AssertionError("the pool makes no copies")
+
+    def pinned_empty(self, size, dtype):
+        assert dtype == "uint8"
+        self.pinned += 1
+        return np.empty(size, dtype=np.uint8)
+
+
+class PinnedDevice:
+    mod = PinnedModule()
+
+
+def test_the_host_pool_reuses_buffers_by_size_and_kind_and_takes_page_locked_ones_for_async_devices():
+    pool, pinned = offload.HostPool(), PinnedDevice()
+    a = pool.take(256, DEVICE)
+    b = pool.take(256, pinned)
+    assert a.nbytes == b.nbytes == 256 and a.dtype == np.uint8 and PinnedDevice.mod.pinned == 1
+    pool.give(a)
+    pool.give(b)
+    assert pool.take(256, pinned) is b and pool.take(256, DEVICE) is a, "each device kind gets its own kind back"
+    assert PinnedDevice.mod.pinned == 1 and pool.held_bytes == pool.in_use_bytes == 512
+    pool.take(128, pinned)
+    assert PinnedDevice.mod.pinned == 2 and pool.held_bytes == 640
+
+
 def test_a_write_in_place_between_forward_and_backward_is_still_caught():
     model = lm("offload")
     loss = forward(model, lazy=False)

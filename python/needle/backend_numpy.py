@@ -10,12 +10,12 @@ from .backend_ndarray import ndarray_backend_numpy as ref  # the reference backe
 
 __all__ = [
     "Device", "adam8bit_step", "adam_step", "all_devices", "array", "astype", "attention_backward",
-    "attention_forward", "broadcast_to", "cast_like", "cpu", "cpu_numpy", "cuda", "default_device",
-    "dequantize_blockwise", "device_of", "dropout", "empty", "exp", "flip", "from_host_async", "full", "layer_norm",
-    "layer_norm_backward", "log", "logsumexp", "matmul", "max", "maximum", "pad", "promote_types",
-    "quantize_blockwise", "reshape", "round_stochastic", "scatter_add_rows", "scatter_along_rows", "softmax_xent_grad",
-    "split", "stack", "sum", "take_along_rows", "take_rows", "tanh", "tensor_data", "to_host", "to_numpy", "transpose",
-    "wait_for_copies", "zeros",
+    "attention_forward", "broadcast_to", "cast_like", "copies_async", "copy_to_host", "cpu", "cpu_numpy", "cuda",
+    "default_device", "dequantize_blockwise", "device_of", "dropout", "empty", "exp", "flip", "from_host_async",
+    "full", "host_empty", "layer_norm", "layer_norm_backward", "log", "logsumexp", "matmul", "max", "maximum", "pad",
+    "promote_types", "quantize_blockwise", "reshape", "round_stochastic", "scatter_add_rows", "scatter_along_rows",
+    "softmax_xent_grad", "split", "stack", "sum", "take_along_rows", "take_rows", "tanh", "tensor_data", "to_host",
+    "to_numpy", "transpose", "wait_for_copies", "zeros",
 ]
 
 
@@ -92,6 +92,21 @@ def adam8bit_step(theta, grad, m_state, v_state, code_m, code_v, block_size, lr,
 def to_host(a, out=None):
     """A host copy for offloading (NumPy arrays are host memory already: a copy, `out` unused)."""
     return np.array(a)
+
+
+def copies_async(device=None):
+    """NumPy copies are synchronous: nothing runs beside them."""
+    return False
+
+
+def host_empty(nbytes, device=None):
+    return np.empty(nbytes, dtype=np.uint8)
+
+
+def copy_to_host(a, out):
+    """Copy `a` into the host array `out` (its shape and dtype) and return it."""
+    out[...] = a
+    return out
 
 
 def from_host_async(host, device=None):

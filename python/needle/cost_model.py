@@ -149,12 +149,18 @@ def cpu_model():
     return platform.processor() or platform.machine()
 
 
+# What the calibration measures and how: raise it when that changes, so caches written before are measured again.
+# 2: host copies timed on offloading's own path (a reused host buffer), at activations' sizes.
+METHOD = 2
+
+
 def machine_key(device=None, quick=False):
-    """What a calibration is valid for: the CPU model, its cores, OpenMP's threads, the device, the array library
-    and needle's version. A calibration is reused only where all of them match."""
+    """What a calibration is valid for: the CPU model, its cores, OpenMP's threads, the device, the array library,
+    needle's version and the measurement's METHOD. A calibration is reused only where all of them match."""
     device = device or default_device()
     return {"cpu": cpu_model(), "cores": os.cpu_count(), "omp_threads": os.environ.get("OMP_NUM_THREADS", ""),
-            "device": device.name, "backend": BACKEND, "needle": package_version(), "quick": bool(quick)}
+            "device": device.name, "backend": BACKEND, "needle": package_version(), "quick": bool(quick),
+            "method": METHOD}
 
 
 def cache_dir():
@@ -171,10 +177,8 @@ def _cache_path(key):
 
 def device_copies_overlap(device=None):
     """Whether host copies on `device` run beside its compute (a copy stream: CUDA). On cpu() and the NumPy
-    backends `to_host`/`from_host_async` are synchronous copies, so nothing hides under compute there.
-    (The same test array_api applies to choose asynchronous copies.)"""
-    device = device or default_device()
-    return callable(getattr(getattr(device, "mod", None), "copy_from_host_async", None))
+    backends `to_host`/`from_host_async` are synchronous copies, so nothing hides under compute there."""
+    return array_api.copies_async(device or default_device())
 
 
 def _check_rate(what, value):
@@ -240,7 +244,7 @@ SIZES = {"matmul": (256, 512), "linear_cross_entropy": (256, 1024), "attention":
 QUICK_SIZES = {"matmul": (8,), "linear_cross_entropy": (4,), "attention": ((1, 4),), "conv": (4,)}
 # The per-op overhead: the median time of these kinds' ops at size 1 (their work is next to nothing).
 OVERHEAD_KINDS = ("elementwise", "view", "reduction", "layernorm", "matmul")
-COPY_BYTES, QUICK_COPY_BYTES = (16 << 20, 32 << 20), (1 << 20,)
+COPY_BYTES, QUICK_COPY_BYTES = (1 << 20, 4 << 20, 16 << 20), (1 << 20,)  # activations' sizes
 
 
 def _median_seconds(run, repeats):
@@ -403,20 +407,24 @@ def _measure_step_factors(calibration, device, quick, repeats):
 
 
 def _measure_bandwidth(device, quick, repeats):
-    """{direction: bytes/s} of host copies: to_host (device -> host) and from_host_async + ready()."""
+    """{direction: bytes/s} of host copies, timed on the path offloading takes (offload.park and fetch): to_host
+    copies into a host buffer made once and reused (`array_api.host_empty`: page-locked on cuda), to_device copies
+    back from it; each timed to its end (`wait_for_copies`)."""
     sizes = QUICK_COPY_BYTES if quick else COPY_BYTES
     seconds = {direction: 0.0 for direction in DIRECTIONS}
     for nbytes in sizes:
-        host = numpy.full(nbytes // 4, 1.0, dtype=numpy.float32)
+        host = array_api.host_empty(nbytes, device).view(numpy.float32)
+        host[...] = 1.0
         on_device, ready = array_api.from_host_async(host, device)
         ready()
 
         def to_device():
             _, copy_ready = array_api.from_host_async(host, device)
             copy_ready()
+            array_api.wait_for_copies(device)
 
         def to_host():
-            array_api.to_host(on_device)
+            array_api.copy_to_host(on_device, host)
             array_api.wait_for_copies(device)
         seconds["to_device"] += _median_seconds(to_device, repeats)
         seconds["to_host"] += _median_seconds(to_host, repeats)

@@ -10,8 +10,9 @@ the value is released after its last use like any other, its host copy with it (
 Host copies come from a pool of NumPy buffers reused by size (a step parks the same sizes every time: allocating
 host memory per tensor is what makes offloading slow in practice), outside the device allocator, so
 `memory_stats()` shows exactly the device bytes a GPU would hold; `host_bytes()` counts the host side. On cuda the
-copies go through page-locked memory and the copy stream (`array_api.to_host` / `from_host_async`); on cpu() they
-are plain copies, so all their time is exposed (`traffic()["copy_seconds_exposed"]`).
+pool's buffers are page-locked and the copies are queued on the copy stream (`array_api.copy_to_host` /
+`from_host_async`), the host waiting for none of them; on cpu() they are plain copies, so all their time is exposed
+(`traffic()["copy_seconds_exposed"]`).
 
 The copies are exact: a fetched value is the very bytes the forward pass made, so gradients are bit-identical to
 gc off's. Rule 4c still holds: a fetched value is a computed value, and reading it checks the versions as ever.
@@ -28,7 +29,6 @@ import math
 import time
 import weakref
 
-import numpy as np
 
 from .autograd import element_shapes, infer_spec, release
 from .backend_ndarray import array_api
@@ -47,24 +47,28 @@ _traffic = {"offloaded_bytes": 0, "fetched_bytes": 0, "host_peak_bytes": 0, "cop
 
 
 class HostPool:
-    """Host buffers reused by size: `take(nbytes)` gives a uint8 array (a free one of that size, else a new one),
-    `give(array)` returns it. What the pool holds (in use or free) is its `held_bytes`."""
+    """Host buffers reused by size: `take(nbytes, device)` gives a uint8 array for copies to and from `device` (a
+    free one of that size, else a new one from `array_api.host_empty`: page-locked for cuda), `give(array)`
+    returns it. What the pool holds (in use or free) is its `held_bytes`."""
 
     def __init__(self):
         self.free, self.in_use_bytes, self.held_bytes = {}, 0, 0
+        self.kinds = {}  # id(buffer) -> its free list's key: (nbytes, whether page-locked)
 
-    def take(self, nbytes):
-        free = self.free.get(nbytes)
+    def take(self, nbytes, device):
+        key = (nbytes, array_api.copies_async(device))
+        free = self.free.get(key)
         buffer = free.pop() if free else None
         if buffer is None:
-            buffer = np.empty(nbytes, dtype=np.uint8)
+            buffer = array_api.host_empty(nbytes, device)
             self.held_bytes += nbytes
+        self.kinds[id(buffer)] = key
         self.in_use_bytes += nbytes
         return buffer
 
     def give(self, buffer):
         self.in_use_bytes -= buffer.nbytes
-        self.free.setdefault(buffer.nbytes, []).append(buffer)
+        self.free.setdefault(self.kinds.pop(id(buffer)), []).append(buffer)
 
     def clear(self):
         """Give the free buffers back to the OS."""
@@ -147,8 +151,8 @@ def park(node):
     data = node.cached_data
     start = time.perf_counter()
     shape, dtype = tuple(data.shape), DTYPES[data.dtype]
-    buffer = POOL.take(math.prod(shape) * dtype.itemsize)
-    array_api.copy_to_host(data, buffer.view(dtype).reshape(shape))  # on cuda: through page-locked memory
+    buffer = POOL.take(math.prod(shape) * dtype.itemsize, data.device)
+    array_api.copy_to_host(data, buffer.view(dtype).reshape(shape))  # on cuda queued on the copy stream: see fetch
     # A graph that dies before its backward (an exception, an eval step) still gives its host copies back.
     _parked[node] = (buffer, (shape, dtype, data.device), weakref.finalize(node, POOL.give, buffer))
     _traffic["copy_seconds_exposed"] += time.perf_counter() - start
@@ -161,6 +165,8 @@ def fetch(node):
     (released with the value after its last use)."""
     buffer, (shape, dtype, device), _ = _parked[node]
     start = time.perf_counter()
+    # On cuda the host never waits: this copy is queued on the copy stream behind the park that filled `buffer`,
+    # and ready() makes the device's next kernels (not the host) wait for it.
     data, ready = array_api.from_host_async(buffer.view(dtype).reshape(shape), device)
     ready()
     node.cached_data = data

@@ -25,6 +25,8 @@ __all__ = [
     "attention_forward",
     "broadcast_to",
     "cast_like",
+    "copies_async",
+    "copy_to_host",
     "dequantize_blockwise",
     "dropout",
     "empty",
@@ -32,6 +34,7 @@ __all__ = [
     "flip",
     "from_host_async",
     "full",
+    "host_empty",
     "layer_norm",
     "layer_norm_backward",
     "log",
@@ -221,15 +224,16 @@ def layer_norm_backward(x, w, g, eps):
 # ----- offloading: host copies that overlap the device's work where the backend can ----------------------------
 # A backend with asynchronous copies (cuda: pinned host memory, a copy stream; src/ndarray_backend_cuda.cu) gets
 # them; elsewhere (cpu, the reference) these are plain synchronous copies, so callers need no second code path.
-def _copies_async(device):
-    return hasattr(device.mod, "copy_from_host_async")
+def copies_async(device):
+    """Whether `device`'s backend copies to and from the host asynchronously (a copy stream beside its work)."""
+    return callable(getattr(getattr(device, "mod", None), "copy_from_host_async", None))
 
 
 def to_host(a, out=None):
     """A host (NumPy) copy of `a` for offloading. On a device with asynchronous copies it goes into page-locked
     memory, into `out` when `out` (an earlier result) has a's shape and dtype, and it may still be running when
     this returns: call `wait_for_copies(a.device)` before reading it. Elsewhere a plain copy (`out` unused)."""
-    if not _copies_async(a.device):
+    if not copies_async(a.device):
         return a.numpy()
     a, numpy_dtype = a.compact(), DTYPES[a.dtype]
     if out is None or out.shape != a.shape or out.dtype != numpy_dtype:
@@ -238,15 +242,25 @@ def to_host(a, out=None):
     return out
 
 
+def host_empty(nbytes, device):
+    """An uninitialized uint8 host (NumPy) array of `nbytes` for copies to and from `device`: page-locked on a
+    device with asynchronous copies (so they run on the copy stream beside the device's work; allocating one is
+    slow, so callers keep and reuse them: offload.HostPool), plain host memory elsewhere."""
+    if copies_async(device):
+        return device.mod.pinned_empty(nbytes, "uint8")
+    return np.empty(nbytes, dtype=np.uint8)
+
+
 def copy_to_host(a, out):
-    """Copy `a` into `out`, a host (NumPy) array of a's shape and dtype that the caller reuses, and return it when
-    the copy is complete. On a device with asynchronous copies through page-locked memory (`to_host`); elsewhere
-    straight into `out` (no host array made per copy: offload.py's pool relies on it)."""
-    if not _copies_async(a.device):
+    """Copy `a` into `out`, a host (NumPy) array of a's shape and dtype that the caller reuses, and return `out`.
+    On a device with asynchronous copies (`out` from `host_empty`, page-locked) the copy is queued on the copy
+    stream and may still be running: the device's later work waits for it, so `a` may be freed at once and a copy
+    back (`from_host_async`) queued behind it reads what it wrote, but the host must call `wait_for_copies` before
+    it reads `out` itself. Elsewhere the copy is done on return, straight into `out` (no host array made per copy:
+    offload.py's pool relies on it)."""
+    if not copies_async(a.device):
         return a.numpy_into(out)
-    host = to_host(a)
-    wait_for_copies(a.device)
-    out[...] = host
+    a.device.mod.copy_to_host_async(a.compact()._handle, out)
     return out
 
 
@@ -255,7 +269,7 @@ def from_host_async(host, device):
     queued, and `ready()` must be called before the array is first used (the device then waits for the copy, not
     the host, and work queued before `ready()` overlaps it); elsewhere the copy is done and `ready` does nothing."""
     dtype = dtype_name(host.dtype)
-    if not _copies_async(device):
+    if not copies_async(device):
         return NDArray(host, device=device, dtype=dtype), lambda: None
     out = NDArray._empty(host.shape, device, dtype)
     event = device.mod.copy_from_host_async(np.ascontiguousarray(host), out._handle)
@@ -264,7 +278,7 @@ def from_host_async(host, device):
 
 def wait_for_copies(device):
     """Block until every host copy `to_host` started on `device` is complete (nothing to wait for elsewhere)."""
-    if _copies_async(device):
+    if copies_async(device):
         device.mod.synchronize_copies()
 
 
