@@ -38,9 +38,9 @@ What is measured, per training step (forward + backward + Adam), from the alloca
            activations held at once, outside the device allocator and so outside M_act and M_peak
            [host_peak_bytes; activation_offloaded_bytes, activation_fetched_bytes: copied each way]
   T_copy   the seconds the step spent copying activations to and from host memory while nothing else
-           ran (exposed)  [copy_seconds_exposed]; hidden = 1 - exposed / all copy seconds: the share
-           overlapped with compute  [copy_hidden_fraction]; on cpu() the copies are synchronous, so
-           hidden is 0
+           ran (exposed)  [copy_seconds_exposed]; hidden = 1 - exposed / all copy seconds (their bytes
+           at the measured bandwidth): the share overlapped with compute  [copy_hidden_fraction]; on
+           cpu() the copies are synchronous, so hidden is 0
 The table's other rows:
   peak bytes        the allocator's peak over the step, baseline included (parameters, optimizer
                     state, the batch, Adam's update)  [peak_bytes]

@@ -8,7 +8,7 @@ import time
 import numpy as np
 
 import needle as ndl
-from needle import autograd, checkpoint
+from needle import autograd, checkpoint, cost_model
 from needle.autograd import nbytes_of
 from needle import backend_ndarray as nd
 from needle import distributed as dist
@@ -113,27 +113,32 @@ def _forward_backward(model, loss_fn, micro, config, device, params, scaler, bas
         for p, g in zip(params, accumulated):
             p.grad = ndl.Tensor(g, device=device, requires_grad=False)
     return {"activation_bytes": act, "floor_bytes": floor, "losses": losses, "recomputed_nodes": recomputed,
-            "bookkeeping_seconds": bookkeeping, "loss": loss, "offload": offload_traffic(backward_stats),
+            "bookkeeping_seconds": bookkeeping, "loss": loss, "offload": offload_traffic(backward_stats, device),
             # Gradient accumulation's buffers (the last micro-batch's gradients, the sums), held in `passes` until
             # train_step returns, as gc.py always has: its step_peak_bytes (Adam's update included) counts them.
             "accumulation_buffers": (grads, accumulated)}
 
 
-def offload_traffic(backward_stats):
+def offload_traffic(backward_stats, device):
     """The step's activation copies to and from host memory (--policy offload, --offload), from each backward's
     last_backward_stats (which counts the copies since the backward before: its forward's and its own)."""
     exposed = sum(s["copy_seconds_exposed"] for s in backward_stats)
-    # hidden = 1 - exposed / all copy seconds.  offload.py waits for each copy where it issues it (park, fetch), so
-    # every copy second is exposed and none hides under compute (on cpu() copies are synchronous anyway).
-    all_copy_seconds = exposed
-    hidden = 1 - exposed / all_copy_seconds if all_copy_seconds else 0.0
     offloaded = sum(s["offloaded_bytes"] for s in backward_stats)
-    return {"activation_offloaded_bytes": int(offloaded),
-            "activation_fetched_bytes": int(sum(s["fetched_bytes"] for s in backward_stats)),
+    fetched = sum(s["fetched_bytes"] for s in backward_stats)
+    hidden = None  # nothing was copied
+    if (offloaded or fetched) and not cost_model.device_copies_overlap(device):
+        hidden = 0.0  # cpu(): every copy is synchronous, nothing runs beside it
+    elif offloaded or fetched:
+        # cuda: the host waits for no copy, so its seconds are only the queueing. The copies' own seconds are
+        # their bytes at the measured bandwidth (cost_model's cached calibration); what the host did not wait for
+        # of them was hidden under the device's work.
+        model = cost_model.CostModel(device)
+        copying = model.copy_seconds(offloaded, "to_host") + model.copy_seconds(fetched, "to_device")
+        hidden = min(max(1 - exposed / copying, 0.0), 1.0)
+    return {"activation_offloaded_bytes": int(offloaded), "activation_fetched_bytes": int(fetched),
             "host_peak_bytes": int(max((s["host_peak_bytes"] for s in backward_stats), default=0)),
             "fetched_nodes": int(sum(s["fetched_nodes"] for s in backward_stats)),
-            "copy_seconds_exposed": exposed,
-            "copy_hidden_fraction": hidden if offloaded else None}  # None: nothing was copied
+            "copy_seconds_exposed": exposed, "copy_hidden_fraction": hidden}
 
 
 def state_bytes(opt, params, grad_bytes):
