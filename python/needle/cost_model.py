@@ -334,6 +334,7 @@ def _measure_update(device, quick, repeats):
 
 REFERENCES = ((16, 64, 8, 4, 1), (256, 2048, 32, 32, 2))  # (width, vocabulary, seq, batch, layers)
 QUICK_REFERENCES = ((8, 16, 2, 2, 1), (16, 32, 4, 2, 1))
+STEP_ROUNDS = 7  # the reference steps' timed rounds: the factors scale every prediction, so they get the most
 
 
 def _reference_layer(x, w, b, t, width):
@@ -371,19 +372,25 @@ def _reference_step(device, width, vocab, t, b, layers):
     return trace, run
 
 
-def _reference_parts(calibration, device, reference, repeats):
-    """([overhead part, work part] of a reference step as `calibration` predicts them, its measured seconds)."""
-    trace, run = _reference_step(device, *reference)
-    times = []
-    for _ in range(repeats + 1):  # the first: a warm-up
-        loss = trace()
-        start = time.perf_counter()
-        run(loss)
-        times.append(time.perf_counter() - start)
+def _reference_parts(calibration, trace):
+    """[overhead part, work part] of a reference step as `calibration` predicts them."""
     loss = trace()
-    parts = [CostModel(device, calibration=dataclasses.replace(calibration, overhead_factor=o, work_factor=w))
-             .step_seconds(loss) for o, w in ((1.0, 0.0), (0.0, 1.0))]
-    return parts, statistics.median(times[1:])
+    return [CostModel(loss.device, calibration=dataclasses.replace(calibration, overhead_factor=o, work_factor=w))
+            .step_seconds(loss) for o, w in ((1.0, 0.0), (0.0, 1.0))]
+
+
+def _reference_seconds(steps, rounds):
+    """The median seconds of each reference step (trace, run), timed in interleaved rounds after a warm-up, so that
+    a slow second of a shared machine slows both alike (the fit divides one by the other)."""
+    times = [[] for _ in steps]
+    for round_ in range(rounds + 1):  # the first: a warm-up
+        for (trace, run), seconds in zip(steps, times):
+            loss = trace()
+            start = time.perf_counter()
+            run(loss)
+            if round_:
+                seconds.append(time.perf_counter() - start)
+    return [statistics.median(seconds) for seconds in times]
 
 
 def _measure_step_factors(calibration, device, quick, repeats):
@@ -393,8 +400,9 @@ def _measure_step_factors(calibration, device, quick, repeats):
     first + work part x the second, each part as the isolated rates predict it. Not the trace: see Budget."""
     state = numpy.random.get_state()  # the models' initialization and dropout draw from NumPy's RNG: put it back
     try:
-        parts, measured = zip(*(_reference_parts(calibration, device, reference, repeats)
-                                for reference in (QUICK_REFERENCES if quick else REFERENCES)))
+        steps = [_reference_step(device, *reference) for reference in (QUICK_REFERENCES if quick else REFERENCES)]
+        parts = [_reference_parts(calibration, trace) for trace, _ in steps]
+        measured = _reference_seconds(steps, max(repeats, STEP_ROUNDS))
     finally:
         numpy.random.set_state(state)
     (a, b), (c, d) = parts
@@ -486,7 +494,7 @@ class Calibration:
     @classmethod
     def measure(cls, device=None, quick=False, repeats=3):
         """Time each kind's op and its gradient at a few sizes on `device` (the median of `repeats`) and host copies
-        of 16 and 32 MB each way: a few seconds. quick: tiny sizes, for tests (rates positive and finite, not
+        of 1, 4 and 16 MB each way: a few seconds. quick: tiny sizes, for tests (rates positive and finite, not
         meaningful)."""
         device = device or default_device()
         rates, overhead = _measure_rates(device, quick, repeats)
