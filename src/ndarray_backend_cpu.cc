@@ -30,6 +30,7 @@
 //   matmul.h          matmul, matmul_batched, matmul_tiled
 //   attention.h       fused attention (FlashAttention-2): attention_forward, attention_backward
 //   layernorm.h       fused layer norm: layernorm_forward, layernorm_backward
+//   activations.h     GELU (exact, tanh) and SiLU and their derivatives: ewise_gelu, ..., ewise_silu_grad
 
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>  // the std::vector<int64_t> shapes and strides
@@ -57,6 +58,7 @@
 #include "cpu/matmul.h"
 #include "cpu/attention.h"
 #include "cpu/layernorm.h"
+#include "cpu/activations.h"
 
 PYBIND11_MODULE(ndarray_backend_cpu, m) {
   namespace py = pybind11;
@@ -116,6 +118,12 @@ PYBIND11_MODULE(ndarray_backend_cpu, m) {
   m.def("ewise_log", ewise_log);
   m.def("ewise_exp", ewise_exp);
   m.def("ewise_tanh", ewise_tanh);
+  m.def("ewise_gelu", ewise_gelu);
+  m.def("ewise_gelu_tanh", ewise_gelu_tanh);
+  m.def("ewise_silu", ewise_silu);
+  m.def("ewise_gelu_grad", ewise_gelu_grad);
+  m.def("ewise_gelu_tanh_grad", ewise_gelu_tanh_grad);
+  m.def("ewise_silu_grad", ewise_silu_grad);
   m.def("ewise_strided", ewise_strided);
   m.def("scalar_strided", scalar_strided);
   m.def("unary_strided", unary_strided);

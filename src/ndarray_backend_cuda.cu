@@ -22,6 +22,7 @@
 //   optimizer.cuh       adam_step, adam8bit_step
 //   attention.cuh       fused attention (FlashAttention-2): attention_forward, attention_backward
 //   layernorm.cuh       fused layer norm: layernorm_forward, layernorm_backward
+//   activations.cuh     GELU (exact, tanh), SiLU and their derivatives: functors for ewise_gelu, ..., ewise_silu_grad
 //   host_copy.cuh       to_numpy / from_numpy; pinned host memory and asynchronous copies on a copy stream
 // Each header includes what it uses and compiles on its own; together they are this one translation unit
 // (their functions are not `inline`: include them from here only).
@@ -37,6 +38,7 @@
 
 #include <exception>
 
+#include "cuda/activations.cuh"
 #include "cuda/array.cuh"
 #include "cuda/attention.cuh"
 #include "cuda/common.cuh"
@@ -139,6 +141,12 @@ PYBIND11_MODULE(ndarray_backend_cuda, m) {
   def_unary(m, "ewise_log", LogOp());
   def_unary(m, "ewise_exp", ExpOp());
   def_unary(m, "ewise_tanh", TanhOp());
+  def_unary(m, "ewise_gelu", GeluOp());
+  def_unary(m, "ewise_gelu_tanh", GeluTanhOp());
+  def_unary(m, "ewise_silu", SiluOp());
+  def_ewise(m, "ewise_gelu_grad", GeluGradOp());
+  def_ewise(m, "ewise_gelu_tanh_grad", GeluTanhGradOp());
+  def_ewise(m, "ewise_silu_grad", SiluGradOp());
 
   m.def("ewise_strided", ewise_strided);
   m.def("scalar_strided", scalar_strided);

@@ -2,6 +2,7 @@
 own test files). test_autograd.py runs each case in float32 on every NDArray device; np_backend_checks.py runs the
 same table in float64 under NEEDLE_BACKEND=np.
 """
+import math
 from collections import namedtuple
 
 import numpy as np
@@ -27,6 +28,10 @@ def _pos(*shape):
 def _nonzero(*shape):
     # |x| >= 0.3: away from the kinks of relu and the pole of 1/x
     return lambda rng: rng.uniform(0.3, 1.5, shape) * rng.choice([-1.0, 1.0], shape)
+
+
+def _normal_cdf(a):
+    return 0.5 * (1 + np.vectorize(math.erf)(a / math.sqrt(2)))
 
 
 def _inputs(*makers):
@@ -179,6 +184,17 @@ OP_CASES = {
     # rounding casts are tested in test_precision.py.
     "cast": OpCase("Cast", lambda a: ops.Cast(a.dtype)(a) * a, _inputs(_n(3, 4)), lambda a: a * a),
     "sigmoid": OpCase("Sigmoid", ndl.sigmoid, _inputs(_n(3, 4)), lambda a: 1 / (1 + np.exp(-a))),
+    "gelu": OpCase("GELU", ops.gelu, _inputs(_n(3, 4)), lambda a: a * _normal_cdf(a)),
+    "gelu_tanh": OpCase("GELU", lambda a: ops.gelu(a, approximate="tanh"), _inputs(_n(3, 4)),
+                        lambda a: 0.5 * a * (1 + np.tanh(math.sqrt(2 / math.pi) * (a + 0.044715 * a ** 3)))),
+    "silu": OpCase("SiLU", ops.silu, _inputs(_n(3, 4)), lambda a: a / (1 + np.exp(-a))),
+    # g · f'(x), the activations' gradients as ops of their own (differentiable: f'' from ops)
+    "gelu_grad": OpCase("ActivationGrad", lambda x, g: ops.ActivationGrad("gelu")(x, g), _inputs(_n(3, 4), _n(3, 4)),
+                        lambda x, g: g * (_normal_cdf(x) + x * np.exp(-x * x / 2) / math.sqrt(2 * math.pi))),
+    "gelu_tanh_grad": OpCase("ActivationGrad", lambda x, g: ops.ActivationGrad("gelu_tanh")(x, g),
+                             _inputs(_n(3, 4), _n(3, 4)), None),
+    "silu_grad": OpCase("ActivationGrad", lambda x, g: ops.ActivationGrad("silu")(x, g), _inputs(_n(3, 4), _n(3, 4)),
+                        lambda x, g: g * (1 + x * np.exp(-x) / (1 + np.exp(-x))) / (1 + np.exp(-x))),
     "logsumexp_all": OpCase("LogSumExp", ndl.logsumexp, _inputs(_n(3, 4, 5)), _lse_ref(None)),
     "logsumexp_int": OpCase("LogSumExp", lambda a: ndl.logsumexp(a, axes=1), _inputs(_n(3, 4, 5)), _lse_ref(1)),
     "logsumexp_tuple": OpCase("LogSumExp", lambda a: ndl.logsumexp(a, axes=(0, 2)), _inputs(_n(3, 4, 5)),

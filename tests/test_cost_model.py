@@ -103,6 +103,11 @@ def test_attention_flops_count_the_pairs_the_kernel_visits():
     assert op_work(grads[0].inputs[0])[:2] == ("attention", 2 * B * H * T * T * 5 * D)  # five products per tile
 
 
+def test_a_linear_with_gelu_is_a_matmul_that_writes_both_its_outputs():
+    node = lazy(lambda x, w: ops.linear(x, w, activation="gelu"), (4, 8), (8, 5)).inputs[0]  # the tuple node
+    assert op_work(node) == ("matmul", 2 * 4 * 5 * 8, 4 * (4 * 8 + 8 * 5 + 2 * 4 * 5))  # f(z) and z written
+
+
 def test_conv_flops_are_im2col_matmul_flops():
     node = lazy(lambda z, w: ops.conv(z, w, padding=1), (2, 6, 6, 3), (3, 3, 3, 5))
     assert op_work(node)[:2] == ("conv", 2 * (2 * 6 * 6 * 5) * 3 * 3 * 3)

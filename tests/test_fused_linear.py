@@ -25,7 +25,11 @@ def composite(x, w, b=None, activation=None):
     if b is not None:
         out = out + ops.broadcast_to(ops.reshape(b, (1, w.shape[1])), (rows, w.shape[1]))
     out = out if len(shape) == 2 else ops.reshape(out, tuple(shape[:-1]) + (w.shape[1],))
-    return ops.relu(out) if activation == "relu" else out
+    if activation == "relu":
+        return ops.relu(out)
+    if activation in ("gelu", "gelu_tanh"):
+        return ops.gelu(out, approximate="none" if activation == "gelu" else "tanh")
+    return ops.silu(out) if activation == "silu" else out
 
 
 def values_and_grads(fn, arrays, device, dtype="float32"):
@@ -37,6 +41,7 @@ def values_and_grads(fn, arrays, device, dtype="float32"):
     return [out.numpy()] + [t.grad.numpy() for t in tensors]
 
 
+ACTIVATIONS = [None, "relu", "gelu", "gelu_tanh", "silu"]
 SHAPES = [((4, 3), (3, 5)), ((2, 3, 4), (4, 6)), ((7,), (7, 2)), ((2, 1, 3, 5), (5, 1)), ((1, 1), (1, 1))]
 
 
@@ -44,7 +49,7 @@ SHAPES = [((4, 3), (3, 5)), ((2, 3, 4), (4, 6)), ((7,), (7, 2)), ((2, 1, 3, 5), 
 @pytest.mark.parametrize("shapes", SHAPES, ids=[f"x{s[0]}" for s in SHAPES])
 @pytest.mark.parametrize("bias", [None, "row", "flat"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("activation", [None, "relu"])
+@pytest.mark.parametrize("activation", ACTIVATIONS)
 def test_linear_has_the_composite_bytes(device, shapes, bias, dtype, activation):
     rng = np.random.default_rng(len(shapes[0]))
     x_shape, w_shape = shapes
@@ -66,7 +71,7 @@ def test_linear_has_the_composite_bytes(device, shapes, bias, dtype, activation)
             np.testing.assert_array_equal(ours.view(np.uint8), want.view(np.uint8))
 
 
-@pytest.mark.parametrize("activation", [None, "relu"])
+@pytest.mark.parametrize("activation", ACTIVATIONS)
 def test_linear_numerical_gradient(activation):
     rng = np.random.default_rng(1)
     check_gradients(lambda x, w, b: ops.linear(x, w, b, activation), rng.standard_normal((2, 3, 4)),
@@ -75,10 +80,11 @@ def test_linear_numerical_gradient(activation):
 
 @pytest.mark.filterwarnings("ignore::needle.checkpoint.NothingToDropWarning")  # one-op layers: nothing to drop
 @pytest.mark.parametrize("lazy", [False, True], ids=["eager", "lazy"])
-def test_linear_layers_gc_on_and_off_bit_identical(lazy):
+@pytest.mark.parametrize("activation", [nn.ReLU, nn.GELU, nn.SiLU])
+def test_linear_layers_gc_on_and_off_bit_identical(lazy, activation):
     def grads(gc):
         np.random.seed(0)
-        model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+        model = nn.Sequential(nn.Linear(4, 8), activation(), nn.Linear(8, 3))
         if gc:
             model.enable_gc()
         x = ndl.Tensor(np.random.default_rng(2).standard_normal((2, 5, 4)).astype(np.float32), requires_grad=False)
@@ -91,7 +97,8 @@ def test_linear_layers_gc_on_and_off_bit_identical(lazy):
 
 
 @pytest.mark.skipif(not nd.cpu().enabled(), reason="C++ backend not built (run `make`)")
-def test_ledger_predicts_a_linear_step_exactly():
+@pytest.mark.parametrize("activation", ["relu", "gelu", "silu"])
+def test_ledger_predicts_a_linear_step_exactly(activation):
     from needle.checkpoint_budget import predict_peak
 
     device = nd.cpu()
@@ -99,7 +106,7 @@ def test_ledger_predicts_a_linear_step_exactly():
     first, second = nn.Linear(32, 64, device=device), nn.Linear(64, 16, device=device)
 
     def model(x):
-        return second(first(x, activation="relu"))
+        return second(first(x, activation=activation))
 
     python_gc.collect()  # no earlier test's garbage freed during the step
     nd.reset_peak_memory_stats(device)
@@ -116,7 +123,8 @@ def test_linear_errors_name_the_shapes():
     x = ndl.Tensor(np.ones((2, 3), np.float32))
     with pytest.raises(ValueError, match=r"linear: needs x \(\.\.\., n\).*x \(2, 3\), weight \(4, 5\)"):
         ops.linear(x, ndl.Tensor(np.ones((4, 5), np.float32)))
-    with pytest.raises(ValueError, match=r"linear: activation must be None or 'relu', got 'tanh'"):
+    with pytest.raises(ValueError, match=r"linear: activation must be None or one of relu, gelu, gelu_tanh, silu, "
+                                         r"got 'tanh'"):
         ops.linear(x, ndl.Tensor(np.ones((3, 5), np.float32)), activation="tanh")
     with pytest.raises(ValueError, match=r"bias \(3,\)"):
         ops.linear(x, ndl.Tensor(np.ones((3, 5), np.float32)), ndl.Tensor(np.ones(3, np.float32)))

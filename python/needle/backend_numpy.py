@@ -9,13 +9,13 @@ import numpy as np
 from .backend_ndarray import ndarray_backend_numpy as ref  # the reference backend: its bits are the contract
 
 __all__ = [
-    "Device", "adam8bit_step", "adam_step", "all_devices", "array", "astype", "attention_backward",
-    "attention_forward", "broadcast_to", "cast_like", "copies_async", "copy_to_host", "cpu", "cpu_numpy", "cuda",
-    "default_device", "dequantize_blockwise", "device_of", "dropout", "empty", "exp", "flip", "from_host_async",
-    "full", "host_empty", "layer_norm", "layer_norm_backward", "log", "logsumexp", "matmul", "max", "maximum", "pad",
-    "promote_types", "quantize_blockwise", "reshape", "round_stochastic", "scatter_add_rows", "scatter_along_rows",
-    "softmax_xent_grad", "split", "stack", "sum", "take_along_rows", "take_rows", "tanh", "tensor_data", "to_host",
-    "to_numpy", "transpose", "wait_for_copies", "zeros",
+    "Device", "activation", "activation_grad", "adam8bit_step", "adam_step", "all_devices", "array", "astype",
+    "attention_backward", "attention_forward", "broadcast_to", "cast_like", "copies_async", "copy_to_host", "cpu",
+    "cpu_numpy", "cuda", "default_device", "dequantize_blockwise", "device_of", "dropout", "empty", "exp", "flip",
+    "from_host_async", "full", "host_empty", "layer_norm", "layer_norm_backward", "log", "logsumexp", "matmul", "max",
+    "maximum", "pad", "promote_types", "quantize_blockwise", "reshape", "round_stochastic", "scatter_add_rows",
+    "scatter_along_rows", "softmax_xent_grad", "split", "stack", "sum", "take_along_rows", "take_rows", "tanh",
+    "tensor_data", "to_host", "to_numpy", "transpose", "wait_for_copies", "zeros",
 ]
 
 
@@ -92,6 +92,17 @@ def adam8bit_step(theta, grad, m_state, v_state, code_m, code_v, block_size, lr,
 def to_host(a, out=None):
     """A host copy for offloading (NumPy arrays are host memory already: a copy, `out` unused)."""
     return np.array(a)
+
+
+def activation(a, kind):
+    """f(a) for f in "gelu", "gelu_tanh", "silu", rounded once to a's dtype (the reference backend's math)."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        return ref.activation_values(kind, a).astype(a.dtype)
+
+
+def activation_grad(a, grad, kind):
+    """grad * f'(a), rounded once to a's dtype."""
+    return (ref.activation_derivative(kind, a) * np.asarray(grad, dtype=np.float64)).astype(a.dtype)
 
 
 def copies_async(device=None):

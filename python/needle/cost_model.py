@@ -57,7 +57,7 @@ DIRECTIONS = ("to_host", "to_device")
 # Op class -> kind, for the ops whose kind their class decides (a view op is told by `op.view`; any op not here
 # is "elementwise", priced by its bytes: right for the element-wise ops, a fair guess for new ones).
 KIND_OF_OP = {
-    ops.MatMul: "matmul", ops.Linear: "matmul",
+    ops.MatMul: "matmul", ops.Linear: "matmul", ops.LinearActivation: "matmul",
     # The fused LM head is matmuls too, but chunked, thin (a chunk of tokens against the whole vocabulary) and
     # with a softmax over each chunk's logits: its own kind, so it gets its own rate (a third of a square
     # matmul's here, and its gradient's less again).
@@ -95,6 +95,8 @@ def _flops(op, input_shapes, out_shape):
     """Multiply-adds x 2 of the matmul-like ops; 0 for the others (their time follows their bytes)."""
     if isinstance(op, (ops.MatMul, ops.Linear)):
         return 2 * elements_of(out_shape) * input_shapes[0][-1]  # (..., m, k) x (k, n): 2 m n k per batch
+    if isinstance(op, ops.LinearActivation):  # outputs (f(z), z): z's shape is the product's
+        return 2 * elements_of(out_shape[1]) * input_shapes[0][-1]
     if isinstance(op, (ops.LinearCrossEntropy, ops.LinearCrossEntropyGrad)):
         (n, h), v = input_shapes[0], input_shapes[1][1]
         # forward: the logits h W; the gradient: the logits again, dz W^T and h^T dz

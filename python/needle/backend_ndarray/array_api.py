@@ -17,6 +17,8 @@ from .ndarray import (  # promote_types is part of the API ops call, as NumPy's 
 )
 
 __all__ = [
+    "activation",
+    "activation_grad",
     "adam8bit_step",
     "adam_step",
     "array",
@@ -320,6 +322,16 @@ def exp(a):
 
 def tanh(a):
     return a.tanh()
+
+
+def activation(a, kind):
+    """f(a) for f in "gelu", "gelu_tanh", "silu" (NDArray.activation)."""
+    return a.activation(kind)
+
+
+def activation_grad(a, grad, kind):
+    """grad * f'(a) (NDArray.activation_grad)."""
+    return a.activation_grad(grad, kind)
 
 
 def matmul(a, b):

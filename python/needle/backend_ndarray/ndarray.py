@@ -243,6 +243,7 @@ def set_cache_limit(nbytes, device=None):
 # (src/README.md, "Dtypes"): a 16-bit op computes in float32 and rounds its result once.
 DTYPES = ndarray_backend_numpy.DTYPES  # name -> NumPy dtype, as the reference backend (the spec) defines
 FLOATS = ndarray_backend_numpy.FLOATS
+ACTIVATIONS = ndarray_backend_numpy.ACTIVATIONS  # NDArray.activation's kinds
 
 
 @functools.lru_cache(maxsize=64)
@@ -725,6 +726,32 @@ class NDArray:
 
     def tanh(self):
         return self._unary(self.device.mod.ewise_tanh, "tanh")
+
+    def activation(self, kind):
+        """f(self) element-wise for f in ACTIVATIONS: "gelu" (x Φ(x)), "gelu_tanh" (its tanh approximation),
+        "silu" (x σ(x)); any floating dtype, float32 arithmetic."""
+        mod = self._check_activation(kind, "activation")
+        _require_float(f"activation {kind}", self._dtype)
+        out = NDArray._empty(self._shape, self._device, self._dtype)
+        getattr(mod, f"ewise_{kind}")(self.compact()._handle, out._handle)
+        return out
+
+    def activation_grad(self, grad, kind):
+        """grad * f'(self) element-wise (f as in `activation`): the activation's gradient at input self."""
+        mod = self._check_activation(kind, "activation_grad")
+        if not isinstance(grad, NDArray) or grad.shape != self.shape or grad.dtype != self.dtype \
+                or grad.device != self.device:
+            raise ValueError(f"activation_grad {kind}: grad must be an NDArray like the input {self.shape} "
+                             f"{self.dtype} on {self.device}, got {getattr(grad, 'shape', type(grad).__name__)}")
+        _require_float(f"activation_grad {kind}", self._dtype)
+        out = NDArray._empty(self._shape, self._device, self._dtype)
+        getattr(mod, f"ewise_{kind}_grad")(self.compact()._handle, grad.compact()._handle, out._handle)
+        return out
+
+    def _check_activation(self, kind, fn):
+        if kind not in ACTIVATIONS:
+            raise ValueError(f"{fn}: unknown activation {kind!r} (expected {', '.join(ACTIVATIONS)})")
+        return self._device.mod
 
     # ----- matrix multiplication ----------------------------------------------------------------------------
     def __matmul__(self, other):

@@ -5,6 +5,7 @@ flat numpy arrays of the storage dtype (bfloat16 from ml_dtypes); every function
 offset) of a view in elements. Arithmetic is float32 whatever the storage: operands are read as float32 and the
 result is rounded once, when it is assigned into the output buffer.
 """
+import math
 import operator
 import weakref
 
@@ -385,6 +386,77 @@ def ewise_exp(a, out):
 
 def ewise_tanh(a, out):
     _unary("tanh", a, out)
+
+
+# ----- activations and their derivatives (src/README.md: ewise_gelu & co.) -----------------------------------
+# GELU(x) = x Φ(x), Φ the standard normal CDF (exact: erf; "gelu_tanh": PyTorch's tanh approximation), SiLU(x) =
+# x σ(x). Evaluated in float64 and rounded once (NumPy has no erfc: math.erfc per element; this is the specification,
+# not the fast path), so the compiled backends' float32 arithmetic is within a few ulp of it.
+_SQRT_2_OVER_PI, _TANH_CUBIC = math.sqrt(2 / math.pi), 0.044715
+_erfc = np.frompyfunc(math.erfc, 1, 1)
+ACTIVATIONS = ("gelu", "gelu_tanh", "silu")
+
+
+def activation_values(kind, x):
+    """f(x) in float64 for f in ACTIVATIONS."""
+    x = np.asarray(x, dtype=np.float64)
+    if kind == "gelu":
+        return 0.5 * x * _erfc(-x / math.sqrt(2)).astype(np.float64)  # x Φ(x), no cancellation below −3
+    if kind == "gelu_tanh":
+        return 0.5 * x * (1 + np.tanh(_SQRT_2_OVER_PI * (x + _TANH_CUBIC * x ** 3)))
+    if kind == "silu":
+        return x / (1 + np.exp(-x))
+    raise ValueError(f"activation: unknown kind {kind!r} (expected {', '.join(ACTIVATIONS)})")
+
+
+def activation_derivative(kind, x):
+    """f'(x) in float64: Φ(x) + x φ(x) (gelu), its tanh form's derivative (gelu_tanh), σ(x)(1 + x(1 − σ(x))) (silu)."""
+    x = np.asarray(x, dtype=np.float64)
+    with np.errstate(over="ignore", invalid="ignore"):
+        if kind == "gelu":
+            return 0.5 * _erfc(-x / math.sqrt(2)).astype(np.float64) + x * np.exp(-0.5 * x * x) / math.sqrt(2 * math.pi)
+        if kind == "gelu_tanh":
+            t = np.tanh(_SQRT_2_OVER_PI * (x + _TANH_CUBIC * x ** 3))
+            return 0.5 * (1 + t) + 0.5 * x * (1 - t * t) * _SQRT_2_OVER_PI * (1 + 3 * _TANH_CUBIC * x * x)
+        if kind == "silu":
+            s = 1 / (1 + np.exp(-x))
+            return s * (1 + x * (1 - s))
+    raise ValueError(f"activation: unknown kind {kind!r} (expected {', '.join(ACTIVATIONS)})")
+
+
+def _activation(kind, a, out):
+    _floats(f"ewise_{kind}", a, out)
+    with np.errstate(over="ignore", invalid="ignore"):
+        _store(out, activation_values(kind, a.array.astype(np.float64)))
+
+
+def _activation_grad(kind, a, g, out):
+    _floats(f"ewise_{kind}_grad", a, g, out)
+    _store(out, activation_derivative(kind, a.array.astype(np.float64)) * g.array.astype(np.float64))
+
+
+def ewise_gelu(a, out):
+    _activation("gelu", a, out)
+
+
+def ewise_gelu_tanh(a, out):
+    _activation("gelu_tanh", a, out)
+
+
+def ewise_silu(a, out):
+    _activation("silu", a, out)
+
+
+def ewise_gelu_grad(a, g, out):
+    _activation_grad("gelu", a, g, out)
+
+
+def ewise_gelu_tanh_grad(a, g, out):
+    _activation_grad("gelu_tanh", a, g, out)
+
+
+def ewise_silu_grad(a, g, out):
+    _activation_grad("silu", a, g, out)
 
 
 # ----- element-wise on strided views: out (compact, `shape`) = op(views), nothing materialized (float32) ---------

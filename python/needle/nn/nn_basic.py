@@ -15,8 +15,8 @@ from ..backend_selection import array_api
 from .nn_module import Module, Parameter
 
 __all__ = [
-    "BatchNorm1d", "BatchNorm2d", "Dropout", "Flatten", "Identity", "LayerNorm1d", "Linear", "ReLU", "Residual",
-    "Sequential", "Sigmoid", "SoftmaxLoss", "Tanh",
+    "BatchNorm1d", "BatchNorm2d", "Dropout", "Flatten", "GELU", "Identity", "LayerNorm1d", "Linear", "ReLU",
+    "Residual", "Sequential", "SiLU", "Sigmoid", "SoftmaxLoss", "Tanh",
 ]
 
 
@@ -59,7 +59,8 @@ class Linear(Module):
             self.bias = Parameter(ops.reshape(b, (1, out_features)))
 
     def forward(self, X, activation=None):
-        """activation="relu": ReLU applied in the same op (the pre-activation is never kept)."""
+        """activation "relu", "gelu", "gelu_tanh" or "silu": applied in the same op (ops.linear; relu keeps no
+        pre-activation, the others keep it for their gradient)."""
         shape = X.shape
         _expect("Linear", len(shape) >= 1 and shape[-1] == self.in_features, f"(..., {self.in_features})", shape)
         # One graph node (ops.linear): the numbers of reshape, matmul, a broadcast bias add and reshape back.
@@ -78,6 +79,30 @@ class Flatten(Module):
 class ReLU(Module):
     def forward(self, x):
         return self.checkpoint(ops.relu(x), [x])
+
+
+class GELU(Module):
+    """x Φ(x), as PyTorch's nn.GELU: approximate "none" (erf) or "tanh". Its gradient reads its input (ops.gelu)."""
+
+    def __init__(self, approximate="none", bits=None):
+        super().__init__()
+        if approximate not in ("none", "tanh"):
+            raise ValueError(f"GELU: approximate must be 'none' or 'tanh', got {approximate!r}")
+        self.approximate, self.bits = approximate, bits
+
+    def forward(self, x):
+        return self.checkpoint(ops.gelu(x, self.approximate, self.bits), [x])
+
+
+class SiLU(Module):
+    """x σ(x), as PyTorch's nn.SiLU. Its gradient reads its input (ops.silu)."""
+
+    def __init__(self, bits=None):
+        super().__init__()
+        self.bits = bits
+
+    def forward(self, x):
+        return self.checkpoint(ops.silu(x, self.bits), [x])
 
 
 class Tanh(Module):

@@ -18,6 +18,8 @@ import numpy as np
 
 from .. import init, ops
 from ..autograd import Tensor
+from ..ops.ops_activation import check_bits
+from ..ops.ops_linear import ACTIVATIONS
 from .nn_basic import Dropout, LayerNorm1d, Linear, ReLU, draw_like_rand
 from .nn_module import Module
 from .nn_sequence import Embedding
@@ -150,21 +152,30 @@ class AttentionLayer(Module):
 
 
 class TransformerLayer(Module):
-    """x + Dropout(Attention(x)), then x + Dropout(Linear2(Dropout(ReLU(Linear1(LayerNorm(x)))))).
+    """x + Dropout(Attention(x)), then x + Dropout(Linear2(Dropout(f(Linear1(LayerNorm(x)))))).
+
+    activation f: "relu" (the course's), "gelu" (exact), "gelu_tanh" or "silu", applied inside linear1's op
+    (ops.linear's activation); activation_bits: few-bit derivatives (issue #30: not built yet, must be None).
 
     fused_attention=True (the opt-in with dropout): the residual and MLP dropouts regenerate their masks from a
     seed as the fused attention does (Dropout(regenerate=True)), so the layer keeps no mask at all.
     """
 
     def __init__(self, q_features, num_head, dim_head, hidden_size, *, dropout=0.0, causal=True, device=None,
-                 dtype="float32", fused_attention=None):
+                 dtype="float32", fused_attention=None, activation="relu", activation_bits=None):
         super().__init__()
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"TransformerLayer: activation must be one of {', '.join(ACTIVATIONS)}, got "
+                             f"{activation!r}")
+        check_bits("TransformerLayer", activation_bits)
+        self.activation, self.activation_bits = activation, activation_bits
         self.attention = AttentionLayer(q_features, num_head, dim_head, dropout=dropout, causal=causal,
                                         device=device, dtype=dtype, fused_attention=fused_attention)
         self.layernorm = LayerNorm1d(q_features, device=device, dtype=dtype)
         self.linear1 = Linear(q_features, hidden_size, device=device, dtype=dtype)
         self.linear2 = Linear(hidden_size, q_features, device=device, dtype=dtype)
-        self.relu = ReLU()  # (applied inside linear1's op; kept in the module tree as the course has it)
+        if activation == "relu":
+            self.relu = ReLU()  # (applied inside linear1's op; kept in the module tree as the course has it)
         self.dropout = Dropout(dropout)
         self.fused_attention = fused_attention
 
@@ -181,8 +192,9 @@ class TransformerLayer(Module):
     def forward(self, x):
         """x (B, T, q_features) -> (B, T, q_features)."""
         h = x + self.dropout(self.attention(x))
-        # self.relu runs inside linear1's op (ops.linear's activation): one node, no pre-activation kept
-        out = h + self.dropout(self.linear2(self.dropout(self.linear1(self.layernorm(h), activation="relu"))))
+        # the activation runs inside linear1's op (ops.linear's): one node (relu keeps no pre-activation)
+        hidden = self.linear1(self.layernorm(h), activation=self.activation)
+        out = h + self.dropout(self.linear2(self.dropout(hidden)))
         return self.checkpoint(out, [x])
 
 
@@ -191,12 +203,12 @@ class Transformer(Module):
 
     forward(x, h=None): x (T, B, D), or (B, T, D) with batch_first -> (output of x's layout, zeros_like(output)).
     fused_attention: each TransformerLayer's (None: fused when dropout is 0; True: fused, and every dropout mask
-    regenerated from a seed).
+    regenerated from a seed). activation, activation_bits: each TransformerLayer's MLP activation.
     """
 
     def __init__(self, embedding_size, hidden_size, num_layers, *, num_head=8, dim_head=32, dropout=0.0,
                  causal=True, device=None, dtype="float32", batch_first=False, sequence_len=2048,
-                 fused_attention=None):
+                 fused_attention=None, activation="relu", activation_bits=None):
         super().__init__()
         self.device = device
         self.dtype = dtype
@@ -205,7 +217,8 @@ class Transformer(Module):
         self.sequence_len = sequence_len
         self.positional_embedding = Embedding(sequence_len, embedding_size, device=device, dtype=dtype)
         self.layers = [TransformerLayer(embedding_size, num_head, dim_head, hidden_size, dropout=dropout,
-                                        causal=causal, device=device, dtype=dtype, fused_attention=fused_attention)
+                                        causal=causal, device=device, dtype=dtype, fused_attention=fused_attention,
+                                        activation=activation, activation_bits=activation_bits)
                        for _ in range(num_layers)]
 
     def forward(self, x, h=None):

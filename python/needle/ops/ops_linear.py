@@ -10,11 +10,14 @@ linear does (the composite cast its broadcast (rows, m) copy), so the bias's gra
 import functools
 import math
 
-from ..autograd import TensorOp
+from ..autograd import TensorOp, TensorTupleOp
 from ..backend_selection import array_api
+from .ops_activation import ActivationGrad
 from .ops_mathematic import matmul, relu_mask, reshape, summation, transpose
+from .ops_tuple import tuple_get_item
 
-__all__ = ["Linear", "linear"]
+__all__ = ["Linear", "LinearActivation", "linear"]
+ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu")  # linear's `activation`: None or one of these
 
 
 def _fits(x, w, b=None):
@@ -58,29 +61,72 @@ class Linear(TensorOp):
         return array_api.reshape(out, tuple(x.shape[:-1]) + (m,))
 
     def gradient(self, out_grad, node):
-        x, w, *b = node.inputs
-        rows, (n, m) = math.prod(x.shape[:-1]), w.shape
         if self.relu:
             out_grad = out_grad * relu_mask(node)  # relu's gradient, as ops.relu has it
-        g = out_grad if len(x.shape) == 2 else reshape(out_grad, (rows, m))
-        rows_x = x if len(x.shape) == 2 else reshape(x, (rows, n))
-        dx = matmul(g, transpose(w))
-        grads = (dx if len(x.shape) == 2 else reshape(dx, x.shape), matmul(transpose(rows_x), g))
-        if b:
-            grads += (reshape(summation(g, (0,)), b[0].shape),)
-        return grads
+        return linear_gradients(node.inputs, out_grad)
+
+
+def linear_gradients(inputs, g):
+    """(dx, dW[, db]) of x W + b for the gradient g of its output: g Wᵀ, xᵀ g, g's row sum."""
+    x, w, *b = inputs
+    rows, (n, m) = math.prod(x.shape[:-1]), w.shape
+    g = g if len(x.shape) == 2 else reshape(g, (rows, m))
+    rows_x = x if len(x.shape) == 2 else reshape(x, (rows, n))
+    dx = matmul(g, transpose(w))
+    grads = (dx if len(x.shape) == 2 else reshape(dx, x.shape), matmul(transpose(rows_x), g))
+    if b:
+        grads += (reshape(summation(g, (0,)), b[0].shape),)
+    return grads
+
+
+class LinearActivation(TensorTupleOp):
+    """(f(z), z), z = x W + b, f in "gelu", "gelu_tanh", "silu";  dz = g f'(z) (ActivationGrad), then linear's
+
+    GELU's and SiLU's gradients read the pre-activation z, so unlike relu's it is an output of its own; `linear`
+    hands out only f(z) (tuple element 0), so nothing else reads z and its gradient is zero (not read here).
+    """
+
+    saveable = True  # a matmul, as Linear
+    compacts_inputs = True
+    autocast = "low"
+    saves = "both"  # x and W for the matmuls' gradients, z for the activation's
+
+    def __init__(self, bias, kind):
+        self.bias, self.kind = bias, kind
+
+    def infer_dtype(self, *dtypes):
+        return functools.reduce(array_api.promote_types, dtypes)
+
+    def infer_shape(self, x, w, *b):
+        out = tuple(x[:-1]) + (w[1],)
+        return (out, out) if _fits(x, w, *b) else None
+
+    def workspace(self, x, w, *b):
+        return math.prod(x[:-1]) * w[1] if self.bias else 0  # x W before the bias is added into a new array
+
+    def compute(self, x, w, *b):
+        z = Linear(self.bias).compute(x, w, *b)
+        return array_api.activation(z, self.kind), z
+
+    def gradient(self, out_grad, node):
+        dz = ActivationGrad(self.kind)(tuple_get_item(node, 1), out_grad[0])
+        return linear_gradients(node.inputs, dz)
 
 
 def linear(x, weight, bias=None, activation=None):
     """x @ weight + bias over the last axis of x (..., n), weight (n, m), bias (m,) or (1, m) or None, as one op;
-    activation "relu" applies relu in the same op.
+    activation "relu", "gelu" (exact), "gelu_tanh" or "silu" applies it in the same op.
 
-    The same numbers as `reshape`, `matmul`, `broadcast_to`, `+` (and `relu`), and their gradients, in one node.
+    The same numbers as `reshape`, `matmul`, `broadcast_to`, `+` (and the activation's op), and their gradients, in
+    one node (with gelu or silu, a tuple node and the element handed out).
     """
-    if activation not in (None, "relu"):
-        raise ValueError(f"linear: activation must be None or 'relu', got {activation!r}")
+    if activation is not None and activation not in ACTIVATIONS:
+        raise ValueError(f"linear: activation must be None or one of {', '.join(ACTIVATIONS)}, got {activation!r}")
     shapes = (tuple(x.shape), tuple(weight.shape)) + (() if bias is None else (tuple(bias.shape),))
     if not _fits(*shapes):
         raise ValueError(f"linear: needs x (..., n), weight (n, m) and bias (m,) or (1, m); got x {shapes[0]}, "
                          f"weight {shapes[1]}" + ("" if bias is None else f", bias {shapes[2]}"))
-    return Linear(bias is not None, activation == "relu")(x, weight, *(() if bias is None else (bias,)))
+    inputs = (x, weight) + (() if bias is None else (bias,))
+    if activation in (None, "relu"):
+        return Linear(bias is not None, activation == "relu")(*inputs)
+    return tuple_get_item(LinearActivation(bias is not None, activation)(*inputs), 0)

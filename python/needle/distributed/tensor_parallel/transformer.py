@@ -98,12 +98,14 @@ class ParallelTransformerLayer(Module):
                                             SEQUENCE_AXIS)
         self.linear2 = RowParallelLinear(layer.linear2, group, "reduce_scatter" if sequence_parallel else
                                          "all_reduce", SEQUENCE_AXIS)
-        self.relu, self.dropout = layer.relu, layer.dropout
+        self.dropout, self.activation = layer.dropout, layer.activation  # element-wise: each rank on its columns
+        if layer.activation == "relu":
+            self.relu = layer.relu
 
     def forward(self, x):
         h = x + self.dropout(self.attention(x))
         normed = _layer_norm(self.layernorm, h, self.group, self.sequence_parallel)
-        out = h + self.dropout(self.linear2(self.dropout(self.linear1(normed, activation="relu"))))
+        out = h + self.dropout(self.linear2(self.dropout(self.linear1(normed, activation=self.activation))))
         return self.checkpoint(out, [x])
 
 
