@@ -53,14 +53,19 @@ class LanguageModel(nn.Module):
     forward(x (T, B) word ids, h=None) -> (logits (T*B, output_size), h), where h is the sequence model's final
     state (for the transformer a placeholder of zeros). `use_gc=True` turns gradient checkpointing on for the
     whole model at construction (`enable_gc(segment_len=segment_len)`); `enable_gc(segment_len, policy)` can
-    also be called later (it is Module's). `num_head`, `dim_head` and `dropout` configure the transformer (the
-    course's defaults: 8 heads of 32).
+    also be called later (it is Module's). `num_head`, `dim_head`, `dropout`, `activation` (its MLP's: "relu",
+    "gelu", "gelu_tanh", "silu") and `activation_bits` configure the transformer (the course's defaults: 8 heads
+    of 32, relu).
     """
 
     def __init__(self, embedding_size, output_size, hidden_size, num_layers=1, seq_model="rnn", seq_len=40,
                  device=None, dtype="float32", use_gc=False, segment_len=None, num_head=8, dim_head=32,
-                 dropout=0.0):
+                 dropout=0.0, activation="relu", activation_bits=None):
         super().__init__()
+        if seq_model != "transformer" and (activation != "relu" or activation_bits is not None):
+            raise ValueError(f"LanguageModel: activation and activation_bits configure the transformer's MLP; "
+                             f"seq_model {seq_model!r} has none (got activation {activation!r}, activation_bits "
+                             f"{activation_bits!r})")
         self.embedding = nn.Embedding(output_size, embedding_size, device=device, dtype=dtype)
         if seq_model == "rnn":
             self.seq_model = nn.RNN(embedding_size, hidden_size, num_layers, device=device, dtype=dtype)
@@ -69,7 +74,8 @@ class LanguageModel(nn.Module):
         elif seq_model == "transformer":
             self.seq_model = nn.Transformer(embedding_size, hidden_size, num_layers, device=device, dtype=dtype,
                                             sequence_len=seq_len, num_head=num_head,
-                                            dim_head=dim_head, dropout=dropout)
+                                            dim_head=dim_head, dropout=dropout, activation=activation,
+                                            activation_bits=activation_bits)
             hidden_size = embedding_size  # the transformer keeps the embedding width
         else:
             raise ValueError(f"LanguageModel: seq_model must be 'rnn', 'lstm' or 'transformer', got {seq_model!r}")

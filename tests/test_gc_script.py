@@ -744,6 +744,16 @@ def test_a_run_interrupted_after_a_periodic_save_resumes_where_it_was(tmp_path, 
     assert ndl.load(ckpt)["step"] == 6  # saved again when the resumed run ended
 
 
+def test_the_activation_flag_builds_the_mlp_with_it_and_the_json_says_which(tmp_path, capsys):
+    data = tiny_ptb(tmp_path)
+    for activation in ("relu", "silu"):
+        run_gc(TINY + ["--data", data, "--use-gc", "1", "--activation", activation, "--max-batches", "2", "--json",
+                       str(tmp_path / f"{activation}.json")])
+    relu, silu = (strict_json(tmp_path / f"{a}.json") for a in ("relu", "silu"))
+    assert relu["activation"] == "relu" and silu["activation"] == "silu"
+    assert relu["loss"] != silu["loss"]  # another model: the flag reached it
+
+
 def test_a_resume_that_does_not_match_the_run_is_one_line_naming_the_flag(tmp_path, capsys):
     data, ckpt = tiny_ptb(tmp_path), str(tmp_path / "ckpt")
     run = TINY + ["--data", data, "--use-gc", "1", "--json", str(tmp_path / "r.json")]
@@ -752,6 +762,7 @@ def test_a_resume_that_does_not_match_the_run_is_one_line_naming_the_flag(tmp_pa
     cases = [
         (["--embedding-size", "16"], "was saved by a run with --embedding-size 8, this run has 16"),
         (["--optimizer", "sgd"], "was saved by a run with --optimizer adam, this run has sgd"),
+        (["--activation", "gelu"], "was saved by a run with --activation relu, this run has gelu"),
         (["--precision", "bf16"], "--precision fp32, this run has bf16"),
         (["--max-batches", "2"], "is at step 2, and this run's schedule (--max-batches x --epochs) ends at step 2"),
         (["--resume", str(tmp_path / "missing")], f"there is no file {tmp_path / 'missing.npz'}"),

@@ -137,6 +137,10 @@ def add_model_flags(p, command):
     flag(g, "num_layers", type=int, default=4, metavar="L", help="Transformer layers")
     flag(g, "num_head", type=int, default=4, metavar="N", help="attention heads; must divide --embedding-size")
     flag(g, "dropout", type=float, default=0.0, metavar="P", help="dropout probability, in [0, 1)")
+    flag(g, "activation", default="relu", choices=["relu", "gelu", "gelu_tanh", "silu"],
+         help="the MLP's activation in each Transformer layer (gelu: exact, with erf; gelu_tanh: PyTorch's tanh "
+              "approximation), fused into its first linear; relu keeps no pre-activation for backward, the "
+              "others keep it")
     flag(g, "head_init_scale", type=float, default=0.1, metavar="S",
          help="scale of the output layer's initial weight, so the loss starts near ln(vocab); 1 keeps the course's "
               "init (whose logits start with a std of several units)")

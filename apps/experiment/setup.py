@@ -52,6 +52,7 @@ class RunConfig:
     num_layers: int = None
     num_head: int = None
     dropout: float = None
+    activation: str = "relu"
     head_init_scale: float = None
     precision: str = "fp32"
     stochastic_rounding: bool = False
@@ -136,7 +137,8 @@ def build_model(config, vocab, device, policy):
     np.random.seed(config.seed)
     model = LanguageModel(config.embedding_size, vocab, config.hidden_size, num_layers=config.num_layers,
                           seq_model="transformer", seq_len=config.seq_len, device=device, num_head=config.num_head,
-                          dim_head=config.embedding_size // config.num_head, dropout=config.dropout)
+                          dim_head=config.embedding_size // config.num_head, dropout=config.dropout,
+                          activation=config.activation)
     if config.head_init_scale != 1:
         # The course's init gives the output layer logits with a std of several units (its input, the residual
         # stream, is not normalized), so the loss starts far above ln(vocab), a uniform guess.  Scaled down,

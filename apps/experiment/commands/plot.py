@@ -192,9 +192,9 @@ def plot_budget_sweep(rs, out_dir, sweep_id):
 
 
 RUN_CONFIG_KEYS = ["data", "vocab_size", "batch_size", "accumulation_steps", "seq_len", "embedding_size",
-                   "hidden_size", "num_layers", "num_head", "dropout", "head_init_scale", "head", "device", "lazy",
-                   "lr", "seed", "max_batches", "epochs", "warmup", "precision", "optimizer", "offload_state",
-                   "parallel", "world_size"]
+                   "hidden_size", "num_layers", "num_head", "dropout", "activation", "head_init_scale", "head",
+                   "device", "lazy", "lr", "seed", "max_batches", "epochs", "warmup", "precision", "optimizer",
+                   "offload_state", "parallel", "world_size"]
 
 
 def runs_png_name(key, r):
