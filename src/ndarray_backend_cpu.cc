@@ -31,6 +31,7 @@
 //   attention.h       fused attention (FlashAttention-2): attention_forward, attention_backward
 //   layernorm.h       fused layer norm: layernorm_forward, layernorm_backward
 //   activations.h     GELU (exact, tanh) and SiLU and their derivatives: ewise_gelu, ..., ewise_silu_grad
+//   fewbit.h          k-bit codes of an activation's input, packed: pack_codes, unpack_scale
 
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>  // the std::vector<int64_t> shapes and strides
@@ -59,6 +60,7 @@
 #include "cpu/attention.h"
 #include "cpu/layernorm.h"
 #include "cpu/activations.h"
+#include "cpu/fewbit.h"
 
 PYBIND11_MODULE(ndarray_backend_cpu, m) {
   namespace py = pybind11;
@@ -124,6 +126,8 @@ PYBIND11_MODULE(ndarray_backend_cpu, m) {
   m.def("ewise_gelu_grad", ewise_gelu_grad);
   m.def("ewise_gelu_tanh_grad", ewise_gelu_tanh_grad);
   m.def("ewise_silu_grad", ewise_silu_grad);
+  m.def("pack_codes", pack_codes);
+  m.def("unpack_scale", unpack_scale);
   m.def("ewise_strided", ewise_strided);
   m.def("scalar_strided", scalar_strided);
   m.def("unary_strided", unary_strided);

@@ -23,6 +23,7 @@
 //   attention.cuh       fused attention (FlashAttention-2): attention_forward, attention_backward
 //   layernorm.cuh       fused layer norm: layernorm_forward, layernorm_backward
 //   activations.cuh     GELU (exact, tanh), SiLU and their derivatives: functors for ewise_gelu, ..., ewise_silu_grad
+//   fewbit.cuh          k-bit codes of an activation's input, packed: pack_codes, unpack_scale
 //   host_copy.cuh       to_numpy / from_numpy; pinned host memory and asynchronous copies on a copy stream
 // Each header includes what it uses and compiles on its own; together they are this one translation unit
 // (their functions are not `inline`: include them from here only).
@@ -43,6 +44,7 @@
 #include "cuda/attention.cuh"
 #include "cuda/common.cuh"
 #include "cuda/dtypes.cuh"
+#include "cuda/fewbit.cuh"
 #include "cuda/elementwise.cuh"
 #include "cuda/gather_scatter.cuh"
 #include "cuda/host_copy.cuh"
@@ -147,6 +149,8 @@ PYBIND11_MODULE(ndarray_backend_cuda, m) {
   def_ewise(m, "ewise_gelu_grad", GeluGradOp());
   def_ewise(m, "ewise_gelu_tanh_grad", GeluTanhGradOp());
   def_ewise(m, "ewise_silu_grad", SiluGradOp());
+  m.def("pack_codes", pack_codes);
+  m.def("unpack_scale", unpack_scale);
 
   m.def("ewise_strided", ewise_strided);
   m.def("scalar_strided", scalar_strided);

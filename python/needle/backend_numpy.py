@@ -13,9 +13,10 @@ __all__ = [
     "attention_backward", "attention_forward", "broadcast_to", "cast_like", "copies_async", "copy_to_host", "cpu",
     "cpu_numpy", "cuda", "default_device", "dequantize_blockwise", "device_of", "dropout", "empty", "exp", "flip",
     "from_host_async", "full", "host_empty", "layer_norm", "layer_norm_backward", "log", "logsumexp", "matmul", "max",
-    "maximum", "pad", "promote_types", "quantize_blockwise", "reshape", "round_stochastic", "scatter_add_rows",
-    "scatter_along_rows", "softmax_xent_grad", "split", "stack", "sum", "take_along_rows", "take_rows", "tanh",
-    "tensor_data", "to_host", "to_numpy", "transpose", "wait_for_copies", "zeros",
+    "maximum", "pack_codes", "pad", "promote_types", "quantize_blockwise", "reshape", "round_stochastic",
+    "scatter_add_rows", "scatter_along_rows", "softmax_xent_grad", "split", "stack", "sum", "take_along_rows",
+    "take_rows", "tanh", "tensor_data", "to_host", "to_numpy", "transpose", "unpack_scale", "wait_for_copies",
+    "zeros",
 ]
 
 
@@ -103,6 +104,23 @@ def activation(a, kind):
 def activation_grad(a, grad, kind):
     """grad * f'(a), rounded once to a's dtype."""
     return (ref.activation_derivative(kind, a) * np.asarray(grad, dtype=np.float64)).astype(a.dtype)
+
+
+def pack_codes(a, boundaries, bits):
+    """The packed `bits`-bit codes of a's elements (the reference backend's bytes; src/README.md)."""
+    a, boundaries = np.asarray(a), np.asarray(boundaries, dtype=np.float32)
+    bits = ref.check_bits("pack_codes", bits)
+    ref.check_blockwise("pack_codes", [("boundaries", boundaries, "float32", 2**bits - 1)])
+    x = a.astype(np.float32).reshape(-1)
+    return ref.pack_code_values((boundaries[None, :] <= x[:, None]).sum(axis=1), bits)
+
+
+def unpack_scale(codes, levels, g, bits):
+    """g * levels[code] element-wise, rounded once to g's dtype."""
+    bits = ref.check_bits("unpack_scale", bits)
+    g = np.asarray(g)
+    unpacked = ref.unpack_code_values(np.asarray(codes), g.size, bits).reshape(g.shape)
+    return (g.astype(np.float32) * np.asarray(levels, dtype=np.float32)[unpacked]).astype(g.dtype)
 
 
 def copies_async(device=None):

@@ -17,6 +17,8 @@ from .ndarray import (  # promote_types is part of the API ops call, as NumPy's 
 )
 
 __all__ = [
+    "pack_codes",
+    "unpack_scale",
     "activation",
     "activation_grad",
     "adam8bit_step",
@@ -146,6 +148,36 @@ def dequantize_blockwise(q, absmax, code, block_size):
     out = NDArray._empty(q.shape, q.device, "float32")
     q.device.mod.dequantize_blockwise(q._handle, code.compact()._handle, absmax.compact()._handle, out._handle,
                                       int(block_size))
+    return out
+
+
+def pack_codes(a, boundaries, bits):
+    """The `bits`-bit code of each element of floating `a` (how many of the 2**bits - 1 ascending float32
+    `boundaries` are <= it), packed: uint8 of shape (ceil(a.size * bits / 8),), the layout of src/README.md."""
+    fn = "pack_codes"
+    _ndarrays_on_one_device(fn, ("a", a), ("boundaries", boundaries))
+    bits = ndarray_backend_numpy.check_bits(fn, bits)
+    _require_float(fn, a.dtype)
+    ndarray_backend_numpy.check_blockwise(fn, [("boundaries", boundaries, "float32", 2**bits - 1)])
+    a = a.compact()
+    out = NDArray._empty((ndarray_backend_numpy.code_bytes(a.size, bits),), a.device, "uint8")
+    a.device.mod.pack_codes(a._handle, boundaries.compact()._handle, out._handle, bits)
+    return out
+
+
+def unpack_scale(codes, levels, g, bits):
+    """g * levels[code] element-wise, the codes unpacked from `codes` (pack_codes' bytes for g's elements): of g's
+    shape and dtype."""
+    fn = "unpack_scale"
+    _ndarrays_on_one_device(fn, ("codes", codes), ("levels", levels), ("g", g))
+    bits = ndarray_backend_numpy.check_bits(fn, bits)
+    _require_float(fn, g.dtype)
+    ndarray_backend_numpy.check_blockwise(fn, [
+        ("codes", codes, "uint8", ndarray_backend_numpy.code_bytes(g.size, bits)),
+        ("levels", levels, "float32", 2**bits)])
+    g = g.compact()
+    out = NDArray._empty(g.shape, g.device, g.dtype)
+    g.device.mod.unpack_scale(codes.compact()._handle, levels.compact()._handle, g._handle, out._handle, bits)
     return out
 
 
