@@ -11,19 +11,19 @@ after its value was released) or differentiating it compares them (rule 4c, back
 computed, reads the same forever, or raises saying why it cannot.
 """
 import contextlib
-import math
 import weakref
 from typing import Protocol
 
 import numpy
 
 from .backend_selection import NDArray, array_api, default_device, device_of
+from .specs import element_dtype, element_shapes, elements_of, itemsize, nbytes_of, spec_nbytes, spec_of
 
 __all__ = ["LAZY_MODE", "TENSOR_COUNTER", "BackwardPlan", "Compute", "Machine", "Op", "Step", "Tensor", "TensorOp",
            "TensorTuple", "TensorTupleOp", "Value", "active_autocast", "compute_gradient_of_variables",
-           "defer_until_realized", "element_shapes", "elements_of", "find_topo_sort", "infer_spec", "itemsize",
-           "last_backward_stats", "lazy_mode", "nbytes_of", "placeholder", "plan_backward", "reads", "realize",
-           "release", "run_backward", "run_deferred", "set_autocast", "spec_nbytes", "spec_of"]
+           "defer_until_realized", "element_dtype", "element_shapes", "elements_of", "find_topo_sort", "infer_spec",
+           "itemsize", "last_backward_stats", "lazy_mode", "nbytes_of", "placeholder", "plan_backward", "reads",
+           "realize", "release", "run_backward", "run_deferred", "set_autocast", "spec_nbytes", "spec_of"]
 
 LAZY_MODE = False  # when True, ops only record the graph; values are computed when something asks for them
 # Mixed precision: the active `needle.amp.autocast` context, or None; changed only through `set_autocast`. Read
@@ -456,43 +456,7 @@ def find_topo_sort(node_list, expand=None):
     return order
 
 
-# ----- values in memory: specs and bytes -------------------------------------------------------------------------
-def spec_of(data):
-    """(shape, dtype, device) of a raw array, or of a tuple of them (its shape: a tuple of shapes)."""
-    if isinstance(data, tuple):
-        specs = [spec_of(x) for x in data]
-        return tuple(s[0] for s in specs), specs[0][1] if specs else "float32", specs[0][2] if specs else None
-    return tuple(data.shape), data.dtype, device_of(data)
-
-
-def element_shapes(shape):
-    """The shapes of a tuple value's elements (its shape is a tuple of shapes), or None for an array's shape."""
-    return shape if shape and isinstance(shape[0], tuple) else None
-
-
-def elements_of(shape):
-    """Elements a value of this shape holds: a tuple value's elements summed."""
-    return sum(math.prod(s) for s in element_shapes(shape) or [shape])
-
-
-def itemsize(dtype):
-    """Bytes per element of a dtype ("float32", or a NumPy dtype)."""
-    return numpy.dtype(dtype).itemsize
-
-
-def spec_nbytes(spec):
-    """Bytes a value of this (shape, dtype, device) spec holds."""
-    return elements_of(spec[0]) * itemsize(spec[1])
-
-
-def nbytes_of(data):
-    if data is None:
-        return 0
-    if isinstance(data, tuple):
-        return sum(nbytes_of(x) for x in data)
-    return int(data.nbytes)
-
-
+# ----- values in memory: releasing one (its spec and bytes: specs.py) ---------------------------------------------
 def release(node):
     """Forget a node's value (it can be recomputed from its inputs); remember its shape, dtype and device."""
     if node.cached_data is not None:

@@ -7,8 +7,8 @@ copied each way. checkpoint_budget.Budget plans on it; checkpoint_optimal linear
 """
 import math
 
-from .autograd import (Machine, element_shapes, elements_of, find_topo_sort, infer_spec, itemsize, placeholder,
-                       realize, spec_nbytes)
+from .autograd import (Machine, element_dtype, element_shapes, elements_of, find_topo_sort, infer_spec, itemsize,
+                       placeholder, realize, spec_nbytes)
 from .backend_ndarray.ndarray import compact_strides  # the strides NDArray gives a compact array
 from .backend_ndarray.ndarray import is_transposed_matrix  # the views a 2-D matmul reads in place
 from .backward import plan_backward, run_backward
@@ -72,9 +72,9 @@ class Ledger(Machine):
         self.made += 1  # a recomputed value gets new buffers, even while views of its old ones are held
         elements = element_shapes(shape)  # a tuple value: one buffer per element
         keys = [(self.made, k) for k in range(len(elements or [shape]))]
-        for key, s in zip(keys, elements or [shape]):
+        for k, (key, s) in enumerate(zip(keys, elements or [shape])):
             self.elements[key] = math.prod(s)
-            self.size[key] = math.prod(s) * itemsize(dtype)
+            self.size[key] = math.prod(s) * itemsize(element_dtype(dtype, k))
         if elements is None:  # an array, compact: the ledger follows its views' strides
             self.strides[id(node)] = compact_strides(shape)
         self.buffers[id(node)] = keys
@@ -119,7 +119,7 @@ class Ledger(Machine):
                 if transposed_in_place and is_transposed_matrix(shape, strides) and self._whole_buffer(x, shape):
                     continue
                 extra += elements_of(shape)
-        return extra * itemsize(self.spec(node)[1])
+        return extra * itemsize(element_dtype(self.spec(node)[1], 0))
 
     def _whole_buffer(self, node, shape):
         keys = self.buffers[id(node)]

@@ -1,5 +1,5 @@
 """Ops on TensorTuples: building one, taking an element, and stack/split between a Tensor and a tuple."""
-from ..autograd import Tensor, TensorOp, TensorTuple, TensorTupleOp
+from ..autograd import Tensor, TensorOp, TensorTuple, TensorTupleOp, element_dtype
 from ..backend_selection import array_api
 from .ops_mathematic import broadcast_to, reshape, summation
 
@@ -45,6 +45,9 @@ class TupleGetItem(TensorOp):
 
     def infer_shape(self, shapes):
         return shapes[self.index]
+
+    def infer_dtype(self, dtype):
+        return element_dtype(dtype, self.index)
 
     def compute(self, a):
         return a[self.index]
