@@ -97,8 +97,9 @@ def test_linear_layers_gc_on_and_off_bit_identical(lazy, activation):
 
 
 @pytest.mark.skipif(not nd.cpu().enabled(), reason="C++ backend not built (run `make`)")
-@pytest.mark.parametrize("activation", ["relu", "gelu", "silu"])
-def test_ledger_predicts_a_linear_step_exactly(activation):
+@pytest.mark.parametrize("activation, bits", [("relu", None), ("gelu", None), ("silu", None), ("gelu", 3),
+                                              ("silu", 1)])
+def test_ledger_predicts_a_linear_step_exactly(activation, bits):
     from needle.checkpoint_budget import predict_peak
 
     device = nd.cpu()
@@ -106,7 +107,7 @@ def test_ledger_predicts_a_linear_step_exactly(activation):
     first, second = nn.Linear(32, 64, device=device), nn.Linear(64, 16, device=device)
 
     def model(x):
-        return second(first(x, activation=activation))
+        return second(first(x, activation=activation, activation_bits=bits))
 
     python_gc.collect()  # no earlier test's garbage freed during the step
     nd.reset_peak_memory_stats(device)

@@ -264,6 +264,7 @@ def test_bad_input_is_one_line_and_exit_2_before_any_work(tmp_path):
         (["--max-batches", "0"], "--max-batches must be a positive integer"),
         (["--dropout", "1"], "--dropout must be in [0, 1)"),
         (["--dropout", "-0.1"], "--dropout must be in [0, 1)"),
+        (["--activation-bits", "3"], "--activation-bits is for --activation gelu, gelu_tanh or silu"),
         (["--precision", "mixed-fp16", "--init-scale", "0"], "--init-scale must be a positive number, got 0"),
         (["--budget_mb", "5"], "--budget-mb is the bound of --policy budget"),
         (["--policy", "budget"], "policy budget needs --budget-mb"),
@@ -744,14 +745,16 @@ def test_a_run_interrupted_after_a_periodic_save_resumes_where_it_was(tmp_path, 
     assert ndl.load(ckpt)["step"] == 6  # saved again when the resumed run ended
 
 
-def test_the_activation_flag_builds_the_mlp_with_it_and_the_json_says_which(tmp_path, capsys):
+def test_the_activation_flags_build_the_mlp_with_them_and_the_json_says_which(tmp_path, capsys):
     data = tiny_ptb(tmp_path)
-    for activation in ("relu", "silu"):
-        run_gc(TINY + ["--data", data, "--use-gc", "1", "--activation", activation, "--max-batches", "2", "--json",
-                       str(tmp_path / f"{activation}.json")])
-    relu, silu = (strict_json(tmp_path / f"{a}.json") for a in ("relu", "silu"))
-    assert relu["activation"] == "relu" and silu["activation"] == "silu"
-    assert relu["loss"] != silu["loss"]  # another model: the flag reached it
+    runs = {"relu": [], "silu": ["--activation", "silu"], "silu-2": ["--activation", "silu", "--activation-bits", "2"]}
+    for name, flags in runs.items():
+        run_gc(TINY + ["--data", data, "--use-gc", "1", "--max-batches", "2", "--json", str(tmp_path / f"{name}.json")]
+               + flags)
+    relu, silu, few = (strict_json(tmp_path / f"{name}.json") for name in runs)
+    assert (relu["activation"], silu["activation"], few["activation"]) == ("relu", "silu", "silu")
+    assert (silu["activation_bits"], few["activation_bits"]) == (None, 2)
+    assert relu["loss"] != silu["loss"] != few["loss"]  # other models: the flags reached them
 
 
 def test_a_resume_that_does_not_match_the_run_is_one_line_naming_the_flag(tmp_path, capsys):

@@ -141,6 +141,9 @@ def add_model_flags(p, command):
          help="the MLP's activation in each Transformer layer (gelu: exact, with erf; gelu_tanh: PyTorch's tanh "
               "approximation), fused into its first linear; relu keeps no pre-activation for backward, the "
               "others keep it")
+    flag(g, "activation_bits", type=int, default=None, choices=[1, 2, 3, 4], metavar="K",
+         help="few-bit derivatives (gelu, gelu_tanh, silu): backward keeps a K-bit code of each pre-activation "
+              "instead of the pre-activation, and multiplies by the fitted derivative of its interval (1..4)")
     flag(g, "head_init_scale", type=float, default=0.1, metavar="S",
          help="scale of the output layer's initial weight, so the loss starts near ln(vocab); 1 keeps the course's "
               "init (whose logits start with a std of several units)")

@@ -42,7 +42,7 @@ def config_of(config, source, vocab, device):
         "effective_batch_size": None if batch is None else batch * config.accumulation_steps,
         "seq_len": config.seq_len, "embedding_size": config.embedding_size, "hidden_size": config.hidden_size,
         "num_layers": config.num_layers, "num_head": config.num_head, "dropout": config.dropout,
-        "activation": config.activation,
+        "activation": config.activation, "activation_bits": config.activation_bits,
         "head_init_scale": config.head_init_scale, "head": config.head, "precision": config.precision,
         "stochastic_rounding": bool(config.stochastic_rounding),
         "init_scale": config.init_scale if config.precision == "mixed-fp16" else None,

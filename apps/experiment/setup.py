@@ -53,6 +53,7 @@ class RunConfig:
     num_head: int = None
     dropout: float = None
     activation: str = "relu"
+    activation_bits: int = None
     head_init_scale: float = None
     precision: str = "fp32"
     stochastic_rounding: bool = False
@@ -138,7 +139,7 @@ def build_model(config, vocab, device, policy):
     model = LanguageModel(config.embedding_size, vocab, config.hidden_size, num_layers=config.num_layers,
                           seq_model="transformer", seq_len=config.seq_len, device=device, num_head=config.num_head,
                           dim_head=config.embedding_size // config.num_head, dropout=config.dropout,
-                          activation=config.activation)
+                          activation=config.activation, activation_bits=config.activation_bits)
     if config.head_init_scale != 1:
         # The course's init gives the output layer logits with a std of several units (its input, the residual
         # stream, is not normalized), so the loss starts far above ln(vocab), a uniform guess.  Scaled down,

@@ -95,8 +95,8 @@ def _flops(op, input_shapes, out_shape):
     """Multiply-adds x 2 of the matmul-like ops; 0 for the others (their time follows their bytes)."""
     if isinstance(op, (ops.MatMul, ops.Linear)):
         return 2 * elements_of(out_shape) * input_shapes[0][-1]  # (..., m, k) x (k, n): 2 m n k per batch
-    if isinstance(op, ops.LinearActivation):  # outputs (f(z), z): z's shape is the product's
-        return 2 * elements_of(out_shape[1]) * input_shapes[0][-1]
+    if isinstance(op, ops.LinearActivation):  # outputs (f(z), z or its codes): f(z)'s shape is the product's
+        return 2 * elements_of(out_shape[0]) * input_shapes[0][-1]
     if isinstance(op, (ops.LinearCrossEntropy, ops.LinearCrossEntropyGrad)):
         (n, h), v = input_shapes[0], input_shapes[1][1]
         # forward: the logits h W; the gradient: the logits again, dz W^T and h^T dz

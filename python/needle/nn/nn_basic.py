@@ -11,6 +11,7 @@ import numpy as np
 
 from .. import init, ops
 from ..autograd import Tensor
+from ..ops.ops_fewbit import check_bits
 from ..backend_selection import array_api
 from .nn_module import Module, Parameter
 
@@ -58,13 +59,13 @@ class Linear(Module):
             b = init.kaiming_uniform(out_features, 1, device=device, dtype=dtype)
             self.bias = Parameter(ops.reshape(b, (1, out_features)))
 
-    def forward(self, X, activation=None):
+    def forward(self, X, activation=None, activation_bits=None):
         """activation "relu", "gelu", "gelu_tanh" or "silu": applied in the same op (ops.linear; relu keeps no
-        pre-activation, the others keep it for their gradient)."""
+        pre-activation, the others keep it for their gradient, or with activation_bits a few-bit code of it)."""
         shape = X.shape
         _expect("Linear", len(shape) >= 1 and shape[-1] == self.in_features, f"(..., {self.in_features})", shape)
         # One graph node (ops.linear): the numbers of reshape, matmul, a broadcast bias add and reshape back.
-        return self.checkpoint(ops.linear(X, self.weight, self.bias, activation), [X])
+        return self.checkpoint(ops.linear(X, self.weight, self.bias, activation, activation_bits), [X])
 
 
 class Flatten(Module):
@@ -82,12 +83,14 @@ class ReLU(Module):
 
 
 class GELU(Module):
-    """x Φ(x), as PyTorch's nn.GELU: approximate "none" (erf) or "tanh". Its gradient reads its input (ops.gelu)."""
+    """x Φ(x), as PyTorch's nn.GELU: approximate "none" (erf) or "tanh". Its gradient reads its input, or with
+    `bits` a few-bit code of it (ops.gelu)."""
 
     def __init__(self, approximate="none", bits=None):
         super().__init__()
         if approximate not in ("none", "tanh"):
             raise ValueError(f"GELU: approximate must be 'none' or 'tanh', got {approximate!r}")
+        check_bits("GELU", bits)
         self.approximate, self.bits = approximate, bits
 
     def forward(self, x):
@@ -95,10 +98,11 @@ class GELU(Module):
 
 
 class SiLU(Module):
-    """x σ(x), as PyTorch's nn.SiLU. Its gradient reads its input (ops.silu)."""
+    """x σ(x), as PyTorch's nn.SiLU. Its gradient reads its input, or with `bits` a few-bit code of it (ops.silu)."""
 
     def __init__(self, bits=None):
         super().__init__()
+        check_bits("SiLU", bits)
         self.bits = bits
 
     def forward(self, x):

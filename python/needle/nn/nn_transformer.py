@@ -18,7 +18,7 @@ import numpy as np
 
 from .. import init, ops
 from ..autograd import Tensor
-from ..ops.ops_activation import check_bits
+from ..ops.ops_fewbit import check_bits
 from ..ops.ops_linear import ACTIVATIONS
 from .nn_basic import Dropout, LayerNorm1d, Linear, ReLU, draw_like_rand
 from .nn_module import Module
@@ -155,7 +155,8 @@ class TransformerLayer(Module):
     """x + Dropout(Attention(x)), then x + Dropout(Linear2(Dropout(f(Linear1(LayerNorm(x)))))).
 
     activation f: "relu" (the course's), "gelu" (exact), "gelu_tanh" or "silu", applied inside linear1's op
-    (ops.linear's activation); activation_bits: few-bit derivatives (issue #30: not built yet, must be None).
+    (ops.linear's activation); activation_bits (1..4, not for relu): backward keeps that many bits per element of
+    the pre-activation instead of the pre-activation (few-bit derivatives: ops/ops_activation.py).
 
     fused_attention=True (the opt-in with dropout): the residual and MLP dropouts regenerate their masks from a
     seed as the fused attention does (Dropout(regenerate=True)), so the layer keeps no mask at all.
@@ -168,6 +169,9 @@ class TransformerLayer(Module):
             raise ValueError(f"TransformerLayer: activation must be one of {', '.join(ACTIVATIONS)}, got "
                              f"{activation!r}")
         check_bits("TransformerLayer", activation_bits)
+        if activation == "relu" and activation_bits is not None:
+            raise ValueError("TransformerLayer: activation_bits is for gelu, gelu_tanh and silu; relu's gradient "
+                             "already reads only its output's sign")
         self.activation, self.activation_bits = activation, activation_bits
         self.attention = AttentionLayer(q_features, num_head, dim_head, dropout=dropout, causal=causal,
                                         device=device, dtype=dtype, fused_attention=fused_attention)
@@ -193,7 +197,7 @@ class TransformerLayer(Module):
         """x (B, T, q_features) -> (B, T, q_features)."""
         h = x + self.dropout(self.attention(x))
         # the activation runs inside linear1's op (ops.linear's): one node (relu keeps no pre-activation)
-        hidden = self.linear1(self.layernorm(h), activation=self.activation)
+        hidden = self.linear1(self.layernorm(h), activation=self.activation, activation_bits=self.activation_bits)
         out = h + self.dropout(self.linear2(self.dropout(hidden)))
         return self.checkpoint(out, [x])
 

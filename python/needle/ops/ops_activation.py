@@ -2,8 +2,9 @@
 
 ReLU's derivative needs only where its output is positive, so backward can read the output, which the next layer
 keeps anyway. GELU's and SiLU's derivatives need the pre-activation itself (`saves = "inputs"`): in a GPT MLP the
-widest tensor of the layer, kept for backward on the activation's account alone. That is the memory few-bit
-derivatives (issue #30's `bits`) are for; until they exist, `bits` must be None.
+widest tensor of the layer, kept for backward on the activation's account alone.
+
+With `bits=k` (k in 1..4) `gelu` and `silu` keep a k-bit code of x instead (few-bit derivatives: ops_fewbit.py).
 
 The kernels are the backends' ewise_gelu / ewise_gelu_tanh / ewise_silu and their *_grad (src/README.md): one
 pass each, float32 arithmetic, the result rounded once to the input's dtype.
@@ -12,7 +13,9 @@ import math
 
 from ..autograd import TensorOp
 from ..backend_selection import array_api
+from .ops_fewbit import FewBitActivation, check_bits
 from .ops_mathematic import exp, sigmoid, tanh
+from .ops_tuple import tuple_get_item
 
 __all__ = ["ActivationGrad", "GELU", "SiLU", "gelu", "silu"]
 
@@ -86,22 +89,20 @@ def second_derivative(kind, x):
     return (t * t * -1.0 + 1.0) * (du + x * (ddu - t * du * du * 2.0) * 0.5)
 
 
-def check_bits(name, bits):
-    """NotImplementedError naming `name` unless bits is None (few-bit derivatives: issue #30, not built yet)."""
-    if bits is not None:
-        raise NotImplementedError(f"{name}: bits={bits!r}: few-bit derivatives are not implemented yet (issue #30); "
-                                  "bits must be None")
-
-
 def gelu(x, approximate="none", bits=None):
-    """GELU(x) = x Φ(x), Φ the standard normal CDF, as PyTorch's: approximate "none" (erf) or "tanh"."""
+    """GELU(x) = x Φ(x), Φ the standard normal CDF, as PyTorch's: approximate "none" (erf) or "tanh". bits: keep a
+    `bits`-bit code of x for backward instead of x (few-bit derivative: FewBitActivation)."""
     if approximate not in APPROXIMATIONS:
         raise ValueError(f"gelu: approximate must be 'none' or 'tanh', got {approximate!r}")
     check_bits("gelu", bits)
+    if bits is not None:
+        return tuple_get_item(FewBitActivation(APPROXIMATIONS[approximate], bits)(x), 0)
     return GELU(approximate)(x)
 
 
 def silu(x, bits=None):
-    """SiLU(x) = x σ(x) (also called swish), as PyTorch's."""
+    """SiLU(x) = x σ(x) (also called swish), as PyTorch's. bits: as gelu's."""
     check_bits("silu", bits)
+    if bits is not None:
+        return tuple_get_item(FewBitActivation("silu", bits)(x), 0)
     return SiLU()(x)

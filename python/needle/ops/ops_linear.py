@@ -12,7 +12,9 @@ import math
 
 from ..autograd import TensorOp, TensorTupleOp
 from ..backend_selection import array_api
+from ..backend_ndarray.ndarray_backend_numpy import code_bytes
 from .ops_activation import ActivationGrad
+from .ops_fewbit import FewBitGrad, check_bits, pack_input_codes
 from .ops_mathematic import matmul, relu_mask, reshape, summation, transpose
 from .ops_tuple import tuple_get_item
 
@@ -84,6 +86,8 @@ class LinearActivation(TensorTupleOp):
 
     GELU's and SiLU's gradients read the pre-activation z, so unlike relu's it is an output of its own; `linear`
     hands out only f(z) (tuple element 0), so nothing else reads z and its gradient is zero (not read here).
+    With `bits` (few-bit derivatives, ops_activation.py) the second output is z's packed `bits`-bit codes instead:
+    z is a temporary inside the op, and dz = g q(z) (FewBitGrad).
     """
 
     saveable = True  # a matmul, as Linear
@@ -91,31 +95,41 @@ class LinearActivation(TensorTupleOp):
     autocast = "low"
     saves = "both"  # x and W for the matmuls' gradients, z for the activation's
 
-    def __init__(self, bias, kind):
-        self.bias, self.kind = bias, kind
+    def __init__(self, bias, kind, bits=None):
+        self.bias, self.kind, self.bits = bias, kind, bits
 
     def infer_dtype(self, *dtypes):
-        return functools.reduce(array_api.promote_types, dtypes)
+        dtype = functools.reduce(array_api.promote_types, dtypes)
+        return dtype if self.bits is None else (dtype, "uint8")
 
     def infer_shape(self, x, w, *b):
         out = tuple(x[:-1]) + (w[1],)
-        return (out, out) if _fits(x, w, *b) else None
+        second = out if self.bits is None else (code_bytes(math.prod(out), self.bits),)
+        return (out, second) if _fits(x, w, *b) else None
 
     def workspace(self, x, w, *b):
-        return math.prod(x[:-1]) * w[1] if self.bias else 0  # x W before the bias is added into a new array
+        # Without bits, x W and z (the bias added) coexist before f(z) exists: no more than the two outputs. With
+        # bits z is a temporary beside f(z) and the codes (x W and z before them: no more).
+        return 0 if self.bits is None else math.prod(x[:-1]) * w[1]
 
     def compute(self, x, w, *b):
         z = Linear(self.bias).compute(x, w, *b)
-        return array_api.activation(z, self.kind), z
+        second = z if self.bits is None else pack_input_codes(z, self.kind, self.bits)
+        return array_api.activation(z, self.kind), second
 
     def gradient(self, out_grad, node):
-        dz = ActivationGrad(self.kind)(tuple_get_item(node, 1), out_grad[0])
+        second = tuple_get_item(node, 1)
+        if self.bits is None:
+            dz = ActivationGrad(self.kind)(second, out_grad[0])
+        else:
+            dz = FewBitGrad(self.kind, self.bits)(second, out_grad[0])
         return linear_gradients(node.inputs, dz)
 
 
-def linear(x, weight, bias=None, activation=None):
+def linear(x, weight, bias=None, activation=None, activation_bits=None):
     """x @ weight + bias over the last axis of x (..., n), weight (n, m), bias (m,) or (1, m) or None, as one op;
-    activation "relu", "gelu" (exact), "gelu_tanh" or "silu" applies it in the same op.
+    activation "relu", "gelu" (exact), "gelu_tanh" or "silu" applies it in the same op; activation_bits (gelu,
+    gelu_tanh, silu) keeps a few-bit code of the pre-activation for backward instead of the pre-activation.
 
     The same numbers as `reshape`, `matmul`, `broadcast_to`, `+` (and the activation's op), and their gradients, in
     one node (with gelu or silu, a tuple node and the element handed out).
@@ -126,7 +140,11 @@ def linear(x, weight, bias=None, activation=None):
     if not _fits(*shapes):
         raise ValueError(f"linear: needs x (..., n), weight (n, m) and bias (m,) or (1, m); got x {shapes[0]}, "
                          f"weight {shapes[1]}" + ("" if bias is None else f", bias {shapes[2]}"))
+    check_bits("linear", activation_bits)
+    if activation_bits is not None and activation in (None, "relu"):
+        raise ValueError(f"linear: activation_bits is for gelu, gelu_tanh and silu (relu's gradient reads only its "
+                         f"output's sign), got activation {activation!r}")
     inputs = (x, weight) + (() if bias is None else (bias,))
     if activation in (None, "relu"):
         return Linear(bias is not None, activation == "relu")(*inputs)
-    return tuple_get_item(LinearActivation(bias is not None, activation)(*inputs), 0)
+    return tuple_get_item(LinearActivation(bias is not None, activation, activation_bits)(*inputs), 0)

@@ -66,12 +66,12 @@ class ColumnParallelLinear(Module):
     def from_linear(cls, linear, group=None, input="copy", sequence_axis=1):
         return cls(linear, group, input, sequence_axis)
 
-    def forward(self, x, activation=None):
+    def forward(self, x, activation=None, activation_bits=None):
         if self.input == "copy":
             x = copy_to_region(x, self.group)
         elif self.input == "gather":  # the whole sequence: not kept, gathered again for the weight's gradient
             x = gather_from_region(x, self.sequence_axis, self.group, regather=True)
-        out = ops.linear(x, self.weight, self.bias, activation)
+        out = ops.linear(x, self.weight, self.bias, activation, activation_bits)
         if self.input == "gather":
             not_kept(x)
         return out

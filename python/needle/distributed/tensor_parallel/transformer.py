@@ -98,14 +98,16 @@ class ParallelTransformerLayer(Module):
                                             SEQUENCE_AXIS)
         self.linear2 = RowParallelLinear(layer.linear2, group, "reduce_scatter" if sequence_parallel else
                                          "all_reduce", SEQUENCE_AXIS)
-        self.dropout, self.activation = layer.dropout, layer.activation  # element-wise: each rank on its columns
+        # element-wise: each rank applies the activation (and its few-bit codes) to its own columns
+        self.dropout, self.activation, self.activation_bits = layer.dropout, layer.activation, layer.activation_bits
         if layer.activation == "relu":
             self.relu = layer.relu
 
     def forward(self, x):
         h = x + self.dropout(self.attention(x))
         normed = _layer_norm(self.layernorm, h, self.group, self.sequence_parallel)
-        out = h + self.dropout(self.linear2(self.dropout(self.linear1(normed, activation=self.activation))))
+        hidden = self.linear1(normed, activation=self.activation, activation_bits=self.activation_bits)
+        out = h + self.dropout(self.linear2(self.dropout(hidden)))
         return self.checkpoint(out, [x])
 
 
