@@ -112,6 +112,8 @@ FIGURES = [
            STEP + ("benchmarks/bench_offload.py",)),
     Figure("offload-overhead", "README.md", bench("bench_offload_overhead.py", "--markdown"),
            STEP + ("benchmarks/bench_offload_overhead.py",)),
+    Figure("fewbit", "docs/fewbit.md", bench("bench_fewbit.py", "--markdown"),
+           GC + ("python/needle/fewbit.py", "benchmarks/bench_fewbit.py"), ONE_THREAD),
     Figure("budget-optimal", "docs/offloading.md", bench("bench_budget.py", "--markdown"),
            STEP + ("python/needle/checkpoint_optimal.py", "benchmarks/bench_budget.py")),
     Figure("precision-quality", "docs/precision.md",
