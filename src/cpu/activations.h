@@ -13,6 +13,7 @@
 #include "array.h"
 #include "common.h"
 #include "dtypes.h"
+#include "elementwise.h"  // ewise_binary: the gradients' loop
 #include "threads.h"
 
 #include <algorithm>
@@ -72,33 +73,24 @@ static void activation_forward(const char* fn, const Array& a, Array& out, Op f)
   });
 }
 
-// out[i] = g[i] * f'(a[i]).
-template <class Op>
-static void activation_backward(const char* fn, const Array& a, const Array& g, Array& out, Op f) {
-  check_size(fn, "g", g.size, a.size);
-  check_size(fn, "out", out.size, a.size);
-  visit_float(same_float_dtype(fn, {&a, &g, &out}), [&](auto t) {
-    using T = decltype(t);
-    const T* pa = a.data<T>();
-    const T* pg = g.data<T>();
-    T* po = out.data<T>();
-    parallel_range(a.size, threads_for(a.size, true), [&](size_t begin, size_t end) {
-      for (size_t i = begin; i < end; ++i) po[i] = from_float<T>(to_float(pg[i]) * f.derivative(to_float(pa[i])));
-    });
-  });
-}
+// out[i] = g[i] * f'(a[i]): elementwise.h's binary loop (a = the input, b = g) with this functor.
+template <class F>
+struct TimesDerivative {
+  static constexpr bool expensive = true;
+  scalar_t operator()(scalar_t x, scalar_t g) const { return g * F().derivative(x); }
+};
 
 static void ewise_gelu(const Array& a, Array& out) { activation_forward("ewise_gelu", a, out, GeluOp()); }
 static void ewise_gelu_tanh(const Array& a, Array& out) { activation_forward("ewise_gelu_tanh", a, out, GeluTanhOp()); }
 static void ewise_silu(const Array& a, Array& out) { activation_forward("ewise_silu", a, out, SiluOp()); }
 static void ewise_gelu_grad(const Array& a, const Array& g, Array& out) {
-  activation_backward("ewise_gelu_grad", a, g, out, GeluOp());
+  ewise_binary("ewise_gelu_grad", a, g, out, TimesDerivative<GeluOp>());
 }
 static void ewise_gelu_tanh_grad(const Array& a, const Array& g, Array& out) {
-  activation_backward("ewise_gelu_tanh_grad", a, g, out, GeluTanhOp());
+  ewise_binary("ewise_gelu_tanh_grad", a, g, out, TimesDerivative<GeluTanhOp>());
 }
 static void ewise_silu_grad(const Array& a, const Array& g, Array& out) {
-  activation_backward("ewise_silu_grad", a, g, out, SiluOp());
+  ewise_binary("ewise_silu_grad", a, g, out, TimesDerivative<SiluOp>());
 }
 
 }  // namespace cpu
