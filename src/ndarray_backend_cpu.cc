@@ -32,6 +32,7 @@
 //   layernorm.h       fused layer norm: layernorm_forward, layernorm_backward
 //   activations.h     GELU (exact, tanh) and SiLU and their derivatives: ewise_gelu, ..., ewise_silu_grad
 //   fewbit.h          k-bit codes of an activation's input, packed: pack_codes, unpack_scale
+//   compress.h        k-bit linear codes with stochastic rounding: quantize_stochastic, dequantize_linear
 
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>  // the std::vector<int64_t> shapes and strides
@@ -61,6 +62,7 @@
 #include "cpu/layernorm.h"
 #include "cpu/activations.h"
 #include "cpu/fewbit.h"
+#include "cpu/compress.h"
 
 PYBIND11_MODULE(ndarray_backend_cpu, m) {
   namespace py = pybind11;
@@ -128,6 +130,8 @@ PYBIND11_MODULE(ndarray_backend_cpu, m) {
   m.def("ewise_silu_grad", ewise_silu_grad);
   m.def("pack_codes", pack_codes);
   m.def("unpack_scale", unpack_scale);
+  m.def("quantize_stochastic", quantize_stochastic);
+  m.def("dequantize_linear", dequantize_linear);
   m.def("ewise_strided", ewise_strided);
   m.def("scalar_strided", scalar_strided);
   m.def("unary_strided", unary_strided);

@@ -24,6 +24,7 @@
 //   layernorm.cuh       fused layer norm: layernorm_forward, layernorm_backward
 //   activations.cuh     GELU (exact, tanh), SiLU and their derivatives: functors for ewise_gelu, ..., ewise_silu_grad
 //   fewbit.cuh          k-bit codes of an activation's input, packed: pack_codes, unpack_scale
+//   compress.cuh        k-bit linear codes with stochastic rounding: quantize_stochastic, dequantize_linear
 //   host_copy.cuh       to_numpy / from_numpy; pinned host memory and asynchronous copies on a copy stream
 // Each header includes what it uses and compiles on its own; together they are this one translation unit
 // (their functions are not `inline`: include them from here only).
@@ -45,6 +46,7 @@
 #include "cuda/common.cuh"
 #include "cuda/dtypes.cuh"
 #include "cuda/fewbit.cuh"
+#include "cuda/compress.cuh"
 #include "cuda/elementwise.cuh"
 #include "cuda/gather_scatter.cuh"
 #include "cuda/host_copy.cuh"
@@ -151,6 +153,8 @@ PYBIND11_MODULE(ndarray_backend_cuda, m) {
   def_ewise(m, "ewise_silu_grad", SiluGradOp());
   m.def("pack_codes", pack_codes);
   m.def("unpack_scale", unpack_scale);
+  m.def("quantize_stochastic", quantize_stochastic);
+  m.def("dequantize_linear", dequantize_linear);
 
   m.def("ewise_strided", ewise_strided);
   m.def("scalar_strided", scalar_strided);

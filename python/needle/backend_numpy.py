@@ -3,6 +3,8 @@
 It exposes the same functional API as `needle.backend_ndarray.array_api` (what ops call), implemented with NumPy;
 dtypes follow NumPy, so float64 input stays float64.
 """
+import math
+
 import ml_dtypes  # noqa: F401  (registers "bfloat16" with NumPy)
 import numpy as np
 
@@ -13,7 +15,7 @@ __all__ = [
     "attention_backward", "attention_forward", "broadcast_to", "cast_like", "copies_async", "copy_to_host", "cpu",
     "cpu_numpy", "cuda", "default_device", "dequantize_blockwise", "device_of", "dropout", "empty", "exp", "flip",
     "from_host_async", "full", "host_empty", "layer_norm", "layer_norm_backward", "log", "logsumexp", "matmul", "max",
-    "maximum", "pack_codes", "pad", "promote_types", "quantize_blockwise", "reshape", "round_stochastic",
+    "maximum", "pack_codes", "quantize_stochastic", "dequantize_linear", "pad", "promote_types", "quantize_blockwise", "reshape", "round_stochastic",
     "scatter_add_rows", "scatter_along_rows", "softmax_xent_grad", "split", "stack", "sum", "take_along_rows",
     "take_rows", "tanh", "tensor_data", "to_host", "to_numpy", "transpose", "unpack_scale", "wait_for_copies",
     "zeros",
@@ -121,6 +123,26 @@ def unpack_scale(codes, levels, g, bits):
     g = np.asarray(g)
     unpacked = ref.unpack_code_values(np.asarray(codes), g.size, bits).reshape(g.shape)
     return (g.astype(np.float32) * np.asarray(levels, dtype=np.float32)[unpacked]).astype(g.dtype)
+
+
+def quantize_stochastic(a, bits, block_size, seed):
+    """(packed k-bit codes, float32 scales): the reference backend's bytes (src/README.md)."""
+    a = np.asarray(a)
+    bits = ref.check_compress_bits("quantize_stochastic", bits)
+    if a.dtype != np.float32:
+        raise TypeError(f"quantize_stochastic: needs a float32 array, got {a.dtype}")
+    codes, scales = ref.stochastic_codes(a, seed, bits, block_size)
+    return ref.pack_code_values(codes, bits), scales
+
+
+def dequantize_linear(codes, scales, shape, bits, block_size):
+    """float32 (code - h) * scale, of `shape`."""
+    bits = ref.check_compress_bits("dequantize_linear", bits)
+    n = math.prod(shape)
+    c = ref.unpack_code_values(np.asarray(codes), n, bits).astype(np.float32)
+    half = np.float32(2 ** (bits - 1) - 1)
+    with np.errstate(invalid="ignore"):
+        return ((c - half) * np.repeat(np.asarray(scales, np.float32), block_size)[:n]).reshape(shape)
 
 
 def copies_async(device=None):

@@ -19,6 +19,8 @@ from .ndarray import (  # promote_types is part of the API ops call, as NumPy's 
 __all__ = [
     "pack_codes",
     "unpack_scale",
+    "quantize_stochastic",
+    "dequantize_linear",
     "activation",
     "activation_grad",
     "adam8bit_step",
@@ -178,6 +180,38 @@ def unpack_scale(codes, levels, g, bits):
     g = g.compact()
     out = NDArray._empty(g.shape, g.device, g.dtype)
     g.device.mod.unpack_scale(codes.compact()._handle, levels.compact()._handle, g._handle, out._handle, bits)
+    return out
+
+
+def quantize_stochastic(a, bits, block_size, seed):
+    """float32 `a` as k-bit linear codes with stochastic rounding, one float32 scale per block of `block_size`
+    elements (src/README.md): (codes, scales), codes uint8 of shape (ceil(a.size * bits / 8),) in pack_codes'
+    layout, scales float32 of shape (ceil(a.size / block_size),). The noise of element i is a hash of (seed, i)."""
+    fn = "quantize_stochastic"
+    _ndarrays_on_one_device(fn, ("a", a))
+    bits = ndarray_backend_numpy.check_compress_bits(fn, bits)
+    if a.dtype != "float32":
+        raise TypeError(f"{fn}: needs a float32 array, got {a.dtype}")
+    blocks = ndarray_backend_numpy.num_blocks(fn, a.size, block_size)
+    a = a.compact()
+    codes = NDArray._empty((ndarray_backend_numpy.code_bytes(a.size, bits),), a.device, "uint8")
+    scales = NDArray._empty((blocks,), a.device, "float32")
+    a.device.mod.quantize_stochastic(a._handle, codes._handle, scales._handle, bits, block_size,
+                                     int(seed) & 0xFFFFFFFF)
+    return codes, scales
+
+
+def dequantize_linear(codes, scales, shape, bits, block_size):
+    """The inverse of quantize_stochastic: float32 (code - h) * scale of its block, of `shape`."""
+    fn = "dequantize_linear"
+    _ndarrays_on_one_device(fn, ("codes", codes), ("scales", scales))
+    bits = ndarray_backend_numpy.check_compress_bits(fn, bits)
+    out = NDArray._empty(tuple(shape), codes.device, "float32")
+    ndarray_backend_numpy.check_blockwise(fn, [
+        ("codes", codes, "uint8", ndarray_backend_numpy.code_bytes(out.size, bits)),
+        ("scales", scales, "float32", ndarray_backend_numpy.num_blocks(fn, out.size, block_size))])
+    codes.device.mod.dequantize_linear(codes.compact()._handle, scales.compact()._handle, out._handle, bits,
+                                       block_size)
     return out
 
 

@@ -520,6 +520,60 @@ def unpack_scale(codes, levels, g, out, bits):
     _store(out, _f32(g) * levels.array[unpack_code_values(codes.array, g.size, bits)])
 
 
+# ----- compressed saved activations (ActNN, Chen et al. 2021): k-bit linear codes, stochastic rounding --------
+def check_compress_bits(fn, bits):
+    bits = operator.index(bits)  # TypeError for a float, as the compiled modules
+    if not 2 <= bits <= 8:
+        raise ValueError(f"{fn}: bits must be in 2..8, got {bits}")
+    return bits
+
+
+def uniform_from_counter(seed, n):
+    """n float32 numbers in [0, 1), element i's from the hash of (seed, i) as dropout's: its top 24 bits * 2^-24."""
+    idx = np.arange(n, dtype=np.uint64)
+    key = _lowbias32((idx >> np.uint64(32)).astype(np.uint32) ^ np.uint32((int(seed) * 0x9E3779B9) & 0xFFFFFFFF))
+    return (_lowbias32(idx.astype(np.uint32) ^ key) >> np.uint32(8)).astype(np.float32) * np.float32(2.0**-24)
+
+
+def stochastic_codes(x, seed, bits, block_size):
+    """float32 x -> (codes of 0..2h, float32 scale per block), h = 2^(bits-1) - 1, by the contract's rule: scale =
+    absmax / h (NaN if the block holds a NaN), code = floor(x / scale + h + u), u from the counter; a block whose
+    scale is 0 or not finite, or an element whose sum is not finite, gets code h (the value 0)."""
+    x = np.asarray(x, np.float32).reshape(-1)
+    n, half = x.size, np.float32(2 ** (bits - 1) - 1)
+    padded = np.zeros(num_blocks("quantize_stochastic", n, block_size) * block_size, np.float32)
+    padded[:n] = np.abs(x)
+    scale = padded.reshape(-1, block_size).max(axis=1) / half  # float32; np.max propagates NaN
+    s = np.repeat(scale, block_size)[:n]
+    with np.errstate(all="ignore"):
+        c = np.floor((x / s + half) + uniform_from_counter(seed, n))
+    ok = np.isfinite(c) & np.isfinite(s) & (s > 0)
+    codes = np.where(ok, np.clip(c, 0, 2 * half), half).astype(np.uint8)
+    return codes, scale.astype(np.float32)
+
+
+def quantize_stochastic(a, out, scales, bits, block_size, seed):
+    fn = "quantize_stochastic"
+    bits = check_compress_bits(fn, bits)
+    blocks = num_blocks(fn, a.size, block_size)
+    check_blockwise(fn, [("a", a, "float32", a.size), ("out", out, "uint8", code_bytes(a.size, bits)),
+                         ("scales", scales, "float32", blocks)])
+    codes, scale = stochastic_codes(a.array, seed, bits, block_size)
+    out.array[:], scales.array[:] = pack_code_values(codes, bits), scale
+
+
+def dequantize_linear(codes, scales, out, bits, block_size):
+    fn = "dequantize_linear"
+    bits = check_compress_bits(fn, bits)
+    blocks = num_blocks(fn, out.size, block_size)
+    check_blockwise(fn, [("codes", codes, "uint8", code_bytes(out.size, bits)),
+                         ("scales", scales, "float32", blocks), ("out", out, "float32", out.size)])
+    half = np.float32(2 ** (bits - 1) - 1)
+    c = unpack_code_values(codes.array, out.size, bits).astype(np.float32)
+    with np.errstate(invalid="ignore"):  # 0 times a non-finite scale
+        out.array[:] = (c - half) * np.repeat(scales.array, block_size)[: out.size]
+
+
 # ----- element-wise on strided views: out (compact, `shape`) = op(views), nothing materialized (float32) ---------
 def _op(table, op, fn):
     if op not in table:

@@ -1,0 +1,112 @@
+// compress.h -- compressed saved activations (ActNN, Chen et al. 2021): k-bit linear codes with stochastic rounding,
+// one scale per block: quantize_stochastic and dequantize_linear. The reference is ndarray_backend_numpy.py
+// (stochastic_codes); the bytes are the same on every backend.
+//
+// The rule, once (src/README.md words it too): h = 2^(bits-1) - 1; block b (block_size consecutive elements) has
+// scale[b] = absmax / h in float32 (NaN if the block holds a NaN); element i gets code
+//   floor(a[i] / scale + h + u_i),  u_i = (lowbias32 hash of (seed, i), as dropout's) >> 8, times 2^-24,
+// in 0..2h, so it dequantizes to (code - h) * scale: one of the two grid points around a[i], the upper one with
+// probability equal to a[i]'s distance from the lower one. The expectation is a[i] itself: unbiased. A block whose
+// scale is 0 or not finite, and an element whose sum is not finite, get code h (the value 0). The codes are packed
+// as fewbit.h packs them (a group of 8 codes is one little-endian integer of `bits` bytes).
+#pragma once
+
+#include "array.h"
+#include "common.h"
+#include "dtypes.h"
+#include "fewbit.h"  // code_bytes
+#include "quantize.h"  // check_blockwise
+#include "random.h"  // lowbias32
+#include "threads.h"
+
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+namespace needle {
+namespace cpu {
+
+static size_t compress_blocks(const char* fn, size_t n, int64_t block_size, int bits) {
+  if (bits < 2 || bits > 8) fail(std::string(fn) + ": bits must be in 2..8, got " + std::to_string(bits));
+  if (block_size < 1) fail(std::string(fn) + ": block_size must be at least 1, got " + std::to_string(block_size));
+  return (n + static_cast<size_t>(block_size) - 1) / static_cast<size_t>(block_size);
+}
+
+// u_i in [0, 1): the top 24 bits of element i's hash, exact in float32.
+static inline float counter_uniform(uint64_t i, uint32_t seed_key) {
+  const uint32_t key = lowbias32(static_cast<uint32_t>(i >> 32) ^ seed_key);
+  return static_cast<float>(lowbias32(static_cast<uint32_t>(i) ^ key) >> 8) * (1.0f / 16777216.0f);
+}
+
+static void quantize_stochastic(const Array& a, Array& out, Array& scales, int bits, int64_t block_size,
+                                uint32_t seed) {
+  const char* fn = "quantize_stochastic";
+  const size_t n = a.size, blocks = compress_blocks(fn, n, block_size, bits), bs = static_cast<size_t>(block_size);
+  check_blockwise(fn, {{"a", a, DType::f32, n}, {"out", out, DType::u8, code_bytes(n, bits)},
+                       {"scales", scales, DType::f32, blocks}});
+  const float* pa = a.data<float>();
+  float* ps = scales.data<float>();
+  uint8_t* po = out.data<uint8_t>();
+  const float half = static_cast<float>((1 << (bits - 1)) - 1);
+  const uint32_t seed_key = seed * 0x9E3779B9u;
+  py::gil_scoped_release release;
+  parallel_range(blocks, threads_for(n, false), [&](size_t begin, size_t end) {  // the scales: one block a task
+    for (size_t b = begin; b < end; ++b) {
+      float m = 0.0f;
+      for (size_t i = b * bs; i < n && i < (b + 1) * bs; ++i) {
+        const float x = std::fabs(pa[i]);
+        m = (x > m || std::isnan(x)) ? x : m;  // a NaN stays: NumPy's max propagates it
+        if (std::isnan(m)) break;
+      }
+      ps[b] = m / half;
+    }
+  });
+  const size_t groups = (n + 7) / 8, nbytes = out.size;
+  parallel_range(groups, threads_for(n, false), [&](size_t begin, size_t end) {  // the codes: 8 a group
+    for (size_t g = begin; g < end; ++g) {
+      uint64_t group = 0;
+      for (size_t j = 0; j < 8 && 8 * g + j < n; ++j) {
+        const size_t i = 8 * g + j;
+        const float s = ps[i / bs];
+        const float y = pa[i] / s + half;  // two float32 roundings, then a third for + u: as the reference
+        const float c = std::floor(y + counter_uniform(i, seed_key));
+        const bool ok = std::isfinite(c) && std::isfinite(s) && s > 0.0f;
+        const float code = ok ? std::fmin(std::fmax(c, 0.0f), 2.0f * half) : half;
+        group |= static_cast<uint64_t>(code) << (j * bits);
+      }
+      for (int byte = 0; byte < bits && g * bits + byte < nbytes; ++byte) {
+        po[g * bits + byte] = static_cast<uint8_t>(group >> (8 * byte));
+      }
+    }
+  });
+}
+
+static void dequantize_linear(const Array& codes, const Array& scales, Array& out, int bits, int64_t block_size) {
+  const char* fn = "dequantize_linear";
+  const size_t n = out.size, blocks = compress_blocks(fn, n, block_size, bits), bs = static_cast<size_t>(block_size);
+  check_blockwise(fn, {{"codes", codes, DType::u8, code_bytes(n, bits)}, {"scales", scales, DType::f32, blocks},
+                       {"out", out, DType::f32, n}});
+  const uint8_t* pc = codes.data<uint8_t>();
+  const float* ps = scales.data<float>();
+  float* po = out.data<float>();
+  const float half = static_cast<float>((1 << (bits - 1)) - 1);
+  const uint64_t mask = (uint64_t(1) << bits) - 1;
+  const size_t groups = (n + 7) / 8, nbytes = codes.size;
+  py::gil_scoped_release release;
+  parallel_range(groups, threads_for(n, false), [&](size_t begin, size_t end) {
+    for (size_t g = begin; g < end; ++g) {
+      uint64_t group = 0;
+      for (int byte = 0; byte < bits && g * bits + byte < nbytes; ++byte) {
+        group |= uint64_t(pc[g * bits + byte]) << (8 * byte);
+      }
+      for (size_t j = 0; j < 8 && 8 * g + j < n; ++j) {
+        const size_t i = 8 * g + j;
+        po[i] = (static_cast<float>((group >> (j * bits)) & mask) - half) * ps[i / bs];
+      }
+    }
+  });
+}
+
+}  // namespace cpu
+}  // namespace needle
