@@ -44,18 +44,20 @@ static DType check_matmul_dtypes(const char* fn, const Array& a, const Array& b,
   return d;
 }
 
-// Where a product accumulates: out itself when it is float32, else a float32 Array of out's size (counted by the
-// memory statistics like any buffer) that is rounded into out at the end.
+// Where a product accumulates: out itself when it is float32, else a float32 buffer of out's size that is rounded
+// into out at the end. Like the packing buffers it lives outside the allocator: a temporary within one call that no
+// Python object ever sees, and that only some machines need (a bfloat16 product without VDPBF16PS), so the memory
+// statistics, the Budget's ledger and needle.memory's timeline count the same bytes on every machine.
 struct Accumulator {
   explicit Accumulator(Array& out) : out(out) {
-    if (out.dtype != DType::f32) tmp.reset(new Array(out.size));
+    if (out.dtype != DType::f32) tmp.resize(out.size);
   }
-  scalar_t* data() { return tmp ? tmp->ptr : out.ptr; }
+  scalar_t* data() { return out.dtype == DType::f32 ? out.ptr : tmp.data(); }
   void finish() {
     if (out.dtype == DType::f32) return;
     visit_float(out.dtype, [&](auto t) {
       using T = decltype(t);
-      const float* src = tmp->ptr;
+      const float* src = tmp.data();
       T* dst = out.data<T>();
       parallel_range(out.size, threads_for(out.size, false), [&](size_t begin, size_t end) {
         for (size_t i = begin; i < end; ++i) dst[i] = from_float<T>(src[i]);
@@ -63,7 +65,7 @@ struct Accumulator {
     });
   }
   Array& out;
-  std::unique_ptr<Array> tmp;
+  std::vector<float> tmp;
 };
 
 // Threads pay off past ~0.5 MFLOP.
