@@ -68,6 +68,9 @@ class Op:
     view = False  # the output lives in its input's buffer (when `view_strides` says so), or a tuple's
     compacts_inputs = False  # compute copies a strided operand into a compact one first (True, or input positions)
     recomputable = True  # False: computing it again would repeat a collective, so checkpointing never drops it
+    # The elements of its own output (0 for a plain Tensor) that `gradient` reads at most linearly, if it reads its
+    # output: a compressed copy of them leaves its gradient unbiased (compress.py). Usually none.
+    compressible_outputs = ()
 
     def view_strides(self, shape, strides, out_shape):
         """For a view op: the output's element strides given its input's, or None where compute must copy."""
@@ -159,10 +162,12 @@ class Value:
     def realize_cached_data(self):
         """The value of this node, computed (iteratively, with what it needs) if it is not cached.
 
-        A dropped node's value is computed and returned but not kept; a parked one (offload.py) is fetched back.
+        A dropped node's value is computed and returned but not kept; a parked one (offload.py) is fetched back. A
+        value kept compressed (compress.py) is recomputed instead: its codes are an approximation for its gradient,
+        not what a reader of the value asked for.
         """
         if self.cached_data is None:
-            if offload.is_parked(self):  # e.g. a parameter's gradient, parked in host memory
+            if offload.is_parked(self) and not offload.is_compressed(self):  # e.g. a gradient parked in host memory
                 return offload.fetch(self)
             return realize([self], _keep_forward)[0]
         return self.cached_data

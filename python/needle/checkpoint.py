@@ -21,7 +21,9 @@ budget planner is `checkpoint_budget.Budget`.
 A policy is a callable `policy(candidates, outputs) -> keep flags`: `candidates` are a region's interior nodes in
 topological order, `outputs` its output nodes; it returns one flag per candidate (True: keep it as a checkpoint;
 False: drop it, backward recomputes it; `OFFLOAD`: park it in host memory after its last forward use, backward
-fetches it back: offload.py). The built-in ones below, `Budget` and `Planned` are all called this way.
+fetches it back: offload.py; a `compress.Codec`: keep it compressed on the device, backward rebuilds it:
+compress.py, whose `compress(bits, policy)` wraps any policy this way). The built-in ones below, `Budget` and
+`Planned` are all called this way.
 
 The rules of checkpointing are numbered; each is stated where it is enforced, and each test names the rule it
 checks. Rule 1 is this file's: leaves (parameters, constants, dropout masks), the inputs and output of an
@@ -36,6 +38,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from . import autograd, offload, regions
+from .compress import Compress, is_codec
 from .regions import keep_reason, region_of
 from .autograd import Value, element_shapes, find_topo_sort, infer_spec, itemsize, release, spec_nbytes
 from .backward import always_kept, last_backward_stats
@@ -50,6 +53,7 @@ __all__ = [
     "annotate",
     "checkpoint",
     "checkpoint_sequential",
+    "compress",
     "dots_saveable",
     "keep_reason",
     "last_backward_stats",
@@ -185,7 +189,12 @@ def annotate(out_node, in_nodes, segment_len=None, policy=None, label=None):
     keep = keep_flags(candidates, outs)
     offload_outputs(outs, keep[len(candidates):])
     for node, kept in zip(candidates, keep):
-        if kept is OFFLOAD or kept == OFFLOAD:
+        if is_codec(kept):  # kept compressed: parked as codes on the device after its last forward use
+            node.drop = True
+            offload.mark(node, kept)
+            regions.note_reason(node, "compressed")
+            offload.release_value(node)
+        elif kept is OFFLOAD or kept == OFFLOAD:
             node.drop = True
             if offload.offloadable(node):  # (a view or a tuple costs nothing to recompute: dropped instead)
                 offload.mark(node)
@@ -198,7 +207,7 @@ def annotate(out_node, in_nodes, segment_len=None, policy=None, label=None):
             regions.note_reason(node, None)
             release(node)
     for node in outs:
-        if regions.reason_noted(node) != "offloaded":
+        if regions.reason_noted(node) not in ("offloaded", "compressed"):
             regions.note_reason(node, "boundary")
     region = regions.new_region(label)
     for node in order:  # the inner region ran first and keeps its nodes
@@ -277,8 +286,8 @@ def saved_residuals(root, exclude=()):
     for node in find_topo_sort([root]):
         data = node.cached_data
         if data is None:
-            if offload.is_parked(node):  # in host memory, not on the device: its own row, its own total
-                rows.append((node, "offloaded", offload.parked_bytes(node)))
+            if offload.is_parked(node):  # in host memory (its own total), or compressed on the device
+                rows.append((node, keep_reason(node), offload.parked_bytes(node)))
             continue
         for element in data if isinstance(data, tuple) else (data,):
             buffer, nbytes = _buffer(element)
@@ -305,8 +314,21 @@ def print_saved_residuals(loss, exclude=()):
         print(f"{name:<{widths[0]}}  {shape:<{widths[1]}}  {nbytes:>{widths[2]}}  {reason}")
     device = sum(int(row[2].replace(",", "")) for row in rows if row[3] != "offloaded")
     host = sum(int(row[2].replace(",", "")) for row in rows if row[3] == "offloaded")
+    packed = sum(int(row[2].replace(",", "")) for row in rows if row[3] == "compressed")
     print(f"total: {len(rows)} buffers, {device:,} bytes ({device / 2**20:.2f} MiB)"
-          + (f" on the device, {host:,} bytes ({host / 2**20:.2f} MiB) offloaded to host memory" if host else ""))
+          + (f" on the device ({packed:,} of them compressed codes)" if packed else "")
+          + (f", {host:,} bytes ({host / 2**20:.2f} MiB) offloaded to host memory" if host else ""))
+
+
+def compress(bits=8, policy=None, seed=0):
+    """A policy: what `policy` keeps for backward (None: everything; a name, a segment policy, a Budget or any
+    callable) kept as `bits`-bit codes (2, 4 or 8) where the gradients reading it allow, the rest exact; `seed`
+    picks the rounding noise (compress.py says which values, and why the gradients stay unbiased).
+
+        model.enable_gc(policy=checkpoint.compress(8))               # everything kept, compressed
+        model.enable_gc(policy=checkpoint.compress(8, "selective"))  # selective's checkpoints, compressed
+    """
+    return Compress(bits, None if policy is None else resolve_policy(policy), seed)
 
 
 # ----- checkpointing a function or a stack of layers (PyTorch's torch.utils.checkpoint) ------------------------

@@ -30,10 +30,11 @@ from .checkpoint_optimal import OptimalPlan, optimal
 from .cost_model import CostModel, device_copies_overlap
 from .ledger import Ledger, predict_peak, required_spec, value_bytes, walk_step
 
-__all__ = ["Budget", "InfeasibleBudget", "Ledger", "OptimalPlan", "Planned", "optimal", "predict_peak", "walk_step"]
+__all__ = ["Budget", "InfeasibleBudget", "Ledger", "OptimalPlan", "Planned", "optimal", "predict_peak",
+           "region_structure", "walk_step"]
 
 
-def _structure(nodes):
+def region_structure(nodes):
     """A region's key: its candidates' ops and shapes (what a replay must match)."""
     return tuple((type(n.op).__name__, tuple(required_spec(n)[0])) for n in nodes)
 
@@ -53,7 +54,7 @@ class Planned:
     table: tuple  # ((region structure, keep flags), ...)
 
     def __call__(self, nodes, outputs=()):
-        return list(dict(self.table).get(_structure(nodes), (True,) * len(nodes)))
+        return list(dict(self.table).get(region_structure(nodes), (True,) * len(nodes)))
 
 
 class InfeasibleBudget(ValueError):
@@ -103,7 +104,7 @@ class Budget:
     def __call__(self, nodes, outputs=()):
         if not nodes:  # a region of one op (Linear, ReLU): nothing to decide
             return []
-        flags = self.planned.get(_structure(nodes))
+        flags = self.planned.get(region_structure(nodes))
         if flags is not None:
             return list(flags)
         number, pending = next(self._numbers), self._pending
@@ -209,7 +210,7 @@ class Budget:
         are places too: eager mode never gives an output back in its forward pass."""
         group_of, groups = {}, {}
         for outs, candidates in regions:
-            key = _structure(candidates)
+            key = region_structure(candidates)
             places = list(enumerate(candidates))
             if self.offload and lazy:
                 places += [(("out", position), n) for position, n in enumerate(outs)
@@ -230,7 +231,7 @@ class Budget:
             parked_outputs = [o for o in outs if lazy and o is not None and id(o) in offloaded and id(o) not in gone]
             if parked_outputs:  # its outputs' flags follow its candidates' (annotate: offload_outputs)
                 flags += tuple(offload.OFFLOAD if n is not None and id(n) in offloaded else True for n in outs)
-            self.planned[_structure(remaining)] = flags
+            self.planned[region_structure(remaining)] = flags
             for n in parked_outputs + remaining:
                 if id(n) in dropped:
                     n.drop = True

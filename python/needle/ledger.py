@@ -35,7 +35,7 @@ class Ledger(Machine):
     the step starts), the others (batch, masks, constants) are.
     """
 
-    def __init__(self, root, out_grad, offloaded=frozenset(), park_gradients=False):
+    def __init__(self, root, out_grad, offloaded=frozenset(), park_gradients=False, compressed=None):
         self.present, self.holders, self.size, self.buffers, self.strides = set(), {}, {}, {}, {}
         self.elements = {}  # buffer -> its elements (size is 0 for parameters' buffers: they are not counted)
         self.live = self.peak = self.made = 0
@@ -45,6 +45,9 @@ class Ledger(Machine):
         self.offloaded, self.parked = offloaded, {}
         self.host_live = self.host_peak = self.offloaded_bytes = self.fetched_bytes = 0
         self.park_gradients = park_gradients  # parameters' gradients parked once complete (offload.park_gradient)
+        # Compression (compress.py): id -> device bytes of the codes a value is kept as after its forward release
+        # (parked on the device: counted in `live` until backward's last use of the value).
+        self.compressed, self.packed = compressed or {}, {}
         self.in_backward = False  # as backward.Compute's: run_backward sets it
         self.seen = []  # every node the walk met, kept alive so that no id is reused while the ledger counts it
         self.specs = {}  # id -> (node, its spec): each node's shape inferred once per walk (the node kept alive)
@@ -148,13 +151,20 @@ class Ledger(Machine):
         self._own(node)
         self.present.add(id(node))
         self._hold(node)
-        self.fetched_bytes += self.parked[id(node)]
+        self.fetched_bytes += self.parked.get(id(node), 0)  # (a compressed value is rebuilt on the device)
         self.peak = max(self.peak, self.live)
 
     def release(self, node):
         """As offload.release_value: an offloaded value is parked on its first release (forward), and its host copy
         goes with its last (backward)."""
-        if id(node) in self.parked:
+        if id(node) in self.packed:
+            if self.in_backward:
+                self.live -= self.packed.pop(id(node))
+        elif id(node) in self.compressed and id(node) in self.present:  # its codes made while it is still there
+            self.packed[id(node)] = self.compressed[id(node)]
+            self.live += self.packed[id(node)]
+            self.peak = max(self.peak, self.live)
+        elif id(node) in self.parked:
             if self.in_backward:
                 self.host_live -= self.parked.pop(id(node))
         elif id(node) in self.offloaded and id(node) in self.present:
@@ -200,11 +210,12 @@ def predict_peak(root, dropped, regions=None, offloaded=frozenset(), park_gradie
     return walk_step(root, dropped, regions, offloaded, park_gradients).peak
 
 
-def walk_step(root, dropped, regions=None, offloaded=frozenset(), park_gradients=False):
+def walk_step(root, dropped, regions=None, offloaded=frozenset(), park_gradients=False, compressed=None):
     """The Ledger after walking a step's forward and backward passes (see predict_peak): its device `peak`, its
-    `host_peak`, the bytes `offloaded_bytes` and `fetched_bytes` copied each way."""
+    `host_peak`, the bytes `offloaded_bytes` and `fetched_bytes` copied each way. `compressed` ({id: bytes of its
+    codes}, compress.py) are values among `dropped` kept compressed on the device instead of recomputed."""
     out_grad = placeholder(required_spec(root))  # the root's gradient: its shape, dtype and device, no data
-    ledger = Ledger(root, out_grad, offloaded, park_gradients)
+    ledger = Ledger(root, out_grad, offloaded, park_gradients, compressed)
     if regions is None:
         realize([root], lambda n: id(n) not in dropped, ledger)
     else:
@@ -218,7 +229,8 @@ def walk_step(root, dropped, regions=None, offloaded=frozenset(), park_gradients
                 if id(n) in dropped:
                     ledger.release(n)
     ledger.forward_peak = ledger.peak  # the peak of the forward pass alone
-    run_backward(plan_backward(root, ledger.has, lambda n: id(n) in offloaded), out_grad, ledger)
+    parked = ledger.compressed
+    run_backward(plan_backward(root, ledger.has, lambda n: id(n) in offloaded or id(n) in parked), out_grad, ledger)
     return ledger
 
 

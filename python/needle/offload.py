@@ -17,6 +17,11 @@ pool's buffers are page-locked and the copies are queued on the copy stream (`ar
 The copies are exact: a fetched value is the very bytes the forward pass made, so gradients are bit-identical to
 gc off's. Rule 4c still holds: a fetched value is a computed value, and reading it checks the versions as ever.
 
+A value can also be parked compressed on the device instead (compress.py: `mark(node, codec)`): the same
+park-on-release and fetch-in-backward, but `codec.encode` keeps k-bit codes of the value in device buffers and
+`codec.decode` rebuilds it; `is_compressed` tells which. Those bytes are the device's (the allocator counts them),
+not the host's, and the fetched value is an approximation, not the forward's bytes.
+
 Parameters' gradients can be parked too (ZeRO-Offload's gradient offloading), for a Budget that cannot fit
 otherwise: at the end of backward every parameter's gradient is alive at once, a floor no choice among the
 activations moves. A marked parameter's gradient (`mark_gradient`) is parked as soon as backward has finished it
@@ -34,16 +39,18 @@ from .autograd import element_shapes, infer_spec, release
 from .backend_ndarray import array_api
 from .backend_ndarray.ndarray import DTYPES
 
-__all__ = ["OFFLOAD", "HostPool", "fetch", "host_bytes", "is_marked", "is_parked", "mark", "mark_gradient",
+__all__ = ["OFFLOAD", "HostPool", "codec_of", "fetch", "host_bytes", "is_compressed", "is_marked", "is_parked",
+           "mark", "mark_gradient",
            "offloadable", "park", "park_gradient", "parked_bytes", "parks_gradient", "release_value", "reset_traffic",
            "traffic", "unmark_gradients"]
 
 OFFLOAD = "offload"  # what a policy answers for a value to offload (checkpoint.OFFLOAD)
 
-_marked = weakref.WeakSet()  # values to park when the forward pass gives them back
+_marked = weakref.WeakKeyDictionary()  # values to park when the forward pass gives them back -> codec (None: host)
 _gradient_marked = weakref.WeakSet()  # parameters whose gradients backward parks as soon as they are complete
 _parked = weakref.WeakKeyDictionary()  # value -> (its host copy, its (shape, dtype, device), the copy's finalizer)
-_traffic = {"offloaded_bytes": 0, "fetched_bytes": 0, "host_peak_bytes": 0, "copy_seconds_exposed": 0.0}
+_traffic = {"offloaded_bytes": 0, "fetched_bytes": 0, "host_peak_bytes": 0, "copy_seconds_exposed": 0.0,
+            "compressed_bytes": 0, "decompressed_bytes": 0}
 
 
 class HostPool:
@@ -88,9 +95,20 @@ def offloadable(node):
     return spec is not None and element_shapes(spec[0]) is None
 
 
-def mark(node):
-    """Offload `node`: park it in host memory when the forward pass gives its device buffer back."""
-    _marked.add(node)
+def mark(node, codec=None):
+    """Offload `node`: park it in host memory when the forward pass gives its device buffer back (with a `codec`,
+    compress.py's: keep it compressed on the device instead)."""
+    _marked[node] = codec
+
+
+def codec_of(node):
+    """The codec a marked value is parked with (None: host memory, or not marked)."""
+    return _marked.get(node)
+
+
+def is_compressed(node):
+    """Whether `node` is marked to be kept compressed on the device (compress.py) rather than in host memory."""
+    return _marked.get(node) is not None
 
 
 def is_marked(node):
@@ -126,9 +144,12 @@ def is_parked(node):
 
 
 def parked_bytes(node):
-    """Bytes of host memory holding `node`'s parked value (0 if it is not parked)."""
+    """Bytes holding `node`'s parked value: host memory, or its compressed copy on the device (0 if not parked)."""
     parked = _parked.get(node)
-    return 0 if parked is None else parked[0].nbytes
+    if parked is None:
+        return 0
+    codec = _marked.get(node)
+    return parked[0].nbytes if codec is None else codec.nbytes(parked[0])
 
 
 def host_bytes():
@@ -143,12 +164,19 @@ def traffic():
 
 
 def reset_traffic():
-    _traffic.update(offloaded_bytes=0, fetched_bytes=0, host_peak_bytes=0, copy_seconds_exposed=0.0)
+    _traffic.update(offloaded_bytes=0, fetched_bytes=0, host_peak_bytes=0, copy_seconds_exposed=0.0,
+                    compressed_bytes=0, decompressed_bytes=0)
 
 
 def park(node):
-    """Copy `node`'s value (an array) to a host buffer from the pool; the caller releases the device value."""
+    """Copy `node`'s value (an array) to a host buffer from the pool, or compress it on the device where it was
+    marked with a codec; the caller releases the device value."""
     data = node.cached_data
+    codec = _marked.get(node)
+    if codec is not None:
+        _parked[node] = (codec.encode(data), None, None)  # device buffers: the allocator counts them
+        _traffic["compressed_bytes"] += parked_bytes(node)
+        return
     start = time.perf_counter()
     shape, dtype = tuple(data.shape), DTYPES[data.dtype]
     buffer = POOL.take(math.prod(shape) * dtype.itemsize, data.device)
@@ -163,6 +191,11 @@ def park(node):
 def fetch(node):
     """Bring a parked value back to its device: `node.cached_data` again (returned), its host copy still parked
     (released with the value after its last use)."""
+    codec = _marked.get(node)
+    if codec is not None:  # compressed on the device: rebuilt, an approximation of the forward's value
+        node.cached_data = data = codec.decode(_parked[node][0])
+        _traffic["decompressed_bytes"] += parked_bytes(node)
+        return data
     buffer, (shape, dtype, device), _ = _parked[node]
     start = time.perf_counter()
     # On cuda the host never waits: this copy is queued on the copy stream behind the park that filled `buffer`,
@@ -182,8 +215,10 @@ def release_value(node, last_use=False):
     if node in _parked:
         if last_use:
             buffer, _, finalizer = _parked.pop(node)
-            finalizer.detach()
-            POOL.give(buffer)
-    elif node in _marked and node.cached_data is not None and not isinstance(node.cached_data, tuple):
-        park(node)
+            if finalizer is not None:  # (a compressed copy is device memory: it goes with its last reference)
+                finalizer.detach()
+                POOL.give(buffer)
+    elif node in _marked and node.cached_data is not None and (not isinstance(node.cached_data, tuple)
+                                                               or _marked[node] is not None):
+        park(node)  # (a tuple only compressed, element by element)
     release(node)

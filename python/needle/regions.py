@@ -48,9 +48,12 @@ def region_of(node):
 
 
 def keep_reason(node):
-    """'leaf', 'boundary', 'checkpoint', 'offloaded', 'dropped' or 'not annotated' (no region covers the node)."""
+    """'leaf', 'boundary', 'checkpoint', 'offloaded', 'compressed', 'dropped' or 'not annotated' (no region covers
+    the node)."""
     if node.is_leaf():
         return "leaf"
+    if offload.is_compressed(node):
+        return "compressed"
     if offload.is_marked(node):
         return "offloaded"
     if node.drop:

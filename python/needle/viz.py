@@ -3,15 +3,15 @@
     open("graph.dot", "w").write(needle.viz.to_dot(loss))
     # then, in a shell (Graphviz):  dot -Tpng graph.dot -o graph.png     or paste it into any DOT viewer
 
-Kept values are solid boxes, dropped ones dashed grey, dropped values that backward recomputes orange (read
-off the backward plan of this very graph, so the marking cannot go stale), offloaded values (parked in host
-memory, fetched back for backward: offload.py) purple double octagons, leaves (parameters, inputs,
-constants) green ellipses; a legend repeats this. Each node shows its op (a parameter: its name), shape and
-bytes. The nodes of one annotated region (a module's forward when checkpointing is on, a `checkpoint()` call)
-are boxed together under the module's class name. `hide_views=True` leaves out view nodes (reshape, broadcast,
-transpose: no buffer of their own) and draws their inputs straight to their consumers.
+Kept values are solid boxes, dropped ones dashed grey, dropped values that backward recomputes orange (read off the
+backward plan of this very graph, so the marking cannot go stale), offloaded values (parked in host memory, fetched
+back for backward: offload.py) purple double octagons, leaves (parameters, inputs, constants) green ellipses, values
+kept compressed (compress.py) rounded yellow boxes; a legend repeats this. Each node shows its op (a parameter: its
+name), shape and bytes. The nodes of one annotated region (a module's forward when checkpointing is on, a
+`checkpoint()` call) are boxed together under the module's class name. `hide_views=True` leaves out view nodes
+(reshape, broadcast, transpose: no buffer of their own) and draws their inputs straight to their consumers.
 """
-from . import checkpoint, offload
+from . import checkpoint, compress, offload
 from .autograd import find_topo_sort, infer_spec, spec_nbytes
 from .backward import plan_backward
 
@@ -23,6 +23,7 @@ _STYLES = {
     "dropped": 'shape=box, style="dashed,filled", fillcolor="#eeeeee", color="#888888"',
     "recomputed": 'shape=box, style="filled,bold", fillcolor="#ffcc80", color="#e65100"',
     "offloaded": 'shape=doubleoctagon, style=filled, fillcolor="#e1d5f0", color="#6a3d9a"',
+    "compressed": 'shape=box, style="rounded,filled,bold", fillcolor="#fff3b0", color="#b8860b"',
 }
 _LEGEND = {
     "leaf": "leaf: parameter, input, constant",
@@ -30,13 +31,17 @@ _LEGEND = {
     "dropped": "dropped, not needed again",
     "recomputed": "dropped, recomputed in backward",
     "offloaded": "offloaded to host memory, fetched for backward",
+    "compressed": "kept compressed (k-bit codes), rebuilt for backward",
 }
 
 
 def node_kind(node, recomputed_ids=frozenset()):
-    """'leaf', 'offloaded', 'recomputed', 'dropped' or 'kept' (the reason a value is or is not in memory)."""
+    """'leaf', 'compressed', 'offloaded', 'recomputed', 'dropped' or 'kept' (the reason a value is or is not in
+    memory)."""
     if node.is_leaf():
         return "leaf"
+    if offload.is_compressed(node):
+        return "compressed"
     if offload.is_marked(node):
         return "offloaded"
     if id(node) in recomputed_ids:
@@ -45,6 +50,10 @@ def node_kind(node, recomputed_ids=frozenset()):
 
 
 def _label(node, kind):
+    if kind == "compressed":  # its codes' bytes, beside the full value's
+        codec, spec = offload.codec_of(node), infer_spec(node)
+        n = spec_nbytes(spec) // 4 if spec is not None else 0
+        return f"compressed, {codec.bits} bits: {_human(compress.compressed_bytes(n, codec.bits, codec.block_size))}"
     reason = checkpoint.keep_reason(node)
     return kind if kind != "kept" else f"kept ({reason})"
 

@@ -30,6 +30,7 @@ class ScaledDotProductAttention(TensorTupleOp):
     """
 
     saves = "both"  # the gradient reads q, k, v and both outputs (out for delta, lse for the probabilities)
+    compressible_outputs = (0,)  # out only through delta_i = dout_i · out_i, and the rest is linear in delta
     saveable = True  # recomputing it is two matmuls' worth of work: the "selective" policy keeps it
     compacts_inputs = True  # strided q, k, v (the heads of a projection) are copied compact
     autocast = "low"  # as a matmul: 16-bit storage under autocast, float32 accumulation inside the kernel

@@ -94,6 +94,7 @@ class LinearActivation(TensorTupleOp):
     compacts_inputs = True
     autocast = "low"
     saves = "both"  # x and W for the matmuls' gradients, z for the activation's
+    compressible_outputs = (0,)  # f(z) is read by the next layer, never by this gradient
 
     def __init__(self, bias, kind, bits=None):
         self.bias, self.kind, self.bits = bias, kind, bits
