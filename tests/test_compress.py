@@ -279,6 +279,31 @@ def test_c5_residuals_dot_and_stats_show_compressed_values(capsys):
 
 
 @needs_cpu
+def test_c5_around_a_budget_the_bound_holds_at_every_step_and_later_steps_compress():
+    np.random.seed(0)
+    model = LanguageModel(64, 500, 64, num_layers=4, seq_model="transformer", seq_len=32, device=CPU, num_head=4,
+                          dim_head=16, activation="gelu", activation_bits=3)
+    bound = 9 << 20
+    model.enable_gc(policy=checkpoint.compress(8, checkpoint.Budget(bound)))
+    rs = np.random.RandomState(0)
+    X = ndl.Tensor(rs.randint(0, 500, (32, 16)).astype(np.float32), device=CPU, requires_grad=False)
+    y = ndl.Tensor(rs.randint(0, 500, (512,)).astype(np.float32), device=CPU, requires_grad=False)
+    packed = []
+    for _ in range(3):
+        gc.collect()
+        for p in model.parameters():
+            p.grad = None
+        with autograd.lazy_mode(True):
+            base = memory_stats(CPU)["current_bytes"]
+            reset_peak_memory_stats(CPU)
+            loss, _ = model.loss(X, y)
+            loss.backward()
+        assert memory_stats(CPU)["peak_bytes"] - base <= bound
+        packed.append(checkpoint.last_backward_stats()["compressed_bytes"])
+    assert packed[-1] > 0
+
+
+@needs_cpu
 def test_rule_4c_an_in_place_write_to_a_compressed_values_input_is_caught():
     loss, v = mlp_region(checkpoint.compress(8))
     v["params"][1].data = v["params"][1].data * 2.0

@@ -22,20 +22,29 @@ it (through views: a reshape or transpose of it is read as it is) is one of:
   LinearCrossEntropy), whose gradients are not linear in what they read: there E[g(x̂)] = g(x) + O(scale²), a bias
   of the order of the rounding noise's variance, (absmax / 127)² at 8 bits, which ActNN and GACT find harmless.
 Anything else (an element-wise op reading its own output, a ReLU's mask: rounding could flip a sign) keeps its
-value exact. So does a value that a dropped value is recomputed from (a recomputation from approximate inputs would
-not be the forward's value), and any value not float32.
+value exact, and so does any value not float32.
 
-A kept value that no gradient reads and no recomputation needs is dropped instead: nothing in backward will ask for
-it (in an eager step it would otherwise wait for backward's start to be freed). A view of a compressed value is
-dropped too (it would hold the full buffer): backward recomputes it from the rebuilt value.
+Around a checkpointing policy ("selective", "sqrt", "all", a Budget) the values it keeps are its checkpoints, and
+backward recomputes what it dropped from them: from the rebuilt value, where the checkpoint is compressed. The
+recomputation is exact given its inputs (rule 4 still checks shapes, dtypes and versions), so what the gradients
+read is a function of the compressed checkpoint: unbiased to first order, as FIRST_ORDER's. A checkpoint is
+compressed only where its own readers allow it; what is recomputed from it is not asked.
+
+A kept value that no gradient reads and no recomputation starts from is dropped instead: nothing in backward will
+ask for it (in an eager step it would otherwise wait for backward's start to be freed). A view of a compressed
+value is dropped too (it would hold the full buffer): backward recomputes it from the rebuilt value. A region's
+outputs (rule 1 keeps them: they are the next region's inputs) are decided once the whole graph exists, when it is
+first realized: a lazy step then parks each after its last consumer; an eager one, whose forward has run, as
+backward starts (so an eager M_act still holds them).
 
 Deterministic: the rounding noise of element i of a value is a hash of (the value's seed, i) (src/README.md), and a
 value's seed is the policy's `seed` and how many values it compressed before it. So a rerun — the same seed, a fresh
 model and a fresh policy — gives the same bytes, and so does compressing a value again.
 
-Around a Budget, a region is compressed once the Budget has planned it (its first step runs as the Budget planned
-it, uncompressed); compression only shrinks what the Budget keeps, but its bound is the Budget's prediction of the
-uncompressed step, so the measured peak is lower, not predicted.
+Around a Budget, a region is compressed once the Budget has decided it (a structure it has not planned yet runs as
+the Budget plans it, uncompressed). The Budget's ledger does not know which of what it keeps will be compressed: it
+counts those values whole, so its prediction is an overestimate and the bound holds with room to spare
+(tests/test_compress.py checks M_peak <= b over several steps); its planned time is that of the uncompressed step.
 """
 import itertools
 import math
