@@ -19,13 +19,17 @@
 #include "random.h"  // lowbias32
 #include "threads.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <limits>
 #include <string>
 
 namespace needle {
 namespace cpu {
+
+constexpr float kMaxFloat = std::numeric_limits<float>::max();
 
 static size_t compress_blocks(const char* fn, size_t n, int64_t block_size, int bits) {
   if (bits < 2 || bits > 8) fail(std::string(fn) + ": bits must be in 2..8, got " + std::to_string(bits));
@@ -33,9 +37,21 @@ static size_t compress_blocks(const char* fn, size_t n, int64_t block_size, int 
   return (n + static_cast<size_t>(block_size) - 1) / static_cast<size_t>(block_size);
 }
 
-// u_i in [0, 1): the top 24 bits of element i's hash, exact in float32.
-static inline float counter_uniform(uint64_t i, uint32_t seed_key) {
-  const uint32_t key = lowbias32(static_cast<uint32_t>(i >> 32) ^ seed_key);
+// The block of consecutive elements i, i + 1, ...: one division for the first, then a compare per element (a 64-bit
+// division per element cost more than everything else the loops do).
+struct BlockCursor {
+  BlockCursor(size_t first, size_t block_size) : size(block_size), block(first / block_size),
+                                                 end((first / block_size + 1) * block_size) {}
+  size_t of(size_t i) {
+    while (i >= end) ++block, end += size;
+    return block;
+  }
+  size_t size, block, end;
+};
+
+// u_i in [0, 1): the top 24 bits of element i's hash (dropout's: `key` = lowbias32(uint32(i >> 32) ^ seed_key), the
+// same for a whole group of 8), exact in float32.
+static inline float counter_uniform(uint64_t i, uint32_t key) {
   return static_cast<float>(lowbias32(static_cast<uint32_t>(i) ^ key) >> 8) * (1.0f / 16777216.0f);
 }
 
@@ -49,31 +65,54 @@ static void quantize_stochastic(const Array& a, Array& out, Array& scales, int b
   float* ps = scales.data<float>();
   uint8_t* po = out.data<uint8_t>();
   const float half = static_cast<float>((1 << (bits - 1)) - 1);
+  const uint64_t top = (uint64_t(1) << bits) - 2;  // 2h, the largest code
   const uint32_t seed_key = seed * 0x9E3779B9u;
   py::gil_scoped_release release;
   parallel_range(blocks, threads_for(n, false), [&](size_t begin, size_t end) {  // the scales: one block a task
     for (size_t b = begin; b < end; ++b) {
       float m = 0.0f;
-      for (size_t i = b * bs; i < n && i < (b + 1) * bs; ++i) {
+      bool nan = false;  // NumPy's max propagates a NaN: so does the scale
+      for (size_t i = b * bs; i < std::min(n, (b + 1) * bs); ++i) {
         const float x = std::fabs(pa[i]);
-        m = (x > m || std::isnan(x)) ? x : m;  // a NaN stays: NumPy's max propagates it
-        if (std::isnan(m)) break;
+        m = x > m ? x : m;
+        nan |= x != x;
       }
-      ps[b] = m / half;
+      ps[b] = nan ? std::numeric_limits<float>::quiet_NaN() : m / half;
     }
   });
+  if (bits == 8) {  // a byte per code: a loop per block, branch-free, that the compiler can vectorize
+    parallel_range(blocks, threads_for(n, false), [&](size_t begin, size_t end) {
+      for (size_t b = begin; b < end; ++b) {
+        const float s = ps[b];
+        const bool scale_ok = s > 0.0f && s <= kMaxFloat;
+        const uint32_t key = lowbias32(static_cast<uint32_t>(static_cast<uint64_t>(b * bs) >> 32) ^ seed_key);
+        const size_t last = std::min(n, (b + 1) * bs);
+        for (size_t i = b * bs; i < last; ++i) {
+          const float v = (pa[i] / s + half) + counter_uniform(i, key);
+          const float c = std::min(std::max(v, 0.0f), 254.0f);  // (NaN compares false: caught by `finite`)
+          const bool finite = std::fabs(v) <= kMaxFloat;
+          po[i] = scale_ok && finite ? static_cast<uint8_t>(static_cast<int32_t>(c)) : uint8_t(127);
+        }
+      }
+    });
+    return;
+  }
   const size_t groups = (n + 7) / 8, nbytes = out.size;
   parallel_range(groups, threads_for(n, false), [&](size_t begin, size_t end) {  // the codes: 8 a group
     for (size_t g = begin; g < end; ++g) {
       uint64_t group = 0;
+      BlockCursor block(8 * g, bs);
+      const uint32_t key = lowbias32(static_cast<uint32_t>(static_cast<uint64_t>(8 * g) >> 32) ^ seed_key);
       for (size_t j = 0; j < 8 && 8 * g + j < n; ++j) {
         const size_t i = 8 * g + j;
-        const float s = ps[i / bs];
+        const float s = ps[block.of(i)];
         const float y = pa[i] / s + half;  // two float32 roundings, then a third for + u: as the reference
-        const float c = std::floor(y + counter_uniform(i, seed_key));
-        const bool ok = std::isfinite(c) && std::isfinite(s) && s > 0.0f;
-        const float code = ok ? std::fmin(std::fmax(c, 0.0f), 2.0f * half) : half;
-        group |= static_cast<uint64_t>(code) << (j * bits);
+        const float v = y + counter_uniform(i, key);
+        // code = floor(v) clamped to [0, 2h], without a call to floor: on [0, 2h) floor is truncation; a value,
+        // scale or sum that is not finite (NaN fails every comparison) gives h
+        const bool ok = s > 0.0f && s <= kMaxFloat && std::fabs(v) <= kMaxFloat;
+        const uint64_t code = !ok ? top / 2 : v >= static_cast<float>(top) ? top : v <= 0.0f ? 0 : uint64_t(int32_t(v));
+        group |= code << (j * bits);
       }
       for (int byte = 0; byte < bits && g * bits + byte < nbytes; ++byte) {
         po[g * bits + byte] = static_cast<uint8_t>(group >> (8 * byte));
@@ -94,15 +133,25 @@ static void dequantize_linear(const Array& codes, const Array& scales, Array& ou
   const uint64_t mask = (uint64_t(1) << bits) - 1;
   const size_t groups = (n + 7) / 8, nbytes = codes.size;
   py::gil_scoped_release release;
+  if (bits == 8) {  // a byte per code: a loop per block the compiler can vectorize
+    parallel_range((n + bs - 1) / bs, threads_for(n, false), [&](size_t begin, size_t end) {
+      for (size_t b = begin; b < end; ++b) {
+        const float s = ps[b];
+        for (size_t i = b * bs; i < std::min(n, (b + 1) * bs); ++i) po[i] = (static_cast<float>(pc[i]) - half) * s;
+      }
+    });
+    return;
+  }
   parallel_range(groups, threads_for(n, false), [&](size_t begin, size_t end) {
     for (size_t g = begin; g < end; ++g) {
       uint64_t group = 0;
       for (int byte = 0; byte < bits && g * bits + byte < nbytes; ++byte) {
         group |= uint64_t(pc[g * bits + byte]) << (8 * byte);
       }
+      BlockCursor block(8 * g, bs);
       for (size_t j = 0; j < 8 && 8 * g + j < n; ++j) {
         const size_t i = 8 * g + j;
-        po[i] = (static_cast<float>((group >> (j * bits)) & mask) - half) * ps[i / bs];
+        po[i] = (static_cast<float>((group >> (j * bits)) & mask) - half) * ps[block.of(i)];
       }
     }
   });
