@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import needle as ndl
-from needle import checkpoint
+from needle import checkpoint, compress
 from needle.checkpoint_budget import InfeasibleBudget
 from needle.data import batchify
 
@@ -95,6 +95,21 @@ def test_only_a_budget_child_is_told_the_budget_offload_and_bandwidth(tmp_path):
     assert setup.BUDGET_CURVES["budget-offload"] == ("budget", True)
     assert ablations.ABLATIONS["offload-all"][1]["policy"] == "offload"
     assert {"policy": "budget", "offload": True}.items() <= ablations.ABLATIONS["budget-offload"][1].items()
+
+
+def test_compress_bits_reaches_gc_on_children_and_ablates_compress_rows_only(tmp_path):
+    """--compress-bits wraps gc on's policy: a sweep's gc-off child stays exact; ablate passes its bits only to the
+    rows that compress (their gc-off policy then runs gc on: compression alone)."""
+    parent = cli.parse_args(["sweep", "--over", "batch_size", "--values", "4", "--compress-bits", "4"] + GC_TINY)
+    on = cli.parse_args(children.child_argv(parent, "synthetic", {}, "selective", tmp_path / "a.json"))
+    off = cli.parse_args(children.child_argv(parent, "synthetic", {}, "off", tmp_path / "b.json"))
+    assert (on.compress_bits, on.use_gc) == (4, 1) and (off.compress_bits, off.use_gc) == (None, 0)
+    row = cli.parse_args(children.child_argv(parent, "synthetic", {"compress_bits": 8}, "off", tmp_path / "c.json"))
+    assert (row.policy, row.compress_bits, row.use_gc) == ("off", 8, 1)
+    assert ablations.ABLATIONS["compress"][1].get("compress") and ablations.ABLATIONS["compress"][1]["policy"] == "off"
+    policy = setup.make_policy(replace(on, policy="selective"))
+    assert isinstance(policy, compress.Compress) and policy.bits == 4 and policy.policy is not None
+    assert setup.make_policy(replace(on, policy="off")).policy is None  # keep everything, compressed
 
 
 # ----- set-up --------------------------------------------------------------------------------------------------------

@@ -757,6 +757,21 @@ def test_the_activation_flags_build_the_mlp_with_them_and_the_json_says_which(tm
     assert relu["loss"] != silu["loss"] != few["loss"]  # other models: the flags reached them
 
 
+def test_compress_bits_wraps_gc_ons_policy_and_the_json_says_so(tmp_path, capsys):
+    data = tiny_ptb(tmp_path)
+    base = TINY + ["--data", data, "--max-batches", "2", "--activation", "gelu", "--no-lazy"]
+    run_gc(base + ["--use-gc", "0", "--json", str(tmp_path / "off.json")])
+    run_gc(base + ["--policy", "off", "--use-gc", "1", "--compress-bits", "8", "--json", str(tmp_path / "c.json")])
+    run_gc(base + ["--policy", "selective", "--use-gc", "1", "--compress-bits", "4", "--json",
+                   str(tmp_path / "s.json")])
+    off, alone, selective = (strict_json(tmp_path / f"{name}.json") for name in ("off", "c", "s"))
+    assert (alone["policy"], alone["compress_bits"]) == ("off+compress8", 8)
+    assert (selective["policy"], selective["compress_bits"]) == ("selective+compress4", 4)
+    assert off["compress_bits"] is None
+    assert alone["activation_bytes"] < off["activation_bytes"]  # compression alone: the codes, not the values
+    assert abs(alone["loss"] - off["loss"]) < 1e-2 * abs(off["loss"])
+
+
 def test_a_resume_that_does_not_match_the_run_is_one_line_naming_the_flag(tmp_path, capsys):
     data, ckpt = tiny_ptb(tmp_path), str(tmp_path / "ckpt")
     run = TINY + ["--data", data, "--use-gc", "1", "--json", str(tmp_path / "r.json")]
@@ -766,6 +781,7 @@ def test_a_resume_that_does_not_match_the_run_is_one_line_naming_the_flag(tmp_pa
         (["--embedding-size", "16"], "was saved by a run with --embedding-size 8, this run has 16"),
         (["--optimizer", "sgd"], "was saved by a run with --optimizer adam, this run has sgd"),
         (["--activation", "gelu"], "was saved by a run with --activation relu, this run has gelu"),
+        (["--compress-bits", "8"], "was saved by a run with --compress-bits None, this run has 8"),
         (["--precision", "bf16"], "--precision fp32, this run has bf16"),
         (["--max-batches", "2"], "is at step 2, and this run's schedule (--max-batches x --epochs) ends at step 2"),
         (["--resume", str(tmp_path / "missing")], f"there is no file {tmp_path / 'missing.npz'}"),

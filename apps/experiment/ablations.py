@@ -1,8 +1,9 @@
 """gc.py ablate's rows: every memory technique, trained on the same model for the same steps, one row each.
 
 row -> (what it is, the `gc.py run` flags it trains with).  A flag is named as its dest ("head": "full" is
---head full; True is a bare flag), and "accumulate": K trains K micro-batches of --batch-size / K: the same
-effective batch.  A later technique is one more line, e.g.
+--head full; True is a bare flag), "accumulate": K trains K micro-batches of --batch-size / K: the same
+effective batch, and "compress": True keeps what the row's policy keeps as ablate's --compress-bits codes.  A later
+technique is one more line, e.g.
 "mixed-bf16": ("bf16 autocast, fp32 master weights", {**BASE, "precision": "mixed-bf16"}).
 """
 from needle import distributed as dist
@@ -35,6 +36,10 @@ ABLATIONS = {
                     {**BASE, "policy": "offload"}),
     "budget-offload": ("Budget(b, offload=True): the budget row's b, each value kept, recomputed or offloaded",
                        {**BASE, "policy": "budget", "offload": True}),
+    "compress": ("compressed saved activations (checkpoint.compress): what gc off keeps, as K-bit codes where "
+                 "the gradients reading it allow (--compress-bits K, default 8)", {**BASE, "compress": True}),
+    "compress-selective": ("policy selective, its checkpoints kept as K-bit codes (checkpoint.compress)",
+                           {**BASE, "policy": "selective", "compress": True}),
     "toolbox": (f"gradient accumulation x{ACCUMULATE} + gc all + mixed-bf16 + Adam8bit",
                 {"policy": "all", "head": "full", "accumulate": ACCUMULATE, "precision": "mixed-bf16",
                  "optimizer": "adam8bit"}),

@@ -25,10 +25,12 @@ def child_argv(config, source, overrides, policy, json_path):
     if unknown:
         raise ValueError(f"run_child: {', '.join(unknown)} is not a flag of gc.py run")
     settings = vars(replace(config, **overrides))
-    argv = ["run", "--policy", policy, "--use-gc", str(int(policy != "off")), "--json", os.path.abspath(json_path),
-            "--data", source, "--no-progress"]
+    # gc off stays exact: --compress-bits reaches a gc-off child only where the overrides ask (ablate's compress row)
+    compress = settings["compress_bits"] if policy != "off" or "compress_bits" in overrides else None
+    argv = ["run", "--policy", policy, "--use-gc", str(int(policy != "off" or compress is not None)), "--json",
+            os.path.abspath(json_path), "--data", source, "--no-progress"]
     for action in flags:
-        value = settings[action.dest]
+        value = compress if action.dest == "compress_bits" else settings[action.dest]
         if value is None or value is False or (action.dest == "segment_len" and policy != "all") or \
                 (action.dest in BUDGET_FLAGS and policy != "budget"):
             continue

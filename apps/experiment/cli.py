@@ -174,11 +174,11 @@ def validate_policies(config):
         policies = [config.policy or "all"]
     elif command == "run":
         policies = [config.policy or "all"]
-        if config.use_gc == 1 and config.policy == "off":
+        if config.use_gc == 1 and config.policy == "off" and config.compress_bits is None:
             fail("--use-gc 1 runs gc on, --policy off runs gc off: give one of them")
         if config.use_gc == 0 and config.policy not in (None, "off"):
             fail(f"--use-gc 0 runs gc off only, so --policy {config.policy} would be ignored: leave one out")
-        if config.json and config.use_gc is None and config.policy != "off":
+        if config.json and config.use_gc is None and (config.policy != "off" or config.compress_bits is not None):
             fail("--json names one run's file; give --use-gc 0 or 1 (or --policy off) with it")
     else:
         policies = sweep_policies(config)

@@ -144,6 +144,10 @@ def add_model_flags(p, command):
     flag(g, "activation_bits", type=int, default=None, choices=[1, 2, 3, 4], metavar="K",
          help="few-bit derivatives (gelu, gelu_tanh, silu): backward keeps a K-bit code of each pre-activation "
               "instead of the pre-activation, and multiplies by the fitted derivative of its interval (1..4)")
+    flag(g, "compress_bits", type=int, default=None, choices=[2, 4, 8], metavar="K",
+         help="compressed saved activations (checkpoint.compress): what gc on's policy keeps for backward is kept "
+              "as K-bit codes (2, 4, 8) where the gradients reading it allow; with --policy off, everything kept, "
+              "compressed; gc off stays exact. ablate: the bits of its compress rows (default: 8)")
     flag(g, "head_init_scale", type=float, default=0.1, metavar="S",
          help="scale of the output layer's initial weight, so the loss starts near ln(vocab); 1 keeps the course's "
               "init (whose logits start with a std of several units)")

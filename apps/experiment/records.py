@@ -43,6 +43,7 @@ def config_of(config, source, vocab, device):
         "seq_len": config.seq_len, "embedding_size": config.embedding_size, "hidden_size": config.hidden_size,
         "num_layers": config.num_layers, "num_head": config.num_head, "dropout": config.dropout,
         "activation": config.activation, "activation_bits": config.activation_bits,
+        "compress_bits": config.compress_bits,
         "head_init_scale": config.head_init_scale, "head": config.head, "precision": config.precision,
         "stochastic_rounding": bool(config.stochastic_rounding),
         "init_scale": config.init_scale if config.precision == "mixed-fp16" else None,

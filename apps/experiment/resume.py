@@ -23,8 +23,8 @@ from .outputs import checkpoint_file
 # The flags a resumed run must share with the run that saved (the vocabulary and the world size too): the model's
 # shape, what a step computes (precision, head, dropout, batch) and the optimizer whose state is restored.
 RESUME_MUST_MATCH = ("embedding_size", "hidden_size", "num_layers", "num_head", "seq_len", "batch_size",
-                     "accumulation_steps", "dropout", "activation", "activation_bits", "head", "precision",
-                     "stochastic_rounding", "optimizer", "lr", "parallel")
+                     "accumulation_steps", "dropout", "activation", "activation_bits", "compress_bits", "head",
+                     "precision", "stochastic_rounding", "optimizer", "lr", "parallel")
 
 
 def rank_and_size(config):

@@ -54,6 +54,7 @@ class RunConfig:
     dropout: float = None
     activation: str = "relu"
     activation_bits: int = None
+    compress_bits: int = None  # checkpoint.compress around gc on's policy
     head_init_scale: float = None
     precision: str = "fp32"
     stochastic_rounding: bool = False
@@ -120,9 +121,19 @@ def pick_device(name):
 
 
 def make_policy(config):
-    if config.policy == "budget":
-        return budget_policy(config)
-    return None if config.policy in (None, "all") else config.policy
+    """gc on's policy: a name for enable_gc (None: "all"), a Budget, or either inside checkpoint.compress."""
+    policy = budget_policy(config) if config.policy == "budget" else \
+        None if config.policy in (None, "all") else config.policy
+    if config.compress_bits is None:
+        return policy
+    inner = None if policy == "off" else "all" if policy is None else policy  # off: keep everything, compressed
+    return checkpoint.compress(config.compress_bits, inner)
+
+
+def policy_label(config):
+    """gc on's policy as the JSON and the tables name it: "selective", or "selective+compress8"."""
+    name = config.policy or "all"
+    return name if config.compress_bits is None else f"{name}+compress{config.compress_bits}"
 
 
 def budget_policy(config, bound=None):

@@ -84,10 +84,12 @@ def ablation_row(config, source, name, budget, out_dir, ablation_id, counter):
     what, flags = ABLATIONS[name]
     flags = dict(flags)
     policy, k = flags.pop("policy", "off"), flags.pop("accumulate", 1)
+    compress_bits = (config.compress_bits or 8) if flags.pop("compress", False) else None
     overrides = {**flags, "batch_size": config.batch_size // k, "accumulation_steps": k, "epochs": 1,
+                 "compress_bits": compress_bits,
                  "max_batches": config.steps, "budget_mb": budget[0] / 2**20 if policy == "budget" else None,
                  "offload": flags.get("offload", False)}
-    setup = setup_text(config, ABLATIONS[name][1], budget[0] if budget else 0)
+    setup = setup_text(config, ABLATIONS[name][1], budget[0] if budget else 0, compress_bits)
     note(f"  {counter} start  {name}: {setup}")
     t0 = time.perf_counter()
     json_path = os.path.join(out_dir, f"ablation-{ablation_id}_{name}.json")
@@ -124,15 +126,17 @@ def ablation_budget(config, data, vocab, device, offload=False):
     return int(config.budget_mb * 2**20), "--budget-mb", least, off
 
 
-def setup_text(config, flags, budget_bytes):
+def setup_text(config, flags, budget_bytes, compress_bits=None):
     """A row's setup in a few words: its policy, its head, its batch (micro-batches x accumulation)."""
     policy = flags.get("policy", "off")
+    if compress_bits:
+        policy += f", compressed {compress_bits}-bit"
     if policy == "budget":
         policy = f"budget {budget_bytes / 2**20:.1f} MB" + (", offload" if flags.get("offload") else "")
     k = flags.get("accumulate", 1)
     batch = f"batch {config.batch_size}" if k == 1 else f"batch {config.batch_size // k} x {k} = {config.batch_size}"
     extra = [f"{key} {value}" for key, value in flags.items() if key not in ("policy", "head", "accumulate",
-                                                                            "parallel", "offload")]
+                                                                            "parallel", "offload", "compress")]
     if flags.get("parallel"):
         ranks = dist.comm.launcher_rank_and_size()[1]
         _, data_ranks = parallel_layout(flags["parallel"], ranks)

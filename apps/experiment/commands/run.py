@@ -19,7 +19,8 @@ from ..footprint import check_fits
 from ..records import ALIASES, config_of, summarize, write_json
 from ..report import print_run_header, print_single, print_table, step_line
 from ..setup import (AUTOCAST, TENSOR_PARALLEL, build_model, check_budget, check_tensor_parallel_vocabulary, make_loss,
-                     make_optimizer, make_policy, pick_device, pipeline_loss, pipeline_stages, tensor_parallel_model)
+                     make_optimizer, make_policy, pick_device, pipeline_loss, pipeline_stages, policy_label,
+                     tensor_parallel_model)
 from ..resume import load_training, parameters_sha256, restore_training, save_training
 from ..step import pipeline_step, train_step
 
@@ -41,7 +42,7 @@ def main(config):
         fail(f"--resume {config.resume} is at step {resumed['step']}, and this run's schedule (--max-batches x "
              f"--epochs) ends at step {total_steps(config, data)}: nothing is left to train")
     which = [False, True] if config.use_gc is None else [bool(config.use_gc)]
-    if config.policy == "off":
+    if config.policy == "off" and config.compress_bits is None:  # (off + compress: gc on is compression alone)
         which = [False]
     if config.budget_mb is not None and True in which:  # before the gc-off pass: an infeasible budget fails now
         per_rank = config.batch_size // (dist.world_size() if config.parallel else 1)  # the graph each rank plans
@@ -50,7 +51,7 @@ def main(config):
     if config.budget_mb is not None and True in which and slack(planned):
         print(f"--budget-mb {config.budget_mb:g} is above gc off's peak of {planned.predicted_peak / 2**20:.1f} MB: "
               f"nothing to drop (give a budget between policy all's M_peak and that to see Budget choose)")
-    label = config.policy or "all"
+    label = policy_label(config)
     out_dir = None if config.json else (config.out or "results")
     results = {}
     for use_gc in which:
@@ -130,7 +131,7 @@ def train(config, use_gc, data, vocab, source, out_dir=None, quiet=False, json_p
 
 def new_record(config, use_gc, source, vocab, device, first_step):
     """A run's record before its first step: what it is, its whole configuration, where it started."""
-    label = (config.policy or "all") if use_gc else "off"
+    label = policy_label(config) if use_gc else "off"
     record = {"kind": "run", "policy": label, "use_gc": bool(use_gc), **config_of(config, source, vocab, device),
               "aliases": ALIASES, "first_step": first_step, "complete": False, "steps": []}
     if not use_gc:
