@@ -127,11 +127,13 @@ def test_rule_3_bad_op_and_module_arguments_name_what_was_wrong():
         nn.SiLU(bits=0)
     with pytest.raises(ValueError, match="TransformerLayer: activation must be one of relu, gelu, gelu_tanh, silu"):
         nn.TransformerLayer(8, 2, 4, 16, activation="swish")
-    with pytest.raises(ValueError, match="TransformerLayer: activation_bits is for gelu, gelu_tanh and silu"):
+    with pytest.raises(ValueError, match="TransformerLayer: relu's derivative is 0 or 1, so its mask takes 1 bit"):
         nn.TransformerLayer(8, 2, 4, 16, activation="relu", activation_bits=3)
-    with pytest.raises(ValueError, match="linear: activation_bits is for gelu, gelu_tanh and silu"):
+    with pytest.raises(ValueError, match="linear: activation_bits is for an activation"):
         ops.linear(ndl.Tensor(np.ones((2, 3), np.float32)), ndl.Tensor(np.ones((3, 4), np.float32)),
                    activation=None, activation_bits=2)
+    with pytest.raises(ValueError, match="ReLU: relu's derivative is 0 or 1.*got 2"):
+        nn.ReLU(bits=2)
 
 
 # ----- rule 4: the modules are PyTorch's ------------------------------------------------------------------------

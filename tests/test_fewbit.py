@@ -8,7 +8,9 @@ Rules checked here:
   4. codes select the interval an input falls in; bad arguments name what was wrong;
   5. packed codes take ceil(n·bits / 8) bytes in the documented bit layout, the same bytes on every backend;
   6. unpack_scale is g times the level of each element's code, in every floating dtype;
-  7. the kernels' bad arguments are clear errors naming the function.
+  7. the kernels' bad arguments are clear errors naming the function;
+  8. relu's derivative as a 1-bit mask is exact: the same forward and gradients as relu, to the bit, n/8 bytes,
+     and its output no longer pinned exact by its own gradient (compress.py can compress it).
 """
 import itertools
 import math
@@ -16,7 +18,8 @@ import math
 import numpy as np
 import pytest
 
-from needle import fewbit
+import needle as ndl
+from needle import autograd, checkpoint, fewbit, nn, ops
 from needle import backend_ndarray as nd
 from needle.backend_ndarray import array_api
 from needle.backend_ndarray.ndarray_backend_numpy import activation_derivative
@@ -91,8 +94,8 @@ def test_rule_4_codes_pick_the_interval_and_bad_arguments_are_named():
     assert table.codes(x).tolist() == [0, 0, 1, 2, 3, 3] and table.codes(x).dtype == np.uint8
     with pytest.raises(ValueError, match="derivative_table: bits must be one of"):
         fewbit.derivative_table("gelu", 5)
-    with pytest.raises(ValueError, match="derivative_table: unknown activation 'relu'"):
-        fewbit.derivative_table("relu", 2)
+    with pytest.raises(ValueError, match="derivative_table: unknown activation 'tanh'"):
+        fewbit.derivative_table("tanh", 2)
 
 
 # ----- the kernels ------------------------------------------------------------------------------------------------
@@ -154,3 +157,55 @@ def test_rule_7_bad_kernel_arguments_name_the_function(device):
     with pytest.raises(ValueError, match="unpack_scale: codes has 2 elements, expected 3"):
         array_api.unpack_scale(nd.array(np.zeros(2, np.uint8), device=device).astype("uint8"),
                                nd.array(np.zeros(4, np.float32), device=device), a, 2)
+
+
+# ----- rule 8: relu's 1-bit mask ------------------------------------------------------------------------------
+def test_rule_8_relus_table_is_its_exact_derivative():
+    table = fewbit.derivative_table("relu", 1)
+    x = np.array([-2.0, -1e-30, 0.0, 1e-40, 1e-30, 3.0])
+    np.testing.assert_array_equal(fewbit.quantized_derivative("relu", 1, x), (x > 0).astype(float))
+    assert table.expected_error == 0.0
+    with pytest.raises(ValueError, match="relu's derivative is 0 or 1, one bit"):
+        fewbit.derivative_table("relu", 2)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fused", [False, True], ids=["relu", "linear+relu"])
+def test_rule_8_a_relu_mask_gives_relus_numbers_to_the_bit(device, fused, rng):
+    x_np = rng.standard_normal((6, 40)).astype(np.float32)
+    x_np[0, :5] = 0.0  # relu'(0) = 0, as relu's gradient has it
+    w_np = rng.standard_normal((40, 24)).astype(np.float32)
+    g_np = rng.standard_normal((6, 24 if fused else 40)).astype(np.float32)
+
+    def run(bits):
+        x = ndl.Tensor(x_np, device=device, requires_grad=True)
+        w = ndl.Tensor(w_np, device=device, requires_grad=True)
+        y = ops.linear(x, w, activation="relu", activation_bits=bits) if fused else ops.relu(x, bits)
+        (y * ndl.Tensor(g_np, device=device)).sum().backward()
+        return y.numpy(), x.grad.numpy(), (w.grad.numpy() if fused else None), y
+    exact, masked = run(None), run(1)
+    for a, b in zip(exact[:3], masked[:3]):
+        if a is not None:
+            np.testing.assert_array_equal(a, b)
+    node = masked[3].inputs[0]  # the tuple (relu(x), mask)
+    assert node.cached_data[1].size == math.ceil(x_np.size * (24 if fused else 40) / 40 / 8)
+    assert node.op.compressible_outputs == (0,)
+
+
+def test_rule_8_compression_takes_a_masked_relus_output():
+    """A ReLU model under compress(8): with the 1-bit mask, relu's output is compressed (its own gradient no longer
+    reads it), so the step holds fewer bytes after forward, and the gradients stay close to the exact ones."""
+    held, grads = {}, {}
+    for bits in (None, 1):
+        np.random.seed(0)
+        model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(bits=bits), nn.Linear(64, 64), nn.ReLU(bits=bits),
+                              nn.Linear(64, 8))
+        x = ndl.Tensor(np.random.RandomState(1).randn(128, 32).astype(np.float32), requires_grad=False)
+        with autograd.lazy_mode(False):
+            out = checkpoint.checkpoint(model, x, policy=checkpoint.compress(8))
+            held[bits] = sum(b for _, reason, b in checkpoint.saved_residuals(out, exclude=model.parameters() + [x]))
+            (out * out).sum().backward()
+        grads[bits] = [p.grad.numpy() for p in model.parameters()]
+    assert held[1] < 0.6 * held[None]
+    for a, b in zip(grads[None], grads[1]):
+        assert np.linalg.norm(a - b) <= 0.05 * np.linalg.norm(a)

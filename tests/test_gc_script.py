@@ -264,7 +264,7 @@ def test_bad_input_is_one_line_and_exit_2_before_any_work(tmp_path):
         (["--max-batches", "0"], "--max-batches must be a positive integer"),
         (["--dropout", "1"], "--dropout must be in [0, 1)"),
         (["--dropout", "-0.1"], "--dropout must be in [0, 1)"),
-        (["--activation-bits", "3"], "--activation-bits is for --activation gelu, gelu_tanh or silu"),
+        (["--activation-bits", "3"], "--activation-bits with --activation relu is 1"),
         (["--precision", "mixed-fp16", "--init-scale", "0"], "--init-scale must be a positive number, got 0"),
         (["--budget_mb", "5"], "--budget-mb is the bound of --policy budget"),
         (["--policy", "budget"], "policy budget needs --budget-mb"),

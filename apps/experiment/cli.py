@@ -120,9 +120,9 @@ def validate_numbers(config):
         fail(f"--warmup must be 0 or more, got {config.warmup}")
     if not 0 <= config.dropout < 1:
         fail(f"--dropout must be in [0, 1), got {config.dropout:g}")
-    if config.activation_bits is not None and config.activation == "relu":
-        fail("--activation-bits is for --activation gelu, gelu_tanh or silu (relu's gradient reads only its "
-             "output's sign)")
+    if config.activation_bits not in (None, 1) and config.activation == "relu":
+        fail("--activation-bits with --activation relu is 1 (its mask: relu's derivative is 0 or 1); 2..4 are for "
+             "gelu, gelu_tanh or silu")
     if not (math.isfinite(config.lr) and config.lr > 0):
         fail(f"--lr must be a positive number, got {config.lr:g}")
     if not 0 <= config.seed < 2**32:

@@ -143,7 +143,8 @@ def add_model_flags(p, command):
               "others keep it")
     flag(g, "activation_bits", type=int, default=None, choices=[1, 2, 3, 4], metavar="K",
          help="few-bit derivatives (gelu, gelu_tanh, silu): backward keeps a K-bit code of each pre-activation "
-              "instead of the pre-activation, and multiplies by the fitted derivative of its interval (1..4)")
+              "instead of the pre-activation, and multiplies by the fitted derivative of its interval (1..4); "
+              "relu: 1, its exact mask, so its gradient reads no activation")
     flag(g, "compress_bits", type=int, default=None, choices=[2, 4, 8], metavar="K",
          help="compressed saved activations (checkpoint.compress): what gc on's policy keeps for backward is kept "
               "as K-bit codes (2, 4, 8) where the gradients reading it allow; with --policy off, everything kept, "

@@ -15,6 +15,12 @@ f' there is within 1e−6 of its limits 0 and 1), and the best split of the grid
 dynamic program over where each interval ends (O(2^k · GRID²), vectorized: well under a second). Each level is
 then the mean of f' over its interval, weighted by the density, and each boundary the midpoint between the two
 grid points it falls between. `derivative_table(kind, bits)` computes it once and caches it.
+
+ReLU's derivative takes two values, so one bit holds it exactly: `derivative_table("relu", 1)` is the step at 0
+(the boundary is the least positive float32, so x = 0 gets 0, as relu's gradient has it), with no error. Its
+gradient usually reads relu's own output (the sign), which the next layer keeps anyway; the mask is worth its bit
+where that output is not kept exact otherwise (compress.py: then the output is compressed for the next matmul
+and the mask keeps the sign).
 """
 import functools
 import math
@@ -24,11 +30,12 @@ import numpy as np
 
 from .backend_ndarray.ndarray_backend_numpy import ACTIVATIONS, activation_derivative
 
-__all__ = ["DISTRIBUTION", "DerivativeTable", "derivative_table", "quantized_derivative"]
+__all__ = ["DISTRIBUTION", "DerivativeTable", "RELU_BOUNDARY", "derivative_table", "quantized_derivative"]
 
 DISTRIBUTION = "N(0, 1)"
 LIMIT, GRID = 6.0, 1201  # the grid: x from -6 to 6 in steps of 0.01
 BITS = (1, 2, 3, 4)
+RELU_BOUNDARY = float(np.nextafter(np.float32(0), np.float32(1)))  # the least positive float32: x > 0 iff x >= it
 
 
 @dataclass(frozen=True)
@@ -64,8 +71,12 @@ def _segment_costs(prefix_w, prefix_wd, prefix_wdd, ends):
 def derivative_table(kind, bits):
     """The optimal `bits`-bit piecewise-constant approximation of `kind`'s derivative ("gelu", "gelu_tanh",
     "silu"), fitted under DISTRIBUTION (see the module docstring)."""
+    if kind == "relu":  # two values: one bit, exact
+        if bits != 1:
+            raise ValueError(f"derivative_table: relu's derivative is 0 or 1, one bit: got bits={bits!r}")
+        return DerivativeTable("relu", 1, (RELU_BOUNDARY,), (0.0, 1.0), 0.0, 0.25)
     if kind not in ACTIVATIONS:
-        raise ValueError(f"derivative_table: unknown activation {kind!r} (expected {', '.join(ACTIVATIONS)})")
+        raise ValueError(f"derivative_table: unknown activation {kind!r} (expected relu, {', '.join(ACTIVATIONS)})")
     if bits not in BITS:
         raise ValueError(f"derivative_table: bits must be one of {BITS}, got {bits!r}")
     x = np.linspace(-LIMIT, LIMIT, GRID)

@@ -11,7 +11,7 @@ import numpy as np
 
 from .. import init, ops
 from ..autograd import Tensor
-from ..ops.ops_fewbit import check_bits
+from ..ops.ops_fewbit import check_bits, check_relu_bits
 from ..backend_selection import array_api
 from .nn_module import Module, Parameter
 
@@ -78,8 +78,15 @@ class Flatten(Module):
 
 
 class ReLU(Module):
+    """max(x, 0). bits=1 keeps its derivative as a 1-bit mask instead of reading its output (ops.relu)."""
+
+    def __init__(self, bits=None):
+        super().__init__()
+        check_relu_bits("ReLU", bits)
+        self.bits = bits
+
     def forward(self, x):
-        return self.checkpoint(ops.relu(x), [x])
+        return self.checkpoint(ops.relu(x, self.bits), [x])
 
 
 class GELU(Module):

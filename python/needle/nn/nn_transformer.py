@@ -18,7 +18,7 @@ import numpy as np
 
 from .. import init, ops
 from ..autograd import Tensor
-from ..ops.ops_fewbit import check_bits
+from ..ops.ops_fewbit import check_bits, check_relu_bits
 from ..ops.ops_linear import ACTIVATIONS
 from .nn_basic import Dropout, LayerNorm1d, Linear, ReLU, draw_like_rand
 from .nn_module import Module
@@ -155,8 +155,9 @@ class TransformerLayer(Module):
     """x + Dropout(Attention(x)), then x + Dropout(Linear2(Dropout(f(Linear1(LayerNorm(x)))))).
 
     activation f: "relu" (the course's), "gelu" (exact), "gelu_tanh" or "silu", applied inside linear1's op
-    (ops.linear's activation); activation_bits (1..4, not for relu): backward keeps that many bits per element of
-    the pre-activation instead of the pre-activation (few-bit derivatives: ops/ops_activation.py).
+    (ops.linear's activation); activation_bits (1..4; relu: 1): backward keeps that many bits per element of the
+    pre-activation instead of the pre-activation (few-bit derivatives: ops/ops_activation.py; relu's 1 bit is its
+    mask, exact).
 
     fused_attention=True (the opt-in with dropout): the residual and MLP dropouts regenerate their masks from a
     seed as the fused attention does (Dropout(regenerate=True)), so the layer keeps no mask at all.
@@ -168,10 +169,7 @@ class TransformerLayer(Module):
         if activation not in ACTIVATIONS:
             raise ValueError(f"TransformerLayer: activation must be one of {', '.join(ACTIVATIONS)}, got "
                              f"{activation!r}")
-        check_bits("TransformerLayer", activation_bits)
-        if activation == "relu" and activation_bits is not None:
-            raise ValueError("TransformerLayer: activation_bits is for gelu, gelu_tanh and silu; relu's gradient "
-                             "already reads only its output's sign")
+        (check_relu_bits if activation == "relu" else check_bits)("TransformerLayer", activation_bits)
         self.activation, self.activation_bits = activation, activation_bits
         self.attention = AttentionLayer(q_features, num_head, dim_head, dropout=dropout, causal=causal,
                                         device=device, dtype=dtype, fused_attention=fused_attention)

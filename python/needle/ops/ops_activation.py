@@ -13,11 +13,11 @@ import math
 
 from ..autograd import TensorOp
 from ..backend_selection import array_api
-from .ops_fewbit import FewBitActivation, check_bits
-from .ops_mathematic import exp, sigmoid, tanh
+from .ops_fewbit import FewBitActivation, check_bits, check_relu_bits
+from .ops_mathematic import ReLU, exp, sigmoid, tanh
 from .ops_tuple import tuple_get_item
 
-__all__ = ["ActivationGrad", "GELU", "SiLU", "gelu", "silu"]
+__all__ = ["ActivationGrad", "GELU", "SiLU", "gelu", "relu", "silu"]
 
 APPROXIMATIONS = {"none": "gelu", "tanh": "gelu_tanh"}  # GELU's `approximate` -> the backend's kind
 
@@ -87,6 +87,15 @@ def second_derivative(kind, x):
     du = (x * x * (3 * TANH_CUBIC) + 1.0) * SQRT_2_OVER_PI
     ddu = x * (6 * TANH_CUBIC * SQRT_2_OVER_PI)
     return (t * t * -1.0 + 1.0) * (du + x * (ddu - t * du * du * 2.0) * 0.5)
+
+
+def relu(x, bits=None):
+    """max(x, 0), the course's ReLU. bits=1 keeps its derivative (0 or 1) as a 1-bit mask beside the output, so its
+    gradient does not read the output: worth it where nothing else keeps the output exact (fewbit.py)."""
+    check_relu_bits("relu", bits)
+    if bits is not None:
+        return tuple_get_item(FewBitActivation("relu", 1)(x), 0)
+    return ReLU()(x)
 
 
 def gelu(x, approximate="none", bits=None):

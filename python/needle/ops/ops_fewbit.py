@@ -22,7 +22,7 @@ from ..backend_selection import array_api
 from ..fewbit import BITS, derivative_table
 from .ops_tuple import tuple_get_item
 
-__all__ = ["FewBitActivation", "FewBitGrad"]
+__all__ = ["FewBitActivation", "FewBitGrad", "activation_values", "check_relu_bits"]
 
 
 class FewBitActivation(TensorTupleOp):
@@ -30,6 +30,7 @@ class FewBitActivation(TensorTupleOp):
 
     autocast = "low"
     saves = "output"  # the codes (beside f(x) in the tuple), never x
+    compressible_outputs = (0,)  # f(x) is for the next layer: this gradient reads only the codes
 
     def __init__(self, kind, bits):
         self.kind, self.bits = kind, bits
@@ -41,7 +42,7 @@ class FewBitActivation(TensorTupleOp):
         return dtype, "uint8"
 
     def compute(self, x):
-        return array_api.activation(x, self.kind), pack_input_codes(x, self.kind, self.bits)
+        return activation_values(x, self.kind), pack_input_codes(x, self.kind, self.bits)
 
     def gradient(self, out_grad, node):
         return (FewBitGrad(self.kind, self.bits)(tuple_get_item(node, 1), out_grad[0]),)
@@ -68,6 +69,18 @@ class FewBitGrad(TensorOp):
 
     def gradient(self, out_grad, node):
         return None, FewBitGrad(self.kind, self.bits)(node.inputs[0], out_grad)  # codes are integers: no gradient
+
+
+def activation_values(x, kind):
+    """f(x) for an activation of fewbit.derivative_table: relu (max(x, 0), as ReLU computes it) or the backends'."""
+    return array_api.maximum(x, 0) if kind == "relu" else array_api.activation(x, kind)
+
+
+def check_relu_bits(name, bits):
+    """ValueError naming `name` unless relu's bits is None or 1 (its derivative is 0 or 1: one bit, exact)."""
+    if bits is not None and (isinstance(bits, bool) or bits != 1):
+        raise ValueError(f"{name}: relu's derivative is 0 or 1, so its mask takes 1 bit: bits must be None or 1, "
+                         f"got {bits!r}")
 
 
 def pack_input_codes(x, kind, bits):

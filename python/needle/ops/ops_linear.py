@@ -14,7 +14,7 @@ from ..autograd import TensorOp, TensorTupleOp
 from ..backend_selection import array_api
 from ..backend_ndarray.ndarray_backend_numpy import code_bytes
 from .ops_activation import ActivationGrad
-from .ops_fewbit import FewBitGrad, check_bits, pack_input_codes
+from .ops_fewbit import FewBitGrad, activation_values, check_bits, check_relu_bits, pack_input_codes
 from .ops_mathematic import matmul, relu_mask, reshape, summation, transpose
 from .ops_tuple import tuple_get_item
 
@@ -87,7 +87,7 @@ class LinearActivation(TensorTupleOp):
     GELU's and SiLU's gradients read the pre-activation z, so unlike relu's it is an output of its own; `linear`
     hands out only f(z) (tuple element 0), so nothing else reads z and its gradient is zero (not read here).
     With `bits` (few-bit derivatives, ops_activation.py) the second output is z's packed `bits`-bit codes instead:
-    z is a temporary inside the op, and dz = g q(z) (FewBitGrad).
+    z is a temporary inside the op, and dz = g q(z) (FewBitGrad). relu with bits=1: (relu(z), its 1-bit mask).
     """
 
     saveable = True  # a matmul, as Linear
@@ -116,7 +116,7 @@ class LinearActivation(TensorTupleOp):
     def compute(self, x, w, *b):
         z = Linear(self.bias).compute(x, w, *b)
         second = z if self.bits is None else pack_input_codes(z, self.kind, self.bits)
-        return array_api.activation(z, self.kind), second
+        return activation_values(z, self.kind), second
 
     def gradient(self, out_grad, node):
         second = tuple_get_item(node, 1)
@@ -141,11 +141,14 @@ def linear(x, weight, bias=None, activation=None, activation_bits=None):
     if not _fits(*shapes):
         raise ValueError(f"linear: needs x (..., n), weight (n, m) and bias (m,) or (1, m); got x {shapes[0]}, "
                          f"weight {shapes[1]}" + ("" if bias is None else f", bias {shapes[2]}"))
-    check_bits("linear", activation_bits)
-    if activation_bits is not None and activation in (None, "relu"):
-        raise ValueError(f"linear: activation_bits is for gelu, gelu_tanh and silu (relu's gradient reads only its "
-                         f"output's sign), got activation {activation!r}")
+    if activation == "relu":
+        check_relu_bits("linear", activation_bits)
+    else:
+        check_bits("linear", activation_bits)
+    if activation_bits is not None and activation is None:
+        raise ValueError("linear: activation_bits is for an activation (relu: 1, its mask; gelu, gelu_tanh, silu: "
+                         "1..4), got activation None")
     inputs = (x, weight) + (() if bias is None else (bias,))
-    if activation in (None, "relu"):
+    if activation is None or (activation == "relu" and activation_bits is None):
         return Linear(bias is not None, activation == "relu")(*inputs)
     return tuple_get_item(LinearActivation(bias is not None, activation, activation_bits)(*inputs), 0)

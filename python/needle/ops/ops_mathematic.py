@@ -18,7 +18,7 @@ __all__ = [
     "PowerScalar", "ReLU", "ReLUMask", "Reshape", "ScatterAddRows", "ScatterColumns", "Sigmoid", "Slice", "Summation",
     "Tanh", "Transpose", "UnDilate", "add", "add_scalar", "broadcast_to", "cast", "conv", "dilate", "divide",
     "divide_scalar", "exp", "flip", "gather_rows", "log", "matmul", "mul_scalar", "multiply", "negate", "pad",
-    "pick_columns", "power", "power_scalar", "relu", "relu_mask", "reshape", "scatter_add_rows", "scatter_columns",
+    "pick_columns", "power", "power_scalar", "relu_mask", "reshape", "scatter_add_rows", "scatter_columns",
     "sigmoid", "slice_window", "subtract", "sum_to_shape", "summation", "tanh", "transpose", "undilate",
 ]
 
@@ -518,10 +518,6 @@ class ReLU(TensorOp):
 
     def gradient(self, out_grad, node):
         return (out_grad * relu_mask(node),)
-
-
-def relu(a):
-    return ReLU()(a)
 
 
 class ReLUMask(TensorOp):
