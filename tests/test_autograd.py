@@ -13,6 +13,7 @@ import os
 import pickle
 import subprocess
 import sys
+import weakref
 
 import numpy as np
 import pytest
@@ -420,10 +421,12 @@ def test_lazy_shape_inference_covers_every_shape_changing_op(device, monkeypatch
 
 # ----- deep graphs: iterative traversals, linear work ------------------------------------------------------------
 @pytest.mark.parametrize("lazy", [False, True])
-def test_deep_chain_100k_ops_forward_and_backward(lazy, monkeypatch):
+def test_deep_chain_20k_ops_forward_and_backward(lazy, monkeypatch):
     """No RecursionError anywhere (build, realize, topo sort, backward, teardown); the backward computes one
-    gradient op per node."""
-    n = 100_000
+    gradient op per node. 20 000 ops are 20 times Python's recursion limit, so any recursive walk fails here, and
+    the limit is checked not to have been raised to let one through (the 100 000-op teardown: the next test)."""
+    n = 20_000
+    assert n >= 20 * sys.getrecursionlimit()
     monkeypatch.setattr(autograd, "LAZY_MODE", lazy)
     counter = _ComputeCounter(monkeypatch)
     x = ndl.Tensor(np.array([1.0, 2.0]), device=nd.cpu_numpy())
@@ -440,6 +443,25 @@ def test_deep_chain_100k_ops_forward_and_backward(lazy, monkeypatch):
     np.testing.assert_allclose(x.grad.numpy(), np.full(2, factor), rtol=1e-3)
     del y
     gc.collect()
+    assert n >= 20 * sys.getrecursionlimit()  # nothing raised it on the way
+
+
+def test_deep_chain_100k_ops_builds_sorts_and_tears_down():
+    """A 100 000-op chain (lazy: recorded, not computed) is built, topologically sorted and freed without a
+    RecursionError or a C stack overflow (freeing a chain of that depth recursively in C would overflow the stack;
+    20 000 may not)."""
+    n = 100_000
+    x = ndl.Tensor(np.array([1.0, 2.0]), device=nd.cpu_numpy())
+    with autograd.lazy_mode():
+        y = x
+        for _ in range(n):
+            y = y * 1.00001
+        order = autograd.find_topo_sort([y])
+    assert len(order) == n + 1 and order[0] is x and order[-1] is y
+    ref = weakref.ref(order[1])
+    del y, order
+    gc.collect()
+    assert ref() is None  # the whole chain was freed
 
 
 def _chain(n):
