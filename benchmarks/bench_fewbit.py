@@ -4,6 +4,7 @@ and time against the exact GELU, on a small Transformer LM trained by gc.py on t
     python benchmarks/bench_fewbit.py              # the tables; writes docs/img/fewbit-derivative.png
     python benchmarks/bench_fewbit.py --markdown   # the same, for benchmarks/figures.py
     python benchmarks/bench_fewbit.py --steps 50 --seeds 1   # a quick look
+    python benchmarks/bench_fewbit.py --readme --steps 100     # the README's table, on gc.py's default model
 
 The model: embedding = hidden = 64, 2 layers, 4 heads of 16, seq 32, batch 16, gc off, eager (the issue's test
 model, with PTB's vocabulary). Per configuration and seed, one `gc.py run` of --steps steps; the loss is the mean
@@ -83,10 +84,11 @@ def activation_bytes(activation, bits):
     return node.cached_data[1].nbytes
 
 
-def gc_run(out, activation, bits, seed, steps):
-    path = os.path.join(out, f"{activation}-{bits}-{seed}.json")
-    argv = [sys.executable, os.path.join(ROOT, "gc.py"), "run", *MODEL, "--activation", activation, "--seed",
-            str(seed), "--max-batches", str(steps), "--json", path, "--no-progress"]
+def gc_run(out, activation, bits, seed, steps, extra=(), model=MODEL):
+    """(the mean of the last 20 steps' losses, gc.py's median T_step, M_act) of one `gc.py run`."""
+    path = os.path.join(out, f"{activation}-{bits}-{'_'.join(extra)}-{seed}.json")
+    argv = [sys.executable, os.path.join(ROOT, "gc.py"), "run", *model, "--activation", activation, "--seed",
+            str(seed), "--max-batches", str(steps), "--json", path, "--no-progress", *extra]
     if bits is not None:
         argv += ["--activation-bits", str(bits)]
     subprocess.run(argv, cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
@@ -96,7 +98,64 @@ def gc_run(out, activation, bits, seed, steps):
     return statistics.mean(losses), record["step_time_seconds"], record["activation_bytes"]
 
 
+# Compressed saved activations (checkpoint.compress) on top of 3-bit GELU: (name, gc.py flags). gc on with --policy
+# off and --compress-bits is compression alone (everything kept, compressed).
+COMPRESSED = [("gelu, 3 bits, compress 8", ["--use-gc", "1", "--policy", "off", "--compress-bits", "8"]),
+              ("gelu, 3 bits, compress 4", ["--use-gc", "1", "--policy", "off", "--compress-bits", "4"]),
+              ("gelu, 3 bits, compress 2", ["--use-gc", "1", "--policy", "off", "--compress-bits", "2"]),
+              ("gelu, 3 bits, selective + compress 8", ["--use-gc", "1", "--policy", "selective",
+                                                        "--compress-bits", "8"])]
+
+
+def compression_table(steps, seeds, results):
+    """Each compression configuration against the exact GELU model with gc off (`results`: quality_table's runs):
+    M_act, loss, T_step (means over the seeds; the loss's worst seed too)."""
+    rows = ["| configuration | M_act | vs exact gelu | loss (mean, worst seed) | vs exact gelu | T_step | "
+            "vs exact gelu |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    exact = results["gelu"][2]
+    with tempfile.TemporaryDirectory() as out:
+        configs = [("gelu (exact), gc off", None, exact), ("gelu, 3 bits, gc off", 3, results["gelu, 3 bits"][2])]
+        configs += [(name, 3, [gc_run(out, "gelu", 3, seed, steps, flags) for seed in range(seeds)])
+                    for name, flags in COMPRESSED]
+    base_loss, base_time, base_act = (statistics.mean(r[k] for r in exact) for k in range(3))
+    for name, _, runs in configs:
+        losses = [r[0] for r in runs]
+        loss, t_step, m_act = statistics.mean(losses), statistics.mean(r[1] for r in runs), \
+            statistics.mean(r[2] for r in runs)
+        rows.append(f"| {name} | {m_act / KB:.0f} KB | {m_act / base_act:.3f} | {loss:.4f}, {max(losses):.4f} | "
+                    f"{100 * (loss / base_loss - 1):+.2f}% | {1000 * t_step:.1f} ms | "
+                    f"{100 * (t_step / base_time - 1):+.1f}% |")
+    return "\n".join(rows)
+
+
+README_MODEL = ["--embedding-size", "256", "--hidden-size", "256", "--num-layers", "4", "--num-head", "4",
+                "--seq-len", "32", "--batch-size", "32", "--no-lazy"]  # gc.py's defaults, the demo's model
+
+
+def readme_table(steps):
+    """bits -> bytes -> loss -> time on the benchmark model (gc.py's defaults, GELU), one seed."""
+    rows = ["| GELU's backward keeps | saved activations | M_act | vs exact | loss after "
+            f"{steps} steps | vs exact | T_step | vs exact |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    configs = [("its input, 32 bits", "exact", None, ["--use-gc", "0"]),
+               ("a 3-bit code", "exact", 3, ["--use-gc", "0"]),
+               ("a 3-bit code", "8-bit codes", 3, ["--use-gc", "1", "--policy", "off", "--compress-bits", "8"]),
+               ("a 3-bit code", "4-bit codes", 3, ["--use-gc", "1", "--policy", "off", "--compress-bits", "4"]),
+               ("a 3-bit code", "2-bit codes", 3, ["--use-gc", "1", "--policy", "off", "--compress-bits", "2"]),
+               ("a 3-bit code", "selective's, 8-bit codes", 3,
+                ["--use-gc", "1", "--policy", "selective", "--compress-bits", "8"])]
+    with tempfile.TemporaryDirectory() as out:
+        results = [(what, kept, gc_run(out, "gelu", bits, 0, steps, flags, README_MODEL))
+                   for what, kept, bits, flags in configs]
+    base_loss, base_time, base_act = results[0][2]
+    for what, kept, (loss, t_step, m_act) in results:
+        rows.append(f"| {what} | {kept} | {m_act / 2**20:.1f} MB | {m_act / base_act:.3f} | {loss:.4f} | "
+                    f"{100 * (loss / base_loss - 1):+.2f}% | {1000 * t_step:.0f} ms | "
+                    f"{100 * (t_step / base_time - 1):+.1f}% |")
+    return "\n".join(rows)
+
+
 def quality_table(steps, seeds):
+    """(the table, the runs: {name: (activation, bits, [(loss, T_step, M_act) per seed])})."""
     results = {}
     with tempfile.TemporaryDirectory() as out:
         for name, activation, bits in CONFIGS:
@@ -115,7 +174,7 @@ def quality_table(steps, seeds):
         rows.append(f"| {name} | {held / KB:.0f} KB | {held / exact_bytes:.3f} | {m_act / KB:.0f} KB | "
                     f"{mean_loss:.4f}, {worst:.4f} | {100 * (mean_loss / exact_loss - 1):+.2f}% | "
                     f"{1000 * t_step:.1f} ms | {100 * (t_step / exact_time - 1):+.1f}% |")
-    return "\n".join(rows)
+    return "\n".join(rows), results
 
 
 def main():
@@ -123,7 +182,12 @@ def main():
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--markdown", action="store_true", help="the tables alone")
+    p.add_argument("--readme", action="store_true",
+                   help="the README's table instead: bits -> bytes -> loss -> time on gc.py's default model")
     args = p.parse_args()
+    if args.readme:
+        print(readme_table(args.steps))
+        return
     draw()
     if not args.markdown:
         print(f"bench_fewbit: fitted tables (x ~ {fewbit.DISTRIBUTION}); picture: {os.path.relpath(PNG, ROOT)}")
@@ -131,7 +195,11 @@ def main():
     print()
     print(f"{args.steps} steps of gc.py's model (embedding = hidden = 64, 2 layers, 4 heads of 16, seq 32, batch 16, "
           f"gc off, eager) on the reduced PTB, {args.seeds} seeds:\n")
-    print(quality_table(args.steps, args.seeds))
+    table, results = quality_table(args.steps, args.seeds)
+    print(table)
+    print(f"\nCompressed saved activations (checkpoint.compress, gc.py --compress-bits) on the same model, "
+          f"{args.steps} steps, {args.seeds} seeds:\n")
+    print(compression_table(args.steps, args.seeds, results))
     print("\n![the derivative of GELU and SiLU and their fitted 1-, 2- and 3-bit levels](img/fewbit-derivative.png)")
 
 

@@ -42,7 +42,7 @@ BACKEND = ("src/cpu/", "src/ndarray_backend_cpu.cc", "CMakeLists.txt", "python/n
 STEP = BACKEND + ("python/needle/__init__.py", "python/needle/autograd.py", "python/needle/backward.py",
                   "python/needle/checkpoint.py", "python/needle/checkpoint_budget.py", "python/needle/amp.py",
                   "python/needle/offload.py", "python/needle/ledger.py", "python/needle/regions.py",
-                  "python/needle/cost_model.py", "python/needle/memory_hook.py",
+                  "python/needle/cost_model.py", "python/needle/memory_hook.py", "python/needle/compress.py",
                   "python/needle/ops/", "python/needle/nn/", "python/needle/init/", "python/needle/optim/",
                   "python/needle/data/", "apps/models.py")
 # gc.py's runs: the step, and the experiment that drives and measures it.
@@ -110,9 +110,11 @@ FIGURES = [
            STEP + ("python/needle/memory/", "benchmarks/bench_memory_record.py", "benchmarks/bench_step.py")),
     Figure("offload", "docs/offloading.md", bench("bench_offload.py", "--markdown"),
            STEP + ("benchmarks/bench_offload.py",)),
-    Figure("offload-overhead", "README.md", bench("bench_offload_overhead.py", "--markdown"),
+    Figure("offload-overhead", "docs/offloading.md", bench("bench_offload_overhead.py", "--markdown"),
            STEP + ("benchmarks/bench_offload_overhead.py",)),
     Figure("fewbit", "docs/fewbit.md", bench("bench_fewbit.py", "--markdown"),
+           GC + ("python/needle/fewbit.py", "benchmarks/bench_fewbit.py"), ONE_THREAD),
+    Figure("fewbit-readme", "README.md", bench("bench_fewbit.py", "--readme", "--steps", "50", "--markdown"),
            GC + ("python/needle/fewbit.py", "benchmarks/bench_fewbit.py"), ONE_THREAD),
     Figure("budget-optimal", "docs/offloading.md", bench("bench_budget.py", "--markdown"),
            STEP + ("python/needle/checkpoint_optimal.py", "benchmarks/bench_budget.py")),
