@@ -14,11 +14,11 @@ __all__ = [
     "Device", "activation", "activation_grad", "adam8bit_step", "adam_step", "all_devices", "array", "astype",
     "attention_backward", "attention_forward", "broadcast_to", "cast_like", "copies_async", "copy_to_host", "cpu",
     "cpu_numpy", "cuda", "default_device", "dequantize_blockwise", "device_of", "dropout", "empty", "exp", "flip",
-    "from_host_async", "full", "host_empty", "layer_norm", "layer_norm_backward", "log", "logsumexp", "matmul", "max",
-    "maximum", "pack_codes", "quantize_stochastic", "dequantize_linear", "pad", "promote_types", "quantize_blockwise", "reshape", "round_stochastic",
-    "scatter_add_rows", "scatter_along_rows", "softmax_xent_grad", "split", "stack", "sum", "take_along_rows",
-    "take_rows", "tanh", "tensor_data", "to_host", "to_numpy", "transpose", "unpack_scale", "wait_for_copies",
-    "zeros",
+    "from_host_async", "full", "host_empty", "layer_norm", "layer_norm_backward", "log", "logsumexp", "matmul",
+    "max", "maximum", "pack_codes", "quantize_stochastic", "dequantize_linear", "pad", "promote_types",
+    "quantize_blockwise", "reshape", "round_stochastic", "scatter_add_rows", "scatter_along_rows",
+    "softmax_xent_grad", "split", "stack", "sum", "take_along_rows", "take_rows", "tanh", "tensor_data", "to_host",
+    "to_numpy", "transpose", "unpack_scale", "wait_for_copies", "zeros",
 ]
 
 
