@@ -28,7 +28,7 @@ from .autograd import defer_until_realized, find_topo_sort
 from .backward import always_kept
 from .checkpoint_optimal import OptimalPlan, optimal
 from .cost_model import CostModel, device_copies_overlap
-from .ledger import Ledger, predict_peak, required_spec, value_bytes, walk_step
+from .ledger import Ledger, predict_peak, required_spec, value_bytes, view_copies, walk_step
 
 __all__ = ["Budget", "InfeasibleBudget", "Ledger", "OptimalPlan", "Planned", "optimal", "predict_peak",
            "region_structure", "walk_step"]
@@ -199,8 +199,14 @@ class Budget:
         # least peak plus those, everything off the device fits without: no walk needed to tell.
         park = (self.offload and target < least.peak + sum(map(value_bytes, params)) and
                 walk(n, False).peak > target)
-        t = fewest_that_fit(lambda t: walk(t, park).peak, n, target,
-                            lambda t: max(least.peak, least.forward_peak + kept_from[t]))
+        # A bound no walk can beat: when backward begins, everything the t cheapest groups leave on the device is
+        # alive beside what remains with all of them off; and the peak falls as t grows. Where it exceeds the
+        # target, t does not fit, and the search is told so without a walk (the walk that would confirm the
+        # least t is often this one).
+        def peak(t):  # (least: parking gradients only lowers a peak, and forward is the same either way)
+            below = max(least.peak, least.forward_live + kept_from[t])
+            return below if below > target else walk(t, park).peak
+        t = fewest_that_fit(peak, n, target, lambda t: max(least.peak, least.forward_peak + kept_from[t]))
         return t, park, walk(t, park)
 
     def _groups(self, regions, above, lazy):
@@ -254,7 +260,8 @@ class Budget:
 
 
 def _is_view(node):
-    return node.op is not None and node.op.view
+    """A view op whose value lives in its input's buffer (a reshape of a transposed value copies: not a view)."""
+    return node.op is not None and node.op.view and not view_copies(node)
 
 
 def _ranked(groups, how):

@@ -55,9 +55,9 @@ from . import offload
 from .autograd import (defer_until_realized, element_dtype, element_shapes, find_topo_sort, infer_spec, itemsize,
                        release)
 from .backend_selection import array_api
-from .backend_ndarray.ndarray import compact_strides  # (the ledger's: which views copy)
 from .backward import always_kept, reads
 from .checkpoint_budget import region_structure
+from .ledger import view_copies
 from .regions import note_reason
 
 __all__ = ["BLOCK_SIZE", "BITS", "Codec", "Compress", "FIRST_ORDER", "TupleCodec", "UNBIASED", "compressed_bytes",
@@ -179,7 +179,7 @@ class Compress:
                 note_reason(o, "compressed")
                 offload.release_value(o)  # (computed: eager) compressed now; (lazy) after its last consumer
                 for v in graph.viewed(o)[1:]:  # a kept view of it would hold its buffer
-                    if not v.drop and not _copies(v) and graph.gives_way(v):
+                    if not v.drop and not view_copies(v) and graph.gives_way(v):
                         v.drop = True
                         release(v)
 
@@ -194,7 +194,7 @@ class Compress:
         region = _Region(nodes, outputs, flags)
         for i in reversed(range(len(nodes))):  # consumers first: a value's fate depends on theirs
             node = nodes[i]
-            if region.flags[i] is not True or (_is_view(node) and not _copies(node)):
+            if region.flags[i] is not True or (_is_view(node) and not view_copies(node)):
                 continue
             fate = region.fate(node)
             if fate == "unread":
@@ -202,7 +202,7 @@ class Compress:
             elif fate:
                 region.flags[i] = self._codec(fate)
         for i, node in enumerate(nodes):  # a kept view of a compressed (or dropped) value would hold its buffer
-            if region.flags[i] is True and _is_view(node) and not _copies(node) and region.gives_way(node):
+            if region.flags[i] is True and _is_view(node) and not view_copies(node) and region.gives_way(node):
                 region.flags[i] = False
         return region.flags
 
@@ -313,22 +313,3 @@ def _base(node):
         node = node.inputs[0]
     return node
 
-
-def _copies(node):
-    """Whether a view op's value has a buffer of its own: its input's strides do not allow the view, so compute
-    copied (a reshape of a transposed value), as the ledger's strides say."""
-    chain = []
-    while _is_view(node) and type(node.op).__name__ not in ("TupleGetItem", "MakeTensorTuple"):
-        chain.append(node)
-        node = node.inputs[0]
-    specs = [infer_spec(n) for n in chain + [node]]
-    if not chain or any(s is None or element_shapes(s[0]) is not None for s in specs):
-        return False
-    strides = compact_strides(tuple(specs[-1][0]))  # a value with its own buffer is compact
-    for k in reversed(range(len(chain))):
-        strides = chain[k].op.view_strides(tuple(specs[k + 1][0]), strides, tuple(specs[k][0]))
-        if strides is None:
-            if k == 0:
-                return True
-            strides = compact_strides(tuple(specs[k][0]))
-    return False

@@ -14,7 +14,7 @@ from .backend_ndarray.ndarray import is_transposed_matrix  # the views a 2-D mat
 from .backward import plan_backward, run_backward
 from .ops import MakeTensorTuple, TupleGetItem
 
-__all__ = ["Ledger", "predict_peak", "required_spec", "value_bytes", "walk_step"]
+__all__ = ["Ledger", "predict_peak", "required_spec", "value_bytes", "view_copies", "walk_step"]
 
 
 def required_spec(node):
@@ -39,7 +39,8 @@ class Ledger(Machine):
         self.present, self.holders, self.size, self.buffers, self.strides = set(), {}, {}, {}, {}
         self.elements = {}  # buffer -> its elements (size is 0 for parameters' buffers: they are not counted)
         self.live = self.peak = self.made = 0
-        self.forward_peak = None  # walk_step: the peak when backward begins
+        self.forward_peak = None  # walk_step: the peak of the forward pass
+        self.forward_live = None  # walk_step: the bytes alive when backward begins
         # Offloading (offload.py): the ids of the values parked in host memory when forward releases them; the
         # host bytes they hold, at most; the bytes copied each way.
         self.offloaded, self.parked = offloaded, {}
@@ -228,10 +229,34 @@ def walk_step(root, dropped, regions=None, offloaded=frozenset(), park_gradients
             for n in ends.get(id(node), ()):
                 if id(n) in dropped:
                     ledger.release(n)
-    ledger.forward_peak = ledger.peak  # the peak of the forward pass alone
+    ledger.forward_peak, ledger.forward_live = ledger.peak, ledger.live  # the forward pass alone
     parked = ledger.compressed
     run_backward(plan_backward(root, ledger.has, lambda n: id(n) in offloaded or id(n) in parked), out_grad, ledger)
     return ledger
+
+
+def view_copies(node):
+    """Whether a view op's value has a buffer of its own: its input's strides do not allow the view, so compute
+    copied (a reshape of a transposed value), as the ledger's strides say."""
+    chain = []
+    while _is_view_op(node) and type(node.op).__name__ not in ("TupleGetItem", "MakeTensorTuple"):
+        chain.append(node)
+        node = node.inputs[0]
+    specs = [infer_spec(n) for n in chain + [node]]
+    if not chain or any(s is None or element_shapes(s[0]) is not None for s in specs):
+        return False
+    strides = compact_strides(tuple(specs[-1][0]))  # a value with its own buffer is compact
+    for k in reversed(range(len(chain))):
+        strides = chain[k].op.view_strides(tuple(specs[k + 1][0]), strides, tuple(specs[k][0]))
+        if strides is None:
+            if k == 0:
+                return True
+            strides = compact_strides(tuple(specs[k][0]))
+    return False
+
+
+def _is_view_op(node):
+    return node.op is not None and node.op.view
 
 
 def value_bytes(node):
