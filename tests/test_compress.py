@@ -337,6 +337,27 @@ def test_c5_around_a_budget_the_bound_holds_at_every_step_and_later_steps_compre
 
 
 @needs_cpu
+@pytest.mark.parametrize("lazy", [True, False], ids=["lazy", "eager"])
+def test_c5_the_memory_timeline_sees_the_codes_as_kept_activations(lazy):
+    np.random.seed(0)
+    model = LanguageModel(16, 40, 32, num_layers=2, seq_model="transformer", seq_len=8, device=CPU, num_head=2,
+                          dim_head=8, activation="gelu")
+    model.enable_gc(policy=checkpoint.compress(8))
+    rs = np.random.RandomState(0)
+    X = ndl.Tensor(rs.randint(0, 40, (8, 4)).astype(np.float32), device=CPU, requires_grad=False)
+    y = ndl.Tensor(rs.randint(0, 40, (32,)).astype(np.float32), device=CPU, requires_grad=False)
+    reset_peak_memory_stats(CPU)
+    with ndl.memory.record(check=True) as snap:
+        with autograd.lazy_mode(lazy):
+            model.loss(X, y)[0].backward()
+    assert all(e["live_bytes"] == e["backend_bytes"] for e in snap.events)
+    assert snap.peak["bytes"] == snap.data["backend_peak_bytes"]
+    codes = [b for b in snap.blocks if "compressed after its last forward use" in (b.get("reason") or "")]
+    assert codes and all(b["category"] == "activation_kept" for b in codes)
+    assert not any(b["category"] == "host" for b in snap.blocks)  # nothing counted twice as a host copy
+
+
+@needs_cpu
 def test_rule_4c_an_in_place_write_to_a_compressed_values_input_is_caught():
     loss, v = mlp_region(checkpoint.compress(8))
     v["params"][1].data = v["params"][1].data * 2.0

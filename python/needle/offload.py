@@ -40,7 +40,7 @@ from .backend_ndarray import array_api
 from .backend_ndarray.ndarray import DTYPES
 
 __all__ = ["OFFLOAD", "HostPool", "codec_of", "fetch", "host_bytes", "is_compressed", "is_marked", "is_parked",
-           "mark", "mark_gradient",
+           "mark", "mark_gradient", "parked_copy",
            "offloadable", "park", "park_gradient", "parked_bytes", "parks_gradient", "release_value", "reset_traffic",
            "traffic", "unmark_gradients"]
 
@@ -150,6 +150,12 @@ def parked_bytes(node):
         return 0
     codec = _marked.get(node)
     return parked[0].nbytes if codec is None else codec.nbytes(parked[0])
+
+
+def parked_copy(node):
+    """What holds `node`'s parked value: its host buffer, or its codec's stored codes (None if not parked)."""
+    parked = _parked.get(node)
+    return None if parked is None else parked[0]
 
 
 def host_bytes():

@@ -226,7 +226,10 @@ class Recorder:
         self.live_bytes -= block.bytes
         node = block.node() if block.node is not None else None
         if node is not None and id(node) not in self.host and offload.is_parked(node):
-            self.host_parked(node)  # the forward pass parked it just before giving its device buffer back
+            if offload.is_compressed(node):  # its codes, on the device: made just before this free
+                self.compressed(node)
+            else:
+                self.host_parked(node)  # the forward pass parked it just before giving its device buffer back
         block.free = len(self.events)
         if block.forward_value:
             self.settle_forward_value(block, alive=False)
@@ -252,6 +255,16 @@ class Recorder:
         self.host[id(node)] = (block.node, block)
         self.host_bytes += block.bytes
         self.append("alloc", block)
+
+    def compressed(self, node):
+        """The forward pass kept `node` as k-bit codes (compress.py) before giving its buffer back: those device
+        buffers are a kept activation, named after it."""
+        for key in buffers_of(offload.parked_copy(node)):
+            block = self.live.get(key)
+            if block is not None:
+                block.category, block.node = "activation_kept", weakref.ref(node)
+                block.op, block.module = type(node.op).__name__, self.module_of.get(node)
+                block.reason = "compressed after its last forward use: the codes backward rebuilds it from"
 
     def settle_host(self):
         """Host copies given back since the last event (after their last use in backward, or with their graph)
