@@ -356,6 +356,40 @@ def test_enable_gc_with_regions_that_have_an_interior_does_not_warn():
     assert checkpoint.last_backward_stats()["recomputed_nodes"] > 0
 
 
+@pytest.mark.parametrize("variant", ["input view", "output view"])
+def test_the_budgets_shortcut_bound_never_exceeds_a_walk_so_it_finds_what_walks_alone_would(variant, monkeypatch):
+    """Budget._search skips a walk where a lower bound on the peak exceeds the target. Views of a region's input
+    or of its candidates share buffers that are alive anyway: the bound must not count them, or it would call a t
+    that fits too big and drop more than needed. Checked against the walks themselves."""
+    from needle import checkpoint_budget
+    found = []
+    search = checkpoint_budget.fewest_that_fit
+
+    def checked(peak, n, target, estimate=None):
+        walk = dict(zip(peak.__code__.co_freevars, (c.cell_contents for c in peak.__closure__)))["walk"]
+        park = dict(zip(peak.__code__.co_freevars, (c.cell_contents for c in peak.__closure__)))["park"]
+        assert all(peak(t) <= walk(t, park).peak for t in range(n + 1))  # a bound, or the walk itself
+        found.append((search(peak, n, target, estimate), search(lambda t: walk(t, park).peak, n, target, estimate)))
+        return found[-1][0]
+    monkeypatch.setattr(checkpoint_budget, "fewest_that_fit", checked)
+    B, S, D = 16, 32, 64
+    rs = np.random.RandomState(0)
+    ws = [ndl.Tensor(rs.randn(D, D).astype(np.float32) * 0.1, requires_grad=True) for _ in range(4)]
+    x0 = ndl.Tensor(rs.randn(B * S, D).astype(np.float32), requires_grad=True)
+    budget = checkpoint.Budget(2 << 20)
+    with ndl.autograd.lazy_mode(True):
+        x = x0 if variant == "input view" else ops.reshape(x0, (B, S, D))
+        for w in ws:
+            if variant == "input view":
+                nx = ops.reshape(ops.tanh(ops.tanh(ops.reshape(x, (B, S, D)) @ w)), (B * S, D)) * 1.0
+            else:
+                nx = ops.reshape(ops.tanh(ops.tanh(x @ w)), (B * S, D))
+            checkpoint.annotate(nx, [x], policy=budget)
+            x = nx if variant == "input view" else ops.reshape(nx, (B, S, D))
+        (x * x).sum().backward()
+    assert found and all(a == b for a, b in found)
+
+
 @pytest.mark.parametrize("seed", range(20))
 def test_the_budget_search_finds_the_fewest_that_fit_whatever_its_first_guess(seed):
     """checkpoint_budget.fewest_that_fit: the least t whose peak fits, as a scan would find it, for an estimate that

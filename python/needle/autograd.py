@@ -542,7 +542,7 @@ def defer_until_realized(node, callback):
     The hook for a policy that decides from the whole graph: checkpoint_budget.Budget chooses what to drop in a
     lazy graph before any of it is computed. `roots` are the values whose realization (or backward) runs it.
     """
-    _deferred[node] = callback
+    _deferred.setdefault(node, []).append(callback)  # (a Budget's and compress's may wait on one value)
 
 
 def run_deferred(roots, order=None, pending_only=True):
@@ -552,7 +552,8 @@ def run_deferred(roots, order=None, pending_only=True):
         return
     for node in find_topo_sort(roots) if order is None else order:
         if (not pending_only or node.cached_data is None) and node in _deferred:
-            _deferred.pop(node)(roots)
+            for callback in _deferred.pop(node):
+                callback(roots)
 
 
 def last_consumers(order, computed):

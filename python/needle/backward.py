@@ -44,8 +44,8 @@ from dataclasses import dataclass, field
 import numpy
 
 from . import ops
-from .autograd import (Machine, Tensor, TensorTuple, Value, elements_of, find_topo_sort, infer_spec, lazy_mode,
-                       nbytes_of, realize, run_deferred, set_autocast, spec_of)
+from .autograd import (Machine, Tensor, TensorTuple, Value, element_shapes, elements_of, find_topo_sort, infer_spec,
+                       lazy_mode, nbytes_of, realize, run_deferred, set_autocast, spec_of)
 from . import memory_hook, offload
 from .backend_selection import device_of
 
@@ -258,6 +258,65 @@ _WHY_NOT = {
 }
 
 
+def settle_compressed(root):
+    """Rule 4d: a value kept compressed (compress.py) is rebuilt from its codes only for gradients that may read an
+    approximation: where its codec `allows` every gradient that reads it, or reads a value backward recomputes from
+    it. Where one may not (a reader outside the region that chose to compress it, a graph extended after the
+    choice, a ReLU recomputed from it), it goes back to being a dropped value, recomputed exactly, and so does every
+    compressed value that recomputation starts from. Decided here, when backward starts and the graph is whole."""
+    if not offload.any_compressed():
+        return
+    order = find_topo_sort([root])
+    consumers = {}
+    for n in order:
+        for x in n.inputs:
+            consumers.setdefault(id(x), []).append(n)
+    for value in order:
+        if offload.is_compressed(value) and not _approximation_allowed(value, consumers):
+            _recompute_exactly(value)
+
+
+def _approximation_allowed(value, consumers):
+    """Whether every gradient reading `value`'s rebuilt copy, or a value recomputed from it, allows it."""
+    codec = offload.codec_of(value)
+    exact_elements = {k for k, c in enumerate(getattr(codec, "codecs", ())) if c is None}  # a tuple's exact ones
+    stack, seen = [value], {id(value)}
+    while stack:  # the values derived from the rebuilt one: its views and what backward recomputes from it
+        w = stack.pop()
+        if any(r is w for r in reads(w)) and not (w is value and _own_read_allowed(value, exact_elements)):
+            return False
+        for u in consumers.get(id(w), ()):
+            if w is value and u.op.view and getattr(u.op, "index", None) in exact_elements:
+                continue  # an exact element of a compressed tuple
+            if any(r is w for r in reads(u)) and not codec.allows(u.op):
+                return False
+            derived = u.op.view or (u.drop and u.cached_data is None and not offload.is_marked(u))
+            if derived and id(u) not in seen:
+                seen.add(id(u))
+                stack.append(u)
+    return True
+
+
+def _own_read_allowed(node, exact_elements):
+    """A gradient reading its own output reads a compressed copy only through `compressible_outputs`."""
+    elements = element_shapes(infer_spec(node)[0])
+    compressed = {k for k in range(len(elements or [None])) if k not in exact_elements}
+    return compressed <= set(node.op.compressible_outputs)
+
+
+def _recompute_exactly(value):
+    """`value` and the compressed values its recomputation starts from: dropped values again (offload.unmark)."""
+    stack, seen = [value], set()
+    while stack:
+        n = stack.pop()
+        if id(n) in seen:
+            continue
+        seen.add(id(n))
+        offload.unmark(n)
+        stack.extend(x for x in n.inputs if x.cached_data is None and not x.is_leaf()
+                     and (offload.is_compressed(x) or not offload.is_marked(x)))
+
+
 # ----- executing the plan -----------------------------------------------------------------------------------------
 def run_backward(plan, out_grad, machine=None):
     """Walk `plan`: recompute, differentiate, release. Gradients are graph nodes built lazily, realized per step.
@@ -405,6 +464,7 @@ def compute_gradient_of_variables(output_tensor, out_grad):
     run_deferred([output_tensor], pending_only=False)
     with memory_hook.phase("forward"):
         output_tensor.realize_cached_data()  # the forward pass (in lazy mode it runs here)
+    settle_compressed(output_tensor)
     # Gradients are built from an out_grad that requires grad, so every gradient value is a graph node that
     # can be released after use and recomputed on demand (x.grad stays differentiable), never a stray constant.
     with memory_hook.phase("backward"):  # (needle.memory: the seed is a gradient)

@@ -28,15 +28,10 @@ from .autograd import defer_until_realized, find_topo_sort
 from .backward import always_kept
 from .checkpoint_optimal import OptimalPlan, optimal
 from .cost_model import CostModel, device_copies_overlap
-from .ledger import Ledger, predict_peak, required_spec, value_bytes, view_copies, walk_step
+from .ledger import Ledger, holds_base, predict_peak, value_bytes, walk_step
+from .regions import region_structure
 
-__all__ = ["Budget", "InfeasibleBudget", "Ledger", "OptimalPlan", "Planned", "optimal", "predict_peak",
-           "region_structure", "walk_step"]
-
-
-def region_structure(nodes):
-    """A region's key: its candidates' ops and shapes (what a replay must match)."""
-    return tuple((type(n.op).__name__, tuple(required_spec(n)[0])) for n in nodes)
+__all__ = ["Budget", "InfeasibleBudget", "Ledger", "OptimalPlan", "Planned", "optimal", "predict_peak", "walk_step"]
 
 
 # The Budget plans for a peak this much under its bound, where it can: the ledger's prediction is within 1% of the
@@ -199,12 +194,15 @@ class Budget:
         # least peak plus those, everything off the device fits without: no walk needed to tell.
         park = (self.offload and target < least.peak + sum(map(value_bytes, params)) and
                 walk(n, False).peak > target)
-        # A bound no walk can beat: when backward begins, everything the t cheapest groups leave on the device is
-        # alive beside what remains with all of them off; and the peak falls as t grows. Where it exceeds the
-        # target, t does not fit, and the search is told so without a walk (the walk that would confirm the
-        # least t is often this one).
-        def peak(t):  # (least: parking gradients only lowers a peak, and forward is the same either way)
-            below = max(least.peak, least.forward_live + kept_from[t])
+        # A bound no walk can beat: when backward begins, every buffer of a value the t cheapest groups leave on
+        # the device is alive, beside what is alive with all of them off (a buffer that is alive then anyway,
+        # held by a kept view, adds nothing); and the peak falls as t grows. Where the bound exceeds the target,
+        # t does not fit, and the search is told so without a walk (the walk that would confirm the least t is
+        # often this one). (least: parking gradients only lowers a peak, and forward is the same either way.)
+        held = list(itertools.accumulate(reversed([_bytes_held_when_kept(ns, least) for ns in ranked])))[::-1] + [0]
+
+        def peak(t):
+            below = max(least.peak, least.forward_live + held[t])
             return below if below > target else walk(t, park).peak
         t = fewest_that_fit(peak, n, target, lambda t: max(least.peak, least.forward_peak + kept_from[t]))
         return t, park, walk(t, park)
@@ -259,11 +257,6 @@ class Budget:
         return (offload.OFFLOAD, sum(copies)) if output or sum(copies) < recompute else (False, recompute)
 
 
-def _is_view(node):
-    """A view op whose value lives in its input's buffer (a reshape of a transposed value copies: not a view)."""
-    return node.op is not None and node.op.view and not view_copies(node)
-
-
 def _ranked(groups, how):
     """(the groups in the order the Budget takes them off the device, the bytes each frees): cheapest per byte
     freed first.
@@ -277,9 +270,9 @@ def _ranked(groups, how):
     views_of, loose = {key: [] for key in groups}, []
     for key, ns in groups.items():
         base = ns[0]
-        while _is_view(base):
+        while holds_base(base):
             base = base.inputs[0]
-        if not _is_view(ns[0]):
+        if not holds_base(ns[0]):
             continue
         owner = group_of.get(id(base))
         (views_of[owner] if owner is not None else loose).append(key)
@@ -289,10 +282,17 @@ def _ranked(groups, how):
 
     def nbytes(key):
         return sum(map(value_bytes, groups[key]))
-    bases = [key for key in groups if not _is_view(groups[key][0])]
+    bases = [key for key in groups if not holds_base(groups[key][0])]
     bases.sort(key=lambda k: ((seconds(k) + sum(map(seconds, views_of[k]))) / max(nbytes(k), 1), -nbytes(k)))
     order = [(k, k == base) for base in bases for k in views_of[base] + [base]] + [(k, True) for k in loose]
     return [groups[k] for k, _ in order], [nbytes(k) if frees else 0 for k, frees in order]
+
+
+def _bytes_held_when_kept(group, least):
+    """Bytes a group's values would add to what is alive when backward begins, were they kept where the `least`
+    walk took everything off: their own buffers that nothing kept holds at that point."""
+    return sum(least.size[key] for n in group if not holds_base(n) for key in least.forward_buffers.get(id(n), ())
+               if key not in least.forward_alive)
 
 
 def _chosen(ranked, how, t):

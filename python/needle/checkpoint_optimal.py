@@ -47,7 +47,7 @@ import numpy
 from . import offload
 from .autograd import find_topo_sort, infer_spec, placeholder, realize, spec_nbytes
 from .backward import always_kept, plan_backward, run_backward
-from .ledger import Ledger, view_copies, walk_step
+from .ledger import Ledger, holds_base, walk_step
 from .regions import keep_reason, region_of
 from .cost_model import CostModel, device_copies_overlap
 
@@ -81,14 +81,9 @@ class OptimalPlan:
 
 # ----- groups ---------------------------------------------------------------------------------------------------
 def _candidate(node, root):
-    return (node is not root and not node.is_leaf() and not _holds_its_base(node) and node.op.recomputable
+    return (node is not root and not node.is_leaf() and not holds_base(node) and node.op.recomputable
             and not always_kept(node))
 
-
-def _holds_its_base(node):
-    """A view op whose value lives in its input's buffer (one that copies, a reshape of a transposed value, is a
-    value of its own: as the Budget ranks it)."""
-    return node.op.view and not view_copies(node)
 
 
 def _describe(node):
@@ -120,7 +115,7 @@ def find_groups(root):
             groups.setdefault(("region", structure, position), []).append(node)
     group_of = {id(n): members for members in groups.values() for n in members}
     for node in order:  # in program order, so a view of a view finds its input's group
-        if node is not root and not node.is_leaf() and _holds_its_base(node) and not always_kept(node):
+        if node is not root and not node.is_leaf() and holds_base(node) and not always_kept(node):
             members = group_of.get(id(node.inputs[0]))
             if members is not None:
                 members.append(node)
@@ -131,7 +126,7 @@ def find_groups(root):
 def parkable(group):
     """The members of a group that offloading it parks in host memory (the rest, its views, are recomputed), or
     None where one of them cannot be parked (a tuple value: `offload.offloadable`)."""
-    owners = [n for n in group if not _holds_its_base(n)]
+    owners = [n for n in group if not holds_base(n)]
     return owners if all(map(offload.offloadable, owners)) else None
 
 

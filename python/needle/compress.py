@@ -22,13 +22,17 @@ it (through views: a reshape or transpose of it is read as it is) is one of:
   LinearCrossEntropy), whose gradients are not linear in what they read: there E[g(x̂)] = g(x) + O(scale²), a bias
   of the order of the rounding noise's variance, (absmax / 127)² at 8 bits, which ActNN and GACT find harmless.
 Anything else (an element-wise op reading its own output, a ReLU's mask: rounding could flip a sign) keeps its
-value exact, and so does any value not float32.
+value exact, and so does any value not float32. The choice is made per region as it is annotated, from the readers
+the region shows; backward checks it again when it starts, on the whole graph (backward.settle_compressed, rule 4d):
+a compressed value with a reader that does not allow it (one outside the region, added later) is recomputed
+exactly instead, so a rebuilt value only ever reaches the gradients named above.
 
 Around a checkpointing policy ("selective", "sqrt", "all", a Budget) the values it keeps are its checkpoints, and
 backward recomputes what it dropped from them: from the rebuilt value, where the checkpoint is compressed. The
 recomputation is exact given its inputs (rule 4 still checks shapes, dtypes and versions), so what the gradients
-read is a function of the compressed checkpoint: unbiased to first order, as FIRST_ORDER's. A checkpoint is
-compressed only where its own readers allow it; what is recomputed from it is not asked.
+read is a smooth function of the compressed checkpoint: unbiased to first order, as FIRST_ORDER's. Rule 4d asks
+the readers of what is recomputed from a compressed checkpoint too: a ReLU recomputed from it (a step function:
+its mask would flip near 0) sends the checkpoint back to exact.
 
 A kept value that no gradient reads and no recomputation starts from is dropped instead: nothing in backward will
 ask for it (in an eager step it would otherwise wait for backward's start to be freed). A view of a compressed
@@ -43,8 +47,11 @@ model and a fresh policy — gives the same bytes, and so does compressing a val
 
 Around a Budget, a region is compressed once the Budget has decided it (a structure it has not planned yet runs as
 the Budget plans it, uncompressed). The Budget's ledger does not know which of what it keeps will be compressed: it
-counts those values whole, so its prediction is an overestimate and the bound holds with room to spare
-(tests/test_compress.py checks M_peak <= b over several steps); its planned time is that of the uncompressed step.
+counts those values whole. That is not a proof of the bound: while a value is being compressed or rebuilt, its
+codes and the whole value coexist, so a peak that falls exactly there could exceed the uncompressed prediction by
+the codes' bytes (a quarter of the value at 8 bits), which the Budget's 1% margin may not cover; in the tests the
+measured M_peak stays under b at every step (tests/test_compress.py). The ledger itself can count the codes
+(`walk_step(..., compressed=...)`: within 1% of the allocator), but the Budget does not plan with them yet.
 """
 import itertools
 import math
@@ -56,9 +63,8 @@ from .autograd import (defer_until_realized, element_dtype, element_shapes, find
                        release)
 from .backend_selection import array_api
 from .backward import always_kept, reads
-from .checkpoint_budget import region_structure
 from .ledger import view_copies
-from .regions import note_reason
+from .regions import note_reason, region_structure
 
 __all__ = ["BLOCK_SIZE", "BITS", "Codec", "Compress", "FIRST_ORDER", "TupleCodec", "UNBIASED", "compressed_bytes",
            "is_codec"]
@@ -77,6 +83,10 @@ class Codec:
     bits: int
     seed: int
     block_size: int = BLOCK_SIZE
+
+    def allows(self, op):
+        """Whether a gradient of `op` may read the rebuilt value (UNBIASED, FIRST_ORDER): backward.settle_compressed."""
+        return _reader_allows_op(op)
 
     def encode(self, data):
         """(codes, scales, shape): the device arrays, `bits` bits per element plus 4 bytes per block."""
@@ -100,6 +110,9 @@ class TupleCodec:
     """How a tuple value is kept: each element with its Codec, or as it is (None)."""
 
     codecs: tuple
+
+    def allows(self, op):
+        return _reader_allows_op(op)
 
     def encode(self, data):
         return tuple(x if c is None else c.encode(x) for c, x in zip(self.codecs, data))
@@ -147,7 +160,9 @@ class Compress:
         self.bits, self.seed = bits, int(seed)
         self.policy = policy  # None: keep everything
         self._count = itertools.count()  # values compressed so far: each one's seed
-        self._outputs = []  # weak references to regions' outputs, decided once the whole graph exists
+        # Regions' outputs waiting for their graph to be realized (or differentiated): number -> a weak reference
+        # that removes itself when its value dies (an eval forward that never runs backward leaves nothing here).
+        self._outputs, self._numbers = {}, itertools.count()
 
     def __repr__(self):
         return f"compress(bits={self.bits}, policy={self.policy!r})"
@@ -159,19 +174,29 @@ class Compress:
         head, tail = flags[:len(nodes)], flags[len(nodes):]  # (a policy may answer for the outputs too)
         for o in outputs if not tail else ():  # who reads a region's output is known once its graph is whole
             if not o.is_leaf() and not always_kept(o):
-                self._outputs.append(weakref.ref(o))
+                number, pending = next(self._numbers), self._outputs
+                pending[number] = weakref.ref(o, lambda _, number=number: pending.pop(number, None))
                 defer_until_realized(o, self._decide_outputs)
         return self.choose(nodes, outputs, head) + tail
 
     def _decide_outputs(self, roots):
         """Compress the regions' outputs (rule 1 keeps them) where the whole graph's gradients allow: a lazy step
-        parks each after its last consumer, an eager one (whose forward has run) at once, as backward starts."""
-        pending = [o for o in (r() for r in self._outputs) if o is not None and not o.drop]
-        self._outputs.clear()
-        if not pending:
+        parks each after its last consumer, an eager one (whose forward has run) at once, as backward starts.
+        (backward.settle_compressed checks the choice again when backward starts, on the graph as it is then.)"""
+        if not self._outputs:  # the first output of a graph decided them all
             return
-        graph = _Region.of_graph(find_topo_sort(roots))
+        order = find_topo_sort(roots)
+        in_graph = {id(n) for n in order}
+        pending = []
+        for number, ref in list(self._outputs.items()):  # those of this graph; another graph's wait for theirs
+            o = ref()
+            if o is not None and id(o) in in_graph:
+                del self._outputs[number]
+                pending.append(o)
+        graph = _Region.of_graph(order)
         for o in pending:
+            if o.drop:
+                continue
             fate = graph.fate(o)
             if fate and fate != "unread":
                 o.drop = True
@@ -194,7 +219,7 @@ class Compress:
         region = _Region(nodes, outputs, flags)
         for i in reversed(range(len(nodes))):  # consumers first: a value's fate depends on theirs
             node = nodes[i]
-            if region.flags[i] is not True or (_is_view(node) and not view_copies(node)):
+            if region.flags[i] is not True or (_view_op(node) and not view_copies(node)):
                 continue
             fate = region.fate(node)
             if fate == "unread":
@@ -202,7 +227,7 @@ class Compress:
             elif fate:
                 region.flags[i] = self._codec(fate)
         for i, node in enumerate(nodes):  # a kept view of a compressed (or dropped) value would hold its buffer
-            if region.flags[i] is True and _is_view(node) and not view_copies(node) and region.gives_way(node):
+            if region.flags[i] is True and _view_op(node) and not view_copies(node) and region.gives_way(node):
                 region.flags[i] = False
         return region.flags
 
@@ -252,14 +277,14 @@ class _Region:
         while stack:
             v = stack.pop()
             found.append(v)
-            stack.extend(u for u in self.consumers.get(id(v), ()) if _is_view(u))
+            stack.extend(u for u in self.consumers.get(id(v), ()) if _view_op(u))
         return found
 
     def readers(self, seen):
         """(the consumers of the values `seen` (a value and its views) that are not views, those whose gradients
         read one of them)."""
         ids = {id(v) for v in seen}
-        users = [u for v in seen for u in self.consumers.get(id(v), ()) if not _is_view(u)]
+        users = [u for v in seen for u in self.consumers.get(id(v), ()) if not _view_op(u)]
         return users, [u for u in users if any(id(r) in ids for r in reads(u))]
 
     def gives_way(self, view):
@@ -301,15 +326,19 @@ class _Region:
 
 def _reader_allows(node):
     """Whether `node`'s gradient may read a compressed copy of its inputs (UNBIASED, FIRST_ORDER)."""
-    return type(node.op).__name__ in UNBIASED | FIRST_ORDER
+    return _reader_allows_op(node.op)
 
 
-def _is_view(node):
+def _reader_allows_op(op):
+    return type(op).__name__ in UNBIASED | FIRST_ORDER
+
+
+def _view_op(node):
     return node.op is not None and node.op.view
 
 
 def _base(node):
-    while _is_view(node):
+    while _view_op(node):
         node = node.inputs[0]
     return node
 

@@ -14,7 +14,7 @@ from .backend_ndarray.ndarray import is_transposed_matrix  # the views a 2-D mat
 from .backward import plan_backward, run_backward
 from .ops import MakeTensorTuple, TupleGetItem
 
-__all__ = ["Ledger", "predict_peak", "required_spec", "value_bytes", "view_copies", "walk_step"]
+__all__ = ["Ledger", "predict_peak", "required_spec", "value_bytes", "view_copies", "walk_step", "holds_base"]
 
 
 def required_spec(node):
@@ -41,6 +41,7 @@ class Ledger(Machine):
         self.live = self.peak = self.made = 0
         self.forward_peak = None  # walk_step: the peak of the forward pass
         self.forward_live = None  # walk_step: the bytes alive when backward begins
+        self.forward_buffers, self.forward_alive = {}, set()  # walk_step: each value's buffers then, those held
         # Offloading (offload.py): the ids of the values parked in host memory when forward releases them; the
         # host bytes they hold, at most; the bytes copied each way.
         self.offloaded, self.parked = offloaded, {}
@@ -230,6 +231,8 @@ def walk_step(root, dropped, regions=None, offloaded=frozenset(), park_gradients
                 if id(n) in dropped:
                     ledger.release(n)
     ledger.forward_peak, ledger.forward_live = ledger.peak, ledger.live  # the forward pass alone
+    ledger.forward_buffers = dict(ledger.buffers)
+    ledger.forward_alive = {key for key, holders in ledger.holders.items() if holders > 0}
     parked = ledger.compressed
     run_backward(plan_backward(root, ledger.has, lambda n: id(n) in offloaded or id(n) in parked), out_grad, ledger)
     return ledger
@@ -253,6 +256,11 @@ def view_copies(node):
                 return True
             strides = compact_strides(tuple(specs[k][0]))
     return False
+
+
+def holds_base(node):
+    """A view op whose value lives in its input's buffer (not one that copies: see view_copies)."""
+    return _is_view_op(node) and not view_copies(node)
 
 
 def _is_view_op(node):

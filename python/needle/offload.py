@@ -40,7 +40,7 @@ from .backend_ndarray import array_api
 from .backend_ndarray.ndarray import DTYPES
 
 __all__ = ["OFFLOAD", "HostPool", "codec_of", "fetch", "host_bytes", "is_compressed", "is_marked", "is_parked",
-           "mark", "mark_gradient", "parked_copy",
+           "mark", "mark_gradient", "parked_copy", "unmark", "any_compressed",
            "offloadable", "park", "park_gradient", "parked_bytes", "parks_gradient", "release_value", "reset_traffic",
            "traffic", "unmark_gradients"]
 
@@ -99,6 +99,20 @@ def mark(node, codec=None):
     """Offload `node`: park it in host memory when the forward pass gives its device buffer back (with a `codec`,
     compress.py's: keep it compressed on the device instead)."""
     _marked[node] = codec
+
+
+def unmark(node):
+    """`node` is no longer to be parked (its host copy or codes, if any, given back): a dropped value, recomputed."""
+    _marked.pop(node, None)
+    parked = _parked.pop(node, None)
+    if parked is not None and parked[2] is not None:  # a host copy: back to the pool
+        parked[2].detach()
+        POOL.give(parked[0])
+
+
+def any_compressed():
+    """Whether any value is marked to be kept compressed (compress.py)."""
+    return any(codec is not None for codec in _marked.values())
 
 
 def codec_of(node):

@@ -9,14 +9,20 @@ import itertools
 import weakref
 
 from . import offload
+from .ledger import required_spec
 
-__all__ = ["keep_reason", "new_region", "note_reason", "note_region", "reason_noted", "region_of"]
+__all__ = ["keep_reason", "new_region", "note_reason", "note_region", "reason_noted", "region_of", "region_structure"]
 
 # Why an annotated node is kept ("boundary": a region's output; "checkpoint": chosen by the policy; "offloaded").
 _reasons = weakref.WeakKeyDictionary()
 # The innermost annotated region that made a node: (label, number), for the DOT graph's clusters.
 _regions = weakref.WeakKeyDictionary()
 _region_numbers = itertools.count()
+
+
+def region_structure(nodes):
+    """A region's key: its candidates' ops and shapes (what a replay of a policy's decisions must match)."""
+    return tuple((type(n.op).__name__, tuple(required_spec(n)[0])) for n in nodes)
 
 
 def new_region(label):

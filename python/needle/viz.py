@@ -11,7 +11,7 @@ name), shape and bytes. The nodes of one annotated region (a module's forward wh
 `checkpoint()` call) are boxed together under the module's class name. `hide_views=True` leaves out view nodes
 (reshape, broadcast, transpose: no buffer of their own) and draws their inputs straight to their consumers.
 """
-from . import checkpoint, compress, offload
+from . import checkpoint, offload
 from .autograd import find_topo_sort, infer_spec, spec_nbytes
 from .backward import plan_backward
 
@@ -50,10 +50,9 @@ def node_kind(node, recomputed_ids=frozenset()):
 
 
 def _label(node, kind):
-    if kind == "compressed":  # its codes' bytes, beside the full value's
+    if kind == "compressed":  # its codes' bytes (a tuple's exact elements with them), beside the full value's
         codec, spec = offload.codec_of(node), infer_spec(node)
-        n = spec_nbytes(spec) // 4 if spec is not None else 0
-        return f"compressed, {codec.bits} bits: {_human(compress.compressed_bytes(n, codec.bits, codec.block_size))}"
+        return f"compressed, {codec.bits} bits: {_human(codec.bytes_for(spec)) if spec is not None else '?'}"
     reason = checkpoint.keep_reason(node)
     return kind if kind != "kept" else f"kept ({reason})"
 

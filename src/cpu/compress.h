@@ -7,8 +7,9 @@
 //   floor(a[i] / scale + h + u_i),  u_i = (lowbias32 hash of (seed, i), as dropout's) >> 8, times 2^-24,
 // in 0..2h, so it dequantizes to (code - h) * scale: one of the two grid points around a[i], the upper one with
 // probability equal to a[i]'s distance from the lower one. The expectation is a[i] itself: unbiased. A block whose
-// scale is 0 or not finite, and an element whose sum is not finite, get code h (the value 0). The codes are packed
-// as fewbit.h packs them (a group of 8 codes is one little-endian integer of `bits` bytes).
+// scale is 0 or not finite, and an element whose sum is not finite, get code h: zeros come back as zeros, a block
+// holding a NaN or an infinity as NaN (0 times its scale). The codes are packed as fewbit.h packs them (a group of
+// 8 codes is one little-endian integer of `bits` bytes).
 #pragma once
 
 #include "array.h"
@@ -85,13 +86,18 @@ static void quantize_stochastic(const Array& a, Array& out, Array& scales, int b
       for (size_t b = begin; b < end; ++b) {
         const float s = ps[b];
         const bool scale_ok = s > 0.0f && s <= kMaxFloat;
-        const uint32_t key = lowbias32(static_cast<uint32_t>(static_cast<uint64_t>(b * bs) >> 32) ^ seed_key);
         const size_t last = std::min(n, (b + 1) * bs);
-        for (size_t i = b * bs; i < last; ++i) {
-          const float v = (pa[i] / s + half) + counter_uniform(i, key);
-          const float c = std::min(std::max(v, 0.0f), 254.0f);  // (NaN compares false: caught by `finite`)
-          const bool finite = std::fabs(v) <= kMaxFloat;
-          po[i] = scale_ok && finite ? static_cast<uint8_t>(static_cast<int32_t>(c)) : uint8_t(127);
+        for (size_t first = b * bs; first < last;) {  // one key per run of i with the same upper 32 bits
+          const uint64_t high = static_cast<uint64_t>(first) >> 32;
+          const size_t stop = static_cast<size_t>(std::min<uint64_t>(last, (high + 1) << 32));
+          const uint32_t key = lowbias32(static_cast<uint32_t>(high) ^ seed_key);
+          for (size_t i = first; i < stop; ++i) {
+            const float v = (pa[i] / s + half) + counter_uniform(i, key);
+            const float c = std::min(std::max(v, 0.0f), 254.0f);  // (NaN compares false: caught by `finite`)
+            const bool finite = std::fabs(v) <= kMaxFloat;
+            po[i] = scale_ok && finite ? static_cast<uint8_t>(static_cast<int32_t>(c)) : uint8_t(127);
+          }
+          first = stop;
         }
       }
     });

@@ -14,10 +14,10 @@ import math
 from ..autograd import TensorOp
 from ..backend_selection import array_api
 from .ops_fewbit import FewBitActivation, check_bits, check_relu_bits
-from .ops_mathematic import ReLU, exp, sigmoid, tanh
+from .ops_mathematic import exp, relu_mask, sigmoid, tanh
 from .ops_tuple import tuple_get_item
 
-__all__ = ["ActivationGrad", "GELU", "SiLU", "gelu", "relu", "silu"]
+__all__ = ["ActivationGrad", "GELU", "ReLU", "SiLU", "gelu", "relu", "silu"]
 
 APPROXIMATIONS = {"none": "gelu", "tanh": "gelu_tanh"}  # GELU's `approximate` -> the backend's kind
 
@@ -87,6 +87,21 @@ def second_derivative(kind, x):
     du = (x * x * (3 * TANH_CUBIC) + 1.0) * SQRT_2_OVER_PI
     ddu = x * (6 * TANH_CUBIC * SQRT_2_OVER_PI)
     return (t * t * -1.0 + 1.0) * (du + x * (ddu - t * du * du * 2.0) * 0.5)
+
+
+class ReLU(TensorOp):
+    """max(a, 0);  d/da = out_grad * (a > 0)"""
+
+    autocast = "low"
+    elementwise = True
+
+    saves = "output"
+
+    def compute(self, a):
+        return array_api.maximum(a, 0)
+
+    def gradient(self, out_grad, node):
+        return (out_grad * relu_mask(node),)
 
 
 def relu(x, bits=None):

@@ -15,7 +15,7 @@ from ..backend_selection import array_api, device_of
 __all__ = [
     "AddScalar", "BroadcastTo", "Cast", "Conv", "Dilate", "DivScalar", "EWiseAdd", "EWiseDiv", "EWiseMul", "EWisePow",
     "EWiseSub", "Exp", "Flip", "GatherRows", "Log", "MatMul", "MulScalar", "Negate", "Pad", "PickColumns",
-    "PowerScalar", "ReLU", "ReLUMask", "Reshape", "ScatterAddRows", "ScatterColumns", "Sigmoid", "Slice", "Summation",
+    "PowerScalar", "ReLUMask", "Reshape", "ScatterAddRows", "ScatterColumns", "Sigmoid", "Slice", "Summation",
     "Tanh", "Transpose", "UnDilate", "add", "add_scalar", "broadcast_to", "cast", "conv", "dilate", "divide",
     "divide_scalar", "exp", "flip", "gather_rows", "log", "matmul", "mul_scalar", "multiply", "negate", "pad",
     "pick_columns", "power", "power_scalar", "relu_mask", "reshape", "scatter_add_rows", "scatter_columns",
@@ -503,21 +503,6 @@ class Exp(TensorOp):
 
 def exp(a):
     return Exp()(a)
-
-
-class ReLU(TensorOp):
-    """max(a, 0);  d/da = out_grad * (a > 0)"""
-
-    autocast = "low"
-    elementwise = True
-
-    saves = "output"
-
-    def compute(self, a):
-        return array_api.maximum(a, 0)
-
-    def gradient(self, out_grad, node):
-        return (out_grad * relu_mask(node),)
 
 
 class ReLUMask(TensorOp):
