@@ -2,7 +2,9 @@
 
 Tests seed their own RNGs (the `rng` fixture, or np.random.seed inside the test), never at import.
 """
+import contextlib
 import gc as python_gc
+import io
 import json
 import os
 import subprocess
@@ -275,6 +277,27 @@ def gc_process(*argv, cwd=None, script=None):
     proc = subprocess.run([sys.executable, script or os.path.join(GC_ROOT, "gc.py"), *map(str, argv)],
                           capture_output=True, text=True, cwd=cwd, timeout=120)
     return proc.returncode, proc.stdout, proc.stderr
+
+
+def gc_in_process(*argv):
+    """gc.py's main in this process, as gc_process runs it in a fresh one: (exit status, stdout, stderr), the exit
+    status as the interpreter would turn the SystemExit into one. For what is decided before any training (bad
+    input, --help): a second of interpreter start-up each saved. An exception other than SystemExit propagates
+    (in a process of its own it would be a traceback, which the tests reject). The tests of the process boundary
+    itself (exit status and stderr as a shell sees them, signals, a checkout of its own) use gc_process."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            run_gc([str(a) for a in argv])
+            code = 0
+        except SystemExit as exit_:
+            code = exit_.code
+    if code is None:
+        code = 0
+    elif not isinstance(code, int):  # sys.exit("message"): the message on stderr, exit status 1
+        err.write(f"{code}\n")
+        code = 1
+    return code, out.getvalue(), err.getvalue()
 
 
 def strict_json(path):

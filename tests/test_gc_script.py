@@ -1,6 +1,9 @@
 """gc.py, the experiment a user runs, tested through its command line only (argv in; its JSON, text and exit
 status out): it runs, writes what it measured, keeps it when interrupted, and turns bad input into one line.
-The experiment package's own parts (apps/experiment/) are tested in test_experiment.py."""
+Most tests run gc.py's main in this process (run_gc, gc_in_process); those of the process boundary itself (exit
+status and streams as a shell sees them, Ctrl-C, a checkout of its own, children that are processes) run gc.py
+as a fresh process (gc_process). The experiment package's own parts (apps/experiment/) are tested in
+test_experiment.py."""
 import json
 import math
 import os
@@ -24,6 +27,7 @@ from needle.data import download
 from conftest import GC_DEVICE as DEVICE
 from conftest import GC_ROOT as ROOT
 from conftest import GC_TINY as TINY
+from conftest import gc_in_process as _gc_here
 from conftest import gc_process as _gc
 from conftest import run_gc, strict_json, tiny_ptb
 from experiment import cli, setup
@@ -107,8 +111,10 @@ def test_interrupted_run_keeps_the_results_written(tmp_path, monkeypatch):
 
 def test_max_batch_finds_a_larger_batch_with_checkpointing(tmp_path, capsys):
     data = tiny_ptb(tmp_path, num_lines=2000)
+    # the search starts at batch 32 (gc off fits about 120 here, all about 180): 15 tries, each a fresh process,
+    # instead of 21 from TINY's batch 4
     run_gc(["max-batch", "--memory_limit_mb", "0.5", "--policies", "off", "all", "--data", data,
-                    "--out", str(tmp_path / "mb")] + TINY)
+            "--out", str(tmp_path / "mb")] + TINY + ["--batch-size", "32"])
     result = _read(tmp_path / "mb" / "max_batch.json")["largest_batch"]
     assert result["all"] >= result["off"] > 0
 
@@ -193,10 +199,10 @@ def _one_line_error(code, out, err):
     return err.strip()
 
 
-def test_every_subcommand_has_help_with_defaults_and_the_definitions():
-    with ThreadPoolExecutor(6) as pool:
-        argvs = [["--help"]] + [[command, "--help"] for command in SUBCOMMANDS]
-        results = dict(zip(["top"] + SUBCOMMANDS, pool.map(lambda argv: _gc(*argv), argvs)))
+def test_every_subcommand_has_help_with_defaults_and_the_definitions(monkeypatch):
+    monkeypatch.setenv("COLUMNS", "80")  # help 80 columns wide (as pytest's captured run has it), with or without -s
+    results = {"top": _gc("--help")}  # a fresh process: --help exits 0 with nothing on stderr, as a shell sees it
+    results.update({command: _gc_here(command, "--help") for command in SUBCOMMANDS})
     for name, (code, out, err) in results.items():
         assert code == 0 and err == "", (name, err)
     top = results["top"][1]
@@ -245,10 +251,8 @@ def test_a_stray_or_misspelt_flag_is_named_in_one_line():
         ("--policy", "None"): "invalid choice: 'None'",
         ("--batch-size", "many"): "invalid int value: 'many'",
     }
-    with ThreadPoolExecutor(4) as pool:
-        results = list(pool.map(lambda argv: _gc(*argv), cases))
-    for (argv, expected), result in zip(cases.items(), results):
-        assert expected in _one_line_error(*result), argv
+    for argv, expected in cases.items():
+        assert expected in _one_line_error(*_gc_here(*argv)), argv
 
 
 def test_bad_input_is_one_line_and_exit_2_before_any_work(tmp_path):
@@ -290,8 +294,7 @@ def test_bad_input_is_one_line_and_exit_2_before_any_work(tmp_path):
                                         "add budget to --policies", "required: --memory-limit-mb",
                                         "is not a folder", "holds no gc.py run, sweep, max-batch or ablation JSON",
                                         "give a --batch-size that divides by 4, not 6", "add budget to --rows"]
-    with ThreadPoolExecutor(4) as pool:
-        results = list(pool.map(lambda argv: _gc(*argv), commands))
+    results = [_gc_here(*argv) for argv in commands]
     for argv, text, result in zip(commands, expected, results):
         line = _one_line_error(*result)
         assert text in line, (argv, line)
@@ -563,11 +566,11 @@ ABLATE_TINY = ["--batch-size", "4", "--seq-len", "5", "--embedding-size", "8", "
                "--num-layers", "1", "--num-head", "2", "--warmup", "1", "--device", DEVICE]
 
 
-def test_ablate_prints_one_table_and_writes_its_json_and_png(tmp_path, monkeypatch):
+def test_ablate_prints_one_table_and_writes_its_json_and_png(tmp_path, monkeypatch, capsys):
     out = tmp_path / "out"
-    code, printed, err = _gc("ablate", "--steps", "2", "--rows", "baseline", "fused", "--data", tiny_ptb(tmp_path),
-                             "--out", str(out), *ABLATE_TINY)
-    assert code == 0, err
+    run_gc(["ablate", "--steps", "2", "--rows", "baseline", "fused", "--data", tiny_ptb(tmp_path), "--out", str(out),
+            *ABLATE_TINY])  # each row a child process, as always
+    printed = capsys.readouterr().out
     table = printed.split("\nrow ")[1]  # the table, after the lines each row printed as it ended
     assert "M_act MB" in table and "M_peak MB" in table and "T_step s" in table and "loss-base" in table
     lines = [ln.split()[0] for ln in table.splitlines()[1:3]]
@@ -593,6 +596,8 @@ def test_ablate_prints_one_table_and_writes_its_json_and_png(tmp_path, monkeypat
 
 
 def test_ablate_names_an_unknown_row_in_one_line():
+    # a fresh process: a bad input is exit status 2 and one line on stderr as a shell sees them (the other bad-input
+    # tests run gc.py's main in this process)
     line = _one_line_error(*_gc("ablate", "--rows", "baseline", "mixed-fp64", "fused"))
     assert "unknown row mixed-fp64" in line and "baseline accumulate all sqrt selective budget fused combined" in line
 
@@ -616,10 +621,8 @@ def test_output_paths_are_checked_before_any_work_and_nothing_is_left_behind(tmp
         (["max-batch"] + tiny + ["--memory-limit-mb", "9", "--out", a_file], f"--out {a_file} is a file"),
         (["ablate", "--rows", "baseline", "--data", data, "--out", a_file], f"--out {a_file} is a file"),
     ]
-    with ThreadPoolExecutor(4) as pool:
-        results = list(pool.map(lambda argv: _gc(*argv), [argv for argv, _ in cases]))
-    for (argv, expected), result in zip(cases, results):
-        assert expected in _one_line_error(*result), argv
+    for argv, expected in cases:
+        assert expected in _one_line_error(*_gc_here(*argv)), argv
     left = sorted(os.path.relpath(os.path.join(d, f), tmp_path) for d, _, fs in os.walk(tmp_path) for f in fs)
     assert left == ["a_file", "ptb/test.txt", "ptb/train.txt"]  # no JSON, no .tmp, no checkpoint
     assert sorted(os.listdir(folder)) == ["x.npz"]
@@ -660,27 +663,27 @@ def test_a_write_that_fails_later_is_one_line_and_leaves_no_temporary_file(tmp_p
 def test_stochastic_rounding_outside_pure_bf16_is_refused(tmp_path):
     data = tiny_ptb(tmp_path)
     for precision in ("fp32", "mixed-bf16"):
-        line = _one_line_error(*_gc(*TINY, "--data", data, "--precision", precision, "--stochastic-rounding"))
+        line = _one_line_error(*_gc_here(*TINY, "--data", data, "--precision", precision, "--stochastic-rounding"))
         assert "--stochastic-rounding is for pure bf16 training (--precision bf16)" in line
         assert f"--precision {precision} keeps float32 weights" in line
-    line = _one_line_error(*_gc("sweep", *TINY, "--data", data, "--stochastic-rounding"))
+    line = _one_line_error(*_gc_here("sweep", *TINY, "--data", data, "--stochastic-rounding"))
     assert "--stochastic-rounding" in line
 
 
 def test_a_model_that_cannot_fit_is_refused_before_it_is_built(tmp_path):
     data = tiny_ptb(tmp_path)
-    line = _one_line_error(*_gc(*TINY, "--data", data, "--embedding-size", "100000000"))
+    line = _one_line_error(*_gc_here(*TINY, "--data", data, "--embedding-size", "100000000"))
     assert "the model would not fit" in line and "--embedding-size 100000000" in line
     # the estimate (4 bytes per weight: 4 x 1e8^2 of attention projections alone) and what the machine has
     assert "GiB of parameters" in line and ("the machine's memory gives" in line or "memory limit" in line)
     need = float(line.split("need at least ")[1].split(" GiB")[0].replace(",", ""))
     assert need >= 0.99 * 4 * 4 * 4e16 / 2**30  # 4e16 attention weights, 4 bytes, 4 copies (+ grads, 2 moments)
-    line = _one_line_error(*_gc(*TINY, "--data", data, "--embedding-size", "512", "--memory-limit-mb", "1"))
+    line = _one_line_error(*_gc_here(*TINY, "--data", data, "--embedding-size", "512", "--memory-limit-mb", "1"))
     assert "the model would not fit" in line and "--memory-limit-mb 1 gives 1.0 MiB" in line
     out = tmp_path / "out"  # sweep and max-batch check every configuration before their first child
     for argv in (["sweep", "--over", "embedding-size", "--values", "8", "100000000"],
                  ["max-batch", "--embedding-size", "512", "--memory-limit-mb", "1"]):
-        line = _one_line_error(*_gc(argv[0], *TINY, *argv[1:], "--data", data, "--out", out))
+        line = _one_line_error(*_gc_here(argv[0], *TINY, *argv[1:], "--data", data, "--out", out))
         assert "the model would not fit" in line, argv
     assert not out.exists()
 
@@ -689,7 +692,7 @@ def test_a_corpus_that_is_not_utf8_is_one_line_naming_the_file(tmp_path):
     data = tiny_ptb(tmp_path)
     with open(os.path.join(data, "train.txt"), "ab") as f:
         f.write(b"caf\xe9 latin-1\n")
-    line = _one_line_error(*_gc(*TINY, "--data", data))
+    line = _one_line_error(*_gc_here(*TINY, "--data", data))
     assert os.path.join(data, "train.txt") in line and "not UTF-8" in line
 
 
@@ -789,13 +792,10 @@ def test_a_resume_that_does_not_match_the_run_is_one_line_naming_the_flag(tmp_pa
         (["--save-every", "2"], "--save-every N saves to --save-checkpoint FILE"),
         (["--save-every", "0", "--save-checkpoint", ckpt], "--save-every must be a positive integer"),
     ]
-    with ThreadPoolExecutor(4) as pool:
-        results = list(pool.map(lambda argv: _gc(*run, "--max-batches", "4", "--resume", ckpt, *argv),
-                                [argv for argv, _ in cases]))
-    for (argv, expected), result in zip(cases, results):
-        line = _one_line_error(*result)
+    for argv, expected in cases:
+        line = _one_line_error(*_gc_here(*run, "--max-batches", "4", "--resume", ckpt, *argv))
         assert expected in line, (argv, line)
-    both = _one_line_error(*_gc(*TINY, "--data", data, "--save-checkpoint", ckpt))
+    both = _one_line_error(*_gc_here(*TINY, "--data", data, "--save-checkpoint", ckpt))
     assert "--save-checkpoint carries one pass's training; give --use-gc 0 or 1" in both
 
 
@@ -909,7 +909,7 @@ def test_every_row_of_the_table_is_defined_in_help(tmp_path, capsys):
     table = capsys.readouterr().out.split("gc off       gc on")[1].split("\n\n")[0]
     rows = [line[:18].strip() for line in table.splitlines()[1:] if line.strip()]
     assert "peak bytes (MB)" in rows and "recomputed nodes" in rows, rows
-    code, help_text, _ = _gc("run", "--help")
+    code, help_text, _ = _gc_here("run", "--help")
     assert code == 0
     for row in rows:
         assert row.split(" (")[0] in help_text, row
@@ -981,10 +981,8 @@ def test_offloading_flags_are_checked_in_one_line_before_any_work(tmp_path):
     ]
     commands = [argv[:1] + tiny + argv[1:] if argv[0] in ("sweep", "ablate") else tiny + argv for argv, _ in cases]
     commands[-1] = ["ablate", "--rows", "offload-all", "--budget-mb", "5"]  # ablate has no --max-batches
-    with ThreadPoolExecutor(4) as pool:
-        results = list(pool.map(lambda argv: _gc(*argv), commands))
-    for (argv, text), result in zip(cases, results):
-        assert text in _one_line_error(*result), argv
+    for (argv, text), command in zip(cases, commands):
+        assert text in _one_line_error(*_gc_here(*command)), argv
     assert not out.exists()
 
 
@@ -1009,7 +1007,7 @@ def test_policy_offload_writes_host_bytes_and_trains_exactly_as_gc_off(tmp_path,
     table = printed.split("gc off       gc on")[1].split("\n\n")[0]
     rows = [line[:18].strip() for line in table.splitlines()[1:] if line.strip()]
     assert "host memory (MB)" in rows and "copy time (s)" in rows, rows
-    code, help_text, _ = _gc("run", "--help")
+    code, help_text, _ = _gc_here("run", "--help")
     for row in rows:  # every row stays defined in --help
         assert row.split(" (")[0] in help_text, row
 
