@@ -58,6 +58,31 @@ def test_c1_the_same_bytes_on_every_backend(bits, n, block, rng):
         np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.parametrize("isa", ["generic", "avx2", "avx512"])
+def test_c1_each_instruction_sets_copy_gives_the_references_bytes(isa, rng):
+    """The C++ 8-bit path has a copy per instruction set (compress.h, picked by vector_isa()): each gives the
+    NumPy reference's bytes, over lengths that leave every vector remainder and blocks that are not multiples of a
+    vector."""
+    device = nd.cpu()
+    if not device.enabled():
+        pytest.skip("the C++ backend is not built")
+    original = device.mod.vector_isa()
+    try:
+        device.mod.set_vector_isa(isa)
+    except ValueError:
+        pytest.skip(f"this CPU cannot run the {isa} kernels")
+    try:
+        for n, block in [(4099, 64), (61, 13), (1 << 14, 4096)]:
+            x = values(rng, n)
+            x[n // 2], x[n // 3] = np.nan, -np.inf
+            want_codes, want_scales = backend_numpy.quantize_stochastic(x, 8, block, 99)
+            codes, scales = array_api.quantize_stochastic(nd.array(x, device=device), 8, block, 99)
+            np.testing.assert_array_equal(codes.numpy(), want_codes, err_msg=f"{isa}, n={n}")
+            np.testing.assert_array_equal(scales.numpy(), want_scales, err_msg=f"{isa}, n={n}")
+    finally:
+        device.mod.set_vector_isa(original)
+
+
 @pytest.mark.parametrize("bits", [2, 4, 8])
 def test_c1_a_rebuilt_value_is_within_one_step_and_zero_is_exact(bits, rng):
     x = values(rng, 4096)
