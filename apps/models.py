@@ -103,7 +103,10 @@ class LanguageModel(nn.Module):
         out, h = self.seq_model(self.embedding(x), h)
         hidden = ndl.reshape(out, (seq_len * batch, self.hidden_size))
         loss = ndl.ops.linear_cross_entropy(hidden, self.linear.weight, self.linear.bias, y, chunk_size=chunk_size)
-        return loss, h
+        # The head's input is a copy of the sequence model's output (a transposed view made compact): a region of
+        # its own, so that checkpointing drops the copy and makes it again in backward from that output, which
+        # backward holds anyway.
+        return self.checkpoint(loss, [out]), h
 
 
 class LMStage(nn.Module):

@@ -454,12 +454,11 @@ def test_rule_4c_an_in_place_write_to_a_compressed_values_input_is_caught():
 @needs_cpu
 def test_c6_m_act_goals_on_the_issue_model():
     """Few-bit GELU (3 bits) fused into the linear layer, with 8-bit compression around no other policy: M_act at
-    most 0.40 of the exact GELU model's with gc off; around "selective": measured here (the issue asks 0.25; the
-    eager forward keeps the regions' boundaries exact: docs/fewbit.md)."""
+    most 0.40 of the exact GELU model's with gc off; around "selective" at most 0.25, eagerly and lazily."""
     _, exact = lm_step(small_lm(None), lazy=False)
     _, alone = lm_step(small_lm(checkpoint.compress(8), bits=3), lazy=False)
     _, selective = lm_step(small_lm(checkpoint.compress(8, "selective"), bits=3), lazy=False)
     _, selective_lazy = lm_step(small_lm(checkpoint.compress(8, "selective"), bits=3), lazy=True)
     assert alone <= 0.40 * exact
-    assert selective <= 0.26 * exact
+    assert selective <= 0.25 * exact
     assert selective_lazy <= 0.25 * exact  # lazy: the boundaries compressed too, after their last consumer
