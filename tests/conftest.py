@@ -7,8 +7,11 @@ import gc as python_gc
 import io
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
+import threading
 
 import numpy as np
 import pytest
@@ -34,6 +37,68 @@ DEVICES = [
 ]
 # Devices that run compiled code (the ones a model is trained on): cpu and cuda.
 COMPILED_DEVICES = [DEVICES[0], DEVICES[2]]
+
+
+# ----- slow, independent work a test waits on, started as soon as collection has selected the test --------------
+EARLY_JOBS = {}  # test node id -> EarlyJob
+
+
+class EarlyJob:
+    """`start(folder)` run in a thread (a fresh temporary folder its own), from the end of collection: a test's slow
+    work that waits on processes (test_build's compile) runs beside the tests before it, on the other core. The
+    test calls result(): start's return value, or the exception it raised, raised in the test."""
+
+    def __init__(self, start):
+        self.folder = tempfile.mkdtemp(prefix="needle-early-")
+        self.value = self.error = None
+        self.thread = threading.Thread(target=self._run, args=(start,), daemon=True)
+        self.thread.start()
+
+    def _run(self, start):
+        try:
+            self.value = start(self.folder)
+        except BaseException as error:  # (raised again in the test, by result())
+            self.error = error
+
+    def result(self):
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+    def remove(self):
+        self.thread.join()
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "early(start=f): f(folder) runs in a thread from the end of collection "
+                                       "(conftest.EarlyJob); the test reads its result with the early_result fixture")
+
+
+def pytest_collection_finish(session):
+    """Start the early job of every selected test marked early (after -k, -m and the like have selected them)."""
+    if session.config.option.collectonly:
+        return
+    for item in session.items:
+        marker = item.get_closest_marker("early")
+        if marker is not None and item.nodeid not in EARLY_JOBS:
+            EARLY_JOBS[item.nodeid] = EarlyJob(marker.kwargs["start"])
+
+
+def pytest_sessionfinish(session):
+    for job in EARLY_JOBS.values():
+        job.remove()
+
+
+@pytest.fixture
+def early_result(request):
+    """The result of the test's early job (its `early` marker's start function), started at collection's end, or
+    now if it was not (a test started by another route)."""
+    job = EARLY_JOBS.get(request.node.nodeid)
+    if job is None:
+        job = EARLY_JOBS[request.node.nodeid] = EarlyJob(request.node.get_closest_marker("early").kwargs["start"])
+    return job.result()
 
 
 @pytest.fixture(autouse=True, scope="session")

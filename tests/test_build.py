@@ -63,23 +63,19 @@ def known_cuda_compiler():
     return [f"-DCMAKE_CUDA_COMPILER={nvcc}"] if nvcc and "NOTFOUND" not in nvcc and os.path.isfile(nvcc) else []
 
 
-def test_build_without_cuda_toolkit_builds_cpu_backend_and_leaves_the_package_alone(tmp_path):
-    """find_package(CUDAToolkit) failing (here: disabled) is one status line, and the CPU module still builds;
-    a build folder other than build/ keeps its module to itself."""
-    package = os.path.join(REPO, PACKAGE_DIR)
-    before = compiled_modules(package)
-    build = str(tmp_path / "build-second")
+def cpu_backend_without_cuda_toolkit(folder):
+    """Configure with find_package(CUDAToolkit) disabled, in a build folder other than build/, and build the CPU
+    module: (configure's output, the build folder, the package's modules before). Started in a thread as soon as
+    collection has selected the test below (conftest's `early` marker), so its half minute of compiling runs
+    beside the tests before it, on the other core."""
+    before = compiled_modules(os.path.join(REPO, PACKAGE_DIR))
+    build = os.path.join(folder, "build-second")
     # Debug without -g: the quickest build (no -O3, no LTO, no debug info); what is tested is that it builds, not
     # how fast it runs or how it debugs.
     out = configure(REPO, build, "-DCMAKE_DISABLE_FIND_PACKAGE_CUDAToolkit=ON", "-DCMAKE_BUILD_TYPE=Debug",
                     "-DCMAKE_CXX_FLAGS_DEBUG=", *known_cuda_compiler())
-    reasons = [line for line in out.splitlines() if REASON in line]
-    assert len(reasons) == 1 and reasons[0].split(REASON, 1)[1].strip(), out
-    assert cache_value(build, "NEEDLE_INSTALL_INTO_PACKAGE") == "OFF"
-
     cmake("--build", build, "-j2", "--target", "ndarray_backend_cpu")
-    assert any(name.startswith("ndarray_backend_cpu") for name in compiled_modules(build))
-    assert compiled_modules(package) == before  # no module replaced, added or removed
+    return out, build, before
 
 
 def copy_sources(root):
@@ -105,3 +101,16 @@ def test_only_the_default_build_folder_builds_into_the_package(tmp_path, folder,
     module_dir = os.path.join(source, PACKAGE_DIR) if into_package else build
     assert f"needle: modules go to {module_dir}\n" in out, out
     assert REASON + "src/ndarray_backend_cuda.cu does not exist" in out
+
+
+# last in the file: the configure-only tests above run while its build finishes
+@pytest.mark.early(start=cpu_backend_without_cuda_toolkit)
+def test_build_without_cuda_toolkit_builds_cpu_backend_and_leaves_the_package_alone(early_result):
+    """find_package(CUDAToolkit) failing (here: disabled) is one status line, and the CPU module still builds;
+    a build folder other than build/ keeps its module to itself."""
+    out, build, before = early_result
+    reasons = [line for line in out.splitlines() if REASON in line]
+    assert len(reasons) == 1 and reasons[0].split(REASON, 1)[1].strip(), out
+    assert cache_value(build, "NEEDLE_INSTALL_INTO_PACKAGE") == "OFF"
+    assert any(name.startswith("ndarray_backend_cpu") for name in compiled_modules(build))
+    assert compiled_modules(os.path.join(REPO, PACKAGE_DIR)) == before  # no module replaced, added or removed
