@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import needle as ndl
-from needle import checkpoint, checkpoint_budget, nn
+from needle import checkpoint, checkpoint_budget, nn, offload
 from needle.autograd import find_topo_sort, infer_spec, spec_nbytes
 from needle.checkpoint_budget import walk_step
 from needle.ledger import view_copies
@@ -187,3 +187,22 @@ def test_the_budget_and_the_optimum_report_a_steps_time_alike():
     assert budget.predicted_time == pytest.approx(base + budget.trace_seconds + budget.predicted_added_time)
     assert plan.predicted_time == pytest.approx(base + plan.added_time)
     assert plan.added_time <= budget.predicted_added_time * (1 + 1e-9)
+
+
+def test_a_walk_that_parks_gradients_knows_the_peak_were_they_kept():
+    """The ledger's walk with park_gradients also counts the peak the same walk reaches with the gradients kept on
+    the device (`peak_keeping_gradients`: the Budget decides from it whether to park, without a walk of its own): it
+    equals the walk that keeps them, for plans with nothing, half and everything off the device, recomputed or
+    parked."""
+    loss = lm_loss("all")
+    groups = find_groups(loss)
+    strictly_lower = 0
+    for t in (0, len(groups) // 2, len(groups)):
+        dropped = ids(n for ns in groups[:t] for n in ns)
+        for offloaded in (set(), {i for ns in groups[:t] for n in ns if offload.offloadable(n) for i in ids([n])}):
+            parked = walk_step(loss, dropped, None, offloaded, park_gradients=True)
+            kept = walk_step(loss, dropped, None, offloaded, park_gradients=False)
+            assert parked.peak_keeping_gradients == kept.peak
+            assert parked.peak <= kept.peak
+            strictly_lower += parked.peak < kept.peak
+    assert strictly_lower > 0  # parking gradients lowers some of these peaks: the two numbers are not one

@@ -475,7 +475,10 @@ def _infer_specs(target):
 
     Stops (leaving `_spec` None) at the first op that cannot infer its shape; the caller then computes.
     """
-    order = find_topo_sort([target], expand=lambda n: n.cached_data is None and n._spec is None)
+    if all(x.cached_data is not None or x._spec is not None for x in target.inputs):
+        order = [target]  # the usual case (a value built from known ones, as each gradient is): no traversal
+    else:
+        order = find_topo_sort([target], expand=lambda n: n.cached_data is None and n._spec is None)
     for node in order:
         if node.cached_data is not None or node._spec is not None:
             continue

@@ -190,10 +190,9 @@ class Budget:
         # peak with everything off plus the bytes still kept (on a stack of layers, where the peak sits at the end
         # of forward, that is exact).
         kept_from = list(itertools.accumulate(reversed(freed)))[::-1] + [0]
-        # Gradients are parked only where nothing fits without. Parking them saves at most their bytes, so above the
-        # least peak plus those, everything off the device fits without: no walk needed to tell.
-        park = (self.offload and target < least.peak + sum(map(value_bytes, params)) and
-                walk(n, False).peak > target)
+        # Gradients are parked only where nothing fits without: where everything off the device, the gradients
+        # kept, peaks above the target. The least walk (which parked them) counted that peak as it went.
+        park = self.offload and least.peak_keeping_gradients > target
         # A bound no walk can beat: when backward begins, every buffer of a value the t cheapest groups leave on
         # the device is alive, beside what is alive with all of them off (a buffer that is alive then anyway,
         # held by a kept view, adds nothing); and the peak falls as t grows. Where the bound exceeds the target,

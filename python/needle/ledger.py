@@ -47,6 +47,9 @@ class Ledger(Machine):
         self.offloaded, self.parked = offloaded, {}
         self.host_live = self.host_peak = self.offloaded_bytes = self.fetched_bytes = 0
         self.park_gradients = park_gradients  # parameters' gradients parked once complete (offload.park_gradient)
+        # The device bytes of the gradients parked so far, and the peak the same walk would reach were they kept:
+        # nothing else differs, so one walk with park_gradients answers for both (the Budget's search uses it).
+        self.gradients_parked_bytes = self.peak_keeping_gradients = 0
         # Compression (compress.py): id -> device bytes of the codes a value is kept as after its forward release
         # (parked on the device: counted in `live` until backward's last use of the value).
         self.compressed, self.packed = compressed or {}, {}
@@ -144,9 +147,14 @@ class Ledger(Machine):
         self.seen.append(node)
         self.present.add(id(node))
         self._hold(node)
-        self.peak = max(self.peak, self.live + self._workspace(node))
+        self._note_peak(self._workspace(node))
 
     recompute = compute
+
+    def _note_peak(self, workspace=0):
+        self.peak = max(self.peak, self.live + workspace)
+        self.peak_keeping_gradients = max(self.peak_keeping_gradients,
+                                          self.live + workspace + self.gradients_parked_bytes)
 
     def fetch(self, node):
         """A parked value brought back: a fresh device buffer (offload.fetch), its host copy still held."""
@@ -154,7 +162,7 @@ class Ledger(Machine):
         self.present.add(id(node))
         self._hold(node)
         self.fetched_bytes += self.parked.get(id(node), 0)  # (a compressed value is rebuilt on the device)
-        self.peak = max(self.peak, self.live)
+        self._note_peak()
 
     def release(self, node):
         """As offload.release_value: an offloaded value is parked on its first release (forward), and its host copy
@@ -165,7 +173,7 @@ class Ledger(Machine):
         elif id(node) in self.compressed and id(node) in self.present:  # its codes made while it is still there
             self.packed[id(node)] = self.compressed[id(node)]
             self.live += self.packed[id(node)]
-            self.peak = max(self.peak, self.live)
+            self._note_peak()
         elif id(node) in self.parked:
             if self.in_backward:
                 self.host_live -= self.parked.pop(id(node))
@@ -194,7 +202,9 @@ class Ledger(Machine):
             self.host_live += nbytes
             self.offloaded_bytes += nbytes
             self.host_peak = max(self.host_peak, self.host_live)
+            live = self.live
             self.release(grad)
+            self.gradients_parked_bytes += live - self.live
 
     def value(self, node):
         return None
