@@ -16,6 +16,7 @@ Rule 4c (in-place writes between forward and backward) still holds, and rule 4d 
 rebuilt value reaches no gradient that does not allow it, whatever the graph became after the choice.
 """
 import gc
+import itertools
 
 import numpy as np
 import pytest
@@ -60,9 +61,9 @@ def test_c1_the_same_bytes_on_every_backend(bits, n, block, rng):
 
 @pytest.mark.parametrize("isa", ["generic", "avx2", "avx512"])
 def test_c1_each_instruction_sets_copy_gives_the_references_bytes(isa, rng):
-    """The C++ 8-bit path has a copy per instruction set (compress.h, picked by vector_isa()): each gives the
-    NumPy reference's bytes, over lengths that leave every vector remainder and blocks that are not multiples of a
-    vector."""
+    """The C++ codes loop has a copy per instruction set (compress.h, picked by vector_isa()): each gives the
+    NumPy reference's bytes at every width, over lengths that leave every vector and chunk remainder and blocks
+    that are not multiples of a vector."""
     device = nd.cpu()
     if not device.enabled():
         pytest.skip("the C++ backend is not built")
@@ -72,13 +73,13 @@ def test_c1_each_instruction_sets_copy_gives_the_references_bytes(isa, rng):
     except ValueError:
         pytest.skip(f"this CPU cannot run the {isa} kernels")
     try:
-        for n, block in [(4099, 64), (61, 13), (1 << 14, 4096)]:
+        for (n, block), bits in itertools.product([(4099, 64), (61, 13), (1 << 14, 4096), (3001, 1000)], [2, 3, 4, 8]):
             x = values(rng, n)
             x[n // 2], x[n // 3] = np.nan, -np.inf
-            want_codes, want_scales = backend_numpy.quantize_stochastic(x, 8, block, 99)
-            codes, scales = array_api.quantize_stochastic(nd.array(x, device=device), 8, block, 99)
-            np.testing.assert_array_equal(codes.numpy(), want_codes, err_msg=f"{isa}, n={n}")
-            np.testing.assert_array_equal(scales.numpy(), want_scales, err_msg=f"{isa}, n={n}")
+            want_codes, want_scales = backend_numpy.quantize_stochastic(x, bits, block, 99)
+            codes, scales = array_api.quantize_stochastic(nd.array(x, device=device), bits, block, 99)
+            np.testing.assert_array_equal(codes.numpy(), want_codes, err_msg=f"{isa}, n={n}, {bits} bits")
+            np.testing.assert_array_equal(scales.numpy(), want_scales, err_msg=f"{isa}, n={n}, {bits} bits")
     finally:
         device.mod.set_vector_isa(original)
 

@@ -41,60 +41,66 @@ static size_t compress_blocks(const char* fn, size_t n, int64_t block_size, int 
   return (n + static_cast<size_t>(block_size) - 1) / static_cast<size_t>(block_size);
 }
 
-// The block of consecutive elements i, i + 1, ...: one division for the first, then a compare per element (a 64-bit
-// division per element cost more than everything else the loops do).
-struct BlockCursor {
-  BlockCursor(size_t first, size_t block_size) : size(block_size), block(first / block_size),
-                                                 end((first / block_size + 1) * block_size) {}
-  size_t of(size_t i) {
-    while (i >= end) ++block, end += size;
-    return block;
-  }
-  size_t size, block, end;
-};
-
 // u_i in [0, 1): the top 24 bits of element i's hash (dropout's: `key` = lowbias32(uint32(i >> 32) ^ seed_key), the
 // same for a whole group of 8), exact in float32.
 static inline float counter_uniform(uint64_t i, uint32_t key) {
   return static_cast<float>(lowbias32(static_cast<uint32_t>(i) ^ key) >> 8) * (1.0f / 16777216.0f);
 }
 
-// 8-bit codes of pa[first, stop), one block's elements that share a hash key. The loop has no branches, so it
-// vectorizes; the hash's 32-bit multiplies, though, need AVX2 (SSE2, the portable target, has none and leaves the
-// loop scalar: 5.8 ns an element against about 1 with AVX2), hence two copies picked at run time as simd.h's kernels
-// are. The same operations in the same order: the bytes do not depend on the copy (the product u * 2^-24 is exact,
-// so contracting the sum into an FMA changes nothing).
-static inline __attribute__((always_inline)) void quantize8_body(const float* pa, uint8_t* po, size_t first,
-                                                                 size_t stop, float s, bool scale_ok, uint32_t key) {
-  const float half = 127.0f;
+// The codes of pa[first, stop) (elements that share a block's scale and a hash key) into out[0, stop - first), one
+// byte each: code = floor(a / scale + h + u) clamped to [0, 2h] (`half` = h, `top` = 2h), h where the value, the
+// scale or the sum is not finite (NaN fails every comparison). On [0, 2h) floor is truncation, so the loop has no
+// branches and vectorizes; the hash's 32-bit multiplies, though, need AVX2 (SSE2, the portable target, has none
+// and leaves the loop scalar: 5.8 ns an element against about 1 with AVX2), hence two copies picked at run time,
+// as simd.h's kernels are. The same operations in the same order: the bytes do not depend on the copy (the product
+// u * 2^-24 is exact, so contracting the sum into an FMA changes nothing).
+static inline __attribute__((always_inline)) void codes_body(const float* pa, uint8_t* out, size_t first, size_t stop,
+                                                             float s, bool scale_ok, uint32_t key, float half,
+                                                             float top) {
   for (size_t i = first; i < stop; ++i) {
-    const float v = (pa[i] / s + half) + counter_uniform(i, key);
-    const float c = std::min(std::max(v, 0.0f), 254.0f);  // (NaN compares false: caught by `finite`)
+    const float v = (pa[i] / s + half) + counter_uniform(i, key);  // three float32 roundings, as the reference
+    const float c = std::min(std::max(v, 0.0f), top);
     const bool finite = std::fabs(v) <= kMaxFloat;
-    po[i] = scale_ok && finite ? static_cast<uint8_t>(static_cast<int32_t>(c)) : uint8_t(127);
+    out[i - first] = scale_ok && finite ? static_cast<uint8_t>(static_cast<int32_t>(c)) : static_cast<uint8_t>(half);
   }
 }
 
-typedef void (*Quantize8Run)(const float*, uint8_t*, size_t, size_t, float, bool, uint32_t);
+typedef void (*CodesRun)(const float*, uint8_t*, size_t, size_t, float, bool, uint32_t, float, float);
 
-static void quantize8_generic(const float* pa, uint8_t* po, size_t first, size_t stop, float s, bool scale_ok,
-                              uint32_t key) {
-  quantize8_body(pa, po, first, stop, s, scale_ok, key);
+static void codes_generic(const float* pa, uint8_t* out, size_t first, size_t stop, float s, bool scale_ok,
+                          uint32_t key, float half, float top) {
+  codes_body(pa, out, first, stop, s, scale_ok, key, half, top);
 }
 
 #ifdef NEEDLE_X86_DISPATCH
-__attribute__((target("avx2,fma"))) static void quantize8_avx2(const float* pa, uint8_t* po, size_t first,
-                                                               size_t stop, float s, bool scale_ok, uint32_t key) {
-  quantize8_body(pa, po, first, stop, s, scale_ok, key);
+__attribute__((target("avx2,fma"))) static void codes_avx2(const float* pa, uint8_t* out, size_t first, size_t stop,
+                                                           float s, bool scale_ok, uint32_t key, float half,
+                                                           float top) {
+  codes_body(pa, out, first, stop, s, scale_ok, key, half, top);
 }
 #endif
 
 // The copy for the vector kernels' instruction set (vector_isa(): the widest the CPU has, or what a test set).
-static Quantize8Run quantize8_run_for_this_cpu() {
+static CodesRun codes_run_for_this_cpu() {
 #ifdef NEEDLE_X86_DISPATCH
-  if (std::strcmp(g_vector->name, "generic") != 0) return quantize8_avx2;
+  if (std::strcmp(g_vector->name, "generic") != 0) return codes_avx2;
 #endif
-  return quantize8_generic;
+  return codes_generic;
+}
+
+// codes_body over [first, last), one call per run of elements with the same block and the same upper 32 bits of
+// their index (whose hash key they share): out[0, last - first).
+static void codes_of_range(CodesRun run, const float* pa, const float* ps, uint8_t* out, size_t first, size_t last,
+                           size_t bs, uint32_t seed_key, float half, float top) {
+  for (size_t i = first; i < last;) {
+    const size_t b = i / bs;
+    const uint64_t high = static_cast<uint64_t>(i) >> 32;
+    const size_t stop = std::min({last, (b + 1) * bs, static_cast<size_t>((high + 1) << 32)});
+    const float s = ps[b];
+    run(pa, out + (i - first), i, stop, s, s > 0.0f && s <= kMaxFloat,
+        lowbias32(static_cast<uint32_t>(high) ^ seed_key), half, top);
+    i = stop;
+  }
 }
 
 static void quantize_stochastic(const Array& a, Array& out, Array& scales, int bits, int64_t block_size,
@@ -107,7 +113,6 @@ static void quantize_stochastic(const Array& a, Array& out, Array& scales, int b
   float* ps = scales.data<float>();
   uint8_t* po = out.data<uint8_t>();
   const float half = static_cast<float>((1 << (bits - 1)) - 1);
-  const uint64_t top = (uint64_t(1) << bits) - 2;  // 2h, the largest code
   const uint32_t seed_key = seed * 0x9E3779B9u;
   py::gil_scoped_release release;
   parallel_range(blocks, threads_for(n, false), [&](size_t begin, size_t end) {  // the scales: one block a task
@@ -128,43 +133,30 @@ static void quantize_stochastic(const Array& a, Array& out, Array& scales, int b
       ps[b] = top_bits > 0x7f800000u ? std::numeric_limits<float>::quiet_NaN() : m / half;
     }
   });
-  if (bits == 8) {  // a byte per code: a loop per block, branch-free, that the compiler can vectorize
-    const Quantize8Run run = quantize8_run_for_this_cpu();
+  const CodesRun run = codes_run_for_this_cpu();
+  const float top = static_cast<float>((1 << bits) - 2);  // 2h, the largest code
+  if (bits == 8) {  // a byte per code: straight into the output, a block a task
     parallel_range(blocks, threads_for(n, false), [&](size_t begin, size_t end) {
-      for (size_t b = begin; b < end; ++b) {
-        const float s = ps[b];
-        const bool scale_ok = s > 0.0f && s <= kMaxFloat;
-        const size_t last = std::min(n, (b + 1) * bs);
-        for (size_t first = b * bs; first < last;) {  // one key per run of i with the same upper 32 bits
-          const uint64_t high = static_cast<uint64_t>(first) >> 32;
-          const size_t stop = static_cast<size_t>(std::min<uint64_t>(last, (high + 1) << 32));
-          const uint32_t key = lowbias32(static_cast<uint32_t>(high) ^ seed_key);
-          run(pa, po, first, stop, s, scale_ok, key);
-          first = stop;
-        }
-      }
+      codes_of_range(run, pa, ps, po + begin * bs, begin * bs, std::min(n, end * bs), bs, seed_key, half, top);
     });
     return;
   }
-  const size_t groups = (n + 7) / 8, nbytes = out.size;
-  parallel_range(groups, threads_for(n, false), [&](size_t begin, size_t end) {  // the codes: 8 a group
-    for (size_t g = begin; g < end; ++g) {
-      uint64_t group = 0;
-      BlockCursor block(8 * g, bs);
-      const uint32_t key = lowbias32(static_cast<uint32_t>(static_cast<uint64_t>(8 * g) >> 32) ^ seed_key);
-      for (size_t j = 0; j < 8 && 8 * g + j < n; ++j) {
-        const size_t i = 8 * g + j;
-        const float s = ps[block.of(i)];
-        const float y = pa[i] / s + half;  // two float32 roundings, then a third for + u: as the reference
-        const float v = y + counter_uniform(i, key);
-        // code = floor(v) clamped to [0, 2h], without a call to floor: on [0, 2h) floor is truncation; a value,
-        // scale or sum that is not finite (NaN fails every comparison) gives h
-        const bool ok = s > 0.0f && s <= kMaxFloat && std::fabs(v) <= kMaxFloat;
-        const uint64_t code = !ok ? top / 2 : v >= static_cast<float>(top) ? top : v <= 0.0f ? 0 : uint64_t(int32_t(v));
-        group |= code << (j * bits);
-      }
-      for (int byte = 0; byte < bits && g * bits + byte < nbytes; ++byte) {
-        po[g * bits + byte] = static_cast<uint8_t>(group >> (8 * byte));
+  // Fewer bits: a chunk of whole groups of 8 codes at a time into a buffer, then packed as fewbit.h packs them.
+  constexpr size_t kChunk = 1024;  // elements, a multiple of 8
+  const size_t nbytes = out.size;
+  parallel_range((n + kChunk - 1) / kChunk, threads_for(n, false), [&](size_t begin, size_t end) {
+    uint8_t codes[kChunk];
+    for (size_t chunk = begin; chunk < end; ++chunk) {
+      const size_t first = chunk * kChunk, last = std::min(n, first + kChunk), groups = (last - first + 7) / 8;
+      codes_of_range(run, pa, ps, codes, first, last, bs, seed_key, half, top);
+      std::fill(codes + (last - first), codes + 8 * groups, uint8_t(0));  // past the end: no code
+      for (size_t g = 0; g < groups; ++g) {
+        uint64_t group = 0;
+        for (int j = 0; j < 8; ++j) group |= uint64_t(codes[8 * g + j]) << (j * bits);
+        const size_t at = (first / 8 + g) * static_cast<size_t>(bits);
+        for (int byte = 0; byte < bits && at + byte < nbytes; ++byte) {
+          po[at + byte] = static_cast<uint8_t>(group >> (8 * byte));
+        }
       }
     }
   });
@@ -180,28 +172,36 @@ static void dequantize_linear(const Array& codes, const Array& scales, Array& ou
   float* po = out.data<float>();
   const float half = static_cast<float>((1 << (bits - 1)) - 1);
   const uint64_t mask = (uint64_t(1) << bits) - 1;
-  const size_t groups = (n + 7) / 8, nbytes = codes.size;
+  const size_t nbytes = codes.size;
   py::gil_scoped_release release;
-  if (bits == 8) {  // a byte per code: a loop per block the compiler can vectorize
+  // (code - h) * scale over out[first, last), codes[0, last - first): a loop per block, which vectorizes
+  const auto rebuild = [&](const uint8_t* codes_at, size_t first, size_t last) {
+    for (size_t i = first; i < last;) {
+      const size_t b = i / bs, stop = std::min(last, (b + 1) * bs);
+      const float s = ps[b];
+      for (size_t k = i; k < stop; ++k) po[k] = (static_cast<float>(codes_at[k - first]) - half) * s;
+      i = stop;
+    }
+  };
+  if (bits == 8) {  // a byte per code: read in place, a block a task
     parallel_range((n + bs - 1) / bs, threads_for(n, false), [&](size_t begin, size_t end) {
-      for (size_t b = begin; b < end; ++b) {
-        const float s = ps[b];
-        for (size_t i = b * bs; i < std::min(n, (b + 1) * bs); ++i) po[i] = (static_cast<float>(pc[i]) - half) * s;
-      }
+      rebuild(pc + begin * bs, begin * bs, std::min(n, end * bs));
     });
     return;
   }
-  parallel_range(groups, threads_for(n, false), [&](size_t begin, size_t end) {
-    for (size_t g = begin; g < end; ++g) {
-      uint64_t group = 0;
-      for (int byte = 0; byte < bits && g * bits + byte < nbytes; ++byte) {
-        group |= uint64_t(pc[g * bits + byte]) << (8 * byte);
+  // Fewer bits: a chunk of whole groups of 8 codes unpacked into a buffer, then rebuilt.
+  constexpr size_t kChunk = 1024;  // elements, a multiple of 8
+  parallel_range((n + kChunk - 1) / kChunk, threads_for(n, false), [&](size_t begin, size_t end) {
+    uint8_t unpacked[kChunk];
+    for (size_t chunk = begin; chunk < end; ++chunk) {
+      const size_t first = chunk * kChunk, last = std::min(n, first + kChunk);
+      for (size_t g = 0; g < (last - first + 7) / 8; ++g) {
+        const size_t at = (first / 8 + g) * static_cast<size_t>(bits);
+        uint64_t group = 0;
+        for (int byte = 0; byte < bits && at + byte < nbytes; ++byte) group |= uint64_t(pc[at + byte]) << (8 * byte);
+        for (int j = 0; j < 8; ++j) unpacked[8 * g + j] = static_cast<uint8_t>((group >> (j * bits)) & mask);
       }
-      BlockCursor block(8 * g, bs);
-      for (size_t j = 0; j < 8 && 8 * g + j < n; ++j) {
-        const size_t i = 8 * g + j;
-        po[i] = (static_cast<float>((group >> (j * bits)) & mask) - half) * ps[block.of(i)];
-      }
+      rebuild(unpacked, first, last);
     }
   });
 }
