@@ -118,7 +118,9 @@ class Ledger(Machine):
         shapes = [self.spec(x)[0] for x in node.inputs]
         extra = node.op.workspace(*shapes)
         compacted = node.op.compacts_inputs  # True (every input) or the positions of the inputs it compacts
-        transposed_in_place = node.op.reads_transposed(*shapes)
+        if not compacted and not extra:
+            return 0  # most ops: nothing besides the result (the ledger's most frequent question, answered first)
+        transposed_in_place = compacted and node.op.reads_transposed(*shapes)
         for i, (x, shape) in enumerate(zip(node.inputs, shapes)):
             if compacted is True or (compacted and i in compacted):
                 strides = self.strides.get(id(x))
