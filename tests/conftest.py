@@ -40,63 +40,86 @@ COMPILED_DEVICES = [DEVICES[0], DEVICES[2]]
 
 
 # ----- slow, independent work a test waits on, started as soon as collection has selected the test --------------
-EARLY_JOBS = {}  # test node id -> EarlyJob
-
-
 class EarlyJob:
-    """`start(folder)` run in a thread (a fresh temporary folder its own), from the end of collection: a test's slow
-    work that waits on processes (test_build's compile) runs beside the tests before it, on the other core. The
-    test calls result(): start's return value, or the exception it raised, raised in the test."""
+    """A test's slow work that only waits on processes of its own (a compile, gc.py's children): `start(folder)`,
+    with a fresh temporary folder, run by the one background thread of early jobs, in the order the tests will run,
+    from the end of collection on, so that it runs beside the tests before it, on the other core. result() is
+    start's return value, or the exception it raised, raised in the test; a job the thread has not reached yet is
+    run by the test itself."""
 
     def __init__(self, start):
-        self.folder = tempfile.mkdtemp(prefix="needle-early-")
-        self.value = self.error = None
-        self.thread = threading.Thread(target=self._run, args=(start,), daemon=True)
-        self.thread.start()
+        self.start = start
+        self.claimed = threading.Lock()  # taken by whoever runs it: the background thread or the test
+        self.done = threading.Event()
+        self.folder = self.value = self.error = None
 
-    def _run(self, start):
+    def run(self):
+        if not self.claimed.acquire(blocking=False):
+            return
+        self.folder = tempfile.mkdtemp(prefix="needle-early-")
         try:
-            self.value = start(self.folder)
+            self.value = self.start(self.folder)
         except BaseException as error:  # (raised again in the test, by result())
             self.error = error
+        finally:
+            self.done.set()
 
     def result(self):
-        self.thread.join()
+        self.run()
+        self.done.wait()
         if self.error is not None:
             raise self.error
         return self.value
 
-    def remove(self):
-        self.thread.join()
-        shutil.rmtree(self.folder, ignore_errors=True)
+
+EARLY_JOBS = {}  # test node id -> EarlyJob
+_EARLY_STOP = threading.Event()
+_EARLY_THREAD = []
+
+
+def _run_early_jobs(jobs):
+    for job in jobs:
+        if _EARLY_STOP.is_set():
+            return
+        job.run()
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "early(start=f): f(folder) runs in a thread from the end of collection "
+    config.addinivalue_line("markers", "early(start=f): f(folder) runs in the background from the end of collection "
                                        "(conftest.EarlyJob); the test reads its result with the early_result fixture")
 
 
 def pytest_collection_finish(session):
-    """Start the early job of every selected test marked early (after -k, -m and the like have selected them)."""
+    """Queue the early job of every selected test marked early (after -k, -m and the like have selected them), in
+    the order the tests will run, and start the thread that runs them one at a time."""
     if session.config.option.collectonly:
         return
     for item in session.items:
         marker = item.get_closest_marker("early")
         if marker is not None and item.nodeid not in EARLY_JOBS:
             EARLY_JOBS[item.nodeid] = EarlyJob(marker.kwargs["start"])
+    if EARLY_JOBS:
+        thread = threading.Thread(target=_run_early_jobs, args=(list(EARLY_JOBS.values()),), daemon=True)
+        thread.start()
+        _EARLY_THREAD.append(thread)
 
 
 def pytest_sessionfinish(session):
+    """No early job starts after the session (an interrupted one); the one running ends, then the folders go."""
+    _EARLY_STOP.set()
+    for thread in _EARLY_THREAD:
+        thread.join()
     for job in EARLY_JOBS.values():
-        job.remove()
+        if job.folder:
+            shutil.rmtree(job.folder, ignore_errors=True)
 
 
 @pytest.fixture
 def early_result(request):
-    """The result of the test's early job (its `early` marker's start function), started at collection's end, or
-    now if it was not (a test started by another route)."""
+    """The result of the test's early job (its `early` marker's start function): run in the background since the
+    end of collection, or now, here, if the background thread has not reached it."""
     job = EARLY_JOBS.get(request.node.nodeid)
-    if job is None:
+    if job is None:  # (not queued at collection's end)
         job = EARLY_JOBS[request.node.nodeid] = EarlyJob(request.node.get_closest_marker("early").kwargs["start"])
     return job.result()
 
@@ -337,10 +360,10 @@ def tiny_ptb(tmp_path, num_lines=40):
     return str(folder)
 
 
-def gc_process(*argv, cwd=None, script=None):
+def gc_process(*argv, cwd=None, script=None, timeout=120):
     """gc.py as a user runs it: a fresh process; (exit status, stdout, stderr)."""
     proc = subprocess.run([sys.executable, script or os.path.join(GC_ROOT, "gc.py"), *map(str, argv)],
-                          capture_output=True, text=True, cwd=cwd, timeout=120)
+                          capture_output=True, text=True, cwd=cwd, timeout=timeout)
     return proc.returncode, proc.stdout, proc.stderr
 
 

@@ -7,6 +7,7 @@ test_experiment.py."""
 import json
 import math
 import os
+import pathlib
 import shutil
 import signal
 import socket
@@ -109,13 +110,21 @@ def test_interrupted_run_keeps_the_results_written(tmp_path, monkeypatch):
     assert record["complete"] is False
 
 
-def test_max_batch_finds_a_larger_batch_with_checkpointing(tmp_path, capsys):
-    data = tiny_ptb(tmp_path, num_lines=2000)
-    # the search starts at batch 32 (gc off fits about 120 here, all about 180): 15 tries, each a fresh process,
-    # instead of 21 from TINY's batch 4
-    run_gc(["max-batch", "--memory_limit_mb", "0.5", "--policies", "off", "all", "--data", data,
-            "--out", str(tmp_path / "mb")] + TINY + ["--batch-size", "32"])
-    result = _read(tmp_path / "mb" / "max_batch.json")["largest_batch"]
+def max_batch_search(folder):
+    """gc.py max-batch as a user runs it (its tries child processes), in `folder`: (exit status, its output, the
+    largest batches it wrote). An early job (conftest): its ~25 s of children run beside the tests before it."""
+    data = tiny_ptb(pathlib.Path(folder), num_lines=2000)
+    out = os.path.join(folder, "mb")
+    code, printed, err = _gc("max-batch", "--memory_limit_mb", "0.5", "--policies", "off", "all", "--data", data,
+                             "--out", out, *TINY, timeout=600)
+    path = os.path.join(out, "max_batch.json")
+    return code, printed + err, _read(path)["largest_batch"] if os.path.exists(path) else None
+
+
+@pytest.mark.early(start=max_batch_search)
+def test_max_batch_finds_a_larger_batch_with_checkpointing(early_result):
+    code, log, result = early_result
+    assert code == 0, log
     assert result["all"] >= result["off"] > 0
 
 
@@ -171,16 +180,24 @@ def test_a_sweep_reads_back_only_its_own_childrens_files(tmp_path, monkeypatch):
         assert os.path.dirname(r["json"]) == str(out) and strict_json(r["json"])["batch_size"] == r["batch_size"]
 
 
-def test_two_concurrent_sweeps_into_one_out_folder_do_not_mix(tmp_path):
-    out, data = tmp_path / "out", tiny_ptb(tmp_path)
+def two_concurrent_sweeps(folder):
+    """Two gc.py sweeps started at once into one --out folder, models apart (hidden 8 and 12): [(hidden, exit
+    status, output)]. An early job (conftest): its ~14 s of processes run beside the tests before it."""
+    folder = pathlib.Path(folder)
+    out, data = folder / "out", tiny_ptb(folder)
     procs = [subprocess.Popen([sys.executable, os.path.join(ROOT, "gc.py"), "sweep", "--values", "4", "6", "8",
                                "--repeats", "1", "--policies", "off", "--out", str(out), "--data", data]
                               + TINY + ["--hidden_size", str(hidden)],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for hidden in (8, 12)]
-    logs = [p.communicate(timeout=120)[0] for p in procs]
-    for hidden, proc, log in zip((8, 12), procs, logs):
-        assert proc.returncode == 0, log
+    logs = [p.communicate(timeout=600)[0] for p in procs]
+    return [(hidden, proc.returncode, log) for hidden, proc, log in zip((8, 12), procs, logs)]
+
+
+@pytest.mark.early(start=two_concurrent_sweeps)
+def test_two_concurrent_sweeps_into_one_out_folder_do_not_mix(early_result):
+    for hidden, code, log in early_result:
+        assert code == 0, log
         (line,) = [ln for ln in log.splitlines() if ln.startswith("wrote ")]
         records = strict_json(line.split()[1])  # this sweep's own summary
         assert sorted(r["batch_size"] for r in records) == [4, 6, 8]
