@@ -89,7 +89,7 @@ class LanguageModel(nn.Module):
         seq_len, batch = x.shape
         out, h = self.seq_model(self.embedding(x), h)
         logits = self.linear(ndl.reshape(out, (seq_len * batch, self.hidden_size)))
-        return logits, h
+        return self.checkpoint(logits, [out]), h  # the head's input copy recomputed, as in loss()
 
     def loss(self, x, y, h=None, chunk_size=None):
         """(mean cross-entropy of forward's logits against y (T*B,), h), the logits never materialized.
