@@ -318,15 +318,22 @@ def count_computes(nodes):
     return counts
 
 
-def run_float64_checks(module):
-    """Run `module.float64_checks()` (a helper module of tests/, never a test file) under NEEDLE_BACKEND=np in a
-    fresh interpreter (the backend is read once, at import) and assert that it passed: float64 arrays in, float64
-    out, so tolerances can be 1e-6."""
+def float64_checks(module):
+    """The start function of an early job (the `early` marker): run `module.float64_checks()` (a helper module of
+    tests/, never a test file) under NEEDLE_BACKEND=np in a fresh interpreter (the backend is read once, at import);
+    the finished process, for assert_float64_checks_passed. Float64 arrays in, float64 out, so tolerances can be
+    1e-6."""
     code = ("import sys; sys.path[:0] = ['tests', 'python', 'apps']; "
             f"import {module} as t; t.float64_checks(); print('float64 checks passed')")
-    result = subprocess.run([sys.executable, "-c", code], cwd=os.path.join(os.path.dirname(__file__), ".."),
-                            env=dict(os.environ, NEEDLE_BACKEND="np"), capture_output=True, text=True, timeout=300,
-                            check=False)
+
+    def start(folder):
+        return subprocess.run([sys.executable, "-c", code], cwd=os.path.join(os.path.dirname(__file__), ".."),
+                              env=dict(os.environ, NEEDLE_BACKEND="np"), capture_output=True, text=True, timeout=300,
+                              check=False)
+    return start
+
+
+def assert_float64_checks_passed(result):
     assert result.returncode == 0 and "float64 checks passed" in result.stdout, result.stdout + result.stderr[-5000:]
 
 

@@ -24,7 +24,8 @@ from needle.backend_ndarray import ndarray_backend_numpy as reference
 from needle.ops.ops_attention import ScaledDotProductAttention, ScaledDotProductAttentionGrad
 
 from attention_cases import CASES, assert_close, make_arrays, run_attention
-from conftest import DEVICES, check_gradients, peak_during, random_out_grad, run_float64_checks, saves_violation
+from conftest import (DEVICES, assert_float64_checks_passed, check_gradients, float64_checks, peak_during,
+                      random_out_grad, saves_violation)
 
 REPO = os.path.join(os.path.dirname(__file__), "..")
 DEVICE = nd.cpu() if nd.cpu().enabled() else nd.cpu_numpy()
@@ -88,10 +89,11 @@ def test_16bit_storage_float32_arithmetic(device, dtype, rtol, case):
     assert lse.dtype == "float32"
 
 
-def test_float64_under_np_backend_in_a_subprocess():
+@pytest.mark.early(start=float64_checks("attention_cases"))  # a process of its own: run beside the tests before it
+def test_float64_under_np_backend_in_a_subprocess(early_result):
     """NEEDLE_BACKEND=np in a fresh interpreter: float64 in, float64 out, the unfused numbers within 1e-6 and
     central differences (eps 1e-6) within 1e-6 (attention_cases.float64_checks)."""
-    run_float64_checks("attention_cases")
+    assert_float64_checks_passed(early_result)
 
 
 @pytest.mark.parametrize("device", DEVICES)

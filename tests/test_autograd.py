@@ -55,13 +55,20 @@ def test_op_gradient(device, name):
         np.testing.assert_allclose(out.numpy(), expected, rtol=1e-4, atol=1e-4)
 
 
-def test_float64_oracle_under_np_backend():
-    """Run np_backend_checks.py (the OP_CASES in float64, eps 1e-6) in a fresh interpreter with NEEDLE_BACKEND=np."""
+def np_backend_checks(folder):
+    """np_backend_checks.py (the OP_CASES in float64, eps 1e-6) run by pytest in a fresh interpreter with
+    NEEDLE_BACKEND=np: the finished process. An early job (conftest): it runs beside the tests before it."""
     env = dict(os.environ, NEEDLE_BACKEND="np")
-    result = subprocess.run(
+    return subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", os.path.join("tests", "np_backend_checks.py")],
         check=False, cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
     )
+
+
+@pytest.mark.early(start=np_backend_checks)
+def test_float64_oracle_under_np_backend(early_result):
+    """Run np_backend_checks.py (the OP_CASES in float64, eps 1e-6) in a fresh interpreter with NEEDLE_BACKEND=np."""
+    result = early_result
     summary = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else ""
     assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-2000:]
     assert " passed" in summary and "skipped" not in summary and "failed" not in summary, summary

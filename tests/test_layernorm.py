@@ -18,7 +18,7 @@ from needle import autograd, checkpoint, nn, ops
 from needle import backend_ndarray as nd
 from needle import backend_numpy as np_face
 
-from conftest import DEVICES, run_float64_checks
+from conftest import DEVICES, assert_float64_checks_passed, float64_checks
 
 TOL = {"float32": 2e-5, "bfloat16": 2e-2, "float16": 3e-3}
 
@@ -228,9 +228,10 @@ def test_bad_shapes_and_dtypes_are_clear_errors():
             mod.layernorm_backward(good[0], good[1], good[3], mod.Array(12), mod.Array(4), mod.Array(4), 3, 4, -1.0)
 
 
-def test_numpy_face_computes_float64_in_float64():
+@pytest.mark.early(start=float64_checks("layernorm_cases"))  # a process of its own: run beside the tests before it
+def test_numpy_face_computes_float64_in_float64(early_result):
     # Under NEEDLE_BACKEND=np a float64 input was computed in float32 and returned as float64 (issue 26, item 3).
-    run_float64_checks("layernorm_cases")
+    assert_float64_checks_passed(early_result)
     x, w, b, g = data((3, 7), seed=4)
     assert np_face.layer_norm(x, w, b, 1e-5).dtype == np.float64
     assert all(a.dtype == np.float64 for a in np_face.layer_norm_backward(x, w, g, 1e-5))

@@ -18,7 +18,8 @@ from needle import backend_ndarray as nd
 from needle.ops import ops_fused
 from needle.ops.ops_fused import LinearCrossEntropy, LinearCrossEntropyGrad, chunk_rows
 
-from conftest import DEVICES, check_gradients, peak_during, random_out_grad, run_float64_checks, saves_violation
+from conftest import (DEVICES, assert_float64_checks_passed, check_gradients, float64_checks, peak_during,
+                      random_out_grad, saves_violation)
 from linear_cross_entropy_cases import CASES, assert_close, fused_and_unfused, make_arrays
 from models import LanguageModel
 
@@ -50,10 +51,12 @@ def test_gradient_against_central_differences(device, chunk, bias):
     check_gradients(fn, *[a for a in (h, W, b) if a is not None], device=device)
 
 
-def test_float64_under_np_backend_in_a_subprocess():
+# a process of its own: run beside the tests before it
+@pytest.mark.early(start=float64_checks("linear_cross_entropy_cases"))
+def test_float64_under_np_backend_in_a_subprocess(early_result):
     """NEEDLE_BACKEND=np in a fresh interpreter: float64 in, float64 out, the unfused numbers within 1e-6 and
     central differences (eps 1e-6) within 1e-6 (linear_cross_entropy_cases.float64_checks)."""
-    run_float64_checks("linear_cross_entropy_cases")
+    assert_float64_checks_passed(early_result)
 
 
 @pytest.mark.parametrize("device", DEVICES)
