@@ -682,10 +682,19 @@ def test_checkpointing_never_drops_the_output_of_a_collective():
     assert np.allclose(x.grad.numpy(), 2.0 * (x.numpy() > 0))
 
 
-def test_tensor_parallel_of_one_process_is_the_plain_model():
+def one_process(script):
+    """The start function of an early job (conftest): the MPI script `script` run as one plain process (a job of
+    one); the finished process. It runs beside the tests before it."""
+    def start(folder):
+        return subprocess.run([sys.executable, os.path.join(SCRIPTS, script)], cwd=ROOT, env=comm.child_environment(),
+                              capture_output=True, text=True, timeout=TIMEOUT)
+    return start
+
+
+@pytest.mark.early(start=one_process("tensor_parallel_exact.py"))
+def test_tensor_parallel_of_one_process_is_the_plain_model(early_result):
     # the MPI script's checks in a job of one: the same numbers, the collectives counted and unchanged by gc
-    proc = subprocess.run([sys.executable, os.path.join(SCRIPTS, "tensor_parallel_exact.py")], cwd=ROOT,
-                          env=comm.child_environment(), capture_output=True, text=True, timeout=TIMEOUT)
+    proc = early_result
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert set(passed(proc.stdout)) >= {"exact_tp_all", "exact_tp_sp_all", "no_extra_collectives_tp"}, proc.stdout
 
@@ -711,10 +720,10 @@ def test_heads_that_do_not_divide_by_the_tensor_parallel_size_are_a_value_error_
 
 
 # ----- ZeRO-3 ------------------------------------------------------------------------------------------------------
-def test_zero_3_of_one_process_is_the_plain_model():
+@pytest.mark.early(start=one_process("zero3_exact.py"))
+def test_zero_3_of_one_process_is_the_plain_model(early_result):
     # the MPI script's checks in a job of one: bit-identical numbers, state dicts in full shapes, gc and bf16
-    proc = subprocess.run([sys.executable, os.path.join(SCRIPTS, "zero3_exact.py")], cwd=ROOT,
-                          env=comm.child_environment(), capture_output=True, text=True, timeout=TIMEOUT)
+    proc = early_result
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert set(passed(proc.stdout)) >= {"zero3_state_dict_full_shapes", "exact_zero3_off", "exact_zero3_all",
                                         "zero3_same_collectives_with_gc", "zero3_bf16_autocast"}, proc.stdout
