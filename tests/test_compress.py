@@ -258,6 +258,27 @@ def test_c4_a_rerun_gives_the_same_bytes_and_eager_and_lazy_agree():
 
 
 @needs_cpu
+def test_c4_the_noise_counter_goes_on_from_a_state_dict():
+    """state_dict carries the count of values compressed (each value's seed): a policy loaded from it gives the next
+    value the seed the saved one would have; a state of another seed, or not a state, is a ValueError naming it."""
+    saved = checkpoint.compress(8, policy="selective", seed=5)
+    lm_step(small_lm(saved, bits=3), lazy=True)
+    count = saved.values_compressed
+    assert count > 0 and saved.state_dict() == {"seed": 5, "values_compressed": count}
+    resumed = checkpoint.compress(8, policy="selective", seed=5)
+    resumed.load_state_dict(saved.state_dict())
+    again, _ = lm_step(small_lm(saved, bits=3), lazy=True)
+    going_on, _ = lm_step(small_lm(resumed, bits=3), lazy=True)
+    fresh, _ = lm_step(small_lm(checkpoint.compress(8, policy="selective", seed=5), bits=3), lazy=True)
+    assert all(np.array_equal(a, b) for a, b in zip(again, going_on))  # the second step's noise, to the bit
+    assert not all(np.array_equal(a, b) for a, b in zip(again, fresh))
+    with pytest.raises(ValueError, match="this policy's seed is 6"):
+        checkpoint.compress(8, seed=6).load_state_dict(saved.state_dict())
+    with pytest.raises(ValueError, match="expected a dict with seed and values_compressed"):
+        resumed.load_state_dict({"count": 3})
+
+
+@needs_cpu
 def test_compression_off_and_bits_none_are_exact():
     exact, _ = lm_step(small_lm(None), lazy=True)
     kept, _ = lm_step(small_lm("off"), lazy=True)

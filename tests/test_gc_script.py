@@ -724,7 +724,9 @@ def _losses_and_digest(path):
     ["--precision", "mixed-fp16", "--init-scale", "1e6", "--policy", "selective"],  # the scale backs off at step 1
     ["--precision", "bf16", "--stochastic-rounding", "--no-lazy", "--optimizer", "sgd"],
     ["--optimizer", "adam8bit", "--accumulation-steps", "2", "--policy", "sqrt"],
-], ids=["adam-dropout", "mixed-fp16", "bf16-sgd-eager", "adam8bit-accumulate"])
+    # compression's rounding noise: the resumed run must go on counting the values compressed, not restart
+    ["--activation", "gelu", "--policy", "selective", "--compress-bits", "8"],
+], ids=["adam-dropout", "mixed-fp16", "bf16-sgd-eager", "adam8bit-accumulate", "compress8"])
 def test_a_resumed_run_equals_the_uninterrupted_one_bit_for_bit(tmp_path, capsys, flags):
     data, ckpt = tiny_ptb(tmp_path), str(tmp_path / "ckpt")
     run = TINY + ["--data", data, "--use-gc", "1"] + flags
@@ -736,7 +738,8 @@ def test_a_resumed_run_equals_the_uninterrupted_one_bit_for_bit(tmp_path, capsys
     assert first[0] + rest[0] == whole[0]  # every step's loss, to the bit
     assert rest[1] == whole[1] != first[1]  # the final parameters, to the byte
     saved = ndl.load(ckpt)
-    assert saved["step"] == 2 and set(saved) == {"step", "config", "model", "optimizer", "scaler", "rng"}
+    assert saved["step"] == 2 and set(saved) == {"step", "config", "model", "optimizer", "scaler", "rng", "compress"}
+    assert (saved["compress"] is None) == ("--compress-bits" not in flags)
 
 
 def test_a_run_interrupted_after_a_periodic_save_resumes_where_it_was(tmp_path, monkeypatch, capsys):

@@ -3,8 +3,9 @@ bit for bit, as if it had never stopped.
 
 What a continuation needs is everything the next step reads: the parameters (the model's state_dict), the
 optimizer's state (moments, step counts), the GradScaler's scale, NumPy's global RNG (dropout's masks come from it),
-and the step count, which is also where the data is: step i trains on window i mod --max-batches of the corpus, a
-function of i and the flags, so the resumed run sees the batches the uninterrupted one would have.  The file also
+--compress-bits' rounding-noise counter (checkpoint.compress's state_dict; None without it), and the step count,
+which is also where the data is: step i trains on window i mod --max-batches of the corpus, a function of i and the
+flags, so the resumed run sees the batches the uninterrupted one would have.  The file also
 records the flags that make a step what it is (RESUME_MUST_MATCH); a resume with another value of one is refused
 in one line naming it, before any work.
 
@@ -15,6 +16,7 @@ import hashlib
 import numpy as np
 
 import needle as ndl
+from needle import compress
 from needle import distributed as dist
 
 from .console import fail
@@ -44,11 +46,23 @@ def module_of(model):
     return model.stage if isinstance(model, dist.Pipeline) else model
 
 
+def compression_policy(model):
+    """The model's checkpoint.compress policy (--compress-bits), or None."""
+    policy = module_of(model).checkpoint_policy
+    return policy if isinstance(policy, compress.Compress) else None
+
+
+def compress_state(model):
+    """--compress-bits' rounding-noise counter (checkpoint.compress's state_dict), or None without compression."""
+    policy = compression_policy(model)
+    return None if policy is None else policy.state_dict()
+
+
 def save_training(config, vocab, step, model, opt, scaler):
     """This process's training state after `step` steps, written atomically (ndl.save) to --save-checkpoint."""
     state = {"step": step, "config": identity(config, vocab), "model": module_of(model).state_dict(),
              "optimizer": opt.state_dict(), "scaler": None if scaler is None else scaler.state_dict(),
-             "rng": ndl.random_state()}
+             "rng": ndl.random_state(), "compress": compress_state(model)}
     path = checkpoint_file(config.save_checkpoint, *rank_and_size(config))
     try:
         ndl.save(state, path)  # atomic: a failed save leaves the previous file, and no temporary one
@@ -84,6 +98,8 @@ def restore_training(state, model, opt, scaler):
         if scaler is not None:
             scaler.load_state_dict(state["scaler"])
         ndl.set_random_state(state["rng"])
+        if compression_policy(model) is not None and state.get("compress") is not None:
+            compression_policy(model).load_state_dict(state["compress"])  # (a file from before it was saved: none)
     except (RuntimeError, ValueError, KeyError, TypeError) as err:
         fail(f"--resume: the checkpoint does not fit this run's model or optimizer: {err}")
     return int(state["step"])

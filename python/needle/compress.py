@@ -43,7 +43,8 @@ backward starts (so an eager M_act still holds them).
 
 Deterministic: the rounding noise of element i of a value is a hash of (the value's seed, i) (src/README.md), and a
 value's seed is the policy's `seed` and how many values it compressed before it. So a rerun — the same seed, a fresh
-model and a fresh policy — gives the same bytes, and so does compressing a value again.
+model and a fresh policy — gives the same bytes, and so does compressing a value again. `state_dict()` carries that
+count, so a run resumed from a checkpoint (gc.py --resume) draws the noise the unbroken run would have drawn.
 
 Around a Budget, a region is compressed once the Budget has decided it (a structure it has not planned yet runs as
 the Budget plans it, uncompressed). The Budget's ledger does not know which of what it keeps will be compressed: it
@@ -159,13 +160,27 @@ class Compress:
                             f"takes a policy's name)")
         self.bits, self.seed = bits, int(seed)
         self.policy = policy  # None: keep everything
-        self._count = itertools.count()  # values compressed so far: each one's seed
+        self.values_compressed = 0  # so far: each value's seed is the policy's and this count before it
         # Regions' outputs waiting for their graph to be realized (or differentiated): number -> a weak reference
         # that removes itself when its value dies (an eval forward that never runs backward leaves nothing here).
         self._outputs, self._numbers = {}, itertools.count()
 
     def __repr__(self):
         return f"compress(bits={self.bits}, policy={self.policy!r})"
+
+    def state_dict(self):
+        """What the next values' rounding noise depends on, for a checkpoint: the seed and the count so far."""
+        return {"seed": self.seed, "values_compressed": self.values_compressed}
+
+    def load_state_dict(self, state):
+        """Go on from `state_dict()`'s count; the seed must be this policy's (a ValueError naming both if not)."""
+        if not isinstance(state, dict) or set(state) != {"seed", "values_compressed"}:
+            raise ValueError(f"Compress.load_state_dict: expected a dict with seed and values_compressed, got "
+                             f"{state!r}")
+        if int(state["seed"]) != self.seed or int(state["values_compressed"]) < 0:
+            raise ValueError(f"Compress.load_state_dict: the state has seed {state['seed']} and count "
+                             f"{state['values_compressed']}; this policy's seed is {self.seed}")
+        self.values_compressed = int(state["values_compressed"])
 
     def __call__(self, nodes, outputs=()):
         flags = [True] * len(nodes) if self.policy is None else list(self.policy(nodes, outputs))
@@ -234,7 +249,8 @@ class Compress:
     def _codec(self, elements):
         """A Codec for an array (`elements` True), a TupleCodec for a tuple (`elements`: a flag per element)."""
         def one():
-            return Codec(self.bits, (self.seed * 1000003 + next(self._count)) & 0xFFFFFFFF)
+            self.values_compressed += 1
+            return Codec(self.bits, (self.seed * 1000003 + self.values_compressed - 1) & 0xFFFFFFFF)
         return one() if elements is True else TupleCodec(tuple(one() if e else None for e in elements))
 
 
