@@ -5,10 +5,10 @@
 
 For recompute-only (Budget(b)) and keep/drop/offload (Budget(b, offload=True)), lazy mode: the least feasible
 peak (offloading's, where nothing else fits, with the parameters' gradients parked too); then, at budgets 10% above
-each least peak and at gc off's peak x 0.5, the measured M_peak of 4 steps (each <= b, and the prediction beside
-the allocator), the host bytes, whether gradients were parked, the time of the first step (planning included) over
-the median of the later ones, and the median step time. Both planners read this machine's cost model
-(cost_model.py, calibrated once and cached).
+each least peak and at gc off's peak x 0.5, the measured M_peak of 4 steps of 3 fresh models (each <= b, and the
+prediction beside the allocator), the host bytes, whether gradients were parked, the time of the first step
+(planning included) over the median of the later ones (the median over the 3 models), and the median step time.
+Both planners read this machine's cost model (cost_model.py, calibrated once and cached).
 """
 import argparse
 import gc
@@ -68,15 +68,22 @@ def least_peak(args, offload):
 
 
 def run(args, budget_bytes, offload):
-    budget = checkpoint.Budget(int(budget_bytes), offload=offload)
-    model = make_model(args)
-    model.enable_gc(policy=budget)
-    step = make_step(model, args)
-    results = [step() for _ in range(args.steps)]
-    stats = checkpoint.last_backward_stats()
-    later = statistics.median(t for t, _ in results[1:])
-    return {"b": budget.bytes, "peaks": [p for _, p in results], "predicted": budget.predicted_peak,
-            "host": stats["host_peak_bytes"], "first": results[0][0] / later, "time": later,
+    """One budget: the peaks and times of `steps` steps of a fresh model, `repeats` times (a first step is a single
+    sample: its ratio to the later steps is the median over the repeats)."""
+    firsts, peaks, times = [], [], []
+    for _ in range(args.repeats):
+        budget = checkpoint.Budget(int(budget_bytes), offload=offload)
+        model = make_model(args)
+        model.enable_gc(policy=budget)
+        step = make_step(model, args)
+        results = [step() for _ in range(args.steps)]
+        stats = checkpoint.last_backward_stats()
+        later = statistics.median(t for t, _ in results[1:])
+        firsts.append(results[0][0] / later)
+        peaks += [p for _, p in results]
+        times.append(later)
+    return {"b": budget.bytes, "peaks": peaks, "predicted": budget.predicted_peak, "host": stats["host_peak_bytes"],
+            "first": statistics.median(firsts), "time": statistics.median(times),
             "gradients": "parked" if budget.parks_gradients else "on the device"}
 
 
@@ -89,12 +96,13 @@ def main():
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--seq_len", type=int, default=32)
     p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--repeats", type=int, default=3, help="fresh models per budget (each with its first step)")
     p.add_argument("--markdown", action="store_true", help="print the table alone")
     args = p.parse_args()
     _, off_peak = make_step(make_model(args), args)()
     least = {offload: least_peak(args, offload) for offload in (False, True)}
-    rows = ["| planner | least feasible M_peak | b | measured M_peak, 4 steps (max / b) | predicted / measured | "
-            "host peak | gradients | first step / later | step time |",
+    rows = ["| planner | least feasible M_peak | b | measured M_peak, 4 steps x 3 models (max / b) | "
+            "predicted / measured | host peak | gradients | first step / later | step time |",
             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     # 10% above each planner's least peak (recompute-only's is infeasible below its own), then gc off's x 0.5
     both = (False, True)
