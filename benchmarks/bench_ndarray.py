@@ -6,7 +6,8 @@
 
 Prints matmul GFLOP/s (square 256/512/1024 and the language model's shapes) and element-wise / reduction
 throughput (GB/s), each the median of repeated runs after a warm-up, with the ratio needle / NumPy; for matmul
-also needle's bfloat16 (bfloat16 out, and float32 out) with the ratio to needle's float32 from the same run.
+also needle's bfloat16 (bfloat16 out, and float32 out) with the ratio to needle's float32 from the same run; for
+checkpoint.compress's kernels (quantize_stochastic, dequantize_linear) the NumPy column is their NumPy reference.
 """
 import argparse
 import os
@@ -24,6 +25,8 @@ import numpy as np  # noqa: E402
 
 from md_table import markdown_table, progress_to_stderr  # noqa: E402
 from needle import backend_ndarray as nd  # noqa: E402
+from needle import backend_numpy  # noqa: E402
+from needle.backend_ndarray import array_api  # noqa: E402
 
 
 def median_time(fn, repeats=7, min_time=0.05):
@@ -84,6 +87,17 @@ def bench_elementwise(size=1 << 22):
         ("sum (rows)", lambda: X2.sum(axis=1), lambda: x2.sum(axis=1), 1),
         ("max (rows)", lambda: X2.max(axis=1), lambda: x2.max(axis=1), 1),
     ]
+    # checkpoint.compress's kernels against their NumPy reference: float32 read and codes written, or back
+    for bits in (8, 4):
+        codes, scales = array_api.quantize_stochastic(X, bits, 64, 1)
+        np_codes, np_scales = backend_numpy.quantize_stochastic(x, bits, 64, 1)
+        moved = 1 + bits / 32  # arrays of `size` float32 (the scales aside)
+        cases += [
+            (f"quantize_stochastic {bits} bits", lambda b=bits: array_api.quantize_stochastic(X, b, 64, 1),
+             lambda b=bits: backend_numpy.quantize_stochastic(x, b, 64, 1), moved),
+            (f"dequantize_linear {bits} bits",
+             lambda b=bits, c=codes, s=scales: array_api.dequantize_linear(c, s, X.shape, b, 64),
+             lambda b=bits, c=np_codes, s=np_scales: backend_numpy.dequantize_linear(c, s, x.shape, b, 64), moved)]
     rows = []
     for name, f_needle, f_numpy, arrays in cases:
         nbytes = arrays * 4 * size
