@@ -356,11 +356,15 @@ def test_enable_gc_with_regions_that_have_an_interior_does_not_warn():
     assert checkpoint.last_backward_stats()["recomputed_nodes"] > 0
 
 
+@pytest.mark.parametrize("offload_on", [False, True], ids=["recompute", "offload"])
+@pytest.mark.parametrize("lazy", [True, False], ids=["lazy", "eager"])
 @pytest.mark.parametrize("variant", ["input view", "output view"])
-def test_the_budgets_shortcut_bound_never_exceeds_a_walk_so_it_finds_what_walks_alone_would(variant, monkeypatch):
+def test_the_budgets_shortcut_bound_never_exceeds_a_walk_so_it_finds_what_walks_alone_would(variant, lazy, offload_on,
+                                                                                            monkeypatch):
     """Budget._search skips a walk where a lower bound on the peak exceeds the target. Views of a region's input
     or of its candidates share buffers that are alive anyway: the bound must not count them, or it would call a t
-    that fits too big and drop more than needed. Checked against the walks themselves."""
+    that fits too big and drop more than needed. Checked against the walks themselves, recomputing or offloading,
+    with the forward pass run lazily or eagerly."""
     from needle import checkpoint_budget
     found = []
     search = checkpoint_budget.fewest_that_fit
@@ -376,8 +380,8 @@ def test_the_budgets_shortcut_bound_never_exceeds_a_walk_so_it_finds_what_walks_
     rs = np.random.RandomState(0)
     ws = [ndl.Tensor(rs.randn(D, D).astype(np.float32) * 0.1, requires_grad=True) for _ in range(4)]
     x0 = ndl.Tensor(rs.randn(B * S, D).astype(np.float32), requires_grad=True)
-    budget = checkpoint.Budget(2 << 20)
-    with ndl.autograd.lazy_mode(True):
+    budget = checkpoint.Budget(2 << 20, offload=offload_on)
+    with ndl.autograd.lazy_mode(lazy):
         x = x0 if variant == "input view" else ops.reshape(x0, (B, S, D))
         for w in ws:
             if variant == "input view":

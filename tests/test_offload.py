@@ -253,6 +253,26 @@ def issue_least_peak(offload_on):
     return budget.minimum_peak
 
 
+@pytest.mark.parametrize("offload_on", [False, True], ids=["recompute", "offload"])
+def test_planning_the_issue_model_walks_the_ledger_twice_at_every_budget(offload_on, monkeypatch):
+    """Issue #29's first step: planning is paid in walks of the ledger, each about a third of a later step here.
+    The search starts at the fewest groups its lower bounds allow, so on a stack of layers it walks twice: the
+    least walk (everything off) and the one that fits, the bound ruling out one group fewer without a walk."""
+    from needle import checkpoint_budget
+    walks = []
+    walk = checkpoint_budget.walk_step
+    monkeypatch.setattr(checkpoint_budget, "walk_step", lambda *a, **k: walks.append(a) or walk(*a, **k))
+    least = issue_least_peak(offload_on)
+    for scale in (1.1, 2.0, 4.0):
+        walks.clear()
+        budget = checkpoint.Budget(int(scale * least), offload=offload_on)
+        model, X, y = issue_lm(budget)
+        with ndl.autograd.lazy_mode(True):
+            budget.plan(nn.SoftmaxLoss()(model(X)[0], y))
+        assert len(walks) == 2, (scale, budget.bytes, budget.predicted_peak)
+        assert budget.predicted_peak <= budget.bytes
+
+
 def test_offloading_reaches_a_least_peak_at_least_30_percent_under_recompute_only_on_the_issue_model():
     """Issue #29's goal: offloading takes the checkpoints off the device, and (where nothing else fits) the
     parameters' gradients, whose sum is the floor at the end of backward."""

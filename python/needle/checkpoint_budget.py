@@ -146,11 +146,11 @@ class Budget:
         around = sum(map(self.cost_model.compute_seconds, forward)) / max(len(forward), 1)  # one op's compute
         how = {id(ns[0]): self._cheaper_way(ns[0], around, output=isinstance(place, tuple))
                for (_, place), ns in groups.items()}
-        ranked, freed = _ranked(groups, how)
+        ranked = _ranked(groups, how)
         # Model the forward pass the way later steps will run it: lazily if this one has not been computed yet.
         eager = None if root.cached_data is None else [([o for o in outs if o is not None], c) for outs, c in regions]
         params = [n for n in order if n.is_leaf() and n.requires_grad]
-        t, park, walk = self._search(root, ranked, freed, how, eager, params)
+        t, park, walk = self._search(root, ranked, how, eager, params)
         dropped, offloaded = _chosen(ranked, how, t)
         self.predicted_peak, self.predicted_host_peak = walk.peak, walk.host_peak
         # the step (its ops forward and backward, the update, the Python that traced it) plus what the plan adds
@@ -166,7 +166,7 @@ class Budget:
         self._apply(regions, dropped, offloaded, lazy)
         return Planned(tuple(self.planned.items()))
 
-    def _search(self, root, ranked, freed, how, eager, params):
+    def _search(self, root, ranked, how, eager, params):
         """(t, park, the ledger's walk at t): the fewest of the `ranked` groups off the device that fit, and whether
         parameters' gradients must be parked for it (only where offloading is allowed and nothing fits without).
         Sets `minimum_peak`; an infeasible budget raises here, before anything is computed."""
@@ -186,24 +186,26 @@ class Budget:
                                    f"reach by checkpointing{' and offloading' if self.offload else ''} is "
                                    f"{self.minimum_peak} bytes ({self.minimum_peak / 2**20:.1f} MB)")
         target = max(self.minimum_peak, self.bytes * (1 - PREDICTION_MARGIN))  # (with room for prediction error)
-        # The search's first guess: with t groups off the device, the peak is the least one, or the forward pass's
-        # peak with everything off plus the bytes still kept (on a stack of layers, where the peak sits at the end
-        # of forward, that is exact).
-        kept_from = list(itertools.accumulate(reversed(freed)))[::-1] + [0]
         # Gradients are parked only where nothing fits without: where everything off the device, the gradients
         # kept, peaks above the target. The least walk (which parked them) counted that peak as it went.
         park = self.offload and least.peak_keeping_gradients > target
-        # A bound no walk can beat: when backward begins, every buffer of a value the t cheapest groups leave on
-        # the device is alive, beside what is alive with all of them off (a buffer that is alive then anyway,
-        # held by a kept view, adds nothing); and the peak falls as t grows. Where the bound exceeds the target,
-        # t does not fit, and the search is told so without a walk (the walk that would confirm the least t is
-        # often this one). (least: parking gradients only lowers a peak, and forward is the same either way.)
-        held = list(itertools.accumulate(reversed([_bytes_held_when_kept(ns, least) for ns in ranked])))[::-1] + [0]
+        # Bounds no walk can beat, from the least walk alone. Leaving fewer groups off the device only keeps
+        # buffers alive longer, so at two moments of forward the least walk's bytes grow by the buffers of the
+        # groups kept that it had freed by then: when backward begins (every kept value is alive) and when forward
+        # peaks (the kept values made before it). A view that holds a buffer alive anyway adds nothing; parking
+        # gradients changes nothing in forward. On a stack of layers the second is exact where the peak sits at
+        # the end of forward, so the search starts at the fewest groups it allows and, the walk there fitting, is
+        # told without a walk that one group fewer does not.
+        at_start = _suffix_sums([_bytes_freed_before(ns, least, least.forward_clock) for ns in ranked])
+        at_peak = _suffix_sums([_bytes_freed_before(ns, least, least.forward_peak_clock) for ns in ranked])
+
+        def bound(t):
+            return max(least.peak, least.forward_live + at_start[t], least.forward_peak + at_peak[t])
 
         def peak(t):
-            below = max(least.peak, least.forward_live + held[t])
+            below = bound(t)
             return below if below > target else walk(t, park).peak
-        t = fewest_that_fit(peak, n, target, lambda t: max(least.peak, least.forward_peak + kept_from[t]))
+        t = fewest_that_fit(peak, n, target, bound)
         return t, park, walk(t, park)
 
     def _groups(self, regions, above, lazy):
@@ -257,13 +259,12 @@ class Budget:
 
 
 def _ranked(groups, how):
-    """(the groups in the order the Budget takes them off the device, the bytes each frees): cheapest per byte
-    freed first.
+    """The groups in the order the Budget takes them off the device: cheapest per byte freed first.
 
     A view holds no buffer of its own, so dropping it frees nothing, yet while it is kept the buffer of the value
     it views cannot be freed. So each view's group goes with the group of the value it views (followed through
     views), just before it, its cost counted in that bundle's, freeing nothing itself; a view of a value that is
-    no candidate goes last, and frees its bytes (it may be the last holder of its base's buffer).
+    no candidate goes last (it may be the last holder of its base's buffer).
     """
     group_of = {id(n): key for key, ns in groups.items() for n in ns}
     views_of, loose = {key: [] for key in groups}, []
@@ -283,15 +284,19 @@ def _ranked(groups, how):
         return sum(map(value_bytes, groups[key]))
     bases = [key for key in groups if not holds_base(groups[key][0])]
     bases.sort(key=lambda k: ((seconds(k) + sum(map(seconds, views_of[k]))) / max(nbytes(k), 1), -nbytes(k)))
-    order = [(k, k == base) for base in bases for k in views_of[base] + [base]] + [(k, True) for k in loose]
-    return [groups[k] for k, _ in order], [nbytes(k) if frees else 0 for k, frees in order]
+    return [groups[k] for base in bases for k in views_of[base] + [base]] + [groups[k] for k in loose]
 
 
-def _bytes_held_when_kept(group, least):
-    """Bytes a group's values would add to what is alive when backward begins, were they kept where the `least`
-    walk took everything off: their own buffers that nothing kept holds at that point."""
+def _bytes_freed_before(group, least, clock):
+    """Bytes the `least` walk (everything off the device) had freed, of the buffers a group's values made in forward,
+    by forward's moment `clock`: what keeping them would add then (a view holds no buffer of its own)."""
     return sum(least.size[key] for n in group if not holds_base(n) for key in least.forward_buffers.get(id(n), ())
-               if key not in least.forward_alive)
+               if least.born[key] <= clock and least.freed.get(key, clock) < clock)
+
+
+def _suffix_sums(values):
+    """[sum(values[t:]) for t in range(len(values) + 1)]."""
+    return list(itertools.accumulate(reversed(values)))[::-1] + [0]
 
 
 def _chosen(ranked, how, t):

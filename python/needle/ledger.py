@@ -41,7 +41,10 @@ class Ledger(Machine):
         self.live = self.peak = self.made = 0
         self.forward_peak = None  # walk_step: the peak of the forward pass
         self.forward_live = None  # walk_step: the bytes alive when backward begins
-        self.forward_buffers, self.forward_alive = {}, set()  # walk_step: each value's buffers then, those held
+        self.forward_buffers = {}  # walk_step: each value's buffers when backward begins
+        # When each buffer was made and freed in forward, on a clock that ticks at every compute and release, and
+        # when forward peaked: the buffers freed before that moment are what keeping their values would add to it.
+        self.clock, self.born, self.freed, self.forward_peak_clock, self.forward_clock = 0, {}, {}, 0, 0
         # Offloading (offload.py): the ids of the values parked in host memory when forward releases them; the
         # host bytes they hold, at most; the bytes copied each way.
         self.offloaded, self.parked = offloaded, {}
@@ -81,6 +84,7 @@ class Ledger(Machine):
         elements = element_shapes(shape)  # a tuple value: one buffer per element
         keys = [(self.made, k) for k in range(len(elements or [shape]))]
         for k, (key, s) in enumerate(zip(keys, elements or [shape])):
+            self.born[key] = self.clock
             self.elements[key] = math.prod(s)
             self.size[key] = math.prod(s) * itemsize(element_dtype(dtype, k))
         if elements is None:  # an array, compact: the ledger follows its views' strides
@@ -144,6 +148,7 @@ class Ledger(Machine):
         return id(node) in self.present
 
     def compute(self, node):
+        self.clock += 1
         if not self._alias(node):
             self._own(node)
         self.seen.append(node)
@@ -154,6 +159,8 @@ class Ledger(Machine):
     recompute = compute
 
     def _note_peak(self, workspace=0):
+        if self.live + workspace > self.peak and not self.in_backward:
+            self.forward_peak_clock = self.clock
         self.peak = max(self.peak, self.live + workspace)
         self.peak_keeping_gradients = max(self.peak_keeping_gradients,
                                           self.live + workspace + self.gradients_parked_bytes)
@@ -187,11 +194,13 @@ class Ledger(Machine):
             self.host_peak = max(self.host_peak, self.host_live)
         if id(node) not in self.present:
             return
+        self.clock += 1
         self.present.discard(id(node))
         for key in self.buffers[id(node)]:
             self.holders[key] -= 1
             if self.holders[key] == 0:
                 self.live -= self.size[key]
+                self.freed[key] = self.clock
 
     def check_reads(self, node):
         pass
@@ -244,7 +253,7 @@ def walk_step(root, dropped, regions=None, offloaded=frozenset(), park_gradients
                     ledger.release(n)
     ledger.forward_peak, ledger.forward_live = ledger.peak, ledger.live  # the forward pass alone
     ledger.forward_buffers = dict(ledger.buffers)
-    ledger.forward_alive = {key for key, holders in ledger.holders.items() if holders > 0}
+    ledger.forward_clock = ledger.clock
     parked = ledger.compressed
     run_backward(plan_backward(root, ledger.has, lambda n: id(n) in offloaded or id(n) in parked), out_grad, ledger)
     return ledger
