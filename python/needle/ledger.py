@@ -141,11 +141,14 @@ class Ledger(Machine):
 
     # -- the machine (autograd.Machine), as backward.Compute
     def has(self, node):
-        if node.is_leaf() and id(node) not in self.present:  # a constant a gradient made: it exists, and counts
+        if id(node) in self.present:  # (the ledger's most frequent question, answered first)
+            return True
+        if node.is_leaf():  # a constant a gradient made: it exists, and counts
             self._own(node)
             self.present.add(id(node))
             self._hold(node)
-        return id(node) in self.present
+            return True
+        return False
 
     def compute(self, node):
         self.clock += 1
