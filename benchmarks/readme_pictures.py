@@ -68,7 +68,7 @@ def budget_sweep():
         # predicted times are set beside steps measured now.
         env = {**os.environ, "NEEDLE_CACHE_DIR": os.path.join(out, "calibration")}
         gc_py("sweep", "--over", "budget_mb", "--values", "25", "50", "90", "130", "170", "210", "--num-layers", "16",
-              "--repeats", "1", "--max-batches", "6", "--warmup", "1", "--out", out, env=env)
+              "--repeats", "1", "--max-batches", "10", "--warmup", "1", "--out", out, env=env)
         (png,) = glob.glob(os.path.join(out, "sweep_budget_mb-*.png"))
         os.makedirs(IMG, exist_ok=True)
         shutil.copyfile(png, os.path.join(IMG, "budget-sweep.png"))
