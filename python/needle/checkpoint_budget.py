@@ -309,8 +309,8 @@ def fewest_that_fit(peak, n, target, estimate=None):
     """The least t in [0, n] with peak(t) <= target, given peak(n) <= target (peak: falling as t grows).
 
     Each walk of the ledger costs about a backward pass, so the search starts where a cheap model says the peak
-    crosses the target: `estimate(t)`, a guess at peak(t) from bytes alone (the Budget's is exact on a stack of
-    layers: see `plan`). It walks there, then toward the crossing: down one step (doubling while the walks fit),
+    crosses the target: `estimate(t)`, a guess at peak(t) from bytes alone (the Budget's: its lower bound, exact on
+    a stack of layers: see `_search`). It walks there, then toward the crossing: down one step (doubling while the walks fit),
     or up to where the estimate, shifted by how far it was off, says the crossing is; once walks have been on both
     sides, it halves the interval. With a good estimate, two walks.
     Without one (None), the estimate is the straight line between peak(0) and peak(n).
