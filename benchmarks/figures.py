@@ -17,12 +17,16 @@ Its table lives in the page between two markers, under a stamp that says how it 
     <!-- /figure: NAME -->
 
 A figure is stale when any of its `measures` paths differs between the stamp's commit and the working tree
-(`git diff <commit> -- PATHS`, or an untracked file there): tests/test_figures.py fails then, and `--stale`
+(`git diff <commit> -- PATHS`, or an untracked file there) in what runs: a Python file whose code is the same once
+docstrings are set aside (comments and layout are not in its syntax tree) measures the same, so rewording a
+docstring leaves the figures fresh. `quickstart-times` is the exception: the fresh clone's `make test` lints the
+text and runs the tests, so any change to it counts. A stale figure fails tests/test_figures.py, and `--stale`
 regenerates exactly those. So that a stamp never names a commit that does not hold the code it ran, this script
 refuses to stamp a figure while its `measures` have uncommitted changes (`--allow-dirty` stamps "dirty", which the
 test rejects).
 """
 import argparse
+import ast
 import datetime
 import os
 import re
@@ -61,6 +65,7 @@ class Figure:
     command: tuple
     measures: tuple
     env: dict = field(default_factory=dict)
+    text_matters: bool = False  # any change to `measures` counts, not only one to what runs (see above)
 
     def shown(self):
         """The command as a shell line, as the stamp shows it."""
@@ -74,7 +79,7 @@ def bench(script, *flags):
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 FIGURES = [
     Figure("demo", "README.md", bench("gc_tables.py", "demo"), GC + ("benchmarks/gc_tables.py",)),
-    Figure("quickstart-times", "README.md", bench("fresh_clone.py"), CLONE),
+    Figure("quickstart-times", "README.md", bench("fresh_clone.py"), CLONE, text_matters=True),
     Figure("ndarray-1-thread", "docs/benchmarks.md", bench("bench_ndarray.py", "--markdown"),
            BACKEND + ("benchmarks/bench_ndarray.py",), ONE_THREAD),
     Figure("ndarray-2-threads", "docs/benchmarks.md", bench("bench_ndarray.py", "--markdown"),
@@ -145,6 +150,40 @@ def changed_since(repo, commit, paths):
     return diff + untracked
 
 
+def runs_differently(repo, commit, path):
+    """Whether `path` in the working tree differs from `commit`'s in what runs: for a Python file present in both,
+    its syntax tree without docstrings; for anything else, any difference (it was listed as changed)."""
+    full = os.path.join(repo, path)
+    old = git(repo, "show", f"{commit}:{path}", check=False)
+    if not path.endswith(".py") or old.returncode != 0 or not os.path.isfile(full):
+        return True
+    with open(full) as f:
+        new = f.read()
+    try:
+        return code_of(old.stdout) != code_of(new)
+    except SyntaxError:
+        return True
+
+
+def code_of(source):
+    """A Python source's syntax tree as text, without its docstrings (the first string of a module, class or
+    function body)."""
+    tree = ast.parse(source)
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if (isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and body
+                and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
+                and isinstance(body[0].value.value, str)):
+            node.body = body[1:] or [ast.Pass()]
+    return ast.dump(tree)
+
+
+def measured_changes(figure, commit, repo=ROOT):
+    """The paths `figure` measures that changed since `commit` in a way that counts for it (see above)."""
+    return [path for path in changed_since(repo, commit, figure.measures)
+            if figure.text_matters or runs_differently(repo, commit, path)]
+
+
 def uncommitted(repo, paths):
     """The `paths` with changes HEAD does not hold (stamping HEAD on them would be a lie)."""
     return changed_since(repo, "HEAD", paths)
@@ -172,7 +211,7 @@ def status(figure, repo=ROOT):
         return "not generated"
     if stamp["dirty"]:
         return "stale (stamped dirty)"
-    changed = changed_since(repo, stamp["commit"], figure.measures)
+    changed = measured_changes(figure, stamp["commit"], repo)
     return f"stale ({len(changed)} measured files changed: {', '.join(changed[:3])}...)" if changed else "fresh"
 
 

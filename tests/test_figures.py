@@ -99,7 +99,7 @@ def test_every_figure_was_measured_on_the_current_code(figure):
     stamp = body and figures.stamp_of(body)
     if stamp is None:
         pytest.fail(f"{figure.name} has no stamped block in {figure.page}")
-    changed = figures.changed_since(str(REPO), stamp["commit"], figure.measures)
+    changed = figures.measured_changes(figure, stamp["commit"], str(REPO))
     assert not changed, (f"{figure.name} ({figure.page}) was measured at {stamp['commit']}, and these files it "
                          f"measures changed since: {changed}; regenerate it: python benchmarks/figures.py --stale")
 
@@ -156,3 +156,30 @@ def test_a_figure_goes_stale_when_what_it_measures_changes(tmp_path):
     assert figures.uncommitted(repo, measures) == ["src/new.h"]  # untracked counts too
     with pytest.raises(ValueError, match="not in the repository"):
         figures.changed_since(repo, "0123456789ab", measures)
+
+
+def test_a_docstring_or_comment_leaves_a_figure_fresh_unless_its_text_matters(tmp_path):
+    """What runs decides: rewording a docstring, a comment or the layout of a measured Python file leaves its
+    figures fresh; a change to the code does not; and a figure whose command reads the text (quickstart-times:
+    lint and tests) goes stale on any change."""
+    repo = str(tmp_path)
+    subprocess.run(["git", "init", "-q", repo], check=True)
+    (tmp_path / "pkg").mkdir()
+    code = tmp_path / "pkg" / "step.py"
+    code.write_text('"""A module."""\n\n\ndef f(x):\n    """Twice x."""\n    return 2 * x  # doubled\n')
+    stamp = _commit(repo, "the code a figure measures")
+    block = (f"<!-- figure: t -->\n*`python benchmarks/figures.py --only t` ran `x` at commit {stamp} on "
+             f"2026-01-01 00:00 UTC, on CPU, 1 cores, load average 0 at the start; 1 s.*\n\n| a |\n"
+             f"<!-- /figure: t -->\n")
+    (tmp_path / "page.md").write_text(block)
+    _commit(repo, "the page")
+    runs = figures.Figure("t", "page.md", ("x",), ("pkg/",))
+    reads = figures.Figure("t", "page.md", ("x",), ("pkg/",), text_matters=True)
+    code.write_text('"""A module, reworded."""\n\n\ndef f(x):\n    """Twice its\n    argument."""\n'
+                    '    return 2 * x  # doubled, reworded\n')
+    assert figures.status(runs, repo) == "fresh"
+    assert figures.status(reads, repo).startswith("stale (1 measured files changed: pkg/step.py")
+    code.write_text('"""A module."""\n\n\ndef f(x):\n    """Twice x."""\n    return x + x\n')
+    assert figures.status(runs, repo).startswith("stale")
+    code.write_text("def f(x:\n")  # no longer parses: changed
+    assert figures.status(runs, repo).startswith("stale")

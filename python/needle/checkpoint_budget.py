@@ -310,9 +310,9 @@ def fewest_that_fit(peak, n, target, estimate=None):
 
     Each walk of the ledger costs about a backward pass, so the search starts where a cheap model says the peak
     crosses the target: `estimate(t)`, a guess at peak(t) from bytes alone (the Budget's: its lower bound, exact on
-    a stack of layers: see `_search`). It walks there, then toward the crossing: down one step (doubling while the walks fit),
-    or up to where the estimate, shifted by how far it was off, says the crossing is; once walks have been on both
-    sides, it halves the interval. With a good estimate, two walks.
+    a stack of layers: see `_search`). It walks there, then toward the crossing: down one step (doubling while the
+    walks fit), or up to where the estimate, shifted by how far it was off, says the crossing is; once walks have
+    been on both sides, it halves the interval. With a good estimate, two walks.
     Without one (None), the estimate is the straight line between peak(0) and peak(n).
     """
     if estimate is None:
