@@ -15,6 +15,7 @@
 //   threads.h         num_threads, threads_for, parallel_range (OpenMP)
 //   walk.h            walking strided views: Walk, make_walk, for_each_run
 //   views.h           compact (astype), ewise_setitem, scalar_setitem, to_numpy(_into), from_numpy, fill
+//   copy_thread.h     copy_thread_to_host, copy_thread_to_device, copy_thread_wait: offloading's copies beside compute
 //   random.h          the counter-based hash lowbias32: dropout, round_stochastic
 //   quantize.h        block-wise 8-bit quantization: quantize_blockwise, dequantize_blockwise
 //   adam.h            the optimizer kernels: adam_step, adam8bit_step
@@ -63,6 +64,7 @@
 #include "cpu/activations.h"
 #include "cpu/fewbit.h"
 #include "cpu/compress.h"
+#include "cpu/copy_thread.h"
 
 PYBIND11_MODULE(ndarray_backend_cpu, m) {
   namespace py = pybind11;
@@ -92,6 +94,9 @@ PYBIND11_MODULE(ndarray_backend_cpu, m) {
   m.def("to_numpy", to_numpy);
   m.def("to_numpy_into", to_numpy_into);
   m.def("from_numpy", from_numpy);
+  m.def("copy_thread_to_host", copy_thread_to_host);
+  m.def("copy_thread_to_device", copy_thread_to_device);
+  m.def("copy_thread_wait", copy_thread_wait, py::call_guard<py::gil_scoped_release>());
   m.def("fill", fill);
   m.def("compact", compact);
   m.def("ewise_setitem", ewise_setitem);

@@ -268,9 +268,10 @@ def test_hidden_seconds_is_the_smaller_of_copy_and_compute():
         model.hidden_seconds(-1.0, 1.0)
 
 
-def test_only_a_device_with_a_copy_stream_overlaps_copies():
-    assert not device_copies_overlap(ndl.cpu()) and not device_copies_overlap(ndl.cpu_numpy())
-    assert device_copies_overlap(FakeDevice())
+def test_copies_overlap_compute_on_a_copy_stream_or_the_cpu_copy_thread_only():
+    assert device_copies_overlap(FakeDevice())  # a copy stream
+    assert device_copies_overlap(ndl.cpu()) == ndl.cpu().enabled()  # the C++ backend's copy thread
+    assert not device_copies_overlap(ndl.cpu_numpy())  # the reference: synchronous copies
 
 
 def test_the_cost_model_measures_only_through_the_cache(tmp_path, monkeypatch):

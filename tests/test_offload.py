@@ -103,6 +103,37 @@ def test_parked_values_leave_the_device_and_come_back_from_the_host_pool():
     assert offload.POOL.held_bytes == held, "a second step reuses the pool's buffers"
 
 
+def test_on_the_copy_thread_a_park_holds_its_buffer_until_the_next_park_or_fetch_rule_1():
+    """offload.py's rule 1, which the ledger counts: the copy of the last park may still run when forward ends, so
+    its device buffer is held (one at a time) until a later park or fetch waits for it."""
+    gc.collect()
+    loss = forward(lm("offload"), lazy=True)
+    loss.realize_cached_data()
+    held = offload.copies_in_flight()["park_bytes"]
+    assert held > 0, "the last park's copy is still counted in flight"
+    before = memory_stats(DEVICE)["current_bytes"]
+    offload.settle_park()
+    assert memory_stats(DEVICE)["current_bytes"] == before - held
+    assert offload.copies_in_flight() == {"park_bytes": 0, "fetches": 0}
+    loss.backward()
+    assert offload.copies_in_flight() == {"park_bytes": 0, "fetches": 0}, "backward waits for every fetch"
+
+
+def test_on_the_copy_thread_a_fetch_is_issued_and_waited_for_before_it_is_read_rule_2():
+    model = lm("offload")
+    loss = forward(model, lazy=True)
+    loss.realize_cached_data()
+    parked = [n for n in plan_backward(loss).fetched()]
+    assert parked
+    node = parked[0]
+    expected = offload.parked_copy(node).copy()
+    offload.fetch(node, wait=False)
+    assert offload.copies_in_flight() == {"park_bytes": 0, "fetches": 1}  # (a fetch first settles the park)
+    offload.wait_for_fetches()
+    assert offload.copies_in_flight()["fetches"] == 0
+    assert node.cached_data.numpy().tobytes() == expected.tobytes()
+
+
 class PinnedModule:
     """A backend with asynchronous copies, as far as the host pool looks: page-locked buffers, counted."""
 

@@ -520,7 +520,11 @@ class Machine(Protocol):
         """Make again, in backward, a value the forward pass made and released (checked: rule 4, backward.py)."""
 
     def fetch(self, node) -> None:
-        """Bring back, in backward, a value the forward pass parked in host memory (offload.py)."""
+        """Bring back, in backward, a value the forward pass parked in host memory (offload.py). The value may be
+        read only after the next `fetches_ready()` (a copy thread may still be filling it)."""
+
+    def fetches_ready(self) -> None:
+        """Wait until the values fetched so far may be read."""
 
     def check_reads(self, node) -> None:
         """Check that the forward values `node`'s gradient reads are still those the forward pass read."""

@@ -12,7 +12,8 @@ from .backend_ndarray import ndarray_backend_numpy as ref  # the reference backe
 
 __all__ = [
     "Device", "activation", "activation_grad", "adam8bit_step", "adam_step", "all_devices", "array", "astype",
-    "attention_backward", "attention_forward", "broadcast_to", "cast_like", "copies_async", "copy_to_host", "cpu",
+    "attention_backward", "attention_forward", "broadcast_to", "cast_like", "copies_async", "copy_thread",
+    "copy_to_host", "cpu",
     "cpu_numpy", "cuda", "default_device", "dequantize_blockwise", "device_of", "dropout", "empty", "exp", "flip",
     "from_host_async", "full", "host_empty", "layer_norm", "layer_norm_backward", "log", "logsumexp", "matmul",
     "max", "maximum", "pack_codes", "quantize_stochastic", "dequantize_linear", "pad", "promote_types",
@@ -148,6 +149,11 @@ def dequantize_linear(codes, scales, shape, bits, block_size):
 def copies_async(device=None):
     """NumPy copies are synchronous: nothing runs beside them."""
     return False
+
+
+def copy_thread(device=None):
+    """No copy thread: the NumPy backend's copies are plain synchronous ones."""
+    return None
 
 
 def host_empty(nbytes, device=None):

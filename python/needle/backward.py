@@ -107,7 +107,7 @@ def plan_backward(root, has=None, parked=None):
     Simulates the pass in reverse topological order. Before a node's gradient, the values it reads must exist;
     missing ones, and the missing ancestors they need, are recomputed at that step and from then on count as
     available, so nothing is recomputed twice (rule 2). A parked value is fetched instead of recomputed (its
-    ancestors are not needed), issued one step earlier, so that on a device with a copy stream the copy runs
+    ancestors are not needed), issued one step earlier, so that on a copy stream (cuda) or thread (cpu) the copy runs
     beside that step's compute. A value's last use is the last step that reads it or recomputes a consumer from it;
     it is released right after (rule 3). Leaves, the root and one-element values are never released (rule 1).
     """
@@ -202,10 +202,13 @@ class Compute(Machine):
     def fetch(self, node):
         """A parked value back from host memory: the bytes the forward pass made (offload.py)."""
         with memory_hook.phase("recompute"):
-            offload.fetch(node)
+            offload.fetch(node, wait=False)  # a copy thread fills it beside this step: see fetches_ready
         if memory_hook.RECORDER is not None:
             memory_hook.RECORDER.fetched(node)  # needle.memory: what the fetched buffer is
         self.stats["fetched_nodes"] += 1
+
+    def fetches_ready(self):
+        offload.wait_for_fetches()
 
     def release(self, node):
         self.stats["released_bytes"] += nbytes_of(node.cached_data)
@@ -335,8 +338,11 @@ def run_backward(plan, out_grad, machine=None):
         node = step.node
         if memory_hook.RECORDER is not None:
             memory_hook.RECORDER.differentiating(node)  # needle.memory: the gradients belong to node's module
+        machine.fetches_ready()  # the values fetched a step ago are read from this step on
         for n in step.fetch:  # first: a value recomputed here may read a fetched one
             machine.fetch(n)
+        if step is plan.steps[0]:
+            machine.fetches_ready()  # the first step's fetches include what it reads itself (plan_backward)
         for n in step.recompute:
             machine.recompute(n)
         parts = grads.pop(id(node), None)
@@ -359,6 +365,7 @@ def run_backward(plan, out_grad, machine=None):
             _release_step_temporaries(walked, new, parts, grad, forward, awaited, machine)
         for n in step.release:
             machine.release(n)
+    machine.fetches_ready()  # (every fetch is read by a later step, which waited for it: nothing left in flight)
 
 
 def _input_gradients(node, grad, machine, walked, grads):

@@ -188,7 +188,7 @@ def walk_points(root, dropped, offloaded=frozenset()):
 def _seconds(ledger, cost_model, consumers):
     """Seconds a walk adds to the step: its recomputations, and its copies that no compute hides. On a device whose
     copies overlap compute a copy hides under its value's consumers' forward compute (a stand-in for the ops around
-    it, which backward repeats); elsewhere (cpu()) nothing hides."""
+    it, which backward repeats); elsewhere (cpu_numpy()) nothing hides."""
     overlap = device_copies_overlap(cost_model.device)
     seconds = cost_model.recompute_seconds(ledger.recomputed)
     for nodes, direction in ((ledger.parked_nodes, "to_host"), (ledger.fetched, "to_device")):

@@ -178,9 +178,10 @@ def _cache_path(key):
 
 
 def device_copies_overlap(device=None):
-    """Whether host copies on `device` run beside its compute (a copy stream: CUDA). On cpu() and the NumPy
-    backends `to_host`/`from_host_async` are synchronous copies, so nothing hides under compute there."""
-    return array_api.copies_async(device or default_device())
+    """Whether offloading's copies on `device` run beside its compute: a copy stream (CUDA), or a copy thread
+    (cpu(): backend_ndarray/copy_thread.py). Not on cpu_numpy or the NumPy backend, whose copies are synchronous."""
+    device = device or default_device()
+    return array_api.copies_async(device) or array_api.copy_thread(device) is not None
 
 
 def _check_rate(what, value):
@@ -557,9 +558,9 @@ class CostModel:
     plan copies with instead of the measured figure, both ways (16e9: as if over PCIe 4).
 
     compute_seconds(node) = overhead + work / rate[kind], work being op_work's FLOPs for the matmul-like kinds and
-    bytes for the others. `hidden_seconds` says how much of a copy a copy stream hides under the compute issued
-    beside it: what a GPU would hide. On cpu() copies are synchronous and hide nothing; `device_copies_overlap`
-    tells which case a device is.
+    bytes for the others. `hidden_seconds` says how much of a copy a copy stream (CUDA) or copy thread (cpu())
+    hides under the compute issued beside it. On cpu_numpy() copies are synchronous and hide nothing;
+    `device_copies_overlap` tells which case a device is.
     """
 
     def __init__(self, device=None, host_bandwidth=None, calibration=None):
@@ -617,9 +618,9 @@ class CostModel:
         return nbytes / (self.host_bandwidth or self.calibration.host_bandwidth[direction])
 
     def hidden_seconds(self, copy_seconds, compute_seconds_around):
-        """How much of a copy hides under the compute issued beside it: min(copy, compute). That is what a device
-        with a copy stream (CUDA) hides; on cpu() copies are synchronous and the real overlap is 0, so callers
-        that model this machine check `device_copies_overlap(device)` first."""
+        """How much of a copy hides under the compute issued beside it: min(copy, compute). That is what a copy
+        stream (CUDA) or copy thread (cpu()) can hide; where copies are synchronous (cpu_numpy()) the real overlap
+        is 0, so callers that model this machine check `device_copies_overlap(device)` first."""
         if copy_seconds < 0 or compute_seconds_around < 0:
             raise ValueError(f"CostModel.hidden_seconds: seconds must be >= 0, got copy {copy_seconds}, compute "
                              f"{compute_seconds_around}")

@@ -9,6 +9,7 @@ import math
 
 from .autograd import (Machine, element_dtype, element_shapes, elements_of, find_topo_sort, infer_spec, itemsize,
                        placeholder, realize, spec_nbytes)
+from .backend_ndarray import array_api
 from .backend_ndarray.ndarray import compact_strides  # the strides NDArray gives a compact array
 from .backend_ndarray.ndarray import is_transposed_matrix  # the views a 2-D matmul reads in place
 from .backward import plan_backward, run_backward
@@ -57,6 +58,10 @@ class Ledger(Machine):
         # (parked on the device: counted in `live` until backward's last use of the value).
         self.compressed, self.packed = compressed or {}, {}
         self.in_backward = False  # as backward.Compute's: run_backward sets it
+        # On a copy thread (offload.py's rule 1) a parked value's buffers stay held by its copy until the next park
+        # or fetch: `in_flight` are the buffers of the park still in flight.
+        self.holds_parked_copies = array_api.copy_thread(infer_spec(out_grad)[2]) is not None
+        self.in_flight = []
         self.seen = []  # every node the walk met, kept alive so that no id is reused while the ledger counts it
         self.specs = {}  # id -> (node, its spec): each node's shape inferred once per walk (the node kept alive)
         for node in find_topo_sort([root]) + [out_grad]:
@@ -170,6 +175,7 @@ class Ledger(Machine):
 
     def fetch(self, node):
         """A parked value brought back: a fresh device buffer (offload.fetch), its host copy still held."""
+        self.settle_park()
         self._own(node)
         self.present.add(id(node))
         self._hold(node)
@@ -195,17 +201,34 @@ class Ledger(Machine):
             self.host_live += nbytes
             self.offloaded_bytes += nbytes
             self.host_peak = max(self.host_peak, self.host_live)
+            if self.holds_parked_copies:
+                self.settle_park()
+                self.in_flight = list(self.buffers[id(node)])
+                for key in self.in_flight:
+                    self.holders[key] += 1
         if id(node) not in self.present:
             return
         self.clock += 1
         self.present.discard(id(node))
         for key in self.buffers[id(node)]:
-            self.holders[key] -= 1
-            if self.holders[key] == 0:
-                self.live -= self.size[key]
-                self.freed[key] = self.clock
+            self._let_go(key)
+
+    def _let_go(self, key):
+        self.holders[key] -= 1
+        if self.holders[key] == 0:
+            self.live -= self.size[key]
+            self.freed[key] = self.clock
+
+    def settle_park(self):
+        """As offload.settle_park: the park in flight is done, its buffers no longer held by its copy."""
+        for key in self.in_flight:
+            self._let_go(key)
+        self.in_flight = []
 
     def check_reads(self, node):
+        pass
+
+    def fetches_ready(self):
         pass
 
     def set_grad(self, node, grad):

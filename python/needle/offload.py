@@ -11,8 +11,17 @@ Host copies come from a pool of NumPy buffers reused by size (a step parks the s
 host memory per tensor is what makes offloading slow in practice), outside the device allocator, so
 `memory_stats()` shows exactly the device bytes a GPU would hold; `host_bytes()` counts the host side. On cuda the
 pool's buffers are page-locked and the copies are queued on the copy stream (`array_api.copy_to_host` /
-`from_host_async`), the host waiting for none of them; on cpu() they are plain copies, so all their time is exposed
-(`traffic()["copy_seconds_exposed"]`).
+`from_host_async`), the host waiting for none of them. On cpu() a copy thread plays the stream
+(`array_api.copy_thread`, backend_ndarray/copy_thread.py): copies run on it in issue order, beside the compute, and
+the time the computing thread spends waiting for them is what is exposed (`traffic()["copy_seconds_exposed"]`).
+
+What a stream does for free, this file does by hand on cpu(), with two rules the ledger follows too:
+
+1. A park's device buffer stays alive while its copy may run: until the next park or fetch, which first waits
+   for it (`settle_park`). So one park is in flight at a time, and it overlaps the forward ops up to the next.
+2. A fetch's device buffer is made when the fetch is issued, and filled by the copy thread: backward issues it a
+   step ahead and waits for it (`wait_for_fetches`) before the step that reads it. A fetch outside backward (a
+   parked gradient read by the optimizer) waits at once.
 
 The copies are exact: a fetched value is the very bytes the forward pass made, so gradients are bit-identical to
 gc off's. Rule 4c still holds: a fetched value is a computed value, and reading it checks the versions as ever.
@@ -35,12 +44,15 @@ import time
 import weakref
 
 
+from . import memory_hook
 from .autograd import element_shapes, infer_spec, release
 from .backend_ndarray import array_api
+from .backend_ndarray.copy_thread import covers_its_buffer
 from .backend_ndarray.ndarray import DTYPES
 
 __all__ = ["OFFLOAD", "HostPool", "codec_of", "fetch", "host_bytes", "is_compressed", "is_marked", "is_parked",
-           "mark", "mark_gradient", "parked_copy", "unmark", "any_compressed",
+           "mark", "mark_gradient", "parked_copy", "unmark", "any_compressed", "settle_park", "wait_for_fetches",
+           "copies_in_flight",
            "offloadable", "park", "park_gradient", "parked_bytes", "parks_gradient", "release_value", "reset_traffic",
            "traffic", "unmark_gradients"]
 
@@ -49,6 +61,8 @@ OFFLOAD = "offload"  # what a policy answers for a value to offload (checkpoint.
 _marked = weakref.WeakKeyDictionary()  # values to park when the forward pass gives them back -> codec (None: host)
 _gradient_marked = weakref.WeakSet()  # parameters whose gradients backward parks as soon as they are complete
 _parked = weakref.WeakKeyDictionary()  # value -> (its host copy, its (shape, dtype, device), the copy's finalizer)
+_park_in_flight = []  # on a copy thread: [(the park's copy_thread.Copy, the device array it reads)], at most one
+_fetches_in_flight = []  # on a copy thread: the Copy of each fetch issued and not yet waited for (rule 2)
 _traffic = {"offloaded_bytes": 0, "fetched_bytes": 0, "host_peak_bytes": 0, "copy_seconds_exposed": 0.0,
             "compressed_bytes": 0, "decompressed_bytes": 0}
 
@@ -105,9 +119,9 @@ def unmark(node):
     """`node` is no longer to be parked (its host copy or codes, if any, given back): a dropped value, recomputed."""
     _marked.pop(node, None)
     parked = _parked.pop(node, None)
-    if parked is not None and parked[2] is not None:  # a host copy: back to the pool
+    if parked is not None and parked[2] is not None:  # a host copy: back to the pool, once no copy uses it
         parked[2].detach()
-        POOL.give(parked[0])
+        _give_back(parked[0])
 
 
 def any_compressed():
@@ -149,7 +163,7 @@ def park_gradient(param):
     grad = param.grad
     if grad.cached_data is None or isinstance(grad.cached_data, tuple) or grad in _parked:
         return
-    park(grad)
+    park(grad, wait=True)  # done before its buffer goes: the ledger frees a parked gradient's bytes at once
     release(grad)
 
 
@@ -188,9 +202,10 @@ def reset_traffic():
                     compressed_bytes=0, decompressed_bytes=0)
 
 
-def park(node):
+def park(node, wait=False):
     """Copy `node`'s value (an array) to a host buffer from the pool, or compress it on the device where it was
-    marked with a codec; the caller releases the device value."""
+    marked with a codec; the caller releases the device value. On a copy thread the copy is only issued (the
+    device array held until the next park or fetch: rule 1), unless `wait`."""
     data = node.cached_data
     codec = _marked.get(node)
     if codec is not None:
@@ -200,17 +215,64 @@ def park(node):
     start = time.perf_counter()
     shape, dtype = tuple(data.shape), DTYPES[data.dtype]
     buffer = POOL.take(math.prod(shape) * dtype.itemsize, data.device)
-    array_api.copy_to_host(data, buffer.view(dtype).reshape(shape))  # on cuda queued on the copy stream: see fetch
+    thread = array_api.copy_thread(data.device)
+    if thread is None or not covers_its_buffer(data):
+        array_api.copy_to_host(data, buffer.view(dtype).reshape(shape))  # on cuda queued on the copy stream
+    elif wait:
+        thread.to_host(data, buffer).result()
+    else:
+        settle_park()
+        _park_in_flight.append((thread.to_host(data, buffer), data))
     # A graph that dies before its backward (an exception, an eval step) still gives its host copies back.
-    _parked[node] = (buffer, (shape, dtype, data.device), weakref.finalize(node, POOL.give, buffer))
+    _parked[node] = (buffer, (shape, dtype, data.device), weakref.finalize(node, _give_back, buffer))
+    if memory_hook.RECORDER is not None:
+        memory_hook.RECORDER.parked(node)  # needle.memory: the host copy, from now
     _traffic["copy_seconds_exposed"] += time.perf_counter() - start
     _traffic["offloaded_bytes"] += buffer.nbytes
     _traffic["host_peak_bytes"] = max(_traffic["host_peak_bytes"], POOL.in_use_bytes)
 
 
-def fetch(node):
+def settle_park():
+    """Wait for the park in flight on the copy thread, if any, and let go of its device array (rule 1)."""
+    if _park_in_flight:
+        copy, _ = _park_in_flight.pop()
+        copy.result()
+
+
+def copies_in_flight():
+    """{"park_bytes": the device bytes the park in flight still holds (rule 1), "fetches": fetches issued and not
+    yet waited for (rule 2)}: both 0 except on a copy thread, between a copy's issue and the wait for it."""
+    return {"park_bytes": sum(data.size * data.buffer.itemsize for _, data in _park_in_flight),
+            "fetches": len(_fetches_in_flight)}
+
+
+def wait_for_fetches():
+    """Wait for every fetch issued on the copy thread: their values may be read from now on (rule 2)."""
+    if not _fetches_in_flight:
+        return  # (backward asks at every step)
+    start = time.perf_counter()
+    for copy in _fetches_in_flight:
+        copy.result()
+    _fetches_in_flight.clear()
+    _traffic["copy_seconds_exposed"] += time.perf_counter() - start
+
+
+def _wait_for_copies():
+    """Wait until no copy on the copy thread runs or is queued, so that a host buffer about to go back to the pool
+    is free to reuse. Nothing is let go of: the device bytes stay as rules 1 and 2 (and the ledger) count them."""
+    for copy in [c for c, _ in _park_in_flight] + _fetches_in_flight:
+        copy.result()
+
+
+def _give_back(buffer):
+    _wait_for_copies()
+    POOL.give(buffer)
+
+
+def fetch(node, wait=True):
     """Bring a parked value back to its device: `node.cached_data` again (returned), its host copy still parked
-    (released with the value after its last use)."""
+    (released with the value after its last use). On a copy thread, with `wait` False (backward: its plan issues
+    fetches a step ahead), the copy is only issued: its value must not be read before `wait_for_fetches()`."""
     codec = _marked.get(node)
     if codec is not None:  # compressed on the device: rebuilt, an approximation of the forward's value
         node.cached_data = data = codec.decode(_parked[node][0])
@@ -218,13 +280,21 @@ def fetch(node):
         return data
     buffer, (shape, dtype, device), _ = _parked[node]
     start = time.perf_counter()
-    # On cuda the host never waits: this copy is queued on the copy stream behind the park that filled `buffer`,
-    # and ready() makes the device's next kernels (not the host) wait for it.
-    data, ready = array_api.from_host_async(buffer.view(dtype).reshape(shape), device)
-    ready()
+    thread = array_api.copy_thread(device)
+    if thread is None:
+        # On cuda the host never waits: this copy is queued on the copy stream behind the park that filled
+        # `buffer`, and ready() makes the device's next kernels (not the host) wait for it.
+        data, ready = array_api.from_host_async(buffer.view(dtype).reshape(shape), device)
+        ready()
+    else:
+        settle_park()  # rule 1: a fetch lets go of the park in flight, as the ledger counts it
+        data = array_api.empty(shape, dtype=array_api.dtype_name(dtype), device=device)
+        _fetches_in_flight.append(thread.to_device(buffer, data))
     node.cached_data = data
     _traffic["copy_seconds_exposed"] += time.perf_counter() - start
     _traffic["fetched_bytes"] += buffer.nbytes
+    if wait:
+        wait_for_fetches()  # (which counts its own wait)
     return data
 
 
@@ -237,7 +307,7 @@ def release_value(node, last_use=False):
             buffer, _, finalizer = _parked.pop(node)
             if finalizer is not None:  # (a compressed copy is device memory: it goes with its last reference)
                 finalizer.detach()
-                POOL.give(buffer)
+                _give_back(buffer)
     elif node in _marked and node.cached_data is not None and (not isinstance(node.cached_data, tuple)
                                                                or _marked[node] is not None):
         park(node)  # (a tuple only compressed, element by element)

@@ -12,6 +12,7 @@ import functools
 import numpy as np
 
 from . import ndarray_backend_numpy
+from .copy_thread import CopyThread
 from .ndarray import (  # promote_types is part of the API ops call, as NumPy's np.promote_types
     DTYPES, NDArray, _normalize_axis, _require_float, default_device, dtype_name, prod, promote_types,
 )
@@ -32,6 +33,7 @@ __all__ = [
     "broadcast_to",
     "cast_like",
     "copies_async",
+    "copy_thread",
     "copy_to_host",
     "dequantize_blockwise",
     "dropout",
@@ -292,9 +294,25 @@ def layer_norm_backward(x, w, g, eps):
 # ----- offloading: host copies that overlap the device's work where the backend can ----------------------------
 # A backend with asynchronous copies (cuda: pinned host memory, a copy stream; src/ndarray_backend_cuda.cu) gets
 # them; elsewhere (cpu, the reference) these are plain synchronous copies, so callers need no second code path.
+# offload.py also uses cpu()'s copy thread (`copy_thread`), whose rules (who frees what, when) are its own.
 def copies_async(device):
     """Whether `device`'s backend copies to and from the host asynchronously (a copy stream beside its work)."""
     return callable(getattr(getattr(device, "mod", None), "copy_from_host_async", None))
+
+
+def copy_thread(device):
+    """The copy thread (copy_thread.CopyThread) that runs offloading's host copies beside `device`'s compute: on
+    the C++ cpu() backend; None elsewhere (cuda has its copy stream, cpu_numpy copies synchronously)."""
+    mod = getattr(device, "mod", None)
+    if not callable(getattr(mod, "copy_thread_to_host", None)):
+        return None
+    thread = _COPY_THREADS.get(mod)
+    if thread is None:
+        thread = _COPY_THREADS[mod] = CopyThread(mod)
+    return thread
+
+
+_COPY_THREADS = {}  # backend module -> its CopyThread
 
 
 def to_host(a, out=None):

@@ -388,6 +388,11 @@ class NDArray:
         return self._strides
 
     @property
+    def offset(self):
+        """Where this array starts in its buffer, in elements (a view's offset; 0 for a fresh array)."""
+        return self._offset
+
+    @property
     def device(self):
         return self._device
 

@@ -246,6 +246,12 @@ class Recorder:
                             self.host_bytes))
 
     # ----- offloaded values' host copies (offload.py) --------------------------------------------------------
+    def parked(self, node):
+        """offload.park has just copied `node` to the host. (On a copy thread its device buffer is freed later, at
+        the next park or fetch: the host copy is recorded now, when the host bytes are taken.)"""
+        if self.active and id(node) not in self.host and not offload.is_compressed(node):
+            self.host_parked(node)
+
     def host_parked(self, node):
         block = Block(len(self.blocks), HostCopy(offload.parked_bytes(node), node), HostCopy(0, node), self.phase,
                       type(node.op).__name__, self.module_of.get(node), len(self.events))

@@ -1,0 +1,108 @@
+// copy_thread.h -- a copy thread: host copies that run beside the compute, as a CUDA copy stream's run beside
+// kernels.  offload.py parks activations in host memory and fetches them back; on this backend a "device" buffer
+// and a host buffer are both main memory, so each copy is a memcpy, and done by the thread that computes, nothing
+// runs beside it.  Here one worker thread does them, in the order they were issued (like a stream), without
+// Python's GIL: the computing thread queues a copy and goes on with the next ops while the other core copies.
+//
+// The contract (python/needle/backend_ndarray/copy_thread.py): the caller keeps both buffers alive and untouched
+// until it has waited for the copy's ticket.  Tickets count up from 1; waiting for one waits for every copy issued
+// before it too.  Reference: a plain std::memcpy (what to_numpy_into / from_numpy do for a compact array).
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <cstring>
+#include <deque>
+#include <mutex>
+#include <thread>
+
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+
+#include "array.h"
+#include "common.h"
+
+namespace needle {
+namespace cpu {
+
+class CopyThread {
+ public:
+  // Queue a copy of `bytes` bytes from `src` to `dst`; its ticket.
+  uint64_t submit(void* dst, const void* src, size_t bytes) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!started_) {  // started on first use; detached: the process may end with it idle, never mid-copy
+      std::thread([this] { run(); }).detach();
+      started_ = true;
+    }
+    queue_.push_back({dst, src, bytes, ++issued_});
+    work_.notify_one();
+    return issued_;
+  }
+
+  // Block until the copy `ticket` (and every one before it) is done.
+  void wait(uint64_t ticket) {
+    std::unique_lock<std::mutex> lock(mutex_);
+    done_cv_.wait(lock, [&] { return done_ >= ticket; });
+  }
+
+ private:
+  struct Copy {
+    void* dst;
+    const void* src;
+    size_t bytes;
+    uint64_t ticket;
+  };
+
+  void run() {
+    for (;;) {
+      std::unique_lock<std::mutex> lock(mutex_);
+      work_.wait(lock, [&] { return !queue_.empty(); });
+      Copy copy = queue_.front();
+      queue_.pop_front();
+      lock.unlock();
+      if (copy.bytes) std::memcpy(copy.dst, copy.src, copy.bytes);
+      lock.lock();
+      done_ = copy.ticket;
+      done_cv_.notify_all();
+    }
+  }
+
+  std::mutex mutex_;
+  std::condition_variable work_, done_cv_;
+  std::deque<Copy> queue_;
+  uint64_t issued_ = 0, done_ = 0;
+  bool started_ = false;
+};
+
+// The module's one copy thread (never destroyed: its worker may outlive static destruction at exit).
+static CopyThread& copy_thread() {
+  static CopyThread* thread = new CopyThread();
+  return *thread;
+}
+
+// The bindings' checks: a C-contiguous host array holding exactly the buffer's bytes.
+static void check_host_array(const char* fn, const Array& a, const py::array& host, bool writes_host) {
+  if (!(host.flags() & py::array::c_style) || (writes_host && !host.writeable())) {
+    throw py::type_error(std::string(fn) + ": the host array must be C-contiguous" +
+                         (writes_host ? " and writeable" : ""));
+  }
+  check_size(fn, "the host array's bytes", static_cast<size_t>(host.nbytes()), a.size * a.itemsize);
+}
+
+// Queue a copy of the whole buffer `a` into `out` (a host array of its bytes); its ticket.
+static uint64_t copy_thread_to_host(const Array& a, py::array out) {
+  check_host_array("copy_thread_to_host", a, out, true);
+  return copy_thread().submit(out.mutable_data(), a.ptr, a.size * a.itemsize);
+}
+
+// Queue a copy of `host` (a host array of out's bytes) into the whole buffer `out`; its ticket.
+static uint64_t copy_thread_to_device(py::array host, Array& out) {
+  check_host_array("copy_thread_to_device", out, host, false);
+  return copy_thread().submit(out.ptr, host.data(), out.size * out.itemsize);
+}
+
+// Block (without the GIL: the bindings release it) until copy `ticket` and those before it are done.
+static void copy_thread_wait(uint64_t ticket) { copy_thread().wait(ticket); }
+
+}  // namespace cpu
+}  // namespace needle
