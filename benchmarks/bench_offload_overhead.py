@@ -11,7 +11,8 @@ copies). Every configuration is a model of its own, built once; after a first st
 rounds, one step of each configuration per round, so that a slow minute of a shared machine slows all of them
 alike; a configuration's time is its median over the rounds. The overhead is that over gc off's median, and the
 ratio is the combination's overhead over recompute-only's. Beside it, the ratio the planners predicted
-(`predicted_added_time`), which no noise touches.
+(`predicted_added_time`), which no noise touches, and the copy time the computing thread still waited for (the
+median of `copy_seconds_exposed`: on cpu() the copies run on the backend's copy thread, beside the compute).
 """
 import argparse
 import gc
@@ -40,7 +41,7 @@ class Config:
 
     def __init__(self, args, name, policy):
         np.random.seed(0)
-        self.name, self.policy, self.times, self.peak = name, policy, [], None
+        self.name, self.policy, self.times, self.peak, self.exposed = name, policy, [], None, []
         self.model = LanguageModel(args.embedding, args.vocab, args.embedding, num_layers=args.layers,
                                    seq_model="transformer", seq_len=args.seq_len, device=DEVICE, num_head=4,
                                    dim_head=args.embedding // 4)
@@ -65,6 +66,7 @@ class Config:
             loss, _ = self.model.loss(self.x, self.y)
         loss.backward()
         peak = memory_stats(DEVICE)["peak_bytes"] - base
+        self.exposed.append(checkpoint.last_backward_stats()["copy_seconds_exposed"])
         self.opt.step()
         return time.perf_counter() - start, peak
 
@@ -120,10 +122,11 @@ def main():
         predicted = c.policy.predicted_added_time / recompute.policy.predicted_added_time \
             if recompute.policy.predicted_added_time else float("nan")
         return (f"{c.peak / MB:.1f} MB, {100 * overhead(c, off):+.1f}% | {ratio} (predicted {predicted:.2f}) | "
-                f"{c.policy.predicted_host_peak / MB:.0f} MB")
+                f"{c.policy.predicted_host_peak / MB:.0f} MB, {1e3 * statistics.median(c.exposed):.0f} ms")
 
     out = ["| budget | recompute only: M_peak, overhead | recompute + offload (measured bandwidth) | ratio | "
-           "host peak | recompute + offload (planned at 16 GB/s) | ratio | host peak |",
+           "host peak, copy time exposed | recompute + offload (planned at 16 GB/s) | ratio | "
+           "host peak, copy time exposed |",
            "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for b, recompute, both, both_pcie in rows:
         out.append(f"| {b / MB:.0f} MB | {recompute.peak / MB:.1f} MB, {100 * overhead(recompute, off):+.1f}% | "
