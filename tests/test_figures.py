@@ -183,3 +183,9 @@ def test_a_docstring_or_comment_leaves_a_figure_fresh_unless_its_text_matters(tm
     assert figures.status(runs, repo).startswith("stale")
     code.write_text("def f(x:\n")  # no longer parses: changed
     assert figures.status(runs, repo).startswith("stale")
+
+
+def test_a_fresh_clone_figure_is_regenerated_after_every_other():
+    chosen = [figures.BY_NAME[n] for n in ("demo", "quickstart-times", "step", "offload")]
+    order = [f.name for f in figures.in_run_order(chosen)]
+    assert order == ["demo", "step", "offload", "quickstart-times"]  # the others keep their order
