@@ -149,6 +149,9 @@ def test_a_quick_measurement_gives_positive_finite_rates_and_leaves_the_global_r
     assert math.isfinite(calibration.overhead_seconds) and calibration.overhead_seconds > 0
     assert calibration.machine == cost_model.machine_key(device, quick=True)
     assert (np.random.get_state()[1] == before).all()
+    assert 0.0 <= calibration.copy_overlap <= 1.0
+    if not device_copies_overlap(device):
+        assert calibration.copy_overlap == 0.0  # synchronous copies hide under nothing
 
 
 class CopyStreamModule:
@@ -228,6 +231,9 @@ def test_a_calibration_without_every_rate_or_with_a_bad_one_is_refused():
         Calibration(nominal.rates, 1e-5, {"to_host": 1e9})
     with pytest.raises(ValueError, match="matmul"):
         Calibration({**nominal.rates, "matmul": float("nan")}, 1e-5, nominal.host_bandwidth)
+    for bad in (-0.1, 1.5, float("nan")):
+        with pytest.raises(ValueError, match="copy_overlap"):
+            dataclasses.replace(nominal, copy_overlap=bad)
 
 
 # ----- the seconds ------------------------------------------------------------------------------------------------
@@ -266,6 +272,15 @@ def test_hidden_seconds_is_the_smaller_of_copy_and_compute():
     assert model.hidden_seconds(3.0, 0.0) == 0.0  # nothing to hide under
     with pytest.raises(ValueError, match="hidden_seconds"):
         model.hidden_seconds(-1.0, 1.0)
+
+
+def test_only_the_measured_share_of_a_copy_hides_unless_a_link_is_given():
+    calibration = dataclasses.replace(Calibration.nominal(), copy_overlap=0.25)  # a copy thread on 2 cores
+    measured, pcie4 = CostModel(calibration=calibration), CostModel(calibration=calibration, host_bandwidth=16e9)
+    assert measured.copy_overlap == 0.25 and measured.hidden_seconds(2.0, 3.0) == 0.5
+    assert measured.hidden_seconds(3.0, 1.0) == 0.25  # a share of the smaller of the two
+    assert pcie4.copy_overlap == 1.0 and pcie4.hidden_seconds(2.0, 3.0) == 2.0  # planned as a GPU's copy engine
+    assert Calibration.from_dict(json.loads(json.dumps(calibration.to_dict()))).copy_overlap == 0.25
 
 
 def test_copies_overlap_compute_on_a_copy_stream_or_the_cpu_copy_thread_only():

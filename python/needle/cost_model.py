@@ -8,7 +8,9 @@ device, through the very machine that recomputes values (`backward.Compute`), an
 kind (flop/s or bytes/s) plus a fixed per-op overhead (Python dispatch), the same for each kind's gradient, times
 Adam's update per parameter byte and host copies each way. Ops inside a real step run slower than alone (the
 step's bookkeeping, allocations, colder caches): two factors, one for the fixed costs and one for the work, are
-fitted to two reference steps built from ops. It is measured once per machine and cached as JSON
+fitted to two reference steps built from ops. Last, how much of a host copy hides under the compute beside it: a
+reference forward pass timed alone and parking copies as offloading does. It is measured once per machine and
+cached as JSON
 (`Calibration.load_or_measure`); planning reads the cache, never a stopwatch. `CostModel` answers the planner's
 questions from it:
 
@@ -153,7 +155,9 @@ def cpu_model():
 
 # What the calibration measures and how: raise it when that changes, so caches written before are measured again.
 # 2: host copies timed on offloading's own path (a reused host buffer), at activations' sizes.
-METHOD = 2
+# 3: the wide reference step 8 layers deep (its activations outgrow the L3 cache, as a real model's do); how much of
+#    a copy hides under compute measured (copy_overlap).
+METHOD = 3
 
 
 def machine_key(device=None, quick=False):
@@ -335,7 +339,10 @@ def _measure_update(device, quick, repeats):
     return 2 * n * 4 / seconds, overhead
 
 
-REFERENCES = ((16, 64, 8, 4, 1), (256, 2048, 32, 32, 2))  # (width, vocabulary, seq, batch, layers)
+# (width, vocabulary, seq, batch, layers). The wide one is 8 layers deep so that its activations (~120 MB) outgrow
+# the L3 cache, as a real model's do: 2 layers deep (~30 MB, in cache) it fitted a work factor ~13% low, and priced
+# gc.py's 16-layer model's step that much too fast (benchmarks/bench_cost_model.py times that model).
+REFERENCES = ((16, 64, 8, 4, 1), (256, 8192, 32, 32, 8))
 QUICK_REFERENCES = ((8, 16, 2, 2, 1), (16, 32, 4, 2, 1))
 STEP_ROUNDS = 7  # the reference steps' timed rounds: the factors scale every prediction, so they get the most
 
@@ -442,6 +449,92 @@ def _measure_bandwidth(device, quick, repeats):
     return {direction: sum(sizes) / max(s, 1e-9) for direction, s in seconds.items()}
 
 
+class _ParkingCompute(Compute):
+    """Compute that parks a host copy every `every` ops, as offloading does in a forward pass: each park issued on
+    the device's copy path (the copy thread on cpu(), the copy stream on cuda) after the previous one is waited
+    for (offload.py's rule 1: one park in flight)."""
+
+    def __init__(self, device, sources, hosts, every):
+        super().__init__()
+        self.device, self.sources, self.hosts, self.every = device, sources, hosts, every
+        self.thread, self.ops, self.copies, self.in_flight = array_api.copy_thread(device), 0, 0, None
+
+    def compute(self, node):
+        super().compute(node)
+        self.compute_nothing()
+
+    def compute_nothing(self):
+        """Count an op (computed, or not: to time the copies alone) and park a copy if it is the `every`-th."""
+        self.ops += 1
+        if self.ops % self.every:
+            return
+        self.settle()
+        i = self.copies % len(self.sources)
+        if self.thread is None:
+            array_api.copy_to_host(self.sources[i], self.hosts[i])  # on cuda queued on the copy stream
+        else:
+            self.in_flight = self.thread.to_host(self.sources[i], self.hosts[i])
+        self.copies += 1
+
+    def settle(self):
+        if self.in_flight is not None:
+            self.in_flight.result()
+            self.in_flight = None
+
+
+OVERLAP_CHUNK, OVERLAP_BUFFERS = 4 << 20, 8  # 32 MB of sources, as many host buffers: more than fits in cache
+OVERLAP_SHARE = 0.4  # the copies' seconds, alone, as a share of the forward pass they run beside
+OVERLAP_ROUNDS = 7
+
+
+def _measure_copy_overlap(device, quick, repeats):
+    """How much of a copy hides under the compute beside it: a forward pass of the wide reference step realized
+    alone, then parking a 4 MB copy every few ops (about 40% of its time in copies), and those copies alone, one
+    after another, in interleaved rounds; (alone + copies - both) / the smaller of the two, within [0, 1]. A copy
+    engine (a GPU's) would hide them all; on 2 cores the copy thread shares the memory bus and a core with the
+    compute, so less. 0 where copies are synchronous (cpu_numpy())."""
+    if not device_copies_overlap(device):
+        return 0.0
+    state = numpy.random.get_state()
+    try:
+        trace, _ = _reference_step(device, *(QUICK_REFERENCES if quick else REFERENCES)[-1])
+    finally:
+        numpy.random.set_state(state)
+    chunk = QUICK_COPY_BYTES[0] if quick else OVERLAP_CHUNK
+    sources = [array_api.array(numpy.ones(chunk // 4, numpy.float32), device=device) for _ in range(OVERLAP_BUFFERS)]
+    hosts = [array_api.host_empty(chunk, device).view(numpy.float32) for _ in range(OVERLAP_BUFFERS)]
+
+    def forward(every):
+        machine = _ParkingCompute(device, sources, hosts, every)
+        loss = trace()
+        start = time.perf_counter()
+        autograd.realize([loss], lambda node: True, machine)
+        machine.settle()
+        array_api.wait_for_copies(device)
+        return time.perf_counter() - start, machine
+
+    def copies(count):  # as the machine issues them, with no compute between
+        machine, start = _ParkingCompute(device, sources, hosts, 1), time.perf_counter()
+        for _ in range(count):
+            machine.compute_nothing()
+        machine.settle()
+        array_api.wait_for_copies(device)
+        return time.perf_counter() - start
+    never = 1 << 30
+    alone, machine = forward(never)  # a warm-up, and the pass's ops: size the copies to the pass
+    copies(OVERLAP_BUFFERS)  # a warm-up: the host buffers' first touch faults their pages in
+    per_copy = copies(OVERLAP_BUFFERS) / OVERLAP_BUFFERS
+    every = max(1, round(machine.ops * per_copy / (OVERLAP_SHARE * alone)))
+    times = {"alone": [], "both": [], "copies": []}
+    for _ in range(max(repeats, OVERLAP_ROUNDS)):
+        times["alone"].append(forward(never)[0])
+        seconds, machine = forward(every)
+        times["both"].append(seconds)
+        times["copies"].append(copies(machine.copies))
+    alone, both, copied = (statistics.median(times[k]) for k in ("alone", "both", "copies"))
+    return min(max((alone + copied - both) / max(min(alone, copied), 1e-9), 0.0), 1.0)
+
+
 @dataclass(frozen=True)
 class Calibration:
     """This machine's rates: `rates[kind]` in flop/s (FLOP_KINDS) or bytes/s (the other kinds but "view"), the
@@ -454,6 +547,9 @@ class Calibration:
     forward rates (round figures, as `nominal`'s). `update_rate` (parameter bytes/s) and
     `update_overhead_seconds` (per parameter) price the optimizer's update (Adam's); None: seven passes over the
     parameters' bytes at the element-wise rate (it reads value, gradient and two moments, writes three).
+    `copy_overlap` (0 to 1) is the share of a copy that hides under the compute beside it, measured: 1 where a copy
+    engine runs it (a GPU's), less where the copy thread shares the cores and memory bus (cpu()), 0 where copies
+    are synchronous (cpu_numpy()).
     """
 
     rates: dict
@@ -466,6 +562,7 @@ class Calibration:
     update_overhead_seconds: float = None
     overhead_factor: float = 1.0
     work_factor: float = 1.0
+    copy_overlap: float = 1.0
 
     def __post_init__(self):
         if self.backward_rates is None:
@@ -493,12 +590,14 @@ class Calibration:
             value = getattr(self, name)
             if not math.isfinite(value) or value < 0:
                 raise ValueError(f"Calibration: {name} must be >= 0, got {value!r}")
+        if not 0.0 <= self.copy_overlap <= 1.0:  # also refuses NaN
+            raise ValueError(f"Calibration: copy_overlap must be in [0, 1], got {self.copy_overlap!r}")
 
     @classmethod
     def measure(cls, device=None, quick=False, repeats=3):
         """Time each kind's op and its gradient at a few sizes on `device` (the median of `repeats`) and host copies
-        of 1, 4 and 16 MB each way: a few seconds. quick: tiny sizes, for tests (rates positive and finite, not
-        meaningful)."""
+        of 1, 4 and 16 MB each way, then the step factors and the copies' overlap: about ten seconds. quick: tiny
+        sizes, for tests (rates positive and finite, not meaningful)."""
         device = device or default_device()
         rates, overhead = _measure_rates(device, quick, repeats)
         backward_rates, backward_overhead = _measure_rates(device, quick, repeats, _gradient_seconds)
@@ -507,7 +606,9 @@ class Calibration:
         isolated = cls(rates, overhead, bandwidth, machine_key(device, quick), backward_rates, backward_overhead,
                        update_rate, update_overhead)
         overhead_factor, work_factor = _measure_step_factors(isolated, device, quick, repeats)
-        return dataclasses.replace(isolated, overhead_factor=overhead_factor, work_factor=work_factor)
+        overlap = _measure_copy_overlap(device, quick, repeats)
+        return dataclasses.replace(isolated, overhead_factor=overhead_factor, work_factor=work_factor,
+                                   copy_overlap=overlap)
 
     @classmethod
     def load_or_measure(cls, device=None, quick=False):
@@ -541,13 +642,15 @@ class Calibration:
                 "backward_rates": dict(self.backward_rates),
                 "backward_overhead_seconds": self.backward_overhead_seconds,
                 "update_rate": self.update_rate, "update_overhead_seconds": self.update_overhead_seconds,
-                "overhead_factor": self.overhead_factor, "work_factor": self.work_factor}
+                "overhead_factor": self.overhead_factor, "work_factor": self.work_factor,
+                "copy_overlap": self.copy_overlap}
 
     @classmethod
     def from_dict(cls, d):
         return cls(dict(d["rates"]), float(d["overhead_seconds"]), dict(d["host_bandwidth"]), dict(d["machine"]),
                    dict(d["backward_rates"]), float(d["backward_overhead_seconds"]), float(d["update_rate"]),
-                   float(d["update_overhead_seconds"]), float(d["overhead_factor"]), float(d["work_factor"]))
+                   float(d["update_overhead_seconds"]), float(d["overhead_factor"]), float(d["work_factor"]),
+                   float(d["copy_overlap"]))
 
 
 class CostModel:
@@ -559,8 +662,9 @@ class CostModel:
 
     compute_seconds(node) = overhead + work / rate[kind], work being op_work's FLOPs for the matmul-like kinds and
     bytes for the others. `hidden_seconds` says how much of a copy a copy stream (CUDA) or copy thread (cpu())
-    hides under the compute issued beside it. On cpu_numpy() copies are synchronous and hide nothing;
-    `device_copies_overlap` tells which case a device is.
+    hides under the compute issued beside it: the calibration's measured `copy_overlap` of the smaller of the two,
+    or all of it on a link given by `host_bandwidth` (planned as a GPU's, whose copy engine takes no compute). On
+    cpu_numpy() copies are synchronous and hide nothing; `device_copies_overlap` tells which case a device is.
     """
 
     def __init__(self, device=None, host_bandwidth=None, calibration=None):
@@ -617,11 +721,17 @@ class CostModel:
             raise ValueError(f"CostModel.copy_seconds: nbytes must be >= 0, got {nbytes}")
         return nbytes / (self.host_bandwidth or self.calibration.host_bandwidth[direction])
 
+    @property
+    def copy_overlap(self):
+        """The share of a copy that hides under compute: the calibration's, measured on this machine; 1 on a link
+        given by `host_bandwidth`, planned as a GPU's (a copy engine takes none of the compute's time)."""
+        return 1.0 if self.host_bandwidth is not None else self.calibration.copy_overlap
+
     def hidden_seconds(self, copy_seconds, compute_seconds_around):
-        """How much of a copy hides under the compute issued beside it: min(copy, compute). That is what a copy
-        stream (CUDA) or copy thread (cpu()) can hide; where copies are synchronous (cpu_numpy()) the real overlap
-        is 0, so callers that model this machine check `device_copies_overlap(device)` first."""
+        """How much of a copy hides under the compute issued beside it: `copy_overlap` x min(copy, compute). That is
+        what a copy stream (CUDA) or copy thread (cpu()) can hide; where copies are synchronous (cpu_numpy()) the
+        real overlap is 0, so callers that model this machine check `device_copies_overlap(device)` first."""
         if copy_seconds < 0 or compute_seconds_around < 0:
             raise ValueError(f"CostModel.hidden_seconds: seconds must be >= 0, got copy {copy_seconds}, compute "
                              f"{compute_seconds_around}")
-        return min(copy_seconds, compute_seconds_around)
+        return self.copy_overlap * min(copy_seconds, compute_seconds_around)
