@@ -54,6 +54,9 @@ def train_step(model, loss_fn, opt, batches, start, config, device, params, scal
         skipped = not scaler.step(opt)
         scaler.update()
     elapsed = time.perf_counter() - t0 - passes["bookkeeping_seconds"]
+    # read after the clock stops: the hidden share prices the copies with the cost model, whose calibration may be
+    # measured on first use (seconds; --policy offload has no Budget that measured it before the step)
+    traffic = offload_traffic(passes["backward_stats"], device)
     stats = nd.memory_stats(device)
     step = {
         "loss": float(np.mean(passes["losses"])), "time_seconds": elapsed,
@@ -63,7 +66,7 @@ def train_step(model, loss_fn, opt, batches, start, config, device, params, scal
         "recomputed_nodes": int(passes["recomputed_nodes"]), "gpu_memory_bytes": gpu_memory_bytes(),
         "rss_peak_bytes": rss_peak, "rss_start_bytes": rss.start if rss else None,
         **state_bytes(opt, params, grad_bytes), "skipped_step": skipped,
-        "loss_scale": None if scaler is None else scaler.get_scale(), **passes["offload"],
+        "loss_scale": None if scaler is None else scaler.get_scale(), **traffic,
     }
     if tensor_parallel is not False:  # read before the all-gathers of the figures below
         step["tensor_parallel"] = tensor_parallel_traffic(tensor_parallel)
@@ -113,7 +116,7 @@ def _forward_backward(model, loss_fn, micro, config, device, params, scaler, bas
         for p, g in zip(params, accumulated):
             p.grad = ndl.Tensor(g, device=device, requires_grad=False)
     return {"activation_bytes": act, "floor_bytes": floor, "losses": losses, "recomputed_nodes": recomputed,
-            "bookkeeping_seconds": bookkeeping, "loss": loss, "offload": offload_traffic(backward_stats, device),
+            "bookkeeping_seconds": bookkeeping, "loss": loss, "backward_stats": backward_stats,
             # Gradient accumulation's buffers (the last micro-batch's gradients, the sums), held in `passes` until
             # train_step returns, as gc.py always has: its step_peak_bytes (Adam's update included) counts them.
             "accumulation_buffers": (grads, accumulated)}
@@ -129,9 +132,9 @@ def offload_traffic(backward_stats, device):
     if (offloaded or fetched) and not cost_model.device_copies_overlap(device):
         hidden = 0.0  # cpu(): every copy is synchronous, nothing runs beside it
     elif offloaded or fetched:
-        # cuda: the host waits for no copy, so its seconds are only the queueing. The copies' own seconds are
-        # their bytes at the measured bandwidth (cost_model's cached calibration); what the host did not wait for
-        # of them was hidden under the device's work.
+        # a copy stream (cuda) or the copy thread (cpu()): the host waits only for what is not done when it needs
+        # it. The copies' own seconds are their bytes at the measured bandwidth (cost_model's cached calibration);
+        # what the host did not wait for of them was hidden under the compute beside them.
         model = cost_model.CostModel(device)
         copying = model.copy_seconds(offloaded, "to_host") + model.copy_seconds(fetched, "to_device")
         hidden = min(max(1 - exposed / copying, 0.0), 1.0)
