@@ -8,11 +8,15 @@ Budgets: five, from recompute-only's least M_peak to gc off's M_peak x 0.9. At e
 (recompute only), Budget(b, offload=True) (planned with this machine's measured copy bandwidth) and
 Budget(b, offload=True, host_bandwidth=16e9) (planned as if copies ran over PCIe 4; run here, on this machine's
 copies). Every configuration is a model of its own, built once; after a first step (planning) the steps run in
-rounds, one step of each configuration per round, so that a slow minute of a shared machine slows all of them
-alike; a configuration's time is its median over the rounds. The overhead is that over gc off's median, and the
-ratio is the combination's overhead over recompute-only's. Beside it, the ratio the planners predicted
-(`predicted_added_time`), which no noise touches, and the copy time the computing thread still waited for (the
-median of `copy_seconds_exposed`: on cpu() the copies run on the backend's copy thread, beside the compute).
+rounds, one step of each configuration per round, each round in another order (rotated by one), so that a slow
+minute of a shared machine slows all of them alike and no configuration always runs first. A configuration's
+overhead is paired: the median over the rounds of its step's time over gc off's step in the same round, minus 1.
+A second gc-off model runs in the rounds as a control: its overhead should be 0, and what it shows (its median,
+plus half its rounds' interquartile range) is how large an overhead noise alone makes here; a ratio is given only
+where recompute-only's overhead is above that. The ratio is the combination's overhead over recompute-only's.
+Beside it, the ratio the planners predicted (`predicted_added_time`), which no noise touches, and the copy time the
+computing thread still waited for (the median of `copy_seconds_exposed`: on cpu() the copies run on the backend's
+copy thread, beside the compute).
 """
 import argparse
 import gc
@@ -81,7 +85,15 @@ def least_peak(args):
 
 
 def overhead(config, off):
-    return config.median() / off.median() - 1
+    """The paired overhead: the median over the rounds of config's step time over gc off's in the same round, - 1."""
+    return statistics.median(t / t_off for t, t_off in zip(config.times, off.times)) - 1
+
+
+def noise_of(control, off):
+    """How large an overhead noise alone makes: the control's (a second gc-off model's) paired overhead, in size,
+    plus half the interquartile range of its rounds' ratios."""
+    q1, _, q3 = statistics.quantiles([t / t_off for t, t_off in zip(control.times, off.times)], n=4)
+    return abs(overhead(control, off)) + (q3 - q1) / 2
 
 
 def main():
@@ -92,29 +104,29 @@ def main():
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--seq_len", type=int, default=32)
     p.add_argument("--budgets", type=int, default=5)
-    p.add_argument("--rounds", type=int, default=9)
+    p.add_argument("--rounds", type=int, default=11)
     p.add_argument("--markdown", action="store_true", help="print the table alone")
     args = p.parse_args()
 
-    off = Config(args, "gc off", None)
+    off, control = Config(args, "gc off", None), Config(args, "gc off (control)", None)
     off_peak = off.step()[1]
+    control.step()
     least = least_peak(args)
     budgets = [int(b) for b in np.linspace(least, 0.9 * off_peak, args.budgets)]
     rows = [(b, Config(args, "recompute", checkpoint.Budget(b)),
              Config(args, "offload", checkpoint.Budget(b, offload=True)),
              Config(args, "offload 16e9", checkpoint.Budget(b, offload=True, host_bandwidth=PCIE4))) for b in budgets]
-    configs = [off] + [c for row in rows for c in row[1:]]
-    for c in configs[1:]:
+    configs = [off, control] + [c for row in rows for c in row[1:]]
+    for c in configs[2:]:
         c.peak = c.step()[1]  # the first step plans
-    for _ in range(args.rounds):
-        for c in configs:
+    for r in range(args.rounds):
+        for c in configs[r % len(configs):] + configs[:r % len(configs)]:
             seconds, peak = c.step()
             c.times.append(seconds)
             c.peak = max(c.peak or 0, peak)
 
-    # What a rerun of gc off varies by: its rounds' spread around their median. An overhead under it is noise, and
-    # a ratio of noise is no figure.
-    noise = (max(off.times) - min(off.times)) / 2 / off.median()
+    # An overhead under what the control shows is noise, and a ratio of noise is no figure.
+    noise = noise_of(control, off)
 
     def cell(c, recompute):
         measurable = overhead(recompute, off) > noise
@@ -134,10 +146,12 @@ def main():
     if not args.markdown:
         print(f"bench_offload_overhead: {args.layers} layers, embedding {args.embedding}, vocabulary {args.vocab}, "
               f"batch {args.batch} x seq {args.seq_len}, lazy, fused head; gc off: M_peak {off_peak / MB:.1f} MB, "
-              f"{off.median():.3f} s a step (median of {args.rounds} rounds, within ±{100 * noise:.1f}%)")
+              f"{off.median():.3f} s a step (median of {args.rounds} rounds); a second gc-off model's overhead "
+              f"{100 * overhead(control, off):+.1f}%, noise ±{100 * noise:.1f}%")
     else:
-        print(f"gc off: M_peak {off_peak / MB:.1f} MB, {off.median():.3f} s a step (its rounds within "
-              f"±{100 * noise:.1f}%: a smaller overhead is noise); medians of {args.rounds} interleaved rounds.\n")
+        print(f"gc off: M_peak {off_peak / MB:.1f} MB, {off.median():.3f} s a step; a second gc-off model, the "
+              f"control: {100 * overhead(control, off):+.1f}% (noise: ±{100 * noise:.1f}%, a smaller overhead is no "
+              f"figure); paired medians of {args.rounds} interleaved rounds, each in another order.\n")
     print("\n".join(out))
 
 
