@@ -28,7 +28,7 @@ import numpy as np  # noqa: E402
 import needle as ndl  # noqa: E402
 from needle import autograd, checkpoint, checkpoint_budget, nn  # noqa: E402
 from needle.backend_ndarray import memory_stats, reset_peak_memory_stats  # noqa: E402
-from needle.cost_model import Calibration, CostModel  # noqa: E402
+from needle.toolbox.cost_model import Calibration, CostModel  # noqa: E402
 from bench_step import add_model_arguments  # noqa: E402
 from models import LanguageModel  # noqa: E402
 
@@ -68,7 +68,7 @@ def measured_peak(args, model):
 
 def budget_row(args, bytes, offload, host_bandwidth):
     """(predicted peak, predicted time or None, measured M_peak) of a step under Budget(bytes, offload), or None."""
-    budget = checkpoint.Budget(bytes, offload=offload, host_bandwidth=host_bandwidth)
+    budget = checkpoint.Budget(bytes, offload=offload, host_bandwidth=host_bandwidth, calibrate=True)
     try:
         peak = measured_peak(args, make_model(args, budget))
     except ValueError:  # InfeasibleBudget: raised before anything is computed

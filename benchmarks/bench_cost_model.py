@@ -25,7 +25,7 @@ import numpy as np  # noqa: E402
 import needle as ndl  # noqa: E402
 from needle import autograd, nn  # noqa: E402
 from needle.backward import Compute  # noqa: E402
-from needle.cost_model import KINDS, Calibration, CostModel, op_work  # noqa: E402
+from needle.toolbox.cost_model import KINDS, Calibration, CostModel, op_work  # noqa: E402
 from bench_step import add_model_arguments  # noqa: E402
 from models import LanguageModel  # noqa: E402
 

@@ -49,7 +49,7 @@ import needle as ndl  # noqa: E402
 from needle import distributed as dist  # noqa: E402
 from needle import nn  # noqa: E402
 from needle.data import batchify, get_batch  # noqa: E402
-from needle.distributed import comm  # noqa: E402
+from needle.toolbox.distributed import comm  # noqa: E402
 
 from models import LanguageModel  # noqa: E402
 
@@ -144,7 +144,7 @@ RING = {"all_reduce": 1.0, "reduce_scatter": 0.5, "all_gather": 0.5, "barrier": 
 def worker_tp():
     """Per-rank bytes, communicated elements and step time of one model under each setup (TP_SETUPS)."""
     from needle.backend_ndarray import ndarray
-    from needle.distributed import tensor_parallel as tp
+    from needle.toolbox.distributed import tensor_parallel as tp
     cfg = TP_MODEL
     rs = np.random.RandomState(1)
     tokens = rs.randint(0, cfg["vocab"], size=(cfg["seq"] + 1, cfg["batch"])).astype(np.float32)

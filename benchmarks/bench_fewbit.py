@@ -27,7 +27,8 @@ sys.path[:0] = [os.path.join(ROOT, "python"), os.path.join(ROOT, "apps")]
 import numpy as np  # noqa: E402
 
 import needle as ndl  # noqa: E402
-from needle import autograd, fewbit, ops  # noqa: E402
+from needle import autograd, ops  # noqa: E402
+from needle.toolbox import fewbit  # noqa: E402
 from needle.backend_ndarray.ndarray_backend_numpy import activation_derivative  # noqa: E402
 from models import LanguageModel  # noqa: E402
 

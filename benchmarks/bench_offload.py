@@ -60,7 +60,7 @@ def make_step(model, args):
 
 
 def least_peak(args, offload):
-    probe = checkpoint.Budget(10**12, offload=offload)
+    probe = checkpoint.Budget(10**12, offload=offload, calibrate=True)
     model = make_model(args)
     model.enable_gc(policy=probe)
     make_step(model, args)()
@@ -72,7 +72,7 @@ def run(args, budget_bytes, offload):
     sample: its ratio to the later steps is the median over the repeats)."""
     firsts, peaks, times = [], [], []
     for _ in range(args.repeats):
-        budget = checkpoint.Budget(int(budget_bytes), offload=offload)
+        budget = checkpoint.Budget(int(budget_bytes), offload=offload, calibrate=True)
         model = make_model(args)
         model.enable_gc(policy=budget)
         step = make_step(model, args)

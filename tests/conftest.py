@@ -126,16 +126,14 @@ def early_result(request):
 
 @pytest.fixture(autouse=True, scope="session")
 def nominal_costs():
-    """Every Budget made in a test plans with cost_model.Calibration.nominal(): round figures, not this machine's
-    measured rates, so that what a Budget chooses is the same on every machine and every run (the calibration
-    itself is tested in test_cost_model.py)."""
-    from needle import checkpoint_budget
-    from needle.cost_model import Calibration, CostModel
+    """Every Budget made in a test plans with fixed rates (costs.Rates.nominal()), the calibrated ones too
+    (`Budget(b, calibrate=True)`, gc.py's): what a Budget chooses is the same on every machine and every run (the
+    calibration itself is tested in test_cost_model.py). The core's Budget needs no patch: it never measures."""
+    from needle.toolbox import cost_model
 
-    def nominal(device=None, host_bandwidth=None, calibration=None):
-        return CostModel(device, host_bandwidth, calibration or Calibration.nominal())
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(checkpoint_budget, "CostModel", nominal)
+        nominal = staticmethod(lambda device: cost_model.Calibration.nominal())
+        patch.setattr(cost_model.CostModel, "default_rates", nominal)
         yield
 
 
@@ -155,7 +153,7 @@ def unfrozen_while_recording():
     """ndl.memory.record() finds the buffers already alive through gc.get_objects(), which does not list frozen
     objects: recording first gives them back to the collector (gc.unfreeze), so it sees the heap as without the
     freeze; the next test file freezes again."""
-    from needle.memory.recorder import Recorder
+    from needle.toolbox.memory.recorder import Recorder
 
     begin = Recorder.begin
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from needle import backend_ndarray as nd
-from needle.optim.quantization import dynamic_map
+from needle.toolbox.optim.quantization import dynamic_map
 
 REF = nd.cpu_numpy()
 SIGNED, UNSIGNED = dynamic_map(signed=True), dynamic_map(signed=False)

@@ -22,7 +22,8 @@ import numpy as np
 import pytest
 
 import needle as ndl
-from needle import autograd, checkpoint, fewbit, nn, ops
+from needle import autograd, checkpoint, nn, ops
+from needle.toolbox import fewbit
 from needle import backend_ndarray as nd
 from models import LanguageModel
 

@@ -1,11 +1,15 @@
-"""Where code lives: the size, layering and naming rules of issue 25, read from the source with `ast`.
+"""Where code lives: the size, layering and naming rules (issues 25 and 44), read from the source with `ast`.
 
 Each rule is one test, and its failure message lists every offender (file:line and what is wrong), so a failing run
 says exactly what to move. Nothing here imports the code it checks: the import graph is built from the `import`
-statements, and cycles are its strongly connected components.
+statements, and cycles are its strongly connected components. The core is needle minus needle/toolbox/; its size
+is a number we watch, as tinygrad's: `python tests/test_architecture.py` prints it, file by file.
 """
 import ast
 import pathlib
+import re
+import subprocess
+import sys
 
 import pytest
 
@@ -20,17 +24,21 @@ THIS_FILE = pathlib.Path(__file__).resolve()
 
 MAX_FILE_LINES = 1000
 MAX_AUTOGRAD_LINES, CLASS_VALUE_BY_LINE = 650, 200
+# The core's Python lines (needle without needle/toolbox/): an issue that must raise it says why in its closing note.
+CORE_LINE_CEILING = 10_700
+TOOLBOX = "needle.toolbox"
+# What the graph core never names: the toolbox's features reach it through the Store seam (store.py) only.
+TOOLBOX_WORDS = re.compile(r"offload|compress|codec|park|fetch", re.IGNORECASE)
 MAX_GC_SCRIPT_LINES = 40
 MAX_EXPERIMENT_FILE_LINES = 400
 MAX_FUNCTION_LINES = 60
 MAX_NATIVE_FILE_LINES = 800
 NATIVE_SUFFIXES = {".cc", ".cpp", ".cu", ".h", ".hpp", ".cuh"}
-# The one import cycle allowed in needle: the graph core and its ops need each other.
-# The graph's core: the values (autograd), their ops, backward's plan and executor, and offload.py, whose parking
-# and fetching the executor runs as it runs recomputation (issue #29: a value's third state).
-CYCLE_ALLOWED_IN = ("needle.autograd", "needle.backward", "needle.ops", "needle.offload")
+# The one import cycle allowed in needle: the graph core and its ops need each other (the values, their ops,
+# backward's plan and executor).
+CYCLE_ALLOWED_IN = ("needle.autograd", "needle.backward", "needle.ops")
 CORE = ("needle.autograd", "needle.backward")
-NOT_IMPORTED_BY_CORE = ("needle.checkpoint", "needle.checkpoint_budget", "needle.amp", "needle.nn")
+NOT_IMPORTED_BY_CORE = ("needle.checkpoint", "needle.checkpoint_budget", "needle.nn", TOOLBOX)
 OPTIONAL_DEPENDENCIES = {"matplotlib", "tqdm", "GPUtil", "mpi4py", "scipy", "torch"}
 PLOTTING_AND_PROGRESS = {"matplotlib", "tqdm", "GPUtil"}
 
@@ -281,6 +289,53 @@ def test_no_private_name_imported_across_needle_packages():
     assert not offenders, offenders_message("private names imported across needle's packages", offenders)
 
 
+def core_files():
+    """The core's Python files: needle's, less the toolbox's."""
+    return [p for p in python_files(NEEDLE) if NEEDLE / "toolbox" not in p.parents]
+
+
+def core_lines():
+    return sum(line_count(p) for p in core_files())
+
+
+def test_the_core_stays_under_its_line_ceiling():
+    lines = core_lines()
+    print(f"needle's core: {lines} lines in {len(core_files())} files (ceiling {CORE_LINE_CEILING})")
+    assert lines <= CORE_LINE_CEILING, (
+        f"the core (python/needle less toolbox/) has {lines} lines, over its ceiling of {CORE_LINE_CEILING}: move "
+        f"what is optional into needle/toolbox/, or raise the ceiling and say why in the closing note "
+        f"(`python tests/test_architecture.py` lists the files)")
+
+
+def test_no_core_module_imports_the_toolbox():
+    """The toolbox plugs into the core (store.py's Store, memory_hook, the Budget's subclass); the core names it
+    only through lazy.py's table, by string, on first use."""
+    graph = import_graph(NEEDLE)
+    known = modules_of(NEEDLE)
+    offenders = [f"{where(known[m], node)}: {m} imports {target}" for m, edges in graph.items()
+                 if not in_any(m, (TOOLBOX,)) for target, node in edges.items() if in_any(target, (TOOLBOX,))]
+    assert not offenders, offenders_message("core modules importing the toolbox", offenders)
+
+
+def test_import_needle_and_autograd_load_no_toolbox_module():
+    """`import needle` is the core: no toolbox module, and none under an old name that would forward to one."""
+    probe = ("import sys, needle.autograd; closure = sorted(sys.modules); import needle; "
+             "print(' '.join(m for m in closure if m.startswith('needle.toolbox')), '|', "
+             "' '.join(m for m in sys.modules if m.startswith('needle.toolbox') or m in "
+             "('needle.offload', 'needle.compress', 'needle.memory', 'needle.amp', 'needle.distributed', "
+             "'needle.fewbit', 'needle.cost_model', 'needle.checkpoint_optimal')))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=REPO,
+                         env={"PYTHONPATH": str(REPO / "python"), "PATH": "/usr/bin:/bin"}, check=True).stdout
+    assert out.split() == ["|"], f"toolbox modules loaded by `import needle.autograd` | by `import needle`: {out}"
+
+
+def test_autograd_and_backward_name_no_toolbox_feature():
+    offenders = [f"{where(NEEDLE / name)}:{number}: {line.strip()}" for name in ("autograd.py", "backward.py")
+                 for number, line in enumerate((NEEDLE / name).read_text().splitlines(), 1)
+                 if TOOLBOX_WORDS.search(line)]
+    assert not offenders, offenders_message("autograd/backward naming a toolbox feature", offenders)
+
+
 # ----- names and globals --------------------------------------------------------------------------------------------
 def test_no_handle_outside_backend_ndarray():
     """NDArray.buffer is the public accessor; `_handle` is backend_ndarray's own field."""
@@ -367,3 +422,11 @@ def test_cycle_finder_and_import_resolution_on_a_toy_package(tmp_path):
     resolved = [resolve(n, "toy.c", False, modules_of(pkg)) for n in parse(c).body]
     assert resolved == [[("toy.sub.d", [])], [("toy.sub.d", ["_private"])]]
     assert [ast.unparse(n) for _, n in function_local_imports(parse(pkg / "b.py"))] == ["from . import a"]
+
+
+if __name__ == "__main__":  # the core's size, file by file (tinygrad's sz.py)
+    rows = sorted(((line_count(p), str(p.relative_to(REPO))) for p in core_files()), reverse=True)
+    for lines, path in rows:
+        print(f"{lines:6d}  {path}")
+    print(f"{core_lines():6d}  the core, {len(rows)} files (ceiling {CORE_LINE_CEILING}); the toolbox: "
+          f"{sum(line_count(p) for p in python_files(NEEDLE / 'toolbox'))} lines")

@@ -1,8 +1,12 @@
 """The user-facing checkpointing API: checkpoint(), checkpoint_sequential(), print_saved_residuals(), enable_gc's
 argument check and viz.to_dot. Each test names the rule of needle/checkpoint.py it checks, where one applies."""
 import gc as python_gc
+import os
 import re
+import subprocess
+import sys
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -371,7 +375,7 @@ def test_the_budgets_shortcut_bound_never_exceeds_a_walk_so_it_finds_what_walks_
 
     def checked(peak, n, target, estimate=None):
         walk = dict(zip(peak.__code__.co_freevars, (c.cell_contents for c in peak.__closure__)))["walk"]
-        park = dict(zip(peak.__code__.co_freevars, (c.cell_contents for c in peak.__closure__)))["park"]
+        park = dict(zip(peak.__code__.co_freevars, (c.cell_contents for c in peak.__closure__)))["gradients"]
         assert all(peak(t) <= walk(t, park).peak for t in range(n + 1))  # a bound, or the walk itself
         found.append((search(peak, n, target, estimate), search(lambda t: walk(t, park).peak, n, target, estimate)))
         return found[-1][0]
@@ -415,3 +419,45 @@ def test_the_budget_search_finds_the_fewest_that_fit_whatever_its_first_guess(se
     walked = []
     fewest_that_fit(lambda t: walked.append(t) or peaks[t], n, target, lambda t: peaks[t])
     assert len(set(walked)) <= 2
+
+
+_PLAN_IN_A_FRESH_PROCESS = """
+import sys, time
+import numpy as np
+import needle as ndl
+from needle import checkpoint, nn
+from models import LanguageModel
+
+np.random.seed(0)
+model = LanguageModel(16, 40, 16, num_layers=2, seq_model="transformer", seq_len=8, device=ndl.cpu_numpy(),
+                      num_head=2, dim_head=8)
+budget = checkpoint.Budget(int(sys.argv[1]))
+model.enable_gc(policy=budget)
+x = ndl.Tensor(np.random.randint(0, 40, (8, 4)).astype("float32"), device=ndl.cpu_numpy(), requires_grad=False)
+y = ndl.Tensor(np.random.randint(0, 40, (32,)).astype("float32"), device=ndl.cpu_numpy(), requires_grad=False)
+def no_clock(*args):
+    raise AssertionError("the Budget read a clock")
+time.perf_counter = time.time = time.monotonic = time.process_time = no_clock
+with ndl.autograd.lazy_mode(True):
+    loss, _ = model.loss(x, y)
+    loss.backward()
+print(sorted((repr(k), [str(f) for f in v]) for k, v in budget.planned.items()), budget.predicted_peak,
+      budget.predicted_time, sorted(m for m in sys.modules if m.startswith("needle.toolbox")))
+"""
+
+
+def test_the_budget_plans_without_a_clock_or_a_file_the_same_plan_in_every_process(tmp_path):
+    """Budget(b) ranks by fixed prices (costs.py): planning reads no clock (every clock raises in the process) and
+    writes no file (HOME, an empty folder, stays empty), loads no toolbox module, and two fresh processes plan
+    alike."""
+    home = tmp_path / "home"
+    home.mkdir()
+    repo = Path(__file__).resolve().parent.parent
+    env = {"HOME": str(home), "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+           "PYTHONPATH": os.pathsep.join(str(repo / d) for d in ("python", "apps"))}
+    runs = [subprocess.run([sys.executable, "-c", _PLAN_IN_A_FRESH_PROCESS, str(60_000)], capture_output=True,
+                           text=True, env=env, cwd=tmp_path, timeout=120) for _ in range(2)]
+    assert all(r.returncode == 0 for r in runs), runs[0].stderr[-2000:]
+    assert runs[0].stdout == runs[1].stdout and "False" in runs[0].stdout  # the same plan, which drops something
+    assert runs[0].stdout.rstrip().endswith("[]")  # no toolbox module
+    assert list(home.iterdir()) == [] and sorted(p.name for p in tmp_path.iterdir()) == ["home"]

@@ -10,13 +10,19 @@ import numpy as np
 import pytest
 
 import needle as ndl
-from needle import checkpoint, checkpoint_budget, nn, offload
+from needle import checkpoint, checkpoint_budget, nn
+from needle.toolbox import offload
 from needle.autograd import find_topo_sort, infer_spec, spec_nbytes
 from needle.checkpoint_budget import walk_step
 from needle.ledger import view_copies
-from needle.checkpoint_optimal import added_seconds, find_groups, walk_points
-from needle.cost_model import Calibration, CostModel
+from needle.toolbox.checkpoint_optimal import added_seconds, find_groups, walk_points
+from needle.toolbox.cost_model import Calibration, CostModel
 from models import LanguageModel
+
+
+def hosted(ids):
+    """{id: the host store} for walk_step's stores: these values go to host memory instead of being recomputed."""
+    return {i: offload.OFFLOAD for i in ids}
 
 DEVICE = ndl.cpu()
 pytestmark = pytest.mark.skipif(not DEVICE.enabled(), reason="the compiled CPU backend is not built")
@@ -89,7 +95,7 @@ def test_offloading_is_never_worse_and_is_priced_with_the_given_bandwidth():
         assert both.offloaded and not ids(both.offloaded) & ids(both.dropped)
         assert both.predicted_host_peak > 0
         off_device = ids(both.dropped + both.offloaded)
-        assert both.predicted_peak == walk_step(loss, off_device, None, ids(both.offloaded)).peak
+        assert both.predicted_peak == walk_step(loss, off_device, None, hosted(ids(both.offloaded))).peak
     # copies at a kilobyte a second cost more than any recomputation: nothing is offloaded
     slow = checkpoint_budget.optimal(loss, bytes, offload=True, host_bandwidth=1e3, cost_model=NOMINAL)
     assert slow.offloaded == () and slow.added_time == pytest.approx(recompute.added_time)
@@ -175,22 +181,24 @@ def test_without_scipy_it_says_how_to_install_it(monkeypatch):
 
 def test_the_budget_and_the_optimum_report_a_steps_time_alike():
     """predicted_time is a step's compute (CostModel.step_seconds) plus what the plan adds, for both planners (the
-    Budget's also has the trace it timed), so the Budget's can be set beside the optimum's
-    (benchmarks/bench_budget.py)."""
+    toolbox's Budget, calibrate=True, also has the trace it timed; the core's times nothing), so the Budget's can be
+    set beside the optimum's (benchmarks/bench_budget.py)."""
     off = checkpoint_budget.walk_step(lm_loss("off", layers=4), set()).peak
-    budget = checkpoint.Budget(int(0.6 * off), cost_model=NOMINAL)
-    loss = lm_loss(budget, layers=4)
-    budget.plan(loss)
-    plan = checkpoint_budget.optimal(loss, int(0.6 * off), cost_model=NOMINAL)
-    base = NOMINAL.step_seconds(loss)
-    assert budget.trace_seconds > 0  # the lazy trace, timed as it was built: not an op, so not the optimum's
-    assert budget.predicted_time == pytest.approx(base + budget.trace_seconds + budget.predicted_added_time)
-    assert plan.predicted_time == pytest.approx(base + plan.added_time)
-    assert plan.added_time <= budget.predicted_added_time * (1 + 1e-9)
+    for calibrate in (False, True):
+        budget = checkpoint.Budget(int(0.6 * off), cost_model=NOMINAL, calibrate=calibrate)
+        loss = lm_loss(budget, layers=4)
+        budget.plan(loss)
+        plan = checkpoint_budget.optimal(loss, int(0.6 * off), cost_model=NOMINAL)
+        base = NOMINAL.step_seconds(loss)
+        # the lazy trace, timed as it was built (not an op, so not the optimum's); the core's Budget has no stopwatch
+        assert (budget.trace_seconds > 0) if calibrate else budget.trace_seconds == 0.0
+        assert budget.predicted_time == pytest.approx(base + budget.trace_seconds + budget.predicted_added_time)
+        assert plan.predicted_time == pytest.approx(base + plan.added_time)
+        assert plan.added_time <= budget.predicted_added_time * (1 + 1e-9)
 
 
 def test_a_walk_that_parks_gradients_knows_the_peak_were_they_kept():
-    """The ledger's walk with park_gradients also counts the peak the same walk reaches with the gradients kept on
+    """The ledger's walk with a gradient store also counts the peak the same walk reaches with the gradients kept on
     the device (`peak_keeping_gradients`: the Budget decides from it whether to park, without a walk of its own): it
     equals the walk that keeps them, for plans with nothing, half and everything off the device, recomputed or
     parked."""
@@ -200,8 +208,8 @@ def test_a_walk_that_parks_gradients_knows_the_peak_were_they_kept():
     for t in (0, len(groups) // 2, len(groups)):
         dropped = ids(n for ns in groups[:t] for n in ns)
         for offloaded in (set(), {i for ns in groups[:t] for n in ns if offload.offloadable(n) for i in ids([n])}):
-            parked = walk_step(loss, dropped, None, offloaded, park_gradients=True)
-            kept = walk_step(loss, dropped, None, offloaded, park_gradients=False)
+            parked = walk_step(loss, dropped, None, hosted(offloaded), offload.GRADIENTS)
+            kept = walk_step(loss, dropped, None, hosted(offloaded))
             assert parked.peak_keeping_gradients == kept.peak
             assert parked.peak <= kept.peak
             strictly_lower += parked.peak < kept.peak

@@ -22,7 +22,8 @@ import numpy as np
 import pytest
 
 import needle as ndl
-from needle import autograd, checkpoint, compress, offload, ops
+from needle import autograd, checkpoint, ops
+from needle.toolbox import compress, offload
 from needle import backend_ndarray as nd
 from needle import backend_numpy
 from needle.backend_ndarray import array_api, memory_stats, reset_peak_memory_stats
@@ -152,8 +153,8 @@ def test_c2_what_is_compressed_and_why():
     loss, v = mlp_region(checkpoint.compress(8))
     # h: read by a matmul's gradient -> compressed; z: read only by relu (saves its output, not z) -> unread,
     # dropped; r: relu's own gradient reads it (its sign) -> exact; x * 2: read by layer norm -> compressed
-    assert offload.is_compressed(v["h"]) and offload.is_compressed(v["x2"])
-    assert v["z"].drop and not offload.is_marked(v["z"])
+    assert compress.is_codec(v["h"].store) and compress.is_codec(v["x2"].store)
+    assert v["z"].drop and v["z"].store is None
     assert not v["r"].drop and checkpoint.keep_reason(v["r"]) == "checkpoint"
     reasons = {id(n): reason for n, reason, _ in checkpoint.saved_residuals(loss, exclude=v["params"])}
     assert reasons[id(v["h"])] == "compressed"
@@ -164,7 +165,7 @@ def test_c2_what_is_compressed_and_why():
 @needs_cpu
 def test_c2_a_value_the_policy_drops_stays_dropped():
     loss, v = mlp_region(checkpoint.compress(8, "all"))
-    assert all(v[k].drop and not offload.is_marked(v[k]) for k in ("x2", "h", "z", "r"))
+    assert all(v[k].drop and v[k].store is None for k in ("x2", "h", "z", "r"))
 
 
 @needs_cpu
@@ -177,8 +178,8 @@ def test_c2_views_of_a_compressed_value_are_dropped_and_tuples_compress_element_
     with autograd.lazy_mode(False):
         out = model(X)[0]
     nodes = autograd.find_topo_sort([out])
-    tuples = [n for n in nodes if offload.is_compressed(n) and isinstance(offload.codec_of(n), compress.TupleCodec)]
-    kinds = {type(n.op).__name__: offload.codec_of(n).codecs for n in tuples}
+    tuples = [n for n in nodes if compress.is_codec(n.store) and isinstance(n.store, compress.TupleCodec)]
+    kinds = {type(n.op).__name__: n.store.codecs for n in tuples}
     # attention's output element (read linearly by its gradient) is compressed, its log-sum-exp kept; GELU's
     # activation (read by the next linear layer) compressed, its pre-activation (read by GELU') kept
     assert set(kinds) == {"ScaledDotProductAttention", "LinearActivation"}
@@ -188,7 +189,7 @@ def test_c2_views_of_a_compressed_value_are_dropped_and_tuples_compress_element_
             base = n
             while base.op is not None and base.op.view and type(base.op).__name__ != "MakeTensorTuple":
                 base = base.inputs[0]
-            assert not offload.is_compressed(base) or n is out, type(n.op).__name__
+            assert not compress.is_codec(base.store) or n is out, type(n.op).__name__
 
 
 # ----- C3: bounded, unbiased ----------------------------------------------------------------------------------
@@ -349,26 +350,25 @@ def test_rule_4d_a_reader_outside_the_region_gets_the_exact_value(lazy):
 
 
 @needs_cpu
-def test_rule_4d_a_graph_extended_after_the_choice_gets_the_exact_value():
-    """A region's output is decided when the first graph that reaches it is realized: here a peek at `logits`,
-    whose only reader of `out` is a matmul, so `out` is compressed. A reader added after that (PowerScalar's
-    gradient) sends it back to exact when backward starts: the gradients are gc off's, to the bit."""
+@pytest.mark.parametrize("lazy", [True, False], ids=["lazy", "eager"])
+def test_rule_4d_a_graph_extended_after_the_choice_gets_the_exact_value(lazy):
+    """A region's interior is decided when it is annotated: here `h`, whose only reader in the region is a matmul,
+    is compressed. A reader added after that, outside the region (PowerScalar's gradient reads h), sends it back to
+    exact when backward starts (rule 4d): the gradients are gc off's, to the bit."""
     def grads(policy):
         rs = np.random.RandomState(3)
-        x, w1, w2, w3 = (ndl.Tensor(rs.randn(*shape).astype(np.float32) * 0.3, device=CPU, requires_grad=True)
-                         for shape in ((64, 32), (32, 48), (48, 16), (16, 8)))
-        with autograd.lazy_mode(True):
-            out = ops.tanh(x @ w1) @ w2  # inside: tanh reads its own output, so nothing there is compressed
+        x, w1, w2 = (ndl.Tensor(rs.randn(*shape).astype(np.float32) * 0.3, device=CPU, requires_grad=True)
+                     for shape in ((64, 32), (32, 48), (48, 16)))
+        with autograd.lazy_mode(lazy):
+            h = x @ w1
+            out = h @ w2
             if policy is not None:
                 checkpoint.annotate(out, [x], policy=policy)
-            logits = out @ w3
-            logits.numpy()
-            if policy is not None:
-                assert offload.is_compressed(out)
-            loss = (logits * logits).sum() + ops.power_scalar(out, 3).sum()
+                assert compress.is_codec(h.store)
+            loss = ops.tanh(out).sum() + ops.power_scalar(h, 3).sum()  # (tanh's gradient reads its output, not out)
             loss.backward()
-        assert not offload.is_compressed(out)
-        return [t.grad.numpy() for t in (x, w1, w2, w3)]
+        assert not compress.is_codec(h.store)
+        return [t.grad.numpy() for t in (x, w1, w2)]
     assert all(np.array_equal(a, b) for a, b in zip(grads(None), grads(checkpoint.compress(2))))
 
 
@@ -393,10 +393,9 @@ def test_c5_the_ledger_predicts_the_peak_with_compressed_values():
         loss, _ = model.loss(X, y)
         autograd.run_deferred([loss])  # the outputs' decisions, made from the whole graph
         nodes = autograd.find_topo_sort([loss])
-        packed = {id(n): offload.codec_of(n).bytes_for(autograd.infer_spec(n)) for n in nodes
-                  if offload.is_compressed(n)}
+        packed = {id(n): n.store for n in nodes if compress.is_codec(n.store)}
         assert packed
-        predicted = walk_step(loss, {id(n) for n in nodes if n.drop}, compressed=packed).peak
+        predicted = walk_step(loss, {id(n) for n in nodes if n.drop}, stores=packed).peak
         reset_peak_memory_stats(CPU)
         loss.backward()
     measured = memory_stats(CPU)["peak_bytes"] - base

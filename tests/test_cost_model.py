@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 
 import needle as ndl
-from needle import autograd, cost_model, ops
+from needle import autograd, ops
+from needle.toolbox import cost_model
 from needle.autograd import TensorOp, infer_spec, placeholder
-from needle.cost_model import FLOP_KINDS, KINDS, Calibration, CostModel, device_copies_overlap, op_work
+from needle.toolbox.cost_model import FLOP_KINDS, KINDS, Calibration, CostModel, device_copies_overlap, op_work
 
 from conftest import DEVICES
 from models import LanguageModel

@@ -18,7 +18,7 @@ import pytest
 import needle as ndl
 from needle import distributed as dist
 from needle import nn, optim
-from needle.distributed import comm
+from needle.toolbox.distributed import comm
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 SCRIPTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "distributed")
@@ -172,7 +172,7 @@ def test_the_timeout_is_set_read_and_checked():
 
 
 def test_arrival_notices_agree_only_on_the_same_call_and_name_each_ranks_call():
-    from needle.distributed import notices
+    from needle.toolbox.distributed import notices
 
     three = notices.make_notice("all_reduce", "float32", "sum", size=3, shape=(3,))
     five = notices.make_notice("all_reduce", "float32", "sum", size=5, shape=(5,))
@@ -668,7 +668,7 @@ def test_a_mismatch_or_a_missing_rank_within_a_group_is_an_error_not_a_hang(case
 # ----- tensor and sequence parallelism --------------------------------------------------------------------------------
 def test_checkpointing_never_drops_the_output_of_a_collective():
     from needle import checkpoint
-    from needle.distributed import tensor_parallel as tp
+    from needle.toolbox.distributed import tensor_parallel as tp
     np.random.seed(0)
     x = ndl.Tensor(np.random.randn(4, 3), device=DEVICE, requires_grad=True)
     inner = ndl.ops.relu(x) * 2.0

@@ -65,3 +65,21 @@ def test_every_relative_link_resolves(path):
         elif fragment and resolved.suffix == ".md" and fragment not in _anchors(resolved):
             broken.append(f"line {number}: {target} (no heading #{fragment} in {resolved.name})")
     assert not broken, f"{path.relative_to(REPO)}: broken links: {broken}"
+
+
+PLACE = re.compile(r"`(python/[\w/]+\.py):(\d+)`\s*\|\s*`(class|def) (\w+)`")
+
+
+def test_the_reading_path_points_at_the_classes_and_functions_it_names():
+    """docs/READING.md: at least ten stops, each a repository-relative `path:line` whose line starts the `class` or
+    `def` the row names (so a moved line shows here, not in a reader's afternoon)."""
+    stops = PLACE.findall((REPO / "docs" / "READING.md").read_text())
+    assert len(stops) >= 10, f"docs/READING.md names {len(stops)} places (at least ten)"
+    wrong = []
+    for path, line, kind, name in stops:
+        lines = (REPO / path).read_text().splitlines()
+        found = lines[int(line) - 1].strip() if 0 < int(line) <= len(lines) else ""
+        if not re.match(rf"{kind} {name}\b", found):
+            starts = [n for n, text in enumerate(lines, 1) if re.match(rf"\s*{kind} {name}\b", text)]
+            wrong.append(f"{path}:{line} is {found!r}, not `{kind} {name}` (it starts at line {starts})")
+    assert not wrong, "docs/READING.md:\n  " + "\n  ".join(wrong)

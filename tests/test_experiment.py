@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 import needle as ndl
-from needle import checkpoint, compress
+from needle import checkpoint
+from needle.toolbox import compress
 from needle.checkpoint_budget import InfeasibleBudget
 from needle.data import batchify
 

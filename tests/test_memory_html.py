@@ -16,7 +16,7 @@ import shutil
 
 import pytest
 
-from needle.memory.html import write_html
+from needle.toolbox.memory.html import write_html
 
 CATEGORIES = ["parameter", "gradient", "optimizer_state", "activation_kept", "activation_recomputed", "workspace",
               "input", "other", "host"]

@@ -182,7 +182,7 @@ def test_plot_draws_a_png(tmp_path):
 
 
 def test_the_png_and_the_page_colour_each_category_alike():
-    from needle.memory.plot import COLORS, PHASE_COLORS
+    from needle.toolbox.memory.plot import COLORS, PHASE_COLORS
     script = (Path(ndl.memory.__file__).parent / "viewer.js").read_text()
     for name, colour in {**COLORS, **PHASE_COLORS}.items():
         assert re.search(rf"\b{name}: \"{colour}\"", script), (name, colour)

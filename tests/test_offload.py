@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 import needle as ndl
-from needle import checkpoint, nn, offload
+from needle import checkpoint, nn
+from needle.toolbox import offload
 from needle.backend_ndarray import memory_stats, reset_peak_memory_stats
 from needle.backward import plan_backward, reads
 from models import LanguageModel
@@ -56,7 +57,7 @@ def gradients(policy, lazy, dtype="float32"):
 def test_offloaded_gradients_are_bit_identical_to_gc_off(lazy, dtype):
     reference, _ = gradients(None, lazy, dtype)
     got, stats = gradients("offload", lazy, dtype)
-    assert stats["fetched_nodes"] > 0 and stats["fetched_bytes"] > 0 and stats["offloaded_bytes"] > 0
+    assert stats["brought_back_nodes"] > 0 and stats["fetched_bytes"] > 0 and stats["offloaded_bytes"] > 0
     for a, b in zip(reference, got):
         assert np.array_equal(a, b)
 
@@ -66,14 +67,14 @@ def test_a_fetched_value_is_not_recomputed_and_its_fetch_is_issued_a_step_ahead(
     loss = forward(model, lazy=True)
     loss.realize_cached_data()
     plan = plan_backward(loss)
-    fetched = plan.fetched()
-    assert fetched and all(offload.is_parked(n) for n in fetched)
+    fetched = plan.brought_back()
+    assert fetched and all((n.stored is not None) for n in fetched)
     recomputed = {id(n) for n in plan.recomputed()}
     assert not recomputed & {id(n) for n in fetched}
     # only views and tuples are recomputed (offload drops them: they cost nothing to make again)
     assert all(not offload.offloadable(n) for n in plan.recomputed())
     for i, step in enumerate(plan.steps):
-        for n in step.fetch:  # its first reader is the step after the one that issues the fetch (or, first, itself)
+        for n in step.bring_back:  # its first reader is the step after the one that issues the fetch (or, first, itself)
             readers = [j for j, s in enumerate(plan.steps) if not s.node.is_leaf() and
                        (any(x is n for x in reads(s.node)) or any(any(x is n for x in r.inputs) for r in s.recompute))]
             assert min(readers) == i + (i > 0), (i, readers)
@@ -123,11 +124,11 @@ def test_on_the_copy_thread_a_fetch_is_issued_and_waited_for_before_it_is_read_r
     model = lm("offload")
     loss = forward(model, lazy=True)
     loss.realize_cached_data()
-    parked = [n for n in plan_backward(loss).fetched()]
+    parked = [n for n in plan_backward(loss).brought_back()]
     assert parked
     node = parked[0]
-    expected = offload.parked_copy(node).copy()
-    offload.fetch(node, wait=False)
+    expected = node.stored[0].copy()  # the host copy (its bytes)
+    node.cached_data = offload.fetch(node.stored, wait=False)
     assert offload.copies_in_flight() == {"park_bytes": 0, "fetches": 1}  # (a fetch first settles the park)
     offload.wait_for_fetches()
     assert offload.copies_in_flight()["fetches"] == 0
@@ -191,7 +192,7 @@ def test_budget_with_offload_predicts_the_device_and_host_bytes(lazy):
     model = lm(budget, layers=4)
     peaks = [step(model) for _ in range(2)]
     stats = checkpoint.last_backward_stats()
-    assert stats["fetched_nodes"] > 0  # (at the nominal rates a copy is cheaper than most recomputations)
+    assert stats["brought_back_nodes"] > 0  # (at the nominal rates a copy is cheaper than most recomputations)
     assert peaks[-1] <= budget.bytes
     if lazy:  # (eager: the first step traces, and its model of when values die errs high, on the safe side)
         assert abs(peaks[-1] / budget.predicted_peak - 1) <= 0.01
@@ -337,7 +338,7 @@ def test_parked_gradients_leave_the_device_come_back_for_the_update_and_train_bi
     assert budget.parks_gradients
     assert max(peaks) <= budget.bytes and abs(peaks[-1] / budget.predicted_peak - 1) <= 0.01
     for p in model.parameters():  # parked after backward; the update fetched each and gave it back
-        assert offload.is_parked(p.grad) and p.grad.cached_data is None
+        assert (p.grad.stored is not None) and p.grad.cached_data is None
     for a, b in zip(reference.parameters(), model.parameters()):
         np.testing.assert_array_equal(a.numpy(), b.numpy())
     grad = model.parameters()[0].grad
@@ -349,12 +350,12 @@ def test_a_budget_that_fits_without_parking_gradients_leaves_them_on_the_device(
     budget = checkpoint.Budget(int(1.1 * issue_least_peak(False)), offload=True)
     model, _ = train_steps(budget, steps=1)
     assert not budget.parks_gradients
-    assert not any(offload.is_parked(p.grad) for p in model.parameters())
+    assert not any((p.grad.stored is not None) for p in model.parameters())
 
 
 def test_a_parameter_with_a_grad_hook_keeps_its_gradient_on_the_device():
     budget = checkpoint.Budget(int(1.02 * issue_least_peak(True)), offload=True)
     model, _ = train_steps(budget, steps=1, hook=True)
     first, *rest = model.parameters()
-    assert budget.parks_gradients and first.grad.cached_data is not None and not offload.is_parked(first.grad)
-    assert all(offload.is_parked(p.grad) for p in rest)
+    assert budget.parks_gradients and first.grad.cached_data is not None and first.grad.stored is None
+    assert all((p.grad.stored is not None) for p in rest)

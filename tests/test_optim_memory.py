@@ -9,7 +9,7 @@ import pytest
 import needle as ndl
 from needle import backend_ndarray as nd
 from needle import nn, optim
-from needle.optim.quantization import dynamic_map
+from needle.toolbox.optim.quantization import dynamic_map
 
 from conftest import DEVICES, GC_TINY, run_gc, tiny_ptb
 from experiment.ablations import ABLATIONS

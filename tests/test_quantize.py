@@ -24,8 +24,8 @@ from hypothesis.extra import numpy as hnp
 
 from needle import backend_ndarray as nd
 from needle import backend_numpy as np_face
-from needle.optim import quantization
-from needle.optim.quantization import dynamic_map
+from needle.toolbox.optim import quantization
+from needle.toolbox.optim.quantization import dynamic_map
 
 from quantize_cases import (DEVICES, REF, SIGNED, UNSIGNED, assert_same_bits, contract_dequantize, contract_quantize,
                             scaled_blocks)
@@ -238,7 +238,7 @@ def test_np_face_equals_the_reference():
 
 def test_optim_quantization_under_the_np_backend():
     """quantization.quantize / dequantize with NEEDLE_BACKEND=np (read at import: a fresh interpreter)."""
-    script = ("import numpy as np; from needle.optim import quantization as Q\n"
+    script = ("import numpy as np; from needle.toolbox.optim import quantization as Q\n"
               "x = np.linspace(-3, 2, 1000, dtype=np.float32).reshape(10, 100) ** 3\n"
               "q, m = Q.quantize(x, Q.dynamic_map())\n"
               "assert isinstance(q, np.ndarray) and q.shape == (10, 100) and q.dtype == np.uint8, q\n"

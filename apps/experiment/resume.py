@@ -16,7 +16,7 @@ import hashlib
 import numpy as np
 
 import needle as ndl
-from needle import compress
+from needle.toolbox import compress
 from needle import distributed as dist
 
 from .console import fail

@@ -138,10 +138,11 @@ def policy_label(config):
 
 def budget_policy(config, bound=None):
     """checkpoint.Budget at --budget-mb (or `bound` bytes), parking values in host memory with --offload, planning its
-    copies at --host-bandwidth GB/s when given."""
+    copies at --host-bandwidth GB/s when given. Priced with this machine's calibration (calibrate=True: measured
+    once, cached), so that its predicted step time is this machine's (gc.py reports it beside the measured)."""
     bandwidth = None if config.host_bandwidth is None else config.host_bandwidth * 1e9
     bound = int(config.budget_mb * 2**20) if bound is None else bound
-    return checkpoint.Budget(bound, offload=bool(config.offload), host_bandwidth=bandwidth)
+    return checkpoint.Budget(bound, offload=bool(config.offload), host_bandwidth=bandwidth, calibrate=True)
 
 
 def build_model(config, vocab, device, policy):

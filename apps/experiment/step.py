@@ -8,7 +8,8 @@ import time
 import numpy as np
 
 import needle as ndl
-from needle import autograd, checkpoint, cost_model
+from needle import autograd, checkpoint
+from needle.toolbox import cost_model
 from needle.autograd import nbytes_of
 from needle import backend_ndarray as nd
 from needle import distributed as dist
@@ -125,9 +126,9 @@ def _forward_backward(model, loss_fn, micro, config, device, params, scaler, bas
 def offload_traffic(backward_stats, device):
     """The step's activation copies to and from host memory (--policy offload, --offload), from each backward's
     last_backward_stats (which counts the copies since the backward before: its forward's and its own)."""
-    exposed = sum(s["copy_seconds_exposed"] for s in backward_stats)
-    offloaded = sum(s["offloaded_bytes"] for s in backward_stats)
-    fetched = sum(s["fetched_bytes"] for s in backward_stats)
+    exposed = sum(s.get("copy_seconds_exposed", 0.0) for s in backward_stats)  # (offloading's store's traffic:
+    offloaded = sum(s.get("offloaded_bytes", 0) for s in backward_stats)  # present once it has held a value)
+    fetched = sum(s.get("fetched_bytes", 0) for s in backward_stats)
     hidden = None  # nothing was copied
     if (offloaded or fetched) and not cost_model.device_copies_overlap(device):
         hidden = 0.0  # cpu(): every copy is synchronous, nothing runs beside it
@@ -139,8 +140,8 @@ def offload_traffic(backward_stats, device):
         copying = model.copy_seconds(offloaded, "to_host") + model.copy_seconds(fetched, "to_device")
         hidden = min(max(1 - exposed / copying, 0.0), 1.0)
     return {"activation_offloaded_bytes": int(offloaded), "activation_fetched_bytes": int(fetched),
-            "host_peak_bytes": int(max((s["host_peak_bytes"] for s in backward_stats), default=0)),
-            "fetched_nodes": int(sum(s["fetched_nodes"] for s in backward_stats)),
+            "host_peak_bytes": int(max((s.get("host_peak_bytes", 0) for s in backward_stats), default=0)),
+            "fetched_nodes": int(sum(s["brought_back_nodes"] for s in backward_stats)),
             "copy_seconds_exposed": exposed, "copy_hidden_fraction": hidden}
 
 

@@ -21,7 +21,7 @@ from .specs import element_dtype, element_shapes, elements_of, itemsize, nbytes_
 
 __all__ = ["LAZY_MODE", "TENSOR_COUNTER", "BackwardPlan", "Compute", "Machine", "Op", "Step", "Tensor", "TensorOp",
            "TensorTuple", "TensorTupleOp", "Value", "active_autocast", "compute_gradient_of_variables",
-           "defer_until_realized", "element_dtype", "element_shapes", "elements_of", "find_topo_sort", "infer_spec",
+           "defer_until_backward", "element_dtype", "element_shapes", "elements_of", "find_topo_sort", "infer_spec",
            "itemsize", "last_backward_stats", "lazy_mode", "nbytes_of", "placeholder", "plan_backward", "reads",
            "realize", "release", "run_backward", "run_deferred", "set_autocast", "spec_nbytes", "spec_of"]
 
@@ -68,9 +68,6 @@ class Op:
     view = False  # the output lives in its input's buffer (when `view_strides` says so), or a tuple's
     compacts_inputs = False  # compute copies a strided operand into a compact one first (True, or input positions)
     recomputable = True  # False: computing it again would repeat a collective, so checkpointing never drops it
-    # The elements of its own output (0 for a plain Tensor) that `gradient` reads at most linearly, if it reads its
-    # output: a compressed copy of them leaves its gradient unbiased (compress.py). Usually none.
-    compressible_outputs = ()
 
     def view_strides(self, shape, strides, out_shape):
         """For a view op: the output's element strides given its input's, or None where compute must copy."""
@@ -145,8 +142,8 @@ class TensorTupleOp(Op):
 class Value:
     """A node of the computational graph."""
 
-    __slots__ = ("op", "inputs", "_data", "requires_grad", "drop", "grad", "_spec", "version", "_input_versions",
-                 "_released", "_grad_hooks", "__weakref__")
+    __slots__ = ("op", "inputs", "_data", "requires_grad", "drop", "store", "stored", "grad", "_spec", "version",
+                 "_input_versions", "_released", "_grad_hooks", "__weakref__")
 
     @property
     def cached_data(self):
@@ -162,13 +159,14 @@ class Value:
     def realize_cached_data(self):
         """The value of this node, computed (iteratively, with what it needs) if it is not cached.
 
-        A dropped node's value is computed and returned but not kept; a parked one (offload.py) is fetched back. A
-        value kept compressed (compress.py) is recomputed instead: its codes are an approximation for its gradient,
-        not what a reader of the value asked for.
+        A dropped node's value is computed and returned but not kept; a value a store holds (store.py: a gradient
+        kept in host memory, say) is brought back from it.
         """
         if self.cached_data is None:
-            if offload.is_parked(self) and not offload.is_compressed(self):  # e.g. a gradient parked in host memory
-                return offload.fetch(self)
+            if self.stored is not None:
+                self.cached_data = self.store.get(self, self.stored)
+                self.store.ready()
+                return self.cached_data
             return realize([self], _keep_forward)[0]
         return self.cached_data
 
@@ -217,7 +215,8 @@ class Value:
         self.inputs = tuple(inputs)
         self._data = cached_data
         self.requires_grad = requires_grad
-        self.drop = False
+        self.drop = False  # checkpointing: not kept in memory after its last forward use
+        self.store = self.stored = None  # where its value goes when it leaves memory, and what holds it (store.py)
         self.grad = None
         self._spec = None
         self.version = 0
@@ -462,8 +461,17 @@ def find_topo_sort(node_list, expand=None):
 
 
 # ----- values in memory: releasing one (its spec and bytes: specs.py) ---------------------------------------------
-def release(node):
-    """Forget a node's value (it can be recomputed from its inputs); remember its shape, dtype and device."""
+def release(node, last_use=False):
+    """Forget a node's value (it can be recomputed from its inputs); remember its shape, dtype and device.
+
+    A node with a store (store.py) is put there first, once; the stored copy is let go at its `last_use`.
+    """
+    if node.stored is not None and last_use:
+        node.store.discard(node, node.stored)
+        node.stored = None
+    elif node.store is not None and node.stored is None and node.cached_data is not None:
+        node.stored = node.store.put(node)
+        store.note_used(node.store)
     if node.cached_data is not None:
         node._spec = spec_of(node.cached_data)
         node.cached_data = None
@@ -519,12 +527,12 @@ class Machine(Protocol):
     def recompute(self, node) -> None:
         """Make again, in backward, a value the forward pass made and released (checked: rule 4, backward.py)."""
 
-    def fetch(self, node) -> None:
-        """Bring back, in backward, a value the forward pass parked in host memory (offload.py). The value may be
-        read only after the next `fetches_ready()` (a copy thread may still be filling it)."""
+    def bring_back(self, node) -> None:
+        """Bring back, in backward, a value its store holds (store.py). It may be read only after the next
+        `ready()` (the store may still be filling it)."""
 
-    def fetches_ready(self) -> None:
-        """Wait until the values fetched so far may be read."""
+    def ready(self) -> None:
+        """Wait until the values brought back so far may be read."""
 
     def check_reads(self, node) -> None:
         """Check that the forward values `node`'s gradient reads are still those the forward pass read."""
@@ -539,28 +547,26 @@ class Machine(Protocol):
         """`node`'s value (a raw array), or None where the machine holds no data."""
 
 
-# Deferred decisions, keyed weakly by node (a graph that is never realized takes its callbacks with it).
+# Deferred decisions, keyed weakly by node (a graph that is never differentiated takes its callbacks with it).
 _deferred = weakref.WeakKeyDictionary()
 
 
-def defer_until_realized(node, callback):
-    """Call `callback(roots)` once, before `node` is first computed (or before a backward through it begins).
+def defer_until_backward(node, callback):
+    """Call `callback(roots)` once, when a backward pass through `node` begins: before anything more of a lazy
+    graph is computed, with the whole graph in view. `roots` are the values backward starts from.
 
-    The hook for a policy that decides from the whole graph: checkpoint_budget.Budget chooses what to drop in a
-    lazy graph before any of it is computed. `roots` are the values whose realization (or backward) runs it.
+    The one moment a policy that decides from the whole graph decides: checkpoint_budget.Budget plans there.
     """
-    _deferred.setdefault(node, []).append(callback)  # (a Budget's and compress's may wait on one value)
+    _deferred.setdefault(node, []).append(callback)  # (several policies may wait on one value)
 
 
-def run_deferred(roots, order=None, pending_only=True):
-    """Run the callbacks deferred on values above `roots` (`order`: their topological order, if at hand), each
-    once; `pending_only`: only those of values not computed yet."""
+def run_deferred(roots):
+    """Run the callbacks deferred on values above `roots`, each once (backward's first act)."""
     if not _deferred:
         return
-    for node in find_topo_sort(roots) if order is None else order:
-        if (not pending_only or node.cached_data is None) and node in _deferred:
-            for callback in _deferred.pop(node):
-                callback(roots)
+    for node in find_topo_sort(roots):
+        for callback in _deferred.pop(node, ()):
+            callback(roots)
 
 
 def last_consumers(order, computed):
@@ -587,14 +593,11 @@ def realize(targets, keep, machine=None, walked=None):
     A computed value is kept if `keep(node)`; otherwise it is released as soon as its last consumer in this
     realization has been computed (rule 3, backward.py). Targets are returned even if not kept. The walk's
     order (the values computed, and unexpanded, the existing values they read) is appended to `walked` if given.
-    Deferred decisions (`defer_until_realized`) run first, when the walk is the real one.
     """
     machine = machine or _COMPUTE
     order = find_topo_sort(targets, expand=lambda n: not machine.has(n))
     if walked is not None:
         walked.extend(order)
-    if machine is _COMPUTE:
-        run_deferred(targets, order)
     releases = last_consumers(order, machine.has)
     target_ids = {id(t) for t in targets}
     for i, node in enumerate(order):
@@ -618,7 +621,7 @@ def _keep_forward(node):
 
 
 # ops and backward need the classes above; backward's public names are re-exported here (the course's API).
-from . import memory_hook, offload, ops  # noqa: E402
+from . import memory_hook, ops, store  # noqa: E402
 from .backward import (  # noqa: E402
     BackwardPlan, Compute, Step, compute_gradient_of_variables, last_backward_stats, plan_backward, reads,
     run_backward,

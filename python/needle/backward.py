@@ -2,51 +2,25 @@
 
 `plan_backward(root)` is plain data: one `Step` per value to differentiate, in reverse topological order, each
 naming the values to recompute before it (missing values its gradient reads: dropped by checkpointing or released
-earlier) and the values to release after it (whose last use it is). `run_backward` walks that plan with a machine
-(`autograd.Machine`): `Compute` does the work; checkpoint_budget's `Ledger` walks the very same loop and only
-counts bytes. A dropped value is just a missing value here; what to drop is decided in checkpoint.py.
+earlier), the values a store holds to bring back first (store.py), and the values to release after it (whose last
+use it is). `run_backward` walks that plan with a machine (`autograd.Machine`): `Compute` does the work;
+checkpoint_budget's `Ledger` walks the very same loop and only counts bytes. A dropped value is just a missing
+value here; what to drop is decided in checkpoint.py.
 
-The rules of checkpointing that concern backward, enforced in this file (rule 1's region boundaries are
-`checkpoint.annotate`'s; each test names the rule it checks):
-
-  Rule 1. Leaves, the output of a backward pass and values of one element (`KEPT_ELEMENTS`: a loss, a
-          norm) are never released (`plan_backward`); no policy ever drops a one-element value (they are not
-          candidates: `checkpoint.annotate`). So
-          `loss.numpy()` after `(loss * 1.0).backward(); opt.step()` — or after `scaler.scale(loss).backward();
-          scaler.step(opt)`, read before backward or not — is the forward's loss, not the updated model's (other
-          values raise when their recomputation would read changed inputs: rule 4c). It costs next to nothing:
-          at most 8 bytes a value, for as long as the graph lives — less than the Python node that holds it,
-          which the graph keeps anyway — and a scalar is never worth recomputing. The Budget's ledger walks the
-          same plan, so it counts those bytes too and its prediction stays exact.
-  Rule 2. During one backward pass, a dropped or released value is recomputed at most once: recomputed values
-          stay alive until their last use in that pass (`plan_backward` plans it; tests assert it on the plan).
-  Rule 3. Every activation, dropped or not, is released after its last use: in the forward pass for dropped
-          values (eager: as soon as the region's output exists; lazy: after its last consumer is computed,
-          `autograd.realize`), and in backward for every value after the last gradient that reads it
-          (`plan_backward`). Gradient-graph temporaries are released after the step that made them
-          (`run_backward`, `_release_step_temporaries`).
-  Rule 4. Recomputation and differentiation are exact (`Compute`):
-          (a) a recomputed value has the shape, dtype and device it had in the forward pass (checked every time);
-          (b) eager and lazy mode give bit-identical numbers;
-          (c) a value, once computed, reads the same forever, or raises saying why it cannot. Every value has a
-              version, bumped by each in-place write (`.data =`, an optimizer's update, `t[idx] = ...`); each
-              node records its inputs' versions when it is built (lazy mode too: what a lazy graph computes is
-              what it read when it was built). Whenever a value is computed — eagerly, when a lazy graph is
-              realized, when backward recomputes a dropped value, when a value released by backward is read
-              again — and before a gradient reads forward values (`Op.saves`), the versions are compared, and a
-              mismatch raises RuntimeError naming the op, the input and both versions (`Compute`,
-              `check_unchanged`) — with checkpointing off too (a MatMul's gradient reads its weight).
-  Rule 5. When backward returns, every leaf gradient is realized, so an optimizer that updates parameters in
-          place can never change a value a gradient still depends on (`run_backward` realizes each step).
+The rules of checkpointing are numbered, and each is stated once, where it is enforced (each test names the rule
+it checks): rule 1, what is never dropped or released, at `always_kept` and `checkpoint.annotate`; rule 2,
+recompute at most once, and rule 3, release after the last use, at `plan_backward` (and `autograd.realize` for the
+forward pass); rule 4, exact recomputation, at `Compute`; rule 5, gradients realized when backward returns, at
+`run_backward`.
 """
 from dataclasses import dataclass, field
 
 import numpy
 
 from . import ops
-from .autograd import (Machine, Tensor, TensorTuple, Value, element_shapes, elements_of, find_topo_sort, infer_spec,
-                       lazy_mode, nbytes_of, realize, run_deferred, set_autocast, spec_of)
-from . import memory_hook, offload
+from .autograd import (Machine, Tensor, TensorTuple, Value, elements_of, find_topo_sort, infer_spec, lazy_mode,
+                       nbytes_of, realize, release, run_deferred, set_autocast, spec_of)
+from . import memory_hook, store
 from .backend_selection import device_of
 
 __all__ = ["KEPT_ELEMENTS", "BackwardPlan", "Compute", "Step", "always_kept", "compute_gradient_of_variables",
@@ -61,7 +35,7 @@ class Step:
     node: "Value"
     recompute: list = field(default_factory=list)  # missing values its gradient reads, and their missing ancestors
     release: list = field(default_factory=list)  # forward values whose last use is this step: released after it
-    fetch: list = field(default_factory=list)  # parked values (offload.py) brought back before this step, for the next
+    bring_back: list = field(default_factory=list)  # values a store holds, brought back before this step, for the next
 
 
 @dataclass
@@ -75,8 +49,8 @@ class BackwardPlan:
     def recomputed(self):
         return [n for step in self.steps for n in step.recompute]
 
-    def fetched(self):
-        return [n for step in self.steps for n in step.fetch]
+    def brought_back(self):
+        return [n for step in self.steps for n in step.bring_back]
 
 
 def reads(node):
@@ -85,14 +59,20 @@ def reads(node):
     return {"none": (), "output": (node,), "both": node.inputs + (node,)}.get(saves, node.inputs)
 
 
-# Rule 1: values of at most this many elements are never released by backward nor dropped by a policy, so the
-# loss a user reads after backward and optimizer.step() is the forward's. One element (a loss, a norm, a count):
-# at most 8 bytes each, less than the Python node that holds it; more would start keeping small models' activations.
+# Values of at most this many elements are never released by backward nor dropped by a policy (rule 1).
 KEPT_ELEMENTS = 1
 
 
 def always_kept(node):
-    """Whether `node`'s value is small enough to stay in memory for as long as the graph lives (rule 1)."""
+    """Rule 1: whether `node`'s value stays in memory for as long as the graph lives: one element (a loss, a norm).
+
+    Leaves, the output of a backward pass and values of `KEPT_ELEMENTS` are never released (`plan_backward`); no
+    policy ever drops a one-element value (they are not candidates: `checkpoint.annotate`). So `loss.numpy()` after
+    `(loss * 1.0).backward(); opt.step()` — or after `scaler.scale(loss).backward(); scaler.step(opt)`, read before
+    backward or not — is the forward's loss, not the updated model's (other values raise when their recomputation
+    would read changed inputs: rule 4c). It costs next to nothing: at most 8 bytes a value, less than the Python
+    node that holds it, and a scalar is never worth recomputing; more elements would start keeping small models'
+    activations. The Budget's ledger walks the same plan, so it counts those bytes too."""
     data = node.cached_data
     if data is not None and not isinstance(data, tuple):
         return data.size <= KEPT_ELEMENTS  # (backward asks for every value: the short way where there is one)
@@ -100,19 +80,23 @@ def always_kept(node):
     return spec is not None and elements_of(spec[0]) <= KEPT_ELEMENTS
 
 
-def plan_backward(root, has=None, parked=None):
+def plan_backward(root, has=None, stored=None):
     """The backward plan of the graph above `root`, given which values exist when it starts (`has`) and which
-    missing ones wait in host memory (`parked`, default: those offload.py was asked to offload).
+    missing ones a store holds (`stored`, default: those with a store, store.py).
 
     Simulates the pass in reverse topological order. Before a node's gradient, the values it reads must exist;
     missing ones, and the missing ancestors they need, are recomputed at that step and from then on count as
-    available, so nothing is recomputed twice (rule 2). A parked value is fetched instead of recomputed (its
-    ancestors are not needed), issued one step earlier, so that on a copy stream (cuda) or thread (cpu) the copy runs
-    beside that step's compute. A value's last use is the last step that reads it or recomputes a consumer from it;
-    it is released right after (rule 3). Leaves, the root and one-element values are never released (rule 1).
+    available, so nothing is recomputed twice (rule 2: during one backward pass a dropped or released value is
+    recomputed at most once; tests assert it on the plan). A stored value is brought back instead of recomputed (its
+    ancestors are not needed), a step earlier than the step that reads it, so that a store that copies beside the
+    compute (a copy stream or thread) has that step's time to do it. A value's last use is the last step that reads
+    it or recomputes a consumer from it; it is released right after (rule 3: every activation, dropped or not, is
+    released after its last use: here in backward, in the forward pass by `autograd.realize`; gradient-graph
+    temporaries after the step that made them, `_release_step_temporaries`). Leaves, the root and one-element
+    values are never released (rule 1).
     """
     has = has or Compute().has
-    parked = parked or offload.is_marked
+    stored = stored or (lambda n: n.store is not None)
     reverse = list(reversed(find_topo_sort([root])))
     available = {id(n) for n in reverse if has(n)}
     steps, last_use = [], {}
@@ -127,12 +111,12 @@ def plan_backward(root, has=None, parked=None):
         for v in needed:
             last_use[id(v)] = step
         missing = [v for v in needed if id(v) not in available]
-        for n in find_topo_sort(missing, expand=lambda n: id(n) not in available and not parked(n)):
+        for n in find_topo_sort(missing, expand=lambda n: id(n) not in available and not stored(n)):
             if id(n) in available:
                 continue
             available.add(id(n))  # rule 2: from now on it exists until its last use
-            if parked(n):
-                (steps[-2] if len(steps) > 1 else step).fetch.append(n)  # issued a step ahead of its use
+            if stored(n):
+                (steps[-2] if len(steps) > 1 else step).bring_back.append(n)  # a step ahead of its use
                 continue
             step.recompute.append(n)
             for inp in n.inputs:
@@ -150,13 +134,24 @@ def plan_backward(root, has=None, parked=None):
 
 # ----- the machine that runs it for real --------------------------------------------------------------------------
 class Compute(Machine):
-    """The machine that runs realization and backward for real: it computes, checks (rule 4) and releases values."""
+    """The machine that runs realization and backward for real: it computes, checks and releases values.
+
+    Rule 4: recomputation and differentiation are exact. (a) A recomputed value has the shape, dtype and device it
+    had in the forward pass (checked every time). (b) Eager and lazy mode give bit-identical numbers. (c) A value,
+    once computed, reads the same forever, or raises saying why it cannot: every value has a version, bumped by each
+    in-place write (`.data =`, an optimizer's update, `t[idx] = ...`); each node records its inputs' versions when
+    it is built (lazy mode too). Whenever a value is computed — eagerly, when a lazy graph is realized, when backward
+    recomputes a dropped value or reads a released one again — and before a gradient reads forward values
+    (`Op.saves`), the versions are compared, and a mismatch raises RuntimeError naming the op, the input and both
+    versions (`check_unchanged`) — with checkpointing off too (a MatMul's gradient reads its weight).
+    """
 
     def __init__(self):
         self.stats = {"recomputed_nodes": 0, "recomputed_bytes": 0, "released_bytes": 0,
-                      "max_recomputes_per_node": 0, "fetched_nodes": 0}
+                      "max_recomputes_per_node": 0, "brought_back_nodes": 0}
         self.recomputed = {}  # id -> count, this pass
-        self.in_backward = False  # run_backward sets it: a release there is a value's last (offload.release_value)
+        self.in_backward = False  # run_backward sets it: a release there is a value's last (autograd.release)
+        self.filling = []  # the stores that may still be filling a value brought back (see ready)
 
     def has(self, node):
         return node.cached_data is not None
@@ -199,27 +194,32 @@ class Compute(Machine):
     def check_reads(self, node):
         check_unchanged(node, reads(node))
 
-    def fetch(self, node):
-        """A parked value back from host memory: the bytes the forward pass made (offload.py)."""
+    def bring_back(self, node):
+        """A value its store holds, back in memory: the store may fill it beside this step (see ready)."""
         with memory_hook.phase("recompute"):
-            offload.fetch(node, wait=False)  # a copy thread fills it beside this step: see fetches_ready
+            node.cached_data = node.store.get(node, node.stored)
         if memory_hook.RECORDER is not None:
-            memory_hook.RECORDER.fetched(node)  # needle.memory: what the fetched buffer is
-        self.stats["fetched_nodes"] += 1
+            memory_hook.RECORDER.brought_back(node)  # needle.memory: what the buffer brought back is
+        if node.store not in self.filling:
+            self.filling.append(node.store)
+        self.stats["brought_back_nodes"] += 1
 
-    def fetches_ready(self):
-        offload.wait_for_fetches()
+    def ready(self):
+        for filling in self.filling:
+            filling.ready()
+        self.filling.clear()
 
     def release(self, node):
         self.stats["released_bytes"] += nbytes_of(node.cached_data)
-        offload.release_value(node, self.in_backward)  # a value marked for offloading is parked first
+        release(node, last_use=self.in_backward)  # a value with a store is put there first (store.py)
 
     def set_grad(self, node, grad):
         node.grad = grad
         for hook in node._grad_hooks or ():  # e.g. DataParallel: start reducing while backward goes on
             hook(node)
-        if offload.parks_gradient(node):  # a Budget that could not fit otherwise: to the host until the update
-            offload.park_gradient(node)
+        if node.store is not None and not node._grad_hooks:  # a leaf's store takes its complete gradient (store.py)
+            grad.store = node.store
+            release(grad)
 
     def value(self, node):
         return node.cached_data
@@ -261,68 +261,11 @@ _WHY_NOT = {
 }
 
 
-def settle_compressed(root):
-    """Rule 4d: a value kept compressed (compress.py) is rebuilt from its codes only for gradients that may read an
-    approximation: where its codec `allows` every gradient that reads it, or reads a value backward recomputes from
-    it. Where one may not (a reader outside the region that chose to compress it, a graph extended after the
-    choice, a ReLU recomputed from it), it goes back to being a dropped value, recomputed exactly, and so does every
-    compressed value that recomputation starts from. Decided here, when backward starts and the graph is whole."""
-    if not offload.any_compressed():
-        return
-    order = find_topo_sort([root])
-    consumers = {}
-    for n in order:
-        for x in n.inputs:
-            consumers.setdefault(id(x), []).append(n)
-    for value in order:
-        if offload.is_compressed(value) and not _approximation_allowed(value, consumers):
-            _recompute_exactly(value)
-
-
-def _approximation_allowed(value, consumers):
-    """Whether every gradient reading `value`'s rebuilt copy, or a value recomputed from it, allows it."""
-    codec = offload.codec_of(value)
-    exact_elements = {k for k, c in enumerate(getattr(codec, "codecs", ())) if c is None}  # a tuple's exact ones
-    stack, seen = [value], {id(value)}
-    while stack:  # the values derived from the rebuilt one: its views and what backward recomputes from it
-        w = stack.pop()
-        if any(r is w for r in reads(w)) and not (w is value and _own_read_allowed(value, exact_elements)):
-            return False
-        for u in consumers.get(id(w), ()):
-            if w is value and u.op.view and getattr(u.op, "index", None) in exact_elements:
-                continue  # an exact element of a compressed tuple
-            if any(r is w for r in reads(u)) and not codec.allows(u.op):
-                return False
-            derived = u.op.view or (u.drop and u.cached_data is None and not offload.is_marked(u))
-            if derived and id(u) not in seen:
-                seen.add(id(u))
-                stack.append(u)
-    return True
-
-
-def _own_read_allowed(node, exact_elements):
-    """A gradient reading its own output reads a compressed copy only through `compressible_outputs`."""
-    elements = element_shapes(infer_spec(node)[0])
-    compressed = {k for k in range(len(elements or [None])) if k not in exact_elements}
-    return compressed <= set(node.op.compressible_outputs)
-
-
-def _recompute_exactly(value):
-    """`value` and the compressed values its recomputation starts from: dropped values again (offload.unmark)."""
-    stack, seen = [value], set()
-    while stack:
-        n = stack.pop()
-        if id(n) in seen:
-            continue
-        seen.add(id(n))
-        offload.unmark(n)
-        stack.extend(x for x in n.inputs if x.cached_data is None and not x.is_leaf()
-                     and (offload.is_compressed(x) or not offload.is_marked(x)))
-
-
 # ----- executing the plan -----------------------------------------------------------------------------------------
 def run_backward(plan, out_grad, machine=None):
-    """Walk `plan`: recompute, differentiate, release. Gradients are graph nodes built lazily, realized per step.
+    """Walk `plan`: bring back, recompute, differentiate, release. Gradients are graph nodes built lazily, realized
+    per step (rule 5: when backward returns, every leaf gradient is realized, so an optimizer that updates
+    parameters in place can never change a value a gradient still depends on).
 
     Each step's gradient graph is built lazily and realized together, so its temporaries die as soon as they are
     consumed; afterwards everything the step made is released unless a later step awaits it (rule 3).
@@ -338,11 +281,11 @@ def run_backward(plan, out_grad, machine=None):
         node = step.node
         if memory_hook.RECORDER is not None:
             memory_hook.RECORDER.differentiating(node)  # needle.memory: the gradients belong to node's module
-        machine.fetches_ready()  # the values fetched a step ago are read from this step on
-        for n in step.fetch:  # first: a value recomputed here may read a fetched one
-            machine.fetch(n)
+        machine.ready()  # the values brought back a step ago are read from this step on
+        for n in step.bring_back:  # first: a value recomputed here may read one brought back
+            machine.bring_back(n)
         if step is plan.steps[0]:
-            machine.fetches_ready()  # the first step's fetches include what it reads itself (plan_backward)
+            machine.ready()  # the first step's include what it reads itself (plan_backward)
         for n in step.recompute:
             machine.recompute(n)
         parts = grads.pop(id(node), None)
@@ -365,7 +308,7 @@ def run_backward(plan, out_grad, machine=None):
             _release_step_temporaries(walked, new, parts, grad, forward, awaited, machine)
         for n in step.release:
             machine.release(n)
-    machine.fetches_ready()  # (every fetch is read by a later step, which waited for it: nothing left in flight)
+    machine.ready()  # (every value brought back is read by a later step, which waited for it: nothing is left)
 
 
 def _input_gradients(node, grad, machine, walked, grads):
@@ -444,9 +387,9 @@ _last_stats = {}
 
 
 def last_backward_stats():
-    """Statistics of the last backward pass: recomputed nodes and bytes, released bytes, the allocator's peak, and
-    offloading's copies since the backward before (offload.traffic: offloaded_bytes, fetched_bytes,
-    host_peak_bytes, copy_seconds_exposed; fetched_nodes).
+    """Statistics of the last backward pass: recomputed nodes and bytes, released bytes, values brought back from
+    their stores, the allocator's peak, and what the stores did since the backward before (store.take_traffic:
+    the bytes the toolbox's stores moved, say).
 
     `peak_bytes` is the device allocator's peak since its last reset (reset it when a step starts to read that
     step's peak: `backend_ndarray.reset_peak_memory_stats(device)`);
@@ -468,10 +411,9 @@ def compute_gradient_of_variables(output_tensor, out_grad):
         raise ValueError(f"backward(): out_grad has shape {tuple(out_grad.shape)}, but the output has shape "
                          f"{tuple(output_tensor.shape)}; they must be equal")
     # Decisions waiting for the whole graph (a Budget's), before anything more is computed.
-    run_deferred([output_tensor], pending_only=False)
+    run_deferred([output_tensor])
     with memory_hook.phase("forward"):
         output_tensor.realize_cached_data()  # the forward pass (in lazy mode it runs here)
-    settle_compressed(output_tensor)
     # Gradients are built from an out_grad that requires grad, so every gradient value is a graph node that
     # can be released after use and recomputed on demand (x.grad stays differentiable), never a stray constant.
     with memory_hook.phase("backward"):  # (needle.memory: the seed is a gradient)
@@ -488,7 +430,6 @@ def compute_gradient_of_variables(output_tensor, out_grad):
         set_autocast(autocast)
     stats = dict(machine.stats)
     stats["peak_bytes"] = device.memory_stats()["peak_bytes"] if hasattr(device, "memory_stats") else None
-    stats.update(offload.traffic())  # the copies of this step: its forward's offloads, its backward's fetches
-    offload.reset_traffic()
+    stats.update(store.take_traffic())  # what the stores did this step, in its forward and its backward
     _last_stats.clear()
     _last_stats.update(stats)

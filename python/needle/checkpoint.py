@@ -1,59 +1,43 @@
 """Gradient checkpointing: keep fewer activations after the forward pass, recompute them during backward.
 
-Training keeps every intermediate value of the forward pass alive until backward has used it; for a deep
-network that is most of the memory of a step. Checkpointing trades compute for memory (Chen et al. 2016,
-"Training Deep Nets with Sublinear Memory Cost"): nodes marked `drop` are not kept after the forward pass, and
-backward recomputes them from their nearest kept ancestors (the checkpoints) just before it needs them.
+Training keeps every intermediate value of the forward pass alive until backward has used it; for a deep network
+that is most of a step's memory. Checkpointing trades compute for memory (Chen et al. 2016, "Training Deep Nets
+with Sublinear Memory Cost"): nodes marked `drop` are not kept after the forward pass, and backward recomputes
+them from their nearest kept ancestors (the checkpoints) just before it needs them.
 
     model.enable_gc(policy="sqrt")        # or segment_len=4, policy="selective", policy=Budget(64 << 20)
     loss = loss_fn(model(x), y)           # layers call annotate() on their interior as they run
     loss.backward()                       # dropped values are recomputed here, each at most once
-    checkpoint.last_backward_stats()      # {"recomputed_nodes": ..., "released_bytes": ..., ...}
-
     y = checkpoint.checkpoint(block, x)   # without enable_gc: drop one function's interior (torch's API)
-    y = checkpoint.checkpoint_sequential(layers, 4, x)    # a stack of layers in 4 checkpointed chunks
     checkpoint.print_saved_residuals(loss)                # what backward will find in memory, and why
 
-This file decides *what* is dropped: `annotate` and the policies. Backward itself (what to recompute before
-each step, when each value dies) is backward.py's plan, which treats a dropped value as a missing one; the memory
-budget planner is `checkpoint_budget.Budget`.
-
-A policy is a callable `policy(candidates, outputs) -> keep flags`: `candidates` are a region's interior nodes in
-topological order, `outputs` its output nodes; it returns one flag per candidate (True: keep it as a checkpoint;
-False: drop it, backward recomputes it; `OFFLOAD`: park it in host memory after its last forward use, backward
-fetches it back: offload.py; a `compress.Codec`: keep it compressed on the device, backward rebuilds it:
-compress.py, whose `compress(bits, policy)` wraps any policy this way). The built-in ones below, `Budget` and
-`Planned` are all called this way.
-
-The rules of checkpointing are numbered; each is stated where it is enforced, and each test names the rule it
-checks. Rule 1 is this file's: leaves (parameters, constants, dropout masks), the inputs and output of an
-annotated region, and one-element values (a loss: backward never releases them either) are never dropped
-(`annotate`). Rules 2-5 are about backward and are stated in backward.py:
-recompute at most once (2), release after the last use (3), exact recomputation and version checks (4), gradients
-realized when backward returns (5).
+This file decides *what* is dropped: `annotate` and the policies (`resolve_policy` says what a policy is).
+Backward (what to recompute before each step, when each value dies) is backward.py's plan, which treats a dropped
+value as a missing one; the memory-budget planner is checkpoint_budget.py. Rule 1 (what is never dropped) is
+stated at `annotate`, where it is enforced; rules 2-5 in backward.py.
 """
 import math
 import warnings
 from collections import Counter
 from dataclasses import dataclass
 
-from . import autograd, offload, regions
-from .compress import Compress, is_codec
-from .regions import keep_reason, region_of
-from .autograd import Value, element_shapes, find_topo_sort, infer_spec, itemsize, release, spec_nbytes
+from . import autograd, lazy, regions
+from .regions import apply_decision, keep_reason, region_of
+from .autograd import Value, element_shapes, find_topo_sort, infer_spec, itemsize, spec_nbytes
 from .backward import always_kept, last_backward_stats
 from .checkpoint_budget import Budget
+from .store import Store
 
 __all__ = [
-    "OFFLOAD",
     "Budget",
     "EverySegment",
     "NothingToDropWarning",
+    "Store",
     "Sqrt",
     "annotate",
+    "apply_decision",
     "checkpoint",
     "checkpoint_sequential",
-    "compress",
     "dots_saveable",
     "keep_reason",
     "last_backward_stats",
@@ -66,18 +50,16 @@ __all__ = [
 ]
 
 
-# ----- policies: small pure functions from the candidate nodes of a region to keep/drop flags ------------------
-OFFLOAD = offload.OFFLOAD  # a policy's third answer: neither keep nor recompute, but park in host memory
+# ----- policies: small pure functions from the candidate nodes of a region to decisions -------------------------
+# From the toolbox, on first use: OFFLOAD (the host-memory store, a policy's answer), compress(bits, policy),
+# offload_all (the "offload" policy).
+__getattr__ = lazy.attributes(__name__, {"OFFLOAD": "offload:OFFLOAD", "offload_all": "offload:offload_all",
+                                         "compress": "compress:compress"})
 
 
 def nothing_saveable(nodes, outputs=()):
     """Drop every candidate ("all")."""
     return [False] * len(nodes)
-
-
-def offload_all(nodes, outputs=()):
-    """Offload what "all" drops: every candidate goes to host memory and comes back for backward ("offload")."""
-    return [OFFLOAD] * len(nodes)
 
 
 def dots_saveable(nodes, outputs=()):
@@ -140,14 +122,22 @@ def _keep_cost(node):
     return spec_nbytes(spec)
 
 
-# "off" is no checkpointing at all (resolved to None: nothing annotated), the name gc.py's --policy off uses too.
+# "off" is no checkpointing at all (resolved to None: nothing annotated), the name gc.py's --policy off uses too;
+# "offload" is the toolbox's (offload_all, loaded when named).
 _POLICIES = {None: nothing_saveable, "all": nothing_saveable, "sqrt": Sqrt(), "selective": dots_saveable,
-             "offload": offload_all, "off": None}
+             "offload": "offload_all", "off": None}
 
 
 def resolve_policy(policy=None, segment_len=None):
     """The policy callable for a policy name, a segment length, or a callable policy itself (returned as is);
-    None for "off" (no checkpointing)."""
+    None for "off" (no checkpointing).
+
+    A policy is a callable `policy(candidates, outputs) -> decisions`: `candidates` are a region's interior nodes
+    in topological order, `outputs` its output nodes; it returns one decision per candidate: True keeps it as a
+    checkpoint; False drops it, backward recomputes it; a `Store` (store.py) drops it into that store, which gives
+    it back to backward (the toolbox's: `OFFLOAD`, host memory; `compress(bits, policy)`, k-bit codes on the
+    device). `regions.apply_decision` writes the answer on the node. The built-in policies, `Budget` and `Planned`
+    are all called this way."""
     if callable(policy):
         return policy
     if policy not in _POLICIES:
@@ -157,7 +147,8 @@ def resolve_policy(policy=None, segment_len=None):
         if int(segment_len) < 1:
             raise ValueError(f"segment_len must be >= 1, got {segment_len}")
         return EverySegment(int(segment_len))
-    return _POLICIES[policy]
+    found = _POLICIES[policy]
+    return lazy.load("offload").offload_all if found == "offload_all" else found
 
 
 def annotate(out_node, in_nodes, segment_len=None, policy=None, label=None):
@@ -165,11 +156,11 @@ def annotate(out_node, in_nodes, segment_len=None, policy=None, label=None):
 
     Trade-off: every dropped node saves its bytes between the forward pass and its use in backward, and costs
     one recomputation during backward. `segment_len=k` keeps every k-th node as a checkpoint; `policy`
-    ("sqrt", "selective", a Budget or any callable (candidates, outputs) -> keep flags) chooses checkpoints
+    ("sqrt", "selective", a Budget or any callable (candidates, outputs) -> decisions) chooses checkpoints
     otherwise.
-    Rule 1: leaves, `in_nodes`, `out_node`, one-element values (`backward.always_kept`) and the outputs of ops
-    that are not `recomputable` (collectives) are never dropped:
-    they are not candidates, so a policy never sees them. A node once dropped stays dropped, so nested
+    Rule 1: leaves (parameters, constants, dropout masks), `in_nodes`, `out_node`, one-element values
+    (`backward.always_kept`: a loss) and the outputs of ops that are not `recomputable` (collectives) are never
+    dropped: they are not candidates, so a policy never sees them. A node once dropped stays dropped, so nested
     regions compose (the inner region decides first). Eager mode releases the dropped values at once (the
     region's output exists); lazy mode releases them as they are consumed. `label` (a module's class name)
     only names the region in the DOT graph.
@@ -186,28 +177,16 @@ def annotate(out_node, in_nodes, segment_len=None, policy=None, label=None):
     order = find_topo_sort(outs, expand=lambda n: id(n) not in stop)
     candidates = [n for n in order if id(n) not in boundary and not n.is_leaf() and not n.drop and not always_kept(n)
                   and n.op.recomputable]  # a collective's output is kept: recomputing it would call it again
-    keep = keep_flags(candidates, outs)
-    offload_outputs(outs, keep[len(candidates):])
-    for node, kept in zip(candidates, keep):
-        if is_codec(kept):  # kept compressed: parked as codes on the device after its last forward use
-            node.drop = True
-            offload.mark(node, kept)
-            regions.note_reason(node, "compressed")
-            offload.release_value(node)
-        elif kept is OFFLOAD or kept == OFFLOAD:
-            node.drop = True
-            if offload.offloadable(node):  # (a view or a tuple costs nothing to recompute: dropped instead)
-                offload.mark(node)
-                regions.note_reason(node, "offloaded")
-            offload.release_value(node)  # eager mode: parked now; lazy mode: after its last forward consumer
-        elif kept:
-            regions.note_reason(node, "checkpoint")
-        else:
-            node.drop = True
-            regions.note_reason(node, None)
-            release(node)
+    decisions = keep_flags(candidates, outs)
+    if not isinstance(decisions, (list, tuple)) or len(decisions) < len(candidates):
+        raise TypeError(f"checkpoint policy {keep_flags!r} returned a {type(decisions).__name__} for "
+                        f"{len(candidates)} candidates: a policy returns a list of decisions, one per candidate "
+                        f"(True, False or a Store), then optionally one per output")
+    drop_outputs(outs, decisions[len(candidates):])
+    for node, decision in zip(candidates, decisions):
+        apply_decision(node, decision)
     for node in outs:
-        if regions.reason_noted(node) not in ("offloaded", "compressed"):
+        if node.store is None:
             regions.note_reason(node, "boundary")
     region = regions.new_region(label)
     for node in order:  # the inner region ran first and keeps its nodes
@@ -216,16 +195,15 @@ def annotate(out_node, in_nodes, segment_len=None, policy=None, label=None):
     return out_node
 
 
-def offload_outputs(outputs, flags):
-    """A policy may answer for the region's outputs too, after its candidates (Budget(b, offload=True) does): an
-    output flagged OFFLOAD is parked once its last consumer has run, and fetched back for backward. Only in lazy
-    mode, where realization gives a value back after its last consumer; an eager forward keeps outputs."""
-    for node, flag in zip(outputs, flags):
-        if (flag is OFFLOAD or flag == OFFLOAD) and autograd.LAZY_MODE and node.cached_data is None \
-                and offload.offloadable(node) and not always_kept(node):
-            node.drop = True
-            offload.mark(node)
-            regions.note_reason(node, "offloaded")
+def drop_outputs(outputs, decisions):
+    """A policy may answer for the region's outputs too, after its candidates (the toolbox's offloading Budget
+    does): an output given a Store is put there once its last consumer has run, and brought back for backward.
+    Only in lazy mode, where realization gives a value back after its last consumer; an eager forward keeps
+    outputs (rule 1)."""
+    for node, decision in zip(outputs, decisions):
+        if isinstance(decision, Store) and autograd.LAZY_MODE and node.cached_data is None \
+                and decision.accepts(node) and not always_kept(node):
+            apply_decision(node, decision)
 
 
 class NothingToDropWarning(UserWarning):
@@ -286,8 +264,9 @@ def saved_residuals(root, exclude=()):
     for node in find_topo_sort([root]):
         data = node.cached_data
         if data is None:
-            if offload.is_parked(node):  # in host memory (its own total), or compressed on the device
-                rows.append((node, keep_reason(node), offload.parked_bytes(node)))
+            if node.stored is not None:  # held by its store: host memory, or codes on the device
+                spec = infer_spec(node)
+                rows.append((node, keep_reason(node), node.store.device_bytes(spec) + node.store.host_bytes(spec)))
             continue
         for element in data if isinstance(data, tuple) else (data,):
             buffer, nbytes = _buffer(element)
@@ -318,17 +297,6 @@ def print_saved_residuals(loss, exclude=()):
     print(f"total: {len(rows)} buffers, {device:,} bytes ({device / 2**20:.2f} MiB)"
           + (f" on the device ({packed:,} of them compressed codes)" if packed else "")
           + (f", {host:,} bytes ({host / 2**20:.2f} MiB) offloaded to host memory" if host else ""))
-
-
-def compress(bits=8, policy=None, seed=0):
-    """A policy: what `policy` keeps for backward (None: everything; a name, a segment policy, a Budget or any
-    callable) kept as `bits`-bit codes (2, 4 or 8) where the gradients reading it allow, the rest exact; `seed`
-    picks the rounding noise (compress.py says which values, and why the gradients stay unbiased).
-
-        model.enable_gc(policy=checkpoint.compress(8))               # everything kept, compressed
-        model.enable_gc(policy=checkpoint.compress(8, "selective"))  # selective's checkpoints, compressed
-    """
-    return Compress(bits, None if policy is None else resolve_policy(policy), seed)
 
 
 # ----- checkpointing a function or a stack of layers (PyTorch's torch.utils.checkpoint) ------------------------

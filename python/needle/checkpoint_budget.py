@@ -1,37 +1,36 @@
 """Budget(b): checkpoint so that a step's activation peak stays under b bytes, planned before anything is computed.
 
-What it bounds is M_peak: the allocator's peak during forward + backward minus the bytes held when the step
-starts (parameters, optimizer state, the batch). It counts every value the step creates — activations, dropout
-masks and other constants, gradients — and the batch too (so it errs by the batch's bytes, on the safe side).
+It bounds M_peak: the allocator's peak during forward + backward minus the bytes held when the step starts
+(parameters, optimizer state), counting every value the step creates and the batch (on the safe side).
 
     model.enable_gc(policy=checkpoint.Budget(256 << 20))    # that is all: no plan() call
     loss = loss_fn(model(x), y); loss.backward()             # every lazy step stays under 256 MB
 
-How: layers annotate their regions as usual. For a region it has not seen, Budget keeps everything for now and
-defers the decision to the moment the graph is first realized (lazy mode: before anything is computed; eager
-mode: when backward starts, so the first eager step traces and only later ones are bounded). Then it predicts
-the step's peak for drop sets of growing size — cheapest to recompute first — and keeps the smallest that fits.
-The prediction walks the very plan autograd will execute (`autograd.realize`, `backward.plan_backward`,
-`backward.run_backward`) with a `Ledger` in place of the machine that computes: the ledger holds buffers and counts
-bytes from the ops' own declarations (`view`/`view_strides`, `compacts_inputs`, `workspace`, the dtype's size).
-The decisions are frozen into a table keyed by each region's structure (its candidates' ops and shapes), so
-later steps replay them with no counters and no references to old graphs: an eval forward, a failed step or a
-change of batch size never derails it (a new structure is simply planned again).
+A region it has not seen keeps everything for now; the Budget plans at one moment, when backward starts
+(`autograd.defer_until_backward`), with the whole graph in view: in lazy mode before any of it is computed (in
+eager mode the forward has run, so only later steps are bounded). It ranks values by recompute seconds per byte,
+priced from each op's FLOPs and bytes at fixed rates (costs.py: the same plan on every machine, no stopwatch, no
+file), and bisects for the fewest that fit, each guess walked by the `Ledger` (ledger.py) through the very plan
+backward will run. The decisions are frozen per region structure (`Planned`), so later steps replay them.
+
+The toolbox extends it (`Budget(b, offload=True)`, `calibrate=True`: toolbox/budget_offload.py): values may leave
+the device for host memory, gradients may be parked there, prices measured; `optimal` solves the choice exactly.
 """
 import itertools
-import time
 import weakref
 from dataclasses import dataclass
 
-from . import offload
-from .autograd import defer_until_realized, find_topo_sort
-from .backward import always_kept
-from .checkpoint_optimal import OptimalPlan, optimal
-from .cost_model import CostModel, device_copies_overlap
+from . import lazy
+from .autograd import defer_until_backward, find_topo_sort
+from .costs import CostModel
 from .ledger import Ledger, holds_base, predict_peak, value_bytes, walk_step
-from .regions import region_structure
+from .regions import apply_decision, region_structure
 
-__all__ = ["Budget", "InfeasibleBudget", "Ledger", "OptimalPlan", "Planned", "optimal", "predict_peak", "walk_step"]
+__all__ = ["Budget", "InfeasibleBudget", "Ledger", "Planned", "predict_peak", "walk_step"]
+
+# From the toolbox, on first use: the exact optimum (a mixed-integer program) and its plan.
+__getattr__ = lazy.attributes(__name__, {"optimal": "checkpoint_optimal:optimal",
+                                         "OptimalPlan": "checkpoint_optimal:OptimalPlan"})
 
 
 # The Budget plans for a peak this much under its bound, where it can: the ledger's prediction is within 1% of the
@@ -62,27 +61,30 @@ class Budget:
 
     `plan(root)` may also be called by hand on a traced graph; it returns the frozen decisions as a `Planned`
     policy. An infeasible budget raises ValueError naming the least peak the graph can reach by checkpointing.
+    `cost_model` prices recomputation (default: costs.CostModel(), fixed rates). `offload=True`, `calibrate=True`
+    or a `host_bandwidth` make it the toolbox's Budget (toolbox/budget_offload.py), which reads them.
     """
 
-    def __init__(self, bytes, offload=False, host_bandwidth=None, cost_model=None):
-        self.bytes = int(bytes)
-        self.offload = bool(offload)  # may a value be parked in host memory instead of recomputed?
-        self.host_bandwidth = host_bandwidth  # bytes/s to plan copies with (None: as measured on this machine)
-        # Seconds to recompute a value or to copy it (cost_model.py): calibrated once per machine and cached, read
-        # here, when the Budget is made, so that no step's planning pays for it.
-        self.cost_model = cost_model or CostModel(host_bandwidth=host_bandwidth)
-        self.planned = {}  # region structure -> keep flags (True, False or OFFLOAD): the frozen policy
+    # Where parameters' complete gradients may go when nothing fits without: nowhere here (the toolbox's Budget
+    # parks them in host memory).
+    gradient_store = None
+
+    def __new__(cls, bytes, offload=False, host_bandwidth=None, cost_model=None, calibrate=False):
+        if cls is Budget and (offload or calibrate or host_bandwidth is not None):
+            return super().__new__(lazy.load("budget_offload").OffloadBudget)
+        return super().__new__(cls)
+
+    def __init__(self, bytes, offload=False, host_bandwidth=None, cost_model=None, calibrate=False):
+        self.bytes = _checked_bytes(bytes)
+        self.cost_model = cost_model or CostModel()
+        self.planned = {}  # region structure -> decisions (True, False or a Store): the frozen policy
         self.predicted_peak = None
         self.predicted_time = None  # seconds of a step under the plan: its compute plus what the plan adds
-        self.predicted_added_time = None  # what the plan adds: recomputations, copies not hidden
+        self.predicted_added_time = None  # what the plan adds: recomputations (and the toolbox's copies)
         self.predicted_host_peak = None
         self.minimum_peak = None
-        self.parks_gradients = False  # offload=True and nothing fit without: parameters' gradients go to the host
-        # Seconds the forward pass spent building the graph in Python (lazy mode), timed from the first region it
-        # annotated to the plan: not ops, so no cost model sees it (a module's own work, such as Dropout drawing
-        # the course's random numbers), yet a step pays it. 0 in eager mode, whose trace computes as it goes.
-        self.trace_seconds = 0.0
-        self._traced_since = None
+        self.parks_gradients = False  # whether the plan sends parameters' gradients to `gradient_store`
+        self.trace_seconds = 0.0  # the Python that built a lazy graph, in predicted_time (timed by the toolbox's)
         # The regions not decided yet, by number (the order they were annotated in): weak references to their
         # outputs and candidates. A region leaves when it is decided, or at once when its graph is gone (a
         # candidate's weak reference calls back), so this holds only live graphs' regions, whatever the steps.
@@ -90,11 +92,7 @@ class Budget:
         self._numbers = itertools.count()
 
     def __repr__(self):
-        return f"Budget({self.bytes}{', offload=True' if self.offload else ''})"
-
-    def copies_overlap(self):
-        """Whether copies run beside compute: on a device with a copy stream, or when planning for a given link."""
-        return self.host_bandwidth is not None or device_copies_overlap(self.cost_model.device)
+        return f"Budget({self.bytes})"
 
     def __call__(self, nodes, outputs=()):
         if not nodes:  # a region of one op (Linear, ReLU): nothing to decide
@@ -103,16 +101,18 @@ class Budget:
         if flags is not None:
             return list(flags)
         number, pending = next(self._numbers), self._pending
-        if self._traced_since is None:
-            self._traced_since = time.perf_counter()
+        self._region_seen()
 
         def gone(_, number=number):  # no reference to the Budget: a dying graph never keeps it alive
             pending.pop(number, None)
 
         pending[number] = ([weakref.ref(n) for n in outputs], [weakref.ref(n, gone) for n in nodes])
-        for n in nodes[:1]:  # the region's first value: realization reaches it before the rest
-            defer_until_realized(n, self._decide)
+        for n in nodes[:1]:  # the region's first value: backward's start reaches it
+            defer_until_backward(n, self._decide)
         return [True] * len(nodes)
+
+    def _region_seen(self):
+        """A region this Budget has not planned was annotated (the toolbox's Budget times the trace from here)."""
 
     def _decide(self, roots):
         if self._pending:
@@ -137,63 +137,68 @@ class Budget:
         regions = self._take_regions_above(above)
         if not regions:
             return Planned(tuple(self.planned.items()))
-        lazy = root.cached_data is None
-        self.trace_seconds = time.perf_counter() - self._traced_since if lazy and self._traced_since else 0.0
-        self._traced_since = None
-        groups = self._groups(regions, above, lazy)
-        # How each group would leave the device, and at what cost in seconds: recomputed, or (offload=True) parked.
+        lazy_step = root.cached_data is None
+        trace_seconds = self._trace_seconds(lazy_step)
+        groups = self._groups(regions, above, lazy_step)
+        # How each group would leave the device (False: recomputed; the toolbox's: a Store), at what seconds.
         forward = [n for n in order if not n.is_leaf()]
         around = sum(map(self.cost_model.compute_seconds, forward)) / max(len(forward), 1)  # one op's compute
         how = {id(ns[0]): self._cheaper_way(ns[0], around, output=isinstance(place, tuple))
                for (_, place), ns in groups.items()}
         ranked = _ranked(groups, how)
         # Model the forward pass the way later steps will run it: lazily if this one has not been computed yet.
-        eager = None if root.cached_data is None else [([o for o in outs if o is not None], c) for outs, c in regions]
+        eager = None if lazy_step else [([o for o in outs if o is not None], c) for outs, c in regions]
         params = [n for n in order if n.is_leaf() and n.requires_grad]
-        t, park, walk = self._search(root, ranked, how, eager, params)
-        dropped, offloaded = _chosen(ranked, how, t)
+        t, gradient_store, walk = self._search(root, ranked, how, eager)
+        decided = _chosen(ranked, how, t)
         self.predicted_peak, self.predicted_host_peak = walk.peak, walk.host_peak
         # the step (its ops forward and backward, the update, the Python that traced it) plus what the plan adds
         self.predicted_added_time = sum(how[id(ns[0])][1] for ns in ranked[:t] for _ in ns)
-        if park:  # each gradient to the host and back for its update
-            self.predicted_added_time += sum(self.cost_model.copy_seconds(value_bytes(p), way)
-                                             for p in params for way in ("to_host", "to_device"))
-        self.predicted_time = self.cost_model.step_seconds(root) + self.trace_seconds + self.predicted_added_time
-        self.parks_gradients = park
-        offload.unmark_gradients(params)
-        for p in params if park else ():
-            offload.mark_gradient(p)
-        self._apply(regions, dropped, offloaded, lazy)
+        self.predicted_added_time += self._gradient_seconds(params, gradient_store)
+        self.predicted_time = self.cost_model.step_seconds(root) + trace_seconds + self.predicted_added_time
+        self.parks_gradients = gradient_store is not None
+        for p in params:  # a leaf's store is where its complete gradient goes (store.py)
+            p.store = gradient_store
+        self._apply(regions, decided, lazy_step)
         return Planned(tuple(self.planned.items()))
 
-    def _search(self, root, ranked, how, eager, params):
-        """(t, park, the ledger's walk at t): the fewest of the `ranked` groups off the device that fit, and whether
-        parameters' gradients must be parked for it (only where offloading is allowed and nothing fits without).
-        Sets `minimum_peak`; an infeasible budget raises here, before anything is computed."""
+    def _trace_seconds(self, lazy_step):
+        """Seconds of Python that built the graph, counted in predicted_time: none here (no stopwatch)."""
+        return 0.0
+
+    def _gradient_seconds(self, params, gradient_store):
+        """Seconds that sending the parameters' gradients to `gradient_store` adds (none here)."""
+        return 0.0
+
+    def _search(self, root, ranked, how, eager):
+        """(t, gradient store, the ledger's walk at t): the fewest of the `ranked` groups off the device that fit,
+        and where parameters' gradients must go for it (`gradient_store`, only where nothing fits without). Sets
+        `minimum_peak`; an infeasible budget raises here, before anything is computed."""
         walks = {}
 
-        def walk(t, park):  # the ledger's walk with the t cheapest groups off the device (each walked once)
-            if (t, park) not in walks:
-                dropped, offloaded = _chosen(ranked, how, t)
-                walks[t, park] = walk_step(root, dropped, eager, offloaded, park)
-            return walks[t, park]
+        def walk(t, gradients):  # the ledger's walk with the t cheapest groups off the device (each walked once)
+            if (t, gradients) not in walks:
+                decided = _chosen(ranked, how, t)
+                stores = {k: d for k, d in decided.items() if d is not False}
+                walks[t, gradients] = walk_step(root, decided, eager, stores, gradients)
+            return walks[t, gradients]
 
         n = len(ranked)
-        least = walk(n, self.offload)  # the least peak: everything off the device, and the gradients too if allowed
+        least = walk(n, self.gradient_store)  # the least peak: everything off the device, the gradients too
         self.minimum_peak = least.peak
         if self.minimum_peak > self.bytes:
             raise InfeasibleBudget(f"{self!r} is infeasible: the least peak activation memory this graph can "
-                                   f"reach by checkpointing{' and offloading' if self.offload else ''} is "
-                                   f"{self.minimum_peak} bytes ({self.minimum_peak / 2**20:.1f} MB)")
+                                   f"reach by {self.means} is {self.minimum_peak} bytes "
+                                   f"({self.minimum_peak / 2**20:.1f} MB)")
         target = max(self.minimum_peak, self.bytes * (1 - PREDICTION_MARGIN))  # (with room for prediction error)
-        # Gradients are parked only where nothing fits without: where everything off the device, the gradients
-        # kept, peaks above the target. The least walk (which parked them) counted that peak as it went.
-        park = self.offload and least.peak_keeping_gradients > target
+        # Gradients leave the device only where nothing fits without: where everything off the device, the
+        # gradients kept, peaks above the target. The least walk (which sent them) counted that peak as it went.
+        gradients = self.gradient_store if least.peak_keeping_gradients > target else None
         # Bounds no walk can beat, from the least walk alone. Leaving fewer groups off the device only keeps
         # buffers alive longer, so at two moments of forward the least walk's bytes grow by the buffers of the
         # groups kept that it had freed by then: when backward begins (every kept value is alive) and when forward
-        # peaks (the kept values made before it). A view that holds a buffer alive anyway adds nothing; parking
-        # gradients changes nothing in forward. On a stack of layers the second is exact where the peak sits at
+        # peaks (the kept values made before it). A view that holds a buffer alive anyway adds nothing; where the
+        # gradients go changes nothing in forward. On a stack of layers the second is exact where the peak sits at
         # the end of forward, so the search starts at the fewest groups it allows and, the walk there fitting, is
         # told without a walk that one group fewer does not.
         at_start = _suffix_sums([_bytes_freed_before(ns, least, least.forward_clock) for ns in ranked])
@@ -204,58 +209,60 @@ class Budget:
 
         def peak(t):
             below = bound(t)
-            return below if below > target else walk(t, park).peak
+            return below if below > target else walk(t, gradients).peak
         t = fewest_that_fit(peak, n, target, bound)
-        return t, park, walk(t, park)
+        return t, gradients, walk(t, gradients)
 
-    def _groups(self, regions, above, lazy):
+    means = "checkpointing"  # how it takes values off the device, for the infeasible-budget message
+
+    def _groups(self, regions, above, lazy_step):
         """{(region structure, place): its values}. A node goes by the first region that lists it and its place
         there: regions of one structure (the layers of a stack) get one decision per place, so the frozen table
-        replays them all. With offload=True, in a lazy step, a region's outputs (which recomputation starts from)
-        are places too: eager mode never gives an output back in its forward pass."""
+        replays them all."""
         group_of, groups = {}, {}
         for outs, candidates in regions:
             key = region_structure(candidates)
-            places = list(enumerate(candidates))
-            if self.offload and lazy:
-                places += [(("out", position), n) for position, n in enumerate(outs)
-                           if n is not None and offload.offloadable(n) and not always_kept(n)]
-            for position, n in places:
+            for position, n in list(enumerate(candidates)) + self._output_places(outs, lazy_step):
                 if id(n) not in group_of and id(n) in above:  # a value outside the step frees nothing
                     group_of[id(n)] = (key, position)
                     groups.setdefault((key, position), []).append(n)
         return groups
 
-    def _apply(self, regions, dropped, offloaded, lazy):
+    def _output_places(self, outs, lazy_step):
+        """[(("out", position), output)] of a region's outputs that may leave the device too: none here (rule 1
+        keeps them; the toolbox's Budget may park them in host memory)."""
+        return []
+
+    def _apply(self, regions, decided, lazy_step):
         """Freeze the decisions per region structure, in annotate's order (inner regions decide first, and what
         they drop is not a candidate of the regions around them), and apply them to this graph."""
         gone = set()
         for outs, candidates in regions:
             remaining = [n for n in candidates if id(n) not in gone]
-            flags = tuple(offload.OFFLOAD if id(n) in offloaded else id(n) not in dropped for n in remaining)
-            parked_outputs = [o for o in outs if lazy and o is not None and id(o) in offloaded and id(o) not in gone]
-            if parked_outputs:  # its outputs' flags follow its candidates' (annotate: offload_outputs)
-                flags += tuple(offload.OFFLOAD if n is not None and id(n) in offloaded else True for n in outs)
+            flags = tuple(decided.get(id(n), True) for n in remaining)
+            moved_outputs = [o for o in outs if lazy_step and o is not None and decided.get(id(o)) not in (None, False)
+                             and id(o) not in gone]  # outputs the toolbox's Budget parks (rule 1 keeps the rest)
+            if moved_outputs:  # its outputs' decisions follow its candidates' (checkpoint.drop_outputs)
+                flags += tuple(True if n is None else decided.get(id(n), True) for n in outs)
             self.planned[region_structure(remaining)] = flags
-            for n in parked_outputs + remaining:
-                if id(n) in dropped:
-                    n.drop = True
-                    if id(n) in offloaded:
-                        offload.mark(n)
-                    offload.release_value(n)  # eager mode computed it already: recomputed, or parked, for backward
+            for n in moved_outputs + remaining:
+                if id(n) in decided:
+                    apply_decision(n, decided[id(n)])  # eager mode computed it: released now, recomputed later
                     gone.add(id(n))
 
     def _cheaper_way(self, node, around, output=False):
-        """(how `node` leaves the device — False: recomputed, offload.OFFLOAD: parked in host memory —, what that
-        costs in seconds). A copy to the host and back; where copies overlap compute, the part of each that the
-        compute beside it (`around`: one op's seconds) does not hide. A region's `output` can only be parked."""
-        recompute = self.cost_model.compute_seconds(node)
-        if not (self.offload and offload.offloadable(node)):
-            return False, recompute
-        copies = [self.cost_model.copy_seconds(value_bytes(node), way) for way in ("to_host", "to_device")]
-        if self.copies_overlap():
-            copies = [c - self.cost_model.hidden_seconds(c, around) for c in copies]
-        return (offload.OFFLOAD, sum(copies)) if output or sum(copies) < recompute else (False, recompute)
+        """(how `node` leaves the device — False: recomputed; the toolbox's Budget may answer a Store —, what that
+        costs in seconds)."""
+        return False, self.cost_model.compute_seconds(node)
+
+
+def _checked_bytes(value):
+    """The bound in bytes: a positive integer (a bool, a float with a fraction, a string or a non-positive number
+    is a ValueError naming Budget)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value) or value <= 0:
+        raise ValueError(f"Budget: the bound must be a positive number of bytes (e.g. Budget(64 << 20) for 64 MiB), "
+                         f"got {value!r}")
+    return int(value)
 
 
 def _ranked(groups, how):
@@ -300,9 +307,9 @@ def _suffix_sums(values):
 
 
 def _chosen(ranked, how, t):
-    """(ids dropped, ids of those offloaded) with the t cheapest groups of `ranked` off the device."""
-    dropped = {id(n) for ns in ranked[:t] for n in ns}
-    return dropped, {id(n) for ns in ranked[:t] if how[id(ns[0])][0] is offload.OFFLOAD for n in ns}
+    """{id: decision} of the values off the device with the t cheapest groups of `ranked` off it: False
+    (recomputed) or a Store."""
+    return {id(n): how[id(ns[0])][0] for ns in ranked[:t] for n in ns}
 
 
 def fewest_that_fit(peak, n, target, estimate=None):

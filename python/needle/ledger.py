@@ -2,14 +2,13 @@
 
 `Ledger` implements `autograd.Machine` like `backward.Compute`, so `walk_step` runs the very realization and
 backward plan the executor will run (`autograd.realize`, `backward.plan_backward`, `backward.run_backward`) and
-only counts: the device buffers alive, their peak, and (offload.py) the host bytes of parked values and the bytes
-copied each way. checkpoint_budget.Budget plans on it; checkpoint_optimal linearizes it.
+only counts: the device buffers alive, their peak, and the bytes of the values stores hold (store.py).
+checkpoint_budget.Budget plans on it.
 """
 import math
 
 from .autograd import (Machine, element_dtype, element_shapes, elements_of, find_topo_sort, infer_spec, itemsize,
                        placeholder, realize, spec_nbytes)
-from .backend_ndarray import array_api
 from .backend_ndarray.ndarray import compact_strides  # the strides NDArray gives a compact array
 from .backend_ndarray.ndarray import is_transposed_matrix  # the views a 2-D matmul reads in place
 from .backward import plan_backward, run_backward
@@ -34,9 +33,14 @@ class Ledger(Machine):
     its input's strides) holds its base's buffer; a tuple's elements are buffers of their own. Values that exist
     when the walk starts are leaves; those that require grad (parameters) are not counted (they are held before
     the step starts), the others (batch, masks, constants) are.
+
+    `stores` ({id: Store}, store.py) are the dropped values put into a store instead of forgotten: the ledger counts
+    the bytes the store says it takes for them (`device_bytes` on the device, `host_bytes` beside it) from the
+    forward release that puts them to their last use in backward. With `gradient_store`, each parameter's complete
+    gradient goes there (as a leaf's `store` makes backward.Compute do), unless a grad hook waits for it.
     """
 
-    def __init__(self, root, out_grad, offloaded=frozenset(), park_gradients=False, compressed=None):
+    def __init__(self, root, out_grad, stores=None, gradient_store=None):
         self.present, self.holders, self.size, self.buffers, self.strides = set(), {}, {}, {}, {}
         self.elements = {}  # buffer -> its elements (size is 0 for parameters' buffers: they are not counted)
         self.live = self.peak = self.made = 0
@@ -46,21 +50,17 @@ class Ledger(Machine):
         # When each buffer was made and freed in forward, on a clock that ticks at every compute and release, and
         # when forward peaked: the buffers freed before that moment are what keeping their values would add to it.
         self.clock, self.born, self.freed, self.forward_peak_clock, self.forward_clock = 0, {}, {}, 0, 0
-        # Offloading (offload.py): the ids of the values parked in host memory when forward releases them; the
-        # host bytes they hold, at most; the bytes copied each way.
-        self.offloaded, self.parked = offloaded, {}
-        self.host_live = self.host_peak = self.offloaded_bytes = self.fetched_bytes = 0
-        self.park_gradients = park_gradients  # parameters' gradients parked once complete (offload.park_gradient)
-        # The device bytes of the gradients parked so far, and the peak the same walk would reach were they kept:
-        # nothing else differs, so one walk with park_gradients answers for both (the Budget's search uses it).
-        self.gradients_parked_bytes = self.peak_keeping_gradients = 0
-        # Compression (compress.py): id -> device bytes of the codes a value is kept as after its forward release
-        # (parked on the device: counted in `live` until backward's last use of the value).
-        self.compressed, self.packed = compressed or {}, {}
+        # Stores: which values go to one; the (device, host) bytes each stored copy holds now; the host bytes at
+        # most; the host bytes put and brought back.
+        self.stores, self.held = stores or {}, {}
+        self.host_live = self.host_peak = self.host_bytes_out = self.host_bytes_back = 0
+        self.gradient_store = gradient_store
+        # The device bytes of the gradients stored so far, and the peak the same walk would reach were they kept:
+        # nothing else differs, so one walk with a gradient store answers for both (the Budget's search uses it).
+        self.gradients_stored_bytes = self.peak_keeping_gradients = 0
         self.in_backward = False  # as backward.Compute's: run_backward sets it
-        # On a copy thread (offload.py's rule 1) a parked value's buffers stay held by its copy until the next park
-        # or fetch: `in_flight` are the buffers of the park still in flight.
-        self.holds_parked_copies = array_api.copy_thread(infer_spec(out_grad)[2]) is not None
+        # A store that copies beside the compute holds a put's buffers until its next put or get: `in_flight`.
+        self.device = infer_spec(out_grad)[2]
         self.in_flight = []
         self.seen = []  # every node the walk met, kept alive so that no id is reused while the ledger counts it
         self.specs = {}  # id -> (node, its spec): each node's shape inferred once per walk (the node kept alive)
@@ -171,41 +171,27 @@ class Ledger(Machine):
             self.forward_peak_clock = self.clock
         self.peak = max(self.peak, self.live + workspace)
         self.peak_keeping_gradients = max(self.peak_keeping_gradients,
-                                          self.live + workspace + self.gradients_parked_bytes)
+                                          self.live + workspace + self.gradients_stored_bytes)
 
-    def fetch(self, node):
-        """A parked value brought back: a fresh device buffer (offload.fetch), its host copy still held."""
-        self.settle_park()
+    def bring_back(self, node):
+        """A stored value back in memory: a fresh device buffer, its stored copy still held (store.py)."""
+        self.settle_copy()
         self._own(node)
         self.present.add(id(node))
         self._hold(node)
-        self.fetched_bytes += self.parked.get(id(node), 0)  # (a compressed value is rebuilt on the device)
+        self.host_bytes_back += self.held[id(node)][1]
         self._note_peak()
 
     def release(self, node):
-        """As offload.release_value: an offloaded value is parked on its first release (forward), and its host copy
-        goes with its last (backward)."""
-        if id(node) in self.packed:
+        """As autograd.release: a value with a store is put there on its first release (forward), and its stored
+        copy goes with its last (backward)."""
+        if id(node) in self.held:
             if self.in_backward:
-                self.live -= self.packed.pop(id(node))
-        elif id(node) in self.compressed and id(node) in self.present:  # its codes made while it is still there
-            self.packed[id(node)] = self.compressed[id(node)]
-            self.live += self.packed[id(node)]
-            self._note_peak()
-        elif id(node) in self.parked:
-            if self.in_backward:
-                self.host_live -= self.parked.pop(id(node))
-        elif id(node) in self.offloaded and id(node) in self.present:
-            nbytes = value_bytes(node)
-            self.parked[id(node)] = nbytes
-            self.host_live += nbytes
-            self.offloaded_bytes += nbytes
-            self.host_peak = max(self.host_peak, self.host_live)
-            if self.holds_parked_copies:
-                self.settle_park()
-                self.in_flight = list(self.buffers[id(node)])
-                for key in self.in_flight:
-                    self.holders[key] += 1
+                device, host = self.held.pop(id(node))
+                self.live -= device
+                self.host_live -= host
+        elif id(node) in self.stores and id(node) in self.present:
+            self._put(node, self.stores[id(node)])
         if id(node) not in self.present:
             return
         self.clock += 1
@@ -213,14 +199,30 @@ class Ledger(Machine):
         for key in self.buffers[id(node)]:
             self._let_go(key)
 
+    def _put(self, node, store):
+        """`store` takes `node`'s value: its stored copy's bytes from now on (made while the value is there)."""
+        spec = self.spec(node)
+        device, host = store.device_bytes(spec), store.host_bytes(spec)
+        self.held[id(node)] = (device, host)
+        self.live += device
+        self._note_peak()
+        self.host_live += host
+        self.host_bytes_out += host
+        self.host_peak = max(self.host_peak, self.host_live)
+        if store.holds_while_copying(self.device):  # the copy reads the buffers until the next put or get
+            self.settle_copy()
+            self.in_flight = list(self.buffers[id(node)])
+            for key in self.in_flight:
+                self.holders[key] += 1
+
     def _let_go(self, key):
         self.holders[key] -= 1
         if self.holders[key] == 0:
             self.live -= self.size[key]
             self.freed[key] = self.clock
 
-    def settle_park(self):
-        """As offload.settle_park: the park in flight is done, its buffers no longer held by its copy."""
+    def settle_copy(self):
+        """The copy in flight is done: its buffers are no longer held by it."""
         for key in self.in_flight:
             self._let_go(key)
         self.in_flight = []
@@ -228,43 +230,40 @@ class Ledger(Machine):
     def check_reads(self, node):
         pass
 
-    def fetches_ready(self):
+    def ready(self):
         pass
 
     def set_grad(self, node, grad):
-        """As backward.Compute's: with park_gradients, a parameter's complete gradient goes to the host (a
-        parameter with a grad hook keeps it, as offload.parks_gradient says)."""
-        if self.park_gradients and not node._grad_hooks and id(grad) in self.present:
-            nbytes = value_bytes(grad)
-            self.host_live += nbytes
-            self.offloaded_bytes += nbytes
-            self.host_peak = max(self.host_peak, self.host_live)
+        """As backward.Compute's: with a gradient store, a parameter's complete gradient goes there (unless a grad
+        hook waits for it on the device)."""
+        if self.gradient_store is not None and not node._grad_hooks and id(grad) in self.present:
             live = self.live
+            self._put(grad, self.gradient_store)
+            self.held.pop(id(grad))  # (kept until the optimizer's update: beyond this walk)
             self.release(grad)
-            self.gradients_parked_bytes += live - self.live
+            self.gradients_stored_bytes += live - self.live
 
     def value(self, node):
         return None
 
 
-def predict_peak(root, dropped, regions=None, offloaded=frozenset(), park_gradients=False):
+def predict_peak(root, dropped, regions=None, stores=None, gradient_store=None):
     """Predicted M_peak of a step on the graph above `root` if the values whose ids are in `dropped` were dropped
-    (those also in `offloaded`: parked in host memory and fetched back, not recomputed).
+    (those in `stores`, {id: Store}: put into that store and brought back, not recomputed).
 
     The forward pass is modelled as the executor runs it: lazy (`regions` None) — realization releases a dropped
     value after its last consumer; eager (`regions`: [(outputs, candidates)] in the order they ran) — every value
-    lives until its region's output exists. Then the backward plan runs on the ledger; with `park_gradients`,
-    parameters' gradients go to host memory as they are completed. Nothing is computed.
+    lives until its region's output exists. Then the backward plan runs on the ledger; with `gradient_store`,
+    parameters' gradients go there as they are completed. Nothing is computed.
     """
-    return walk_step(root, dropped, regions, offloaded, park_gradients).peak
+    return walk_step(root, dropped, regions, stores, gradient_store).peak
 
 
-def walk_step(root, dropped, regions=None, offloaded=frozenset(), park_gradients=False, compressed=None):
+def walk_step(root, dropped, regions=None, stores=None, gradient_store=None):
     """The Ledger after walking a step's forward and backward passes (see predict_peak): its device `peak`, its
-    `host_peak`, the bytes `offloaded_bytes` and `fetched_bytes` copied each way. `compressed` ({id: bytes of its
-    codes}, compress.py) are values among `dropped` kept compressed on the device instead of recomputed."""
+    `host_peak`, the host bytes put (`host_bytes_out`) and brought back (`host_bytes_back`)."""
     out_grad = placeholder(required_spec(root))  # the root's gradient: its shape, dtype and device, no data
-    ledger = Ledger(root, out_grad, offloaded, park_gradients, compressed)
+    ledger = Ledger(root, out_grad, stores, gradient_store)
     if regions is None:
         realize([root], lambda n: id(n) not in dropped, ledger)
     else:
@@ -280,8 +279,7 @@ def walk_step(root, dropped, regions=None, offloaded=frozenset(), park_gradients
     ledger.forward_peak, ledger.forward_live = ledger.peak, ledger.live  # the forward pass alone
     ledger.forward_buffers = dict(ledger.buffers)
     ledger.forward_clock = ledger.clock
-    parked = ledger.compressed
-    run_backward(plan_backward(root, ledger.has, lambda n: id(n) in offloaded or id(n) in parked), out_grad, ledger)
+    run_backward(plan_backward(root, ledger.has, lambda n: id(n) in ledger.stores), out_grad, ledger)
     return ledger
 
 

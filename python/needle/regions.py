@@ -1,17 +1,21 @@
-"""What annotate learnt about each value: the region that made it and why it is kept, for the questions asked later.
+"""What a policy decided for each value, applied in one place, and what annotate learnt about it for later.
 
-`checkpoint.annotate` notes them (`note_region`, `note_reason`); `region_of` and `keep_reason` answer them for
-print_saved_residuals, the DOT graph (viz.py), the memory recorder and the planners (checkpoint_optimal groups a
-graph's values by region). Weak, so a note never keeps a value alive. Its own module so that the planners can read
-it without importing checkpoint.py (which imports them).
+A policy answers, for each value of a region: keep it (True), drop it for backward to recompute (False), or put it
+into a `Store` (store.py) when it leaves memory. `apply_decision` is the one place such an answer is written on a
+node (its `drop` flag and its `store`). annotate also notes the region that made each value and why it is kept
+(`note_region`, `note_reason`); `region_of` and `keep_reason` answer for print_saved_residuals, the DOT graph
+(viz.py), the memory recorder and the planners. Weak, so a note never keeps a value alive. Its own module so that
+the Budget and the toolbox's policies can apply and read decisions without importing checkpoint.py.
 """
 import itertools
 import weakref
 
-from . import offload
+from .autograd import release
 from .ledger import required_spec
+from .store import Store
 
-__all__ = ["keep_reason", "new_region", "note_reason", "note_region", "reason_noted", "region_of", "region_structure"]
+__all__ = ["apply_decision", "keep_reason", "new_region", "note_reason", "note_region", "reason_noted", "region_of",
+           "region_structure"]
 
 # Why an annotated node is kept ("boundary": a region's output; "checkpoint": chosen by the policy; "offloaded").
 _reasons = weakref.WeakKeyDictionary()
@@ -54,14 +58,34 @@ def region_of(node):
 
 
 def keep_reason(node):
-    """'leaf', 'boundary', 'checkpoint', 'offloaded', 'compressed', 'dropped' or 'not annotated' (no region covers
-    the node)."""
+    """'leaf', 'boundary', 'checkpoint', 'dropped', 'not annotated' (no region covers the node), or its store's kind
+    ('offloaded', 'compressed')."""
     if node.is_leaf():
         return "leaf"
-    if offload.is_compressed(node):
-        return "compressed"
-    if offload.is_marked(node):
-        return "offloaded"
+    if node.store is not None:
+        return node.store.kind
     if node.drop:
         return "dropped"
     return _reasons.get(node, "not annotated")
+
+
+def apply_decision(node, decision):
+    """Write a policy's answer on `node`: True keeps it (a checkpoint); False drops it, recomputed in backward; a
+    Store drops it into that store (one that does not accept the value — a view, say — drops it plainly). A dropped
+    value is released now if it has been computed (eager mode; into its store first), else after its last forward
+    consumer (lazy mode)."""
+    if not isinstance(decision, Store):
+        if decision is None or isinstance(decision, str) or decision not in (True, False):
+            raise TypeError(f"checkpoint policy: answered {decision!r} for a {type(node.op).__name__} value; a "
+                            f"policy answers True (keep), False (recompute) or a Store (checkpoint.OFFLOAD, a "
+                            f"compress codec)")
+        decision = bool(decision)
+        if decision:
+            note_reason(node, "checkpoint")
+            return
+    elif not decision.accepts(node):
+        decision = False
+    node.drop = True
+    node.store = decision or None
+    note_reason(node, decision.kind if decision else None)
+    release(node)

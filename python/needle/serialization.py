@@ -5,33 +5,14 @@ random state a resumed run needs (`ndl.random_state()` / `ndl.set_random_state(s
               "rng": ndl.random_state(), "step": 1000}, "ckpt.npz")
     ckpt = ndl.load("ckpt.npz")                        # the same nesting: ckpt["optimizer"]["state"][0]["m"]
     model.load_state_dict(ckpt["model"]); opt.load_state_dict(ckpt["optimizer"])
-    scaler.load_state_dict(ckpt["scaler"]); ndl.set_random_state(ckpt["rng"])
 
 Under mpiexec every rank saves a file of its own (`f"ckpt.rank{dist.rank()}.npz"`): its RNG state differs from the
-others', and a ZeroRedundancyOptimizer's state_dict() is that rank's shard (loading checks the rank).
-
-What can be saved, nested as deep as you like: dicts (str or int keys, order kept), lists and tuples; Tensors,
-NDArrays and NumPy arrays, which come back as NumPy arrays on the host in their dtype (a Tensor's device is not
-stored: `load_state_dict` puts each value on its parameter's device); NumPy scalars, which come back as NumPy
-scalars; and bool, int, float, str and None, which come back as themselves. A path without the `.npz` suffix gets
-it, in `save` as `np.savez` does and in `load` alike, so `save(x, "w")` and `load("w")` both mean `w.npz`.
-
-The file: a zip of .npy members "arr_0", "arr_1", ... (one per array, in the order they were met) and a member
-"__needle_manifest__", UTF-8 JSON: the nesting as a flat table of nodes (a container's children come after it, so
-`load` rebuilds it bottom-up, without recursion), the plain values, and each array's dtype. Dtypes live in the
-manifest, not in names: .npy has no bfloat16, so a bfloat16 array is stored as its uint16 bits and the manifest
-says "bfloat16" (the earlier format appended ":bfloat16" to the key, so a key of that spelling came back as another
-array, and saving both "w" and "w:bfloat16" kept only one). Files of that earlier format (no manifest; nested dicts
-flattened to dotted keys) still load, as the flat dict they hold.
+others', and a ZeroRedundancyOptimizer's state_dict() is that rank's shard. What can be saved, the file's layout
+and why a save never destroys the last good file: `save`'s docstring.
 
 Why .npz and not pickle (PyTorch's torch.save): loading a pickle runs whatever code the file names, so a
 downloaded checkpoint could do anything. Here arrays are read with `allow_pickle=False` and the manifest with
 `json`, so a file is data and nothing else.
-
-A save never destroys the last good file: it writes `<path>.<random>.tmp` in the same folder, fsyncs it and
-renames it over `path` (atomic), then fsyncs the folder. A reader sees the old file or the new one, never half of
-one; a save that fails (disk full, a file-size limit, an exception) removes its temporary file, and one killed
-outright (SIGKILL, power loss) may leave the .tmp behind but has not touched `path`.
 """
 import json
 import os
@@ -143,7 +124,26 @@ def _npz_path(path):
 
 def save(obj, path):
     """Write `obj` (nested dicts, lists and tuples of Tensors, arrays, numbers and strings) to `path` as .npz,
-    atomically: the file at `path` is the old one or the new one, never a broken one. Returns the path."""
+    atomically: the file at `path` is the old one or the new one, never a broken one. Returns the path.
+
+    What can be saved, nested as deep as you like: dicts (str or int keys, order kept), lists and tuples; Tensors,
+    NDArrays and NumPy arrays, which come back as NumPy arrays on the host in their dtype (a Tensor's device is not
+    stored: `load_state_dict` puts each value on its parameter's device); NumPy scalars, which come back as NumPy
+    scalars; and bool, int, float, str and None, which come back as themselves. A path without the `.npz` suffix
+    gets it, in `save` as `np.savez` does and in `load` alike, so `save(x, "w")` and `load("w")` both mean `w.npz`.
+
+    The file: a zip of .npy members "arr_0", "arr_1", ... (one per array, in the order they were met) and a member
+    "__needle_manifest__", UTF-8 JSON: the nesting as a flat table of nodes (a container's children come after it,
+    so `load` rebuilds it bottom-up, without recursion), the plain values, and each array's dtype. Dtypes live in
+    the manifest, not in names: .npy has no bfloat16, so a bfloat16 array is stored as its uint16 bits and the
+    manifest says "bfloat16". Files of the earlier format (no manifest; nested dicts flattened to dotted keys)
+    still load, as the flat dict they hold.
+
+    A save never destroys the last good file: it writes `<path>.<random>.tmp` in the same folder, fsyncs it and
+    renames it over `path` (atomic), then fsyncs the folder. A reader sees the old file or the new one, never half
+    of one; a save that fails removes its temporary file, and one killed outright (SIGKILL, power loss) may leave
+    the .tmp behind but has not touched `path`.
+    """
     nodes, arrays = _encode(obj)  # everything converted before the file is opened: a bad value writes nothing
     manifest = json.dumps({"format": "needle", "version": FORMAT_VERSION, "nodes": nodes})
     members = {**arrays, MANIFEST: np.frombuffer(manifest.encode("utf-8"), dtype=np.uint8)}

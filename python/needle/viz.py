@@ -4,14 +4,15 @@
     # then, in a shell (Graphviz):  dot -Tpng graph.dot -o graph.png     or paste it into any DOT viewer
 
 Kept values are solid boxes, dropped ones dashed grey, dropped values that backward recomputes orange (read off the
-backward plan of this very graph, so the marking cannot go stale), offloaded values (parked in host memory, fetched
-back for backward: offload.py) purple double octagons, leaves (parameters, inputs, constants) green ellipses, values
-kept compressed (compress.py) rounded yellow boxes; a legend repeats this. Each node shows its op (a parameter: its
-name), shape and bytes. The nodes of one annotated region (a module's forward when checkpointing is on, a
-`checkpoint()` call) are boxed together under the module's class name. `hide_views=True` leaves out view nodes
-(reshape, broadcast, transpose: no buffer of their own) and draws their inputs straight to their consumers.
+backward plan of this very graph, so the marking cannot go stale), values a store holds (store.py) by the store's
+kind: offloaded ones (parked in host memory, fetched back for backward) purple double octagons, leaves (parameters,
+inputs, constants) green ellipses, values kept compressed (compress.py) rounded yellow boxes; a legend repeats this.
+Each node shows its op (a parameter: its name), shape and bytes. The nodes of one annotated region (a module's
+forward when checkpointing is on, a `checkpoint()` call) are boxed together under the module's class name.
+`hide_views=True` leaves out view nodes (reshape, broadcast, transpose: no buffer of their own) and draws their
+inputs straight to their consumers.
 """
-from . import checkpoint, offload
+from . import checkpoint
 from .autograd import find_topo_sort, infer_spec, spec_nbytes
 from .backward import plan_backward
 
@@ -24,6 +25,7 @@ _STYLES = {
     "recomputed": 'shape=box, style="filled,bold", fillcolor="#ffcc80", color="#e65100"',
     "offloaded": 'shape=doubleoctagon, style=filled, fillcolor="#e1d5f0", color="#6a3d9a"',
     "compressed": 'shape=box, style="rounded,filled,bold", fillcolor="#fff3b0", color="#b8860b"',
+    "stored": 'shape=box, style="rounded,filled", fillcolor="#e1d5f0"',
 }
 _LEGEND = {
     "leaf": "leaf: parameter, input, constant",
@@ -32,7 +34,7 @@ _LEGEND = {
     "recomputed": "dropped, recomputed in backward",
     "offloaded": "offloaded to host memory, fetched for backward",
     "compressed": "kept compressed (k-bit codes), rebuilt for backward",
-}
+}  # (a store of another kind is drawn as "stored": not in the legend)
 
 
 def node_kind(node, recomputed_ids=frozenset()):
@@ -40,19 +42,18 @@ def node_kind(node, recomputed_ids=frozenset()):
     memory)."""
     if node.is_leaf():
         return "leaf"
-    if offload.is_compressed(node):
-        return "compressed"
-    if offload.is_marked(node):
-        return "offloaded"
+    if node.store is not None:
+        return node.store.kind if node.store.kind in _STYLES else "stored"
     if id(node) in recomputed_ids:
         return "recomputed"
     return "dropped" if node.drop else "kept"
 
 
 def _label(node, kind):
-    if kind == "compressed":  # its codes' bytes (a tuple's exact elements with them), beside the full value's
-        codec, spec = offload.codec_of(node), infer_spec(node)
-        return f"compressed, {codec.bits} bits: {_human(codec.bytes_for(spec)) if spec is not None else '?'}"
+    if node.store is not None:  # the bytes its store keeps (a compressed value's codes), beside the full value's
+        spec = infer_spec(node)
+        kept = "?" if spec is None else _human(node.store.device_bytes(spec) + node.store.host_bytes(spec))
+        return f"{kind}{node.store.detail()}: {kept}"
     reason = checkpoint.keep_reason(node)
     return kind if kind != "kept" else f"kept ({reason})"
 

@@ -16,7 +16,7 @@ sys.path.insert(0, os.path.join(ROOT, "apps"))
 
 import needle as ndl  # noqa: E402
 from needle import distributed as dist  # noqa: E402
-from needle.distributed import tensor_parallel as tp  # noqa: E402
+from needle.toolbox.distributed import tensor_parallel as tp  # noqa: E402
 
 from models import LanguageModel  # noqa: E402
 

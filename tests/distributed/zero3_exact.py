@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.join(ROOT, "apps"))
 
 import needle as ndl  # noqa: E402
 from needle import distributed as dist  # noqa: E402
-from needle.amp import autocast  # noqa: E402
+from needle.toolbox.amp import autocast  # noqa: E402
 
 from models import LanguageModel  # noqa: E402
 

@@ -7,8 +7,8 @@ import os
 
 import needle as ndl
 from needle.data import batchify
-from needle.memory.html import write_html
-from needle.memory.plot import plot_side_by_side
+from needle.toolbox.memory.html import write_html
+from needle.toolbox.memory.plot import plot_side_by_side
 
 from ..data import check_corpus, load_data, resolve_data
 from ..footprint import check_fits

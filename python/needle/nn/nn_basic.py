@@ -11,7 +11,7 @@ import numpy as np
 
 from .. import init, ops
 from ..autograd import Tensor
-from ..ops.ops_fewbit import check_bits, check_relu_bits
+from ..ops.ops_activation import check_bits, check_relu_bits
 from ..backend_selection import array_api
 from .nn_module import Module, Parameter
 

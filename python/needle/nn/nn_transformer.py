@@ -18,7 +18,7 @@ import numpy as np
 
 from .. import init, ops
 from ..autograd import Tensor
-from ..ops.ops_fewbit import check_bits, check_relu_bits
+from ..ops.ops_activation import check_bits, check_relu_bits
 from ..ops.ops_linear import ACTIVATIONS
 from .nn_basic import Dropout, LayerNorm1d, Linear, ReLU, draw_like_rand
 from .nn_module import Module

@@ -4,11 +4,15 @@ Each ops module lists its public names in its own `__all__`; this package re-exp
 an op is one edit in its own file (`ndl.ops.relu`, `ndl.ops.ReLU`, `ndl.ops.scaled_dot_product_attention`, ...).
 The fused ops (attention, layer norm, linear, dropout, the LM head's linear_cross_entropy) are ordinary ops here.
 """
-from . import (ops_activation, ops_attention, ops_dropout, ops_fewbit, ops_fused, ops_linear, ops_logarithmic,
-               ops_mathematic, ops_norm, ops_tuple)
+from .. import lazy
+from . import (ops_activation, ops_attention, ops_dropout, ops_fused, ops_linear, ops_logarithmic, ops_mathematic,
+               ops_norm, ops_tuple)
 
 OPS_MODULES = (ops_mathematic, ops_logarithmic, ops_tuple, ops_linear, ops_dropout, ops_norm, ops_attention, ops_fused,
-               ops_activation, ops_fewbit)
+               ops_activation)
+# The few-bit activations' ops live in the toolbox (fewbit.py), loaded on first use.
+__getattr__ = lazy.attributes(__name__, {"FewBitActivation": "fewbit:FewBitActivation",
+                                         "FewBitGrad": "fewbit:FewBitGrad"})
 
 
 def _gather_exports(modules):

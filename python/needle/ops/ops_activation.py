@@ -4,22 +4,25 @@ ReLU's derivative needs only where its output is positive, so backward can read 
 keeps anyway. GELU's and SiLU's derivatives need the pre-activation itself (`saves = "inputs"`): in a GPT MLP the
 widest tensor of the layer, kept for backward on the activation's account alone.
 
-With `bits=k` (k in 1..4) `gelu` and `silu` keep a k-bit code of x instead (few-bit derivatives: ops_fewbit.py).
+With `bits=k` (k in 1..4) `gelu` and `silu` keep a k-bit code of x instead (few-bit derivatives: the toolbox's
+fewbit.py, loaded when `bits` is given).
 
 The kernels are the backends' ewise_gelu / ewise_gelu_tanh / ewise_silu and their *_grad (src/README.md): one
 pass each, float32 arithmetic, the result rounded once to the input's dtype.
 """
 import math
 
+from .. import lazy
 from ..autograd import TensorOp
 from ..backend_selection import array_api
-from .ops_fewbit import FewBitActivation, check_bits, check_relu_bits
 from .ops_mathematic import exp, relu_mask, sigmoid, tanh
 from .ops_tuple import tuple_get_item
 
-__all__ = ["ActivationGrad", "GELU", "ReLU", "SiLU", "gelu", "relu", "silu"]
+__all__ = ["ActivationGrad", "GELU", "ReLU", "SiLU", "activation_values", "check_bits", "check_relu_bits", "gelu",
+           "relu", "silu"]
 
 APPROXIMATIONS = {"none": "gelu", "tanh": "gelu_tanh"}  # GELU's `approximate` -> the backend's kind
+BITS = (1, 2, 3, 4)  # the bits per element a few-bit derivative may keep (toolbox/fewbit.py)
 
 
 class GELU(TensorOp):
@@ -109,7 +112,7 @@ def relu(x, bits=None):
     gradient does not read the output: worth it where nothing else keeps the output exact (fewbit.py)."""
     check_relu_bits("relu", bits)
     if bits is not None:
-        return tuple_get_item(FewBitActivation("relu", 1)(x), 0)
+        return tuple_get_item(lazy.load("fewbit").FewBitActivation("relu", 1)(x), 0)
     return ReLU()(x)
 
 
@@ -120,7 +123,7 @@ def gelu(x, approximate="none", bits=None):
         raise ValueError(f"gelu: approximate must be 'none' or 'tanh', got {approximate!r}")
     check_bits("gelu", bits)
     if bits is not None:
-        return tuple_get_item(FewBitActivation(APPROXIMATIONS[approximate], bits)(x), 0)
+        return tuple_get_item(lazy.load("fewbit").FewBitActivation(APPROXIMATIONS[approximate], bits)(x), 0)
     return GELU(approximate)(x)
 
 
@@ -128,5 +131,24 @@ def silu(x, bits=None):
     """SiLU(x) = x σ(x) (also called swish), as PyTorch's. bits: as gelu's."""
     check_bits("silu", bits)
     if bits is not None:
-        return tuple_get_item(FewBitActivation("silu", bits)(x), 0)
+        return tuple_get_item(lazy.load("fewbit").FewBitActivation("silu", bits)(x), 0)
     return SiLU()(x)
+
+
+def activation_values(x, kind):
+    """f(x) for an activation kind: relu (max(x, 0), as ReLU computes it) or the backends' (gelu, gelu_tanh, silu)."""
+    return array_api.maximum(x, 0) if kind == "relu" else array_api.activation(x, kind)
+
+
+def check_relu_bits(name, bits):
+    """ValueError naming `name` unless relu's bits is None or 1 (its derivative is 0 or 1: one bit, exact)."""
+    if bits is not None and (isinstance(bits, bool) or bits != 1):
+        raise ValueError(f"{name}: relu's derivative is 0 or 1, so its mask takes 1 bit: bits must be None or 1, "
+                         f"got {bits!r}")
+
+
+def check_bits(name, bits):
+    """ValueError naming `name` unless bits is None (exact derivatives) or one of BITS (a few-bit derivative)."""
+    if bits is not None and (isinstance(bits, bool) or bits not in BITS):
+        raise ValueError(f"{name}: bits must be None (the exact derivative) or one of {', '.join(map(str, BITS))}, "
+                         f"got {bits!r}")

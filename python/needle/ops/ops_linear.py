@@ -10,11 +10,11 @@ linear does (the composite cast its broadcast (rows, m) copy), so the bias's gra
 import functools
 import math
 
+from .. import lazy
 from ..autograd import TensorOp, TensorTupleOp
 from ..backend_selection import array_api
 from ..backend_ndarray.ndarray_backend_numpy import code_bytes
-from .ops_activation import ActivationGrad
-from .ops_fewbit import FewBitGrad, activation_values, check_bits, check_relu_bits, pack_input_codes
+from .ops_activation import ActivationGrad, activation_values, check_bits, check_relu_bits
 from .ops_mathematic import matmul, relu_mask, reshape, summation, transpose
 from .ops_tuple import tuple_get_item
 
@@ -86,8 +86,8 @@ class LinearActivation(TensorTupleOp):
 
     GELU's and SiLU's gradients read the pre-activation z, so unlike relu's it is an output of its own; `linear`
     hands out only f(z) (tuple element 0), so nothing else reads z and its gradient is zero (not read here).
-    With `bits` (few-bit derivatives, ops_activation.py) the second output is z's packed `bits`-bit codes instead:
-    z is a temporary inside the op, and dz = g q(z) (FewBitGrad). relu with bits=1: (relu(z), its 1-bit mask).
+    With `bits` (few-bit derivatives, the toolbox's fewbit.py) the second output is z's packed `bits`-bit codes
+    instead: z is a temporary inside the op, and dz = g q(z) (FewBitGrad). relu with bits=1: (relu(z), its mask).
     """
 
     saveable = True  # a matmul, as Linear
@@ -115,7 +115,7 @@ class LinearActivation(TensorTupleOp):
 
     def compute(self, x, w, *b):
         z = Linear(self.bias).compute(x, w, *b)
-        second = z if self.bits is None else pack_input_codes(z, self.kind, self.bits)
+        second = z if self.bits is None else lazy.load("fewbit").pack_input_codes(z, self.kind, self.bits)
         return activation_values(z, self.kind), second
 
     def gradient(self, out_grad, node):
@@ -123,7 +123,7 @@ class LinearActivation(TensorTupleOp):
         if self.bits is None:
             dz = ActivationGrad(self.kind)(second, out_grad[0])
         else:
-            dz = FewBitGrad(self.kind, self.bits)(second, out_grad[0])
+            dz = lazy.load("fewbit").FewBitGrad(self.kind, self.bits)(second, out_grad[0])
         return linear_gradients(node.inputs, dz)
 
 

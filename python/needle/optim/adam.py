@@ -1,6 +1,6 @@
 """Adam with bias correction and weight decay, with the course's update rule."""
 from ..backend_selection import array_api
-from .optimizer import Optimizer, _as_dtype, _check_range
+from .optimizer import Optimizer, as_dtype, check_range
 
 
 class Adam(Optimizer):
@@ -17,10 +17,10 @@ class Adam(Optimizer):
                  stochastic_rounding=False, offload_state=False):
         super().__init__(params, master_weights, stochastic_rounding, offload_state)
         name = type(self).__name__
-        self.lr = _check_range(name, "lr", lr, 0, float("inf"))
-        self.beta1 = _check_range(name, "beta1", beta1, 0, 1)
-        self.beta2 = _check_range(name, "beta2", beta2, 0, 1)
-        self.eps = _check_range(name, "eps", eps, 0, float("inf"))
+        self.lr = check_range(name, "lr", lr, 0, float("inf"))
+        self.beta1 = check_range(name, "beta1", beta1, 0, 1)
+        self.beta2 = check_range(name, "beta2", beta2, 0, 1)
+        self.eps = check_range(name, "eps", eps, 0, float("inf"))
         self.weight_decay = float(weight_decay)
         self.t = 0
 
@@ -47,7 +47,7 @@ class Adam(Optimizer):
         self._save(p, "v", v)
         m_hat = m / correction1
         v_hat = v / correction2
-        return _as_dtype(theta - m_hat * self.lr / (v_hat**0.5 + self.eps), theta)
+        return as_dtype(theta - m_hat * self.lr / (v_hat**0.5 + self.eps), theta)
 
 
 def _is_float32(array):

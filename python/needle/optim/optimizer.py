@@ -1,9 +1,7 @@
 """The optimizer base class: parameters, master weights, stochastic rounding, state accounting.
 
-Updates work on raw arrays (a parameter's `cached_data`), so a step never grows the graph. A step replaces a
-parameter's array by a new one, never writes into `param.grad`, and keeps the parameter's dtype (hyper-parameters
-are plain Python floats, so float32 stays float32 under NEEDLE_BACKEND=np as well). Parameters without a
-gradient are skipped.
+Updates work on raw arrays (a parameter's `cached_data`), so a step never grows the graph; it never writes into
+`param.grad` and keeps the parameter's dtype. Parameters without a gradient are skipped.
 
 16-bit parameters (float16, bfloat16): the update is always computed in float32. With `master_weights=True`
 (the default for them) the optimizer keeps a float32 copy of each such parameter, updates the copy and rounds it
@@ -25,13 +23,14 @@ import functools
 
 import numpy as np
 
-from .. import memory_hook, offload
+from .. import memory_hook
+from ..autograd import release
 from ..backend_selection import array_api
 
 _LOW = ("float16", "bfloat16")
 
 
-def _as_dtype(array, like):
+def as_dtype(array, like):
     """`array` in the dtype of `like` (arithmetic with Python floats may have promoted a numpy array)."""
     return array_api.cast_like(array, like)
 
@@ -113,7 +112,7 @@ def _restore(current, saved):
     return float(saved)
 
 
-def _check_range(owner, name, value, low, high, high_open=True):
+def check_range(owner, name, value, low, high, high_open=True):
     """A hyper-parameter as a float, or ValueError naming the optimizer, the argument and the allowed range."""
     value = float(value)
     if not (low <= value and (value < high if high_open else value <= high)):
@@ -348,8 +347,8 @@ class Optimizer:
                     if k + 1 < len(params):
                         self._prefetch(params[k + 1])
                 yield (p, *self._value_and_grad(p, l2))
-                if offload.is_parked(p.grad):  # a gradient parked in host memory came back for this update only
-                    offload.release_value(p.grad)
+                if p.grad.stored is not None:  # a gradient a store holds came back for this update only
+                    release(p.grad)
         finally:
             if self.offload_state:  # every copy complete (the host's new state too) before anything is dropped
                 for device in {str(p.device): p.device for p in params}.values():
@@ -372,7 +371,7 @@ class Optimizer:
         """Store a parameter's new float32 value: into its master copy and (rounded) into the parameter."""
         old = p.realize_cached_data()
         if not _is_low(old):
-            p.cached_data = _as_dtype(theta, old)
+            p.cached_data = as_dtype(theta, old)
             return
         if self._keeps_master(p):
             self._save(p, "master", theta)

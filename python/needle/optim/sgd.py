@@ -1,5 +1,5 @@
 """SGD with momentum and weight decay, with the course's update rule."""
-from .optimizer import Optimizer, _as_dtype, _check_range
+from .optimizer import Optimizer, as_dtype, check_range
 
 
 class SGD(Optimizer):
@@ -11,8 +11,8 @@ class SGD(Optimizer):
     def __init__(self, params, lr=0.01, momentum=0.0, weight_decay=0.0, master_weights=None,
                  stochastic_rounding=False, offload_state=False):
         super().__init__(params, master_weights, stochastic_rounding, offload_state)
-        self.lr = _check_range("SGD", "lr", lr, 0, float("inf"))
-        self.momentum = _check_range("SGD", "momentum", momentum, 0, 1, high_open=False)
+        self.lr = check_range("SGD", "lr", lr, 0, float("inf"))
+        self.momentum = check_range("SGD", "momentum", momentum, 0, 1, high_open=False)
         self.weight_decay = float(weight_decay)
 
     def step(self):
@@ -24,4 +24,4 @@ class SGD(Optimizer):
                 self._save(p, "u", u)
             else:
                 u = grad
-            self._update(p, _as_dtype(theta - u * self.lr, theta))
+            self._update(p, as_dtype(theta - u * self.lr, theta))

@@ -21,8 +21,8 @@ import math
 
 import numpy as np
 
-from ..backend_selection import array_api
-from .optimizer import Optimizer, _as_dtype, _check_range
+from ...backend_selection import array_api
+from ...optim.optimizer import Optimizer, as_dtype, check_range
 
 
 def _scalar(x):
@@ -56,17 +56,17 @@ class Adafactor(Optimizer):
             raise ValueError("Adafactor: relative_step=False needs an lr")
         if warmup_init and not relative_step:
             raise ValueError("Adafactor: warmup_init=True needs relative_step=True")
-        self.lr = None if lr is None else _check_range("Adafactor", "lr", lr, 0, math.inf)
-        self.beta1 = None if beta1 is None else _check_range("Adafactor", "beta1", beta1, 0, 1)
+        self.lr = None if lr is None else check_range("Adafactor", "lr", lr, 0, math.inf)
+        self.beta1 = None if beta1 is None else check_range("Adafactor", "beta1", beta1, 0, 1)
         if len(eps) != 2:
             raise ValueError(f"Adafactor: eps must be a pair (eps1, eps2), got {eps!r}")
-        self.eps = tuple(_check_range("Adafactor", "eps", e, 0, math.inf) for e in eps)
-        self.clip_threshold = _check_range("Adafactor", "clip_threshold", clip_threshold, 0, math.inf)
+        self.eps = tuple(check_range("Adafactor", "eps", e, 0, math.inf) for e in eps)
+        self.clip_threshold = check_range("Adafactor", "clip_threshold", clip_threshold, 0, math.inf)
         if not decay_rate <= 0:
             raise ValueError(f"Adafactor: decay_rate must be <= 0 (beta2_t = 1 - t^decay_rate), got {decay_rate:g}")
         self.decay_rate = float(decay_rate)
         self.relative_step, self.scale_parameter, self.warmup_init = relative_step, scale_parameter, warmup_init
-        self.weight_decay = _check_range("Adafactor", "weight_decay", weight_decay, 0, math.inf)
+        self.weight_decay = check_range("Adafactor", "weight_decay", weight_decay, 0, math.inf)
         self.t = 0
 
     def _step_size(self, theta):
@@ -99,7 +99,7 @@ class Adafactor(Optimizer):
                 self._save(p, "m", u)
             if self.weight_decay:
                 theta = theta - theta * (self.weight_decay * lr)
-            self._update(p, _as_dtype(theta - u, theta))
+            self._update(p, as_dtype(theta - u, theta))
 
     def _state_shape(self, p, slot):
         """R (..., n, 1) and C (..., 1, m) for matrices, V for vectors, m of the parameter's shape."""

@@ -16,7 +16,7 @@ device gives the same bytes.
 """
 import numpy as np
 
-from ..backend_selection import array_api, device_of
+from ...backend_selection import array_api, device_of
 
 __all__ = ["BLOCK_SIZE", "dequantize", "device_code", "dynamic_map", "quantize"]
 

@@ -44,12 +44,13 @@ from dataclasses import dataclass
 
 import numpy
 
-from . import offload
-from .autograd import find_topo_sort, infer_spec, placeholder, realize, spec_nbytes
-from .backward import always_kept, plan_backward, run_backward
-from .ledger import Ledger, holds_base, walk_step
-from .regions import keep_reason, region_of
+from .. import costs
+from ..autograd import find_topo_sort, infer_spec, placeholder, realize, spec_nbytes
+from ..backward import always_kept, plan_backward, run_backward
+from ..ledger import Ledger, holds_base, walk_step
+from ..regions import keep_reason, region_of
 from .cost_model import CostModel, device_copies_overlap
+from .offload import OFFLOAD, offloadable
 
 __all__ = ["OptimalPlan", "PointLedger", "added_seconds", "find_groups", "optimal", "walk_points"]
 
@@ -127,7 +128,7 @@ def parkable(group):
     """The members of a group that offloading it parks in host memory (the rest, its views, are recomputed), or
     None where one of them cannot be parked (a tuple value: `offload.offloadable`)."""
     owners = [n for n in group if not holds_base(n)]
-    return owners if all(map(offload.offloadable, owners)) else None
+    return owners if all(map(offloadable, owners)) else None
 
 
 # ----- the walk that writes down the bytes at fixed points -------------------------------------------------------
@@ -141,7 +142,7 @@ class PointLedger(Ledger):
     """
 
     def __init__(self, root, out_grad, offloaded=frozenset()):
-        super().__init__(root, out_grad, offloaded)
+        super().__init__(root, out_grad, {i: OFFLOAD for i in offloaded})
         self.points, self.since_point = [], 0
         self.recomputed, self.fetched, self.parked_nodes = [], [], []
 
@@ -160,14 +161,14 @@ class PointLedger(Ledger):
         self.since_point = max(self.since_point, self._local_peak(super().compute, node))
         self.recomputed.append(node)
 
-    def fetch(self, node):
-        self.since_point = max(self.since_point, self._local_peak(super().fetch, node))
+    def bring_back(self, node):
+        self.since_point = max(self.since_point, self._local_peak(super().bring_back, node))
         self.fetched.append(node)
 
     def release(self, node):
-        offloaded_before = self.offloaded_bytes
+        out_before = self.host_bytes_out
         super().release(node)
-        if self.offloaded_bytes > offloaded_before:
+        if self.host_bytes_out > out_before:
             self.parked_nodes.append(node)
 
     def finish(self):
@@ -210,14 +211,14 @@ def _consumers(root):
 def added_seconds(root, dropped=(), offloaded=(), cost_model=None):
     """Seconds that dropping `dropped` and offloading `offloaded` (nodes) add to a step on the graph above `root`,
     by `cost_model` (default: this machine's): what `OptimalPlan.predicted_time` measures, for any plan."""
-    cost_model = cost_model or CostModel()
+    cost_model = cost_model or costs.CostModel()
     off = {id(n) for n in offloaded}
     ledger = walk_points(root, {id(n) for n in dropped} | off, off)
     return _seconds(ledger, cost_model, _consumers(root))
 
 
 # ----- the program ----------------------------------------------------------------------------------------------
-def optimal(root, bytes, offload=False, host_bandwidth=None, cost_model=None):
+def optimal(root, bytes, offload=False, host_bandwidth=None, cost_model=None, calibrate=False):
     """The plan that adds the least time to a step while its predicted peak stays at or under `bytes`.
 
     Trade-off: every value taken off the device lowers the peak at the points it would be alive, and costs its
@@ -231,7 +232,8 @@ def optimal(root, bytes, offload=False, host_bandwidth=None, cost_model=None):
         bytes: the bound on the step's predicted activation peak M_peak (device bytes), as Budget(bytes).
         offload: may a group of arrays be parked in host memory instead of recomputed?
         host_bandwidth: bytes/s to price copies with (16e9: as if over PCIe 4); default: the cost model's.
-        cost_model: a `cost_model.CostModel` (default: this machine's calibration, measured once and cached).
+        cost_model: a CostModel (default: the core's fixed rates, as the Budget's; with `calibrate=True` this
+            machine's calibration, measured once and cached, as `Budget(b, calibrate=True)`'s).
     Returns an `OptimalPlan`. Raises ValueError naming the least peak found (see the module doc) when it exceeds
     `bytes`, and ImportError when SciPy is missing (it is the `optimal` extra).
 
@@ -243,7 +245,7 @@ def optimal(root, bytes, offload=False, host_bandwidth=None, cost_model=None):
     except ImportError as error:
         raise ImportError("checkpoint_budget.optimal solves a mixed-integer program with SciPy's milp (HiGHS), and "
                           "SciPy is not installed: pip install 'needle[optimal]' (or pip install scipy)") from error
-    cost_model = _cost_model(cost_model, host_bandwidth)
+    cost_model = _cost_model(cost_model, host_bandwidth, calibrate)
     groups = find_groups(root)
     ways = [(g, False) for g in range(len(groups))]  # (group, how it leaves the device): False is recomputed
     if offload:
@@ -260,15 +262,12 @@ def optimal(root, bytes, offload=False, host_bandwidth=None, cost_model=None):
                        tuple(parked), len(groups), program.solve_seconds)
 
 
-OFFLOAD = offload.OFFLOAD
-
-
-def _cost_model(cost_model, host_bandwidth):
+def _cost_model(cost_model, host_bandwidth, calibrate=False):
     if cost_model is None:
-        return CostModel(host_bandwidth=host_bandwidth)
+        return (CostModel if calibrate else costs.CostModel)(host_bandwidth=host_bandwidth)
     if host_bandwidth is None:
         return cost_model
-    return CostModel(cost_model.device, host_bandwidth, cost_model.calibration)
+    return type(cost_model)(cost_model.device, host_bandwidth, cost_model.calibration)
 
 
 class Program:
@@ -340,7 +339,8 @@ class Program:
 
     def nodes_plan(self, dropped, parked):
         parked_ids = {id(n) for n in parked}
-        return dropped, parked, walk_step(self.root, {id(n) for n in dropped} | parked_ids, None, parked_ids)
+        return dropped, parked, walk_step(self.root, {id(n) for n in dropped} | parked_ids, None,
+                                          {i: OFFLOAD for i in parked_ids})
 
 
 def _least_peak(program):

@@ -12,7 +12,7 @@ how its category is decided; `snapshot.py` documents the JSON). The recorded liv
 `memory_stats()["current_bytes"]` after every event (`record(check=True)` stores the allocator's count beside
 each event, which is how the tests check it).
 """
-from ..backend_selection import default_device
+from ...backend_selection import default_device
 from .recorder import CATEGORIES, PHASES, Recorder
 from .snapshot import Snapshot, load
 from .summary import Summary, summary

@@ -20,12 +20,12 @@ import gc
 import time
 import weakref
 
-from .. import memory_hook, offload
-from ..autograd import Value
-from ..backend_ndarray import NDArray
-from ..checkpoint import keep_reason
-from ..nn import Parameter
-from ..optim import Optimizer
+from ... import memory_hook
+from ...autograd import Value, infer_spec
+from ...backend_ndarray import NDArray
+from ...checkpoint import keep_reason
+from ...nn import Parameter
+from ...optim import Optimizer
 
 # What each category means, in the words the plot's legend and the page's tooltip use.
 CATEGORIES = {
@@ -225,8 +225,8 @@ class Recorder:
         del self.live[block.key]
         self.live_bytes -= block.bytes
         node = block.node() if block.node is not None else None
-        if node is not None and id(node) not in self.host and offload.is_parked(node):
-            if offload.is_compressed(node):  # its codes, on the device: made just before this free
+        if node is not None and id(node) not in self.host and node.stored is not None:
+            if node.store.kind == "compressed":  # its codes, on the device: made just before this free
                 self.compressed(node)
             else:
                 self.host_parked(node)  # the forward pass parked it just before giving its device buffer back
@@ -245,15 +245,16 @@ class Recorder:
         self.events.append((action, block, self.live_bytes, time.perf_counter() - self.start, backend,
                             self.host_bytes))
 
-    # ----- offloaded values' host copies (offload.py) --------------------------------------------------------
-    def parked(self, node):
-        """offload.park has just copied `node` to the host. (On a copy thread its device buffer is freed later, at
-        the next park or fetch: the host copy is recorded now, when the host bytes are taken.)"""
-        if self.active and id(node) not in self.host and not offload.is_compressed(node):
-            self.host_parked(node)
+    # ----- offloaded values' host copies (toolbox/offload.py) ------------------------------------------------
+    def parked(self, node, nbytes):
+        """offload.park has just copied `node` to the host, `nbytes` of it. (On a copy thread its device buffer is
+        freed later, at the next park or fetch: the host copy is recorded now, when the host bytes are taken.)"""
+        if self.active and id(node) not in self.host:
+            self.host_parked(node, nbytes)
 
-    def host_parked(self, node):
-        block = Block(len(self.blocks), HostCopy(offload.parked_bytes(node), node), HostCopy(0, node), self.phase,
+    def host_parked(self, node, nbytes=None):
+        nbytes = node.store.host_bytes(infer_spec(node)) if nbytes is None else nbytes
+        block = Block(len(self.blocks), HostCopy(nbytes, node), HostCopy(0, node), self.phase,
                       type(node.op).__name__, self.module_of.get(node), len(self.events))
         block.category, block.node = "host", weakref.ref(node)
         block.reason = "offloaded after its last forward use: the host copy backward fetches from"
@@ -265,7 +266,7 @@ class Recorder:
     def compressed(self, node):
         """The forward pass kept `node` as k-bit codes (compress.py) before giving its buffer back: those device
         buffers are a kept activation, named after it."""
-        for key in buffers_of(offload.parked_copy(node)):
+        for key in buffers_of(node.stored):
             block = self.live.get(key)
             if block is not None:
                 block.category, block.node = "activation_kept", weakref.ref(node)
@@ -277,7 +278,7 @@ class Recorder:
         are recorded now: offload.py gives them back without a device event, so at most one event late."""
         for key, (ref, block) in list(self.host.items()):
             node = ref()
-            if node is None or not offload.is_parked(node):
+            if node is None or node.stored is None:
                 del self.host[key]
                 self.host_bytes -= block.bytes
                 block.free = len(self.events)
@@ -320,14 +321,16 @@ class Recorder:
                     block.category = "gradient"
         self.op_node, self.op_blocks = None, []
 
-    def fetched(self, node):
-        """backward fetched `node`'s value from host memory (offload.py): a kept activation, brought back."""
+    def brought_back(self, node):
+        """backward brought `node`'s value back from its store (store.py): a kept activation."""
         for key in buffers_of(node.cached_data):
             block = self.live.get(key)
             if block is not None:
                 block.category, block.node = "activation_kept", weakref.ref(node)
                 block.op, block.module = type(node.op).__name__, self.module_of.get(node)
-                block.reason = "offloaded after its last forward use, fetched back for backward"
+                block.reason = ("offloaded after its last forward use, fetched back for backward"
+                                if node.store.kind == "offloaded" else
+                                f"{node.store.kind} after its last forward use, brought back for backward")
 
     def module_of_node(self, node):
         return None if node is None else self.module_of.get(node, self.backward_module)

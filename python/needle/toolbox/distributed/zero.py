@@ -41,10 +41,10 @@ DataParallel is needed.
 """
 import numpy as np
 
-from ..autograd import Tensor
-from ..backend_selection import array_api
-from ..nn import Parameter
-from ..optim import SGD, Adam, Optimizer
+from ...autograd import Tensor
+from ...backend_selection import array_api
+from ...nn import Parameter
+from ...optim import SGD, Adam, Optimizer
 from . import comm, fully_sharded
 from .data_parallel import check_same_model, wrapper_of
 

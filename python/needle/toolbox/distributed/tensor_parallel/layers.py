@@ -20,9 +20,9 @@ load_state_dict slices (transformer.py).
 """
 import numpy as np
 
-from ... import ops
-from ...autograd import Tensor
-from ...nn import Module, Parameter
+from .... import ops
+from ....autograd import Tensor
+from ....nn import Module, Parameter
 from .. import comm
 from .regions import copy_to_region, gather_from_region, not_kept, reduce_from_region, reduce_scatter_to_region
 

@@ -27,10 +27,10 @@ a collective, so every rank of the group calls it), `load_state_dict` takes them
 """
 import numpy as np
 
-from ... import ops
-from ...autograd import Tensor
-from ...nn import Module
-from ...nn.nn_transformer import Transformer
+from .... import ops
+from ....autograd import Tensor
+from ....nn import Module
+from ....nn.nn_transformer import Transformer
 from .. import comm
 from ..data_parallel import check_same_model
 from .cross_entropy import VocabParallelHead

@@ -25,9 +25,10 @@ import math
 
 import numpy
 
-from .autograd import Tensor, active_autocast, lazy_mode, set_autocast
-from .backend_selection import array_api
-from .ops import Cast
+from ..autograd import Tensor, active_autocast, lazy_mode, set_autocast
+from ..backend_selection import array_api
+from ..ops import Cast
+from ..regions import apply_decision
 
 __all__ = ["GradScaler", "autocast", "is_autocast_enabled"]
 
@@ -80,7 +81,7 @@ class autocast:
             return self._weights[key][2]
         with lazy_mode(True):  # built unrealized, so that it is marked before anything computes it
             out = Cast(dtype)(x)
-        out.drop = True
+        apply_decision(out, False)  # dropped: recomputed from the parameter where backward needs it
         return out
 
 

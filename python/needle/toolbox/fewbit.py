@@ -28,13 +28,17 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .backend_ndarray.ndarray_backend_numpy import ACTIVATIONS, activation_derivative
+from ..autograd import TensorOp, TensorTupleOp
+from ..backend_ndarray.ndarray_backend_numpy import ACTIVATIONS, activation_derivative, code_bytes
+from ..backend_selection import array_api
+from ..ops.ops_activation import BITS, activation_values
+from ..ops.ops_tuple import tuple_get_item
 
-__all__ = ["DISTRIBUTION", "DerivativeTable", "RELU_BOUNDARY", "derivative_table", "quantized_derivative"]
+__all__ = ["DISTRIBUTION", "DerivativeTable", "FewBitActivation", "FewBitGrad", "RELU_BOUNDARY", "derivative_table",
+           "pack_input_codes", "quantized_derivative"]
 
 DISTRIBUTION = "N(0, 1)"
 LIMIT, GRID = 6.0, 1201  # the grid: x from -6 to 6 in steps of 0.01
-BITS = (1, 2, 3, 4)
 RELU_BOUNDARY = float(np.nextafter(np.float32(0), np.float32(1)))  # the least positive float32: x > 0 iff x >= it
 
 
@@ -109,3 +113,68 @@ def quantized_derivative(kind, bits, x):
     """q(x): the fitted level of each element of x (NumPy), what a few-bit backward multiplies the gradient by."""
     table = derivative_table(kind, bits)
     return np.asarray(table.levels, dtype=np.float64)[table.codes(x)]
+
+
+# ----- the ops: f(x) with the codes beside it, and the gradient that reads only the codes ----------------------------
+# GELU's and SiLU's gradients read x for f'(x). `FewBitActivation(kind, bits)` outputs (f(x), codes): f(x) exactly as
+# the plain op computes it, and for each element the index of the interval of derivative_table(kind, bits) that x
+# falls in, packed `bits` bits per element (the backends' pack_codes). Its gradient multiplies by that interval's
+# level (`FewBitGrad`, unpack_scale). It reads its own output only (`saves = "output"`), so nothing keeps x alive on
+# its account; fused into ops.linear (LinearActivation with bits) the pre-activation is never a graph value at all.
+# `ops.gelu(x, bits=k)`, `ops.silu(x, bits=k)`, `ops.linear(..., activation_bits=k)`, `nn.GELU(bits=k)` and
+# `TransformerLayer(activation_bits=k)` load this module and use them. The gradient is an approximation by design:
+# its error, for x from the table's distribution, is the table's expected error (tests), which the exact numerical
+# gradient checks would not accept.
+
+
+class FewBitActivation(TensorTupleOp):
+    """(f(x), codes): codes = x's `bits`-bit interval in fewbit.derivative_table(kind, bits);  d/dx = out_grad · q(x)"""
+
+    autocast = "low"
+    saves = "output"  # the codes (beside f(x) in the tuple), never x
+    compressible_outputs = (0,)  # f(x) is for the next layer: this gradient reads only the codes
+
+    def __init__(self, kind, bits):
+        self.kind, self.bits = kind, bits
+
+    def infer_shape(self, x):
+        return x, (code_bytes(math.prod(x), self.bits),)
+
+    def infer_dtype(self, dtype):
+        return dtype, "uint8"
+
+    def compute(self, x):
+        return activation_values(x, self.kind), pack_input_codes(x, self.kind, self.bits)
+
+    def gradient(self, out_grad, node):
+        return (FewBitGrad(self.kind, self.bits)(tuple_get_item(node, 1), out_grad[0]),)
+
+
+class FewBitGrad(TensorOp):
+    """g · q(x), q(x) the level of x's code (packed `codes`) in derivative_table(kind, bits);  linear in g"""
+
+    saves = "inputs"  # the codes (g is the incoming gradient)
+
+    def __init__(self, kind, bits):
+        self.kind, self.bits = kind, bits
+
+    def infer_shape(self, codes, g):
+        return g
+
+    def infer_dtype(self, codes, g):
+        return g
+
+    def compute(self, codes, g):
+        table = derivative_table(self.kind, self.bits)
+        levels = array_api.array(np.asarray(table.levels, np.float32), dtype="float32", device=g.device)
+        return array_api.unpack_scale(codes, levels, g, self.bits)
+
+    def gradient(self, out_grad, node):
+        return None, FewBitGrad(self.kind, self.bits)(node.inputs[0], out_grad)  # codes are integers: no gradient
+
+
+def pack_input_codes(x, kind, bits):
+    """The packed `bits`-bit codes of array x in fewbit.derivative_table(kind, bits) (pack_codes)."""
+    table = derivative_table(kind, bits)
+    boundaries = array_api.array(np.asarray(table.boundaries, np.float32), dtype="float32", device=x.device)
+    return array_api.pack_codes(x, boundaries, bits)

@@ -8,8 +8,8 @@ blocks of 256) instead of Adam's 8. As in the paper and bitsandbytes, tensors wi
 elements keep float32 state (they are few bytes, and often the sensitive ones: biases, norms), and so do the
 parameters named in `fp32_state_params` (the paper's "stable embedding" recipe keeps the embedding's 32-bit).
 """
-from ..backend_selection import array_api, device_of
-from .adam import Adam
+from ...backend_selection import array_api, device_of
+from ...optim.adam import Adam
 from .quantization import dequantize, device_code, dynamic_map
 
 

@@ -17,11 +17,11 @@ slices are added (rescaled by exp(m_r - m)), which rounds differently, within fl
 """
 import numpy as np
 
-from ... import ops
-from ...autograd import Tensor, TensorOp, TensorTupleOp
-from ...backend_selection import array_api, device_of
-from ...nn import Module
-from ...ops.ops_fused import chunk_rows
+from .... import ops
+from ....autograd import Tensor, TensorOp, TensorTupleOp
+from ....backend_selection import array_api, device_of
+from ....nn import Module
+from ....ops.ops_fused import chunk_rows
 from .. import comm
 from .layers import slice_parameter
 from .regions import copy_to_region, gather_from_region, not_kept

@@ -28,8 +28,9 @@ the counts of `comm.traffic`). fully_sharded.GatherShards re-gathers ZeRO-3's we
 """
 import numpy as np
 
-from ...autograd import TensorOp, release
-from ...backend_selection import array_api, device_of
+from ....autograd import TensorOp
+from ....backend_selection import array_api, device_of
+from ....regions import apply_decision
 from .. import comm
 
 __all__ = ["CopyToRegion", "GatherFromRegion", "ReduceFromRegion", "ReduceScatterToRegion", "ScatterToRegion",
@@ -204,8 +205,7 @@ def gather_from_region(x, axis, group=None, grad="reduce_scatter", regather=Fals
 def not_kept(node):
     """Keep no value of `node` after its consumers have read it: eager mode releases it now (call this once they
     are built), lazy mode as soon as they are computed; backward computes it again if a gradient reads it."""
-    node.drop = True
-    release(node)
+    apply_decision(node, False)
     return node
 
 

@@ -36,9 +36,10 @@ import contextlib
 
 import numpy as np
 
-from ..autograd import Tensor, TensorOp, TensorTupleOp, release
-from ..backend_selection import array_api, device_of
-from ..nn import Module, Parameter
+from ...autograd import Tensor, TensorOp, TensorTupleOp, release
+from ...backend_selection import array_api, device_of
+from ...nn import Module, Parameter
+from ...regions import apply_decision
 from . import comm
 
 __all__ = ["FullyShardedModel", "GatherShards", "ReduceScatterShards", "ShardedUnit", "shard_model"]
@@ -167,8 +168,7 @@ class ShardedUnit:
             for module, attribute, p in self.slots:
                 module.__dict__[attribute] = p
             for value in [gathered] + list(full.values()):  # backward gathers again where a gradient reads them
-                value.drop = True
-                release(value)
+                apply_decision(value, False)
 
     # ----- full values, for state dicts -----------------------------------------------------------------------------
     def full_values(self):

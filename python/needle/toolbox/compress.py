@@ -8,9 +8,9 @@ before the gradient that reads it (Chen et al. 2021, "ActNN"; Liu et al. 2022, "
     model.enable_gc(policy=checkpoint.compress(bits=8))                      # keep everything, compressed
     model.enable_gc(policy=checkpoint.compress(bits=8, policy="selective"))  # selective's checkpoints, compressed
 
-It rides on offloading's machinery (offload.py): a compressed value is marked with a `Codec` instead of for host
-memory, parked when the forward pass gives it back (`Codec.encode`: the backends' quantize_stochastic) and fetched
-in backward (`Codec.decode`: dequantize_linear), one step ahead of its gradient, like a value parked on the host.
+A `Codec` is a `Store` (needle/store.py), as offloading's host memory is: the policy answers a codec for a value,
+the forward pass `put`s it there when it gives the value back (`Codec.encode`: the backends' quantize_stochastic),
+and backward brings it back (`Codec.decode`: dequantize_linear) one step ahead of its gradient.
 
 Which values, and why the gradient stays unbiased. A kept value is compressed only where every gradient that reads
 it (through views: a reshape or transpose of it is read as it is) is one of:
@@ -59,16 +59,16 @@ import math
 import weakref
 from dataclasses import dataclass
 
-from . import offload
-from .autograd import (defer_until_realized, element_dtype, element_shapes, find_topo_sort, infer_spec, itemsize,
-                       release)
-from .backend_selection import array_api
-from .backward import always_kept, reads
-from .ledger import view_copies
-from .regions import note_reason, region_structure
+from ..autograd import defer_until_backward, element_dtype, element_shapes, find_topo_sort, infer_spec, itemsize
+from ..backend_selection import array_api
+from ..backward import always_kept, reads
+from ..checkpoint import resolve_policy
+from ..ledger import view_copies
+from ..regions import apply_decision, region_structure
+from ..store import Store
 
-__all__ = ["BLOCK_SIZE", "BITS", "Codec", "Compress", "FIRST_ORDER", "TupleCodec", "UNBIASED", "compressed_bytes",
-           "is_codec"]
+__all__ = ["BLOCK_SIZE", "BITS", "Codec", "CodecStore", "Compress", "FIRST_ORDER", "TupleCodec", "UNBIASED",
+           "compress", "compressed_bytes", "is_codec", "settle_compressed"]
 
 BLOCK_SIZE = 256  # elements per scale: 4 bytes per 256 elements, 1.6% of a float32 value
 BITS = (2, 4, 8)  # bits per element a codec may keep (ActNN goes down to 2)
@@ -76,8 +76,38 @@ UNBIASED = frozenset({"MatMul", "Linear", "LinearActivation"})  # gradients line
 FIRST_ORDER = frozenset({"LayerNorm", "ScaledDotProductAttention", "LinearCrossEntropy"})  # unbiased to first order
 
 
+_traffic = {"compressed_bytes": 0, "decompressed_bytes": 0}
+
+
+class CodecStore(Store):
+    """What the codecs share as stores: the value kept as codes on the device (`encode`), rebuilt by `decode`."""
+
+    kind = "compressed"
+
+    def detail(self):
+        return f", {self.bits} bits"
+
+    def put(self, node):
+        stored = self.encode(node.cached_data)  # device buffers: the allocator counts them
+        _traffic["compressed_bytes"] += self.nbytes(stored)
+        return stored
+
+    def get(self, node, stored):
+        _traffic["decompressed_bytes"] += self.nbytes(stored)
+        return self.decode(stored)  # an approximation of the forward's value
+
+    def device_bytes(self, spec):
+        return self.bytes_for(spec)
+
+    @classmethod
+    def take_traffic(cls):
+        taken = dict(_traffic)
+        _traffic.update(compressed_bytes=0, decompressed_bytes=0)
+        return taken
+
+
 @dataclass(frozen=True)
-class Codec:
+class Codec(CodecStore):
     """How one array is kept: `bits`-bit linear codes with stochastic rounding, a scale per `block_size` elements,
     its noise from `seed`."""
 
@@ -86,7 +116,7 @@ class Codec:
     block_size: int = BLOCK_SIZE
 
     def allows(self, op):
-        """Whether a gradient of `op` may read the rebuilt value (UNBIASED, FIRST_ORDER): backward.settle_compressed."""
+        """Whether a gradient of `op` may read the rebuilt value (UNBIASED, FIRST_ORDER): settle_compressed."""
         return _reader_allows_op(op)
 
     def encode(self, data):
@@ -107,7 +137,7 @@ class Codec:
 
 
 @dataclass(frozen=True)
-class TupleCodec:
+class TupleCodec(CodecStore):
     """How a tuple value is kept: each element with its Codec, or as it is (None)."""
 
     codecs: tuple
@@ -136,8 +166,8 @@ class TupleCodec:
 
 
 def is_codec(flag):
-    """Whether a policy's flag asks to keep a value compressed (a Codec or TupleCodec)."""
-    return isinstance(flag, (Codec, TupleCodec))
+    """Whether a policy's decision asks to keep a value compressed (a Codec or TupleCodec)."""
+    return isinstance(flag, CodecStore)
 
 
 def _nbytes(array):
@@ -164,6 +194,7 @@ class Compress:
         # Regions' outputs waiting for their graph to be realized (or differentiated): number -> a weak reference
         # that removes itself when its value dies (an eval forward that never runs backward leaves nothing here).
         self._outputs, self._numbers = {}, itertools.count()
+        self._settled = None  # a weak reference to the root of the last backward whose graph was checked
 
     def __repr__(self):
         return f"compress(bits={self.bits}, policy={self.policy!r})"
@@ -191,13 +222,22 @@ class Compress:
             if not o.is_leaf() and not always_kept(o):
                 number, pending = next(self._numbers), self._outputs
                 pending[number] = weakref.ref(o, lambda _, number=number: pending.pop(number, None))
-                defer_until_realized(o, self._decide_outputs)
+        if nodes:
+            defer_until_backward(nodes[0], self._at_backward)
         return self.choose(nodes, outputs, head) + tail
+
+    def _at_backward(self, roots):
+        """As backward starts (once per graph, whichever region asks first): decide the regions' outputs, then
+        check every compressed value of the graph against its readers (rule 4d)."""
+        if self._settled is not None and self._settled() is roots[0]:
+            return
+        self._settled = weakref.ref(roots[0])
+        self._decide_outputs(roots)
+        settle_compressed(roots[0])
 
     def _decide_outputs(self, roots):
         """Compress the regions' outputs (rule 1 keeps them) where the whole graph's gradients allow: a lazy step
-        parks each after its last consumer, an eager one (whose forward has run) at once, as backward starts.
-        (backward.settle_compressed checks the choice again when backward starts, on the graph as it is then.)"""
+        puts each into its codes after its last consumer, an eager one (whose forward has run) at once."""
         if not self._outputs:  # the first output of a graph decided them all
             return
         order = find_topo_sort(roots)
@@ -214,14 +254,10 @@ class Compress:
                 continue
             fate = graph.fate(o)
             if fate and fate != "unread":
-                o.drop = True
-                offload.mark(o, self._codec(fate))
-                note_reason(o, "compressed")
-                offload.release_value(o)  # (computed: eager) compressed now; (lazy) after its last consumer
+                apply_decision(o, self._codec(fate))  # (computed: eager) compressed now; (lazy) after its last use
                 for v in graph.viewed(o)[1:]:  # a kept view of it would hold its buffer
                     if not v.drop and not view_copies(v) and graph.gives_way(v):
-                        v.drop = True
-                        release(v)
+                        apply_decision(v, False)
 
     def _waits_for_a_plan(self, nodes):
         planned = getattr(self.policy, "planned", None)  # a Budget: its decisions come later, for this step
@@ -285,7 +321,7 @@ class _Region:
         i = self.position.get(id(node))
         if i is not None:
             return self.flags[i] is False and id(node) not in self.unread
-        return node.drop and not offload.is_marked(node)
+        return node.drop and node.store is None
 
     def viewed(self, node):
         """`node` and its views among its consumers, transitively."""
@@ -311,7 +347,7 @@ class _Region:
         flag = self.flags[j] if j is not None else None
         if flag is False:
             return True
-        if not (is_codec(flag) or (j is None and offload.is_compressed(base))):
+        if not (is_codec(flag) or (j is None and is_codec(base.store))):
             return False
         return all(map(_reader_allows, self.readers(self.viewed(view))[1]))
 
@@ -327,7 +363,7 @@ class _Region:
             if not readers and not own and not any(map(self.recomputed, users)):
                 return "unread"  # (a value a recomputation starts from is a checkpoint: compressed, not dropped)
             allowed = str(spec[1]) == "float32" and all(map(_reader_allows, readers))
-            return True if allowed and (not own or 0 in node.op.compressible_outputs) else None
+            return True if allowed and (not own or 0 in compressible_outputs(node.op)) else None
         getters = self.consumers.get(id(node), [])
         if any(type(g.op).__name__ != "TupleGetItem" for g in getters):
             return None  # read whole (a tuple of gradients, say): kept as it is
@@ -336,7 +372,7 @@ class _Region:
             seen = [v for g in getters if g.op.index == k for v in self.viewed(g)]
             users, readers = self.readers(seen)
             elements.append(str(element_dtype(spec[1], k)) == "float32" and all(map(_reader_allows, readers))
-                            and (not own or k in node.op.compressible_outputs))
+                            and (not own or k in compressible_outputs(node.op)))
         return elements if any(elements) else None
 
 
@@ -358,3 +394,83 @@ def _base(node):
         node = node.inputs[0]
     return node
 
+
+
+def compress(bits=8, policy=None, seed=0):
+    """A policy: what `policy` keeps for backward (None: everything; a name, a segment policy, a Budget or any
+    callable) kept as `bits`-bit codes (2, 4 or 8) where the gradients reading it allow, the rest exact; `seed`
+    picks the rounding noise (this module's doc says which values, and why the gradients stay unbiased).
+
+        model.enable_gc(policy=checkpoint.compress(8))               # everything kept, compressed
+        model.enable_gc(policy=checkpoint.compress(8, "selective"))  # selective's checkpoints, compressed
+    """
+    return Compress(bits, None if policy is None else resolve_policy(policy), seed)
+
+
+# ----- rule 4d: a rebuilt value reaches only the gradients that allow it --------------------------------------------
+def settle_compressed(root):
+    """Rule 4d: a value kept compressed is rebuilt from its codes only for gradients that may read an
+    approximation: where its codec `allows` every gradient that reads it, or reads a value backward recomputes from
+    it. Where one may not (a reader outside the region that chose to compress it, a graph extended after the
+    choice, a ReLU recomputed from it), it goes back to being a dropped value, recomputed exactly, and so does every
+    compressed value that recomputation starts from. Decided when backward starts, when the graph is whole."""
+    order = find_topo_sort([root])
+    if not any(is_codec(n.store) for n in order):
+        return
+    consumers = {}
+    for n in order:
+        for x in n.inputs:
+            consumers.setdefault(id(x), []).append(n)
+    for value in order:
+        if is_codec(value.store) and not _approximation_allowed(value, consumers):
+            _recompute_exactly(value)
+
+
+def _approximation_allowed(value, consumers):
+    """Whether every gradient reading `value`'s rebuilt copy, or a value recomputed from it, allows it."""
+    codec = value.store
+    exact_elements = {k for k, c in enumerate(getattr(codec, "codecs", ())) if c is None}  # a tuple's exact ones
+    stack, seen = [value], {id(value)}
+    while stack:  # the values derived from the rebuilt one: its views and what backward recomputes from it
+        w = stack.pop()
+        if any(r is w for r in reads(w)) and not (w is value and _own_read_allowed(value, exact_elements)):
+            return False
+        for u in consumers.get(id(w), ()):
+            if w is value and u.op.view and getattr(u.op, "index", None) in exact_elements:
+                continue  # an exact element of a compressed tuple
+            if any(r is w for r in reads(u)) and not codec.allows(u.op):
+                return False
+            derived = u.op.view or (u.drop and u.store is None)
+            if derived and id(u) not in seen:
+                seen.add(id(u))
+                stack.append(u)
+    return True
+
+
+def _own_read_allowed(node, exact_elements):
+    """A gradient reading its own output reads a compressed copy only through `compressible_outputs`."""
+    elements = element_shapes(infer_spec(node)[0])
+    compressed = {k for k in range(len(elements or [None])) if k not in exact_elements}
+    return compressed <= set(compressible_outputs(node.op))
+
+
+def _recompute_exactly(value):
+    """`value` and the compressed values its recomputation starts from: dropped values again, recomputed."""
+    stack, seen = [value], set()
+    while stack:
+        n = stack.pop()
+        if id(n) in seen:
+            continue
+        seen.add(id(n))
+        if n.stored is not None:
+            n.store.discard(n, n.stored)
+            n.stored = None
+        n.store = None
+        stack.extend(x for x in n.inputs if x.drop and not x.is_leaf() and (is_codec(x.store) or x.store is None))
+
+
+def compressible_outputs(op):
+    """The elements of `op`'s own output (0 for a plain Tensor) that its gradient reads at most linearly, if it
+    reads its output: a compressed copy of them leaves the gradient unbiased. Usually none; an op declares them in
+    a `compressible_outputs` attribute (the few-bit activations: f(x), read by no gradient of theirs)."""
+    return getattr(op, "compressible_outputs", ())

@@ -25,8 +25,8 @@ recomputes the rest during backward: GPipe's re-materialization.
 """
 import time
 
-from ..autograd import Tensor, last_backward_stats
-from ..nn import Module
+from ...autograd import Tensor, last_backward_stats
+from ...nn import Module
 from . import comm
 
 __all__ = ["Pipeline", "bubble_fraction"]

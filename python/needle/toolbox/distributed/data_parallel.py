@@ -59,10 +59,10 @@ import weakref
 
 import numpy as np
 
-from ..autograd import Tensor, find_topo_sort
-from ..backend_selection import array_api
-from ..data import batchify as _batchify
-from ..nn import Module
+from ...autograd import Tensor, find_topo_sort
+from ...backend_selection import array_api
+from ...data import batchify as _batchify
+from ...nn import Module
 from . import comm
 
 __all__ = ["DataParallel", "batchify", "split_batch"]

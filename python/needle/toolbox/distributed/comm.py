@@ -47,7 +47,7 @@ import time
 import ml_dtypes
 import numpy as np
 
-from ..backend_selection import array_api, device_of
+from ...backend_selection import array_api, device_of
 from .notices import (
     KIND, KINDS, NOTICE_SIZE, OP, OPS, SEQ, SIZE, TAG, CollectiveError, CollectiveMismatch, CollectiveTimeout,
     describe, disagreement, dtype_name, make_notice,
