@@ -98,6 +98,12 @@ def test_blocks_and_registry_name_the_same_figures():
     assert not misplaced, f"figures without exactly one block, in their registered page (name: pages): {misplaced}"
 
 
+def test_readme_holds_at_most_two_figure_blocks():
+    names = list(figures.blocks((REPO / "README.md").read_text()))
+    assert len(names) <= 2, (f"README.md holds {len(names)} figure blocks ({names}); keep at most two there and "
+                             f"move the rest, stamps and all, to their docs/ page (and their page in FIGURES)")
+
+
 def test_the_stale_listing_runs_on_this_checkout():
     """`figures.py --stale` lists, runs nothing, and exits 0 whatever is stale: one line per figure that is not
     fresh, a registered name, its page and why, and a count on stderr."""
