@@ -97,7 +97,8 @@ demo: demo-deps
 	$(if $(wildcard gc.py),$(PYTHON) gc.py,$(PYTHON) apps/train_demo.py)
 
 # Every table of measured figures in README.md and docs/, run and stamped (long: see benchmarks/figures.py;
-# `python benchmarks/figures.py --stale` runs only those whose code changed).
+# `python benchmarks/figures.py --stale` lists those whose code changed since their stamp, `--run-stale` reruns
+# only those; a stale figure does not fail `make test`).
 figures: deps
 	$(MAKE) lib
 	$(PYTHON) benchmarks/figures.py

@@ -1,9 +1,11 @@
 """Every table of measured figures in README.md and docs/, generated: the registry, and the command that writes them.
 
     python benchmarks/figures.py                     # every figure (long: about an hour on 2 cores); `make figures`
-    python benchmarks/figures.py --stale             # only those whose measured code changed since their stamp
+    python benchmarks/figures.py --stale             # list the figures whose measured code changed since their
+                                                     # stamp, and what changed (runs nothing)
+    python benchmarks/figures.py --run-stale         # regenerate exactly those
     python benchmarks/figures.py --only demo rss     # these
-    python benchmarks/figures.py --list              # name, page, fresh or stale
+    python benchmarks/figures.py --list              # every figure: name, page, fresh or stale
 
 A figure is one entry of FIGURES: the command that measures it (a benchmark or gc.py that prints the Markdown
 table on stdout), the page it goes to, and `measures`, the repository paths whose content the numbers depend on.
@@ -20,10 +22,13 @@ A figure is stale when any of its `measures` paths differs between the stamp's c
 (`git diff <commit> -- PATHS`, or an untracked file there) in what runs: a Python file whose code is the same once
 docstrings are set aside (comments and layout are not in its syntax tree) measures the same, so rewording a
 docstring leaves the figures fresh. `quickstart-times` is the exception: the fresh clone's `make test` lints the
-text and runs the tests, so any change to it counts. A stale figure fails tests/test_figures.py, and `--stale`
-regenerates exactly those. So that a stamp never names a commit that does not hold the code it ran, this script
-refuses to stamp a figure while its `measures` have uncommitted changes (`--allow-dirty` stamps "dirty", which the
-test rejects).
+text and runs the tests, so any change to it counts. A stale figure is information, not an error: its stamp still
+says truthfully which commit it measured, `--stale` lists it, and regenerating it is a separate, deliberate step
+(`--run-stale`, `--only NAME` or `make figures`). tests/test_figures.py fails only on what is wrong whatever the
+code: a measured table outside a figure block, a block without a well-formed stamp, a figure the registry does not
+know, a stamp whose command is not the registry's, or one stamped "dirty". So that a stamp never names a commit
+that does not hold the code it ran, this script refuses to stamp a figure while its `measures` have uncommitted
+changes (`--allow-dirty` stamps "dirty", which the test rejects).
 """
 import argparse
 import ast
@@ -79,7 +84,7 @@ def bench(script, *flags):
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 FIGURES = [
     Figure("demo", "README.md", bench("gc_tables.py", "demo"), GC + ("benchmarks/gc_tables.py",)),
-    Figure("quickstart-times", "README.md", bench("fresh_clone.py"), CLONE, text_matters=True),
+    Figure("quickstart-times", "docs/benchmarks.md", bench("fresh_clone.py"), CLONE, text_matters=True),
     Figure("ndarray-1-thread", "docs/benchmarks.md", bench("bench_ndarray.py", "--markdown"),
            BACKEND + ("benchmarks/bench_ndarray.py",), ONE_THREAD),
     Figure("ndarray-2-threads", "docs/benchmarks.md", bench("bench_ndarray.py", "--markdown"),
@@ -105,11 +110,11 @@ FIGURES = [
            GC + ("benchmarks/bench_precision.py",), ONE_THREAD),
     Figure("distributed-memory", "docs/distributed.md", bench("gc_tables.py", "parallel"),
            GC + ("python/needle/distributed/", "benchmarks/gc_tables.py"), ONE_THREAD),
-    Figure("distributed-tp", "README.md", bench("bench_distributed.py", "--parts", "tp"),
+    Figure("distributed-tp", "docs/distributed.md", bench("bench_distributed.py", "--parts", "tp"),
            STEP + ("python/needle/distributed/", "benchmarks/bench_distributed.py"), ONE_THREAD),
     Figure("timeline", "README.md", bench("readme_pictures.py", "timeline"),
            GC + ("python/needle/memory/", "benchmarks/readme_pictures.py")),
-    Figure("budget-sweep", "README.md", bench("readme_pictures.py", "budget-sweep"),
+    Figure("budget-sweep", "docs/offloading.md", bench("readme_pictures.py", "budget-sweep"),
            GC + ("python/needle/checkpoint_optimal.py", "benchmarks/readme_pictures.py")),
     Figure("memory-record", "docs/timeline.md", bench("bench_memory_record.py", "--markdown"),
            STEP + ("python/needle/memory/", "benchmarks/bench_memory_record.py", "benchmarks/bench_step.py")),
@@ -119,7 +124,7 @@ FIGURES = [
            STEP + ("benchmarks/bench_offload_overhead.py",)),
     Figure("fewbit", "docs/fewbit.md", bench("bench_fewbit.py", "--markdown"),
            GC + ("python/needle/fewbit.py", "benchmarks/bench_fewbit.py"), ONE_THREAD),
-    Figure("fewbit-readme", "README.md", bench("bench_fewbit.py", "--readme", "--steps", "50", "--markdown"),
+    Figure("fewbit-readme", "docs/fewbit.md", bench("bench_fewbit.py", "--readme", "--steps", "50", "--markdown"),
            GC + ("python/needle/fewbit.py", "benchmarks/bench_fewbit.py"), ONE_THREAD),
     Figure("cost-model", "docs/offloading.md",
            bench("bench_cost_model.py", "--num_layers", "16", "--head", "fused", "--recalibrate", "--markdown"),
@@ -133,8 +138,10 @@ FIGURES = [
 BY_NAME = {f.name: f for f in FIGURES}
 
 BLOCK = re.compile(r"<!-- figure: (?P<name>[\w.-]+) -->\n(?P<body>.*?)<!-- /figure: (?P=name) -->", re.S)
-STAMP = re.compile(r"^\*`python benchmarks/figures.py --only (?P<name>[\w.-]+)` ran `.+?` at commit "
-                   r"(?P<commit>[0-9a-f]{12})(?P<dirty> \(dirty\))? on ", re.M)
+# The whole stamp, as generate() writes it: the figure, the command, the commit, the date, the machine, the seconds.
+STAMP = re.compile(r"^\*`python benchmarks/figures.py --only (?P<name>[\w.-]+)` ran `(?P<command>.+?)` at commit "
+                   r"(?P<commit>[0-9a-f]{12})(?P<dirty> \(dirty\))? on (?P<date>\d{4}-\d\d-\d\d \d\d:\d\d UTC), "
+                   r"on (?P<machine>[^;\n]+); (?P<seconds>\d+) s\.\*$", re.M)
 
 
 # ----- git: the stamp's commit against the code ---------------------------------------------------------------
@@ -199,12 +206,13 @@ def blocks(text):
 
 
 def stamp_of(body):
-    """The stamp's match in a block's text, or None."""
+    """The stamp's match in a block's text (its groups: name, command, commit, dirty, date, machine, seconds), or
+    None when the block has no well-formed stamp."""
     return STAMP.search(body)
 
 
 def status(figure, repo=ROOT):
-    """"fresh", "stale (PATHS changed)", "not generated" or "no block in PAGE" for a figure."""
+    """"fresh", "stale (what changed)", "not generated" or "no block in PAGE" for a figure."""
     with open(os.path.join(repo, figure.page)) as f:
         body = blocks(f.read()).get(figure.name)
     if body is None:
@@ -214,8 +222,20 @@ def status(figure, repo=ROOT):
         return "not generated"
     if stamp["dirty"]:
         return "stale (stamped dirty)"
-    changed = measured_changes(figure, stamp["commit"], repo)
-    return f"stale ({len(changed)} measured files changed: {', '.join(changed[:3])}...)" if changed else "fresh"
+    try:
+        changed = measured_changes(figure, stamp["commit"], repo)
+    except ValueError as e:
+        return f"unknown ({e})"
+    if not changed:
+        return "fresh"
+    more = f" and {len(changed) - 3} more" if len(changed) > 3 else ""
+    return f"stale since {stamp['commit']} ({len(changed)} measured files changed: {', '.join(changed[:3])}{more})"
+
+
+def stale(figures, repo=ROOT):
+    """[(figure, its status)] of the `figures` that are not fresh, in their order: what `--stale` lists and
+    `--run-stale` regenerates."""
+    return [(f, s) for f, s in ((f, status(f, repo)) for f in figures) if s != "fresh"]
 
 
 def machine():
@@ -263,17 +283,16 @@ def generate(figure, allow_dirty=False):
     print(f"figures.py: {figure.name}: written into {figure.page} ({seconds:.0f} s)", file=sys.stderr, flush=True)
 
 
-def in_run_order(figures):
-    """`figures` in the order to regenerate them: a text-matters one (quickstart-times: a fresh clone's `make test`)
-    last, since its suite checks that every other figure is fresh; run before them, it measures a failing test."""
-    return sorted(figures, key=lambda f: f.text_matters)
-
-
 def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                epilog="With none of --stale, --run-stale, --list: regenerate the chosen figures "
+                                       "(all of them without --only).")
     p.add_argument("--only", nargs="+", metavar="NAME", help="these figures (see --list)")
-    p.add_argument("--stale", action="store_true", help="only the figures that are not fresh")
-    p.add_argument("--list", action="store_true", help="print each figure's name, page and status, and exit")
+    what = p.add_mutually_exclusive_group()
+    what.add_argument("--stale", action="store_true",
+                      help="list the figures that are not fresh (name, page, what changed) and exit; runs nothing")
+    what.add_argument("--run-stale", action="store_true", help="regenerate only the figures that are not fresh")
+    what.add_argument("--list", action="store_true", help="print each figure's name, page and status, and exit")
     p.add_argument("--allow-dirty", action="store_true",
                    help="stamp even when measured files have uncommitted changes (the stamp says dirty)")
     args = p.parse_args()
@@ -281,13 +300,18 @@ def main():
     if unknown:
         p.error(f"no figure named {', '.join(unknown)}; the figures: {', '.join(BY_NAME)}")
     chosen = [BY_NAME[n] for n in args.only] if args.only else FIGURES
-    if args.list:
-        for f in chosen:
-            print(f"{f.name:20s}{f.page:22s}{status(f)}")
+    if args.list or args.stale:
+        listed = [(f, status(f)) for f in chosen] if args.list else stale(chosen)
+        for f, s in listed:
+            print(f"{f.name:20s}{f.page:22s}{s}")
+        if args.stale:
+            print(f"figures.py: {len(listed)} of {len(chosen)} figures not fresh"
+                  + (" (python benchmarks/figures.py --run-stale regenerates them)" if listed else ""),
+                  file=sys.stderr)
         return
-    if args.stale:
-        chosen = [f for f in chosen if status(f) != "fresh"]
-    for f in in_run_order(chosen):
+    if args.run_stale:
+        chosen = [f for f, _ in stale(chosen)]
+    for f in chosen:
         generate(f, args.allow_dirty)
 
 

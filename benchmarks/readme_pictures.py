@@ -1,10 +1,11 @@
-"""The pictures README shows, drawn by gc.py and copied into docs/img/, with a table of the figures they show.
+"""The pictures of README and docs/offloading.md, drawn by gc.py and copied into docs/img/, with their figures.
 
     python benchmarks/readme_pictures.py timeline       # gc.py timeline on the demo model -> docs/img/timeline.png
     python benchmarks/readme_pictures.py budget-sweep   # gc.py sweep --over budget_mb -> docs/img/budget-sweep.png
 
 Each prints Markdown on stdout: the picture's link and a small table of what it shows (benchmarks/figures.py writes
-it into README under its stamp, so the picture and its numbers are remade, and checked for staleness, together).
+it into its page under its stamp, so the picture and its numbers are remade, and listed as stale, together). The
+link is relative to that page: README.md for timeline, docs/offloading.md for budget-sweep.
 """
 import glob
 import json
@@ -74,7 +75,8 @@ def budget_sweep():
         shutil.copyfile(png, os.path.join(IMG, "budget-sweep.png"))
         with open(os.path.join(out, "sweep.json")) as f:
             records = json.load(f)
-    print("![step time against the budget: recompute only, offload only, both](docs/img/budget-sweep.png)\n")
+    # The link as docs/offloading.md, the page of this figure, reaches the picture.
+    print("![step time against the budget: recompute only, offload only, both](img/budget-sweep.png)\n")
     print("| curve | budget | M_peak | T_step | predicted T_step (/ measured) | first step (planning) / T_step | "
           "host peak |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
