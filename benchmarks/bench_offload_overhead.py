@@ -115,7 +115,8 @@ def main():
     budgets = [int(b) for b in np.linspace(least, 0.9 * off_peak, args.budgets)]
     rows = [(b, Config(args, "recompute", checkpoint.Budget(b, calibrate=True)),
              Config(args, "offload", checkpoint.Budget(b, offload=True, calibrate=True)),
-             Config(args, "offload 16e9", checkpoint.Budget(b, offload=True, host_bandwidth=PCIE4, calibrate=True))) for b in budgets]
+             Config(args, "offload 16e9", checkpoint.Budget(b, offload=True, host_bandwidth=PCIE4, calibrate=True)))
+            for b in budgets]
     configs = [off, control] + [c for row in rows for c in row[1:]]
     for c in configs[2:]:
         c.peak = c.step()[1]  # the first step plans

@@ -307,6 +307,18 @@ def test_the_core_stays_under_its_line_ceiling():
         f"(`python tests/test_architecture.py` lists the files)")
 
 
+MAX_CORE_DOCSTRING_LINES = 20
+
+
+def test_core_module_docstrings_are_short():
+    """A core module says what it is in at most 20 lines; details live beside the code they describe (each rule of
+    checkpointing is stated once, where it is enforced)."""
+    offenders = [f"{where(p)}: {len(doc.splitlines())} lines" for p in core_files()
+                 for doc in [ast.get_docstring(parse(p), clean=False) or ""]
+                 if len(doc.splitlines()) > MAX_CORE_DOCSTRING_LINES]
+    assert not offenders, offenders_message(f"core module docstrings over {MAX_CORE_DOCSTRING_LINES} lines", offenders)
+
+
 def test_no_core_module_imports_the_toolbox():
     """The toolbox plugs into the core (store.py's Store, memory_hook, the Budget's subclass); the core names it
     only through lazy.py's table, by string, on first use."""

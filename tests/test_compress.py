@@ -23,7 +23,7 @@ import pytest
 
 import needle as ndl
 from needle import autograd, checkpoint, ops
-from needle.toolbox import compress, offload
+from needle.toolbox import compress
 from needle import backend_ndarray as nd
 from needle import backend_numpy
 from needle.backend_ndarray import array_api, memory_stats, reset_peak_memory_stats

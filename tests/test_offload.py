@@ -74,7 +74,7 @@ def test_a_fetched_value_is_not_recomputed_and_its_fetch_is_issued_a_step_ahead(
     # only views and tuples are recomputed (offload drops them: they cost nothing to make again)
     assert all(not offload.offloadable(n) for n in plan.recomputed())
     for i, step in enumerate(plan.steps):
-        for n in step.bring_back:  # its first reader is the step after the one that issues the fetch (or, first, itself)
+        for n in step.bring_back:  # its first reader: the step after the one that issues the fetch (or, first, itself)
             readers = [j for j, s in enumerate(plan.steps) if not s.node.is_leaf() and
                        (any(x is n for x in reads(s.node)) or any(any(x is n for x in r.inputs) for r in s.recompute))]
             assert min(readers) == i + (i > 0), (i, readers)
