@@ -292,6 +292,8 @@ def test_copies_overlap_compute_on_a_copy_stream_or_the_cpu_copy_thread_only():
 
 def test_the_cost_model_measures_only_through_the_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("NEEDLE_CACHE_DIR", str(tmp_path))
+    # the calibrated CostModel's own default (conftest prices every other test at the nominal rates)
+    monkeypatch.setattr(CostModel, "default_rates", staticmethod(lambda device: Calibration.load_or_measure(device)))
     quick = Calibration.measure(ndl.cpu(), quick=True)  # stands in for the full one (seconds), under its key
 
     def measure(cls, device=None, quick_=False, repeats=3):
