@@ -90,6 +90,9 @@ def _forward_backward(model, loss_fn, micro, config, device, params, scaler, bas
     for j, (X, y) in enumerate(micro):
         with autograd.lazy_mode(config.lazy):
             loss = loss_fn(X, y) if k == 1 else loss_fn(X, y) / k
+            # The policies that plan from the whole graph (a Budget, compression's region outputs) decide when
+            # backward starts; reading the loss first computes a lazy forward, so they decide now.
+            autograd.run_deferred([loss])
             losses.append(float(loss.numpy()) * k)
             held = nd.memory_stats(device)["current_bytes"] - baseline
             if j == 0:

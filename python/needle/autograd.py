@@ -561,7 +561,9 @@ def defer_until_backward(node, callback):
 
 
 def run_deferred(roots):
-    """Run the callbacks deferred on values above `roots`, each once (backward's first act)."""
+    """Run the callbacks deferred on values above `roots`, each once: backward's first act. Call it yourself before
+    reading a value of a lazy graph you will differentiate (`loss.numpy()` before `loss.backward()`), or its forward
+    is computed before those decisions are made."""
     if not _deferred:
         return
     for node in find_topo_sort(roots):
