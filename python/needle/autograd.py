@@ -464,12 +464,13 @@ def find_topo_sort(node_list, expand=None):
 def release(node, last_use=False):
     """Forget a node's value (it can be recomputed from its inputs); remember its shape, dtype and device.
 
-    A node with a store (store.py) is put there first, once; the stored copy is let go at its `last_use`.
+    A node with a store (store.py) is put there first, once, unless this is its `last_use` (backward's release);
+    the stored copy is let go at its last use.
     """
     if node.stored is not None and last_use:
         node.store.discard(node, node.stored)
         node.stored = None
-    elif node.store is not None and node.stored is None and node.cached_data is not None:
+    elif node.store is not None and node.stored is None and node.cached_data is not None and not last_use:
         node.stored = node.store.put(node)
         store.note_used(node.store)
     if node.cached_data is not None:

@@ -82,7 +82,8 @@ def always_kept(node):
 
 def plan_backward(root, has=None, stored=None):
     """The backward plan of the graph above `root`, given which values exist when it starts (`has`) and which
-    missing ones a store holds (`stored`, default: those with a store, store.py).
+    missing ones a store holds (`stored`, default: those a store holds now, store.py; one whose stored copy is
+    gone, after an earlier backward, is recomputed).
 
     Simulates the pass in reverse topological order. Before a node's gradient, the values it reads must exist;
     missing ones, and the missing ancestors they need, are recomputed at that step and from then on count as
@@ -96,7 +97,7 @@ def plan_backward(root, has=None, stored=None):
     values are never released (rule 1).
     """
     has = has or Compute().has
-    stored = stored or (lambda n: n.store is not None)
+    stored = stored or (lambda n: n.stored is not None)
     reverse = list(reversed(find_topo_sort([root])))
     available = {id(n) for n in reverse if has(n)}
     steps, last_use = [], {}
@@ -200,6 +201,9 @@ class Compute(Machine):
             node.cached_data = node.store.get(node, node.stored)
         if memory_hook.RECORDER is not None:
             memory_hook.RECORDER.brought_back(node)  # needle.memory: what the buffer brought back is
+        if not node.store.kept_until_last_use:  # back until its last use (rule 2): its stored copy is not needed
+            node.store.discard(node, node.stored)
+            node.stored = None
         if node.store not in self.filling:
             self.filling.append(node.store)
         self.stats["brought_back_nodes"] += 1
@@ -306,6 +310,8 @@ def run_backward(plan, out_grad, machine=None):
             for g in new:
                 awaited[id(g)] = awaited.get(id(g), 0) + 1
             _release_step_temporaries(walked, new, parts, grad, forward, awaited, machine)
+            for x in [] if node.is_leaf() else node.inputs:
+                _accumulate(grads.get(id(x)), machine, awaited, forward)
         for n in step.release:
             machine.release(n)
     machine.ready()  # (every value brought back is read by a later step, which waited for it: nothing is left)
@@ -328,6 +334,23 @@ def _input_gradients(node, grad, machine, walked, grads):
     for x, g in pairs:
         grads.setdefault(id(x), []).append(g)
     return new
+
+
+def _accumulate(parts, machine, awaited, forward):
+    """Sum a value's gradient parts as they arrive, so that one partial sum waits for its step instead of every
+    part (a weight shared by T time steps: one buffer, not T). The sum is the same, bit for bit: it is taken in the
+    order the parts arrive, as the step that consumes them would take it (`sum_node_list`). Tuple parts wait."""
+    if parts is None or len(parts) < 2 or not all(isinstance(g, Tensor) for g in parts):
+        return
+    with lazy_mode(True):
+        total = sum_node_list(parts)
+    realize([total], lambda n: n is total, machine)
+    for g in parts:
+        awaited[id(g)] = awaited.get(id(g), 0) - 1
+        if id(g) not in forward and not g.is_leaf() and awaited[id(g)] <= 0 and g is not total:
+            machine.release(g)
+    awaited[id(total)] = awaited.get(id(total), 0) + 1
+    parts[:] = [total]
 
 
 def _in_dtype_of(x, grad, node):

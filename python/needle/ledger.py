@@ -181,6 +181,10 @@ class Ledger(Machine):
         self._hold(node)
         self.host_bytes_back += self.held[id(node)][1]
         self._note_peak()
+        if not self.stores[id(node)].kept_until_last_use:  # as backward.Compute: the stored copy goes at once
+            device, host = self.held.pop(id(node))
+            self.live -= device
+            self.host_live -= host
 
     def release(self, node):
         """As autograd.release: a value with a store is put there on its first release (forward), and its stored
@@ -190,7 +194,7 @@ class Ledger(Machine):
                 device, host = self.held.pop(id(node))
                 self.live -= device
                 self.host_live -= host
-        elif id(node) in self.stores and id(node) in self.present:
+        elif id(node) in self.stores and id(node) in self.present and not self.in_backward:
             self._put(node, self.stores[id(node)])
         if id(node) not in self.present:
             return

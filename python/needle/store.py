@@ -11,8 +11,9 @@ Where a value is, is written on its node and nowhere else:
     node.store         where it goes when it leaves memory (None: nowhere, so it is recomputed)
     node.stored        what `store.put` returned, while the store holds the value (None: it holds nothing)
 
-`autograd.release` puts a value into its store before forgetting it, and discards the stored copy at the value's
-last use; backward's plan brings a stored value back (`Step.bring_back`) instead of recomputing it.
+`autograd.release` puts a value into its store before forgetting it (in the forward pass), and discards the stored
+copy at the value's last use; backward's plan brings a stored value back (`Step.bring_back`) instead of recomputing
+it. A leaf's `store` is where its complete gradient goes (backward.Compute.set_grad).
 """
 
 __all__ = ["Store", "note_used", "take_traffic"]
@@ -22,6 +23,9 @@ class Store:
     """Keeps values that left memory. Subclasses override `put` and `get`, and what the ledger counts."""
 
     kind = "stored"  # how a value held here is named by keep_reason, print_saved_residuals and to_dot
+    # Whether the stored copy stays until the value's last use in backward (True), or is let go of as soon as the
+    # value is back in memory (False: nothing in the pass will ask for it again, rule 2).
+    kept_until_last_use = True
 
     def detail(self):
         """A few words the DOT graph shows beside `kind` (a codec's: ", 8 bits")."""

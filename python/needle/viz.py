@@ -90,7 +90,8 @@ def to_dot(tensor, name="needle", hide_views=False):
     roots = list(tensor) if isinstance(tensor, (list, tuple)) else [tensor]
     # What backward recomputes: the plan's recomputations when only leaves and kept values exist.
     recomputed = {id(n) for r in roots if r.requires_grad
-                  for n in plan_backward(r, lambda n: n.is_leaf() or not n.drop).recomputed()}
+                  for n in plan_backward(r, lambda n: n.is_leaf() or not n.drop, lambda n: n.store is not None)
+                  .recomputed()}
     order = find_topo_sort(roots)
     root_ids = {id(r) for r in roots}
     hidden = {id(n) for n in order if hide_views and n.op is not None and n.op.view and id(n) not in root_ids}

@@ -22,37 +22,35 @@ it (through views: a reshape or transpose of it is read as it is) is one of:
   LinearCrossEntropy), whose gradients are not linear in what they read: there E[g(x̂)] = g(x) + O(scale²), a bias
   of the order of the rounding noise's variance, (absmax / 127)² at 8 bits, which ActNN and GACT find harmless.
 Anything else (an element-wise op reading its own output, a ReLU's mask: rounding could flip a sign) keeps its
-value exact, and so does any value not float32. The choice is made per region as it is annotated, from the readers
-the region shows; backward checks it again when it starts, on the whole graph (backward.settle_compressed, rule 4d):
-a compressed value with a reader that does not allow it (one outside the region, added later) is recomputed
-exactly instead, so a rebuilt value only ever reaches the gradients named above.
+value exact, and so does any value not float32. The choice is made once, when backward starts, on the whole graph
+(rule 4d, `_Graph.approximation_allowed`): a value with a reader that does not allow it stays as the policy left
+it, so a rebuilt value only ever reaches the gradients named above — and compression never makes backward
+recompute more than the policy it wraps (it only ever replaces a kept value by its codes).
 
 Around a checkpointing policy ("selective", "sqrt", "all", a Budget) the values it keeps are its checkpoints, and
 backward recomputes what it dropped from them: from the rebuilt value, where the checkpoint is compressed. The
 recomputation is exact given its inputs (rule 4 still checks shapes, dtypes and versions), so what the gradients
 read is a smooth function of the compressed checkpoint: unbiased to first order, as FIRST_ORDER's. Rule 4d asks
 the readers of what is recomputed from a compressed checkpoint too: a ReLU recomputed from it (a step function:
-its mask would flip near 0) sends the checkpoint back to exact.
+its mask would flip near 0) keeps the checkpoint exact.
 
 A kept value that no gradient reads and no recomputation starts from is dropped instead: nothing in backward will
-ask for it (in an eager step it would otherwise wait for backward's start to be freed). A view of a compressed
-value is dropped too (it would hold the full buffer): backward recomputes it from the rebuilt value. A region's
-outputs (rule 1 keeps them: they are the next region's inputs) are decided once the whole graph exists, when it is
-first realized: a lazy step then parks each after its last consumer; an eager one, whose forward has run, as
-backward starts (so an eager M_act still holds them).
+ask for it. A view of a compressed value is dropped too (it would hold the full buffer): backward recomputes it
+from the rebuilt value. A region's outputs (rule 1 keeps them: they are the next region's inputs) are decided like
+the rest. A lazy step, decided before anything is computed, compresses each value after its last forward consumer;
+an eager one, whose forward has run, compresses them all as backward starts (its forward holds them exact).
 
 Deterministic: the rounding noise of element i of a value is a hash of (the value's seed, i) (src/README.md), and a
 value's seed is the policy's `seed` and how many values it compressed before it. So a rerun — the same seed, a fresh
 model and a fresh policy — gives the same bytes, and so does compressing a value again. `state_dict()` carries that
 count, so a run resumed from a checkpoint (gc.py --resume) draws the noise the unbroken run would have drawn.
 
-Around a Budget, a region is compressed once the Budget has decided it (a structure it has not planned yet runs as
-the Budget plans it, uncompressed). The Budget's ledger does not know which of what it keeps will be compressed: it
-counts those values whole. That is not a proof of the bound: while a value is being compressed or rebuilt, its
-codes and the whole value coexist, so a peak that falls exactly there could exceed the uncompressed prediction by
-the codes' bytes (a quarter of the value at 8 bits), which the Budget's 1% margin may not cover; in the tests the
-measured M_peak stays under b at every step (tests/test_compress.py). The ledger itself can count the codes
-(`walk_step(..., compressed=...)`: within 1% of the allocator), but the Budget does not plan with them yet.
+Around a Budget, the Budget plans first (at the same moment), then what it keeps is compressed. The Budget's ledger
+does not know which of what it keeps will be compressed: it counts those values whole. That is not a proof of the
+bound: while a value is being compressed or rebuilt, its codes and the whole value coexist, so a peak that falls
+exactly there could exceed the uncompressed prediction by the codes' bytes (a quarter of the value at 8 bits); in
+the tests the measured M_peak stays under b at every step (tests/test_compress.py). The ledger itself can count the
+codes (`walk_step(..., stores={id: codec})`: within 1% of the allocator), but the Budget does not plan with them.
 """
 import itertools
 import math
@@ -64,11 +62,11 @@ from ..backend_selection import array_api
 from ..backward import always_kept, reads
 from ..checkpoint import resolve_policy
 from ..ledger import view_copies
-from ..regions import apply_decision, region_structure
+from ..regions import apply_decision
 from ..store import Store
 
 __all__ = ["BLOCK_SIZE", "BITS", "Codec", "CodecStore", "Compress", "FIRST_ORDER", "TupleCodec", "UNBIASED",
-           "compress", "compressed_bytes", "is_codec", "settle_compressed"]
+           "compress", "compressed_bytes", "is_codec"]
 
 BLOCK_SIZE = 256  # elements per scale: 4 bytes per 256 elements, 1.6% of a float32 value
 BITS = (2, 4, 8)  # bits per element a codec may keep (ActNN goes down to 2)
@@ -83,6 +81,7 @@ class CodecStore(Store):
     """What the codecs share as stores: the value kept as codes on the device (`encode`), rebuilt by `decode`."""
 
     kind = "compressed"
+    kept_until_last_use = False  # the codes go as soon as the value is rebuilt: device bytes, not needed again
 
     def detail(self):
         return f", {self.bits} bits"
@@ -180,7 +179,15 @@ def compressed_bytes(n, bits, block_size=BLOCK_SIZE):
 
 
 class Compress:
-    """A policy that keeps what `policy` keeps, compressed where the gradients reading it allow (module doc)."""
+    """A policy that keeps what `policy` keeps, compressed where the gradients reading it allow (module doc).
+
+    At annotate it answers what `policy` answers, and remembers the values kept (and the region's outputs, which
+    rule 1 keeps); it decides which of them to compress once, when backward starts (`autograd.defer_until_backward`),
+    with the whole graph in view and after the policy it wraps has decided (a Budget plans at that moment too). So a
+    value is compressed only where every gradient that reads it, or reads a value recomputed from it, may read an
+    approximation (rule 4d); the others stay as `policy` left them, so compression never makes backward recompute
+    more than `policy` does.
+    """
 
     def __init__(self, bits=8, policy=None, seed=0):
         if isinstance(bits, bool) or bits not in BITS:
@@ -191,10 +198,10 @@ class Compress:
         self.bits, self.seed = bits, int(seed)
         self.policy = policy  # None: keep everything
         self.values_compressed = 0  # so far: each value's seed is the policy's and this count before it
-        # Regions' outputs waiting for their graph to be realized (or differentiated): number -> a weak reference
-        # that removes itself when its value dies (an eval forward that never runs backward leaves nothing here).
-        self._outputs, self._numbers = {}, itertools.count()
-        self._settled = None  # a weak reference to the root of the last backward whose graph was checked
+        # The values waiting for backward's start: number -> (a weak reference that removes itself when its value
+        # dies, whether it is a region's output). An eval forward that never runs backward leaves nothing here.
+        self._waiting, self._numbers = {}, itertools.count()
+        self._decided = None  # a weak reference to the root of the last backward whose graph was decided
 
     def __repr__(self):
         return f"compress(bits={self.bits}, policy={self.policy!r})"
@@ -214,73 +221,51 @@ class Compress:
         self.values_compressed = int(state["values_compressed"])
 
     def __call__(self, nodes, outputs=()):
-        flags = [True] * len(nodes) if self.policy is None else list(self.policy(nodes, outputs))
-        if self._waits_for_a_plan(nodes):
-            return flags
-        head, tail = flags[:len(nodes)], flags[len(nodes):]  # (a policy may answer for the outputs too)
-        for o in outputs if not tail else ():  # who reads a region's output is known once its graph is whole
+        decisions = [True] * len(nodes) if self.policy is None else list(self.policy(nodes, outputs))
+        answered_outputs = len(decisions) > len(nodes)  # (a policy may answer for the outputs too)
+        for n, decision in zip(nodes, decisions):
+            if isinstance(decision, bool) and decision:
+                self._wait(n, output=False)
+        for o in () if answered_outputs else outputs:
             if not o.is_leaf() and not always_kept(o):
-                number, pending = next(self._numbers), self._outputs
-                pending[number] = weakref.ref(o, lambda _, number=number: pending.pop(number, None))
-        if nodes:
-            defer_until_backward(nodes[0], self._at_backward)
-        return self.choose(nodes, outputs, head) + tail
+                self._wait(o, output=True)
+        first = (list(nodes) or list(outputs))[:1]
+        for n in first:
+            defer_until_backward(n, self._at_backward)
+        return decisions
+
+    def _wait(self, node, output):
+        number, waiting = next(self._numbers), self._waiting
+        waiting[number] = (weakref.ref(node, lambda _, number=number: waiting.pop(number, None)), output)
 
     def _at_backward(self, roots):
-        """As backward starts (once per graph, whichever region asks first): decide the regions' outputs, then
-        check every compressed value of the graph against its readers (rule 4d)."""
-        if self._settled is not None and self._settled() is roots[0]:
+        """Decide, once per graph, which waiting values to compress: consumers first (a value's fate depends on
+        theirs), each where its readers and what is recomputed from it allow (rule 4d)."""
+        if self._decided is not None and self._decided() is roots[0]:
             return
-        self._settled = weakref.ref(roots[0])
-        self._decide_outputs(roots)
-        settle_compressed(roots[0])
-
-    def _decide_outputs(self, roots):
-        """Compress the regions' outputs (rule 1 keeps them) where the whole graph's gradients allow: a lazy step
-        puts each into its codes after its last consumer, an eager one (whose forward has run) at once."""
-        if not self._outputs:  # the first output of a graph decided them all
-            return
+        self._decided = weakref.ref(roots[0])
         order = find_topo_sort(roots)
-        in_graph = {id(n) for n in order}
-        pending = []
-        for number, ref in list(self._outputs.items()):  # those of this graph; another graph's wait for theirs
-            o = ref()
-            if o is not None and id(o) in in_graph:
-                del self._outputs[number]
-                pending.append(o)
-        graph = _Region.of_graph(order)
-        for o in pending:
-            if o.drop:
+        position = {id(n): i for i, n in enumerate(order)}
+        waiting = []
+        for number, (ref, output) in list(self._waiting.items()):  # this graph's; another graph's wait on
+            v = ref()
+            if v is not None and id(v) in position:
+                del self._waiting[number]
+                waiting.append((v, output))
+        waiting.sort(key=lambda pair: -position[id(pair[0])])
+        graph = _Graph(order)
+        for v, output in waiting:
+            if v.drop or (_view_op(v) and not view_copies(v)):  # dropped by the policy; a view goes with its base
                 continue
-            fate = graph.fate(o)
-            if fate and fate != "unread":
-                apply_decision(o, self._codec(fate))  # (computed: eager) compressed now; (lazy) after its last use
-                for v in graph.viewed(o)[1:]:  # a kept view of it would hold its buffer
-                    if not v.drop and not view_copies(v) and graph.gives_way(v):
-                        apply_decision(v, False)
-
-    def _waits_for_a_plan(self, nodes):
-        planned = getattr(self.policy, "planned", None)  # a Budget: its decisions come later, for this step
-        if planned is None or not nodes:
-            return False
-        return region_structure(nodes) not in planned
-
-    def choose(self, nodes, outputs, flags):
-        """The flags with a codec for each kept value to compress, and False for each kept value nothing reads."""
-        region = _Region(nodes, outputs, flags)
-        for i in reversed(range(len(nodes))):  # consumers first: a value's fate depends on theirs
-            node = nodes[i]
-            if region.flags[i] is not True or (_view_op(node) and not view_copies(node)):
-                continue
-            fate = region.fate(node)
-            if fate == "unread":
-                region.drop_unread(i)
-            elif fate:
-                region.flags[i] = self._codec(fate)
-        for i, node in enumerate(nodes):  # a kept view of a compressed (or dropped) value would hold its buffer
-            if region.flags[i] is True and _view_op(node) and not view_copies(node) and region.gives_way(node):
-                region.flags[i] = False
-        return region.flags
+            fate = graph.fate(v)
+            if fate == "unread" and not output:
+                graph.drop_unread(v)  # nothing in backward asks for it
+            elif fate and fate != "unread" and graph.approximation_allowed(v, fate):
+                apply_decision(v, self._codec(fate))  # (computed: eager) compressed now; (lazy) after its last use
+        for v, _ in waiting:  # a kept view of a compressed (or dropped) value would hold its buffer
+            for view in graph.viewed(v) if v.store is not None or v.drop else ():
+                if not view.drop and _view_op(view) and not view_copies(view) and graph.gives_way(view):
+                    apply_decision(view, False)
 
     def _codec(self, elements):
         """A Codec for an array (`elements` True), a TupleCodec for a tuple (`elements`: a flag per element)."""
@@ -290,38 +275,22 @@ class Compress:
         return one() if elements is True else TupleCodec(tuple(one() if e else None for e in elements))
 
 
-class _Region:
-    """A region's candidates, flags and consumers, for `Compress.choose`."""
+class _Graph:
+    """Who reads what in a whole graph, for `Compress`: consumers, readers, and what backward recomputes."""
 
-    def __init__(self, nodes, outputs, flags, order=None):
-        self.nodes, self.flags, self.unread = nodes, list(flags), set()
-        self.position = {id(n): i for i, n in enumerate(nodes)}
-        # Who reads what: the walk from the outputs through the candidates and the values inner regions dropped
-        # (they are recomputed from what they read), stopping at the region's inputs.
-        if order is None:
-            inside = {id(n) for n in nodes} | {id(o) for o in outputs}
-            order = find_topo_sort(list(outputs), expand=lambda n: id(n) in inside or n.drop)
-        self.consumers = {}
+    def __init__(self, order):
+        self.consumers, self.unread = {}, set()
         for n in order:
             for x in n.inputs:
                 self.consumers.setdefault(id(x), []).append(n)
 
-    @classmethod
-    def of_graph(cls, order):
-        """The whole graph as one region without candidates: its consumers only."""
-        return cls([], [], [], order)
-
-    def drop_unread(self, i):
-        self.flags[i] = False  # nothing in backward asks for it
-        self.unread.add(id(self.nodes[i]))
+    def drop_unread(self, node):
+        apply_decision(node, False)
+        self.unread.add(id(node))
 
     def recomputed(self, node):
-        """Whether backward may recompute `node`: this policy drops it (not as a value nothing reads), or an inner
-        region dropped it (and did not park it)."""
-        i = self.position.get(id(node))
-        if i is not None:
-            return self.flags[i] is False and id(node) not in self.unread
-        return node.drop and node.store is None
+        """Whether backward may recompute `node`: dropped, into no store, and read by something."""
+        return node.drop and node.store is None and id(node) not in self.unread
 
     def viewed(self, node):
         """`node` and its views among its consumers, transitively."""
@@ -340,14 +309,12 @@ class _Region:
         return users, [u for u in users if any(id(r) in ids for r in reads(u))]
 
     def gives_way(self, view):
-        """Whether a kept view should be dropped: the value it views is dropped or compressed (here, or by an inner
-        region), and what reads the view may read a rebuilt value."""
+        """Whether a kept view should be dropped: the value it views is dropped or compressed, and what reads the
+        view may read a rebuilt value."""
         base = _base(view)
-        j = self.position.get(id(base))
-        flag = self.flags[j] if j is not None else None
-        if flag is False:
+        if base.drop and base.store is None:
             return True
-        if not (is_codec(flag) or (j is None and is_codec(base.store))):
+        if not is_codec(base.store):
             return False
         return all(map(_reader_allows, self.readers(self.viewed(view))[1]))
 
@@ -374,6 +341,26 @@ class _Region:
             elements.append(str(element_dtype(spec[1], k)) == "float32" and all(map(_reader_allows, readers))
                             and (not own or k in compressible_outputs(node.op)))
         return elements if any(elements) else None
+
+    def approximation_allowed(self, value, fate):
+        """Rule 4d: whether every gradient that would read `value` rebuilt from codes, or read a value backward
+        recomputes from it, allows an approximation (UNBIASED, FIRST_ORDER). A tuple's exact elements (`fate`'s
+        False flags) are no approximation."""
+        exact_elements = set() if fate is True else {k for k, e in enumerate(fate) if not e}
+        stack, seen = [value], {id(value)}
+        while stack:  # the values derived from the rebuilt one: its views and what backward recomputes from it
+            w = stack.pop()
+            if any(r is w for r in reads(w)) and not (w is value and _own_read_allowed(value, exact_elements)):
+                return False
+            for u in self.consumers.get(id(w), ()):
+                if w is value and u.op.view and getattr(u.op, "index", None) in exact_elements:
+                    continue  # an exact element of a compressed tuple
+                if any(r is w for r in reads(u)) and not _reader_allows(u):
+                    return False
+                if (u.op.view or self.recomputed(u)) and id(u) not in seen:
+                    seen.add(id(u))
+                    stack.append(u)
+        return True
 
 
 def _reader_allows(node):
@@ -407,66 +394,12 @@ def compress(bits=8, policy=None, seed=0):
     return Compress(bits, None if policy is None else resolve_policy(policy), seed)
 
 
-# ----- rule 4d: a rebuilt value reaches only the gradients that allow it --------------------------------------------
-def settle_compressed(root):
-    """Rule 4d: a value kept compressed is rebuilt from its codes only for gradients that may read an
-    approximation: where its codec `allows` every gradient that reads it, or reads a value backward recomputes from
-    it. Where one may not (a reader outside the region that chose to compress it, a graph extended after the
-    choice, a ReLU recomputed from it), it goes back to being a dropped value, recomputed exactly, and so does every
-    compressed value that recomputation starts from. Decided when backward starts, when the graph is whole."""
-    order = find_topo_sort([root])
-    if not any(is_codec(n.store) for n in order):
-        return
-    consumers = {}
-    for n in order:
-        for x in n.inputs:
-            consumers.setdefault(id(x), []).append(n)
-    for value in order:
-        if is_codec(value.store) and not _approximation_allowed(value, consumers):
-            _recompute_exactly(value)
-
-
-def _approximation_allowed(value, consumers):
-    """Whether every gradient reading `value`'s rebuilt copy, or a value recomputed from it, allows it."""
-    codec = value.store
-    exact_elements = {k for k, c in enumerate(getattr(codec, "codecs", ())) if c is None}  # a tuple's exact ones
-    stack, seen = [value], {id(value)}
-    while stack:  # the values derived from the rebuilt one: its views and what backward recomputes from it
-        w = stack.pop()
-        if any(r is w for r in reads(w)) and not (w is value and _own_read_allowed(value, exact_elements)):
-            return False
-        for u in consumers.get(id(w), ()):
-            if w is value and u.op.view and getattr(u.op, "index", None) in exact_elements:
-                continue  # an exact element of a compressed tuple
-            if any(r is w for r in reads(u)) and not codec.allows(u.op):
-                return False
-            derived = u.op.view or (u.drop and u.store is None)
-            if derived and id(u) not in seen:
-                seen.add(id(u))
-                stack.append(u)
-    return True
-
-
+# ----- rule 4d: a rebuilt value reaches only the gradients that allow it -------------------------------------------
 def _own_read_allowed(node, exact_elements):
     """A gradient reading its own output reads a compressed copy only through `compressible_outputs`."""
     elements = element_shapes(infer_spec(node)[0])
     compressed = {k for k in range(len(elements or [None])) if k not in exact_elements}
     return compressed <= set(compressible_outputs(node.op))
-
-
-def _recompute_exactly(value):
-    """`value` and the compressed values its recomputation starts from: dropped values again, recomputed."""
-    stack, seen = [value], set()
-    while stack:
-        n = stack.pop()
-        if id(n) in seen:
-            continue
-        seen.add(id(n))
-        if n.stored is not None:
-            n.store.discard(n, n.stored)
-            n.stored = None
-        n.store = None
-        stack.extend(x for x in n.inputs if x.drop and not x.is_leaf() and (is_codec(x.store) or x.store is None))
 
 
 def compressible_outputs(op):
