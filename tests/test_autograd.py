@@ -629,3 +629,21 @@ def test_a_shared_weights_gradient_parts_are_summed_as_they_arrive(lazy, monkeyp
     grad_at_end, peak_at_end, predicted_at_end = _shared_weight_step(lazy=lazy)
     assert np.array_equal(grad, grad_at_end)
     assert peak < peak_at_end and (predicted, predicted_at_end) == (peak, peak_at_end)
+
+
+def test_bad_conv_arguments_and_dtype_spellings_get_one_clear_error():
+    """Issue 45: conv(stride=0) was a ZeroDivisionError; autocast("bf16") and astype("bfloat") said only "data type
+    not understood". The usual short spellings are accepted; anything else names the API and what it accepts."""
+    x = ndl.Tensor(np.ones((1, 4, 4, 2), np.float32), device=nd.cpu_numpy())
+    w = ndl.Tensor(np.ones((3, 3, 2, 2), np.float32), device=nd.cpu_numpy())
+    with pytest.raises(ValueError, match="conv: stride must be an integer >= 1, got 0"):
+        ops.conv(x, w, stride=0)
+    with pytest.raises(ValueError, match="conv: padding must be an integer >= 0, got -1"):
+        ops.conv(x, w, padding=-1)
+    assert x.astype("bf16").dtype == "bfloat16" and ndl.autocast("bf16").dtype == "bfloat16"
+    with pytest.raises(TypeError, match=r"Linear.astype: dtype must be one of float32, .* got 'bfloat'"):
+        ndl.nn.Linear(2, 2, device=nd.cpu_numpy()).astype("bfloat")
+    with pytest.raises(TypeError, match="cast: dtype must be one of"):
+        x.astype("float8")
+    with pytest.raises(ValueError, match="autocast: dtype must be 'bfloat16' or 'float16'"):
+        ndl.autocast("float32")

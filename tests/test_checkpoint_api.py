@@ -461,3 +461,11 @@ def test_the_budget_plans_without_a_clock_or_a_file_the_same_plan_in_every_proce
     assert runs[0].stdout == runs[1].stdout and "False" in runs[0].stdout  # the same plan, which drops something
     assert runs[0].stdout.rstrip().endswith("[]")  # no toolbox module
     assert list(home.iterdir()) == [] and sorted(p.name for p in tmp_path.iterdir()) == ["home"]
+
+
+@pytest.mark.parametrize("bound", [0, -1, "64MB", 2.5, True, float("nan"), float("inf")])
+def test_a_budget_refuses_a_bound_that_is_not_a_positive_number_of_bytes_when_made(bound):
+    """Issue 45: Budget(0) and Budget(-1) were accepted until the first backward, Budget("64MB") was a bare int()
+    error: each is refused when the Budget is made, naming it."""
+    with pytest.raises(ValueError, match=r"Budget: the bound must be a positive number of bytes \(e.g. Budget"):
+        checkpoint.Budget(bound)

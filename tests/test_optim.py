@@ -345,3 +345,28 @@ def test_adafactor_steps_past_a_zero_size_parameter():
 def test_grad_scaler_rejects_nan_and_infinite_settings(kw):
     with pytest.raises(ValueError, match="GradScaler: need a finite init_scale > 0"):
         ndl.amp.GradScaler(**kw)
+
+
+@pytest.mark.parametrize("field, value", [("lr", float("nan")), ("beta1", 5.0), ("t", -3), ("t", 2.5),
+                                          ("eps", 0.0), ("weight_decay", -1.0)])
+def test_load_state_dict_refuses_a_hand_edited_hyperparameter_and_changes_nothing(field, value):
+    """Issue 45: a state dict with lr NaN, beta1 5 or t -3 was accepted, and a failed load had already changed lr."""
+    w = ndl.Tensor(np.ones((3, 2), np.float32), device=ndl.cpu_numpy(), requires_grad=True)
+    opt = ndl.optim.Adam([w], lr=0.1)
+    state = opt.state_dict()
+    state["param_groups"][0][field] = value
+    state["param_groups"][0]["lr"] = 0.5 if field != "lr" else value  # a change that must not happen on failure
+    with pytest.raises(ValueError, match=f"Adam: {field} must"):
+        opt.load_state_dict(state)
+    assert (opt.lr, opt.beta1, opt.t, opt.eps) == (0.1, 0.9, 0, 1e-8)
+
+
+def test_optimizers_refuse_what_would_fail_later():
+    """Issue 45: Adam(eps=0) gave NaN on a zero gradient; SGD([1, 2]) was accepted until the first step."""
+    w = ndl.Tensor(np.ones((3, 2), np.float32), device=ndl.cpu_numpy(), requires_grad=True)
+    with pytest.raises(ValueError, match=r"Adam: eps must be in \(0, inf\)"):
+        ndl.optim.Adam([w], eps=0)
+    with pytest.raises(TypeError, match="SGD: params must be Tensors .* got int at position 0"):
+        ndl.optim.SGD([1, 2])
+    with pytest.raises(ValueError, match="Adafactor: decay_rate must be in"):
+        ndl.optim.Adafactor([w], decay_rate=0.5)

@@ -259,7 +259,8 @@ class Budget:
 def _checked_bytes(value):
     """The bound in bytes: a positive integer (a bool, a float with a fraction, a string or a non-positive number
     is a ValueError naming Budget)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value) or value <= 0:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf") \
+            or value != int(value):
         raise ValueError(f"Budget: the bound must be a positive number of bytes (e.g. Budget(64 << 20) for 64 MiB), "
                          f"got {value!r}")
     return int(value)

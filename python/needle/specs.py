@@ -10,7 +10,25 @@ import numpy
 
 from .backend_selection import device_of
 
-__all__ = ["element_dtype", "element_shapes", "elements_of", "itemsize", "nbytes_of", "spec_nbytes", "spec_of"]
+__all__ = ["DTYPE_ALIASES", "DTYPE_NAMES", "dtype_named", "element_dtype", "element_shapes", "elements_of", "itemsize",
+           "nbytes_of", "spec_nbytes", "spec_of"]
+
+DTYPE_NAMES = ("float32", "float16", "bfloat16", "int8", "uint8", "int32")  # what a Tensor stores
+DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16"}
+
+
+def dtype_named(dtype, api):
+    """The name of a dtype given by name ("bfloat16", or an alias: "bf16", "fp16", "fp32"), NumPy dtype or type;
+    TypeError naming `api` (the function asked) and the accepted spellings otherwise."""
+    dtype = DTYPE_ALIASES.get(dtype, dtype) if isinstance(dtype, str) else dtype
+    try:
+        name = numpy.dtype(dtype).name
+    except TypeError:
+        name = None
+    if name not in DTYPE_NAMES:
+        raise TypeError(f"{api}: dtype must be one of {', '.join(DTYPE_NAMES)} (or {', '.join(DTYPE_ALIASES)}), "
+                        f"got {dtype!r}")
+    return name
 
 
 def spec_of(data):

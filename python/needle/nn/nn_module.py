@@ -6,6 +6,7 @@ import numpy as np
 from .. import checkpoint, memory_hook
 from ..backend_selection import array_api
 from ..autograd import Tensor
+from ..specs import dtype_named
 
 __all__ = ["Module", "Parameter"]
 
@@ -149,7 +150,7 @@ class Module:
     def astype(self, dtype):
         """Store every floating parameter and buffer in `dtype` ("bfloat16" for pure-bf16 training), in place:
         each keeps its identity, so an optimizer holding the parameters stays valid. Returns the module."""
-        dtype = str(np.dtype(dtype))
+        dtype = dtype_named(dtype, f"{type(self).__name__}.astype")
         for _, t in self._named_tensors():
             current = str(np.dtype(t.dtype))
             if current in ("float32", "float16", "bfloat16") and current != dtype:

@@ -11,6 +11,7 @@ import numpy as np
 from ..autograd import TensorOp
 from ..backend_ndarray.ndarray import compact_strides  # the strides NDArray gives a compact array
 from ..backend_selection import array_api, device_of
+from ..specs import dtype_named
 
 __all__ = [
     "AddScalar", "BroadcastTo", "Cast", "Conv", "Dilate", "DivScalar", "EWiseAdd", "EWiseDiv", "EWiseMul", "EWisePow",
@@ -262,7 +263,8 @@ class Cast(TensorOp):
 
 def cast(a, dtype):
     """`a` in `dtype`: `a` itself when it already is, else a Cast node (differentiable)."""
-    if str(np.dtype(a.dtype)) == str(np.dtype(dtype)):
+    dtype = dtype_named(dtype, "cast")
+    if str(np.dtype(a.dtype)) == dtype:
         return a
     return Cast(dtype)(a)
 
@@ -714,8 +716,11 @@ class Conv(TensorOp):
         return array_api.promote_types(a, b)
 
     def __init__(self, stride=1, padding=0):
-        self.stride = stride
-        self.padding = padding
+        for name, value, low in (("stride", stride, 1), ("padding", padding, 0)):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+                raise ValueError(f"conv: {name} must be an integer >= {low}, got {value!r}")
+        self.stride = int(stride)
+        self.padding = int(padding)
 
     def infer_shape(self, z, w):
         if len(z) != 4 or len(w) != 4 or z[3] != w[2]:

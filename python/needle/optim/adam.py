@@ -1,5 +1,7 @@
 """Adam with bias correction and weight decay, with the course's update rule."""
 from ..backend_selection import array_api
+import math
+
 from .optimizer import Optimizer, as_dtype, check_range
 
 
@@ -16,13 +18,18 @@ class Adam(Optimizer):
     def __init__(self, params, lr=0.01, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, master_weights=None,
                  stochastic_rounding=False, offload_state=False):
         super().__init__(params, master_weights, stochastic_rounding, offload_state)
-        name = type(self).__name__
-        self.lr = check_range(name, "lr", lr, 0, float("inf"))
-        self.beta1 = check_range(name, "beta1", beta1, 0, 1)
-        self.beta2 = check_range(name, "beta2", beta2, 0, 1)
-        self.eps = check_range(name, "eps", eps, 0, float("inf"))
-        self.weight_decay = float(weight_decay)
-        self.t = 0
+        self.__dict__.update(self.check_hyperparameters(dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                                                             weight_decay=weight_decay, t=0)))
+
+    def check_hyperparameters(self, values):
+        checked, name = super().check_hyperparameters(values), type(self).__name__
+        checked["lr"] = check_range(name, "lr", values["lr"], 0, math.inf)
+        checked["beta1"] = check_range(name, "beta1", values["beta1"], 0, 1)
+        checked["beta2"] = check_range(name, "beta2", values["beta2"], 0, 1)
+        # eps > 0: on a zero gradient the update is 0 / (0 + eps); eps = 0 would make it NaN
+        checked["eps"] = check_range(name, "eps", values["eps"], 0, math.inf, low_open=True)
+        checked["weight_decay"] = check_range(name, "weight_decay", values["weight_decay"], 0, math.inf)
+        return checked
 
     def step(self):
         self.t += 1

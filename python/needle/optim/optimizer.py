@@ -24,7 +24,7 @@ import functools
 import numpy as np
 
 from .. import memory_hook
-from ..autograd import release
+from ..autograd import Tensor, release
 from ..backend_selection import array_api
 
 _LOW = ("float16", "bfloat16")
@@ -107,17 +107,30 @@ def _restore(current, saved):
         return tuple(float(x) for x in saved)  # Adafactor's eps pair
     if isinstance(current, bool) or isinstance(saved, (bool, np.bool_)):
         return bool(saved)
-    if isinstance(current, int):
+    if isinstance(current, int) and not isinstance(saved, (float, np.floating)):
         return int(saved)
-    return float(saved)
+    return float(saved)  # (a count saved as 2.5 stays 2.5, for check_hyperparameters to refuse)
 
 
-def check_range(owner, name, value, low, high, high_open=True):
-    """A hyper-parameter as a float, or ValueError naming the optimizer, the argument and the allowed range."""
-    value = float(value)
-    if not (low <= value and (value < high if high_open else value <= high)):
-        raise ValueError(f"{owner}: {name} must be in [{low:g}, {high:g}{')' if high_open else ']'}, got {value:g}")
+def check_range(owner, name, value, low, high, high_open=True, low_open=False):
+    """A hyper-parameter as a float, or ValueError naming the optimizer, the argument and the allowed range (NaN is
+    in none)."""
+    try:
+        value = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{owner}: {name} must be a number, got {value!r}") from None
+    if not ((low < value if low_open else low <= value) and (value < high if high_open else value <= high)):
+        raise ValueError(f"{owner}: {name} must be in {'(' if low_open else '['}{low:g}, {high:g}"
+                         f"{')' if high_open else ']'}, got {value:g}")
     return value
+
+
+def check_count(owner, name, value):
+    """A step count as an int: a whole number >= 0, or ValueError naming the optimizer and the argument."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)) \
+            or not float(value).is_integer() or value < 0:
+        raise ValueError(f"{owner}: {name} must be a whole number >= 0, got {value!r}")
+    return int(value)
 
 
 def _check_distinct(name, params):
@@ -146,6 +159,10 @@ class Optimizer:
 
     def __init__(self, params, master_weights=None, stochastic_rounding=False, offload_state=False):
         self.params = list(params)
+        for i, p in enumerate(self.params):
+            if not isinstance(p, Tensor):
+                raise TypeError(f"{type(self).__name__}: params must be Tensors (a model's parameters()), got "
+                                f"{type(p).__name__} at position {i}")
         _check_distinct(type(self).__name__, self.params)
         if stochastic_rounding and master_weights is None:
             master_weights = False  # stochastic rounding is how pure 16-bit training keeps tiny updates
@@ -176,6 +193,14 @@ class Optimizer:
 
     def step(self):
         raise NotImplementedError()
+
+    def check_hyperparameters(self, values):
+        """`values` ({name: value} of `hyperparameters`), checked: the values as the update reads them, or
+        ValueError naming the optimizer and the first bad one (the constructor and load_state_dict both ask)."""
+        checked = dict(values)
+        if "t" in checked:
+            checked["t"] = check_count(type(self).__name__, "t", checked["t"])
+        return checked
 
     def reset_grad(self):
         for p in self.params:
@@ -287,9 +312,12 @@ class Optimizer:
                     raise ValueError(f"{owner}: parameter {i} has state {slot!r} in the state dict; this "
                                      f"optimizer's state is {', '.join(restored)}")
                 restored_slot[self.params[i]] = self._restored(owner, i, slot, saved)
-        for name in self.hyperparameters:  # all checked: now change the optimizer
-            setattr(self, name, _restore(getattr(self, name), group[name]))
-        self._rounding_steps = int(group["rounding_steps"])
+        values = self.check_hyperparameters({name: _restore(getattr(self, name), group[name])
+                                             for name in self.hyperparameters})
+        rounding_steps = check_count(owner, "rounding_steps", group["rounding_steps"])
+        for name, value in values.items():  # all checked: now change the optimizer
+            setattr(self, name, value)
+        self._rounding_steps = rounding_steps
         for slot, values in restored.items():
             getattr(self, slot).clear()
             for p, stored in values.items():

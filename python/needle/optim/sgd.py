@@ -1,4 +1,6 @@
 """SGD with momentum and weight decay, with the course's update rule."""
+import math
+
 from .optimizer import Optimizer, as_dtype, check_range
 
 
@@ -11,9 +13,14 @@ class SGD(Optimizer):
     def __init__(self, params, lr=0.01, momentum=0.0, weight_decay=0.0, master_weights=None,
                  stochastic_rounding=False, offload_state=False):
         super().__init__(params, master_weights, stochastic_rounding, offload_state)
-        self.lr = check_range("SGD", "lr", lr, 0, float("inf"))
-        self.momentum = check_range("SGD", "momentum", momentum, 0, 1, high_open=False)
-        self.weight_decay = float(weight_decay)
+        self.__dict__.update(self.check_hyperparameters(dict(lr=lr, momentum=momentum, weight_decay=weight_decay)))
+
+    def check_hyperparameters(self, values):
+        checked = super().check_hyperparameters(values)
+        checked["lr"] = check_range("SGD", "lr", values["lr"], 0, math.inf)
+        checked["momentum"] = check_range("SGD", "momentum", values["momentum"], 0, 1, high_open=False)
+        checked["weight_decay"] = check_range("SGD", "weight_decay", values["weight_decay"], 0, math.inf)
+        return checked
 
     def step(self):
         beta = self.momentum

@@ -29,6 +29,7 @@ from ..autograd import Tensor, active_autocast, lazy_mode, set_autocast
 from ..backend_selection import array_api
 from ..ops import Cast
 from ..regions import apply_decision
+from ..specs import dtype_named
 
 __all__ = ["GradScaler", "autocast", "is_autocast_enabled"]
 
@@ -49,9 +50,10 @@ class autocast:
     `Op.autocast` says "low" and in float32 where it says "float32". `enabled=False` turns it off (nests)."""
 
     def __init__(self, dtype="bfloat16", enabled=True):
-        dtype = _name(dtype)
-        if dtype not in _LOW:
-            raise ValueError(f"autocast: dtype must be 'bfloat16' or 'float16', got {dtype!r}")
+        name = dtype_named(dtype, "autocast") if dtype not in _LOW else dtype
+        if name not in _LOW:
+            raise ValueError(f"autocast: dtype must be 'bfloat16' or 'float16' (or 'bf16', 'fp16'), got {dtype!r}")
+        dtype = name
         self.dtype = dtype
         self.enabled = enabled
         self._weights = {}  # (id(parameter), dtype) -> (parameter, its version, its cast): one copy per version

@@ -49,25 +49,32 @@ class Adafactor(Optimizer):
                  relative_step=True, scale_parameter=True, warmup_init=False, weight_decay=0.0, master_weights=None,
                  stochastic_rounding=False, offload_state=False):
         super().__init__(params, master_weights, stochastic_rounding, offload_state)
-        if lr is not None and relative_step:
+        self.__dict__.update(self.check_hyperparameters(dict(
+            lr=lr, beta1=beta1, eps=eps, clip_threshold=clip_threshold, decay_rate=decay_rate,
+            relative_step=relative_step, scale_parameter=scale_parameter, warmup_init=warmup_init,
+            weight_decay=weight_decay, t=0)))
+
+    def check_hyperparameters(self, values):
+        checked, v = super().check_hyperparameters(values), values
+        if v["lr"] is not None and v["relative_step"]:
             raise ValueError("Adafactor: a manual lr and relative_step=True exclude each other "
                              "(pass relative_step=False to use lr)")
-        if lr is None and not relative_step:
+        if v["lr"] is None and not v["relative_step"]:
             raise ValueError("Adafactor: relative_step=False needs an lr")
-        if warmup_init and not relative_step:
+        if v["warmup_init"] and not v["relative_step"]:
             raise ValueError("Adafactor: warmup_init=True needs relative_step=True")
-        self.lr = None if lr is None else check_range("Adafactor", "lr", lr, 0, math.inf)
-        self.beta1 = None if beta1 is None else check_range("Adafactor", "beta1", beta1, 0, 1)
-        if len(eps) != 2:
-            raise ValueError(f"Adafactor: eps must be a pair (eps1, eps2), got {eps!r}")
-        self.eps = tuple(check_range("Adafactor", "eps", e, 0, math.inf) for e in eps)
-        self.clip_threshold = check_range("Adafactor", "clip_threshold", clip_threshold, 0, math.inf)
-        if not decay_rate <= 0:
-            raise ValueError(f"Adafactor: decay_rate must be <= 0 (beta2_t = 1 - t^decay_rate), got {decay_rate:g}")
-        self.decay_rate = float(decay_rate)
-        self.relative_step, self.scale_parameter, self.warmup_init = relative_step, scale_parameter, warmup_init
-        self.weight_decay = check_range("Adafactor", "weight_decay", weight_decay, 0, math.inf)
-        self.t = 0
+        checked["lr"] = None if v["lr"] is None else check_range("Adafactor", "lr", v["lr"], 0, math.inf)
+        checked["beta1"] = None if v["beta1"] is None else check_range("Adafactor", "beta1", v["beta1"], 0, 1)
+        if not isinstance(v["eps"], (tuple, list)) or len(v["eps"]) != 2:
+            raise ValueError(f"Adafactor: eps must be a pair (eps1, eps2), got {v['eps']!r}")
+        checked["eps"] = tuple(check_range("Adafactor", "eps", e, 0, math.inf) for e in v["eps"])
+        checked["clip_threshold"] = check_range("Adafactor", "clip_threshold", v["clip_threshold"], 0, math.inf)
+        # beta2_t = 1 - t^decay_rate: decay_rate <= 0
+        checked["decay_rate"] = check_range("Adafactor", "decay_rate", v["decay_rate"], -math.inf, 0, high_open=False)
+        checked["weight_decay"] = check_range("Adafactor", "weight_decay", v["weight_decay"], 0, math.inf)
+        for name in ("relative_step", "scale_parameter", "warmup_init"):
+            checked[name] = bool(v[name])
+        return checked
 
     def _step_size(self, theta):
         lr = self.lr
