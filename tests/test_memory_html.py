@@ -186,6 +186,47 @@ def test_a_broken_snapshot_is_an_error_naming_what_is_wrong(tmp_path, break_it, 
     assert not (tmp_path / "t.html").exists()
 
 
+INJECTION = "<img src=x onerror=window.__pwned=1>"
+
+
+@pytest.mark.parametrize("break_it", [
+    lambda s: s["peak"].update(event=INJECTION), lambda s: s["peak"].update(bytes="1 GB"),
+    lambda s: s["blocks"][2].update(bytes=INJECTION), lambda s: s["phases"][0].update(start="0"),
+    lambda s: s.update(baseline_bytes=None), lambda s: s["events"][1].update(live_bytes=INJECTION),
+], ids=["peak event", "peak bytes", "block bytes", "phase start", "baseline", "live bytes"])
+def test_a_snapshot_field_the_page_computes_with_must_be_a_number(tmp_path, break_it):
+    """Issue 45: a snapshot whose peak.event was markup ran script when the page opened; write_html checks every
+    number the page computes with (and the page escapes every value it shows: the browser test below)."""
+    snapshot = training_step(n_layers=2)
+    break_it(snapshot)
+    with pytest.raises(ValueError, match="wrong"):
+        write_html(snapshot, tmp_path / "t.html")
+    assert not (tmp_path / "t.html").exists()
+
+
+def test_a_failed_write_leaves_the_previous_page_and_snapshot_whole(tmp_path, monkeypatch):
+    """Issue 45: a failed write destroyed the previous file (a 43 MB snapshot left as 100 KB): write, then rename;
+    a path that is a folder is refused; a symbolic link's target is replaced, the link kept."""
+    from needle.toolbox.memory import Snapshot
+    snapshot = training_step(n_layers=2)
+    page, saved = write_html(snapshot, tmp_path / "t.html"), Snapshot(snapshot).save(tmp_path / "s.json")
+    before = (page.read_bytes(), saved.read_bytes())
+    failing = training_step(n_layers=4)
+    monkeypatch.setattr(json, "dumps", lambda *a, **k: (_ for _ in ()).throw(OSError("disk full")))
+    with pytest.raises(OSError, match="disk full"):
+        Snapshot(failing).save(tmp_path / "s.json")
+    with pytest.raises(OSError, match="disk full"):
+        write_html(failing, tmp_path / "t.html")
+    monkeypatch.undo()
+    assert (page.read_bytes(), saved.read_bytes()) == before and sorted(p.name for p in tmp_path.iterdir()) == [
+        "s.json", "t.html"]
+    with pytest.raises(ValueError, match="exists and is not a regular file"):
+        write_html(snapshot, tmp_path)
+    (tmp_path / "link.html").symlink_to(page)
+    write_html(failing, tmp_path / "link.html")
+    assert (tmp_path / "link.html").is_symlink() and page.read_bytes() != before[0]
+
+
 def test_snapshots_that_are_not_label_snapshot_pairs_are_a_type_error(tmp_path):
     with pytest.raises(TypeError, match=r"snapshots\[0\] is str"):
         write_html(["gc off"], tmp_path / "t.html")
@@ -274,6 +315,29 @@ def test_page_loads_from_file_without_errors_and_draws_one_shape_per_allocation(
     peak = driver.find_element(By.CSS_SELECTOR, ".peak text").text
     assert peak == f"peak {snapshot['peak']['bytes'] / 2**20:.2f} MB (event {snapshot['peak']['event']})"
     assert "live memory (MB)" in driver.find_element(By.TAG_NAME, "svg").text
+
+
+@pytest.mark.browser
+def test_markup_in_a_snapshot_is_shown_as_text_never_run(driver, tmp_path):
+    """Issue 45: the page put peak.event into innerHTML unescaped. Here a page whose data was edited after it was
+    written (past write_html's checks) carries markup in the peak, a label, an op and a category: opening it,
+    hovering and clicking run no script and add no element."""
+    snapshot = training_step(n_layers=2)
+    snapshot["blocks"][0].update(op=INJECTION, category=INJECTION)
+    path = write_html([(INJECTION, snapshot)], tmp_path / "t.html")
+    text = path.read_text(encoding="utf-8")
+    payload = page_payload(path)
+    payload["snapshots"][0]["snapshot"]["peak"]["event"] = INJECTION
+    edited = json.dumps(payload).replace("<", "\\u003c").replace(">", "\\u003e")
+    path.write_text(re.sub(r'(id="needle-snapshots">).*?(</script>)', lambda m: m.group(1) + edited + m.group(2),
+                           text, flags=re.S), encoding="utf-8")
+    driver.get(path.resolve().as_uri())
+    driver.execute_script("document.querySelectorAll('path.alloc').forEach(p => p.dispatchEvent(new MouseEvent("
+                          "'mouseover', {bubbles: true, clientX: 5, clientY: 5})))")
+    assert driver.execute_script("return window.__pwned === undefined && document.querySelectorAll('img').length "
+                                 "=== 0")
+    assert INJECTION in driver.execute_script("return document.body.textContent")
+    assert_no_console_errors(driver)
 
 
 @pytest.mark.browser

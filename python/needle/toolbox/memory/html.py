@@ -16,10 +16,13 @@ Several snapshots (gc off and gc on, say) are drawn side by side on one shared y
 """
 import html
 import json
+import os
 import re
+import stat
+import tempfile
 from pathlib import Path
 
-__all__ = ["write_html"]
+__all__ = ["write_html", "write_text_atomically"]
 
 SNAPSHOT_FORMAT = "needle-memory-snapshot"
 # What the page reads from a snapshot; anything else in it travels along untouched.
@@ -45,9 +48,30 @@ def write_html(snapshots, path, title=None):
         "SNAPSHOTS_JSON": script_safe_json({"title": title, "snapshots": labelled}),
         "VIEWER_JS": viewer_js(),
     }[hole.group(1)], (VIEWER_DIR / "viewer.html").read_text(encoding="utf-8"))
+    return write_text_atomically(path, page, "write_html")
+
+
+def write_text_atomically(path, text, who):
+    """Write `text` to `path` so that a failed write never destroys the file there: into a temporary file beside
+    it, then renamed over it. A path that exists and is not a regular file is not replaced: a character device
+    (/dev/null) is written through, anything else (a folder, a FIFO) refused with a ValueError naming `who`. A
+    symbolic link is followed: its target is replaced, the link kept. Returns the path."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(page, encoding="utf-8")
+    target = Path(os.path.realpath(path))
+    if target.exists() and not target.is_file():
+        if stat.S_ISCHR(target.stat().st_mode):
+            target.write_text(text, encoding="utf-8")
+            return path
+        raise ValueError(f"{who}: {path} exists and is not a regular file (a folder, a FIFO?): give a file path")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, temporary = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(temporary, target)
+    except BaseException:
+        os.unlink(temporary)
+        raise
     return path
 
 
@@ -69,8 +93,17 @@ def labelled_snapshots(snapshots):
     return labelled
 
 
+def _number(value):
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _index(value, n):
+    return value is None or (isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= n)
+
+
 def check_snapshot(snapshot, name):
-    """Raise a ValueError naming what is missing, instead of a page that draws nothing."""
+    """Raise a ValueError naming what is missing or of the wrong type, instead of a page that draws nothing (or one
+    that shows markup a snapshot carried: the page escapes every value it shows, and numbers are checked here)."""
     if snapshot.get("format") != SNAPSHOT_FORMAT:
         raise ValueError(f"write_html: {name} has format {snapshot.get('format')!r}, not {SNAPSHOT_FORMAT!r} "
                          "(pass Snapshot.to_dict() or the JSON snap.save wrote)")
@@ -92,6 +125,32 @@ def check_snapshot(snapshot, name):
         if event.get("block") not in ids:
             raise ValueError(f"write_html: {name}: event {i} ({event.get('action')}) names block "
                              f"{event.get('block')!r}, which is not in its blocks")
+    _check_numbers(snapshot, name, n_events)
+
+
+def _check_numbers(snapshot, name, n_events):
+    """The fields the page computes with are numbers of the right range (a string there would be drawn as text)."""
+    peak, bad = snapshot["peak"], []
+    if not (peak is None or (isinstance(peak, dict) and _number(peak.get("bytes"))
+                             and _index(peak.get("event"), n_events - 1))):
+        bad.append(f"peak {peak!r} (bytes a number, event an index of its events or null)")
+    if not _number(snapshot["baseline_bytes"]):
+        bad.append(f"baseline_bytes {snapshot['baseline_bytes']!r} (a number)")
+    for phase in snapshot["phases"]:
+        if not (isinstance(phase, dict) and isinstance(phase.get("phase"), str)
+                and _index(phase.get("start"), n_events) and _index(phase.get("end"), n_events)):
+            bad.append(f"phase {phase!r} (a name, and start and end indices of its events)")
+            break
+    for block in snapshot["blocks"]:
+        if not (_number(block["bytes"]) and _index(block["alloc"], n_events) and _index(block["free"], n_events)):
+            bad.append(f"block {block['id']!r} (bytes a number, alloc and free indices of its events or null)")
+            break
+    for i, event in enumerate(snapshot["events"]):
+        if event.get("live_bytes") is not None and not _number(event["live_bytes"]):
+            bad.append(f"event {i}'s live_bytes {event['live_bytes']!r} (a number)")
+            break
+    if bad:
+        raise ValueError(f"write_html: {name}: wrong " + "; ".join(bad))
 
 
 def script_safe_json(payload):

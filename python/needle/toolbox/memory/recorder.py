@@ -123,7 +123,11 @@ class Recorder:
     # ----- on and off ----------------------------------------------------------------------------------------
     def begin(self):
         """Adopt what is alive, then switch on. The garbage collector is held off meanwhile: a collection between
-        counting the allocator's bytes and switching on would free buffers no event reports."""
+        counting the allocator's bytes and switching on would free buffers no event reports. One recording at a
+        time: a second inside it would take the allocator's events from the first (memory_hook has one recorder)."""
+        if memory_hook.RECORDER is not None:
+            raise RuntimeError("ndl.memory.record(): already recording (a record block inside another): the inner "
+                               "block's events would be missing from the outer snapshot. Record one block at a time")
         self.start = time.perf_counter()
         gc.collect()  # earlier steps' garbage is given back now, not in the middle of the recorded one
         if self.check:  # the allocator's peak, from here, is the one the recorded peak must equal

@@ -24,9 +24,8 @@ made the buffer (null where no op or module did).
 """
 import io
 import json
-import os
 
-from .html import write_html
+from .html import write_html, write_text_atomically
 from .plot import plot_snapshot
 from .recorder import CATEGORIES, module_names
 
@@ -115,10 +114,9 @@ class Snapshot:
 
     # ----- files -------------------------------------------------------------------------------------------------
     def save(self, path):
-        """Write the snapshot as JSON (the schema is this module's docstring); returns the path."""
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        with open(path, "w") as f:
-            json.dump(self.data, f, separators=(",", ":"))
+        """Write the snapshot as JSON (the schema is this module's docstring), never destroying the file there if
+        the write fails (html.write_text_atomically); returns the path."""
+        write_text_atomically(path, json.dumps(self.data, separators=(",", ":")), "Snapshot.save")
         return path
 
     def plot(self, path=None, ax=None, title=None, x="event"):

@@ -193,14 +193,14 @@
 
   function peakSvg(panel, g) {
     const peak = panel.snapshot.peak;
-    if (!peak || peak.event === null || peak.event === undefined) return "";
+    if (!peak || typeof peak.event !== "number" || typeof peak.bytes !== "number") return "";
     const x = g.X((g.xs[peak.event] + g.xs[peak.event + 1]) / 2), y = g.Y(peak.bytes);
     if (x < g.left || x > g.right) return "";
     const anchor = x > (g.left + g.right) / 2 ? "end" : "start", dx = anchor === "end" ? -6 : 6;
     return '<g class="peak"><line x1="' + x.toFixed(1) + '" x2="' + x.toFixed(1) + '" y1="' + y.toFixed(1) + '" y2="' + g.bottom
       + '"/><circle cx="' + x.toFixed(1) + '" cy="' + y.toFixed(1) + '" r="3.5" fill="#c00"/><text x="' + (x + dx).toFixed(1)
       + '" y="' + (y - 6).toFixed(1) + '" text-anchor="' + anchor + '">peak ' + megabytes(peak.bytes) + " MB (event "
-      + peak.event + ")</text></g>";
+      + esc(peak.event) + ")</text></g>";
   }
 
   function drawPanel(panel, yMax, mode) {
@@ -231,7 +231,7 @@
   function showTooltip(panel, block, event) {
     let rows = "";
     for (const field of FIELDS) rows += "<tr><th>" + field + "</th><td>" + esc(fieldText(block, field)) + "</td></tr>";
-    rows += "<tr><th>alive</th><td>events " + (block.alloc === null ? "(before recording)" : block.alloc) + " – " + (block.free === null ? "end" : block.free) + "</td></tr>";
+    rows += "<tr><th>alive</th><td>events " + (block.alloc === null ? "(before recording)" : esc(block.alloc)) + " – " + (block.free === null ? "end" : esc(block.free)) + "</td></tr>";
     tooltip.innerHTML = "<b>block " + esc(block.id) + "</b><table>" + rows + "</table>";
     tooltip.style.display = "block";
     tooltip.style.left = Math.min(event.clientX + 14, window.innerWidth - tooltip.offsetWidth - 4) + "px";
