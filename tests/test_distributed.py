@@ -395,7 +395,9 @@ def test_bad_use_is_a_clear_error_on_every_rank():
                           ("indivisible_batch", "a batch of 5 along axis 0 does not split evenly over 2 ranks"),
                           ("indivisible_batchify", "batchify: batch_size 5 does not split evenly over 2 ranks"),
                           ("wrong_stage_count", "3 stages for 2 ranks"),
-                          ("zero_without_data_parallel", "must be those of one DataParallel model")):
+                          ("zero_without_data_parallel", "must be those of one DataParallel model"),
+                          ("tensor_parallel_other_weights", "holds other values on rank 1 than on rank 0"),
+                          ("tensor_parallel_other_batches", "rank 1 was given other token ids than rank 0")):
         for r in (0, 1):
             assert f"rank {r} error {case}: " in out and message in out, (case, out)
 

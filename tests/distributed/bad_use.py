@@ -42,7 +42,27 @@ def zero_without_data_parallel():
     dist.ZeroRedundancyOptimizer(nn.Linear(3, 3, device=DEVICE).parameters(), ndl.optim.Adam)
 
 
-CASES = [mismatched_shapes, indivisible_batch, indivisible_batchify, wrong_stage_count, zero_without_data_parallel]
+def _tensor_parallel_lm(seed):
+    sys.path.insert(0, os.path.join(ROOT, "apps"))
+    from models import LanguageModel
+    np.random.seed(seed)
+    model = LanguageModel(16, 40, 16, num_layers=1, seq_model="transformer", seq_len=8, device=DEVICE, num_head=2,
+                          dim_head=8)
+    return dist.tensor_parallel.parallelize_transformer(model)
+
+
+def tensor_parallel_other_weights():
+    _tensor_parallel_lm(seed=RANK)  # rank 1 built its model with another seed
+
+
+def tensor_parallel_other_batches():
+    model = _tensor_parallel_lm(seed=0)
+    ids = np.random.RandomState(RANK).randint(0, 40, (8, 2)).astype(np.float32)  # each rank its own batch
+    model(ndl.Tensor(ids, device=DEVICE, requires_grad=False))
+
+
+CASES = [mismatched_shapes, indivisible_batch, indivisible_batchify, wrong_stage_count, zero_without_data_parallel,
+         tensor_parallel_other_weights, tensor_parallel_other_batches]
 
 if __name__ == "__main__":
     dist.init()

@@ -56,6 +56,7 @@ waits for them. A backward through a graph that was not built through the wrappe
 import contextlib
 import time
 import weakref
+import zlib
 
 import numpy as np
 
@@ -78,12 +79,14 @@ def wrapper_of(param):
     return None if ref is None else ref()
 
 
-def check_same_model(what, named_tensors, group=None):
-    """Raise ValueError on every rank unless every rank has the same names, shapes and dtypes, in the same order.
+def check_same_model(what, named_tensors, group=None, values=False):
+    """Raise ValueError on every rank unless every rank has the same names, shapes and dtypes, in the same order
+    (with `values`: the same numbers too, by a checksum of each tensor's bytes).
 
     One all-gather of the lists: every rank compares the same lists and so raises the same error (no rank is
     left waiting in a collective that the others never reach)."""
-    mine = [(name, tuple(int(s) for s in t.shape), str(t.dtype)) for name, t in named_tensors]
+    mine = [(name, tuple(int(s) for s in t.shape), str(t.dtype)) + ((zlib.crc32(_host(t).tobytes()),) if values
+                                                                      else ()) for name, t in named_tensors]
     everyone = comm.all_gather_object(mine, label=f"{what}'s model check", group=group)
     for r, theirs in enumerate(everyone[1:], 1):
         if theirs == everyone[0]:
@@ -92,6 +95,9 @@ def check_same_model(what, named_tensors, group=None):
             raise ValueError(f"{what}: rank 0 has {len(everyone[0])} parameters, rank {r} has {len(theirs)}: every "
                              f"rank must build the same model")
         i, (a, b) = next((i, ab) for i, ab in enumerate(zip(everyone[0], theirs)) if ab[0] != ab[1])
+        if a[:3] == b[:3]:
+            raise ValueError(f"{what}: parameter {i} ({a[0]!r}) holds other values on rank {r} than on rank 0: "
+                             f"every rank must build the same model, with the same seed")
         raise ValueError(f"{what}: parameter {i} is {a[0]!r} of shape {a[1]} ({a[2]}) on rank 0 but {b[0]!r} of "
                          f"shape {b[1]} ({b[2]}) on rank {r}: every rank must build the same model")
 

@@ -18,6 +18,8 @@ load_state_dict slices (transformer.py).
 - VocabParallelEmbedding: the table's rows (vocabulary) split: rank r looks up the ids in its range, zeros for
   the others, and the sum over ranks (all-reduce, or reduce-scatter along the sequence) is the lookup.
 """
+import zlib
+
 import numpy as np
 
 from .... import ops
@@ -128,6 +130,7 @@ class VocabParallelEmbedding(Module):
         self.weight = slice_parameter(embedding.weight, 0, group, what)
         self.num_embeddings, self.embedding_dim = embedding.num_embeddings, embedding.embedding_dim
         self.start = comm.rank(group) * self.weight.shape[0]  # this rank's first row in the whole table
+        self.batch_checked = False  # the first batch's ids are compared between ranks (check_same_ids)
 
     @classmethod
     def from_embedding(cls, embedding, group=None, reduce="all_reduce", sequence_axis=0):
@@ -140,6 +143,9 @@ class VocabParallelEmbedding(Module):
         if bad.any():
             raise IndexError(f"VocabParallelEmbedding({self.num_embeddings}, {self.embedding_dim}): id "
                              f"{int(ids[bad][0])} is outside [0, {self.num_embeddings})")
+        if not self.batch_checked:
+            check_same_ids(ids, self.group)
+            self.batch_checked = True
         local = ids - self.start
         mine = (local >= 0) & (local < self.weight.shape[0])
         rows = ops.gather_rows(self.weight, Tensor(np.where(mine, local, 0).astype(np.float32), device=x.device,
@@ -151,3 +157,16 @@ class VocabParallelEmbedding(Module):
         if self.reduce == "all_reduce":
             return reduce_from_region(out, self.group)
         return reduce_scatter_to_region(out, self.sequence_axis, self.group)
+
+
+def check_same_ids(ids, group=None):
+    """ValueError on every rank unless every rank of `group` was given the same token ids (tensor parallelism splits
+    the model, not the batch: ranks fed different batches would train a model that is neither). One all-gather of a
+    checksum, so every rank raises alike."""
+    everyone = comm.all_gather_object((ids.shape, zlib.crc32(ids.tobytes())), label="the first batch's ids check",
+                                      group=group)
+    differ = [r for r, theirs in enumerate(everyone) if theirs != everyone[0]]
+    if differ:
+        raise ValueError(f"tensor parallelism: rank {differ[0]} was given other token ids than rank 0 (shape "
+                         f"{everyone[differ[0]][0]} against {everyone[0][0]}): every rank of a tensor-parallel group "
+                         f"must see the same batch")

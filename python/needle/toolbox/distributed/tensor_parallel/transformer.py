@@ -239,13 +239,15 @@ def parallelize_transformer(model, group=None, sequence_parallel=False):
 
     ValueError on every rank (before any communication) when a head count, the vocabulary or the MLP width does
     not divide by the group's size, naming the module and the sizes; a model built differently on another rank
-    is a ValueError on every rank too (one all-gather of the parameters' names and shapes)."""
+    is a ValueError on every rank too (one all-gather of the parameters' names, shapes and checksums), and so is
+    a first batch whose token ids differ between ranks (VocabParallelEmbedding checks it)."""
     if not isinstance(getattr(model, "seq_model", None), Transformer):
         raise ValueError(f"parallelize_transformer: expected a LanguageModel with seq_model='transformer', got "
                          f"{type(model).__name__} with seq_model {type(getattr(model, 'seq_model', None)).__name__}")
     n = comm.world_size(group)
     _check_divisible(model, n)
-    check_same_model("parallelize_transformer", model.named_parameters(), group)
+    # each rank keeps its slice of its own copy: copies that differ (another seed) would train a model that is neither
+    check_same_model("parallelize_transformer", model.named_parameters(), group, values=True)
     reduce = "reduce_scatter" if sequence_parallel else "all_reduce"
     model.embedding = VocabParallelEmbedding(model.embedding, group, reduce, sequence_axis=0)
     model.seq_model = ParallelTransformer(model.seq_model, group, sequence_parallel)
