@@ -9,7 +9,9 @@ and time against the exact GELU, on a small Transformer LM trained by gc.py on t
 The model: embedding = hidden = 64, 2 layers, 4 heads of 16, seq 32, batch 16, gc off, eager (the issue's test
 model, with PTB's vocabulary). Per configuration and seed, one `gc.py run` of --steps steps; the loss is the mean
 of the last 20 steps' training losses, reported as the mean over the seeds and the worst seed's; T_step is gc.py's
-median step time (the mean over seeds); M_act is gc.py's (bytes held after the forward pass). "activation bytes
+median step time (the mean over seeds); M_act and M_peak are gc.py's (bytes held after the forward pass; the most bytes
+the step's forward and backward held, gradients included: compression must lower the first and never raise the
+second). "activation bytes
 per layer" is what the first layer's fused MLP op holds on the activation's account (the pre-activation, or its
 codes), read from the model itself.
 """
@@ -86,7 +88,7 @@ def activation_bytes(activation, bits):
 
 
 def gc_run(out, activation, bits, seed, steps, extra=(), model=MODEL):
-    """(the mean of the last 20 steps' losses, gc.py's median T_step, M_act) of one `gc.py run`."""
+    """(the mean of the last 20 steps' losses, gc.py's median T_step, M_act, M_peak) of one `gc.py run`."""
     path = os.path.join(out, f"{activation}-{bits}-{'_'.join(extra)}-{seed}.json")
     argv = [sys.executable, os.path.join(ROOT, "gc.py"), "run", *model, "--activation", activation, "--seed",
             str(seed), "--max-batches", str(steps), "--json", path, "--no-progress", *extra]
@@ -96,7 +98,8 @@ def gc_run(out, activation, bits, seed, steps, extra=(), model=MODEL):
     with open(path) as f:
         record = json.load(f)
     losses = [s["loss"] for s in record["steps"]][-20:]
-    return statistics.mean(losses), record["step_time_seconds"], record["activation_bytes"]
+    return (statistics.mean(losses), record["step_time_seconds"], record["activation_bytes"],
+            record["peak_activation_bytes"])
 
 
 # Compressed saved activations (checkpoint.compress) on top of 3-bit GELU: (name, gc.py flags). gc on with --policy
@@ -110,20 +113,20 @@ COMPRESSED = [("gelu, 3 bits, compress 8", ["--use-gc", "1", "--policy", "off", 
 
 def compression_table(steps, seeds, results):
     """Each compression configuration against the exact GELU model with gc off (`results`: quality_table's runs):
-    M_act, loss, T_step (means over the seeds; the loss's worst seed too)."""
-    rows = ["| configuration | M_act | vs exact gelu | loss (mean, worst seed) | vs exact gelu | T_step | "
-            "vs exact gelu |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    M_act and M_peak, loss, T_step (means over the seeds; the loss's worst seed too)."""
+    rows = ["| configuration | M_act | vs exact gelu | M_peak | vs exact gelu | loss (mean, worst seed) | "
+            "vs exact gelu | T_step | vs exact gelu |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     exact = results["gelu"][2]
     with tempfile.TemporaryDirectory() as out:
         configs = [("gelu (exact), gc off", None, exact), ("gelu, 3 bits, gc off", 3, results["gelu, 3 bits"][2])]
         configs += [(name, 3, [gc_run(out, "gelu", 3, seed, steps, flags) for seed in range(seeds)])
                     for name, flags in COMPRESSED]
-    base_loss, base_time, base_act = (statistics.mean(r[k] for r in exact) for k in range(3))
+    base_loss, base_time, base_act, base_peak = (statistics.mean(r[k] for r in exact) for k in range(4))
     for name, _, runs in configs:
         losses = [r[0] for r in runs]
-        loss, t_step, m_act = statistics.mean(losses), statistics.mean(r[1] for r in runs), \
-            statistics.mean(r[2] for r in runs)
-        rows.append(f"| {name} | {m_act / KB:.0f} KB | {m_act / base_act:.3f} | {loss:.4f}, {max(losses):.4f} | "
+        loss, t_step, m_act, m_peak = (statistics.mean(r[k] for r in runs) for k in range(4))
+        rows.append(f"| {name} | {m_act / KB:.0f} KB | {m_act / base_act:.3f} | {m_peak / KB:.0f} KB | "
+                    f"{m_peak / base_peak:.3f} | {loss:.4f}, {max(losses):.4f} | "
                     f"{100 * (loss / base_loss - 1):+.2f}% | {1000 * t_step:.1f} ms | "
                     f"{100 * (t_step / base_time - 1):+.1f}% |")
     return "\n".join(rows)
@@ -135,8 +138,9 @@ README_MODEL = ["--embedding-size", "256", "--hidden-size", "256", "--num-layers
 
 def readme_table(steps):
     """bits -> bytes -> loss -> time on the benchmark model (gc.py's defaults, GELU), one seed."""
-    rows = ["| GELU's backward keeps | saved activations | M_act | vs exact | loss after "
-            f"{steps} steps | vs exact | T_step | vs exact |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    rows = ["| GELU's backward keeps | saved activations | M_act | vs exact | M_peak | vs exact | loss after "
+            f"{steps} steps | vs exact | T_step | vs exact |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     configs = [("its input, 32 bits", "exact", None, ["--use-gc", "0"]),
                ("a 3-bit code", "exact", 3, ["--use-gc", "0"]),
                ("a 3-bit code", "8-bit codes", 3, ["--use-gc", "1", "--policy", "off", "--compress-bits", "8"]),
@@ -147,9 +151,10 @@ def readme_table(steps):
     with tempfile.TemporaryDirectory() as out:
         results = [(what, kept, gc_run(out, "gelu", bits, 0, steps, flags, README_MODEL))
                    for what, kept, bits, flags in configs]
-    base_loss, base_time, base_act = results[0][2]
-    for what, kept, (loss, t_step, m_act) in results:
-        rows.append(f"| {what} | {kept} | {m_act / 2**20:.1f} MB | {m_act / base_act:.3f} | {loss:.4f} | "
+    base_loss, base_time, base_act, base_peak = results[0][2]
+    for what, kept, (loss, t_step, m_act, m_peak) in results:
+        rows.append(f"| {what} | {kept} | {m_act / 2**20:.1f} MB | {m_act / base_act:.3f} | {m_peak / 2**20:.1f} MB | "
+                    f"{m_peak / base_peak:.3f} | {loss:.4f} | "
                     f"{100 * (loss / base_loss - 1):+.2f}% | {1000 * t_step:.0f} ms | "
                     f"{100 * (t_step / base_time - 1):+.1f}% |")
     return "\n".join(rows)
