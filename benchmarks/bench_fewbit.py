@@ -7,13 +7,12 @@ and time against the exact GELU, on a small Transformer LM trained by gc.py on t
     python benchmarks/bench_fewbit.py --readme --steps 100     # the README's table, on gc.py's default model
 
 The model: embedding = hidden = 64, 2 layers, 4 heads of 16, seq 32, batch 16, gc off, eager (the issue's test
-model, with PTB's vocabulary). Per configuration and seed, one `gc.py run` of --steps steps; the loss is the mean
-of the last 20 steps' training losses, reported as the mean over the seeds and the worst seed's; T_step is gc.py's
-median step time (the mean over seeds); M_act and M_peak are gc.py's (bytes held after the forward pass; the most bytes
-the step's forward and backward held, gradients included: compression must lower the first and never raise the
-second). "activation bytes
-per layer" is what the first layer's fused MLP op holds on the activation's account (the pre-activation, or its
-codes), read from the model itself.
+model, with PTB's vocabulary). Per configuration and seed, one `gc.py run` of --steps steps; the loss is the mean of
+the last 20 steps' training losses, reported as the mean over the seeds and the worst seed's; T_step is gc.py's
+median step time (the mean over seeds); M_act and M_peak are gc.py's (bytes held after the forward pass; the most
+bytes the step's forward and backward held, gradients included: compression must lower the first and never raise the
+second). "activation bytes per layer" is what the first layer's fused MLP op holds on the activation's account (the
+pre-activation, or its codes), read from the model itself.
 """
 import argparse
 import json
