@@ -795,6 +795,19 @@ def test_compress_bits_wraps_gc_ons_policy_and_the_json_says_so(tmp_path, capsys
     assert abs(alone["loss"] - off["loss"]) < 1e-2 * abs(off["loss"])
 
 
+def test_compress_bits_keeps_the_segments_of_segment_len(tmp_path, capsys):
+    # It used to build checkpoint.compress("all") and hand enable_gc --segment-len beside it: a ValueError with
+    # the policy's repr, after the gc-off pass. The segments are the wrapped policy's.
+    out = tmp_path / "out"
+    run_gc(TINY + ["--data", tiny_ptb(tmp_path), "--segment-len", "2", "--compress-bits", "8", "--out", str(out)])
+    records = sorted((strict_json(out / name) for name in os.listdir(out)), key=lambda r: r["use_gc"])
+    assert [(r["policy"], r["segment_len"], r["complete"]) for r in records] == [
+        ("off", 2, True), ("all+compress8", 2, True)]
+    config = cli.parse_args(TINY + ["--segment-len", "2", "--compress-bits", "8"])
+    policy = setup.make_policy(config)
+    assert policy.policy == ndl.checkpoint.EverySegment(2) and setup.segment_len(config, policy) is None
+
+
 def test_a_resume_that_does_not_match_the_run_is_one_line_naming_the_flag(tmp_path, capsys):
     data, ckpt = tiny_ptb(tmp_path), str(tmp_path / "ckpt")
     run = TINY + ["--data", data, "--use-gc", "1", "--json", str(tmp_path / "r.json")]
