@@ -6,6 +6,7 @@ import ast
 import json
 import math
 import os
+import stat
 import subprocess
 import sys
 from dataclasses import replace
@@ -20,7 +21,7 @@ from needle.checkpoint_budget import InfeasibleBudget
 from needle.data import batchify
 
 from conftest import GC_DEVICE, GC_ROOT, GC_TINY, strict_json, tiny_ptb
-from experiment import ablations, children, cli, data, footprint, parser, records, setup
+from experiment import ablations, children, cli, data, footprint, outputs, parser, records, setup
 from experiment.measure import PeakRSS
 
 EXPERIMENT = os.path.join(GC_ROOT, "apps", "experiment")
@@ -223,6 +224,36 @@ def test_a_json_write_that_fails_is_one_line_and_leaves_nothing_beside_the_path(
     with pytest.raises(KeyboardInterrupt):
         records.write_json(str(tmp_path / "r.json"), {"loss": 1.0})
     assert os.listdir(tmp_path) == ["taken.json"]
+
+
+def test_a_json_write_refuses_a_name_that_is_not_a_regular_file_and_writes_through_a_link(tmp_path, monkeypatch,
+                                                                                         capsys):
+    # The atomic rename replaced whatever node was there: a FIFO, a device (as root, /dev/null), a symbolic link.
+    fifo, target, link = tmp_path / "fifo", tmp_path / "target.json", tmp_path / "link.json"
+    os.mkfifo(fifo)
+    with pytest.raises(SystemExit) as exit_:
+        records.write_json(str(fifo), {"loss": 1.0})
+    assert exit_.value.code == 2 and f"cannot write {fifo}: it is not a regular file" in capsys.readouterr().err
+    assert fifo.is_fifo() and sorted(os.listdir(tmp_path)) == ["fifo"]
+    target.write_text("{}")
+    link.symlink_to(target)
+    records.write_json(str(link), {"loss": 1.0})
+    assert link.is_symlink() and strict_json(target) == {"loss": 1.0}
+    assert sorted(os.listdir(tmp_path)) == ["fifo", "link.json", "target.json"]
+    if not os.path.exists("/dev/null") or not stat.S_ISCHR(os.stat("/dev/null").st_mode):
+        return
+    with pytest.raises(ValueError, match="is a device"):
+        outputs.regular_file_target("/dev/null")
+
+    def touched(*args, **kwargs):  # /dev/null is only looked at: never opened beside, never renamed over
+        raise AssertionError(f"write_json touched /dev/null: {args}")
+
+    monkeypatch.setattr(records, "open", touched, raising=False)
+    monkeypatch.setattr(records.os, "replace", touched)
+    with pytest.raises(SystemExit):
+        records.write_json("/dev/null", {"loss": 1.0})
+    assert "cannot write /dev/null: it is a device" in capsys.readouterr().err
+    assert stat.S_ISCHR(os.stat("/dev/null").st_mode)
 
 
 # ----- the layout: what a reader of apps/experiment can rely on ------------------------------------------------------

@@ -645,6 +645,39 @@ def test_output_paths_are_checked_before_any_work_and_nothing_is_left_behind(tmp
     assert sorted(os.listdir(folder)) == ["x.npz"]
 
 
+def test_save_checkpoint_creates_its_folder_and_refuses_a_folder_as_its_file(tmp_path, capsys):
+    # It used to train to the end and then fail to save into a missing folder, and to write <folder>.npz beside
+    # an existing folder; --json and --out create a missing folder, and so does it now.
+    data, folder = tiny_ptb(tmp_path), tmp_path / "folder"
+    folder.mkdir()
+    run = TINY + ["--data", data, "--use-gc", "1", "--max-batches", "2"]
+    expected = f"--save-checkpoint {folder} is a folder; give a file name"
+    assert expected in _one_line_error(*_gc_here(*run, "--json", tmp_path / "a.json", "--save-checkpoint", folder))
+    assert not (tmp_path / "folder.npz").exists() and not (tmp_path / "a.json").exists()
+    run_gc(run + ["--json", str(tmp_path / "b.json"), "--save-checkpoint", str(tmp_path / "new" / "deeper" / "ck")])
+    assert ndl.load(str(tmp_path / "new" / "deeper" / "ck.npz"))["step"] == 2
+
+
+def test_an_output_that_is_not_a_regular_file_is_refused_and_a_link_written_through(tmp_path, capsys):
+    # The atomic rename replaced whatever node the name was: as root, --json /dev/null made /dev/null a file.
+    data, fifo, target, link = tiny_ptb(tmp_path), tmp_path / "fifo", tmp_path / "target.json", tmp_path / "link"
+    os.mkfifo(fifo)
+    os.mkfifo(tmp_path / "ck.npz")
+    (tmp_path / "to_fifo").symlink_to(fifo)
+    target.write_text("{}")
+    link.symlink_to(target)
+    run = TINY + ["--data", data, "--use-gc", "1", "--max-batches", "2"]
+    for argv, expected in ((["--json", fifo], f"--json {fifo} is not a regular file"),
+                           (["--json", tmp_path / "to_fifo"], f"--json {tmp_path / 'to_fifo'} is not a regular file"),
+                           (["--json", tmp_path / "r.json", "--save-checkpoint", tmp_path / "ck"],
+                            f"--save-checkpoint {tmp_path / 'ck.npz'} is not a regular file")):
+        assert expected in _one_line_error(*_gc_here(*run, *argv)), argv
+    assert fifo.is_fifo() and (tmp_path / "ck.npz").is_fifo() and (tmp_path / "to_fifo").is_symlink()
+    assert not (tmp_path / "r.json").exists()
+    run_gc(run + ["--json", str(link)])
+    assert link.is_symlink() and strict_json(target)["complete"] is True
+
+
 def test_a_write_that_fails_later_is_one_line_and_leaves_no_temporary_file(tmp_path, monkeypatch, capsys):
     path = tmp_path / "out" / "run.json"
     real_say = run_command.say
@@ -659,7 +692,7 @@ def test_a_write_that_fails_later_is_one_line_and_leaves_no_temporary_file(tmp_p
     with pytest.raises(SystemExit) as exit_:
         run_gc(TINY + ["--data", tiny_ptb(tmp_path), "--use-gc", "1", "--json", str(path)])
     err = capsys.readouterr().err
-    assert exit_.value.code == 2 and f"gc.py: cannot write {path}: Is a directory" in err and "Traceback" not in err
+    assert exit_.value.code == 2 and f"gc.py: cannot write {path}: it is a folder" in err and "Traceback" not in err
     assert os.listdir(tmp_path / "out") == ["run.json"] and path.is_dir()  # no .tmp beside it
     ckpt = tmp_path / "ckpt.npz"  # the same for a checkpoint: saved after step 1, a folder by step 2's save
 

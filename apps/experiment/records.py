@@ -15,6 +15,7 @@ from needle import distributed as dist
 from . import ROOT
 from .console import fail
 from .measure import threads
+from .outputs import regular_file_target
 
 # The earlier project's keys, kept next to the canonical ones (docs/experiment.md).
 ALIASES = {"time": "step_time_seconds", "time_per_batch_median": "step_time_seconds", "peak memory": "peak_bytes",
@@ -131,7 +132,12 @@ def write_json(path, record):
     """record as strict JSON at path, whole or not at all, even with another process writing the same name.  The
     paths were checked before any work (outputs.py); should writing fail all the same (the disk full, the folder
     made read-only, a folder put at `path` meanwhile), that is one line and exit status 2, and the temporary file
-    is removed: a failed write leaves `path` as it was and nothing beside it."""
+    is removed: a failed write leaves `path` as it was and nothing beside it.  A symbolic link is written through;
+    a name that is not a regular file (a device, a FIFO) is refused, never replaced (outputs.regular_file_target)."""
+    try:
+        path = regular_file_target(path)
+    except ValueError as why:
+        fail(f"cannot write {path}: it {why}")
     tmp = f"{path}.{os.getpid()}.tmp"
     try:
         with open(tmp, "w") as f:

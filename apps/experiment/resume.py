@@ -20,7 +20,7 @@ from needle.toolbox import compress
 from needle import distributed as dist
 
 from .console import fail
-from .outputs import checkpoint_file
+from .outputs import checkpoint_file, make_folder_of
 
 # The flags a resumed run must share with the run that saved (the vocabulary and the world size too): the model's
 # shape, what a step computes (precision, head, dropout, batch) and the optimizer whose state is restored.
@@ -65,6 +65,7 @@ def save_training(config, vocab, step, model, opt, scaler):
              "rng": ndl.random_state(), "compress": compress_state(model)}
     path = checkpoint_file(config.save_checkpoint, *rank_and_size(config))
     try:
+        make_folder_of(path)
         ndl.save(state, path)  # atomic: a failed save leaves the previous file, and no temporary one
     except OSError as err:
         fail(f"--save-checkpoint: cannot write {path}: {err.strerror or err}")
