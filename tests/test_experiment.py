@@ -226,6 +226,19 @@ def test_a_json_write_that_fails_is_one_line_and_leaves_nothing_beside_the_path(
     assert os.listdir(tmp_path) == ["taken.json"]
 
 
+def test_the_compress_policy_is_found_inside_a_data_parallel_wrapper():
+    # --parallel dp wraps the model: its checkpoint_policy is the wrapper's own (None), so --save-checkpoint
+    # used to save no compress state and a resumed run drew other rounding noise.
+    from experiment import resume
+    from needle import distributed as dist
+
+    model = ndl.nn.Sequential(ndl.nn.Linear(4, 4), ndl.nn.ReLU())
+    policy = compress.compress(8)
+    model.enable_gc(policy=policy)
+    assert resume.compression_policy(model) is policy
+    assert resume.compression_policy(dist.DataParallel(model)) is policy
+
+
 def test_a_json_write_refuses_a_name_that_is_not_a_regular_file_and_writes_through_a_link(tmp_path, monkeypatch,
                                                                                          capsys):
     # The atomic rename replaced whatever node was there: a FIFO, a device (as root, /dev/null), a symbolic link.

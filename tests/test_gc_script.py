@@ -865,6 +865,25 @@ def test_a_resume_that_does_not_match_the_run_is_one_line_naming_the_flag(tmp_pa
     assert "--save-checkpoint carries one pass's training; give --use-gc 0 or 1" in both
 
 
+def test_a_hand_edited_checkpoint_is_one_line_naming_the_field(tmp_path, capsys):
+    # A step of -3 or 2.5 used to be trained from (int(2.5) = 2), NaN weights trained on, and a --compress-bits
+    # checkpoint without the policy's count resumed with step 0's rounding noise.
+    data, ckpt = tiny_ptb(tmp_path), str(tmp_path / "ckpt")
+    run = TINY + ["--data", data, "--use-gc", "1", "--json", str(tmp_path / "r.json"), "--compress-bits", "8"]
+    run_gc(run + ["--max-batches", "2", "--save-checkpoint", ckpt])
+    saved = ndl.load(ckpt)
+    weight = next(iter(saved["model"]))
+    nan = {**saved["model"], weight: np.full_like(saved["model"][weight], np.nan)}
+    cases = [({"step": -3}, "its step is -3; a checkpoint's step is the count of steps trained"),
+             ({"step": 2.5}, "its step is 2.5;"), ({"step": True}, "its step is True;"),
+             ({"model": nan}, f"model.{weight} holds NaN or infinity"),
+             ({"compress": None}, "the checkpoint holds no --compress-bits state")]
+    for change, expected in cases:
+        edited = ndl.save({**saved, **change}, tmp_path / "edited.npz")
+        line = _one_line_error(*_gc_here(*run, "--max-batches", "4", "--resume", edited))
+        assert expected in line, (change, line)
+
+
 # ----- the front door, round 3 (issue 27): gc.py's own items ---------------------------------------------------------
 def test_ctrl_c_is_one_line_exit_130_and_the_json_says_incomplete(tmp_path):
     out = tmp_path / "out"
