@@ -226,6 +226,14 @@ def test_a_json_write_that_fails_is_one_line_and_leaves_nothing_beside_the_path(
     assert os.listdir(tmp_path) == ["taken.json"]
 
 
+def test_every_configuration_field_sets_repeats_apart_but_the_seed_and_the_start():
+    # plot groups runs as repeats of one configuration by records.CONFIG_KEYS: a field config_of writes that it
+    # left out would merge different runs into one bar.
+    config = cli.parse_args(GC_TINY)
+    written = records.config_of(config, "synthetic", 31, ndl.cpu())
+    assert sorted(written) == sorted(records.CONFIG_KEYS + records.REPEAT_KEYS)
+
+
 def test_the_compress_policy_is_found_inside_a_data_parallel_wrapper():
     # --parallel dp wraps the model: its checkpoint_policy is the wrapper's own (None), so --save-checkpoint
     # used to save no compress state and a resumed run drew other rounding noise.

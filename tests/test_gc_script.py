@@ -950,6 +950,33 @@ def test_plot_draws_each_run_set_into_its_own_png(tmp_path, capsys):
     assert all(name in printed for name in pngs)
 
 
+def test_plot_groups_only_runs_of_one_configuration_and_gives_the_true_counts(tmp_path, monkeypatch):
+    # Budget(48) and Budget(48, offload) used to be one bar "budget 48 MB" whose error bars spread the two as
+    # repeats, under a title of "4 runs each" for counts of 4/1/2/1.
+    out = tmp_path / "out"
+    run_gc(TINY + ["--data", tiny_ptb(tmp_path), "--out", str(out)])
+    off, on = sorted((_read(out / f) for f in os.listdir(out)), key=lambda r: r["use_gc"])
+    for name in os.listdir(out):
+        os.remove(out / name)
+    budget = {**on, "policy": "budget", "budget_bytes": 48 * 2**20, "budget_offload": False}
+    runs = [{**off, "seed": seed, "time": off["time"] * (1 + seed)} for seed in range(4)] + [
+        budget, {**budget, "budget_offload": True}, {**budget, "budget_offload": True, "time": 2 * on["time"]},
+        on, {**on, "precision": "bf16"}]  # the last: another run set, a PNG of its own
+    for i, r in enumerate(runs):
+        _write(out / f"run{i}.json", r)
+    figures = _figures(monkeypatch)
+    run_gc(["plot", str(out)])
+    assert len([f for f in os.listdir(out) if f.endswith(".png")]) == 2
+    fig = figures[0]
+    ticks = [t.get_text() for t in fig.axes[0].get_xticklabels()]
+    assert ticks == ["off\n(4 runs)", "all\n(1 run)", "budget 48 MiB\n(1 run)", "budget 48 MiB,\noffload\n(2 runs)"]
+    assert "(1-4 runs per bar, median, bars: min-max)" in fig._suptitle.get_text()
+    (errors,) = [c for c in fig.axes[2].containers if type(c).__name__ == "ErrorbarContainer"]
+    spreads = [np.ptp(segment[:, 1]) if len(segment) else None for segment in errors.lines[2][0].get_segments()]
+    assert spreads[0] > 0 and spreads[3] > 0 and spreads[1:3] == [None, None]  # a single run: no error bar
+    assert [t.get_text() for t in figures[1].axes[0].get_xticklabels()] == ["all"]  # alone: 1 run, no count
+
+
 def test_a_budget_above_gc_offs_peak_says_nothing_to_drop(tmp_path, capsys):
     data = tiny_ptb(tmp_path)
     run_gc(TINY + ["--data", data, "--policy", "budget", "--budget-mb", "1000", "--use-gc", "1",
@@ -1134,7 +1161,7 @@ def test_a_budget_sweep_draws_three_curves_of_step_time_in_one_png(tmp_path, cap
     assert len(pngs) == 1 and pngs[0].startswith("sweep_budget_mb-"), pngs
     (fig,) = figures
     step_time = fig.axes[0]
-    assert "T_step" in step_time.get_title() and step_time.get_xlabel() == "budget b (MB)"
+    assert "T_step" in step_time.get_title() and step_time.get_xlabel() == "budget b (MiB)"
     labels = [t.get_text() for t in step_time.get_legend().get_texts()]
     assert labels == [CURVE_LABELS[c] for c in ("budget", "offload", "budget-offload")]
     assert "recompute only" in labels[0] and "offload only" in labels[1] and "offload=True" in labels[2]

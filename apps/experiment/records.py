@@ -62,6 +62,18 @@ def config_of(config, source, vocab, device):
     }
 
 
+# The keys config_of writes that say what a run is. Runs equal in all of them are repeats of one configuration,
+# drawn as one bar with its spread (plot.py); the seed, and when and by what command line a run started, are not
+# among them: repeats differ there.
+CONFIG_KEYS = ("data", "vocab_size", "batch_size", "accumulation_steps", "effective_batch_size", "seq_len",
+               "embedding_size", "hidden_size", "num_layers", "num_head", "dropout", "activation", "activation_bits",
+               "compress_bits", "head_init_scale", "head", "precision", "stochastic_rounding", "init_scale",
+               "segment_len", "budget_bytes", "budget_offload", "host_bandwidth_bytes_per_second", "lazy", "device",
+               "threads", "epochs", "max_batches", "warmup", "lr", "optimizer", "offload_state", "parallel",
+               "bucket_bytes", "world_size", "memory_limit_bytes")
+REPEAT_KEYS = ("seed", "needle_commit", "started_at", "argv")
+
+
 def summarize(record, warmup):
     """The record's summary of its steps so far: medians and maxima over the timed steps (after `warmup`)."""
     steps = [s for s in record["steps"] if not s.get("traced")]
