@@ -226,6 +226,23 @@ def test_a_json_write_that_fails_is_one_line_and_leaves_nothing_beside_the_path(
     assert os.listdir(tmp_path) == ["taken.json"]
 
 
+def test_the_ablation_table_keeps_long_row_names_in_their_column(capsys, monkeypatch):
+    # "budget-offload" and "compress-selective" used to run into the setup column (the names had 11 characters)
+    from experiment import report
+
+    monkeypatch.setattr(report, "busy_load", lambda: None)
+    row = {"activation_bytes": 2**20, "peak_activation_bytes": 2**21, "step_time_seconds": 0.5, "timed_steps": 0,
+           "step_time_reliable": False, "loss": 1.0}
+    rows = [{**row, "row": "baseline", "setup": "gc off"}, {**row, "row": "compress-selective", "setup": "sel"},
+            {"row": "budget-offload", "setup": "Budget", "failed": "exit 2"}]
+    report.print_ablation({"rows": rows, "batch_size": 4, "steps_per_row": 2})
+    lines = capsys.readouterr().out.splitlines()[1:5]
+    column = lines[0].index("setup")
+    assert [line[column - 2:column] for line in lines] == ["  "] * 4, lines
+    assert [line[column:].split()[0] for line in lines] == ["setup", "gc", "sel", "Budget"]
+    assert "n/a" in lines[1].split() and "0.500" not in lines[1]  # T_step from 0 timed steps: not a number
+
+
 def test_every_configuration_field_sets_repeats_apart_but_the_seed_and_the_start():
     # plot groups runs as repeats of one configuration by records.CONFIG_KEYS: a field config_of writes that it
     # left out would merge different runs into one bar.

@@ -1016,6 +1016,23 @@ def test_the_header_names_the_threads_and_notes_a_busy_machine(tmp_path, capsys,
     assert ("note: the machine is busy (load average 5.0" in header) == (load > 0)
 
 
+@pytest.mark.parametrize("load", [0.0, 50.0])
+def test_the_verdict_carries_the_time_caveats_of_its_own_header(tmp_path, capsys, monkeypatch, load):
+    # A busy machine's "time overhead -17.4%" used to come with no caveat, and a T_step of 0 timed steps (the
+    # warm-up's) was printed as a number.
+    monkeypatch.setattr(os, "getloadavg", lambda: (load, load, load))
+    run_gc(TINY + ["--data", tiny_ptb(tmp_path), "--out", str(tmp_path / "out"), "--max-batches", "5"])
+    verdict = [line for line in capsys.readouterr().out.splitlines() if "time overhead" in line][0]
+    busy = f"(unreliable: the machine is busy: load average 50.0 on {len(os.sched_getaffinity(0))} CPUs)"
+    assert verdict.endswith(busy if load else "%"), verdict
+    run_gc(TINY + ["--data", str(tmp_path / "ptb"), "--out", str(tmp_path / "out"), "--max-batches", "2",
+                   "--warmup", "2"])
+    printed = capsys.readouterr().out
+    (row,) = [line for line in printed.splitlines() if line.startswith("T_step (s)")]
+    assert row.split()[2:4] == ["n/a", "n/a"] and "from 0 timed steps" in row, row
+    assert "time overhead not measured (no step timed after the warm-up: lower --warmup)" in printed
+
+
 def test_every_row_of_the_table_is_defined_in_help(tmp_path, capsys):
     run_gc(TINY + ["--data", tiny_ptb(tmp_path), "--out", str(tmp_path / "out")])
     table = capsys.readouterr().out.split("gc off       gc on")[1].split("\n\n")[0]
