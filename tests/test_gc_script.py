@@ -240,6 +240,18 @@ def test_every_subcommand_has_help_with_defaults_and_the_definitions(monkeypatch
     # that every flag has a help line and both spellings: test_experiment.py, on the parsers themselves
 
 
+def test_the_help_and_the_usage_say_what_gc_py_does(capsys):
+    # --help said cpu()'s offload copies were synchronous (hidden 0%: a run prints 19%) and that M_peak leaves the
+    # gradients out (it holds them); the usage line and gc.py's docstring left timeline out.
+    help_text = " ".join(_gc_here("run", "--help")[1].split())
+    assert "cpu() the copies are synchronous" not in help_text and "on cpu() a copy thread runs them" in help_text
+    assert "M_peak holds the gradients" in help_text
+    usage = _gc_here("--help")[1].splitlines()[0]
+    assert all(name in usage for name in SUBCOMMANDS), usage
+    docstring = pathlib.Path(ROOT, "gc.py").read_text().split('"""')[1]
+    assert all(f"gc.py {name}" in docstring for name in SUBCOMMANDS if name != "run"), docstring
+
+
 def test_run_is_the_default_subcommand_and_both_spellings_parse_alike(tmp_path):
     data, records = tiny_ptb(tmp_path), []
     hyphens = TINY + ["--batch-size", "5", "--seq-len", "7", "--max-batches", "2", "--budget-mb", "9",

@@ -20,8 +20,8 @@ How to read it: a command line becomes one frozen RunConfig, and a subcommand's 
     footprint.py    the model's parameters, gradients and optimizer state counted from the flags: refused before
                     it is built when they cannot fit
     resume.py       run --save-checkpoint / --resume: the training state saved, and continued bit for bit
-    commands/       one file per subcommand: run.py, sweep.py (sweep and max-batch), ablate.py, plot.py (the only
-                    importer of matplotlib)
+    commands/       one file per subcommand: run.py, sweep.py (sweep and max-batch), ablate.py, timeline.py,
+                    plot.py (the only importer of matplotlib)
 """
 import os
 

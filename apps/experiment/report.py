@@ -234,7 +234,8 @@ def copy_text(r):
 
 
 def state_text(r):
-    """Parameters, gradients and the optimizer's state, which M_act and M_peak leave out."""
+    """Parameters, gradients and the optimizer's state: M_act and M_peak leave out the parameters and the state
+    (their baseline); M_peak holds the gradients, which backward makes."""
     text = (f"parameters {mb(r.get('param_bytes') or 0).strip()} MB, gradients {mb(r.get('grad_bytes') or 0).strip()}"
             f" MB, {r.get('optimizer', 'adam')} state {mb(r.get('optimizer_bytes') or 0).strip()} MB on the device")
     if r.get("offloaded_bytes"):
