@@ -1086,7 +1086,7 @@ def test_timeline_writes_both_snapshots_a_png_and_a_page(tmp_path, capsys):
     assert any(b["category"] == "activation_recomputed" for b in on.blocks)
     for snap in (off, on):
         assert {p["phase"] for p in snap.phases} >= {"forward", "backward", "optimizer"}
-        assert f"peak {snap.peak['bytes'] / 2**20:.1f} MB (the allocator's {snap.peak['bytes'] / 2**20:.1f} MB)" \
+        assert f"peak {snap.peak['bytes'] / 2**20:.1f} MiB (the allocator's {snap.peak['bytes'] / 2**20:.1f} MiB)" \
             in printed
     assert (out / f"{stem}.png").read_bytes()[:4] == b"\x89PNG"
     page = (out / f"{stem}.html").read_text()
@@ -1094,6 +1094,17 @@ def test_timeline_writes_both_snapshots_a_png_and_a_page(tmp_path, capsys):
     # another configuration writes files of its own, never over these
     run_gc(["timeline"] + TINY + ["--data", data, "--out", str(out), "--seq-len", "4"])
     assert set(files) < set(os.listdir(out))
+
+
+def test_a_compressed_timeline_is_named_by_its_policy(tmp_path, capsys):
+    # Its panel said "gc on (all)"; with --policy off, compression alone was not drawn at all.
+    out, data = tmp_path / "out", tiny_ptb(tmp_path)
+    for policy, label in (("all", "all+compress8"), ("off", "off+compress8")):
+        run_gc(["timeline"] + TINY + ["--data", data, "--out", str(out), "--policy", policy, "--compress-bits", "8"])
+        printed = capsys.readouterr().out
+        assert f"gc off vs on ({label})" in printed.splitlines()[0] and f"gc on ({label}): " in printed
+        (page,) = [p for p in out.glob("*.html") if f"_{label}-" in p.name]
+        assert f"gc on ({label})" in page.read_text()
 
 
 # ----- offloading (issue #29): --policy offload, --offload, --host-bandwidth, the budget sweep -----------------------

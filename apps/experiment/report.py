@@ -12,7 +12,7 @@ from .ablations import ACCUMULATE
 from .data import SYNTHETIC, batch_text
 from .measure import threads
 from .records import MIN_TIMED_STEPS
-from .setup import parallel_layout
+from .setup import parallel_layout, policy_label
 
 PARALLEL_TEXT = {"dp": "data parallel (gradients all-reduced in buckets during backward)",
                  "zero1": "ZeRO stage 1 (data parallel, the optimizer state partitioned)",
@@ -81,7 +81,7 @@ def model_text(config, skip=()):
 # ----- gc.py run ----------------------------------------------------------------------------------------------
 def print_run_header(config, which, device, source, data, vocab):
     """What a run trains (the model, the batch, the passes, the data) and where its loss should start."""
-    label = config.policy or "all"
+    label = policy_label(config)
     print(f"gc.py: Transformer LM ({plural(config.num_layers, 'layer')}, embedding {config.embedding_size}, "
           f"feed-forward {config.hidden_size}, {config.num_head} heads), {batch_text(config)} x seq_len "
           f"{config.seq_len}, device {device}, "
