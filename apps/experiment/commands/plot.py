@@ -12,9 +12,9 @@ import numpy as np
 
 from ..console import fail
 from ..data import SYNTHETIC
-from ..records import CONFIG_KEYS, read_json
+from ..records import read_json
 from ..report import plural
-from ..setup import POLICIES
+from ..runsets import bar_key, counts_text, ordered_labels, policy_base, run_label, run_set_key
 
 # ----- plots --------------------------------------------------------------------------------------------------
 NEUTRAL = "0.55"  # gc off: grey, drawn first
@@ -34,42 +34,8 @@ def _pyplot():
     return plt
 
 
-def _label(r):
-    """A run's curve or bar: its policy, with what sets it apart where it has one (its segment length; a budget's
-    bound, offloading and planned bandwidth), so that no two configurations share a name."""
-    policy = r.get("label") or r.get("policy") or ("all" if r.get("use_gc") else "off")
-    base = _base(policy)
-    parts = [policy]
-    if base == "all" and r.get("segment_len") and r.get("sweep_over") != "segment_len":
-        parts.append(f"segment_len {r['segment_len']}")
-    if base == "budget" and r.get("budget_bytes"):
-        parts[0] = f"{policy} {r['budget_bytes'] / 2**20:g} MiB"
-        if r.get("budget_offload"):
-            parts.append("offload")
-        if r.get("host_bandwidth_bytes_per_second"):
-            parts.append(f"{r['host_bandwidth_bytes_per_second'] / 1e9:g} GB/s")
-    return ", ".join(parts)
-
-
-def _base(label):
-    """The policy a label starts with: "budget" of "budget+compress8 48 MiB, offload"."""
-    return label.split(",")[0].split(" ")[0].split("+")[0]
-
-
-def _order(labels):
-    return sorted(set(labels), key=lambda label: (POLICIES.index(_base(label)) if _base(label) in POLICIES else 99,
-                                                   label))
-
-
 def _colour(label):
-    return NEUTRAL if _base(label) == "off" else COLOURS.get(_base(label), "tab:purple")
-
-
-def _counts_text(counts, word):
-    """"2 repeats" where every curve point or bar has as many; else the range, "1-4 repeats", never a count that
-    only some have."""
-    low, high = min(counts), max(counts)
-    return f"{high} {word}{'s' * (high != 1)}" if low == high else f"{low}-{high} {word}s"
+    return NEUTRAL if policy_base(label) == "off" else COLOURS.get(policy_base(label), "tab:purple")
 
 
 def _config_text(r, skip=()):
@@ -122,8 +88,8 @@ def plot_sweep(records, out_dir):
                                                if len({r.get(k) for r in rs}) > 1)
         xs_all = sorted({r[over] for r in rs})
         fig, axes = plt.subplots(1, 3, figsize=(14, 4.4))
-        for label in _order(_label(r) for r in rs):
-            mine = [r for r in rs if _label(r) == label]
+        for label in ordered_labels(run_label(r) for r in rs):
+            mine = [r for r in rs if run_label(r) == label]
             xs = sorted({r[over] for r in mine})
             for ax, (key, title, unit) in zip(axes, PANELS):
                 stats = [_spread([r[key] / unit for r in mine if r[over] == x and r.get(key) is not None]) for x in xs]
@@ -149,8 +115,8 @@ def plot_sweep(records, out_dir):
         axes[0].legend([handles[i] for i in order], [names[i] for i in order], fontsize=8)
         points = {}
         for r in rs:
-            points[(_label(r), r[over])] = points.get((_label(r), r[over]), 0) + 1
-        fig.suptitle(f"gc.py sweep over {over} ({_counts_text(points.values(), 'repeat')}, median, bars: min-max)\n"
+            points[(run_label(r), r[over])] = points.get((run_label(r), r[over]), 0) + 1
+        fig.suptitle(f"gc.py sweep over {over} ({counts_text(points.values(), 'repeat')}, median, bars: min-max)\n"
                      f"{_config_text(rs[0], {over})}", fontsize=10)
         fig.tight_layout()
         png = os.path.join(out_dir, f"sweep_{over}-{sweep_id}.png")
@@ -210,23 +176,6 @@ def plot_budget_sweep(rs, out_dir, sweep_id):
     return png
 
 
-# The fields that make one bar of a run set apart from the next: its policy and what that policy is given.  The
-# other configuration fields (records.CONFIG_KEYS) make the run set, one PNG; none of them is compared for gc off.
-POLICY_KEYS = ("policy", "use_gc", "label", "segment_len", "budget_bytes", "budget_offload",
-               "host_bandwidth_bytes_per_second", "compress_bits")
-
-
-def _run_set(r):
-    """What a run set's runs share: every configuration field but the policy's (and the seed: repeats)."""
-    return tuple((k, json.dumps(r.get(k))) for k in CONFIG_KEYS if k not in POLICY_KEYS)
-
-
-def _bar(r):
-    """What the runs of one bar share: the run set and the policy's fields (gc off has none)."""
-    policy = () if _label(r) == "off" else tuple((k, json.dumps(r.get(k))) for k in POLICY_KEYS)
-    return _run_set(r) + policy
-
-
 def runs_png_name(key, r):
     """A run set's PNG: the model's size and steps to read, and a digest of its whole configuration (`key`), so
     that no other run set in the folder (other steps, precision, ...) is drawn over it."""
@@ -250,16 +199,16 @@ def plot_runs(records, out_dir):
     every field but the seed (repeats), error bars over them where a bar has several."""
     sets = {}
     for r in records:
-        sets.setdefault(_run_set(r), {}).setdefault(_bar(r), []).append(r)
+        sets.setdefault(run_set_key(r), {}).setdefault(bar_key(r), []).append(r)
     return [_plot_run_set(key, list(bars.values()), out_dir) for key, bars in sets.items()]
 
 
 def _plot_run_set(key, bars, out_dir):
     """One run set's PNG: `bars`, a list of the runs of each bar."""
     plt = _pyplot()
-    order = _order(_label(runs[0]) for runs in bars)
-    bars = sorted(bars, key=lambda runs: order.index(_label(runs[0])))  # off first, in grey
-    labels, counts = [_label(runs[0]) for runs in bars], [len(runs) for runs in bars]
+    order = ordered_labels(run_label(runs[0]) for runs in bars)
+    bars = sorted(bars, key=lambda runs: order.index(run_label(runs[0])))  # off first, in grey
+    labels, counts = [run_label(runs[0]) for runs in bars], [len(runs) for runs in bars]
     rs = [r for runs in bars for r in runs]
     fig, axes = plt.subplots(1, 3, figsize=(4 + 1.6 * len(labels) * 3, 4.4))
     for ax, (field, title, unit) in zip(axes, PANELS):
@@ -284,7 +233,7 @@ def _plot_run_set(key, bars, out_dir):
         ax.set_title(title + ("\n(from < 3 timed steps: unreliable)" if field == "time" and _unreliable(rs) else ""),
                      fontsize=10)
     spread = ", median, bars: min-max" if max(counts) > 1 else ""
-    fig.suptitle(f"gc.py run: gradient checkpointing off vs on ({_counts_text(counts, 'run')} per bar{spread})\n"
+    fig.suptitle(f"gc.py run: gradient checkpointing off vs on ({counts_text(counts, 'run')} per bar{spread})\n"
                  f"{_config_text(rs[0])}", fontsize=10)
     fig.tight_layout()
     png = os.path.join(out_dir, runs_png_name(key, rs[0]))
@@ -299,7 +248,7 @@ def plot_max_batch(result, out_dir):
     from matplotlib.ticker import MaxNLocator
 
     best = result["largest_batch"]
-    labels = _order(best)
+    labels = ordered_labels(best)
     fig, ax = plt.subplots(figsize=(max(7.0, 2 + 1.4 * len(labels)), 4.8))
     ax.bar(range(len(labels)), [best[p] for p in labels], color=[_colour(p) for p in labels], zorder=2)
     for i, p in enumerate(labels):
@@ -387,7 +336,7 @@ def main(config):
         if isinstance(data, list) and data and all(isinstance(r, dict) and "sweep_id" in r for r in data):
             for r in data:
                 value = r.get("sweep_value", r.get(r.get("sweep_over") or "batch_size"))
-                sweeps.setdefault(r["sweep_id"], {})[(r.get("json"), r.get("repeat"), _label(r), value)] = r
+                sweeps.setdefault(r["sweep_id"], {})[(r.get("json"), r.get("repeat"), run_label(r), value)] = r
                 # (sweep.json repeats a sweep-<id>.json: counted once)
         elif isinstance(data, dict) and "largest_batch" in data:
             searches[data.get("max_batch_id", path)] = data
