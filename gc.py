@@ -6,6 +6,7 @@
     python gc.py max-batch --memory-limit-mb 400                 # the largest batch under a memory cap, per policy
     python gc.py ablate --rows baseline all fused combined       # each technique, the same model and steps: a table
     mpiexec -n 2 python gc.py run --parallel dp                  # data parallel (also zero1, zero2, pipeline)
+    python gc.py timeline --policy all                           # one step's every allocation and free: PNG, page
     python gc.py plot results/sweep_batch_size                   # the plots of whatever gc.py JSON a folder holds
 
 `python gc.py CMD --help` lists CMD's flags with their defaults.  The experiment itself is the package

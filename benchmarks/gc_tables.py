@@ -60,7 +60,8 @@ def demo(out):
                  change(on["peak_activation_bytes"], off["peak_activation_bytes"]),
                  change(on["rss_peak_bytes"], off["rss_peak_bytes"]),
                  change(on["step_time_seconds"], off["step_time_seconds"]), ""])
-    header = ["`python gc.py`", "M_act", "M_peak", "RSS_peak", "T_step", f"loss, step 1 → {len(off['steps'])}"]
+    first, last = off["steps"][0]["step"], off["steps"][-1]["step"]  # gc.py counts steps from 0, as its lines do
+    header = ["`python gc.py`", "M_act", "M_peak", "RSS_peak", "T_step", f"loss, step {first} → {last}"]
     return markdown_table(header, rows, right=(1, 2, 3, 4))
 
 

@@ -83,3 +83,26 @@ def test_the_reading_path_points_at_the_classes_and_functions_it_names():
             starts = [n for n, text in enumerate(lines, 1) if re.match(rf"\s*{kind} {name}\b", text)]
             wrong.append(f"{path}:{line} is {found!r}, not `{kind} {name}` (it starts at line {starts})")
     assert not wrong, "docs/READING.md:\n  " + "\n  ".join(wrong)
+
+
+def test_the_pages_say_what_the_code_has():
+    # memory.md said float32 was the only dtype; experiment.md counted 15 ablation rows (there are 19 of one
+    # process), named only dp of the rows under mpiexec, and left timeline out of the subcommands.
+    import sys
+
+    sys.path[:0] = [str(REPO / "python"), str(REPO / "apps")]
+    from experiment.ablations import ABLATIONS
+    from needle.backend_ndarray.ndarray import DTYPES
+
+    memory = (REPO / "docs" / "memory.md").read_text().split("\n\n")[1]  # the page's opening paragraph
+    assert all(name in memory for name in DTYPES), memory
+    experiment = (REPO / "docs" / "experiment.md").read_text()
+    one_process = [name for name, (_, flags) in ABLATIONS.items() if not flags.get("parallel")]
+    assert f"all {len(one_process)} rows of one process" in experiment
+    table = experiment.split("## gc.py ablate")[1].split("<!-- figure")[0]
+    assert all(f"`{name}`" in table for name in ABLATIONS), [name for name in ABLATIONS if f"`{name}`" not in table]
+    from experiment.parser import SUBCOMMANDS
+
+    assert "0 on `cpu()`, where copies are synchronous" not in experiment  # cpu() has a copy thread
+    listed = experiment.split("Subcommands:")[1].split(";")[0]
+    assert all(f"`{name}" in listed for name in SUBCOMMANDS), listed

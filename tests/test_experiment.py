@@ -6,6 +6,7 @@ import ast
 import json
 import math
 import os
+import stat
 import subprocess
 import sys
 from dataclasses import replace
@@ -20,7 +21,7 @@ from needle.checkpoint_budget import InfeasibleBudget
 from needle.data import batchify
 
 from conftest import GC_DEVICE, GC_ROOT, GC_TINY, strict_json, tiny_ptb
-from experiment import ablations, children, cli, data, footprint, parser, records, setup
+from experiment import ablations, children, cli, data, footprint, outputs, parser, records, setup
 from experiment.measure import PeakRSS
 
 EXPERIMENT = os.path.join(GC_ROOT, "apps", "experiment")
@@ -223,6 +224,74 @@ def test_a_json_write_that_fails_is_one_line_and_leaves_nothing_beside_the_path(
     with pytest.raises(KeyboardInterrupt):
         records.write_json(str(tmp_path / "r.json"), {"loss": 1.0})
     assert os.listdir(tmp_path) == ["taken.json"]
+
+
+def test_the_ablation_table_keeps_long_row_names_in_their_column(capsys, monkeypatch):
+    # "budget-offload" and "compress-selective" used to run into the setup column (the names had 11 characters)
+    from experiment import report
+
+    monkeypatch.setattr(report, "busy_load", lambda: None)
+    row = {"activation_bytes": 2**20, "peak_activation_bytes": 2**21, "step_time_seconds": 0.5, "timed_steps": 0,
+           "step_time_reliable": False, "loss": 1.0}
+    rows = [{**row, "row": "baseline", "setup": "gc off"}, {**row, "row": "compress-selective", "setup": "sel"},
+            {"row": "budget-offload", "setup": "Budget", "failed": "exit 2"}]
+    report.print_ablation({"rows": rows, "batch_size": 4, "steps_per_row": 2})
+    lines = capsys.readouterr().out.splitlines()[1:5]
+    column = lines[0].index("setup")
+    assert [line[column - 2:column] for line in lines] == ["  "] * 4, lines
+    assert [line[column:].split()[0] for line in lines] == ["setup", "gc", "sel", "Budget"]
+    assert "n/a" in lines[1].split() and "0.500" not in lines[1]  # T_step from 0 timed steps: not a number
+
+
+def test_every_configuration_field_sets_repeats_apart_but_the_seed_and_the_start():
+    # plot groups runs as repeats of one configuration by records.CONFIG_KEYS: a field config_of writes that it
+    # left out would merge different runs into one bar.
+    config = cli.parse_args(GC_TINY)
+    written = records.config_of(config, "synthetic", 31, ndl.cpu())
+    assert sorted(written) == sorted(records.CONFIG_KEYS + records.REPEAT_KEYS)
+
+
+def test_the_compress_policy_is_found_inside_a_data_parallel_wrapper():
+    # --parallel dp wraps the model: its checkpoint_policy is the wrapper's own (None), so --save-checkpoint
+    # used to save no compress state and a resumed run drew other rounding noise.
+    from experiment import resume
+    from needle import distributed as dist
+
+    model = ndl.nn.Sequential(ndl.nn.Linear(4, 4), ndl.nn.ReLU())
+    policy = compress.compress(8)
+    model.enable_gc(policy=policy)
+    assert resume.compression_policy(model) is policy
+    assert resume.compression_policy(dist.DataParallel(model)) is policy
+
+
+def test_a_json_write_refuses_a_name_that_is_not_a_regular_file_and_writes_through_a_link(tmp_path, monkeypatch,
+                                                                                         capsys):
+    # The atomic rename replaced whatever node was there: a FIFO, a device (as root, /dev/null), a symbolic link.
+    fifo, target, link = tmp_path / "fifo", tmp_path / "target.json", tmp_path / "link.json"
+    os.mkfifo(fifo)
+    with pytest.raises(SystemExit) as exit_:
+        records.write_json(str(fifo), {"loss": 1.0})
+    assert exit_.value.code == 2 and f"cannot write {fifo}: it is not a regular file" in capsys.readouterr().err
+    assert fifo.is_fifo() and sorted(os.listdir(tmp_path)) == ["fifo"]
+    target.write_text("{}")
+    link.symlink_to(target)
+    records.write_json(str(link), {"loss": 1.0})
+    assert link.is_symlink() and strict_json(target) == {"loss": 1.0}
+    assert sorted(os.listdir(tmp_path)) == ["fifo", "link.json", "target.json"]
+    if not os.path.exists("/dev/null") or not stat.S_ISCHR(os.stat("/dev/null").st_mode):
+        return
+    with pytest.raises(ValueError, match="is a device"):
+        outputs.regular_file_target("/dev/null")
+
+    def touched(*args, **kwargs):  # /dev/null is only looked at: never opened beside, never renamed over
+        raise AssertionError(f"write_json touched /dev/null: {args}")
+
+    monkeypatch.setattr(records, "open", touched, raising=False)
+    monkeypatch.setattr(records.os, "replace", touched)
+    with pytest.raises(SystemExit):
+        records.write_json("/dev/null", {"loss": 1.0})
+    assert "cannot write /dev/null: it is a device" in capsys.readouterr().err
+    assert stat.S_ISCHR(os.stat("/dev/null").st_mode)
 
 
 # ----- the layout: what a reader of apps/experiment can rely on ------------------------------------------------------

@@ -15,6 +15,7 @@ and regenerating it (`--run-stale`, `make figures`) is a deliberate step of its 
 the code it measures. The listing itself is tested below, on a throwaway repository and on this one.
 """
 import importlib.util
+import json
 import re
 import subprocess
 import sys
@@ -247,3 +248,19 @@ def test_a_stamp_is_well_formed_or_none():
                    good.replace("0123456789ab", "01234567"),  # a short commit
                    good.replace(" ran `OMP_NUM_THREADS=1 python b.py --markdown`", "")):  # no command
         assert figures.stamp_of(broken) is None, broken
+
+
+def test_the_demo_tables_loss_column_counts_steps_as_gc_py_does(tmp_path, monkeypatch):
+    # It said "step 1 → 30" where gc.py's step lines and JSON count 0 to 29.
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    import gc_tables
+
+    monkeypatch.setattr(gc_tables, "gc_py", lambda *argv, **kw: None)  # the two JSONs below stand for its run
+    steps = [{"step": i, "loss": 9.0 - i / 10} for i in range(30)]
+    for use_gc in (False, True):
+        record = {"use_gc": use_gc, "policy": "all" if use_gc else "off", "activation_bytes": 2**20,
+                  "peak_activation_bytes": 2**21, "rss_peak_bytes": 2**21, "step_time_seconds": 0.5, "steps": steps,
+                  "loss": steps[-1]["loss"]}
+        (tmp_path / f"{use_gc}.json").write_text(json.dumps(record))
+    header = gc_tables.demo(str(tmp_path)).splitlines()[0]
+    assert header.rstrip(" |").endswith("loss, step 0 → 29"), header

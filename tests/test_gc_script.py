@@ -240,6 +240,18 @@ def test_every_subcommand_has_help_with_defaults_and_the_definitions(monkeypatch
     # that every flag has a help line and both spellings: test_experiment.py, on the parsers themselves
 
 
+def test_the_help_and_the_usage_say_what_gc_py_does(capsys):
+    # --help said cpu()'s offload copies were synchronous (hidden 0%: a run prints 19%) and that M_peak leaves the
+    # gradients out (it holds them); the usage line and gc.py's docstring left timeline out.
+    help_text = " ".join(_gc_here("run", "--help")[1].split())
+    assert "cpu() the copies are synchronous" not in help_text and "on cpu() a copy thread runs them" in help_text
+    assert "M_peak holds the gradients" in help_text
+    usage = _gc_here("--help")[1].splitlines()[0]
+    assert all(name in usage for name in SUBCOMMANDS), usage
+    docstring = pathlib.Path(ROOT, "gc.py").read_text().split('"""')[1]
+    assert all(f"gc.py {name}" in docstring for name in SUBCOMMANDS if name != "run"), docstring
+
+
 def test_run_is_the_default_subcommand_and_both_spellings_parse_alike(tmp_path):
     data, records = tiny_ptb(tmp_path), []
     hyphens = TINY + ["--batch-size", "5", "--seq-len", "7", "--max-batches", "2", "--budget-mb", "9",
@@ -645,6 +657,39 @@ def test_output_paths_are_checked_before_any_work_and_nothing_is_left_behind(tmp
     assert sorted(os.listdir(folder)) == ["x.npz"]
 
 
+def test_save_checkpoint_creates_its_folder_and_refuses_a_folder_as_its_file(tmp_path, capsys):
+    # It used to train to the end and then fail to save into a missing folder, and to write <folder>.npz beside
+    # an existing folder; --json and --out create a missing folder, and so does it now.
+    data, folder = tiny_ptb(tmp_path), tmp_path / "folder"
+    folder.mkdir()
+    run = TINY + ["--data", data, "--use-gc", "1", "--max-batches", "2"]
+    expected = f"--save-checkpoint {folder} is a folder; give a file name"
+    assert expected in _one_line_error(*_gc_here(*run, "--json", tmp_path / "a.json", "--save-checkpoint", folder))
+    assert not (tmp_path / "folder.npz").exists() and not (tmp_path / "a.json").exists()
+    run_gc(run + ["--json", str(tmp_path / "b.json"), "--save-checkpoint", str(tmp_path / "new" / "deeper" / "ck")])
+    assert ndl.load(str(tmp_path / "new" / "deeper" / "ck.npz"))["step"] == 2
+
+
+def test_an_output_that_is_not_a_regular_file_is_refused_and_a_link_written_through(tmp_path, capsys):
+    # The atomic rename replaced whatever node the name was: as root, --json /dev/null made /dev/null a file.
+    data, fifo, target, link = tiny_ptb(tmp_path), tmp_path / "fifo", tmp_path / "target.json", tmp_path / "link"
+    os.mkfifo(fifo)
+    os.mkfifo(tmp_path / "ck.npz")
+    (tmp_path / "to_fifo").symlink_to(fifo)
+    target.write_text("{}")
+    link.symlink_to(target)
+    run = TINY + ["--data", data, "--use-gc", "1", "--max-batches", "2"]
+    for argv, expected in ((["--json", fifo], f"--json {fifo} is not a regular file"),
+                           (["--json", tmp_path / "to_fifo"], f"--json {tmp_path / 'to_fifo'} is not a regular file"),
+                           (["--json", tmp_path / "r.json", "--save-checkpoint", tmp_path / "ck"],
+                            f"--save-checkpoint {tmp_path / 'ck.npz'} is not a regular file")):
+        assert expected in _one_line_error(*_gc_here(*run, *argv)), argv
+    assert fifo.is_fifo() and (tmp_path / "ck.npz").is_fifo() and (tmp_path / "to_fifo").is_symlink()
+    assert not (tmp_path / "r.json").exists()
+    run_gc(run + ["--json", str(link)])
+    assert link.is_symlink() and strict_json(target)["complete"] is True
+
+
 def test_a_write_that_fails_later_is_one_line_and_leaves_no_temporary_file(tmp_path, monkeypatch, capsys):
     path = tmp_path / "out" / "run.json"
     real_say = run_command.say
@@ -659,7 +704,7 @@ def test_a_write_that_fails_later_is_one_line_and_leaves_no_temporary_file(tmp_p
     with pytest.raises(SystemExit) as exit_:
         run_gc(TINY + ["--data", tiny_ptb(tmp_path), "--use-gc", "1", "--json", str(path)])
     err = capsys.readouterr().err
-    assert exit_.value.code == 2 and f"gc.py: cannot write {path}: Is a directory" in err and "Traceback" not in err
+    assert exit_.value.code == 2 and f"gc.py: cannot write {path}: it is a folder" in err and "Traceback" not in err
     assert os.listdir(tmp_path / "out") == ["run.json"] and path.is_dir()  # no .tmp beside it
     ckpt = tmp_path / "ckpt.npz"  # the same for a checkpoint: saved after step 1, a folder by step 2's save
 
@@ -795,6 +840,19 @@ def test_compress_bits_wraps_gc_ons_policy_and_the_json_says_so(tmp_path, capsys
     assert abs(alone["loss"] - off["loss"]) < 1e-2 * abs(off["loss"])
 
 
+def test_compress_bits_keeps_the_segments_of_segment_len(tmp_path, capsys):
+    # It used to build checkpoint.compress("all") and hand enable_gc --segment-len beside it: a ValueError with
+    # the policy's repr, after the gc-off pass. The segments are the wrapped policy's.
+    out = tmp_path / "out"
+    run_gc(TINY + ["--data", tiny_ptb(tmp_path), "--segment-len", "2", "--compress-bits", "8", "--out", str(out)])
+    records = sorted((strict_json(out / name) for name in os.listdir(out)), key=lambda r: r["use_gc"])
+    assert [(r["policy"], r["segment_len"], r["complete"]) for r in records] == [
+        ("off", 2, True), ("all+compress8", 2, True)]
+    config = cli.parse_args(TINY + ["--segment-len", "2", "--compress-bits", "8"])
+    policy = setup.make_policy(config)
+    assert policy.policy == ndl.checkpoint.EverySegment(2) and setup.segment_len(config, policy) is None
+
+
 def test_a_resume_that_does_not_match_the_run_is_one_line_naming_the_flag(tmp_path, capsys):
     data, ckpt = tiny_ptb(tmp_path), str(tmp_path / "ckpt")
     run = TINY + ["--data", data, "--use-gc", "1", "--json", str(tmp_path / "r.json")]
@@ -817,6 +875,25 @@ def test_a_resume_that_does_not_match_the_run_is_one_line_naming_the_flag(tmp_pa
         assert expected in line, (argv, line)
     both = _one_line_error(*_gc_here(*TINY, "--data", data, "--save-checkpoint", ckpt))
     assert "--save-checkpoint carries one pass's training; give --use-gc 0 or 1" in both
+
+
+def test_a_hand_edited_checkpoint_is_one_line_naming_the_field(tmp_path, capsys):
+    # A step of -3 or 2.5 used to be trained from (int(2.5) = 2), NaN weights trained on, and a --compress-bits
+    # checkpoint without the policy's count resumed with step 0's rounding noise.
+    data, ckpt = tiny_ptb(tmp_path), str(tmp_path / "ckpt")
+    run = TINY + ["--data", data, "--use-gc", "1", "--json", str(tmp_path / "r.json"), "--compress-bits", "8"]
+    run_gc(run + ["--max-batches", "2", "--save-checkpoint", ckpt])
+    saved = ndl.load(ckpt)
+    weight = next(iter(saved["model"]))
+    nan = {**saved["model"], weight: np.full_like(saved["model"][weight], np.nan)}
+    cases = [({"step": -3}, "its step is -3; a checkpoint's step is the count of steps trained"),
+             ({"step": 2.5}, "its step is 2.5;"), ({"step": True}, "its step is True;"),
+             ({"model": nan}, f"model.{weight} holds NaN or infinity"),
+             ({"compress": None}, "the checkpoint holds no --compress-bits state")]
+    for change, expected in cases:
+        edited = ndl.save({**saved, **change}, tmp_path / "edited.npz")
+        line = _one_line_error(*_gc_here(*run, "--max-batches", "4", "--resume", edited))
+        assert expected in line, (change, line)
 
 
 # ----- the front door, round 3 (issue 27): gc.py's own items ---------------------------------------------------------
@@ -885,6 +962,33 @@ def test_plot_draws_each_run_set_into_its_own_png(tmp_path, capsys):
     assert all(name in printed for name in pngs)
 
 
+def test_plot_groups_only_runs_of_one_configuration_and_gives_the_true_counts(tmp_path, monkeypatch):
+    # Budget(48) and Budget(48, offload) used to be one bar "budget 48 MB" whose error bars spread the two as
+    # repeats, under a title of "4 runs each" for counts of 4/1/2/1.
+    out = tmp_path / "out"
+    run_gc(TINY + ["--data", tiny_ptb(tmp_path), "--out", str(out)])
+    off, on = sorted((_read(out / f) for f in os.listdir(out)), key=lambda r: r["use_gc"])
+    for name in os.listdir(out):
+        os.remove(out / name)
+    budget = {**on, "policy": "budget", "budget_bytes": 48 * 2**20, "budget_offload": False}
+    runs = [{**off, "seed": seed, "time": off["time"] * (1 + seed)} for seed in range(4)] + [
+        budget, {**budget, "budget_offload": True}, {**budget, "budget_offload": True, "time": 2 * on["time"]},
+        on, {**on, "precision": "bf16"}]  # the last: another run set, a PNG of its own
+    for i, r in enumerate(runs):
+        _write(out / f"run{i}.json", r)
+    figures = _figures(monkeypatch)
+    run_gc(["plot", str(out)])
+    assert len([f for f in os.listdir(out) if f.endswith(".png")]) == 2
+    fig = figures[0]
+    ticks = [t.get_text() for t in fig.axes[0].get_xticklabels()]
+    assert ticks == ["off\n(4 runs)", "all\n(1 run)", "budget 48 MiB\n(1 run)", "budget 48 MiB,\noffload\n(2 runs)"]
+    assert "(1-4 runs per bar, median, bars: min-max)" in fig._suptitle.get_text()
+    (errors,) = [c for c in fig.axes[2].containers if type(c).__name__ == "ErrorbarContainer"]
+    spreads = [np.ptp(segment[:, 1]) if len(segment) else None for segment in errors.lines[2][0].get_segments()]
+    assert spreads[0] > 0 and spreads[3] > 0 and spreads[1:3] == [None, None]  # a single run: no error bar
+    assert [t.get_text() for t in figures[1].axes[0].get_xticklabels()] == ["all"]  # alone: 1 run, no count
+
+
 def test_a_budget_above_gc_offs_peak_says_nothing_to_drop(tmp_path, capsys):
     data = tiny_ptb(tmp_path)
     run_gc(TINY + ["--data", data, "--policy", "budget", "--budget-mb", "1000", "--use-gc", "1",
@@ -922,6 +1026,23 @@ def test_the_header_names_the_threads_and_notes_a_busy_machine(tmp_path, capsys,
     header = capsys.readouterr().out.split("gc off:")[0]
     assert f"threads: {ndl.cpu().num_threads()} " in header and "waiting passively" in header
     assert ("note: the machine is busy (load average 5.0" in header) == (load > 0)
+
+
+@pytest.mark.parametrize("load", [0.0, 50.0])
+def test_the_verdict_carries_the_time_caveats_of_its_own_header(tmp_path, capsys, monkeypatch, load):
+    # A busy machine's "time overhead -17.4%" used to come with no caveat, and a T_step of 0 timed steps (the
+    # warm-up's) was printed as a number.
+    monkeypatch.setattr(os, "getloadavg", lambda: (load, load, load))
+    run_gc(TINY + ["--data", tiny_ptb(tmp_path), "--out", str(tmp_path / "out"), "--max-batches", "5"])
+    verdict = [line for line in capsys.readouterr().out.splitlines() if "time overhead" in line][0]
+    busy = f"(unreliable: the machine is busy: load average 50.0 on {len(os.sched_getaffinity(0))} CPUs)"
+    assert verdict.endswith(busy if load else "%"), verdict
+    run_gc(TINY + ["--data", str(tmp_path / "ptb"), "--out", str(tmp_path / "out"), "--max-batches", "2",
+                   "--warmup", "2"])
+    printed = capsys.readouterr().out
+    (row,) = [line for line in printed.splitlines() if line.startswith("T_step (s)")]
+    assert row.split()[2:4] == ["n/a", "n/a"] and "from 0 timed steps" in row, row
+    assert "time overhead not measured (no step timed after the warm-up: lower --warmup)" in printed
 
 
 def test_every_row_of_the_table_is_defined_in_help(tmp_path, capsys):
@@ -965,7 +1086,7 @@ def test_timeline_writes_both_snapshots_a_png_and_a_page(tmp_path, capsys):
     assert any(b["category"] == "activation_recomputed" for b in on.blocks)
     for snap in (off, on):
         assert {p["phase"] for p in snap.phases} >= {"forward", "backward", "optimizer"}
-        assert f"peak {snap.peak['bytes'] / 2**20:.1f} MB (the allocator's {snap.peak['bytes'] / 2**20:.1f} MB)" \
+        assert f"peak {snap.peak['bytes'] / 2**20:.1f} MiB (the allocator's {snap.peak['bytes'] / 2**20:.1f} MiB)" \
             in printed
     assert (out / f"{stem}.png").read_bytes()[:4] == b"\x89PNG"
     page = (out / f"{stem}.html").read_text()
@@ -973,6 +1094,17 @@ def test_timeline_writes_both_snapshots_a_png_and_a_page(tmp_path, capsys):
     # another configuration writes files of its own, never over these
     run_gc(["timeline"] + TINY + ["--data", data, "--out", str(out), "--seq-len", "4"])
     assert set(files) < set(os.listdir(out))
+
+
+def test_a_compressed_timeline_is_named_by_its_policy(tmp_path, capsys):
+    # Its panel said "gc on (all)"; with --policy off, compression alone was not drawn at all.
+    out, data = tmp_path / "out", tiny_ptb(tmp_path)
+    for policy, label in (("all", "all+compress8"), ("off", "off+compress8")):
+        run_gc(["timeline"] + TINY + ["--data", data, "--out", str(out), "--policy", policy, "--compress-bits", "8"])
+        printed = capsys.readouterr().out
+        assert f"gc off vs on ({label})" in printed.splitlines()[0] and f"gc on ({label}): " in printed
+        (page,) = [p for p in out.glob("*.html") if f"_{label}-" in p.name]
+        assert f"gc on ({label})" in page.read_text()
 
 
 # ----- offloading (issue #29): --policy offload, --offload, --host-bandwidth, the budget sweep -----------------------
@@ -1069,7 +1201,7 @@ def test_a_budget_sweep_draws_three_curves_of_step_time_in_one_png(tmp_path, cap
     assert len(pngs) == 1 and pngs[0].startswith("sweep_budget_mb-"), pngs
     (fig,) = figures
     step_time = fig.axes[0]
-    assert "T_step" in step_time.get_title() and step_time.get_xlabel() == "budget b (MB)"
+    assert "T_step" in step_time.get_title() and step_time.get_xlabel() == "budget b (MiB)"
     labels = [t.get_text() for t in step_time.get_legend().get_texts()]
     assert labels == [CURVE_LABELS[c] for c in ("budget", "offload", "budget-offload")]
     assert "recompute only" in labels[0] and "offload only" in labels[1] and "offload=True" in labels[2]

@@ -313,8 +313,8 @@ def test_page_loads_from_file_without_errors_and_draws_one_shape_per_allocation(
     phases = driver.execute_script("return [...document.querySelectorAll('.phase-band')].map(g => g.dataset.phase)")
     assert phases == [p["phase"] for p in snapshot["phases"]]
     peak = driver.find_element(By.CSS_SELECTOR, ".peak text").text
-    assert peak == f"peak {snapshot['peak']['bytes'] / 2**20:.2f} MB (event {snapshot['peak']['event']})"
-    assert "live memory (MB)" in driver.find_element(By.TAG_NAME, "svg").text
+    assert peak == f"peak {snapshot['peak']['bytes'] / 2**20:.2f} MiB (event {snapshot['peak']['event']})"
+    assert "live memory (MiB)" in driver.find_element(By.TAG_NAME, "svg").text
 
 
 @pytest.mark.browser

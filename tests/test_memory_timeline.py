@@ -181,6 +181,39 @@ def test_plot_draws_a_png(tmp_path):
     assert snap._repr_png_()[:4] == b"\x89PNG"
 
 
+def test_phase_names_never_overlap_and_the_legend_names_every_phase():
+    # A backward interleaved with short recomputations drew "backward", "recompute", "backward" over each other.
+    pytest.importorskip("matplotlib")
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from needle.toolbox.memory.plot import PHASE_COLORS, plot_snapshot
+
+    snap, _ = recorded_steps("all", steps=1)
+    figure = plot_snapshot(snap)
+    renderer = FigureCanvasAgg(figure).get_renderer()
+    figure.tight_layout()
+    ax = figure.axes[0]
+    names = [t for t in ax.texts if t.get_text() in PHASE_COLORS]
+    boxes = sorted((t.get_window_extent(renderer) for t in names), key=lambda box: box.x0)
+    assert names and all(a.x1 <= b.x0 for a, b in zip(boxes, boxes[1:])), [(b.x0, b.x1) for b in boxes]
+    legend = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert all(f"phase: {band['phase']}" in legend for band in snap.phases), legend
+
+
+def test_the_timeline_and_the_summary_name_binary_units_as_such():
+    # 747,544 bytes were "0.71 MB" and "730.02 KB": MiB and KiB, by their names
+    pytest.importorskip("matplotlib")
+    from needle.toolbox.memory.plot import describe, plot_snapshot
+
+    snap, _ = recorded_steps("all", steps=1)
+    text = str(ndl.memory.summary(snap))
+    unit = "MiB" if snap.peak["bytes"] >= 2**20 else "KiB"
+    assert f"peak: {snap.peak['bytes'] / (2**20 if unit == 'MiB' else 2**10):.2f} {unit} at event" in text
+    assert not re.search(r"\d (MB|KB)\b", text), text
+    assert plot_snapshot(snap).axes[0].get_ylabel() == "live bytes (MiB)"
+    block = {"name": "w", "shape": [2], "dtype": "float32", "bytes": 747544, "category": "parameter"}
+    assert describe(block).endswith("0.71 MiB")
+
+
 def test_the_png_and_the_page_colour_each_category_alike():
     from needle.toolbox.memory.plot import COLORS, PHASE_COLORS
     script = (Path(ndl.memory.__file__).parent / "viewer.js").read_text()

@@ -129,6 +129,22 @@ def test_save_and_load_agree_on_a_path_without_npz(tmp_path):
         ndl.load(tmp_path / "nothing")
 
 
+def test_save_refuses_a_folder_and_a_name_that_is_not_a_regular_file_and_writes_through_a_link(tmp_path):
+    # save(obj, folder) used to write folder.npz beside it; the rename replaced a FIFO or a link with a file.
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    with pytest.raises(IsADirectoryError, match="is a folder"):
+        ndl.save({"x": 1}, folder)
+    os.mkfifo(tmp_path / "fifo.npz")
+    with pytest.raises(FileExistsError, match="not a regular file"):
+        ndl.save({"x": 1}, tmp_path / "fifo")
+    assert sorted(os.listdir(tmp_path)) == ["fifo.npz", "folder"] and (tmp_path / "fifo.npz").is_fifo()
+    ndl.save({"x": 1}, tmp_path / "target.npz")
+    (tmp_path / "link.npz").symlink_to(tmp_path / "target.npz")
+    ndl.save({"x": 2}, tmp_path / "link")
+    assert (tmp_path / "link.npz").is_symlink() and ndl.load(tmp_path / "target.npz") == {"x": 2}
+
+
 def test_save_rejects_what_would_need_pickle(tmp_path):
     with pytest.raises(TypeError, match=r"cannot store Sequential at the top level.*save its state_dict\(\)"):
         ndl.save(_model(nd.cpu_numpy(), seed=0), tmp_path / "m.npz")

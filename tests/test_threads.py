@@ -40,6 +40,21 @@ def test_configure_openmp_fills_in_only_what_is_unset():
     assert environ == {"OMP_NUM_THREADS": "3", "OMP_WAIT_POLICY": "ACTIVE"}
 
 
+@pytest.mark.parametrize("launcher", [{"MPI_LOCALNRANKS": "2", "PMI_SIZE": "2"},  # MPICH's hydra
+                                      {"OMPI_COMM_WORLD_LOCAL_SIZE": "2", "OMPI_COMM_WORLD_SIZE": "4"}])  # Open MPI
+def test_ranks_on_one_machine_share_its_cores(launcher):
+    # mpiexec -n 2 on 2 cores used to run 2 OpenMP threads per rank: 4 threads on 2 cores
+    environ = dict(launcher)
+    configure_openmp(environ, cores=2)
+    assert environ["OMP_NUM_THREADS"] == "1"
+    environ = dict(launcher)
+    configure_openmp(environ, cores=1)  # never 0
+    assert environ["OMP_NUM_THREADS"] == "1"
+    environ = dict(launcher, OMP_NUM_THREADS="2")  # the user's choice stands
+    configure_openmp(environ, cores=2)
+    assert environ["OMP_NUM_THREADS"] == "2"
+
+
 @pytest.mark.skipif(not ndl.cpu().enabled(), reason="the compiled CPU backend is not built")
 @pytest.mark.parametrize("threads", [None, "1"])
 def test_the_compiled_backend_starts_with_the_chosen_threads(threads):

@@ -12,6 +12,7 @@ How to read it: a command line becomes one frozen RunConfig, and a subcommand's 
     step.py         one optimizer step, measured (train_step; pipeline_step for --parallel pipeline)
     measure.py      what the OS and the driver see: peak RSS, GPU memory, the thread count
     records.py      the JSON a run writes (its configuration, its steps, their summary), strict and atomic
+    runsets.py      which runs are repeats of one configuration (all but the seed equal), and their names in a plot
     report.py       the text a run prints: its header, the gc off / on table, the ablation's table
     ablations.py    ablate's rows: name -> (what it is, the `gc.py run` flags it trains with)
     children.py     sweep, max-batch and ablate run each configuration as a child `gc.py run` process
@@ -20,8 +21,8 @@ How to read it: a command line becomes one frozen RunConfig, and a subcommand's 
     footprint.py    the model's parameters, gradients and optimizer state counted from the flags: refused before
                     it is built when they cannot fit
     resume.py       run --save-checkpoint / --resume: the training state saved, and continued bit for bit
-    commands/       one file per subcommand: run.py, sweep.py (sweep and max-batch), ablate.py, plot.py (the only
-                    importer of matplotlib)
+    commands/       one file per subcommand: run.py, sweep.py (sweep and max-batch), ablate.py, timeline.py,
+                    plot.py (the only importer of matplotlib)
 """
 import os
 

@@ -40,7 +40,8 @@ What is measured, per training step (forward + backward + Adam), from the alloca
   T_copy   the seconds the step spent copying activations to and from host memory while nothing else
            ran (exposed)  [copy_seconds_exposed]; hidden = 1 - exposed / all copy seconds (their bytes
            at the measured bandwidth): the share overlapped with compute  [copy_hidden_fraction]; on
-           cpu() the copies are synchronous, so hidden is 0
+           cpu() a copy thread runs them beside compute, on cuda a copy stream; on cpu_numpy they are
+           synchronous, so hidden is 0
 The table's other rows:
   peak bytes        the allocator's peak over the step, baseline included (parameters, optimizer
                     state, the batch, Adam's update)  [peak_bytes]
@@ -48,7 +49,8 @@ The table's other rows:
   recomputed nodes  graph nodes backward recomputed in the last step (0 with gc off)  [recomputed_nodes]
   GPUtil used       (cuda) the GPU memory the driver reports in use after the last step
                     [gpu_memory_bytes, per step]
-  parameters, gradients, state   their bytes on the device, which M_act and M_peak leave out
+  parameters, gradients, state   their bytes on the device: M_act and M_peak leave out the
+                    parameters and the state (the baseline); M_peak holds the gradients (made in backward)
                     [param_bytes, grad_bytes, optimizer_bytes; offloaded_bytes: the state in host
                     memory, --offload-state]
   host memory (MB)  (a pass that offloaded) M_host  [host_peak_bytes]
@@ -331,7 +333,7 @@ def add_sweep_flags(p):
 def build_parser():
     """(the top-level parser, which only prints the overview, {subcommand: its parser})."""
     top = Parser(prog="gc.py", formatter_class=formatter,
-                 usage="python gc.py [run|sweep|max-batch|ablate|plot] [flags]",
+                 usage="python gc.py [run|sweep|max-batch|ablate|timeline|plot] [flags]",
                  description=TITLE + "\n\nsubcommands (run is the default):\n"
                              + "".join(f"  {c:11s}{h}\n" for c, h in HELPS.items()),
                  epilog="python gc.py CMD --help lists CMD's flags and their defaults. Every flag may be spelled with\n"

@@ -15,6 +15,7 @@ from needle import distributed as dist
 from . import ROOT
 from .console import fail
 from .measure import threads
+from .outputs import regular_file_target
 
 # The earlier project's keys, kept next to the canonical ones (docs/experiment.md).
 ALIASES = {"time": "step_time_seconds", "time_per_batch_median": "step_time_seconds", "peak memory": "peak_bytes",
@@ -59,6 +60,18 @@ def config_of(config, source, vocab, device):
         "memory_limit_bytes": mb_to_bytes(config.memory_limit_mb), "needle_commit": needle_commit(),
         "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "argv": ["gc.py", *config.argv],
     }
+
+
+# The keys config_of writes that say what a run is. Runs equal in all of them are repeats of one configuration,
+# drawn as one bar with its spread (plot.py); the seed, and when and by what command line a run started, are not
+# among them: repeats differ there.
+CONFIG_KEYS = ("data", "vocab_size", "batch_size", "accumulation_steps", "effective_batch_size", "seq_len",
+               "embedding_size", "hidden_size", "num_layers", "num_head", "dropout", "activation", "activation_bits",
+               "compress_bits", "head_init_scale", "head", "precision", "stochastic_rounding", "init_scale",
+               "segment_len", "budget_bytes", "budget_offload", "host_bandwidth_bytes_per_second", "lazy", "device",
+               "threads", "epochs", "max_batches", "warmup", "lr", "optimizer", "offload_state", "parallel",
+               "bucket_bytes", "world_size", "memory_limit_bytes")
+REPEAT_KEYS = ("seed", "needle_commit", "started_at", "argv")
 
 
 def summarize(record, warmup):
@@ -131,7 +144,12 @@ def write_json(path, record):
     """record as strict JSON at path, whole or not at all, even with another process writing the same name.  The
     paths were checked before any work (outputs.py); should writing fail all the same (the disk full, the folder
     made read-only, a folder put at `path` meanwhile), that is one line and exit status 2, and the temporary file
-    is removed: a failed write leaves `path` as it was and nothing beside it."""
+    is removed: a failed write leaves `path` as it was and nothing beside it.  A symbolic link is written through;
+    a name that is not a regular file (a device, a FIFO) is refused, never replaced (outputs.regular_file_target)."""
+    try:
+        path = regular_file_target(path)
+    except ValueError as why:
+        fail(f"cannot write {path}: it {why}")
     tmp = f"{path}.{os.getpid()}.tmp"
     try:
         with open(tmp, "w") as f:

@@ -5,14 +5,14 @@ import os
 import textwrap
 
 from needle import distributed as dist
-from needle.backend_ndarray.threads import busy_machine_note
+from needle.backend_ndarray.threads import busy_load, busy_machine_note
 from needle.ops.ops_fused import chunk_rows
 
 from .ablations import ACCUMULATE
 from .data import SYNTHETIC, batch_text
 from .measure import threads
 from .records import MIN_TIMED_STEPS
-from .setup import parallel_layout
+from .setup import parallel_layout, policy_label
 
 PARALLEL_TEXT = {"dp": "data parallel (gradients all-reduced in buckets during backward)",
                  "zero1": "ZeRO stage 1 (data parallel, the optimizer state partitioned)",
@@ -45,12 +45,29 @@ def plural(n, word):
 
 
 def time_note(*records):
+    """Why the step times of `records` do not measure what a step costs, "" where nothing says so: too few timed
+    steps (the header's --warmup note), other work on the machine (its load now, over the run's last minute)."""
+    reasons = []
     few = [r for r in records if not r.get("step_time_reliable", True)]
-    if not few:
-        return ""
-    n = min(r["timed_steps"] for r in few)
-    return (f"unreliable: from {n} timed step{'s' * (n != 1)} (< {MIN_TIMED_STEPS}); "
-            f"raise --max-batches or lower --warmup")
+    if few:
+        n = min(r["timed_steps"] for r in few)
+        reasons.append(f"from {n} timed step{'s' * (n != 1)} (< {MIN_TIMED_STEPS}); raise --max-batches or lower "
+                       f"--warmup")
+    busy = busy_load()
+    if busy:
+        reasons.append(f"the machine is busy: load average {busy[0]:.1f} on {busy[1]} CPUs")
+    return f"unreliable: {'; '.join(reasons)}" if reasons else ""
+
+
+def timed(r):
+    """Whether a record's T_step is a measurement: some step was timed after the warm-up (0: the figure is of
+    warm-up steps, which pay for first-time allocations and planning)."""
+    return r.get("timed_steps") != 0
+
+
+def seconds(r):
+    """A record's T_step as a table prints it: n/a where no step was timed."""
+    return f"{r['time']:.3f}" if timed(r) else "n/a"
 
 
 def model_text(config, skip=()):
@@ -64,7 +81,7 @@ def model_text(config, skip=()):
 # ----- gc.py run ----------------------------------------------------------------------------------------------
 def print_run_header(config, which, device, source, data, vocab):
     """What a run trains (the model, the batch, the passes, the data) and where its loss should start."""
-    label = config.policy or "all"
+    label = policy_label(config)
     print(f"gc.py: Transformer LM ({plural(config.num_layers, 'layer')}, embedding {config.embedding_size}, "
           f"feed-forward {config.hidden_size}, {config.num_head} heads), {batch_text(config)} x seq_len "
           f"{config.seq_len}, device {device}, "
@@ -98,7 +115,8 @@ def print_run_header(config, which, device, source, data, vocab):
 
 def threads_text():
     """The header's line on the CPU backend's threads, and a note when other work shares the machine."""
-    text = (f"threads: {threads()} (OMP_NUM_THREADS; needle's default is the physical cores), waiting "
+    text = (f"threads: {threads()} (OMP_NUM_THREADS; needle's default is the physical cores, shared among the "
+            f"ranks under mpiexec), waiting "
             f"{os.environ.get('OMP_WAIT_POLICY', 'PASSIVE').lower()}ly between parallel loops")
     note = busy_machine_note()
     return text + (f"\n{note}" if note else "")
@@ -156,8 +174,8 @@ def print_table(off, on):
         a, b = off[key], on[key]
         print(f"{label:18s}{mb(a):>12s}{mb(b):>12s}{pct(b, a):>10s}")
     print(f"{'M_floor (MB)':18s}{'':>12s}{mb(on['floor_bytes']):>12s}   (what no policy can drop)")
-    note = time_note(off, on)
-    print(f"{'T_step (s)':18s}{off['time']:12.3f}{on['time']:12.3f}{pct(on['time'], off['time']):>10s}"
+    note, both = time_note(off, on), timed(off) and timed(on)
+    print(f"{'T_step (s)':18s}{seconds(off):>12s}{seconds(on):>12s}{pct(on['time'], off['time']) if both else '':>10s}"
           + (f"   ({note})" if note else ""))
     print(f"{'loss (last step)':18s}{off['loss']:12.4f}{on['loss']:12.4f}")
     print(f"{'recomputed nodes':18s}{off['recomputed_nodes']:12d}{on['recomputed_nodes']:12d}")
@@ -174,7 +192,8 @@ def print_table(off, on):
         used = [r["steps"][-1]["gpu_memory_bytes"] for r in (off, on)]
         print(f"{'GPUtil used (MB)':18s}{mb(used[0]):>12s}{mb(used[1]):>12s}")
     lower = lambda key: (1 - on[key] / off[key]) * 100 if off[key] else 0.0  # noqa: E731
-    overhead = f"time overhead {pct(on['time'], off['time'])}" + (" (unreliable)" if note else "")
+    overhead = (f"time overhead {pct(on['time'], off['time'])}" + (f" ({note})" if note else "") if both else
+                "time overhead not measured (no step timed after the warm-up: lower --warmup)")
     print(f"\nactivation memory at backward start: {lower('activation_bytes'):.1f}% lower; step peak: "
           f"{lower('peak_activation_bytes'):.1f}% lower; {overhead}")
     if off.get("rss_peak_bytes") and on.get("rss_peak_bytes") is not None:
@@ -191,7 +210,7 @@ def print_single(r):
     note = time_note(r)
     print(f"\n{r['policy']}: M_act {mb(r['activation_bytes']).strip()} MB, M_peak "
           f"{mb(r['peak_activation_bytes']).strip()} MB, M_floor {mb(r['floor_bytes']).strip()} MB, "
-          f"T_step {r['time']:.3f} s{f' ({note})' if note else ''}, loss {r['loss']:.4f}")
+          f"T_step {seconds(r)}{' s' * timed(r)}{f' ({note})' if note else ''}, loss {r['loss']:.4f}")
     if r.get("activation_offloaded_bytes"):
         print(f"host memory {mb(r['host_peak_bytes']).strip()} MB (M_host: {host_text(r)}, outside M_peak), "
               f"copy time {r['copy_seconds_exposed'] or 0:.3f} s ({copy_text(r)})")
@@ -215,7 +234,8 @@ def copy_text(r):
 
 
 def state_text(r):
-    """Parameters, gradients and the optimizer's state, which M_act and M_peak leave out."""
+    """Parameters, gradients and the optimizer's state: M_act and M_peak leave out the parameters and the state
+    (their baseline); M_peak holds the gradients, which backward makes."""
     text = (f"parameters {mb(r.get('param_bytes') or 0).strip()} MB, gradients {mb(r.get('grad_bytes') or 0).strip()}"
             f" MB, {r.get('optimizer', 'adam')} state {mb(r.get('optimizer_bytes') or 0).strip()} MB on the device")
     if r.get("offloaded_bytes"):
@@ -257,11 +277,11 @@ def parallel_text(r):
 def print_ablation(result):
     """The ablation's table: a line per row, its change from the baseline row beside M_peak, T_step and the loss."""
     rows = result["rows"]
-    width = max(len(r["setup"]) for r in rows) + 2
-    print(f"\n{'row':11s}{'setup':{width}s}{'M_act MB':>9s}{'M_peak MB':>10s}{'vs base':>9s}{'P+G MB':>8s}"
-          f"{'state MB':>9s}{'RSS MB':>8s}{'T_step s':>9s}{'vs base':>9s}{'loss':>8s}{'loss-base':>10s}")
+    widths = (max(len(r["row"]) for r in rows + [{"row": "row"}]) + 2, max(len(r["setup"]) for r in rows) + 2)
+    print(f"\n{'row':{widths[0]}s}{'setup':{widths[1]}s}{'M_act MB':>9s}{'M_peak MB':>10s}{'vs base':>9s}"
+          f"{'P+G MB':>8s}{'state MB':>9s}{'RSS MB':>8s}{'T_step s':>9s}{'vs base':>9s}{'loss':>8s}{'loss-base':>10s}")
     for r in rows:
-        print(_ablation_line(r, width))
+        print(_ablation_line(r, widths))
     note = time_note(*[r for r in rows if "failed" not in r]).replace("--max-batches", "--steps")
     b = result["batch_size"]
     accumulation = (f" x {ACCUMULATE}: {ACCUMULATE} micro-batches of {b // ACCUMULATE} per step, their gradients "
@@ -275,17 +295,19 @@ def print_ablation(result):
         f"trains the same {result['steps_per_row']} steps of {b} sequences each.{accumulation}", 110))
 
 
-def _ablation_line(r, width):
-    """One row of the ablation's table."""
+def _ablation_line(r, widths):
+    """One row of the ablation's table, its name and setup in columns `widths` wide (the longest, and 2 spaces)."""
+    name = f"{r['row']:{widths[0]}s}{r['setup']:{widths[1]}s}"
     if "failed" in r:
-        return f"{r['row']:11s}{r['setup']:{width}s}failed ({r['failed']})"
+        return f"{name}failed ({r['failed']})"
     change = lambda key: "" if r.get(key) is None or r["row"] == "baseline" else f"{r[key] * 100:+.1f}%"  # noqa
     rss = "" if r.get("rss_peak_bytes") is None else f"{r['rss_peak_bytes'] / 2**20:.1f}"
     loss = "" if r["loss"] is None else f"{r['loss']:.4f}"
     diff = "" if r.get("loss_diff") is None or r["row"] == "baseline" else \
         "0" if r["loss_diff"] == 0 else f"{r['loss_diff']:+.1e}"
-    return (f"{r['row']:11s}{r['setup']:{width}s}{r['activation_bytes'] / 2**20:9.1f}"
+    return (f"{name}{r['activation_bytes'] / 2**20:9.1f}"
             f"{r['peak_activation_bytes'] / 2**20:10.1f}{change('peak_change'):>9s}"
             f"{mb_or_blank((r.get('param_bytes') or 0) + (r.get('grad_bytes') or 0)):>8s}"
             f"{mb_or_blank(r.get('optimizer_bytes')):>9s}{rss:>8s}"
-            f"{r['step_time_seconds']:9.3f}{change('time_change'):>9s}{loss:>8s}{diff:>10s}")
+            f"{seconds({**r, 'time': r['step_time_seconds']}):>9s}{change('time_change') if timed(r) else '':>9s}"
+            f"{loss:>8s}{diff:>10s}")

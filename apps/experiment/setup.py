@@ -126,14 +126,21 @@ def make_policy(config):
         None if config.policy in (None, "all") else config.policy
     if config.compress_bits is None:
         return policy
-    inner = None if policy == "off" else "all" if policy is None else policy  # off: keep everything, compressed
-    return checkpoint.compress(config.compress_bits, inner)
+    if policy is None:  # all, at --segment-len: its segments go inside compress (enable_gc would refuse them beside)
+        policy = checkpoint.resolve_policy("all", config.segment_len)
+    return checkpoint.compress(config.compress_bits, None if policy == "off" else policy)  # off: keep all, compressed
 
 
 def policy_label(config):
     """gc on's policy as the JSON and the tables name it: "selective", or "selective+compress8"."""
     name = config.policy or "all"
     return name if config.compress_bits is None else f"{name}+compress{config.compress_bits}"
+
+
+def segment_len(config, policy):
+    """enable_gc's segment_len: --segment-len where gc on's policy is a bare "all" (make_policy's None); a
+    compressed all carries its segments inside (make_policy), and no other policy takes them."""
+    return config.segment_len if policy is None else None
 
 
 def budget_policy(config, bound=None):
@@ -161,7 +168,7 @@ def build_model(config, vocab, device, policy):
     if config.precision == "bf16":
         model.astype("bfloat16")  # pure bf16: the weights themselves (drawn in float32 first, then rounded)
     if policy != "off":
-        model.enable_gc(segment_len=config.segment_len, policy=policy)
+        model.enable_gc(segment_len=segment_len(config, policy), policy=policy)
     return model
 
 
@@ -256,7 +263,7 @@ def tensor_parallel_model(config, model, policy):
     except ValueError as err:  # the same model on every rank: every rank fails alike, no rank left waiting
         fail(f"--parallel {config.parallel}: {err}")
     if policy != "off":
-        model.enable_gc(segment_len=config.segment_len, policy=policy)
+        model.enable_gc(segment_len=segment_len(config, policy), policy=policy)
     if config.parallel == "tp+dp":
         return dist.DataParallel(model, bucket_mb=config.bucket_mb, group=data_group)
     return model

@@ -134,7 +134,7 @@ def offload_traffic(backward_stats, device):
     fetched = sum(s.get("fetched_bytes", 0) for s in backward_stats)
     hidden = None  # nothing was copied
     if (offloaded or fetched) and not cost_model.device_copies_overlap(device):
-        hidden = 0.0  # cpu(): every copy is synchronous, nothing runs beside it
+        hidden = 0.0  # cpu_numpy(): every copy is synchronous, nothing runs beside it
     elif offloaded or fetched:
         # a copy stream (cuda) or the copy thread (cpu()): the host waits only for what is not done when it needs
         # it. The copies' own seconds are their bytes at the measured bandwidth (cost_model's cached calibration);

@@ -147,8 +147,21 @@ def save(obj, path):
     nodes, arrays = _encode(obj)  # everything converted before the file is opened: a bad value writes nothing
     manifest = json.dumps({"format": "needle", "version": FORMAT_VERSION, "nodes": nodes})
     members = {**arrays, MANIFEST: np.frombuffer(manifest.encode("utf-8"), dtype=np.uint8)}
-    path = _npz_path(path)
+    path = _save_target(path)
     _replace_atomically(path, members)
+    return path
+
+
+def _save_target(path):
+    """The file `save` replaces: `path` with .npz, or the file a symbolic link there points at. A folder is refused
+    (not written as `<folder>.npz` beside it), and so is a name that is not a regular file (a device, a FIFO): the
+    rename would replace the node itself."""
+    if os.path.isdir(path):
+        raise IsADirectoryError(f"ndl.save: {os.fspath(path)} is a folder; give a file name")
+    path = _npz_path(path)
+    path = os.path.realpath(path) if os.path.islink(path) else path
+    if os.path.exists(path) and not os.path.isfile(path):
+        raise FileExistsError(f"ndl.save: {path} exists and is not a regular file (a folder, a device, a FIFO)")
     return path
 
 

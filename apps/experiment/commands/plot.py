@@ -14,7 +14,7 @@ from ..console import fail
 from ..data import SYNTHETIC
 from ..records import read_json
 from ..report import plural
-from ..setup import POLICIES
+from ..runsets import bar_key, counts_text, ordered_labels, policy_base, run_label, run_set_key
 
 # ----- plots --------------------------------------------------------------------------------------------------
 NEUTRAL = "0.55"  # gc off: grey, drawn first
@@ -34,25 +34,8 @@ def _pyplot():
     return plt
 
 
-def _label(r):
-    """A run's curve or bar: its policy, with its segment length or budget where it has one."""
-    policy = r.get("label") or r.get("policy") or ("all" if r.get("use_gc") else "off")
-    if policy == "all" and r.get("segment_len") and r.get("sweep_over") != "segment_len":
-        return f"all, segment_len {r['segment_len']}"
-    if policy == "budget" and r.get("budget_bytes"):
-        return f"budget {r['budget_bytes'] / 2**20:g} MB"
-    return policy
-
-
-def _order(labels):
-    base = lambda label: label.split(",")[0].split(" ")[0]  # noqa: E731
-    return sorted(set(labels), key=lambda label: (POLICIES.index(base(label)) if base(label) in POLICIES else 99,
-                                                   label))
-
-
 def _colour(label):
-    base = label.split(",")[0].split(" ")[0]
-    return NEUTRAL if base == "off" else COLOURS.get(base, "tab:purple")
+    return NEUTRAL if policy_base(label) == "off" else COLOURS.get(policy_base(label), "tab:purple")
 
 
 def _config_text(r, skip=()):
@@ -78,8 +61,8 @@ def _spread(values):
     return med, [med - min(values), max(values) - med]
 
 
-PANELS = [("activation_bytes", "M_act (MB): held at backward start", 2**20),
-          ("peak_activation_bytes", "M_peak (MB): forward + backward peak", 2**20),
+PANELS = [("activation_bytes", "M_act (MiB): held at backward start", 2**20),
+          ("peak_activation_bytes", "M_peak (MiB): forward + backward peak", 2**20),
           ("time", "T_step (s): median step time", 1)]
 
 
@@ -105,8 +88,8 @@ def plot_sweep(records, out_dir):
                                                if len({r.get(k) for r in rs}) > 1)
         xs_all = sorted({r[over] for r in rs})
         fig, axes = plt.subplots(1, 3, figsize=(14, 4.4))
-        for label in _order(_label(r) for r in rs):
-            mine = [r for r in rs if _label(r) == label]
+        for label in ordered_labels(run_label(r) for r in rs):
+            mine = [r for r in rs if run_label(r) == label]
             xs = sorted({r[over] for r in mine})
             for ax, (key, title, unit) in zip(axes, PANELS):
                 stats = [_spread([r[key] / unit for r in mine if r[over] == x and r.get(key) is not None]) for x in xs]
@@ -130,8 +113,10 @@ def plot_sweep(records, out_dir):
         handles, names = axes[0].get_legend_handles_labels()
         order = sorted(range(len(names)), key=lambda i: names[i] == "M_floor")  # the policies first, "off" leading
         axes[0].legend([handles[i] for i in order], [names[i] for i in order], fontsize=8)
-        repeats = len({r.get("repeat") for r in rs})
-        fig.suptitle(f"gc.py sweep over {over} ({repeats} repeat{'s' * (repeats != 1)}, median, bars: min-max)\n"
+        points = {}
+        for r in rs:
+            points[(run_label(r), r[over])] = points.get((run_label(r), r[over]), 0) + 1
+        fig.suptitle(f"gc.py sweep over {over} ({counts_text(points.values(), 'repeat')}, median, bars: min-max)\n"
                      f"{_config_text(rs[0], {over})}", fontsize=10)
         fig.tight_layout()
         png = os.path.join(out_dir, f"sweep_{over}-{sweep_id}.png")
@@ -171,10 +156,10 @@ def plot_budget_sweep(rs, out_dir, sweep_id):
                         **style)
     axes[1].plot(xs_all, xs_all, color="black", lw=1, ls=":", label="M_peak = b (the bound)")
     titles = ["T_step (s): median step time" + ("\n(some from < 3 timed steps: unreliable)" if _unreliable(rs)
-                                                 else ""), "M_peak (MB): forward + backward peak"]
+                                                 else ""), "M_peak (MiB): forward + backward peak"]
     for ax, title in zip(axes, titles):
         ax.set_title(title, fontsize=10)
-        ax.set_xlabel("budget b (MB)")
+        ax.set_xlabel("budget b (MiB)")
         ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
         handles, names = ax.get_legend_handles_labels()  # the curves in CURVE_LABELS' order, the bound last
@@ -191,12 +176,6 @@ def plot_budget_sweep(rs, out_dir, sweep_id):
     return png
 
 
-RUN_CONFIG_KEYS = ["data", "vocab_size", "batch_size", "accumulation_steps", "seq_len", "embedding_size",
-                   "hidden_size", "num_layers", "num_head", "dropout", "activation", "head_init_scale", "head",
-                   "device", "lazy", "lr", "seed", "max_batches", "epochs", "warmup", "precision", "optimizer",
-                   "offload_state", "parallel", "world_size"]
-
-
 def runs_png_name(key, r):
     """A run set's PNG: the model's size and steps to read, and a digest of its whole configuration (`key`), so
     that no other run set in the folder (other steps, precision, ...) is drawn over it."""
@@ -206,53 +185,61 @@ def runs_png_name(key, r):
             f"{r.get('max_batches')}steps-{digest}.png")
 
 
-def _tick(label, rs):
-    """A bar's name: its policy, marked where one of its runs was interrupted (its JSON has "complete": false)."""
-    stopped = [r for r in rs if _label(r) == label and r.get("complete") is False]
-    return f"{label}\n(incomplete: {len(stopped[0]['steps'])} steps)" if stopped else label
+def _tick(label, runs, counts_differ):
+    """A bar's name: its label, its count of runs where the bars' counts differ or it has several, and a mark where
+    one of its runs was interrupted (its JSON has "complete": false)."""
+    stopped = [r for r in runs if r.get("complete") is False]
+    count = f"\n({plural(len(runs), 'run')})" if counts_differ or len(runs) > 1 else ""
+    return label.replace(", ", ",\n") + count + (f"\n(incomplete: {len(stopped[0]['steps'])} steps)" if stopped else "")
 
 
 def plot_runs(records, out_dir):
-    """One PNG per model configuration among `records` (`run` JSONs): a bar per policy ("off" first) for M_act
-    (M_floor marked), M_peak and T_step, error bars over repeats (runs of the same configuration)."""
-    plt = _pyplot()
-    groups = {}
+    """One PNG per run set among `records` (`run` JSONs that share every configuration field but the policy's):
+    a bar per configuration ("off" first) for M_act (M_floor marked), M_peak and T_step, its runs those equal in
+    every field but the seed (repeats), error bars over them where a bar has several."""
+    sets = {}
     for r in records:
-        groups.setdefault(tuple(json.dumps(r.get(k)) for k in RUN_CONFIG_KEYS), []).append(r)
-    pngs = []
-    for key, rs in groups.items():
-        labels = _order(_label(r) for r in rs)
-        n_repeats = max(sum(_label(r) == label for r in rs) for label in labels)
-        fig, axes = plt.subplots(1, 3, figsize=(4 + 1.6 * len(labels) * 3, 4.4))
-        for ax, (key, title, unit) in zip(axes, PANELS):
-            stats = [_spread([r[key] / unit for r in rs if _label(r) == label and r.get(key) is not None] or [0])
-                     for label in labels]
-            repeated = n_repeats > 1  # error bars only where there are repeats to spread
-            bars = ax.bar(range(len(labels)), [m for m, _ in stats], yerr=np.array([e for _, e in stats]).T
-                          if repeated else None, capsize=4, color=[_colour(label) for label in labels], zorder=2)
-            ax.bar_label(bars, labels=[f"{m:.3f}" if key == "time" or m < 10 else f"{m:.1f}" for m, _ in stats],
-                         fontsize=8, padding=2)
-            ax.margins(y=0.12)  # room for the labels
-            floors = [r["floor_bytes"] / 2**20 for r in rs if r.get("use_gc") and r.get("floor_bytes") is not None]
-            if key == "activation_bytes" and floors:  # the floor is a property of the checkpointed graph
-                ax.axhline(statistics.median(floors), color="black", ls="--", lw=1, zorder=3,
-                           label="M_floor: what no policy can drop")
-                ax.legend(fontsize=8)
-            ax.set_xticks(range(len(labels)))
-            ax.set_xticklabels([_tick(label, rs) for label in labels], fontsize=9)
-            ax.set_ylim(bottom=0)
-            ax.grid(axis="y", alpha=0.3, zorder=0)
-            ax.set_title(title + ("\n(from < 3 timed steps: unreliable)" if key == "time" and _unreliable(rs) else ""),
-                         fontsize=10)
-        spread = ", median, bars: min-max" if n_repeats > 1 else ""
-        fig.suptitle(f"gc.py run: gradient checkpointing off vs on ({n_repeats} run{'s' * (n_repeats != 1)} "
-                     f"each{spread})\n{_config_text(rs[0])}", fontsize=10)
-        fig.tight_layout()
-        png = os.path.join(out_dir, runs_png_name(key, rs[0]))
-        fig.savefig(png, dpi=100)
-        plt.close(fig)
-        pngs.append(png)
-    return pngs
+        sets.setdefault(run_set_key(r), {}).setdefault(bar_key(r), []).append(r)
+    return [_plot_run_set(key, list(bars.values()), out_dir) for key, bars in sets.items()]
+
+
+def _plot_run_set(key, bars, out_dir):
+    """One run set's PNG: `bars`, a list of the runs of each bar."""
+    plt = _pyplot()
+    order = ordered_labels(run_label(runs[0]) for runs in bars)
+    bars = sorted(bars, key=lambda runs: order.index(run_label(runs[0])))  # off first, in grey
+    labels, counts = [run_label(runs[0]) for runs in bars], [len(runs) for runs in bars]
+    rs = [r for runs in bars for r in runs]
+    fig, axes = plt.subplots(1, 3, figsize=(4 + 1.6 * len(labels) * 3, 4.4))
+    for ax, (field, title, unit) in zip(axes, PANELS):
+        stats = [_spread([r[field] / unit for r in runs if r.get(field) is not None] or [0]) for runs in bars]
+        # error bars only on a bar with repeats to spread (nan: none drawn on one of a single run)
+        errors = np.array([e if n > 1 else [np.nan, np.nan] for (_, e), n in zip(stats, counts)]).T
+        drawn = ax.bar(range(len(labels)), [m for m, _ in stats], yerr=errors if max(counts) > 1 else None,
+                       capsize=4, color=[_colour(label) for label in labels], zorder=2)
+        ax.bar_label(drawn, labels=[f"{m:.3f}" if field == "time" or m < 10 else f"{m:.1f}" for m, _ in stats],
+                     fontsize=8, padding=2)
+        ax.margins(y=0.12)  # room for the labels
+        floors = [r["floor_bytes"] / 2**20 for r in rs if r.get("use_gc") and r.get("floor_bytes") is not None]
+        if field == "activation_bytes" and floors:  # the floor is a property of the checkpointed graph
+            ax.axhline(statistics.median(floors), color="black", ls="--", lw=1, zorder=3,
+                       label="M_floor: what no policy can drop")
+            ax.legend(fontsize=8)
+        ax.set_xticks(range(len(labels)))
+        ax.set_xticklabels([_tick(label, runs, len(set(counts)) > 1) for label, runs in zip(labels, bars)],
+                           fontsize=9)
+        ax.set_ylim(bottom=0)
+        ax.grid(axis="y", alpha=0.3, zorder=0)
+        ax.set_title(title + ("\n(from < 3 timed steps: unreliable)" if field == "time" and _unreliable(rs) else ""),
+                     fontsize=10)
+    spread = ", median, bars: min-max" if max(counts) > 1 else ""
+    fig.suptitle(f"gc.py run: gradient checkpointing off vs on ({counts_text(counts, 'run')} per bar{spread})\n"
+                 f"{_config_text(rs[0])}", fontsize=10)
+    fig.tight_layout()
+    png = os.path.join(out_dir, runs_png_name(key, rs[0]))
+    fig.savefig(png, dpi=100)
+    plt.close(fig)
+    return png
 
 
 def plot_max_batch(result, out_dir):
@@ -261,7 +248,7 @@ def plot_max_batch(result, out_dir):
     from matplotlib.ticker import MaxNLocator
 
     best = result["largest_batch"]
-    labels = _order(best)
+    labels = ordered_labels(best)
     fig, ax = plt.subplots(figsize=(max(7.0, 2 + 1.4 * len(labels)), 4.8))
     ax.bar(range(len(labels)), [best[p] for p in labels], color=[_colour(p) for p in labels], zorder=2)
     for i, p in enumerate(labels):
@@ -274,7 +261,7 @@ def plot_max_batch(result, out_dir):
     ax.set_ylim(0, max(list(best.values()) + [1]) * 1.25)
     ax.grid(axis="y", alpha=0.3, zorder=0)
     cap = result.get("memory_limit_bytes")
-    cap_text = f"{cap / 2**20:g} MB" if cap else "?"
+    cap_text = f"{cap / 2**20:g} MiB" if cap else "?"
     config = textwrap.fill(_config_text(result, {"batch_size", "max_batches"}), 90)
     ax.set_title(f"gc.py max-batch: the largest batch that trains under a cap of {cap_text}\n{config}", fontsize=9)
     fig.tight_layout()
@@ -301,8 +288,8 @@ def plot_ablation(result, out_dir):
     colours = [ROW_COLOURS.get(r["row"], "tab:olive") for r in rows]
     y = np.arange(len(rows))
     fig, axes = plt.subplots(1, 3, figsize=(16, 1.6 + 0.62 * len(rows)), sharey=True)
-    panels = [("peak_activation_bytes", "M_peak (MB), M_act inside (hatched)", 2**20, "peak_change"),
-              ("rss_peak_bytes", "resident memory a step uses at its peak (MB)", 2**20, None),
+    panels = [("peak_activation_bytes", "M_peak (MiB), M_act inside (hatched)", 2**20, "peak_change"),
+              ("rss_peak_bytes", "resident memory a step uses at its peak (MiB)", 2**20, None),
               ("step_time_seconds", "T_step (s): median step time", 1, "time_change")]
     for ax, (key, title, unit, change) in zip(axes, panels):
         values = [(r.get(key) or 0) / unit for r in rows]
@@ -349,7 +336,7 @@ def main(config):
         if isinstance(data, list) and data and all(isinstance(r, dict) and "sweep_id" in r for r in data):
             for r in data:
                 value = r.get("sweep_value", r.get(r.get("sweep_over") or "batch_size"))
-                sweeps.setdefault(r["sweep_id"], {})[(r.get("json"), r.get("repeat"), _label(r), value)] = r
+                sweeps.setdefault(r["sweep_id"], {})[(r.get("json"), r.get("repeat"), run_label(r), value)] = r
                 # (sweep.json repeats a sweep-<id>.json: counted once)
         elif isinstance(data, dict) and "largest_batch" in data:
             searches[data.get("max_batch_id", path)] = data

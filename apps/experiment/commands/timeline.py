@@ -13,11 +13,11 @@ from needle.toolbox.memory.plot import plot_side_by_side
 from ..data import check_corpus, load_data, resolve_data
 from ..footprint import check_fits
 from ..report import model_text, print_run_header
-from ..setup import check_budget, make_policy, pick_device
+from ..setup import check_budget, make_policy, pick_device, policy_label
 from ..step import train_step
 from .run import build_training
 
-MB = 2**20
+MIB = 2**20  # the timeline's units are binary, and say so: MiB
 
 
 def main(config):
@@ -29,9 +29,9 @@ def main(config):
     check_fits(config, vocab, device)
     if config.budget_mb is not None:
         check_budget(config, data, vocab, device)
-    which = [False] if config.policy == "off" else [False, True]
+    which = [False] if config.policy == "off" and config.compress_bits is None else [False, True]
     print_run_header(config, which, device, source, data, vocab)
-    label = config.policy or "all"
+    label = policy_label(config)  # "all+compress8" where --compress-bits wraps it
     out = config.out or "results"
     os.makedirs(out, exist_ok=True)
     base = os.path.join(out, file_stem(config, label))
@@ -40,8 +40,8 @@ def main(config):
         name = f"gc on ({label})" if use_gc else "gc off"
         snapshot, step = recorded_step(config, use_gc, data, device, vocab)
         path = snapshot.save(f"{base}_{label if use_gc else 'off'}.json")
-        print(f"{name}: {len(snapshot.events)} events, peak {snapshot.peak['bytes'] / MB:.1f} MB (the allocator's "
-              f"{step['peak_bytes'] / MB:.1f} MB), {recomputed(snapshot)}; wrote {path}")
+        print(f"{name}: {len(snapshot.events)} events, peak {snapshot.peak['bytes'] / MIB:.1f} MiB (the allocator's "
+              f"{step['peak_bytes'] / MIB:.1f} MiB), {recomputed(snapshot)}; wrote {path}")
         print(largest_at_peak(snapshot))
         labelled.append((name, snapshot))
     title = (f"one training step of gc.py's model ({model_text(config)}): live bytes by category, "
@@ -69,7 +69,7 @@ def recorded_step(config, use_gc, data, device, vocab):
 
 def recomputed(snapshot):
     made = [b for b in snapshot.blocks if b["category"] == "activation_recomputed"]
-    return f"{len(made)} buffers recomputed ({sum(b['bytes'] for b in made) / MB:.1f} MB)"
+    return f"{len(made)} buffers recomputed ({sum(b['bytes'] for b in made) / MIB:.1f} MiB)"
 
 
 def largest_at_peak(snapshot, n=4):
@@ -77,7 +77,7 @@ def largest_at_peak(snapshot, n=4):
     what made the peak, which a student looks for first."""
     alive = [b for b in snapshot.alive_at(snapshot.peak["event"])
              if b["category"] not in ("parameter", "optimizer_state")]
-    rows = [f"    {b['bytes'] / MB:7.2f} MB  {b['category']:<21} {b.get('name') or b['op'] or ''} "
+    rows = [f"    {b['bytes'] / MIB:7.2f} MiB  {b['category']:<21} {b.get('name') or b['op'] or ''} "
             f"{b['module'] or ''} {list(b['shape'])}" for b in alive[:n]]
     return "  the peak's largest tensors besides parameters and optimizer state:\n" + "\n".join(rows)
 

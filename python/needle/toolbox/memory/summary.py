@@ -5,7 +5,7 @@ from .recorder import CATEGORIES
 
 class Summary:
     """`rows`: (module, category, bytes, blocks) at the peak, largest first; `str()` is a table, modules down,
-    categories across, in MB."""
+    categories across, in MiB (KiB for a peak under 1 MiB): binary units, named as such."""
 
     def __init__(self, snapshot):
         self.peak = snapshot.peak
@@ -22,15 +22,15 @@ class Summary:
         used = [c for c in CATEGORIES if any(r[1] == c for r in self.rows)]
         cell = {(r[0], r[1]): r[2] for r in self.rows}
         width = max([len("module")] + [len(m) for m in modules])
-        unit, scale = ("MB", 2**20) if self.peak["bytes"] >= 2**20 else ("KB", 2**10)
+        unit, scale = ("MiB", 2**20) if self.peak["bytes"] >= 2**20 else ("KiB", 2**10)
         lines = [f"peak: {self.peak['bytes'] / scale:.2f} {unit} at event {self.peak['event']}"
                  + (f" ({self.baseline_bytes / scale:.2f} {unit} of it held by no NDArray)"
                     if self.baseline_bytes else ""),
                  "module".ljust(width) + "".join(f"{c:>22}" for c in used) + f"{'total':>12}"]
         for m in modules:
             values = [cell.get((m, c), 0) for c in used]
-            lines.append(m.ljust(width) + "".join(f"{v / scale:>19.2f} {unit}" if v else f"{'':>22}" for v in values)
-                         + f"{sum(values) / scale:>9.2f} {unit}")
+            lines.append(m.ljust(width) + "".join(f"{v / scale:>18.2f} {unit}" if v else f"{'':>22}" for v in values)
+                         + f"{sum(values) / scale:>8.2f} {unit}")
         return "\n".join(lines)
 
     __repr__ = __str__

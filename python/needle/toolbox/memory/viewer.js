@@ -7,7 +7,7 @@
 "use strict";
 (function () {
   const started = performance.now();
-  const MB = 1 << 20;
+  const MB = 1 << 20;  // a MiB: the labels say so
   const CATEGORY_COLORS = {
     parameter: "#4e79a7", gradient: "#f28e2b", optimizer_state: "#b07aa1", activation_kept: "#59a14f",
     activation_recomputed: "#edc948", workspace: "#bab0ac", input: "#76b7b2", other: "#9c755f", host: "#ff9da7",
@@ -31,7 +31,7 @@
     const value = block[field];
     if (value === null || value === undefined) return "—";
     if (field === "shape") return "(" + value.join(", ") + ")";
-    if (field === "bytes") return value.toLocaleString("en-US") + " B (" + megabytes(value) + " MB)";
+    if (field === "bytes") return value.toLocaleString("en-US") + " B (" + megabytes(value) + " MiB)";
     return String(value);
   }
 
@@ -158,7 +158,7 @@
     }
     out += '<text x="' + ((g.left + g.right) / 2) + '" y="' + (HEIGHT - 4) + '" text-anchor="middle">'
       + (mode === "time" ? "time (s)" : "event") + "</text>";
-    out += '<text transform="rotate(-90)" x="' + (-(g.top + g.bottom) / 2) + '" y="12" text-anchor="middle">live memory (MB)</text>';
+    out += '<text transform="rotate(-90)" x="' + (-(g.top + g.bottom) / 2) + '" y="12" text-anchor="middle">live memory (MiB)</text>';
     return out + "</g>";
   }
 
@@ -199,7 +199,7 @@
     const anchor = x > (g.left + g.right) / 2 ? "end" : "start", dx = anchor === "end" ? -6 : 6;
     return '<g class="peak"><line x1="' + x.toFixed(1) + '" x2="' + x.toFixed(1) + '" y1="' + y.toFixed(1) + '" y2="' + g.bottom
       + '"/><circle cx="' + x.toFixed(1) + '" cy="' + y.toFixed(1) + '" r="3.5" fill="#c00"/><text x="' + (x + dx).toFixed(1)
-      + '" y="' + (y - 6).toFixed(1) + '" text-anchor="' + anchor + '">peak ' + megabytes(peak.bytes) + " MB (event "
+      + '" y="' + (y - 6).toFixed(1) + '" text-anchor="' + anchor + '">peak ' + megabytes(peak.bytes) + " MiB (event "
       + esc(peak.event) + ")</text></g>";
   }
 
@@ -254,7 +254,7 @@
     }
     const where = panel.label ? " of " + esc(panel.label) : "";
     alivePanel.innerHTML = "<h2>Alive at event " + t + where + ": " + alive.length + " blocks, " + megabytes(total)
-      + " MB (+ " + megabytes(panel.snapshot.baseline_bytes) + " MB from before recording)</h2><table>" + rows + "</table>";
+      + " MiB (+ " + megabytes(panel.snapshot.baseline_bytes) + " MiB from before recording)</h2><table>" + rows + "</table>";
     panel.instant = t;
   }
 
