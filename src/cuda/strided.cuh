@@ -192,6 +192,15 @@ void ewise_setitem(const CudaArray& a, CudaArray& out, const std::vector<int64_t
   int64_t n = 0;
   const StridedView view = make_view("ewise_setitem", out.size, shape, strides, offset, &n);
   check_size("ewise_setitem", "a", a.size, static_cast<size_t>(n));
+  // A view that reaches one element from several indices (a broadcast: stride 0 along an axis longer than 1)
+  // would keep whichever value came last: refused, as by the CPU backend and NumPy's broadcast views.
+  for (size_t k = 0; k < shape.size() && n > 0; ++k) {
+    if (strides[k] == 0 && shape[k] > 1) {
+      throw py::value_error("needle cuda: ewise_setitem: the view of out repeats elements (stride 0 along axis " +
+                            std::to_string(k) + " of " + std::to_string(shape[k]) +
+                            "): a write through it would keep only one of the values written to each");
+    }
+  }
   if (n == 0) return;
   visit_dtype(a.dtype, [&](auto in_tag) {
     visit_dtype(out.dtype, [&](auto out_tag) {
