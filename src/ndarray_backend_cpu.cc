@@ -96,7 +96,7 @@ PYBIND11_MODULE(ndarray_backend_cpu, m) {
   m.def("from_numpy", from_numpy);
   m.def("copy_thread_to_host", copy_thread_to_host);
   m.def("copy_thread_to_device", copy_thread_to_device);
-  m.def("copy_thread_wait", copy_thread_wait, py::call_guard<py::gil_scoped_release>());
+  m.def("copy_thread_wait", copy_thread_wait);
   m.def("fill", fill);
   m.def("compact", compact);
   m.def("ewise_setitem", ewise_setitem);

@@ -1,5 +1,9 @@
 """The C++ CPU backend's copy thread (backend_ndarray/copy_thread.py, src/cpu/copy_thread.h): offloading's host
 copies run beside the compute, in issue order, exact, with clear errors for what it cannot copy."""
+import subprocess
+import sys
+import textwrap
+
 import numpy as np
 import pytest
 
@@ -60,3 +64,56 @@ def test_the_copy_thread_copies_whole_buffers_and_says_what_it_got_otherwise():
         thread.to_host(a, np.empty((48, 8), dtype=np.uint8)[:, ::2])
     with pytest.raises(ValueError, match="copy_thread_to_device"):
         thread.to_device(np.zeros(3, dtype=np.float32), a)
+
+
+def _run(script):
+    """`script` in a Python process of its own (a crash or a hang there fails the test, not the test run)."""
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(script)], capture_output=True, text=True,
+                          timeout=60)
+
+
+def test_a_copy_holds_its_arrays_until_a_wait_sees_it_done():
+    """`to_host(a, host); del a; result()` freed the buffer the copy thread was still reading (a segfault once it was
+    unmapped). A copy holds both arrays now, and lets go of them at the wait: an array dropped early is freed then,
+    and one the caller keeps is freed when the caller drops it, as the ledger counts (offload.py's rules)."""
+    out = _run("""
+        import numpy as np
+        import needle as ndl
+        from needle.backend_ndarray import NDArray, array_api
+        device = ndl.cpu()
+        thread, current = array_api.copy_thread(device), lambda: device.memory_stats()["current_bytes"]
+        values = np.random.default_rng(0).standard_normal(1 << 22).astype(np.float32)  # 16 MiB: mapped, unmapped
+        device.mod.set_cache_limit(0)  # a freed buffer goes back to the OS at once
+        base = current()
+        a, host = NDArray(values, device=device), np.empty(values.nbytes, np.uint8)
+        copy = thread.to_host(a, host)
+        del a
+        held = current() - base
+        copy.result()
+        print(held == values.nbytes, current() == base, host.view(np.float32).tobytes() == values.tobytes())
+        back, host = array_api.empty(values.shape, device=device), values.copy()
+        copy = thread.to_device(host, back)
+        del host
+        copy.result()
+        print(back.numpy().tobytes() == values.tobytes())
+        kept = NDArray(values, device=device)
+        thread.to_host(kept, np.empty(values.nbytes, np.uint8)).result()
+        before = current()
+        del kept
+        print(before - current() == values.nbytes)
+    """)
+    assert out.returncode == 0, out.stderr  # (-11: the segfault)
+    assert out.stdout.split() == ["True"] * 5, out.stdout
+
+
+def test_waiting_for_a_ticket_never_issued_is_an_error_not_a_hang():
+    out = _run("""
+        import needle as ndl
+        mod = ndl.cpu().mod
+        try:
+            mod.copy_thread_wait(10**6)
+        except ValueError as err:
+            print(err)
+    """)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("copy_thread_wait: ticket 1000000 was never issued (the last one issued is "), out

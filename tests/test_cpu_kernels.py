@@ -7,10 +7,14 @@ and the block-wise 8-bit quantization.
 2. `quantize_blockwise` / `dequantize_blockwise` against a small NumPy implementation of src/README.md's rows,
    byte for byte, and their error cases.
 3. the float16 conversions (integer code, not the compiler's library calls) against NumPy's, bit for bit.
+4. sizes whose products overflow 64 bits (matmul, the reductions, layer norm, attention, ...): a ValueError.
 
 Skipped (with the reason) where the C++ module is not built; part 1 also where the CPU has no AVX512-BF16.
 """
 import contextlib
+import subprocess
+import sys
+import textwrap
 
 import ml_dtypes
 import numpy as np
@@ -405,3 +409,52 @@ def test_float32_narrows_to_float16_as_numpy_does():
         expected = values.astype(np.float16)
     narrowed = nd.array(values, device=CPU).astype("float16").numpy()
     np.testing.assert_array_equal(narrowed.view(np.uint16), expected.view(np.uint16))
+
+
+# ===== 4. sizes whose product overflows 64 bits ======================================================================
+# Each call's sizes multiply past 2^64 and wrap around to its (empty or small) buffers' sizes, so unchecked products
+# passed the size checks and the kernel walked far past the buffers (a segfault), or nothing ran and the call said
+# nothing. `zeros(n)`: a buffer of n zeros (valid labels for the functions that read them).
+OVERFLOWING_CALLS = """
+big, w = 2**62, 2**32
+calls = {
+    "reduce_sum": lambda: m.reduce_sum(zeros(0), zeros(4), big),
+    "reduce_max": lambda: m.reduce_max(zeros(0), zeros(4), big),
+    "reduce_logsumexp": lambda: m.reduce_logsumexp(zeros(0), zeros(4), big),
+    "matmul": lambda: m.matmul(zeros(0), zeros(0), zeros(0), w, w, w),
+    "matmul_batched": lambda: m.matmul_batched(zeros(0), zeros(0), zeros(0), w, w, w, w),
+    "softmax_xent_grad": lambda: m.softmax_xent_grad(zeros(0), zeros(4), zeros(4), zeros(0), big),
+    "layernorm_forward": lambda: m.layernorm_forward(zeros(0), zeros(4), zeros(4), zeros(0), big, 4, 1e-5),
+    "layernorm_backward": lambda: m.layernorm_backward(zeros(0), zeros(4), zeros(0), zeros(0), zeros(4), zeros(4),
+                                                       big, 4, 1e-5),
+    "attention_forward": lambda: m.attention_forward(zeros(0), zeros(0), zeros(0), zeros(0), zeros(0), big, 4, 4, 4,
+                                                     4, 1.0, False, 0.0, 0),
+    "take_along_rows": lambda: m.take_along_rows(zeros(0), zeros(4), zeros(4), big),
+}
+"""
+
+
+def test_sizes_whose_product_overflows_are_a_value_error_not_a_wrapped_size():
+    script = textwrap.dedent("""
+        from needle import backend_ndarray as nd
+        m = nd.cpu().mod
+
+        def zeros(n):
+            a = m.Array(n)
+            m.fill(a, 0.0)
+            return a
+    """) + OVERFLOWING_CALLS + textwrap.dedent("""
+        for name, call in calls.items():
+            try:
+                call()
+                print(name, "accepted")
+            except ValueError as err:
+                print(name, err)
+            """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr  # (-11: the segfault)
+    lines = out.stdout.splitlines()
+    assert len(lines) == 10, out.stdout
+    for line in lines:
+        name, _, message = line.partition(" ")
+        assert message.startswith(f"{name}: ") and "more than a 64-bit size can count" in message, line

@@ -896,6 +896,20 @@ def test_a_hand_edited_checkpoint_is_one_line_naming_the_field(tmp_path, capsys)
         assert expected in line, (change, line)
 
 
+def test_a_resume_whose_random_state_would_read_outside_its_key_is_one_line(tmp_path, capsys):
+    """NumPy takes an MT19937 position as given: a checkpoint whose pos is 2^31 - 1 crashed the resumed run at its
+    first draw. In a process of its own: a crash there is a failure here, not the end of the test run."""
+    data, ckpt = tiny_ptb(tmp_path), str(tmp_path / "ckpt")
+    run = TINY + ["--data", data, "--use-gc", "1", "--dropout", "0.1", "--json", str(tmp_path / "r.json")]
+    run_gc(run + ["--max-batches", "2", "--save-checkpoint", ckpt])
+    state = ndl.load(ckpt)
+    state["rng"]["state"]["pos"] = 2**31 - 1
+    ndl.save(state, ckpt)
+    code, _, err = _gc(*run, "--max-batches", "4", "--resume", ckpt)  # (stdout: the run's header, printed first)
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err, (code, err)  # -11: a crash
+    assert "--resume: the checkpoint does not fit" in err and "an MT19937 position is an integer in [0, 624]" in err
+
+
 # ----- the front door, round 3 (issue 27): gc.py's own items ---------------------------------------------------------
 def test_ctrl_c_is_one_line_exit_130_and_the_json_says_incomplete(tmp_path):
     out = tmp_path / "out"

@@ -365,6 +365,44 @@ def test_setitem_shape_mismatch_raises(device):
     np.testing.assert_array_equal(A.numpy(), np.zeros((4, 5)))
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_write_through_a_broadcast_view_is_refused(device):
+    """A broadcast view reaches one element from several indices: a write through it kept whichever value came
+    last. NDArray refuses it (NumPy's broadcast views are read-only), and so does each backend's ewise_setitem."""
+    A = nd.array(np.zeros((1, 4)), device=device)
+    B = A.broadcast_to((3, 4))
+    values = nd.array(np.arange(12, dtype=np.float32).reshape(3, 4), device=device)
+    with pytest.raises(ValueError, match=r"setitem: .*strides \(0, 1\)\) repeats elements along axis 0"):
+        B[:, :] = values
+    with pytest.raises(ValueError, match="repeats elements along axis 0"):
+        B[1:] = 5.0
+    with pytest.raises(ValueError, match=r"ewise_setitem: the view of out repeats elements \(stride 0 along axis 0"):
+        device.mod.ewise_setitem(values.buffer, A.buffer, [3, 4], [0, 1], 0)
+    np.testing.assert_array_equal(A.numpy(), np.zeros((1, 4)))
+    B[2:, 1:3] = 2.0  # one index per element: a write
+    np.testing.assert_array_equal(A.numpy(), [[0, 2, 2, 0]])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_shape_of_non_integers_is_refused_naming_the_function(device):
+    """int() truncated each extent: empty((2.5, 4)) made a (2, 4) array, and reshape((2.5, 4)) a (2, 4) view."""
+    A = nd.array(np.zeros(8), device=device)
+    makers = {"empty": lambda shape: nd.empty(shape, device=device),
+              "zeros": lambda shape: nd.zeros(shape, device=device),
+              "full": lambda shape: nd.full(shape, 1.0, device=device), "reshape": A.reshape,
+              "NDArray.make": lambda shape: nd.NDArray.make(shape, device=device),
+              "broadcast_to": lambda shape: A.reshape((1, 4, 2)).broadcast_to(shape[:1] + (4, 2))}
+    for name, make in makers.items():
+        for shape in [(2.5, 4), (np.float32(2.0), 4)]:
+            with pytest.raises(TypeError, match=rf"^{name}: a shape must be a sequence of integers, got \("):
+                make(shape)
+    with pytest.raises(TypeError, match=r"^empty: a shape must be a sequence of integers"):
+        device.empty((2, "4"))
+    with pytest.raises(ValueError, match=r"^full: a shape must not be negative, got \(-1, 2\)"):
+        nd.full((-1, 2), 0.0, device=device)
+    assert nd.empty((np.int64(2), 4), device=device).shape == (2, 4)  # NumPy's integers are integers
+
+
 # ----- element-wise and scalar operations ----------------------------------------------------------------------------
 EWISE_OPS = {
     "add": (operator.add, operator.add),

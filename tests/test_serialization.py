@@ -267,6 +267,76 @@ def test_a_bad_manifest_is_a_clear_error(tmp_path, manifest, why):
     assert why in str(err.value)
 
 
+def _npy_bytes(header, data=b""):
+    """A .npy member whose header text is `header` (padded as NumPy pads it), then `data`."""
+    text = header.encode("latin1")
+    text += b" " * (-(10 + len(text) + 1) % 64) + b"\n"
+    return npy_format.MAGIC_PREFIX + b"\x01\x00" + len(text).to_bytes(2, "little") + text + data
+
+
+def _corrupt(path, kind):
+    """A file `ndl.save` wrote, corrupted as byte-flipped checkpoints were where ndl.load's wrapper let the error
+    through (with valid CRCs: in a large member the corruption is met before the CRC is checked)."""
+    w = np.arange(12000, dtype=np.float32)
+    good = pathlib.Path(ndl.save({"w": w}, path)).read_bytes()
+    if kind in ("encrypted", "unknown-compression"):
+        data, entry = bytearray(good), good.index(b"PK\x01\x02")  # arr_0.npy's central directory entry (first)
+        if kind == "encrypted":
+            data[entry + 8] |= 1  # flag bit 0: zipfile's RuntimeError, "password required"
+        else:
+            data[entry + 10] = 99  # compression method 99: zipfile's NotImplementedError
+        pathlib.Path(path).write_bytes(bytes(data))
+        return
+    with zipfile.ZipFile(path) as archive:
+        members = {name: archive.read(name) for name in archive.namelist()}
+    if kind == "manifest-not-npy":  # NumPy gives a member without the .npy magic back as bytes: AttributeError
+        members["__needle_manifest__.npy"] = b'{"format": "needle", "version": 2, "nodes": []}'
+    else:
+        shape = {"unterminated-header": "(12000, }", "claims-10^12-elements": "(1000000000000,), }"}[kind]
+        members["arr_0.npy"] = _npy_bytes("{'descr': '<f4', 'fortran_order': False, 'shape': " + shape, w.tobytes())
+    with zipfile.ZipFile(path, "w") as archive:
+        for name, member in members.items():
+            archive.writestr(name, member)
+
+
+@pytest.mark.parametrize("kind, cause", [
+    ("encrypted", "RuntimeError: File 'arr_0.npy' is encrypted, password required"),
+    ("unknown-compression", "NotImplementedError: That compression method is not supported"),
+    ("unterminated-header", "TokenError"),
+    ("manifest-not-npy", "member '__needle_manifest__' is not in a .npy format"),
+    ("claims-10^12-elements", "member 'arr_0' claims shape (1000000000000,) of float32 (4000000000000 bytes) but "
+                              "holds 48000 bytes"),
+])
+def test_a_corrupt_file_is_ndl_loads_own_error_naming_it(tmp_path, kind, cause):
+    """Six of 400 byte-flipped checkpoints escaped the wrapper: zipfile's RuntimeError and NotImplementedError,
+    tokenize's TokenError, an AttributeError (a member that is not .npy comes back as bytes), and NumPy's bare
+    MemoryError for a header claiming 10^12 elements, which it allocates before reading."""
+    path = tmp_path / "bad.npz"
+    _corrupt(path, kind)
+    with pytest.raises(ValueError, match=r"^ndl.load: '.*bad\.npz' is not an \.npz archive") as err:
+        ndl.load(path)
+    assert cause in str(err.value)
+
+
+def test_load_refuses_a_fifo_or_a_folder_at_once(tmp_path):
+    """Opening a FIFO for reading waited for a writer: ndl.load blocked forever. Only regular files are read."""
+    os.mkfifo(tmp_path / "fifo.npz")
+    (tmp_path / "folder.npz").mkdir()
+    script = textwrap.dedent(f"""
+        import needle as ndl
+        for name in ("fifo", "folder"):
+            try:
+                ndl.load({str(tmp_path)!r} + "/" + name)
+            except ValueError as err:
+                print(err)
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert len(lines) == 2 and all(" is not a regular file (a FIFO, a device or a folder)" in line for line in lines)
+    assert "fifo.npz" in lines[0] and "folder.npz" in lines[1]
+
+
 # ----- atomic saves --------------------------------------------------------------------------------------------------
 def _good_checkpoint(tmp_path):
     path = ndl.save({"w": np.arange(1000, dtype=np.float32), "step": 1}, tmp_path / "ckpt.npz")
@@ -353,3 +423,28 @@ def test_the_random_state_survives_save_and_load(tmp_path):
     assert all(a.tobytes() == b.tobytes() for a, b in zip(got, expected))
     with pytest.raises(ValueError, match="ndl.set_random_state: not a state random_state"):
         ndl.set_random_state({"bit_generator": "MT19937"})
+
+
+def test_a_random_state_that_would_read_outside_its_key_is_refused():
+    """NumPy takes an MT19937 state as given, and its next draw reads key[pos]: pos 2^31 - 1 crashed the process
+    (gc.py run --resume of a checkpoint carrying it too). A key is 624 uint32 words and 0 <= pos <= 624."""
+    good = ndl.random_state()
+
+    def edited(pos=None, key=None):
+        state = ndl.random_state()
+        state["state"] = {"key": state["state"]["key"] if key is None else key,
+                          "pos": state["state"]["pos"] if pos is None else pos}
+        return state
+
+    try:
+        for pos in (2**31 - 1, 625, -1, 2.5, True):
+            with pytest.raises(ValueError, match=rf"not a state random_state\(\) returns: an MT19937 position is an "
+                                                 rf"integer in \[0, 624\], got {pos!r}"):
+                ndl.set_random_state(edited(pos=pos))
+        for key in (np.zeros(623, np.uint32), np.full(624, -1, np.int64), np.zeros(624, np.float32)):
+            with pytest.raises(ValueError, match=r"an MT19937 key is 624 unsigned 32-bit integers"):
+                ndl.set_random_state(edited(key=key))
+        ndl.set_random_state(edited(pos=624))  # every word used: the next draw makes new ones
+        assert 0 <= np.random.rand() < 1
+    finally:
+        np.random.set_state(good)

@@ -15,8 +15,10 @@ downloaded checkpoint could do anything. Here arrays are read with `allow_pickle
 `json`, so a file is data and nothing else.
 """
 import json
+import math
 import os
 import secrets
+import stat
 import zipfile
 
 import ml_dtypes
@@ -166,8 +168,31 @@ def _save_target(path):
 
 
 # ----- load: manifest -> nodes rebuilt bottom-up -----------------------------------------------------------------
+_NPY_HEADERS = {(1, 0): npy_format.read_array_header_1_0, (2, 0): npy_format.read_array_header_2_0}
+
+
+def _member(archive, name):
+    """The array of member `name`, its .npy header checked first against the bytes the member holds: NumPy makes
+    the array a header claims before reading into it, so a corrupt shape of 10^12 elements would be a MemoryError
+    (or all free memory taken) instead of an error about the file."""
+    info = archive.zip.getinfo(name + ".npy")
+    with archive.zip.open(info.filename) as member:
+        try:
+            version = npy_format.read_magic(member)
+        except ValueError:  # (NumPy would hand the member back as bytes)
+            version = None
+        read_header = _NPY_HEADERS.get(version)
+        if read_header is None:
+            raise ValueError(f"member {name!r} is not in a .npy format ndl.save writes")
+        shape, _, dtype = read_header(member)
+        claimed, held = math.prod(shape) * dtype.itemsize, info.file_size - member.tell()
+    if claimed > held:
+        raise ValueError(f"member {name!r} claims shape {shape} of {dtype} ({claimed} bytes) but holds {held} bytes")
+    return archive[name]
+
+
 def _stored_array(archive, name, dtype):
-    array = archive[name]
+    array = _member(archive, name)
     stored = "uint16" if dtype == "bfloat16" else dtype
     if array.dtype.name != stored:
         raise ValueError(f"member {name!r} holds {array.dtype.name}, the manifest says {dtype}")
@@ -218,29 +243,55 @@ def _decode_legacy(archive):
     arrays = {}
     for key in archive.files:
         if key.endswith(_LEGACY_BFLOAT16_SUFFIX):
-            arrays[key[:-len(_LEGACY_BFLOAT16_SUFFIX)]] = archive[key].view(ml_dtypes.bfloat16)
+            arrays[key[:-len(_LEGACY_BFLOAT16_SUFFIX)]] = _member(archive, key).view(ml_dtypes.bfloat16)
         else:
-            arrays[key] = archive[key]
+            arrays[key] = _member(archive, key)
     return arrays[_LEGACY_ARRAY_KEY] if list(arrays) == [_LEGACY_ARRAY_KEY] else arrays
+
+
+def _open_regular_file(path):
+    """`path` opened for reading, if it is a regular file. A FIFO is refused, not waited on: opening one for reading
+    blocks until a writer comes, so it is opened non-blocking, and the check is made on what was opened."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except FileNotFoundError:
+        raise FileNotFoundError(f"ndl.load: no such file {path!r} (save() and load() add .npz to a path without "
+                                f"it)") from None
+    except OSError as err:
+        raise type(err)(err.errno, f"ndl.load: cannot open {path!r}: {err.strerror}") from err
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise ValueError(f"ndl.load: {path!r} is not a regular file (a FIFO, a device or a folder): only a file "
+                         f"ndl.save wrote can be loaded")
+    return os.fdopen(fd, "rb")
+
+
+def _read(f):
+    """The object saved in the open file `f`."""
+    if f.read(4) != b"PK\x03\x04":  # (np.load would read a lone .npy: an array as large as its header claims)
+        raise ValueError("it is not a zip archive")
+    f.seek(0)
+    archive = np.load(f, allow_pickle=False)  # never unpickles: a pickle or an object array raises
+    if MANIFEST not in archive.files:
+        return _decode_legacy(archive)
+    manifest = json.loads(_member(archive, MANIFEST).tobytes().decode("utf-8"))
+    return _decode(manifest, archive)
 
 
 def load(path):
     """Read a file written by `save`: the object that was saved, arrays as NumPy arrays (see above)."""
     path = _npz_path(path)
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"ndl.load: no such file {path!r} (save() and load() add .npz to a path without it)")
-    try:
-        with open(path, "rb") as f:  # ours to close, also when np.load fails half-way through a bad zip
-            archive = np.load(f, allow_pickle=False)  # never unpickles: a pickle or an object array raises
-            if not isinstance(archive, np.lib.npyio.NpzFile):
-                raise ValueError("it holds a single .npy array")
-            if MANIFEST not in archive.files:
-                return _decode_legacy(archive)
-            manifest = json.loads(archive[MANIFEST].tobytes().decode("utf-8"))
-            return _decode(manifest, archive)
-    except (ValueError, TypeError, OSError, EOFError, RecursionError, zipfile.BadZipFile) as err:
-        raise ValueError(f"ndl.load: {path!r} is not an .npz archive of plain arrays as ndl.save writes "
-                         f"(pickled objects are never loaded): {err}") from err
+    with _open_regular_file(path) as f:  # ours to close, also when np.load fails half-way through a bad zip
+        try:
+            return _read(f)
+        except MemoryError as err:  # (a member's size is checked first: this one does fit in the file)
+            raise MemoryError(f"ndl.load: {path!r} holds an array larger than the memory free: {err}") from err
+        except Exception as err:
+            # A corrupt file fails wherever the corruption is met: in zipfile (a bad CRC, an "encrypted" member,
+            # an unknown compression method: NotImplementedError), NumPy's .npy header parser (tokenize's
+            # TokenError, ast's SyntaxError, ...) or json. Each is the file's fault, so each is this one error.
+            raise ValueError(f"ndl.load: {path!r} is not an .npz archive of plain arrays as ndl.save writes "
+                             f"(pickled objects are never loaded): {type(err).__name__}: {err}") from err
 
 
 # ----- the random state: everything needle draws comes from NumPy's global RNG ------------------------------------
@@ -250,9 +301,29 @@ def random_state():
     return np.random.get_state(legacy=False)
 
 
+_MT19937_WORDS = 624  # an MT19937 state: 624 32-bit words of key, and the position of the next one to use
+
+
+def _check_mt19937(state):
+    """Raise ValueError unless the key and position of `state` make an MT19937 state. NumPy takes them as they are,
+    and its next draw reads key[pos]: a pos past 624 read outside the key (a crash, not an error)."""
+    if isinstance(state, dict):
+        inner = state.get("state")
+        key, pos = (inner.get("key"), inner.get("pos")) if isinstance(inner, dict) else (None, None)
+    else:  # the legacy tuple: ("MT19937", key, pos, has_gauss, cached_gaussian)
+        key, pos = (state[1], state[2]) if isinstance(state, tuple) and len(state) == 5 else (None, None)
+    key = np.asarray(key)
+    if key.shape != (_MT19937_WORDS,) or key.dtype.kind not in "iu" or key.min() < 0 or key.max() >= 2**32:
+        raise ValueError(f"an MT19937 key is {_MT19937_WORDS} unsigned 32-bit integers, got shape {key.shape} of "
+                         f"{key.dtype}")
+    if isinstance(pos, bool) or not isinstance(pos, (int, np.integer)) or not 0 <= pos <= _MT19937_WORDS:
+        raise ValueError(f"an MT19937 position is an integer in [0, {_MT19937_WORDS}], got {pos!r}")
+
+
 def set_random_state(state):
     """Restore NumPy's global RNG to `state`, as `random_state()` returned it (or `ndl.load` gave it back)."""
     try:
+        _check_mt19937(state)
         np.random.set_state(state)
     except (TypeError, ValueError, KeyError) as err:
         raise ValueError(f"ndl.set_random_state: not a state random_state() returns: {err}") from err

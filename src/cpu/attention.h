@@ -333,11 +333,11 @@ static void attention_forward(const Array& q, const Array& k, const Array& v, Ar
   const char* fn = "attention_forward";
   const AttentionShape sh = check_attention(fn, batch, t_q, t_k, d, d_v, causal, dropout_p);
   const DType dt = same_float_dtype(fn, {&q, &k, &v, &out});
-  check_size(fn, "q", q.size, size_t(batch * t_q * d));
-  check_size(fn, "k", k.size, size_t(batch * t_k * d));
-  check_size(fn, "v", v.size, size_t(batch * t_k * d_v));
-  check_size(fn, "out", out.size, size_t(batch * t_q * d_v));
-  require_row_stats(fn, {{"lse", &lse}}, size_t(batch * t_q));
+  check_extents(fn, "q", q.size, batch, t_q, d);
+  check_extents(fn, "k", k.size, batch, t_k, d);
+  check_extents(fn, "v", v.size, batch, t_k, d_v);
+  check_extents(fn, "out", out.size, batch, t_q, d_v);
+  require_row_stats(fn, {{"lse", &lse}}, checked_product(fn, "the row statistics", batch, t_q));
   const AttentionDropout drop(dropout_p, seed);
   const int64_t tiles = (t_q + ATTN_BR - 1) / ATTN_BR;
   py::gil_scoped_release release;
@@ -361,15 +361,16 @@ static void attention_backward(const Array& q, const Array& k, const Array& v, c
   const char* fn = "attention_backward";
   const AttentionShape sh = check_attention(fn, batch, t_q, t_k, d, d_v, causal, dropout_p);
   const DType dt = same_float_dtype(fn, {&q, &k, &v, &out, &dout, &dq, &dk, &dv});
-  check_size(fn, "q", q.size, size_t(batch * t_q * d));
-  check_size(fn, "k", k.size, size_t(batch * t_k * d));
-  check_size(fn, "v", v.size, size_t(batch * t_k * d_v));
-  check_size(fn, "out", out.size, size_t(batch * t_q * d_v));
-  check_size(fn, "dout", dout.size, size_t(batch * t_q * d_v));
-  check_size(fn, "dq", dq.size, size_t(batch * t_q * d));
-  check_size(fn, "dk", dk.size, size_t(batch * t_k * d));
-  check_size(fn, "dv", dv.size, size_t(batch * t_k * d_v));
-  require_row_stats(fn, {{"lse", &lse}, {"dlse", &dlse}, {"delta", &delta}}, size_t(batch * t_q));
+  check_extents(fn, "q", q.size, batch, t_q, d);
+  check_extents(fn, "k", k.size, batch, t_k, d);
+  check_extents(fn, "v", v.size, batch, t_k, d_v);
+  check_extents(fn, "out", out.size, batch, t_q, d_v);
+  check_extents(fn, "dout", dout.size, batch, t_q, d_v);
+  check_extents(fn, "dq", dq.size, batch, t_q, d);
+  check_extents(fn, "dk", dk.size, batch, t_k, d);
+  check_extents(fn, "dv", dv.size, batch, t_k, d_v);
+  require_row_stats(fn, {{"lse", &lse}, {"dlse", &dlse}, {"delta", &delta}},
+                    checked_product(fn, "the row statistics", batch, t_q));
   const AttentionDropout drop(dropout_p, seed);
   py::gil_scoped_release release;
   visit_float(dt, [&](auto tag) {

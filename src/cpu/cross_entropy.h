@@ -25,9 +25,9 @@ namespace cpu {
 static void softmax_xent_grad(const Array& a, const Array& idx, const Array& g, Array& out, int64_t row_size) {
   if (row_size <= 0) fail("softmax_xent_grad: row_size must be positive");
   const size_t r = static_cast<size_t>(row_size);
-  check_size("softmax_xent_grad", "a", a.size, idx.size * r);
+  check_extents("softmax_xent_grad", "a", a.size, idx.size, r);
   check_size("softmax_xent_grad", "g", g.size, idx.size);
-  check_size("softmax_xent_grad", "out", out.size, idx.size * r);
+  check_extents("softmax_xent_grad", "out", out.size, idx.size, r);
   const DType dt = same_float_dtype("softmax_xent_grad", {&a, &g, &out});
   std::vector<size_t> cols = check_indices("softmax_xent_grad", idx, r);
   visit_float(dt, [&](auto t) {

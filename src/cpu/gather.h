@@ -63,7 +63,7 @@ static void check_row_size(const char* fn, int64_t row_size, const Array& table)
 static void take_rows(const Array& a, const Array& idx, Array& out, int64_t row_size) {
   check_row_size("take_rows", row_size, a);
   const size_t r = static_cast<size_t>(row_size);
-  check_size("take_rows", "out", out.size, idx.size * r);
+  check_extents("take_rows", "out", out.size, idx.size, r);
   if (a.dtype != out.dtype)
     throw py::type_error("take_rows: a is " + a.dtype_name() + " but out is " + out.dtype_name());
   std::vector<size_t> rows = check_indices("take_rows", idx, a.size / r);
@@ -77,7 +77,7 @@ static void take_rows(const Array& a, const Array& idx, Array& out, int64_t row_
 static void scatter_add_rows(const Array& src, const Array& idx, Array& out, int64_t row_size) {
   check_row_size("scatter_add_rows", row_size, out);
   const size_t r = static_cast<size_t>(row_size);
-  check_size("scatter_add_rows", "src", src.size, idx.size * r);
+  check_extents("scatter_add_rows", "src", src.size, idx.size, r);
   const DType dt = same_float_dtype("scatter_add_rows", {&src, &out});
   std::vector<size_t> rows = check_indices("scatter_add_rows", idx, out.size / r);
   visit_float(dt, [&](auto t) {
@@ -94,7 +94,7 @@ static void scatter_add_rows(const Array& src, const Array& idx, Array& out, int
 static void take_along_rows(const Array& a, const Array& idx, Array& out, int64_t row_size) {
   if (row_size < 0) fail("take_along_rows: row_size must be >= 0");
   const size_t r = static_cast<size_t>(row_size);
-  check_size("take_along_rows", "a", a.size, idx.size * r);
+  check_extents("take_along_rows", "a", a.size, idx.size, r);
   check_size("take_along_rows", "out", out.size, idx.size);
   const DType dt = same_float_dtype("take_along_rows", {&a, &out});
   std::vector<size_t> cols = check_indices("take_along_rows", idx, r);
@@ -109,7 +109,7 @@ static void scatter_along_rows(const Array& src, const Array& idx, Array& out, i
   if (row_size < 0) fail("scatter_along_rows: row_size must be >= 0");
   const size_t r = static_cast<size_t>(row_size);
   check_size("scatter_along_rows", "src", src.size, idx.size);
-  check_size("scatter_along_rows", "out", out.size, idx.size * r);
+  check_extents("scatter_along_rows", "out", out.size, idx.size, r);
   const DType dt = same_float_dtype("scatter_along_rows", {&src, &out});
   std::vector<size_t> cols = check_indices("scatter_along_rows", idx, r);
   visit_float(dt, [&](auto t) {

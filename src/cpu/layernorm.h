@@ -53,10 +53,10 @@ static void layernorm_forward(const Array& x, const Array& w, const Array& b, Ar
   const char* fn = "layernorm_forward";
   check_layernorm(fn, rows, n, eps);
   const DType dt = same_float_dtype(fn, {&x, &w, &b, &out});
-  check_size(fn, "x", x.size, size_t(rows * n));
+  check_extents(fn, "x", x.size, rows, n);
   check_size(fn, "w", w.size, size_t(n));
   check_size(fn, "b", b.size, size_t(n));
-  check_size(fn, "out", out.size, size_t(rows * n));
+  check_extents(fn, "out", out.size, rows, n);
   const float e = static_cast<float>(eps);
   const int nthreads = rows * n >= (int64_t(1) << 16) ? num_threads() : 1;
   py::gil_scoped_release release;
@@ -79,10 +79,10 @@ static void layernorm_backward(const Array& x, const Array& w, const Array& g, A
   const char* fn = "layernorm_backward";
   check_layernorm(fn, rows, n, eps);
   const DType dt = same_float_dtype(fn, {&x, &w, &g, &dx, &dw, &db});
-  check_size(fn, "x", x.size, size_t(rows * n));
+  check_extents(fn, "x", x.size, rows, n);
   check_size(fn, "w", w.size, size_t(n));
-  check_size(fn, "g", g.size, size_t(rows * n));
-  check_size(fn, "dx", dx.size, size_t(rows * n));
+  check_extents(fn, "g", g.size, rows, n);
+  check_extents(fn, "dx", dx.size, rows, n);
   check_size(fn, "dw", dw.size, size_t(n));
   check_size(fn, "db", db.size, size_t(n));
   const float e = static_cast<float>(eps);

@@ -27,9 +27,9 @@ namespace cpu {
 static void check_matmul(const char* fn, const Array& a, const Array& b, const Array& out, int64_t m, int64_t n,
                          int64_t p) {
   if (m < 0 || n < 0 || p < 0) fail(std::string(fn) + ": m, n, p must be >= 0");
-  check_size(fn, "a", a.size, static_cast<size_t>(m) * static_cast<size_t>(n));
-  check_size(fn, "b", b.size, static_cast<size_t>(n) * static_cast<size_t>(p));
-  check_size(fn, "out", out.size, static_cast<size_t>(m) * static_cast<size_t>(p));
+  check_extents(fn, "a", a.size, m, n);
+  check_extents(fn, "b", b.size, n, p);
+  check_extents(fn, "out", out.size, m, p);
   if (out.size != 0 && (out.ptr == a.ptr || out.ptr == b.ptr))
     fail(std::string(fn) + ": out must not be one of the inputs");
 }
@@ -156,10 +156,9 @@ static void matmul_batched(const Array& a, const Array& b, Array& out, int64_t b
                            int64_t p) {
   if (batch < 0) fail("matmul_batched: batch must be >= 0");
   if (m < 0 || n < 0 || p < 0) fail("matmul_batched: m, n, p must be >= 0");
-  const size_t nb = static_cast<size_t>(batch);
-  check_size("matmul_batched", "a", a.size, nb * static_cast<size_t>(m) * static_cast<size_t>(n));
-  check_size("matmul_batched", "b", b.size, nb * static_cast<size_t>(n) * static_cast<size_t>(p));
-  check_size("matmul_batched", "out", out.size, nb * static_cast<size_t>(m) * static_cast<size_t>(p));
+  check_extents("matmul_batched", "a", a.size, batch, m, n);
+  check_extents("matmul_batched", "b", b.size, batch, n, p);
+  check_extents("matmul_batched", "out", out.size, batch, m, p);
   if (out.size != 0 && (out.ptr == a.ptr || out.ptr == b.ptr))
     fail("matmul_batched: out must not be one of the inputs");
   const DType dt = check_matmul_dtypes("matmul_batched", a, b, out);

@@ -21,7 +21,7 @@ namespace cpu {
 
 static void check_reduce(const char* fn, const Array& a, const Array& out, int64_t reduce_size) {
   if (reduce_size < 0) fail(std::string(fn) + ": reduce_size must be >= 0");
-  if (static_cast<size_t>(reduce_size) * out.size != a.size) {
+  if (checked_product(fn, "a", out.size, reduce_size) != a.size) {
     std::ostringstream msg;
     msg << fn << ": a has " << a.size << " elements, expected out.size * reduce_size = " << out.size << " * "
         << reduce_size;

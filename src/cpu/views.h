@@ -52,10 +52,25 @@ static void compact(const Array& a, Array& out, const std::vector<int64_t>& shap
   });
 }
 
+// A view of out that reaches one element from several indices (a broadcast: stride 0 along an axis longer than 1)
+// would keep whichever of their values came last: the write is refused, as NumPy refuses writes to broadcast views.
+static void check_no_repeats(const char* fn, const std::vector<int64_t>& shape, const std::vector<int64_t>& strides,
+                             size_t size) {
+  for (size_t j = 0; j < shape.size() && size > 0; ++j) {
+    if (strides[j] == 0 && shape[j] > 1) {
+      std::ostringstream msg;
+      msg << fn << ": the view of out repeats elements (stride 0 along axis " << j << " of " << shape[j]
+          << "): a write through it would keep only one of the values written to each";
+      fail(msg.str());
+    }
+  }
+}
+
 static void ewise_setitem(const Array& a, Array& out, const std::vector<int64_t>& shape,
                           const std::vector<int64_t>& strides, int64_t offset) {
   Walk<1> v = make_view("ewise_setitem", shape, strides, offset, out.size);
   check_size("ewise_setitem", "a", a.size, v.size);
+  check_no_repeats("ewise_setitem", shape, strides, v.size);
   visit_pair(a.dtype, out.dtype, [&](auto x, auto y) {
     using From = decltype(x);
     using To = decltype(y);

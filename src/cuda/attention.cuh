@@ -394,11 +394,11 @@ void attention_forward(const CudaArray& q, const CudaArray& k, const CudaArray& 
   const char* fn = "attention_forward";
   const AttnParams p = check_attention(fn, batch, t_q, t_k, d, d_v, scale, causal, dropout_p, seed);
   check_floating(fn, {{"q", q}, {"k", k}, {"v", v}, {"out", out}});
-  check_size(fn, "q", q.size, size_t(batch * t_q * d));
-  check_size(fn, "k", k.size, size_t(batch * t_k * d));
-  check_size(fn, "v", v.size, size_t(batch * t_k * d_v));
-  check_size(fn, "out", out.size, size_t(batch * t_q * d_v));
-  check_row_stats(fn, {{"lse", lse}}, size_t(batch * t_q));
+  check_extents(fn, "q", q.size, batch, t_q, d);
+  check_extents(fn, "k", k.size, batch, t_k, d);
+  check_extents(fn, "v", v.size, batch, t_k, d_v);
+  check_extents(fn, "out", out.size, batch, t_q, d_v);
+  check_row_stats(fn, {{"lse", lse}}, checked_product(fn, "the row statistics", batch, t_q));
   if (batch == 0) return;
   const int64_t tiles = ceil_div(t_q, kAttnRows);
   const size_t floats = attn_forward_floats(p.d, p.d_v);
@@ -419,15 +419,16 @@ void attention_backward(const CudaArray& q, const CudaArray& k, const CudaArray&
   const AttnParams p = check_attention(fn, batch, t_q, t_k, d, d_v, scale, causal, dropout_p, seed);
   check_floating(fn, {{"q", q}, {"k", k}, {"v", v}, {"out", out}, {"dout", dout}, {"dq", dq}, {"dk", dk},
                       {"dv", dv}});
-  check_size(fn, "q", q.size, size_t(batch * t_q * d));
-  check_size(fn, "k", k.size, size_t(batch * t_k * d));
-  check_size(fn, "v", v.size, size_t(batch * t_k * d_v));
-  check_size(fn, "out", out.size, size_t(batch * t_q * d_v));
-  check_size(fn, "dout", dout.size, size_t(batch * t_q * d_v));
-  check_size(fn, "dq", dq.size, size_t(batch * t_q * d));
-  check_size(fn, "dk", dk.size, size_t(batch * t_k * d));
-  check_size(fn, "dv", dv.size, size_t(batch * t_k * d_v));
-  check_row_stats(fn, {{"lse", lse}, {"dlse", dlse}, {"delta", delta}}, size_t(batch * t_q));
+  check_extents(fn, "q", q.size, batch, t_q, d);
+  check_extents(fn, "k", k.size, batch, t_k, d);
+  check_extents(fn, "v", v.size, batch, t_k, d_v);
+  check_extents(fn, "out", out.size, batch, t_q, d_v);
+  check_extents(fn, "dout", dout.size, batch, t_q, d_v);
+  check_extents(fn, "dq", dq.size, batch, t_q, d);
+  check_extents(fn, "dk", dk.size, batch, t_k, d);
+  check_extents(fn, "dv", dv.size, batch, t_k, d_v);
+  check_row_stats(fn, {{"lse", lse}, {"dlse", dlse}, {"delta", delta}},
+                  checked_product(fn, "the row statistics", batch, t_q));
   if (batch == 0) return;
   const int64_t q_tiles = ceil_div(t_q, kAttnRows), k_tiles = ceil_div(t_k, kAttnCols);
   const size_t dkdv_floats = attn_dkdv_floats(p.d, p.d_v), dq_floats = attn_dq_floats(p.d, p.d_v);

@@ -4,7 +4,8 @@
 //                   check_kernel every kernel launch: a failure raises RuntimeError naming the call or the
 //                   kernel; OutOfMemory becomes MemoryError.  Nothing in the backend aborts the process.
 //   Launch helpers  grid sizes for grid-stride loops, and the loop bounds the kernels use.
-//   Host checks     the first of the cheap argument checks every host function makes (as_int64, check_size).
+//   Host checks     the first of the cheap argument checks every host function makes (as_int64, check_size,
+//                   checked_product, check_extents).
 //   The device      device_count, which Python calls to decide whether the cuda device is enabled at all.
 #pragma once
 
@@ -13,6 +14,8 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <initializer_list>
+#include <sstream>
 #include <stdexcept>
 #include <string>
 
@@ -81,6 +84,35 @@ void check_size(const char* fn, const char* what, size_t actual, size_t expected
     throw py::value_error(std::string("needle cuda: ") + fn + ": " + what + " has " + std::to_string(actual) +
                           " elements, expected " + std::to_string(expected));
   }
+}
+
+// The element count of an array of these extents (each >= 0), or ValueError when it overflows 64 bits: a product
+// that wrapped around could equal a small buffer's size, and a kernel would then read far past it.  As the CPU
+// backend's (src/cpu/common.h).
+template <class... Extents>
+size_t checked_product(const char* fn, const char* what, Extents... extents) {
+  size_t product = 1;
+  bool overflow = false, zero = false;
+  for (size_t extent : {static_cast<size_t>(extents)...}) {
+    zero |= extent == 0;
+    overflow |= __builtin_mul_overflow(product, extent, &product);
+  }
+  if (zero) return 0;  // exactly, even when the extents before the zero overflowed
+  if (overflow) {
+    std::ostringstream msg;
+    msg << "needle cuda: " << fn << ": " << what << " would have ";
+    const char* sep = "";
+    ((msg << sep << extents, sep = " * "), ...);
+    msg << " elements, more than a 64-bit size can count";
+    throw py::value_error(msg.str());
+  }
+  return product;
+}
+
+// check_size against the product of the extents, overflow-checked.
+template <class... Extents>
+void check_extents(const char* fn, const char* what, size_t actual, Extents... extents) {
+  check_size(fn, what, actual, checked_product(fn, what, extents...));
 }
 
 // ---- The device -------------------------------------------------------------------------------------------

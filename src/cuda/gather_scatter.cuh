@@ -131,7 +131,7 @@ void take_rows(const CudaArray& a, const CudaArray& idx, CudaArray& out, size_t 
     throw py::value_error("needle cuda: take_rows: a has " + std::to_string(a.size) +
                           " elements, not a multiple of row_size " + std::to_string(row_size));
   }
-  check_size("take_rows", "out", out.size, idx.size * row_size);
+  check_extents("take_rows", "out", out.size, idx.size, row_size);
   check_row_indices("take_rows", idx, as_int64(a.size / row_size));
   const int64_t n = as_int64(out.size);
   if (n == 0) return;
@@ -154,7 +154,7 @@ void scatter_add_rows(const CudaArray& src, const CudaArray& idx, CudaArray& out
     throw py::value_error("needle cuda: scatter_add_rows: out has " + std::to_string(out.size) +
                           " elements, not a multiple of row_size " + std::to_string(row_size));
   }
-  check_size("scatter_add_rows", "src", src.size, idx.size * row_size);
+  check_extents("scatter_add_rows", "src", src.size, idx.size, row_size);
   check_row_indices("scatter_add_rows", idx, as_int64(out.size / row_size));
   if (idx.size == 0) return;
   const int64_t columns = as_int64(row_size);
@@ -170,7 +170,7 @@ void scatter_add_rows(const CudaArray& src, const CudaArray& idx, CudaArray& out
 void take_along_rows(const CudaArray& a, const CudaArray& idx, CudaArray& out, size_t row_size) {
   check_floating("take_along_rows", {{"a", a}, {"out", out}});
   if (row_size == 0) throw py::value_error("needle cuda: take_along_rows: row_size must be positive");
-  check_size("take_along_rows", "a", a.size, idx.size * row_size);
+  check_extents("take_along_rows", "a", a.size, idx.size, row_size);
   check_size("take_along_rows", "out", out.size, idx.size);
   check_row_indices("take_along_rows", idx, as_int64(row_size));
   const int64_t n = as_int64(idx.size);
@@ -187,7 +187,7 @@ void take_along_rows(const CudaArray& a, const CudaArray& idx, CudaArray& out, s
 void scatter_along_rows(const CudaArray& src, const CudaArray& idx, CudaArray& out, size_t row_size) {
   check_floating("scatter_along_rows", {{"src", src}, {"out", out}});
   if (row_size == 0) throw py::value_error("needle cuda: scatter_along_rows: row_size must be positive");
-  check_size("scatter_along_rows", "out", out.size, idx.size * row_size);
+  check_extents("scatter_along_rows", "out", out.size, idx.size, row_size);
   check_size("scatter_along_rows", "src", src.size, idx.size);
   check_row_indices("scatter_along_rows", idx, as_int64(row_size));
   const int64_t n = as_int64(idx.size);

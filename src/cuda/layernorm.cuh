@@ -115,10 +115,10 @@ void layernorm_forward(const CudaArray& x, const CudaArray& w, const CudaArray& 
   check_layernorm(fn, rows, n, eps);
   check_floating(fn, {{"x", x}, {"w", w}, {"b", b}, {"out", out}});
   check_same_dtype(fn, {&x, &w, &b, &out});
-  check_size(fn, "x", x.size, size_t(rows * n));
+  check_extents(fn, "x", x.size, rows, n);
   check_size(fn, "w", w.size, size_t(n));
   check_size(fn, "b", b.size, size_t(n));
-  check_size(fn, "out", out.size, size_t(rows * n));
+  check_extents(fn, "out", out.size, rows, n);
   if (rows == 0) return;
   const unsigned grid = unsigned(std::min(rows, kReduceMaxBlocks));
   visit_floating(x.dtype, [&](auto tag) {
@@ -135,10 +135,10 @@ void layernorm_backward(const CudaArray& x, const CudaArray& w, const CudaArray&
   check_layernorm(fn, rows, n, eps);
   check_floating(fn, {{"x", x}, {"w", w}, {"g", g}, {"dx", dx}, {"dw", dw}, {"db", db}});
   check_same_dtype(fn, {&x, &w, &g, &dx, &dw, &db});
-  check_size(fn, "x", x.size, size_t(rows * n));
+  check_extents(fn, "x", x.size, rows, n);
   check_size(fn, "w", w.size, size_t(n));
-  check_size(fn, "g", g.size, size_t(rows * n));
-  check_size(fn, "dx", dx.size, size_t(rows * n));
+  check_extents(fn, "g", g.size, rows, n);
+  check_extents(fn, "dx", dx.size, rows, n);
   check_size(fn, "dw", dw.size, size_t(n));
   check_size(fn, "db", db.size, size_t(n));
   ScratchBuffer stats(2 * std::max<size_t>(size_t(rows), 1) * sizeof(float));  // each row's mean and rstd

@@ -187,9 +187,9 @@ void launch_matmul(const dim3& grid, const CudaArray& a, const CudaArray& b, Cud
 void matmul(const CudaArray& a, const CudaArray& b, CudaArray& out, size_t m, size_t n, size_t p, bool trans_a,
             bool trans_b) {
   check_matmul_dtypes("matmul", a, b, out);
-  check_size("matmul", "a", a.size, m * n);
-  check_size("matmul", "b", b.size, n * p);
-  check_size("matmul", "out", out.size, m * p);
+  check_extents("matmul", "a", a.size, m, n);
+  check_extents("matmul", "b", b.size, n, p);
+  check_extents("matmul", "out", out.size, m, p);
   if (m == 0 || p == 0) return;  // nothing to write (n == 0 is fine: out becomes zeros)
   const int64_t col_blocks = ceil_div(as_int64(p), kMmTileCols);
   if (col_blocks > kMaxGridY) {
@@ -205,9 +205,9 @@ void matmul(const CudaArray& a, const CudaArray& b, CudaArray& out, size_t m, si
 void matmul_batched(const CudaArray& a, const CudaArray& b, CudaArray& out, size_t batch, size_t m, size_t n,
                     size_t p) {
   check_matmul_dtypes("matmul_batched", a, b, out);
-  check_size("matmul_batched", "a", a.size, batch * m * n);
-  check_size("matmul_batched", "b", b.size, batch * n * p);
-  check_size("matmul_batched", "out", out.size, batch * m * p);
+  check_extents("matmul_batched", "a", a.size, batch, m, n);
+  check_extents("matmul_batched", "b", b.size, batch, n, p);
+  check_extents("matmul_batched", "out", out.size, batch, m, p);
   if (out.size != 0 && (out.ptr == a.ptr || out.ptr == b.ptr)) {
     throw py::value_error("needle cuda: matmul_batched: out must not be one of the inputs");
   }
@@ -229,9 +229,9 @@ void matmul_tiled(const CudaArray& a, const CudaArray& b, CudaArray& out, size_t
   if (m % tile != 0 || n % tile != 0 || p % tile != 0) {
     throw py::value_error("needle cuda: matmul_tiled: m, n, p must be multiples of " + std::to_string(kTile));
   }
-  check_size("matmul_tiled", "a", a.size, m * n);
-  check_size("matmul_tiled", "b", b.size, n * p);
-  check_size("matmul_tiled", "out", out.size, m * p);
+  check_extents("matmul_tiled", "a", a.size, m, n);
+  check_extents("matmul_tiled", "b", b.size, n, p);
+  check_extents("matmul_tiled", "out", out.size, m, p);
   const int64_t total = as_int64(m * p);
   if (total == 0) return;
   matmul_tiled_kernel<<<grid_for(total), kBlockSize>>>(data<float>(a), data<float>(b), data<float>(out),

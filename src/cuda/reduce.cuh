@@ -142,7 +142,7 @@ unsigned reduce_threads(size_t reduce_size) {
 template <typename Op>
 void reduce_op(const char* name, const CudaArray& a, CudaArray& out, size_t reduce_size, Op op) {
   check_floating(name, {{"a", a}, {"out", out}});
-  check_size(name, "a", a.size, out.size * reduce_size);
+  check_extents(name, "a", a.size, out.size, reduce_size);
   const int64_t rows = as_int64(out.size);
   if (rows == 0) return;
   const unsigned blocks = static_cast<unsigned>(std::min(rows, kReduceMaxBlocks));
@@ -183,7 +183,7 @@ void reduce_logsumexp(const CudaArray& a, CudaArray& out, size_t reduce_size) {
   if (reduce_size == 0 && out.size > 0) {
     throw py::value_error("needle cuda: reduce_logsumexp: cannot reduce over zero elements");
   }
-  check_size("reduce_logsumexp", "a", a.size, out.size * reduce_size);
+  check_extents("reduce_logsumexp", "a", a.size, out.size, reduce_size);
   visit_floating(a.dtype, [&](auto tag) {
     using T = TypeOf<decltype(tag)>;
     logsumexp_rows<T, float>("reduce_logsumexp", data<T>(a), data<T>(out), nullptr, nullptr, nullptr,
@@ -195,9 +195,9 @@ void softmax_xent_grad(const CudaArray& a, const CudaArray& idx, const CudaArray
                        size_t row_size) {
   check_floating("softmax_xent_grad", {{"a", a}, {"g", g}, {"out", out}});
   if (row_size == 0) throw py::value_error("needle cuda: softmax_xent_grad: row_size must be positive");
-  check_size("softmax_xent_grad", "a", a.size, idx.size * row_size);
+  check_extents("softmax_xent_grad", "a", a.size, idx.size, row_size);
   check_size("softmax_xent_grad", "g", g.size, idx.size);
-  check_size("softmax_xent_grad", "out", out.size, idx.size * row_size);
+  check_extents("softmax_xent_grad", "out", out.size, idx.size, row_size);
   check_row_indices("softmax_xent_grad", idx, as_int64(row_size));
   visit_floating_and_index(a.dtype, idx.dtype, [&](auto data_tag, auto idx_tag) {
     using T = TypeOf<decltype(data_tag)>;

@@ -93,24 +93,26 @@ StridedView make_view(const char* fn, size_t buffer_size, const std::vector<int6
   StridedView view{};
   view.ndim = static_cast<int>(shape.size());
   view.offset = offset;
-  *count = 1;
   int64_t lowest = offset;  // smallest and largest buffer positions the view reaches
   int64_t highest = offset;
+  bool overflow = false;  // as the CPU backend's make_walk: a wrapped-around reach could look in bounds
   for (int k = 0; k < view.ndim; ++k) {
     if (shape[k] < 0) throw py::value_error(std::string("needle cuda: ") + fn + ": negative shape");
     view.shape[k] = shape[k];
     view.strides[k] = strides[k];
-    *count *= shape[k];
     if (shape[k] > 0) {
-      const int64_t span = (shape[k] - 1) * strides[k];  // from idx_k = 0 to idx_k = shape_k - 1
-      if (span < 0) {
-        lowest += span;  // negative strides walk backwards
-      } else {
-        highest += span;
-      }
+      int64_t span;  // from idx_k = 0 to idx_k = shape_k - 1
+      overflow |= __builtin_mul_overflow(shape[k] - 1, strides[k], &span);
+      overflow |= __builtin_add_overflow(span < 0 ? lowest : highest, span, span < 0 ? &lowest : &highest);
     }
   }
-  if (*count > 0 && (lowest < 0 || highest >= as_int64(buffer_size))) {
+  *count = 1;
+  for (int k = 0; k < view.ndim; ++k) {
+    if (__builtin_mul_overflow(*count, shape[k], count)) {
+      throw py::value_error(std::string("needle cuda: ") + fn + ": shape is too large");
+    }
+  }
+  if (*count > 0 && (overflow || lowest < 0 || highest >= as_int64(buffer_size))) {
     throw py::value_error(std::string("needle cuda: ") + fn + ": view reaches elements [" +
                           std::to_string(lowest) + ", " + std::to_string(highest) + "] of a buffer of " +
                           std::to_string(buffer_size) + " elements");
@@ -190,6 +192,15 @@ void ewise_setitem(const CudaArray& a, CudaArray& out, const std::vector<int64_t
   int64_t n = 0;
   const StridedView view = make_view("ewise_setitem", out.size, shape, strides, offset, &n);
   check_size("ewise_setitem", "a", a.size, static_cast<size_t>(n));
+  // A view that reaches one element from several indices (a broadcast: stride 0 along an axis longer than 1)
+  // would keep whichever value came last: refused, as by the CPU backend and NumPy's broadcast views.
+  for (size_t k = 0; k < shape.size() && n > 0; ++k) {
+    if (strides[k] == 0 && shape[k] > 1) {
+      throw py::value_error("needle cuda: ewise_setitem: the view of out repeats elements (stride 0 along axis " +
+                            std::to_string(k) + " of " + std::to_string(shape[k]) +
+                            "): a write through it would keep only one of the values written to each");
+    }
+  }
   if (n == 0) return;
   visit_dtype(a.dtype, [&](auto in_tag) {
     visit_dtype(out.dtype, [&](auto out_tag) {

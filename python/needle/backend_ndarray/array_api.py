@@ -377,7 +377,7 @@ def full(shape, fill_value, dtype="float32", device=None):
 
 
 def zeros(shape, dtype="float32", device=None):
-    return full(shape, 0.0, dtype, device)
+    return (device or default_device()).full(shape, 0.0, dtype, fn="zeros")
 
 
 def broadcast_to(a, shape):

@@ -9,9 +9,11 @@ copy, and would wait for it up to the interpreter's switch interval (5 ms) behin
 
 One thread, one queue: copies run in the order they were issued, like a CUDA stream's, so a host buffer written
 by one copy and read by a later one needs no extra wait. What a CUDA stream gives for free the caller does by
-hand here: the device buffer a copy reads or writes must stay alive, and untouched, until the copy is done, so it
-is the computing thread that decides when it is freed (offload.py's rules 1 and 2) and the allocator's counts
-stay deterministic, which is what lets the ledger predict them (ledger.Ledger, `holds_parked_copies`).
+hand here: the device buffer a copy reads or writes must stay untouched until the copy is done, and the caller
+keeps it until it has waited for the copy, so it is the computing thread that decides when it is freed
+(offload.py's rules 1 and 2) and the allocator's counts stay deterministic, which is what lets the ledger predict
+them (ledger.Ledger, `holds_parked_copies`). A copy also holds both of its arrays itself (src/cpu/copy_thread.h)
+until a wait sees it done: an array dropped too early is freed late, never read or written after it is freed.
 """
 import numpy as np
 
@@ -20,15 +22,15 @@ __all__ = ["Copy", "CopyThread", "covers_its_buffer"]
 
 class Copy:
     """A queued copy: `result()` waits until it (and every copy issued before it) is done, and returns None.
-    It holds the host array, so a temporary one stays alive until then; the device array is the caller's."""
+    Until then the backend holds both of its arrays alive."""
 
-    def __init__(self, mod, ticket, host):
-        self.mod, self.ticket, self.host, self.finished = mod, ticket, host, False
+    def __init__(self, mod, ticket):
+        self.mod, self.ticket, self.finished = mod, ticket, False
 
     def result(self):
         if not self.finished:
             self.mod.copy_thread_wait(self.ticket)
-            self.finished, self.host = True, None
+            self.finished = True
         return None
 
 
@@ -46,8 +48,8 @@ def _whole_buffer(a, op):
 
 class CopyThread:
     """The copy thread of `mod` (a backend module with `copy_thread_to_host`): `to_host(a, out)` and
-    `to_device(host, out)` queue a copy and return a `Copy` at once. The caller keeps the NDArray alive and
-    untouched until that copy's `result()` has returned."""
+    `to_device(host, out)` queue a copy and return a `Copy` at once. The caller leaves the NDArray untouched, and
+    keeps it (so that it is freed when the caller says), until that copy's `result()` has returned."""
 
     def __init__(self, mod):
         self.mod = mod
@@ -55,9 +57,9 @@ class CopyThread:
     def to_host(self, a, out):
         """Queue a copy of `a` (a compact NDArray, its whole buffer) into `out`, a C-contiguous host array of its
         bytes."""
-        return Copy(self.mod, self.mod.copy_thread_to_host(_whole_buffer(a, "to_host"), out), out)
+        return Copy(self.mod, self.mod.copy_thread_to_host(_whole_buffer(a, "to_host"), out))
 
     def to_device(self, host, out):
         """Queue a copy of `host` (a host array of out's bytes) into `out`, a compact NDArray (its whole buffer)."""
         host = np.ascontiguousarray(host)
-        return Copy(self.mod, self.mod.copy_thread_to_device(host, _whole_buffer(out, "to_device")), host)
+        return Copy(self.mod, self.mod.copy_thread_to_device(host, _whole_buffer(out, "to_device")))

@@ -9,6 +9,7 @@ ever handed one that reaches outside its buffer. The NumPy-like functions that o
 import functools
 import importlib
 import math
+import operator
 
 import numpy as np
 
@@ -154,11 +155,12 @@ class BackendDevice:
         i = np.asarray(i.numpy() if isinstance(i, NDArray) else i).astype(np.int64)
         return NDArray(np.eye(n, dtype=np.float32)[i], device=self, dtype=dtype)
 
-    def empty(self, shape, dtype="float32"):
-        return NDArray.make(tuple(shape), device=self, dtype=dtype_name(dtype))
+    def empty(self, shape, dtype="float32", fn="empty"):
+        """An uninitialized compact array; `fn`, the function the caller was asked for, names a bad shape."""
+        return NDArray.make(shape_tuple(shape, fn), device=self, dtype=dtype_name(dtype))
 
-    def full(self, shape, fill_value, dtype="float32"):
-        arr = self.empty(shape, dtype)
+    def full(self, shape, fill_value, dtype="float32", fn="full"):
+        arr = self.empty(shape, dtype, fn)
         arr.fill(fill_value)
         return arr
 
@@ -286,6 +288,23 @@ def _require_float(name, *dtypes):
                             f"arithmetic; convert with .astype('float32') first")
 
 
+def _integers(values, fn, what):
+    """`values` as a tuple of ints, or TypeError naming `fn`: a float is refused, not truncated as int() would
+    (a shape (2.5, 4) silently made a (2, 4) array)."""
+    try:
+        return tuple(operator.index(v) for v in values)
+    except TypeError:
+        raise TypeError(f"{fn}: {what} must be a sequence of integers, got {values!r}") from None
+
+
+def shape_tuple(shape, fn):
+    """`shape` as a tuple of non-negative ints, or TypeError / ValueError naming `fn`, the function it was given to."""
+    shape = _integers(shape, fn, "a shape")
+    if any(s < 0 for s in shape):
+        raise ValueError(f"{fn}: a shape must not be negative, got {shape}")
+    return shape
+
+
 @functools.lru_cache(maxsize=4096)
 def compact_strides(shape):
     """The strides (in elements) of a compact row-major array of this shape: what a fresh NDArray gets."""
@@ -342,14 +361,12 @@ class NDArray:
     def make(shape, strides=None, device=None, handle=None, offset=0, dtype="float32"):
         """A new NDArray of the given view; a fresh compact buffer of `dtype` when `handle` is None (a view has
         its buffer's dtype)."""
-        shape = tuple(int(s) for s in shape)
-        if any(s < 0 for s in shape):
-            raise ValueError(f"NDArray shape must not be negative, got {shape}")
+        shape = shape_tuple(shape, "NDArray.make")
         device = device or default_device()
         array = object.__new__(NDArray)
         array._shape = shape
-        array._strides = compact_strides(shape) if strides is None else tuple(int(s) for s in strides)
-        array._offset = int(offset)
+        array._strides = compact_strides(shape) if strides is None else _integers(strides, "NDArray.make", "strides")
+        array._offset = operator.index(offset)
         array._device = device
         fresh = handle is None
         if fresh:
@@ -528,7 +545,7 @@ class NDArray:
 
     def broadcast_to(self, new_shape):
         """A view repeating size-1 axes with stride 0 (NumPy's rules; new leading axes allowed)."""
-        new_shape = tuple(int(s) for s in new_shape)
+        new_shape = shape_tuple(new_shape, "broadcast_to")
         lead = len(new_shape) - self.ndim
         if lead < 0:
             raise ValueError(f"broadcast_to: cannot broadcast shape {self.shape} to {new_shape}")
@@ -579,6 +596,10 @@ class NDArray:
 
     def __setitem__(self, idxs, other):
         view = self.__getitem__(idxs)
+        repeated = [axis for axis, (n, st) in enumerate(zip(view.shape, view.strides)) if st == 0 and n > 1]
+        if repeated and view.size:  # a broadcast view: several indices, one element; NumPy refuses it too
+            raise ValueError(f"setitem: the view written to (shape {view.shape}, strides {view.strides}) repeats "
+                             f"elements along axis {repeated[0]} (a broadcast view): write to the array it views")
         if isinstance(other, NDArray):
             if other.device != self.device:
                 raise ValueError(f"setitem: value on {other.device} but array on {self.device}")
@@ -910,7 +931,7 @@ def _normalize_axis(axis, ndim, name):
 def _resolve_reshape(old_shape, new_shape):
     if isinstance(new_shape, (int, np.integer)):
         new_shape = (new_shape,)
-    new_shape = [int(s) for s in new_shape]
+    new_shape = list(_integers(new_shape, "reshape", "a shape"))
     if new_shape.count(-1) > 1:
         raise ValueError(f"reshape: only one -1 allowed in {tuple(new_shape)}")
     if -1 in new_shape:

@@ -152,6 +152,10 @@ def compact(a, out, shape, strides, offset):
 
 
 def ewise_setitem(a, out, shape, strides, offset):
+    for axis, (n, stride) in enumerate(zip(shape, strides)):
+        if stride == 0 and n > 1 and math.prod(shape):  # one element, several values: the last would win
+            raise ValueError(f"ewise_setitem: the view of out repeats elements (stride 0 along axis {axis} of {n}): "
+                             f"a write through it would keep only one of the values written to each")
     _view(out, shape, strides, offset)[...] = convert(a.array, out.dtype).reshape(shape)
 
 
