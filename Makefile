@@ -72,7 +72,7 @@ sys.exit(not (spec and spec.origin and os.path.samefile(spec.origin, "python/nee
 endef
 export NEEDLE_IS_HERE
 
-# The memory timeline page's browser tests (tests/test_memory_html.py) drive headless Chromium with chromedriver
+# The memory timeline page's browser tests (tests/toolbox/test_memory_html.py) drive headless Chromium with chromedriver
 # (Debian's chromium and chromium-driver). Installed where this is root with apt-get (the package lists are
 # refreshed only if the install fails without); elsewhere those tests skip, saying why. Never fails `make test`.
 BROWSER_PACKAGES := chromium chromium-driver

@@ -20,10 +20,10 @@ A figure is stale when any of its `measures` paths differs between the stamp's c
 (`git diff <commit> -- PATHS`, or an untracked file there) in what runs: a Python file whose code is the same once
 docstrings are set aside (comments and layout are not in its syntax tree) measures the same, so rewording a
 docstring leaves the figures fresh. `quickstart-times` is the exception: the fresh clone's `make test` lints the
-text and runs the tests, so any change to it counts. A stale figure fails tests/test_figures.py, and `--stale`
-regenerates exactly those. So that a stamp never names a commit that does not hold the code it ran, this script
-refuses to stamp a figure while its `measures` have uncommitted changes (`--allow-dirty` stamps "dirty", which the
-test rejects).
+text and runs the tests, so any change to it counts. A stale figure fails tests/integration/test_figures.py, and
+`--stale` regenerates exactly those. So that a stamp never names a commit that does not hold the code it ran, this
+script refuses to stamp a figure while its `measures` have uncommitted changes (`--allow-dirty` stamps "dirty", which
+the test rejects).
 """
 import argparse
 import ast

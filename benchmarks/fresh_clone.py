@@ -44,7 +44,7 @@ def clean_env(venv):
     env["VIRTUAL_ENV"] = venv
     env["PATH"] = os.path.join(venv, "bin") + os.pathsep + env["PATH"]
     # The clone's suite checks every figure's stamp, this one's too, which cannot be current while it is measured
-    # (tests/test_figures.py skips it, and only it, saying so).
+    # (tests/integration/test_figures.py skips it, and only it, saying so).
     env["NEEDLE_FIGURE_BEING_MEASURED"] = "quickstart-times"
     return env
 

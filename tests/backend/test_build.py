@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
+REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 PACKAGE_DIR = os.path.join("python", "needle", "backend_ndarray")
 REASON = "needle: CUDA backend not built: "
 
@@ -65,9 +65,7 @@ def known_cuda_compiler():
 
 def cpu_backend_without_cuda_toolkit(folder):
     """Configure with find_package(CUDAToolkit) disabled, in a build folder other than build/, and build the CPU
-    module: (configure's output, the build folder, the package's modules before). Started in a thread as soon as
-    collection has selected the test below (conftest's `early` marker), so its half minute of compiling runs
-    beside the tests before it, on the other core."""
+    module: (configure's output, the build folder, the package's modules before)."""
     before = compiled_modules(os.path.join(REPO, PACKAGE_DIR))
     build = os.path.join(folder, "build-second")
     # Debug without -g: the quickest build (no -O3, no LTO, no debug info); what is tested is that it builds, not
@@ -103,12 +101,10 @@ def test_only_the_default_build_folder_builds_into_the_package(tmp_path, folder,
     assert REASON + "src/ndarray_backend_cuda.cu does not exist" in out
 
 
-# last in the file: the configure-only tests above run while its build finishes
-@pytest.mark.early(start=cpu_backend_without_cuda_toolkit)
-def test_build_without_cuda_toolkit_builds_cpu_backend_and_leaves_the_package_alone(early_result):
+def test_build_without_cuda_toolkit_builds_cpu_backend_and_leaves_the_package_alone(tmp_path):
     """find_package(CUDAToolkit) failing (here: disabled) is one status line, and the CPU module still builds;
     a build folder other than build/ keeps its module to itself."""
-    out, build, before = early_result
+    out, build, before = cpu_backend_without_cuda_toolkit(str(tmp_path))
     reasons = [line for line in out.splitlines() if REASON in line]
     assert len(reasons) == 1 and reasons[0].split(REASON, 1)[1].strip(), out
     assert cache_value(build, "NEEDLE_INSTALL_INTO_PACKAGE") == "OFF"

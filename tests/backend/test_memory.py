@@ -283,11 +283,10 @@ def test_tensor_level_views_and_backward_release(device):
     assert stats(device)["current_bytes"] == baseline["current_bytes"]
 
 
-# ----- the CUDA caching allocator (skipped cleanly without a GPU) ------------------------------------------------
-cuda_only = pytest.mark.skipif(not nd.cuda().enabled(), reason="no GPU: needle's cuda() backend is not enabled")
+# ----- the CUDA caching allocator (collected only where a GPU is) -------------------------------------------------
 
 
-@cuda_only
+@pytest.mark.gpu
 def test_cuda_reuse_of_a_freed_block_does_not_grow_reserved_bytes():
     device = nd.cuda()
     import gc as python_gc
@@ -303,7 +302,7 @@ def test_cuda_reuse_of_a_freed_block_does_not_grow_reserved_bytes():
     assert device.memory_stats()["reserved_bytes"] == reserved
 
 
-@cuda_only
+@pytest.mark.gpu
 def test_cuda_current_and_peak_exact_and_empty_cache():
     device = nd.cuda()
     import gc as python_gc
@@ -324,7 +323,7 @@ def test_cuda_current_and_peak_exact_and_empty_cache():
         device.memory_stats()["reserved_bytes"] < stats["reserved_bytes"]
 
 
-@cuda_only
+@pytest.mark.gpu
 def test_cuda_out_of_memory_raises_memory_error_with_sizes():
     device = nd.cuda()
     with pytest.raises(MemoryError, match="asked"):

@@ -1,6 +1,6 @@
 """backend_ndarray/threads.py: the CPU backend runs one thread per physical core, waiting passively, unless the
 user says otherwise, and gc.py's header says when other work shares the machine (issue #27: a demo that does not
-stall on a shared machine)."""
+stall on a shared machine); and the C++ kernels give the same bits whatever the number of threads."""
 import os
 import subprocess
 import sys
@@ -57,3 +57,41 @@ def test_a_busy_machine_gets_a_note_and_a_quiet_one_none():
     note = busy_machine_note(load_average=1.4, cpus=2)
     assert "busy" in note and "load average 1.4" in note and "2 CPUs" in note
     assert busy_machine_note(load_average=0.3, cpus=2) is None
+
+
+# Fused attention's and layer norm's C++ kernels, in one interpreter per thread count: attention_cases.run_attention
+# (causal, with dropout), and layernorm_forward / layernorm_backward on a (300, 260) input, each output's bytes.
+_KERNELS = """
+import hashlib, sys
+sys.path[:0] = ['tests/core', 'tests', 'python', 'apps']  # attention_cases, and the conftest it imports
+import numpy as np
+import attention_cases as t
+from needle import backend_ndarray as nd
+
+def digest(arrays):
+    return hashlib.sha256(b''.join(a.tobytes() for a in arrays)).hexdigest()
+
+out, grads = t.run_attention(nd.cpu(), t.make_arrays(3, 2, 150, 150, 8, 8, seed=7), True, True, dropout_p=0.1,
+                             seed=5)
+rng = np.random.default_rng(3)
+x, g = (nd.array(rng.standard_normal((300, 260)).astype(np.float32)) for _ in range(2))
+w, b = (nd.array(rng.standard_normal(260).astype(np.float32)) for _ in range(2))
+norm = [nd.layer_norm(x, w, b, 1e-5), *nd.layer_norm_backward(x, w, g, 1e-5)]
+print(digest([out] + grads), digest([a.numpy() for a in norm]))
+"""
+
+
+@pytest.mark.skipif(not ndl.cpu().enabled(), reason="the compiled CPU backend is not built")
+def test_cpu_kernels_do_not_depend_on_the_thread_count():
+    """The C++ kernels compute each element on one thread in a fixed order: OMP_NUM_THREADS=1 and 2 agree bit for
+    bit (what makes gc on/off exact whatever the thread count). Attention; layer norm, whose rows, and columns for
+    dw and db, are split over OpenMP threads."""
+    repo = os.path.join(os.path.dirname(__file__), "..", "..")
+    digests = []
+    for threads in ("1", "2"):
+        result = subprocess.run([sys.executable, "-c", _KERNELS], cwd=repo,
+                                capture_output=True, text=True, timeout=300,
+                                env=dict(os.environ, OMP_NUM_THREADS=threads), check=False)
+        assert result.returncode == 0, result.stderr[-3000:]
+        digests.append(result.stdout.split())
+    assert len(digests[0]) == 2 and digests[0] == digests[1], digests

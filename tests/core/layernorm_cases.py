@@ -1,4 +1,4 @@
-"""Layer-norm checks run under NEEDLE_BACKEND=np (a helper module of tests/, imported by no test file):
+"""Layer-norm checks run under NEEDLE_BACKEND=np (by np_backend_checks.py, in a fresh interpreter):
 float64 in, float64 out, so a central-difference gradient check holds at 1e-6 (it failed with relative error
 0.55 while the NumPy face computed float64 inputs in float32)."""
 import numpy as np

@@ -1,5 +1,5 @@
-"""The LM-head cases shared by test_linear_cross_entropy.py and its float64 check (`float64_checks`, which conftest's
-run_float64_checks runs under NEEDLE_BACKEND=np in a fresh interpreter: the backend is read once, at import)."""
+"""The LM-head cases shared by test_linear_cross_entropy.py and its float64 check (`float64_checks`, which
+np_backend_checks.py runs under NEEDLE_BACKEND=np in a fresh interpreter: the backend is read once, at import)."""
 import numpy as np
 
 import needle as ndl

@@ -1,17 +1,22 @@
-"""The float64 NumPy oracle: every op gradient case of op_cases.OP_CASES under NEEDLE_BACKEND=np.
+"""Everything checked under NEEDLE_BACKEND=np, in one interpreter: the float64 NumPy oracle for every op gradient
+case of op_cases.OP_CASES and for the fused ops (attention, layer norm, the LM head), broadcasting as NumPy does,
+and the optimizers' dtypes and state under that backend.
 
 Not collected by a plain `pytest` run (the name does not match test_*.py): NEEDLE_BACKEND is read once, at import,
 so these checks need their own interpreter. `test_autograd.py::test_float64_oracle_under_np_backend` runs
 
-    NEEDLE_BACKEND=np python -m pytest tests/np_backend_checks.py
+    NEEDLE_BACKEND=np python -m pytest tests/core/np_backend_checks.py
 
 Values are plain float64 numpy.ndarray here, so central differences with eps=1e-6 agree with the analytic
 gradients to ~1e-6 relative (float32 checks need eps=1e-2 and 1e-2 tolerances).
 """
+import importlib
+
 import numpy as np
 import pytest
 
 import needle as ndl
+from needle import nn, optim
 from needle.backend_selection import BACKEND
 
 from conftest import numerical_gradient
@@ -19,7 +24,7 @@ from conftest import numerical_gradient
 if BACKEND != "np":
     pytest.skip("run with NEEDLE_BACKEND=np (see the module docstring)", allow_module_level=True)
 
-from op_cases import OP_CASES  # noqa: E402  (only under NEEDLE_BACKEND=np)
+from op_cases import BINARY_OPS, OP_CASES  # noqa: E402  (only under NEEDLE_BACKEND=np)
 
 
 def check_gradients_float64(fn, *arrays, seed=0, rtol=1e-6, atol=1e-7):
@@ -89,21 +94,12 @@ def test_course_style_finite_differences_perturb_cached_data_in_place():
 # test_np_broadcast.py.) Each gradient is summed back to its input's shape: over added leading axes and over
 # size-1 axes that were stretched.
 BROADCAST_SHAPES = [((1, 3), (3,)), ((3,), (2, 3)), ((2, 1, 4), (3, 1)), ((4, 1), (1, 5)), ((2, 3), ())]
-BROADCAST_OPS = {
-    "add": (ndl.add, np.add),
-    "add_operator": (lambda a, b: a + b, np.add),
-    "subtract": (ndl.ops.subtract, np.subtract),
-    "sub_operator": (lambda a, b: a - b, np.subtract),
-    "multiply": (ndl.multiply, np.multiply),
-    "divide": (ndl.divide, np.divide),
-    "power": (ndl.power, np.power),
-}
 
 
 @pytest.mark.parametrize("shapes", BROADCAST_SHAPES, ids=str)
-@pytest.mark.parametrize("name", list(BROADCAST_OPS))
+@pytest.mark.parametrize("name", list(BINARY_OPS))
 def test_elementwise_ops_broadcast_like_numpy(name, shapes):
-    fn, ref = BROADCAST_OPS[name]
+    fn, ref = BINARY_OPS[name]
     rng = np.random.default_rng(sum(map(ord, name)))
     # Positive inputs away from 0: valid bases for power and divisors for divide.
     a, b = (rng.uniform(0.5, 2.0, shape) for shape in shapes)
@@ -141,3 +137,46 @@ def test_broadcast_shapes_in_lazy_mode():
         out = ndl.Tensor(np.ones(3)) * ndl.Tensor(np.ones((2, 3)))
         assert out.shape == (2, 3)
     np.testing.assert_array_equal(out.numpy(), np.ones((2, 3)))
+
+
+# ----- the fused ops in float64 (their cases' float64_checks) ---------------------------------------------------------
+@pytest.mark.parametrize("cases", ["attention_cases", "layernorm_cases", "linear_cross_entropy_cases"])
+def test_fused_op_float64_checks(cases):
+    """float64 in, float64 out, the unfused numbers within 1e-6 and central differences (eps 1e-6) within 1e-6."""
+    importlib.import_module(cases).float64_checks()
+
+
+# ----- the optimizers under this backend -----------------------------------------------------------------------------
+def test_numpy_backend_keeps_parameter_dtype():
+    """Under NEEDLE_BACKEND=np, NumPy float64 hyper-parameters must not promote float32 parameters."""
+    assert ndl.BACKEND == "np"
+    for make in (lambda ps: optim.SGD(ps, lr=np.float64(0.1), momentum=np.float64(0.9),
+                                      weight_decay=np.float64(0.01)),
+                 lambda ps: optim.Adam(ps, lr=np.float64(0.1), weight_decay=np.float64(0.01))):
+        p32 = nn.Parameter(ndl.Tensor(np.ones((2, 2), dtype=np.float32)))
+        p64 = nn.Parameter(ndl.Tensor(np.ones((2, 2), dtype=np.float64), dtype="float64"))
+        opt = make([p32, p64])
+        for _ in range(2):
+            ((p32 * p32).sum() + (p64 * p64).sum()).backward()
+            opt.step()
+        assert p32.realize_cached_data().dtype == np.float32, p32.realize_cached_data().dtype
+        assert p64.realize_cached_data().dtype == np.float64, p64.realize_cached_data().dtype
+        assert not np.allclose(p32.numpy(), 1.0)
+
+
+def test_numpy_backend_state_dict_round_trip(tmp_path):
+    """Under NEEDLE_BACKEND=np the state is NumPy arrays in the parameters' dtypes (float64 too)."""
+    for make in (lambda ps: optim.Adam(ps, lr=0.1), lambda ps: optim.Adafactor(ps, beta1=0.9)):
+        p32 = nn.Parameter(ndl.Tensor(np.ones((2, 3), dtype=np.float32)))
+        p64 = nn.Parameter(ndl.Tensor(np.ones((3,), dtype=np.float64), dtype="float64"))
+        opt = make([p32, p64])
+        for _ in range(2):
+            ((p32 * p32).sum() + (p64 * p64 * p64).sum()).backward()
+            opt.step()
+        state = opt.state_dict()
+        fresh = make([p32, p64])
+        fresh.load_state_dict(ndl.load(ndl.save(state, str(tmp_path / "state.npz"))))
+        for i, entry in fresh.state_dict()["state"].items():
+            for slot, a in entry.items():
+                assert a.dtype == state["state"][i][slot].dtype == (np.float64 if i else np.float32), slot
+                assert a.tobytes() == state["state"][i][slot].tobytes()

@@ -1,6 +1,8 @@
 """The table of op gradient cases, at least one per op class in `needle.ops` (the fused ops excepted: they have their
-own test files). test_autograd.py runs each case in float32 on every NDArray device; np_backend_checks.py runs the
-same table in float64 under NEEDLE_BACKEND=np.
+own test files). test_autograd.py runs each case in float32 on the NumPy reference device (tests/backend's
+test_autograd_compiled.py on the compiled ones); np_backend_checks.py runs the same table in float64 under
+NEEDLE_BACKEND=np. BINARY_OPS: the element-wise binary ops and their NumPy functions, which broadcast under
+NEEDLE_BACKEND=np (np_backend_checks.py) and require equal shapes on NDArrays (test_np_broadcast.py).
 """
 import math
 from collections import namedtuple
@@ -10,7 +12,7 @@ import numpy as np
 import needle as ndl
 from needle import ops
 
-__all__ = ["OP_CASES", "OpCase"]
+__all__ = ["BINARY_OPS", "OP_CASES", "OpCase"]
 
 # op: the op class name the case covers; fn: Tensors -> Tensor; make(rng) -> the input arrays (float64);
 # ref: the forward in NumPy (None where the forward is checked elsewhere, e.g. test_ndarray.py).
@@ -247,4 +249,14 @@ OP_CASES = {
                                          _inputs(_n(4, 5), _n(4,)), None),
     "composite": OpCase("EWiseMul", lambda a, b: ndl.logsoftmax(ndl.relu(a @ b) * (a @ b)) + ndl.tanh(a @ b),
                         _inputs(_n(3, 4), _n(4, 5)), None),
+}
+
+BINARY_OPS = {
+    "add": (ndl.add, np.add),
+    "add_operator": (lambda a, b: a + b, np.add),
+    "subtract": (ndl.ops.subtract, np.subtract),
+    "sub_operator": (lambda a, b: a - b, np.subtract),
+    "multiply": (ndl.multiply, np.multiply),
+    "divide": (ndl.divide, np.divide),
+    "power": (ndl.power, np.power),
 }

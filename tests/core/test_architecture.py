@@ -13,7 +13,7 @@ import needle as ndl
 
 pytestmark = pytest.mark.smoke
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
+REPO = pathlib.Path(__file__).resolve().parents[2]
 NEEDLE = REPO / "python" / "needle"
 EXPERIMENT = REPO / "apps" / "experiment"
 THIS_FILE = pathlib.Path(__file__).resolve()

@@ -1,17 +1,15 @@
 """Fused attention, ops.scaled_dot_product_attention: the unfused numbers without the T_q x T_k matrix.
 
 The oracle is the unfused nn.MultiHeadAttention (itself checked against PyTorch in test_nn.py): forward and the
-gradients of q, k and v within 1e-5 in float32 on every NDArray device, within 1e-6 in float64 under
-NEEDLE_BACKEND=np (in a subprocess: the backend is read at import), and central differences through conftest's
+gradients of q, k and v within 1e-5 in float32 on the NumPy reference device (tests/backend's
+test_attention_compiled.py: on the compiled ones), within 1e-6 in float64 under NEEDLE_BACKEND=np
+(np_backend_checks.py, in a subprocess: the backend is read at import), and central differences through conftest's
 checker. Memory is counted, not estimated: the allocator's peak inside each compute is exactly what the ops declare
 to the Budget's ledger (`workspace`, `compacts_inputs`), and linear in T. In nn, AttentionLayer and the layers
 above it attend with the fused op when attention dropout is 0 (or when asked), leave NumPy's random stream exactly
 where the unfused path leaves it, and stay bit-identical with checkpointing on and off (rule 4).
 """
 import gc as python_gc
-import os
-import subprocess
-import sys
 
 import ml_dtypes
 import numpy as np
@@ -24,13 +22,9 @@ from needle.backend_ndarray import ndarray_backend_numpy as reference
 from needle.ops.ops_attention import ScaledDotProductAttention, ScaledDotProductAttentionGrad
 
 from attention_cases import CASES, assert_close, make_arrays, run_attention
-from conftest import (DEVICES, assert_float64_checks_passed, check_gradients, float64_checks, peak_during,
-                      random_out_grad, saves_violation)
+from conftest import check_gradients, peak_during, random_out_grad, saves_violation
 
-REPO = os.path.join(os.path.dirname(__file__), "..")
-DEVICE = nd.cpu() if nd.cpu().enabled() else nd.cpu_numpy()
-_CPU_SKIP = pytest.mark.skipif(not nd.cpu().enabled(), reason="C++ backend not built (run `make`)")
-HOST_DEVICES = [pytest.param(nd.cpu(), id="cpu", marks=_CPU_SKIP), pytest.param(nd.cpu_numpy(), id="cpu_numpy")]
+DEVICE = nd.cpu_numpy()  # the layers' tests: the graph, on the reference (tests/backend: the kernels, compiled)
 F32 = 4
 
 def _dense(q, k, v, scale, causal, z=None):
@@ -47,7 +41,6 @@ def _dense(q, k, v, scale, causal, z=None):
 
 
 # ----- the numbers -------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("case", list(CASES))
 def test_fused_matches_unfused_forward_and_gradients(device, case):
     """out, dq, dk and dv equal nn.MultiHeadAttention's within 1e-5 (float32), for tiles that divide T and tiles
@@ -60,7 +53,6 @@ def test_fused_matches_unfused_forward_and_gradients(device, case):
     assert_close([out] + grads, [ref_out] + ref_grads, rtol=1e-5)
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 def test_outputs_are_out_and_the_float32_log_sum_exp_of_each_row(device, causal):
     """The op's two outputs against the float64 definition: out within 1e-5, lse (float32) within 1e-5."""
@@ -72,7 +64,6 @@ def test_outputs_are_out_and_the_float32_log_sum_exp_of_each_row(device, causal)
     assert_close([out.numpy(), lse.numpy()], [ref_out, ref_lse], rtol=1e-5)
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype, rtol", [("float16", 3e-3), ("bfloat16", 2e-2)])
 @pytest.mark.parametrize("case", ["T_not_a_tile_multiple_causal", "T_q_gt_T_k_full"])
 def test_16bit_storage_float32_arithmetic(device, dtype, rtol, case):
@@ -89,14 +80,6 @@ def test_16bit_storage_float32_arithmetic(device, dtype, rtol, case):
     assert lse.dtype == "float32"
 
 
-@pytest.mark.early(start=float64_checks("attention_cases"))  # a process of its own: run beside the tests before it
-def test_float64_under_np_backend_in_a_subprocess(early_result):
-    """NEEDLE_BACKEND=np in a fresh interpreter: float64 in, float64 out, the unfused numbers within 1e-6 and
-    central differences (eps 1e-6) within 1e-6 (attention_cases.float64_checks)."""
-    assert_float64_checks_passed(early_result)
-
-
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("causal, dropout_p", [(True, 0.0), (False, 0.0), (True, 0.3)],
                          ids=["causal", "full", "causal-dropout"])
 def test_gradient_against_central_differences(device, causal, dropout_p):
@@ -109,7 +92,6 @@ def test_gradient_against_central_differences(device, causal, dropout_p):
     check_gradients(fn, q, k, v, device=device)
 
 
-@pytest.mark.parametrize("device", DEVICES)
 def test_eager_and_lazy_are_bit_identical(device):
     """Rule 4b for the op: the same numbers whether the graph is computed as it is built or afterwards."""
     arrays = make_arrays(2, 2, 70, 70, 5, 5, seed=6)
@@ -119,25 +101,7 @@ def test_eager_and_lazy_are_bit_identical(device):
     assert all(np.array_equal(a, b) for a, b in zip([eager[0]] + eager[1], [lazy[0]] + lazy[1]))
 
 
-@_CPU_SKIP
-def test_results_do_not_depend_on_the_thread_count():
-    """The C++ kernels compute each element on one thread in a fixed order: OMP_NUM_THREADS=1 and 2 agree bit for
-    bit (what makes gc on/off exact whatever the thread count)."""
-    code = ("import sys, hashlib; sys.path[:0] = ['tests', 'python', 'apps']; import attention_cases as t; "
-            "from needle import backend_ndarray as nd; "
-            "out, grads = t.run_attention(nd.cpu(), t.make_arrays(3, 2, 150, 150, 8, 8, seed=7), True, True, "
-            "dropout_p=0.1, seed=5); print(hashlib.sha256(b''.join(a.tobytes() for a in [out] + grads)).hexdigest())")
-    digests = []
-    for threads in ("1", "2"):
-        result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300,
-                                env=dict(os.environ, OMP_NUM_THREADS=threads), check=False)
-        assert result.returncode == 0, result.stderr[-3000:]
-        digests.append(result.stdout.split()[-1])
-    assert digests[0] == digests[1]
-
-
 # ----- dropout -----------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("device", DEVICES)
 def test_dropout_mask_is_the_contracts_hash_and_the_same_on_every_device(device):
     """out = (softmax(s) z) v with z = keep / (1 - p), keep[row, col] = hash(seed, row * T_k + col) >= p 2^32 (the
     reference's dropout_keep): within 1e-5 of that definition; about 1 - p of the elements kept."""
@@ -165,7 +129,7 @@ def test_seed_none_draws_from_numpys_rng_only_with_dropout():
 
 
 # ----- memory: exact bytes -----------------------------------------------------------------------------------
-@pytest.mark.parametrize("device", HOST_DEVICES)
+@pytest.mark.devices("cpu", "cpu_numpy")
 @pytest.mark.parametrize("strided", [False, True], ids=["compact", "strided"])
 def test_peak_inside_compute_is_exactly_outputs_plus_declared_workspace(device, strided):
     """Forward: out + lse, plus a compact copy of each strided input (compacts_inputs; workspace 0). Gradient:
@@ -195,7 +159,7 @@ def test_peak_inside_compute_is_exactly_outputs_plus_declared_workspace(device, 
                                     + copies), (peak, outputs)
 
 
-@pytest.mark.parametrize("device", HOST_DEVICES)
+@pytest.mark.devices("cpu", "cpu_numpy")
 def test_peak_of_forward_and_backward_is_linear_in_T(device):
     """The issue's goal at a size tests can afford: the peak of the fused forward + backward beyond the output and
     the three input gradients is under 20% of one float32 B·H·T·T tensor (the unfused path's is several)."""
@@ -325,7 +289,6 @@ def test_fused_path_leaves_numpys_random_stream_as_the_unfused_path(dropout, tra
     assert np.array_equal(states[0][0], states[1][0]) and states[0][1] == states[1][1]
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 def test_fused_transformer_matches_unfused_in_training_mode(device, causal):
     """nn.Transformer in training mode at dropout 0: the fused and unfused attention give the same output and
@@ -409,7 +372,6 @@ def test_bad_inputs_raise_errors_naming_the_op_and_the_shapes():
             ops.scaled_dot_product_attention(q, k, v, dropout_p=bad)
 
 
-@pytest.mark.parametrize("device", DEVICES)
 def test_backends_check_their_arguments(device):
     """The array functions and the backend modules refuse what the contract excludes, with errors naming the
     function: causal T_q > T_k, sizes, dtypes, dropout_p."""

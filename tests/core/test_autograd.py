@@ -1,10 +1,10 @@
 """The graph core: every op's gradient against central differences, and the course's autograd behaviours.
 
 `OP_CASES` (op_cases.py) is one table of gradient cases, at least one per op class in `needle.ops` (a test checks
-that none is missing). `test_op_gradient` runs each case in float32 on every NDArray device through
-`conftest.check_gradients`; `np_backend_checks.py` runs the same table in float64 under NEEDLE_BACKEND=np (eps 1e-6,
-tolerance ~1e-6), which `test_float64_oracle_under_np_backend` launches in a subprocess, because NEEDLE_BACKEND is
-read at import.
+that none is missing). `test_op_gradient` runs each case in float32 on the NumPy reference device through
+`conftest.check_gradients` (tests/backend/test_autograd_compiled.py on the compiled devices); `np_backend_checks.py`
+runs the same table in float64 under NEEDLE_BACKEND=np (eps 1e-6, tolerance ~1e-6), which
+`test_float64_oracle_under_np_backend` launches in a subprocess, because NEEDLE_BACKEND is read at import.
 """
 import copy
 import gc
@@ -22,10 +22,10 @@ import needle as ndl
 from needle import autograd, backward, ops
 from needle import backend_ndarray as nd
 
-from conftest import DEVICES, check_gradients, numerical_gradient, random_out_grad, saves_violation
+from conftest import check_gradients, numerical_gradient, random_out_grad, saves_violation
 from op_cases import OP_CASES
 
-REPO = os.path.join(os.path.dirname(__file__), "..")
+REPO = os.path.join(os.path.dirname(__file__), "..", "..")
 
 # The fused ops are checked in their own files (test_attention, test_layernorm, test_fused_linear, test_dropout,
 # test_linear_cross_entropy) against the unfused graphs they replace.
@@ -43,7 +43,6 @@ def test_every_op_class_has_a_gradient_case():
     assert op_classes - {case.op for case in OP_CASES.values()} == set()
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", list(OP_CASES))
 def test_op_gradient(device, name):
     case = OP_CASES[name]
@@ -55,20 +54,15 @@ def test_op_gradient(device, name):
         np.testing.assert_allclose(out.numpy(), expected, rtol=1e-4, atol=1e-4)
 
 
-def np_backend_checks(folder):
-    """np_backend_checks.py (the OP_CASES in float64, eps 1e-6) run by pytest in a fresh interpreter with
-    NEEDLE_BACKEND=np: the finished process. An early job (conftest): it runs beside the tests before it."""
+def test_float64_oracle_under_np_backend():
+    """Run np_backend_checks.py (the OP_CASES and the fused ops in float64, eps 1e-6; broadcasting; the optimizers)
+    in one fresh interpreter with NEEDLE_BACKEND=np: the backend is read once, at import."""
     env = dict(os.environ, NEEDLE_BACKEND="np")
-    return subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", os.path.join("tests", "np_backend_checks.py")],
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+         os.path.join("tests", "core", "np_backend_checks.py")],
         check=False, cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
     )
-
-
-@pytest.mark.early(start=np_backend_checks)
-def test_float64_oracle_under_np_backend(early_result):
-    """Run np_backend_checks.py (the OP_CASES in float64, eps 1e-6) in a fresh interpreter with NEEDLE_BACKEND=np."""
-    result = early_result
     summary = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else ""
     assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-2000:]
     assert " passed" in summary and "skipped" not in summary and "failed" not in summary, summary
@@ -363,7 +357,6 @@ class _ComputeCounter:
         return sum(self.calls.values())
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.smoke
 def test_lazy_and_eager_give_identical_numbers(device, monkeypatch):
     results = {}
@@ -409,7 +402,6 @@ def _shape_graph(x, w):
     return ops.stack([ops.tuple_get_item(t, 1), parts[1]], axis=1).sum()
 
 
-@pytest.mark.parametrize("device", DEVICES)
 def test_lazy_shape_inference_covers_every_shape_changing_op(device, monkeypatch):
     """In lazy mode every intermediate's shape is known without computing anything, and equals the eager one."""
     rng = np.random.default_rng(7)

@@ -1,7 +1,7 @@
 """Gradient checkpointing: each test names the rule (needle/checkpoint.py, needle/backward.py) that it checks.
 
 Graph-level tests build small graphs from ops and annotate regions by hand; model-level tests (LanguageModel,
-layers) are in tests/test_checkpoint_models.py.
+layers) are in tests/integration/test_checkpoint_models.py.
 """
 import ast
 import gc as python_gc
@@ -16,7 +16,7 @@ import needle as ndl
 from needle import autograd, checkpoint, checkpoint_budget, ops
 from needle import backend_ndarray as nd
 
-from conftest import DEVICES, count_computes
+from conftest import count_computes
 
 POLICIES = [
     dict(),
@@ -65,7 +65,6 @@ def _grads(device, gc, lazy, seed=0):
     return loss.numpy(), [p.grad.numpy() for p in params]
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("lazy", [False, True], ids=["eager", "lazy"])
 @pytest.mark.parametrize("gc", POLICIES, ids=POLICY_IDS)
 def test_rule4_gradients_bit_identical(device, lazy, gc):
@@ -162,7 +161,7 @@ def test_rule3_values_released_after_backward(lazy):
             assert node.cached_data is None, type(node.op).__name__
 
 
-@pytest.mark.parametrize("device", [DEVICES[0], DEVICES[1]])
+@pytest.mark.devices("cpu", "cpu_numpy")
 @pytest.mark.parametrize("gc", [None, dict(), dict(policy="sqrt")], ids=["off", "all", "sqrt"])
 @pytest.mark.smoke
 def test_rule3_memory_returns_to_baseline(device, gc):
@@ -184,9 +183,9 @@ def test_rule3_memory_returns_to_baseline(device, gc):
 
 
 @pytest.mark.parametrize("gc", [dict(), dict(policy="sqrt"), dict(segment_len=2)], ids=["all", "sqrt", "seg2"])
-def test_rule3_dropped_values_use_less_memory_at_backward_start(gc):
+@pytest.mark.devices("cpu", "cpu_numpy")
+def test_rule3_dropped_values_use_less_memory_at_backward_start(device, gc):
     """Rule 3: in eager mode dropped values are released when the region's output exists."""
-    device = DEVICES[0].values[0] if nd.cpu().enabled() else nd.cpu_numpy()
     params = _params(device, width=64)
     x = ndl.Tensor(np.ones((64, 64), np.float32), device=device, requires_grad=False)
     python_gc.collect()

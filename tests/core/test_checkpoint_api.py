@@ -11,7 +11,6 @@ import needle as ndl
 from needle import autograd, checkpoint, nn, ops
 from needle import backend_ndarray as nd
 
-from conftest import DEVICES
 
 
 def _weights(device, n=3, width=8, seed=0):
@@ -43,7 +42,7 @@ def _parse_dot(dot):
 
 
 # ----- checkpoint(fn, *args) --------------------------------------------------------------------------------------
-@pytest.mark.parametrize("device", [DEVICES[0], DEVICES[1]])
+@pytest.mark.devices("cpu", "cpu_numpy")
 @pytest.mark.parametrize("lazy", [False, True], ids=["eager", "lazy"])
 @pytest.mark.smoke
 def test_rule4_checkpoint_gradients_bit_identical(device, lazy):
@@ -85,11 +84,10 @@ def test_rule1_checkpoint_drops_the_interior_only():
     assert checkpoint.keep_reason(out) == "boundary"
 
 
-def test_rule3_checkpoint_holds_less_memory_before_backward():
-    """Rule 3: on the C++ cpu() device, a checkpointed chain holds exactly its interior's bytes less."""
-    if not nd.cpu().enabled():
-        pytest.skip("C++ backend not built (run `make`)")
-    device = nd.cpu()
+@pytest.mark.devices("cpu", "cpu_numpy")
+def test_rule3_checkpoint_holds_less_memory_before_backward(device):
+    """Rule 3: on the C++ cpu() device (and the reference), a checkpointed chain holds exactly its interior's bytes
+    less."""
     ws = _weights(device, n=3, width=128)
     x = ndl.Tensor(np.ones((64, 128), np.float32), device=device, requires_grad=False)
     held = []

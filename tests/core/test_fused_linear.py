@@ -15,7 +15,7 @@ import needle as ndl
 from needle import autograd, nn, ops
 from needle import backend_ndarray as nd
 
-from conftest import DEVICES, check_gradients
+from conftest import check_gradients
 
 
 def composite(x, w, b=None, activation=None):
@@ -45,7 +45,6 @@ ACTIVATIONS = [None, "relu", "gelu", "gelu_tanh", "silu"]
 SHAPES = [((4, 3), (3, 5)), ((2, 3, 4), (4, 6)), ((7,), (7, 2)), ((2, 1, 3, 5), (5, 1)), ((1, 1), (1, 1))]
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("shapes", SHAPES, ids=[f"x{s[0]}" for s in SHAPES])
 @pytest.mark.parametrize("bias", [None, "row", "flat"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -96,13 +95,12 @@ def test_linear_layers_gc_on_and_off_bit_identical(lazy, activation):
         np.testing.assert_array_equal(a, b)
 
 
-@pytest.mark.skipif(not nd.cpu().enabled(), reason="C++ backend not built (run `make`)")
+@pytest.mark.devices("cpu", "cpu_numpy")
 @pytest.mark.parametrize("activation, bits", [("relu", None), ("gelu", None), ("silu", None), ("gelu", 3),
                                               ("silu", 1)])
-def test_ledger_predicts_a_linear_step_exactly(activation, bits):
+def test_ledger_predicts_a_linear_step_exactly(device, activation, bits):
     from needle.checkpoint_budget import predict_peak
 
-    device = nd.cpu()
     np.random.seed(0)
     first, second = nn.Linear(32, 64, device=device), nn.Linear(64, 16, device=device)
 

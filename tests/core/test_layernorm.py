@@ -1,14 +1,12 @@
 """The fused layer norm (`ops.layer_norm`, src/README.md: layernorm_forward / layernorm_backward).
 
-1. the kernels against the composite formula in float64 NumPy, on every device and dtype, and the NumPy face;
+1. the kernels against the composite formula in float64 NumPy, in every dtype, and the NumPy face (on the NumPy
+   reference here; tests/backend's test_layernorm_compiled.py runs these tests on the compiled devices);
 2. the op: forward and all three gradients against the composite of needle's own ops (what LayerNorm1d was),
    a numerical gradient check, eager = lazy, and the allocator's peak inside the op (nothing beyond its outputs);
 3. LayerNorm1d is one node now, and checkpointing a model around it stays bit-exact;
 4. errors name the op and the shapes.
 """
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -17,8 +15,6 @@ import needle as ndl
 from needle import autograd, checkpoint, nn, ops
 from needle import backend_ndarray as nd
 from needle import backend_numpy as np_face
-
-from conftest import DEVICES, assert_float64_checks_passed, float64_checks
 
 TOL = {"float32": 2e-5, "bfloat16": 2e-2, "float16": 3e-3}
 
@@ -49,7 +45,6 @@ def assert_close(ours, expected, dtype):
 
 
 # ----- 1. the kernels -----------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 @pytest.mark.parametrize("shape", [(1, 1), (3, 5), (37, 50), (2, 3, 64), (1, 300), (70, 130)])
 def test_kernels_match_the_formula(device, dtype, shape):
@@ -62,26 +57,6 @@ def test_kernels_match_the_formula(device, dtype, shape):
     for ours, want in ((y, y_ref), (dx, dx_ref), (dw, dw_ref), (db, db_ref)):
         assert ours.dtype == dtype and ours.shape == want.shape and ours.device == device
         assert_close(ours.numpy().astype(np.float64), want, dtype)
-
-
-def test_cpu_kernels_do_not_depend_on_the_thread_count(tmp_path):
-    """Rows, and columns for dw and db, are split over OpenMP threads: 1 and 2 threads give the same bits."""
-    if not nd.cpu().enabled():
-        pytest.skip("C++ backend not built")
-    script = ("import numpy as np, sys; from needle import backend_ndarray as nd\n"
-              "rng = np.random.default_rng(3)\n"
-              "x, g = (nd.array(rng.standard_normal((300, 260)).astype(np.float32)) for _ in range(2))\n"
-              "w, b = (nd.array(rng.standard_normal(260).astype(np.float32)) for _ in range(2))\n"
-              "out = [nd.layer_norm(x, w, b, 1e-5), *nd.layer_norm_backward(x, w, g, 1e-5)]\n"
-              "np.savez(sys.argv[1], *[a.numpy() for a in out])\n")
-    results = []
-    for threads in ("1", "2"):
-        path = tmp_path / f"t{threads}.npz"
-        env = {**os.environ, "OMP_NUM_THREADS": threads}
-        subprocess.run([sys.executable, "-c", script, str(path)], check=True, env=env, timeout=120)
-        results.append(np.load(path))
-    for key in results[0].files:
-        np.testing.assert_array_equal(results[0][key], results[1][key])
 
 
 def test_np_face_matches_the_reference_backend():
@@ -109,7 +84,6 @@ def composite(x, w, b, eps=1e-5):
                                                                                                 shape)
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("lazy", [False, True], ids=["eager", "lazy"])
 @pytest.mark.parametrize("shape", [(1, 1), (5, 8), (2, 3, 16)])
 def test_op_equals_the_composite_forward_and_gradients(device, lazy, shape):
@@ -144,7 +118,7 @@ def test_numerical_gradient_in_float64():
         assert abs(tensor.grad.numpy()[index] - (f[0] - f[1]) / (2 * h)) < 1e-4
 
 
-@pytest.mark.parametrize("device", [p for p in DEVICES if p.id != "cuda"])
+@pytest.mark.devices("cpu", "cpu_numpy")
 def test_the_op_allocates_only_its_outputs(device):
     """Forward: the output; gradient: dx, dw, db. The declared workspace is 0 (the ledger's view)."""
     x = ndl.Tensor(np.ones((64, 32), np.float32), device=device, requires_grad=True)
@@ -205,7 +179,8 @@ def test_under_autocast_the_input_is_cast_once_to_the_low_dtype():
 
 
 # ----- 4. errors ------------------------------------------------------------------------------------------------------
-def test_bad_shapes_and_dtypes_are_clear_errors():
+@pytest.mark.devices("cpu", "cpu_numpy")
+def test_bad_shapes_and_dtypes_are_clear_errors(device):
     x = ndl.Tensor(np.ones((3, 4), np.float32))
     with pytest.raises(ValueError, match=r"layer_norm: needs x \(\.\.\., n\).*got x \(3, 4\), weight \(5,\)"):
         ops.layer_norm(x, ndl.Tensor(np.ones(5, np.float32)), ndl.Tensor(np.ones(4, np.float32)))
@@ -216,22 +191,20 @@ def test_bad_shapes_and_dtypes_are_clear_errors():
     with pytest.raises(ValueError, match=r"layer_norm: b must have shape \(4,\), got \(3,\)"):
         nd.layer_norm(nd.array(np.ones((3, 4)), device=ref), nd.array(np.ones(4), device=ref),
                       nd.array(np.ones(3), device=ref), 1e-5)
-    for device in [p.values[0] for p in DEVICES if p.id != "cuda" and (p.id != "cpu" or nd.cpu().enabled())]:
-        mod = device.mod
-        a16 = mod.Array(12, "float16")
-        good = [mod.Array(12), mod.Array(4), mod.Array(4), mod.Array(12)]
-        with pytest.raises(TypeError, match=r"layernorm_forward"):
-            mod.layernorm_forward(a16, *good[1:], 3, 4, 1e-5)
-        with pytest.raises(ValueError, match=r"layernorm_forward\b.*\bw\b.*\b4\b|layernorm_forward\b.*\bw\b"):
-            mod.layernorm_forward(good[0], mod.Array(5), good[2], good[3], 3, 4, 1e-5)
-        with pytest.raises(ValueError, match=r"layernorm_backward\b.*\beps\b"):
-            mod.layernorm_backward(good[0], good[1], good[3], mod.Array(12), mod.Array(4), mod.Array(4), 3, 4, -1.0)
+    mod = device.mod
+    a16 = mod.Array(12, "float16")
+    good = [mod.Array(12), mod.Array(4), mod.Array(4), mod.Array(12)]
+    with pytest.raises(TypeError, match=r"layernorm_forward"):
+        mod.layernorm_forward(a16, *good[1:], 3, 4, 1e-5)
+    with pytest.raises(ValueError, match=r"layernorm_forward\b.*\bw\b.*\b4\b|layernorm_forward\b.*\bw\b"):
+        mod.layernorm_forward(good[0], mod.Array(5), good[2], good[3], 3, 4, 1e-5)
+    with pytest.raises(ValueError, match=r"layernorm_backward\b.*\beps\b"):
+        mod.layernorm_backward(good[0], good[1], good[3], mod.Array(12), mod.Array(4), mod.Array(4), 3, 4, -1.0)
 
 
-@pytest.mark.early(start=float64_checks("layernorm_cases"))  # a process of its own: run beside the tests before it
-def test_numpy_face_computes_float64_in_float64(early_result):
-    # Under NEEDLE_BACKEND=np a float64 input was computed in float32 and returned as float64 (issue 26, item 3).
-    assert_float64_checks_passed(early_result)
+def test_numpy_face_computes_float64_in_float64():
+    # Under NEEDLE_BACKEND=np a float64 input was computed in float32 and returned as float64 (issue 26, item 3);
+    # the float64 gradient check under that backend: np_backend_checks.py (layernorm_cases.float64_checks).
     x, w, b, g = data((3, 7), seed=4)
     assert np_face.layer_norm(x, w, b, 1e-5).dtype == np.float64
     assert all(a.dtype == np.float64 for a in np_face.layer_norm_backward(x, w, g, 1e-5))

@@ -1,9 +1,10 @@
 """The fused LM head, ops.linear_cross_entropy: the unfused loss's numbers, one chunk of logits at a time.
 
 The oracle is the unfused head, nn.SoftmaxLoss()(hidden @ W + b, y): forward and gradients within 1e-5 in float32
-on every NDArray device, within 1e-6 in float64 under NEEDLE_BACKEND=np (in a subprocess: the backend is read at
-import), and central differences through conftest's checker. Memory is counted, not estimated: the allocator's
-peak inside each compute is at most what the op declares to the Budget's ledger (`workspace`), and far below the
+on the NumPy reference device (tests/backend's test_linear_cross_entropy_compiled.py: on the compiled ones), within
+1e-6 in float64 under NEEDLE_BACKEND=np (np_backend_checks.py, in a subprocess: the backend is read at import),
+and central differences through conftest's checker. Memory is counted, not estimated: the allocator's peak inside
+each compute is at most what the op declares to the Budget's ledger (`workspace`), and far below the
 full logits. LanguageModel.loss is the model's SoftmaxLoss with the head fused, checkpointed exactly (rule 4)
 and predicted by the Budget's ledger within 1%.
 """
@@ -18,16 +19,13 @@ from needle import backend_ndarray as nd
 from needle.ops import ops_fused
 from needle.ops.ops_fused import LinearCrossEntropy, LinearCrossEntropyGrad, chunk_rows
 
-from conftest import (DEVICES, assert_float64_checks_passed, check_gradients, float64_checks, peak_during,
-                      random_out_grad, saves_violation)
+from conftest import check_gradients, peak_during, random_out_grad, saves_violation
 from linear_cross_entropy_cases import CASES, assert_close, fused_and_unfused, make_arrays
 from models import LanguageModel
 
-DEVICE = nd.cpu() if nd.cpu().enabled() else nd.cpu_numpy()
-_CPU_SKIP = pytest.mark.skipif(not nd.cpu().enabled(), reason="C++ backend not built (run `make`)")
+DEVICE = nd.cpu_numpy()  # the model's tests: the graph, on the reference (tests/backend: the kernels, compiled)
 F32 = 4
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("case", list(CASES))
 def test_fused_matches_unfused_forward_and_gradients(device, case):
     """Loss and the gradients of hidden, weight and bias equal the unfused head's within 1e-5 (float32)."""
@@ -38,7 +36,6 @@ def test_fused_matches_unfused_forward_and_gradients(device, case):
     assert_close(grads, ref_grads, rtol=1e-5)
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("chunk, bias", [(3, (1, 7)), (None, (7,)), (2, None)])
 def test_gradient_against_central_differences(device, chunk, bias):
     """conftest.check_gradients: the analytic gradient in a random direction against finite differences."""
@@ -51,15 +48,6 @@ def test_gradient_against_central_differences(device, chunk, bias):
     check_gradients(fn, *[a for a in (h, W, b) if a is not None], device=device)
 
 
-# a process of its own: run beside the tests before it
-@pytest.mark.early(start=float64_checks("linear_cross_entropy_cases"))
-def test_float64_under_np_backend_in_a_subprocess(early_result):
-    """NEEDLE_BACKEND=np in a fresh interpreter: float64 in, float64 out, the unfused numbers within 1e-6 and
-    central differences (eps 1e-6) within 1e-6 (linear_cross_entropy_cases.float64_checks)."""
-    assert_float64_checks_passed(early_result)
-
-
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("bad, position", [(7, 2), (-1, 0), (2.5, 4), (np.nan, 1)])
 def test_out_of_range_target_raises_index_error_naming_it(device, bad, position):
     """A target outside [0, V) or not an integer: IndexError naming its value and position, at the call (the
@@ -131,8 +119,7 @@ def test_op_contract_saves_shapes_and_no_second_derivative():
         grad_node.op.gradient(grad_node, grad_node)
 
 
-@pytest.mark.parametrize("device", [pytest.param(nd.cpu(), id="cpu", marks=_CPU_SKIP),
-                                    pytest.param(nd.cpu_numpy(), id="cpu_numpy")])
+@pytest.mark.devices("cpu", "cpu_numpy")
 @pytest.mark.parametrize("chunk, bias", [(8, (1, 200)), (5, (200,)), (8, None), (64, (1, 200)), (None, None)])
 def test_peak_memory_is_what_the_op_declares_and_far_below_the_logits(device, chunk, bias):
     """Exact bytes: the peak inside forward compute is at most one chunk of logits + the output + the declared

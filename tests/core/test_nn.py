@@ -12,7 +12,7 @@ import needle as ndl
 from needle import autograd, checkpoint, nn
 from needle import backend_ndarray as nd
 
-from conftest import DEVICES, peak_during, requires_torch
+from conftest import peak_during, requires_torch
 
 LAZY = [pytest.param(False, id="eager"), pytest.param(True, id="lazy")]
 
@@ -102,7 +102,6 @@ def t_transformer_layer(torch, ps, x, heads, dim_head, causal):
 
 
 # ----- Linear, activations, containers --------------------------------------------------------------------------
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("shape", [(5, 4), (2, 3, 4), (4,)], ids=["2d", "3d", "1d"])
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
 def test_linear_matches_torch(device, shape, bias):
@@ -127,10 +126,10 @@ def test_linear_matches_torch(device, shape, bias):
         assert layer.bias.shape == (1, 3)
 
 
-def test_linear_is_one_op_that_reads_the_bias_in_place():
+@pytest.mark.devices("cpu", "cpu_numpy")
+def test_linear_is_one_op_that_reads_the_bias_in_place(device):
     """nn.Linear is one graph node (ops.linear) whose inputs are x, the weight and the bias; the bias is added
     through a stride-0 view (no broadcast copy): the op allocates its output and x W (its declared workspace)."""
-    device = nd.cpu() if nd.cpu().enabled() else nd.cpu_numpy()
     layer = nn.Linear(3, 2, device=device)
     x = ndl.Tensor(np.ones((4, 5, 3), dtype=np.float32), device=device, requires_grad=False)
     with autograd.lazy_mode(True):
@@ -180,7 +179,6 @@ def test_parameter_creation_order_reproduces_draws():
     np.testing.assert_allclose(emb.weight.numpy(), np.random.randn(5, 3).astype(np.float32))
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.smoke
 def test_activations_flatten_identity_sequential_residual(device):
     rs = np.random.RandomState(1)
@@ -217,7 +215,6 @@ def test_module_parameters_train_eval_reach_nested_containers():
 
 
 # ----- norms -----------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("shape", [(6, 5), (2, 3, 5)], ids=["2d", "3d"])
 def test_layernorm_matches_torch(device, shape):
     torch = requires_torch()
@@ -273,7 +270,6 @@ def _batchnorm_case(torch, device, layer, x_np, to_nchw):
         assert layer.running_mean.op is None and layer.running_var.op is None  # no graph grows across steps
 
 
-@pytest.mark.parametrize("device", DEVICES)
 def test_batchnorm1d_train_eval_matches_torch(device):
     torch = requires_torch()
     rs = np.random.RandomState(4)
@@ -281,7 +277,6 @@ def test_batchnorm1d_train_eval_matches_torch(device):
     _batchnorm_case(torch, device, layer, randn(rs, 6, 4) * 2 + 0.5, lambda x: x)
 
 
-@pytest.mark.parametrize("device", DEVICES)
 def test_batchnorm2d_train_eval_matches_torch(device):
     torch = requires_torch()
     rs = np.random.RandomState(5)
@@ -294,7 +289,6 @@ def test_batchnorm2d_train_eval_matches_torch(device):
 CONV_CASES = [(3, 4, 3, 1, 6), (2, 5, 5, 2, 9), (4, 2, 1, 1, 5), (3, 3, 3, 2, 8), (2, 3, 7, 4, 11), (1, 2, 2, 1, 5)]
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("case", CONV_CASES, ids=[f"c{a}-{b}k{k}s{s}h{h}" for a, b, k, s, h in CONV_CASES])
 def test_conv_matches_torch(device, case):
     torch = requires_torch()
@@ -341,7 +335,6 @@ def _assert_rnn_param_grads(t_model, cells):
 RNN_CASES = [(1, True, "tanh", True), (2, False, "tanh", True), (2, True, "relu", False), (3, True, "tanh", True)]
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("case", RNN_CASES, ids=[f"L{n}-{'h0' if h else 'noh0'}-{a}-{'b' if b else 'nob'}"
                                                  for n, h, a, b in RNN_CASES])
 def test_rnn_matches_torch(device, case):
@@ -376,7 +369,6 @@ def test_rnn_matches_torch(device, case):
 LSTM_CASES = [(1, True, True), (2, False, True), (2, True, False), (3, False, True)]
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("case", LSTM_CASES, ids=[f"L{n}-{'h0' if h else 'noh0'}-{'b' if b else 'nob'}"
                                                   for n, h, b in LSTM_CASES])
 def test_lstm_matches_torch(device, case):
@@ -406,7 +398,6 @@ def test_lstm_matches_torch(device, case):
     _assert_rnn_param_grads(t_model, model.lstm_cells)
 
 
-@pytest.mark.parametrize("device", DEVICES)
 def test_cells_read_parameters_at_call_time(device):
     np.random.seed(9)
     cell = nn.RNNCell(2, 3, bias=False, device=device)
@@ -417,7 +408,6 @@ def test_cells_read_parameters_at_call_time(device):
                                rtol=1e-6)
 
 
-@pytest.mark.parametrize("device", DEVICES)
 def test_embedding_matches_torch(device):
     torch = requires_torch()
     np.random.seed(10)
@@ -434,7 +424,6 @@ def test_embedding_matches_torch(device):
     assert_close(emb.weight.grad.numpy(), tw.grad.numpy())
 
 
-@pytest.mark.parametrize("device", DEVICES)
 def test_embedding_index_out_of_range_raises_at_call(device):
     emb = nn.Embedding(5, 2, device=device)
     with pytest.raises(IndexError, match="Embedding"):
@@ -447,7 +436,6 @@ def test_embedding_index_out_of_range_raises_at_call(device):
 MHA_CASES = [(True, 4, 4), (False, 4, 4), (True, 3, 5), (False, 3, 5)]
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("case", MHA_CASES, ids=[f"{'causal' if c else 'full'}-T{t}S{s}" for c, t, s in MHA_CASES])
 def test_multihead_attention_matches_torch(device, case):
     torch = requires_torch()
@@ -476,7 +464,6 @@ def test_causal_mask_convention():
     np.testing.assert_array_equal(mask, np.array([[[[0, 0, big], [0, 0, 0]]]], dtype=np.float32))
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize("separate_kv", [False, True], ids=["self", "cross"])
 def test_attention_layer_matches_torch(device, causal, separate_kv):
@@ -503,7 +490,6 @@ def test_attention_layer_matches_torch(device, causal, separate_kv):
     assert_param_grads(layer, tp)
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 def test_transformer_layer_matches_torch(device, causal):
     torch = requires_torch()
@@ -524,7 +510,6 @@ def test_transformer_layer_matches_torch(device, causal):
     assert_param_grads(layer, tp)
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("batch_first", [False, True], ids=["TBD", "BTD"])
 def test_transformer_matches_torch(device, batch_first):
     torch = requires_torch()
@@ -569,7 +554,6 @@ def test_transformer_parameter_order_and_sequence_limit():
 
 
 # ----- dropout and the loss -------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("p", [0.0, 0.3, 0.8])
 def test_dropout_mask_convention(device, p):
     rs = np.random.RandomState(16)
@@ -606,7 +590,6 @@ def test_dropout_eval_is_identity_without_draws():
     assert np.random.rand() == after
 
 
-@pytest.mark.parametrize("device", DEVICES)
 def test_softmax_loss_matches_one_hot_and_torch(device):
     torch = requires_torch()
     rs = np.random.RandomState(19)
@@ -726,7 +709,6 @@ LAZY_MODELS = [
 ]
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("case", LAZY_MODELS, ids=["convnet", "lstm", "rnn", "transformer"])
 def test_eager_and_lazy_give_identical_results(device, case):
     make, shape = case

@@ -17,9 +17,8 @@ import needle as ndl
 from needle import backend_ndarray as nd
 from needle import nn
 
-from conftest import DEVICES
 
-ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
 
 
 def _model(device, seed):
@@ -50,7 +49,7 @@ def test_state_dict_names_parameters_and_buffers_and_copies_values():
     np.testing.assert_array_equal(model.modules[0].weight.numpy(), before)
 
 
-@pytest.mark.parametrize("device", [DEVICES[0], DEVICES[1]])
+@pytest.mark.devices("cpu", "cpu_numpy")
 @pytest.mark.smoke
 def test_round_trip_through_save_and_load_gives_identical_outputs(device, tmp_path):
     """A trained model's state_dict, saved and loaded into a fresh model, gives bit-identical outputs."""

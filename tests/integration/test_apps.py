@@ -18,7 +18,7 @@ from apps.models import LanguageModel, ResNet9
 from conftest import tiny_ptb
 
 DEVICE = ndl.cpu() if ndl.cpu().enabled() else ndl.cpu_numpy()
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def blobs(n, dim, classes, seed):

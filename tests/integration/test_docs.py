@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 README = REPO / "README.md"
 DOC_PAGES = sorted((REPO / "docs").glob("*.md"))
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 BEING_MEASURED = os.environ.get("NEEDLE_FIGURE_BEING_MEASURED")
 PAGES = [REPO / "README.md"] + sorted((REPO / "docs").glob("*.md"))
 _spec = importlib.util.spec_from_file_location("figures", REPO / "benchmarks" / "figures.py")

@@ -6,7 +6,7 @@ import pytest
 import needle as ndl
 from needle.version import package_version
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_version_is_pyprojects():

@@ -167,7 +167,7 @@ def test_resume_mixed_fp16_with_grad_scaler_including_skipped_steps(device, tmp_
 @pytest.mark.parametrize("device", COMPILED_DEVICES)  # cpu, and cuda where there is one
 def test_resume_zero_at_world_size_one(stage, optimizer_class, device, tmp_path):
     """ZeroRedundancyOptimizer in one process (flat partition for Adam, tensors for Adafactor): its state dict
-    is the shard of rank 0 of 1 and resumes bit for bit (two ranks: tests/distributed/resume_exact.py)."""
+    is the shard of rank 0 of 1 and resumes bit for bit (two ranks: tests/toolbox/distributed/resume_exact.py)."""
     def build(device):
         model = _model(device)
         return model, dist.ZeroRedundancyOptimizer(model.parameters(), optimizer_class, stage=stage), None

@@ -3,10 +3,11 @@ shared by test_quantize.py, test_adam_step.py and test_adam8bit_step.py."""
 import math
 
 import numpy as np
-import pytest
 
 from needle import backend_ndarray as nd
 from needle.optim.quantization import dynamic_map
+
+from conftest import DEVICES as ALL_DEVICES
 
 REF = nd.cpu_numpy()
 SIGNED, UNSIGNED = dynamic_map(signed=True), dynamic_map(signed=False)
@@ -16,15 +17,9 @@ def _has_quantization(device):
     return getattr(device.mod, "quantize_blockwise", None) is not None
 
 
-# Every device whose backend implements the two functions (the reference always; cpu once the C++ module has them).
-DEVICES = [
-    pytest.param(nd.cpu_numpy(), id="cpu_numpy"),
-    pytest.param(nd.cpu(), id="cpu", marks=pytest.mark.skipif(
-        not nd.cpu().enabled() or not _has_quantization(nd.cpu()),
-        reason="the C++ backend is not built or has no quantize_blockwise yet")),
-    pytest.param(nd.cuda(), id="cuda", marks=pytest.mark.skipif(
-        not nd.cuda().enabled(), reason="no GPU: needle's cuda() backend is not enabled")),
-]
+# Every device whose backend implements the two functions (the reference always; cpu once the C++ module has them;
+# cuda where a GPU is).
+DEVICES = [p for p in ALL_DEVICES if p.id != "cpu" or _has_quantization(nd.cpu())]
 
 
 def contract_quantize(values, code, block_size):

@@ -13,7 +13,7 @@ from needle import autograd, cost_model, ops
 from needle.autograd import TensorOp, infer_spec, placeholder
 from needle.cost_model import FLOP_KINDS, KINDS, Calibration, CostModel, device_copies_overlap, op_work
 
-from conftest import DEVICES
+from conftest import device_params
 from models import LanguageModel
 
 
@@ -138,7 +138,7 @@ def test_an_unknown_op_is_elementwise_by_its_bytes_and_a_leaf_has_no_work():
 
 
 # ----- the calibration and its cache ------------------------------------------------------------------------------
-@pytest.mark.parametrize("device", DEVICES[:2])
+@pytest.mark.parametrize("device", device_params("cpu", "cpu_numpy"))
 def test_a_quick_measurement_gives_positive_finite_rates_and_leaves_the_global_rng_alone(device):
     np.random.seed(0)
     before = np.random.get_state()[1].copy()

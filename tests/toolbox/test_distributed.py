@@ -1,9 +1,9 @@
 """needle.distributed: collectives, DataParallel, ZeRO and Pipeline.
 
 Two tiers: in this process (a job of one: world size 1, where everything must still work and equal plain needle),
-and `mpiexec -n 2 python tests/distributed/<script>.py` as subprocesses (each script asserts and prints a line per
-check; a timeout kills the job's whole process group, so a hung rank fails the test instead of hanging it). The MPI
-tier needs mpi4py (`pip install -e ".[distributed]"`) and is skipped with that reason without it.
+and `mpiexec -n 2 python tests/toolbox/distributed/<script>.py` as subprocesses (each script asserts and prints a
+line per check; a timeout kills the job's whole process group, so a hung rank fails the test instead of hanging it).
+The MPI tier needs mpi4py (`pip install -e ".[distributed]"`) and is skipped with that reason without it.
 """
 import json
 import os
@@ -20,7 +20,7 @@ from needle import distributed as dist
 from needle import nn, optim
 from needle.distributed import comm
 
-ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
 SCRIPTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "distributed")
 DEVICE = ndl.cpu() if ndl.cpu().enabled() else ndl.cpu_numpy()
 TIMEOUT = 120
@@ -683,18 +683,14 @@ def test_checkpointing_never_drops_the_output_of_a_collective():
 
 
 def one_process(script):
-    """The start function of an early job (conftest): the MPI script `script` run as one plain process (a job of
-    one); the finished process. It runs beside the tests before it."""
-    def start(folder):
-        return subprocess.run([sys.executable, os.path.join(SCRIPTS, script)], cwd=ROOT, env=comm.child_environment(),
-                              capture_output=True, text=True, timeout=TIMEOUT)
-    return start
+    """The MPI script `script` run as one plain process (a job of one): the finished process."""
+    return subprocess.run([sys.executable, os.path.join(SCRIPTS, script)], cwd=ROOT, env=comm.child_environment(),
+                          capture_output=True, text=True, timeout=TIMEOUT)
 
 
-@pytest.mark.early(start=one_process("tensor_parallel_exact.py"))
-def test_tensor_parallel_of_one_process_is_the_plain_model(early_result):
+def test_tensor_parallel_of_one_process_is_the_plain_model():
     # the MPI script's checks in a job of one: the same numbers, the collectives counted and unchanged by gc
-    proc = early_result
+    proc = one_process("tensor_parallel_exact.py")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert set(passed(proc.stdout)) >= {"exact_tp_all", "exact_tp_sp_all", "no_extra_collectives_tp"}, proc.stdout
 
@@ -720,10 +716,9 @@ def test_heads_that_do_not_divide_by_the_tensor_parallel_size_are_a_value_error_
 
 
 # ----- ZeRO-3 ------------------------------------------------------------------------------------------------------
-@pytest.mark.early(start=one_process("zero3_exact.py"))
-def test_zero_3_of_one_process_is_the_plain_model(early_result):
+def test_zero_3_of_one_process_is_the_plain_model():
     # the MPI script's checks in a job of one: bit-identical numbers, state dicts in full shapes, gc and bf16
-    proc = early_result
+    proc = one_process("zero3_exact.py")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert set(passed(proc.stdout)) >= {"zero3_state_dict_full_shapes", "exact_zero3_off", "exact_zero3_all",
                                         "zero3_same_collectives_with_gc", "zero3_bf16_autocast"}, proc.stdout

@@ -30,7 +30,7 @@ from needle.optim.quantization import dynamic_map
 from quantize_cases import (DEVICES, REF, SIGNED, UNSIGNED, assert_same_bits, contract_dequantize, contract_quantize,
                             scaled_blocks)
 
-REPO = os.path.join(os.path.dirname(__file__), "..")
+REPO = os.path.join(os.path.dirname(__file__), "..", "..")
 MAPS = [pytest.param(SIGNED, id="signed"), pytest.param(UNSIGNED, id="unsigned")]
 HYPOTHESIS = settings(derandomize=True, max_examples=40, deadline=None, database=None,
                       suppress_health_check=[HealthCheck.too_slow])

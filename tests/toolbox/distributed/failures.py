@@ -1,6 +1,6 @@
 """Run under `mpiexec -n 2 python failures.py CASE`: a job whose ranks go different ways ends, on every rank still
-running, with an error naming the collective, and never hangs (tests/test_distributed.py runs each CASE as its own
-job: after such an error the job ends).
+running, with an error naming the collective, and never hangs (tests/toolbox/test_distributed.py runs each CASE as
+its own job: after such an error the job ends).
 
 Every CASE sets a short timeout and lets the error go uncaught, as a training script would: the test reads the
 tracebacks' messages and the job's exit status. `join` is the one case that ends well: two ranks with 3 and 5
@@ -12,7 +12,7 @@ import time
 
 import numpy as np
 
-ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..")
 sys.path.insert(0, os.path.join(ROOT, "python"))
 
 import needle as ndl  # noqa: E402

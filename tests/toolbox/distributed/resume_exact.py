@@ -1,5 +1,5 @@
-"""Run under `mpiexec -n 2 python tests/distributed/resume_exact.py FOLDER` (tests/test_distributed.py does): ZeRO
-stages 1 and 2 resume bit for bit.
+"""Run under `mpiexec -n 2 python tests/toolbox/distributed/resume_exact.py FOLDER` (tests/toolbox/test_distributed.py
+does): ZeRO stages 1 and 2 resume bit for bit.
 
 Each rank trains K steps, saves its own optimizer shard and RNG state to FOLDER/<name>.rank<R>.npz (rank 0 also
 the model), trains M more steps (the uninterrupted run); then a fresh model and optimizer load the files and train
@@ -11,7 +11,7 @@ import sys
 
 import numpy as np
 
-ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..")
 sys.path.insert(0, os.path.join(ROOT, "python"))
 
 import needle as ndl  # noqa: E402

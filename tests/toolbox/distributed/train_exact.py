@@ -1,4 +1,4 @@
-"""Run under `mpiexec -n 2` (tests/test_distributed.py does): data parallelism and ZeRO against one process.
+"""Run under `mpiexec -n 2` (tests/toolbox/test_distributed.py does): data parallelism and ZeRO against one process.
 
 Each rank also trains the one-process reference itself (the whole batch, the plain optimizer), so no second job
 is needed. Every check asserts and prints one line "rank R ok NAME ..."; the test reads those lines.
@@ -8,7 +8,7 @@ import sys
 
 import numpy as np
 
-ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..")
 sys.path.insert(0, os.path.join(ROOT, "python"))
 sys.path.insert(0, os.path.join(ROOT, "apps"))
 
