@@ -15,6 +15,7 @@ Tests seed their own RNGs (the `rng` fixture, or np.random.seed inside the test)
 """
 import contextlib
 import gc as python_gc
+import importlib.abc
 import io
 import json
 import os
@@ -28,6 +29,21 @@ import pytest
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "python"))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "apps"))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+
+class _WithoutCompiledModules(importlib.abc.MetaPathFinder):
+    """NEEDLE_TESTS_WITHOUT_COMPILED=1 (`make test-core`): needle imports as if nothing were compiled, whatever is
+    built here, so tests/core shows on every machine that it needs nothing compiled (in this process and in the
+    pytest subprocess of np_backend_checks.py, which loads this file too)."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name.startswith("needle.backend_ndarray.ndarray_backend_c"):
+            raise ModuleNotFoundError(f"No module named {name!r} (NEEDLE_TESTS_WITHOUT_COMPILED)", name=name)
+        return None
+
+
+if os.environ.get("NEEDLE_TESTS_WITHOUT_COMPILED") == "1":
+    sys.meta_path.insert(0, _WithoutCompiledModules())
 
 import needle as ndl  # noqa: E402
 from needle import autograd  # noqa: E402
@@ -101,7 +117,9 @@ def pytest_terminal_summary(terminalreporter):
     """One line for each device whose cases were not collected here (rather than thousands of skips)."""
     if not GPU:
         terminalreporter.write_line("needle: the CUDA cases were not collected: no GPU here (cuda() is not enabled)")
-    if not CPU_BUILT:
+    if os.environ.get("NEEDLE_TESTS_WITHOUT_COMPILED") == "1":
+        terminalreporter.write_line("needle: run as if nothing were compiled (NEEDLE_TESTS_WITHOUT_COMPILED=1)")
+    elif not CPU_BUILT:
         terminalreporter.write_line("needle: the compiled CPU cases were not collected: the C++ backend is not built "
                                     "(make lib)")
 
