@@ -88,24 +88,27 @@ browser-deps:
 	else echo "browser-deps: no chromium/chromedriver and no root apt-get to install them: the browser tests will skip"; \
 	fi
 
-# The linter first (seconds), the build, then every tier of tests/ (tests/conftest.py says what each holds) in two
-# pytest processes side by side, one per core: tests/core (as if nothing were compiled, as `make test-core` runs it),
-# tests/backend and tests/integration in one; tests/toolbox in the other. Each one's output comes whole when it ends;
-# the last line adds them up (from their JUnit files in build/tests/).
+# The linter first (seconds), then every tier of tests/ (tests/conftest.py says what each holds), two processes at a
+# time, one per core: tests/core (as if nothing were compiled, as `make test-core` runs it) beside the build, then
+# tests/backend and tests/integration beside tests/toolbox. Each one's output comes whole when it ends; the last line
+# adds them up (from their JUnit files in build/tests/).
 TIER_REPORTS := $(BUILD_DIR)/tests
 PYTEST = $(PYTHON) -m pytest -q
 test: deps browser-deps
 	$(PYTHON) -m ruff check python tests apps benchmarks gc.py
-	$(MAKE) lib
 	@rm -rf $(TIER_REPORTS) && mkdir -p $(TIER_REPORTS)
-	@$(MAKE) --no-print-directory -j2 --output-sync=target test-tiers-a test-tiers-b
+	@$(MAKE) --no-print-directory -j2 --output-sync=target test-tier-core lib
+	@$(MAKE) --no-print-directory -j2 --output-sync=target test-tiers-backend-integration test-tier-toolbox
 	@$(PYTHON) -c "$$TALLY" $(TIER_REPORTS)/*.xml
 
-.PHONY: test-tiers-a test-tiers-b
-test-tiers-a:
+# tests/core imports no compiled module (NEEDLE_TESTS_WITHOUT_COMPILED) and starts no process that would: the build
+# may replace them meanwhile.
+.PHONY: test-tier-core test-tiers-backend-integration test-tier-toolbox
+test-tier-core:
 	NEEDLE_TESTS_WITHOUT_COMPILED=1 $(PYTEST) --junitxml=$(TIER_REPORTS)/core.xml tests/core
+test-tiers-backend-integration:
 	$(PYTEST) --junitxml=$(TIER_REPORTS)/backend-integration.xml tests/backend tests/integration
-test-tiers-b:
+test-tier-toolbox:
 	$(PYTEST) --junitxml=$(TIER_REPORTS)/toolbox.xml tests/toolbox
 
 define TALLY
