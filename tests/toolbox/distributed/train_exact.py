@@ -117,23 +117,9 @@ def check_collectives():
     say("collectives", "all_reduce sum/mean/max/async, all_gather, reduce_scatter, broadcast, send/recv, bf16")
 
 
-def main():
-    assert N == 2, "run with mpiexec -n 2"
-    dist.init()
-    check_collectives()
-    data = corpus()
-    full = batchify(data, BATCH, device=DEVICE, dtype="float32")
-    mine = dist.batchify(data, BATCH, device=DEVICE, dtype="float32")
-    assert mine.shape[1] == BATCH // N and np.array_equal(mine, full[:, RANK * BATCH // N:(RANK + 1) * BATCH // N])
-
-    # The one-process reference: the whole batch B, plain Adam.
-    ref_model = build()
-    noise = structural_zeros(ref_model, full)
-    names = [p.name for p in ref_model.parameters()]
-    assert [names[i] for i in sorted(noise)] == [f"seq_model.layers.{k}.attention.prenorm_k.bias" for k in (0, 1)]
-    reference = train(ref_model, ndl.optim.Adam(ref_model.parameters(), lr=0.01), full)
-
-    # Plain data parallelism: B/2 per rank, small buckets (several, started during backward).
+def data_parallel_checks(mine, reference, noise):
+    """Plain data parallelism (B/2 per rank, small buckets: several, started during backward) and gradient
+    accumulation equal the one-process reference."""
     torn = build()
     if RANK == 1:
         for p in torn.parameters():  # rank 0's values must win: DataParallel broadcasts them
@@ -156,7 +142,9 @@ def main():
     assert err <= 1e-5, err
     say("no_sync_accumulation_equals_one_process", f"max_rel={err:.2e}")
 
-    # ZeRO stages 1 and 2 with element-wise optimizers: equal to plain DP bit for bit.
+
+def zero_flat_checks(mine):
+    """ZeRO stages 1 and 2 with element-wise optimizers: equal to plain DP bit for bit."""
     sizes = [int(np.prod(p.shape)) for p in build().parameters()]
     total = sum(sizes)
     for cls, kw in ((ndl.optim.Adam, {"lr": 0.01}), (ndl.optim.SGD, {"lr": 0.1, "momentum": 0.9})):
@@ -184,7 +172,10 @@ def main():
                 f"of {per_element * total} ({opt.state_bytes() / (per_element * total):.4f})"
                 + (f" grad_bytes={opt.gradient_bytes()} of {4 * total}" if stage == 2 else ""))
 
-    # Optimizers whose update reads whole tensors: partitioned by tensors, equal to plain DP.
+
+def zero_tensors_checks(mine):
+    """Optimizers whose update reads whole tensors: partitioned by tensors, equal to plain DP; and a forced flat
+    partition for Adafactor runs, its state unfactored (a vector per shard)."""
     for cls, kw in ((ndl.optim.Adafactor, {}), (ndl.optim.Adam8bit, {"lr": 0.01, "min_8bit_size": 64})):
         model = dist.DataParallel(build(), bucket_mb=0.004)
         fp32 = {"fp32_state_params": [model.module.embedding.weight]} if cls is ndl.optim.Adam8bit else {}
@@ -211,6 +202,26 @@ def main():
     train(model, opt, mine, steps=1)
     assert opt.state_bytes() == 4 * opt.shard_size()
     say("zero1_adafactor_flat_runs_unfactored", f"state_bytes={opt.state_bytes()}")
+
+
+def main():
+    assert N == 2, "run with mpiexec -n 2"
+    dist.init()
+    check_collectives()
+    data = corpus()
+    full = batchify(data, BATCH, device=DEVICE, dtype="float32")
+    mine = dist.batchify(data, BATCH, device=DEVICE, dtype="float32")
+    assert mine.shape[1] == BATCH // N and np.array_equal(mine, full[:, RANK * BATCH // N:(RANK + 1) * BATCH // N])
+
+    # The one-process reference: the whole batch B, plain Adam.
+    ref_model = build()
+    noise = structural_zeros(ref_model, full)
+    names = [p.name for p in ref_model.parameters()]
+    assert [names[i] for i in sorted(noise)] == [f"seq_model.layers.{k}.attention.prenorm_k.bias" for k in (0, 1)]
+    reference = train(ref_model, ndl.optim.Adam(ref_model.parameters(), lr=0.01), full)
+    data_parallel_checks(mine, reference, noise)
+    zero_flat_checks(mine)
+    zero_tensors_checks(mine)
 
 
 if __name__ == "__main__":
