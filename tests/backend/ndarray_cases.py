@@ -4,6 +4,7 @@ against NumPy and in every dtype against the reference; the backends' strided en
 import operator
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, settings
 
 from needle import backend_ndarray as nd
@@ -47,6 +48,15 @@ SCALAR_OPS = {
     "ge": (lambda a, c: a >= c, np.greater_equal, "normal"),
     "gt": (lambda a, c: a > c, np.greater, "normal"),
 }
+
+
+def with_kernels(devices, setter):
+    """(device, kernel set) parameters: each device with every kernel set its backend can switch to with `setter`
+    (the C++ backend has one exp/log/tanh/sum/max and one matmul implementation per instruction set), the others
+    with their one ("default"). For a fixture parametrized indirectly, which switches to it."""
+    return [pytest.param(p.values[0], kernels, id=f"{p.id}-{kernels}") for p in devices
+            for kernels in (["default", "generic", "avx2", "avx512"] if hasattr(p.values[0].mod, setter)
+                            else ["default"])]
 
 
 def element_strides(a):

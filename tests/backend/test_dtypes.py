@@ -26,7 +26,7 @@ from needle import backend_ndarray as nd
 from conftest import DEVICES
 from dtype_cases import (CPU, FLOATS, HYPOTHESIS, INTS, NP, REF, as64, assert_close, assert_exact, check_op, int_rule,
                          lowbias32_bits, operand, oracle, rounded)
-from ndarray_cases import EWISE_OPS, SCALAR_OPS
+from ndarray_cases import EWISE_OPS, SCALAR_OPS, with_kernels
 
 
 def _switch(device, request, getter, setter):
@@ -48,13 +48,13 @@ def _switch(device, request, getter, setter):
         getattr(mod, setter)(original)
 
 
-@pytest.fixture(params=["default", "generic", "avx2", "avx512"])
+@pytest.fixture
 def vector_isa(request, device):
     """The C++ exp/log/tanh/sum/max kernels of each instruction set this CPU runs (16-bit loads/stores included)."""
     yield from _switch(device, request, "vector_isa", "set_vector_isa")
 
 
-@pytest.fixture(params=["default", "generic", "avx2", "avx512"])
+@pytest.fixture
 def matmul_kernel(request, device):
     """The C++ matmul micro-kernels (each has its own 16-bit packing) this CPU runs."""
     yield from _switch(device, request, "matmul_kernel", "set_matmul_kernel")
@@ -105,7 +105,7 @@ def test_scalar_rtruediv_is_one_float32_op(device, dtype):
         assert_exact(scalar / a, oracle(np.float32(scalar) / x, dtype), dtype)
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device, vector_isa", with_kernels(DEVICES, "set_vector_isa"), indirect=["vector_isa"])
 @pytest.mark.parametrize("dtype", FLOATS)
 @pytest.mark.parametrize("name", ["log", "exp", "tanh"])
 @pytest.mark.parametrize("lay", ["compact", "sliced"])
@@ -170,7 +170,8 @@ MATMUL_SHAPES = [((5, 7), (7, 3)), ((33, 65), (65, 17)), ((1, 9), (9, 1)), ((70,
                  ((3, 4, 5), (3, 5, 6)), ((2, 1, 4, 5), (3, 5, 6)), ((4, 5), (2, 5, 3)), ((2, 3, 4, 5), (5, 2))]
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device, matmul_kernel", with_kernels(DEVICES, "set_matmul_kernel"),
+                         indirect=["matmul_kernel"])
 @pytest.mark.parametrize("dtype", FLOATS)
 @pytest.mark.parametrize("shapes", MATMUL_SHAPES, ids=repr)
 def test_matmul_every_dtype(device, dtype, shapes, matmul_kernel, rng):
@@ -317,7 +318,7 @@ def test_gathers_and_scatters_every_dtype(device, dtype, idx_dtype, rng):
         assert_close(got, r.numpy(), dtype)
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device, vector_isa", with_kernels(DEVICES, "set_vector_isa"), indirect=["vector_isa"])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_row_reductions_of_16bit_long_rows(device, dtype, vector_isa, rng):
     """Long rows (vector kernels, tails) of 16-bit data: sum/max/logsumexp rows within one ulp of the reference;

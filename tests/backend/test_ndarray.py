@@ -273,24 +273,26 @@ def test_buffer_is_shared_by_views_and_not_by_copies(device):
     np.testing.assert_array_equal(out.numpy(), 2 * A.numpy())
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("idx", [
+SETITEM_INDICES = [
     (slice(None), 1),
     (slice(1, 3), slice(None, None, 2)),
     (slice(None, None, -1), slice(4, 0, -2)),
     (2,),
-    (-1, -1),
+    (-1, -1),  # a 0-d target: it takes scalars only
     (slice(0, 0),),
-], ids=lambda i: repr(i).replace(" ", ""))
-@pytest.mark.parametrize("value_layout", ["compact", "permuted", "sliced", "broadcast", "scalar"])
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("idx, value_layout", [
+    pytest.param(idx, layout, id=f"{repr(idx).replace(' ', '')}-{layout}") for idx in SETITEM_INDICES
+    for layout in ["compact", "permuted", "sliced", "broadcast", "scalar"] if layout == "scalar" or idx != (-1, -1)])
 def test_setitem(device, idx, value_layout, rng):
     a = rng.standard_normal((4, 5)).astype(np.float32)
     A = nd.array(a, device=device)
     target_shape = a[idx].shape
     if value_layout == "scalar":
         value, expected = 3.25, 3.25
-    elif len(target_shape) == 0:
-        pytest.skip("a 0-d target takes scalars")
     else:
         value, expected = make_view(target_shape, value_layout, device, rng)
     A[idx] = value
