@@ -90,8 +90,9 @@ browser-deps:
 
 # The linter first (seconds), then every tier of tests/ (tests/conftest.py says what each holds), two processes at a
 # time, one per core: tests/core (as if nothing were compiled, as `make test-core` runs it) beside the build, then
-# tests/backend and tests/integration beside tests/toolbox. Each one's output comes whole when it ends; the last line
-# adds them up (from their JUnit files in build/tests/).
+# tests/backend and tests/integration beside tests/toolbox; last, alone, the browser tests (they time a page's first
+# draw). Each one's output comes whole when it ends; the last line adds them up (from their JUnit files in
+# build/tests/).
 TIER_REPORTS := $(BUILD_DIR)/tests
 PYTEST = $(PYTHON) -m pytest -q
 test: deps browser-deps
@@ -99,6 +100,7 @@ test: deps browser-deps
 	@rm -rf $(TIER_REPORTS) && mkdir -p $(TIER_REPORTS)
 	@$(MAKE) --no-print-directory -j2 --output-sync=target test-tier-core lib
 	@$(MAKE) --no-print-directory -j2 --output-sync=target test-tiers-backend-integration test-tier-toolbox
+	$(PYTEST) --junitxml=$(TIER_REPORTS)/browser.xml -m browser tests/toolbox
 	@$(PYTHON) -c "$$TALLY" $(TIER_REPORTS)/*.xml
 
 # tests/core imports no compiled module (NEEDLE_TESTS_WITHOUT_COMPILED) and starts no process that would: the build
@@ -109,7 +111,7 @@ test-tier-core:
 test-tiers-backend-integration:
 	$(PYTEST) --junitxml=$(TIER_REPORTS)/backend-integration.xml tests/backend tests/integration
 test-tier-toolbox:
-	$(PYTEST) --junitxml=$(TIER_REPORTS)/toolbox.xml tests/toolbox
+	$(PYTEST) --junitxml=$(TIER_REPORTS)/toolbox.xml -m "not browser" tests/toolbox
 
 define TALLY
 import sys, xml.etree.ElementTree as ET
