@@ -107,10 +107,12 @@ def pytest_generate_tests(metafunc):
     metafunc.parametrize("device", params)
 
 
-def pytest_collection_modifyitems(items):
+@pytest.hookimpl(tryfirst=True)
+def pytest_pycollect_makeitem(collector, name, obj):
     """Tests of cuda() alone (marked `gpu`) are not collected without a GPU (pytest_terminal_summary says so)."""
-    if not GPU:
-        items[:] = [item for item in items if item.get_closest_marker("gpu") is None]
+    if not GPU and callable(obj) and any(mark.name == "gpu" for mark in getattr(obj, "pytestmark", [])):
+        return []
+    return None
 
 
 def pytest_terminal_summary(terminalreporter):
