@@ -4,9 +4,11 @@ BUILD_DIR ?= build
 BUILD_TYPE ?= Release
 JOBS ?= 2
 NEEDLE_CUDA ?= ON
-# The CUDA module is compiled for the GPU of this machine, or, with none, for one architecture (so that it is still
-# checked to compile); `make cuda-all` compiles it for every architecture CMakeLists.txt lists.
-CUDA_ARCHS ?= $(if $(wildcard /dev/nvidia0),native,75-real)
+# The CUDA module is compiled for the GPU of this machine, or, with none, as PTX for one virtual architecture: checked
+# to compile (front end, device and host code, link) without ptxas's machine code, which nothing here could run
+# (about a quarter less of the CUDA compile, the longest step of `make lib` on 2 cores); `make cuda-all` compiles it
+# for every architecture CMakeLists.txt lists.
+CUDA_ARCHS ?= $(if $(wildcard /dev/nvidia0),native,75-virtual)
 CMAKE_ARGS ?=
 
 # Re-installing is skipped while a stamp is newer than pyproject.toml and the package is still installed.
@@ -16,7 +18,7 @@ CMAKE_ARGS ?=
 DEPS_STAMP := $(BUILD_DIR)/.deps-installed
 DEMO_STAMP := $(BUILD_DIR)/.deps-demo-installed
 
-.PHONY: lib cuda-off cuda-all install-deps install-demo-deps deps demo-deps browser-deps test demo figures clean
+.PHONY: lib cuda-off cuda-all install-deps install-demo-deps deps demo-deps browser-deps test test-core demo figures clean
 
 lib: pybind11
 	cmake -S . -B $(BUILD_DIR) -DCMAKE_BUILD_TYPE=$(BUILD_TYPE) -DNEEDLE_CUDA=$(NEEDLE_CUDA) -DNEEDLE_MODULES=ON \
@@ -72,7 +74,7 @@ sys.exit(not (spec and spec.origin and os.path.samefile(spec.origin, "python/nee
 endef
 export NEEDLE_IS_HERE
 
-# The memory timeline page's browser tests (tests/test_memory_html.py) drive headless Chromium with chromedriver
+# The memory timeline page's browser tests (tests/toolbox/test_memory_html.py) drive headless Chromium with chromedriver
 # (Debian's chromium and chromium-driver). Installed where this is root with apt-get (the package lists are
 # refreshed only if the install fails without); elsewhere those tests skip, saying why. Never fails `make test`.
 BROWSER_PACKAGES := chromium chromium-driver
@@ -86,11 +88,46 @@ browser-deps:
 	else echo "browser-deps: no chromium/chromedriver and no root apt-get to install them: the browser tests will skip"; \
 	fi
 
-# The linter first (seconds), then the suite, whose summary stays the last line of the output.
+# The linter first (seconds), then every tier of tests/ (tests/conftest.py says what each holds), two processes at a
+# time, one per core: tests/core (as if nothing were compiled, as `make test-core` runs it) beside the build, then
+# tests/backend and tests/integration beside tests/toolbox; last, alone, the browser tests (they time a page's first
+# draw). Each one's output comes whole when it ends; the last line adds them up (from their JUnit files in
+# build/tests/).
+TIER_REPORTS := $(BUILD_DIR)/tests
+PYTEST = $(PYTHON) -m pytest -q
 test: deps browser-deps
-	$(MAKE) lib
 	$(PYTHON) -m ruff check python tests apps benchmarks gc.py
-	$(PYTHON) -m pytest -q
+	@rm -rf $(TIER_REPORTS) && mkdir -p $(TIER_REPORTS)
+	@$(MAKE) --no-print-directory -j2 --output-sync=target test-tier-core lib
+	@$(MAKE) --no-print-directory -j2 --output-sync=target test-tiers-backend-integration test-tier-toolbox
+	$(PYTEST) --junitxml=$(TIER_REPORTS)/browser.xml -m browser tests/toolbox
+	@$(PYTHON) -c "$$TALLY" $(TIER_REPORTS)/*.xml
+
+# tests/core imports no compiled module (NEEDLE_TESTS_WITHOUT_COMPILED) and starts no process that would: the build
+# may replace them meanwhile.
+.PHONY: test-tier-core test-tiers-backend-integration test-tier-toolbox
+test-tier-core:
+	NEEDLE_TESTS_WITHOUT_COMPILED=1 $(PYTEST) --junitxml=$(TIER_REPORTS)/core.xml tests/core
+test-tiers-backend-integration:
+	$(PYTEST) --junitxml=$(TIER_REPORTS)/backend-integration.xml tests/backend tests/integration
+test-tier-toolbox:
+	$(PYTEST) --junitxml=$(TIER_REPORTS)/toolbox.xml -m "not browser" tests/toolbox
+
+define TALLY
+import sys, xml.etree.ElementTree as ET
+n = dict(tests=0, failures=0, errors=0, skipped=0)
+for path in sys.argv[1:]:
+    for suite in ET.parse(path).getroot().iter("testsuite"):
+        n = {key: n[key] + int(suite.get(key, 0)) for key in n}
+failed = n["failures"] + n["errors"]
+print(f"tests: {n['tests'] - failed - n['skipped']} passed, {failed} failed, {n['skipped']} skipped")
+endef
+export TALLY
+
+# tests/core alone: the graph core on the NumPy reference device, as if nothing were compiled (whatever is built
+# here), so it runs in a fresh clone with no build; about half a minute on 2 cores, once the dependencies are in.
+test-core: deps
+	NEEDLE_TESTS_WITHOUT_COMPILED=1 $(PYTEST) tests/core
 
 demo: demo-deps
 	$(MAKE) lib

@@ -24,11 +24,11 @@ docstrings are set aside (comments and layout are not in its syntax tree) measur
 docstring leaves the figures fresh. `quickstart-times` is the exception: the fresh clone's `make test` lints the
 text and runs the tests, so any change to it counts. A stale figure is information, not an error: its stamp still
 says truthfully which commit it measured, `--stale` lists it, and regenerating it is a separate, deliberate step
-(`--run-stale`, `--only NAME` or `make figures`). tests/test_figures.py fails only on what is wrong whatever the
-code: a measured table outside a figure block, a block without a well-formed stamp, a figure the registry does not
-know, a stamp whose command is not the registry's, or one stamped "dirty". So that a stamp never names a commit
-that does not hold the code it ran, this script refuses to stamp a figure while its `measures` have uncommitted
-changes (`--allow-dirty` stamps "dirty", which the test rejects).
+(`--run-stale`, `--only NAME` or `make figures`). tests/integration/test_figures.py fails only on what is wrong
+whatever the code: a measured table outside a figure block, a block without a well-formed stamp, a figure the
+registry does not know, a stamp whose command is not the registry's, or one stamped "dirty". So that a stamp never
+names a commit that does not hold the code it ran, this script refuses to stamp a figure while its `measures` have
+uncommitted changes (`--allow-dirty` stamps "dirty", which the test rejects).
 """
 import argparse
 import ast

@@ -1,17 +1,27 @@
-"""Shared test helpers: the devices to parametrize over, and one gradient checker used by every test file.
+"""Shared test helpers: the tiers and their devices, one gradient checker used by every test file, and gc.py's
+command line as the tests run it.
+
+The tiers (`make test` runs every one this machine can; `make test-core` the first alone):
+  tests/core         the graph core (autograd, ops, nn, init, optim, data, saving, checkpointing, the architecture
+                     checks) on the NumPy reference device, cpu_numpy: nothing compiled is needed;
+  tests/backend      NDArray and the compiled backends against the reference, and the build;
+  tests/toolbox      offloading, compression, few-bit, the cost model, the memory timeline, mixed precision, the
+                     memory-efficient optimizers, distributed;
+  tests/integration  gc.py and its experiment, the apps, resuming, the docs, the figures, the package.
+A compiled device's cases are collected only where it is there: `cpu` once the C++ module is built, `cuda` with a
+GPU; the terminal summary says in one line which were left out.
 
 Tests seed their own RNGs (the `rng` fixture, or np.random.seed inside the test), never at import.
 """
 import contextlib
 import gc as python_gc
+import importlib.abc
 import io
 import json
 import os
-import shutil
+import pathlib
 import subprocess
 import sys
-import tempfile
-import threading
 
 import numpy as np
 import pytest
@@ -20,108 +30,100 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "python"))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "apps"))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+
+class _WithoutCompiledModules(importlib.abc.MetaPathFinder):
+    """NEEDLE_TESTS_WITHOUT_COMPILED=1 (`make test-core`): needle imports as if nothing were compiled, whatever is
+    built here, so tests/core shows on every machine that it needs nothing compiled (in this process and in the
+    pytest subprocess of np_backend_checks.py, which loads this file too)."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name.startswith("needle.backend_ndarray.ndarray_backend_c"):
+            raise ModuleNotFoundError(f"No module named {name!r} (NEEDLE_TESTS_WITHOUT_COMPILED)", name=name)
+        return None
+
+
+if os.environ.get("NEEDLE_TESTS_WITHOUT_COMPILED") == "1":
+    sys.meta_path.insert(0, _WithoutCompiledModules())
+
 import needle as ndl  # noqa: E402
 from needle import autograd  # noqa: E402
 from needle import backend_ndarray as nd  # noqa: E402
 
 from experiment.cli import main as run_gc  # noqa: E402,F401  (gc.py's main, in this process: run_gc(argv))
 
-_CUDA_SKIP = pytest.mark.skipif(not nd.cuda().enabled(), reason="no GPU: needle's cuda() backend is not enabled")
-_CPU_SKIP = pytest.mark.skipif(not nd.cpu().enabled(), reason="C++ backend not built (run `make`)")
+# ----- the tiers, and the devices each one runs on -----------------------------------------------------------------
+TESTS = pathlib.Path(__file__).resolve().parent
+TIERS = ("core", "backend", "toolbox", "integration")
+GPU = nd.cuda().enabled()
+CPU_BUILT = nd.cpu().enabled()
 
-# Backend devices: the C++ CPU backend, the NumPy reference, and CUDA (skipped cleanly without a GPU).
-DEVICES = [
-    pytest.param(nd.cpu(), id="cpu", marks=_CPU_SKIP),
-    pytest.param(nd.cpu_numpy(), id="cpu_numpy"),
-    pytest.param(nd.cuda(), id="cuda", marks=_CUDA_SKIP),
-]
+_PARAMS = {"cpu": pytest.param(nd.cpu(), id="cpu"), "cpu_numpy": pytest.param(nd.cpu_numpy(), id="cpu_numpy"),
+           "cuda": pytest.param(nd.cuda(), id="cuda")}
+_AVAILABLE = {"cpu": CPU_BUILT, "cpu_numpy": True, "cuda": GPU}
+
+
+def device_params(*names):
+    """pytest.params of the named devices that this machine has: `cpu` once the C++ module is built, `cuda` only
+    with a GPU (neither is collected otherwise: pytest_terminal_summary says so in one line)."""
+    return [_PARAMS[name] for name in names if _AVAILABLE[name]]
+
+
+# Backend devices: the C++ CPU backend, the NumPy reference, and CUDA where a GPU is.
+DEVICES = device_params("cpu", "cpu_numpy", "cuda")
 # Devices that run compiled code (the ones a model is trained on): cpu and cuda.
-COMPILED_DEVICES = [DEVICES[0], DEVICES[2]]
+COMPILED_DEVICES = device_params("cpu", "cuda")
+# What a test that takes `device` without parametrizing it runs on, by the tier of the module that collects it: the
+# NumPy reference in tests/core (nothing compiled is needed there); in tests/backend, where the test_*_compiled.py
+# modules import tests of tests/core, the compiled devices, compared there with the same oracles.
+TIER_DEVICES = {"core": device_params("cpu_numpy"), "backend": COMPILED_DEVICES}
 
 
-# ----- slow, independent work a test waits on, started as soon as collection has selected the test --------------
-class EarlyJob:
-    """A test's slow work that only waits on processes of its own (a compile, gc.py's children): `start(folder)`,
-    with a fresh temporary folder, run by the one background thread of early jobs, in the order the tests will run,
-    from the end of collection on, so that it runs beside the tests before it, on the other core. result() is
-    start's return value, or the exception it raised, raised in the test; a job the thread has not reached yet is
-    run by the test itself."""
-
-    def __init__(self, start):
-        self.start = start
-        self.claimed = threading.Lock()  # taken by whoever runs it: the background thread or the test
-        self.done = threading.Event()
-        self.folder = self.value = self.error = None
-
-    def run(self):
-        if not self.claimed.acquire(blocking=False):
-            return
-        self.folder = tempfile.mkdtemp(prefix="needle-early-")
-        try:
-            self.value = self.start(self.folder)
-        except BaseException as error:  # (raised again in the test, by result())
-            self.error = error
-        finally:
-            self.done.set()
-
-    def result(self):
-        self.run()
-        self.done.wait()
-        if self.error is not None:
-            raise self.error
-        return self.value
+def tier_of(path):
+    parts = pathlib.Path(path).resolve().relative_to(TESTS).parts
+    return parts[0] if len(parts) > 1 and parts[0] in TIERS else None
 
 
-EARLY_JOBS = {}  # test node id -> EarlyJob
-_EARLY_STOP = threading.Event()
-_EARLY_THREAD = []
+def _parametrizes_device(marker):
+    names = marker.args[0] if marker.args else marker.kwargs.get("argnames", ())
+    names = names.replace(" ", "").split(",") if isinstance(names, str) else list(names)
+    return "device" in names
 
 
-def _run_early_jobs(jobs):
-    for job in jobs:
-        if _EARLY_STOP.is_set():
-            return
-        job.run()
-
-
-def pytest_configure(config):
-    config.addinivalue_line("markers", "early(start=f): f(folder) runs in the background from the end of collection "
-                                       "(conftest.EarlyJob); the test reads its result with the early_result fixture")
-
-
-def pytest_collection_finish(session):
-    """Queue the early job of every selected test marked early (after -k, -m and the like have selected them), in
-    the order the tests will run, and start the thread that runs them one at a time."""
-    if session.config.option.collectonly:
+def pytest_generate_tests(metafunc):
+    """A test that takes `device` and does not parametrize it runs on its tier's devices (TIER_DEVICES), narrowed
+    by its `devices` marker."""
+    if "device" not in metafunc.fixturenames:
         return
-    for item in session.items:
-        marker = item.get_closest_marker("early")
-        if marker is not None and item.nodeid not in EARLY_JOBS:
-            EARLY_JOBS[item.nodeid] = EarlyJob(marker.kwargs["start"])
-    if EARLY_JOBS:
-        thread = threading.Thread(target=_run_early_jobs, args=(list(EARLY_JOBS.values()),), daemon=True)
-        thread.start()
-        _EARLY_THREAD.append(thread)
+    if any(_parametrizes_device(m) for m in metafunc.definition.iter_markers("parametrize")):
+        return
+    tier = tier_of(metafunc.definition.path)
+    if tier not in TIER_DEVICES:
+        raise pytest.UsageError(f"{metafunc.definition.nodeid}: `device` is not parametrized, and only tests/core and "
+                                "tests/backend choose a test's devices (conftest.TIER_DEVICES)")
+    params = TIER_DEVICES[tier]
+    only = metafunc.definition.get_closest_marker("devices")
+    if only is not None:
+        params = [p for p in params if p.id in only.args]
+    metafunc.parametrize("device", params)
 
 
-def pytest_sessionfinish(session):
-    """No early job starts after the session (an interrupted one); the one running ends, then the folders go."""
-    _EARLY_STOP.set()
-    for thread in _EARLY_THREAD:
-        thread.join()
-    for job in EARLY_JOBS.values():
-        if job.folder:
-            shutil.rmtree(job.folder, ignore_errors=True)
+@pytest.hookimpl(tryfirst=True)
+def pytest_pycollect_makeitem(collector, name, obj):
+    """Tests of cuda() alone (marked `gpu`) are not collected without a GPU (pytest_terminal_summary says so)."""
+    if not GPU and callable(obj) and any(mark.name == "gpu" for mark in getattr(obj, "pytestmark", [])):
+        return []
+    return None
 
 
-@pytest.fixture
-def early_result(request):
-    """The result of the test's early job (its `early` marker's start function): run in the background since the
-    end of collection, or now, here, if the background thread has not reached it."""
-    job = EARLY_JOBS.get(request.node.nodeid)
-    if job is None:  # (not queued at collection's end)
-        job = EARLY_JOBS[request.node.nodeid] = EarlyJob(request.node.get_closest_marker("early").kwargs["start"])
-    return job.result()
+def pytest_terminal_summary(terminalreporter):
+    """One line for each device whose cases were not collected here (rather than thousands of skips)."""
+    if not GPU:
+        terminalreporter.write_line("needle: the CUDA cases were not collected: no GPU here (cuda() is not enabled)")
+    if os.environ.get("NEEDLE_TESTS_WITHOUT_COMPILED") == "1":
+        terminalreporter.write_line("needle: run as if nothing were compiled (NEEDLE_TESTS_WITHOUT_COMPILED=1)")
+    elif not CPU_BUILT:
+        terminalreporter.write_line("needle: the compiled CPU cases were not collected: the C++ backend is not built "
+                                    "(make lib)")
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -314,25 +316,6 @@ def count_computes(nodes):
 
         node.op.compute = counted
     return counts
-
-
-def float64_checks(module):
-    """The start function of an early job (the `early` marker): run `module.float64_checks()` (a helper module of
-    tests/, never a test file) under NEEDLE_BACKEND=np in a fresh interpreter (the backend is read once, at import);
-    the finished process, for assert_float64_checks_passed. Float64 arrays in, float64 out, so tolerances can be
-    1e-6."""
-    code = ("import sys; sys.path[:0] = ['tests', 'python', 'apps']; "
-            f"import {module} as t; t.float64_checks(); print('float64 checks passed')")
-
-    def start(folder):
-        return subprocess.run([sys.executable, "-c", code], cwd=os.path.join(os.path.dirname(__file__), ".."),
-                              env=dict(os.environ, NEEDLE_BACKEND="np"), capture_output=True, text=True, timeout=300,
-                              check=False)
-    return start
-
-
-def assert_float64_checks_passed(result):
-    assert result.returncode == 0 and "float64 checks passed" in result.stdout, result.stdout + result.stderr[-5000:]
 
 
 def peak_during(device, fn):
