@@ -3,7 +3,7 @@
 Each rule is one test, and its failure message lists every offender (file:line and what is wrong), so a failing run
 says exactly what to move. Nothing here imports the code it checks: the import graph is built from the `import`
 statements, and cycles are its strongly connected components. The core is needle minus needle/toolbox/; its size
-is a number we watch, as tinygrad's: `python tests/test_architecture.py` prints it, file by file.
+is a number we watch, as tinygrad's: `python tests/core/test_architecture.py` prints it, file by file.
 """
 import ast
 import pathlib
@@ -304,7 +304,7 @@ def test_the_core_stays_under_its_line_ceiling():
     assert lines <= CORE_LINE_CEILING, (
         f"the core (python/needle less toolbox/) has {lines} lines, over its ceiling of {CORE_LINE_CEILING}: move "
         f"what is optional into needle/toolbox/, or raise the ceiling and say why in the closing note "
-        f"(`python tests/test_architecture.py` lists the files)")
+        f"(`python tests/core/test_architecture.py` lists the files)")
 
 
 MAX_CORE_DOCSTRING_LINES = 20

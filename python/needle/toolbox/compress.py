@@ -49,8 +49,9 @@ Around a Budget, the Budget plans first (at the same moment), then what it keeps
 does not know which of what it keeps will be compressed: it counts those values whole. That is not a proof of the
 bound: while a value is being compressed or rebuilt, its codes and the whole value coexist, so a peak that falls
 exactly there could exceed the uncompressed prediction by the codes' bytes (a quarter of the value at 8 bits); in
-the tests the measured M_peak stays under b at every step (tests/test_compress.py). The ledger itself can count the
-codes (`walk_step(..., stores={id: codec})`: within 1% of the allocator), but the Budget does not plan with them.
+the tests the measured M_peak stays under b at every step (tests/toolbox/test_compress.py). The ledger itself can
+count the codes (`walk_step(..., stores={id: codec})`: within 1% of the allocator), but the Budget does not plan
+with them.
 """
 import itertools
 import math
