@@ -3,7 +3,9 @@ PYTHON ?= python3
 BUILD_DIR ?= build
 BUILD_TYPE ?= Release
 JOBS ?= 2
-NEEDLE_CUDA ?= ON
+# The CUDA module is built where it can run (this machine has a GPU) or where asked (`make cuda`); `make test`
+# builds it wherever nvcc is, as the check that it compiles. Without it, `make` and `make demo` build the CPU one.
+NEEDLE_CUDA ?= $(if $(wildcard /dev/nvidia0),ON,OFF)
 # The CUDA module is compiled for the GPU of this machine, or, with none, as PTX for one virtual architecture: checked
 # to compile (front end, device and host code, link) without ptxas's machine code, which nothing here could run
 # (about a quarter less of the CUDA compile, the longest step of `make lib` on 2 cores); `make cuda-all` compiles it
@@ -18,7 +20,7 @@ CMAKE_ARGS ?=
 DEPS_STAMP := $(BUILD_DIR)/.deps-installed
 DEMO_STAMP := $(BUILD_DIR)/.deps-demo-installed
 
-.PHONY: lib cuda-off cuda-all install-deps install-demo-deps deps demo-deps browser-deps test test-core demo figures clean
+.PHONY: lib cuda cuda-off cuda-all install-deps install-demo-deps deps demo-deps browser-deps test test-core demo figures clean
 
 lib: pybind11
 	cmake -S . -B $(BUILD_DIR) -DCMAKE_BUILD_TYPE=$(BUILD_TYPE) -DNEEDLE_CUDA=$(NEEDLE_CUDA) -DNEEDLE_MODULES=ON \
@@ -26,12 +28,16 @@ lib: pybind11
 	  -DPython_EXECUTABLE="$$(command -v $(PYTHON))" $(CMAKE_ARGS)
 	cmake --build $(BUILD_DIR) -j$(JOBS)
 
+# Both modules: the CUDA one for this machine's GPU, or without one as the compile check (PTX, see CUDA_ARCHS).
+cuda:
+	$(MAKE) lib NEEDLE_CUDA=ON
+
 cuda-off:
 	$(MAKE) lib NEEDLE_CUDA=OFF
 
 # Every architecture of CMakeLists.txt's list (an empty CMAKE_CUDA_ARCHITECTURES selects it).
 cuda-all:
-	$(MAKE) lib CUDA_ARCHS=
+	$(MAKE) lib NEEDLE_CUDA=ON CUDA_ARCHS=
 
 # The in-tree build needs pybind11 in this interpreter (pip-installed if missing).
 .PHONY: pybind11
@@ -98,7 +104,7 @@ PYTEST = $(PYTHON) -m pytest -q
 test: deps browser-deps
 	$(PYTHON) -m ruff check python tests apps benchmarks gc.py
 	@rm -rf $(TIER_REPORTS) && mkdir -p $(TIER_REPORTS)
-	@$(MAKE) --no-print-directory -j2 --output-sync=target test-tier-core lib
+	@$(MAKE) --no-print-directory -j2 --output-sync=target test-tier-core cuda
 	@$(MAKE) --no-print-directory -j2 --output-sync=target test-tiers-backend-integration test-tier-toolbox
 	$(PYTEST) --junitxml=$(TIER_REPORTS)/browser.xml -m browser tests/toolbox
 	@$(PYTHON) -c "$$TALLY" $(TIER_REPORTS)/*.xml
