@@ -135,8 +135,10 @@ export TALLY
 test-core: deps
 	NEEDLE_TESTS_WITHOUT_COMPILED=1 $(PYTEST) tests/core
 
-demo: demo-deps
-	$(MAKE) lib
+# The install (mostly waiting on downloads) beside the compile (pybind11 first: the one thing the build needs).
+demo:
+	@$(MAKE) --no-print-directory pybind11
+	@$(MAKE) --no-print-directory -j2 demo-deps lib
 	$(if $(wildcard gc.py),$(PYTHON) gc.py,$(PYTHON) apps/train_demo.py)
 
 # Every table of measured figures in README.md and docs/, run and stamped (long: see benchmarks/figures.py;
