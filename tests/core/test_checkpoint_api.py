@@ -450,7 +450,7 @@ def test_the_budget_plans_without_a_clock_or_a_file_the_same_plan_in_every_proce
     alike."""
     home = tmp_path / "home"
     home.mkdir()
-    repo = Path(__file__).resolve().parent.parent
+    repo = Path(__file__).resolve().parents[2]
     env = {"HOME": str(home), "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
            "PYTHONPATH": os.pathsep.join(str(repo / d) for d in ("python", "apps"))}
     runs = [subprocess.run([sys.executable, "-c", _PLAN_IN_A_FRESH_PROCESS, str(60_000)], capture_output=True,

@@ -16,7 +16,7 @@ from models import LanguageModel
 
 from conftest import COMPILED_DEVICES
 
-OPTIMIZERS_PAGE = pathlib.Path(__file__).resolve().parent.parent / "docs" / "optimizers.md"
+OPTIMIZERS_PAGE = pathlib.Path(__file__).resolve().parents[2] / "docs" / "optimizers.md"
 
 K, M = 3, 4  # steps before the checkpoint, steps after it
 
