@@ -15,12 +15,14 @@ CMAKE_ARGS ?=
 
 # Re-installing is skipped while a stamp is newer than pyproject.toml and the package is still installed.
 # DEPS_STAMP: everything `make test` needs (the package, its dependencies, the test, torch, distributed and
-# experiment extras); DEMO_STAMP: what gc.py needs (the package, its runtime dependencies and the experiment extra).
-# A full install covers both.
+# experiment extras); DEMO_STAMP: what gc.py needs (the package, its runtime dependencies and the experiment extra);
+# CORE_STAMP: what tests/core needs (the package, the test and torch extras). A full install covers them all.
 DEPS_STAMP := $(BUILD_DIR)/.deps-installed
 DEMO_STAMP := $(BUILD_DIR)/.deps-demo-installed
+CORE_STAMP := $(BUILD_DIR)/.deps-core-installed
 
-.PHONY: lib cuda cuda-off cuda-all install-deps install-demo-deps deps demo-deps browser-deps test test-core demo figures clean
+.PHONY: lib cuda cuda-off cuda-all install-deps install-demo-deps install-core-deps deps demo-deps core-deps browser-deps \
+	test test-core demo figures clean
 
 lib: pybind11
 	cmake -S . -B $(BUILD_DIR) -DCMAKE_BUILD_TYPE=$(BUILD_TYPE) -DNEEDLE_CUDA=$(NEEDLE_CUDA) -DNEEDLE_MODULES=ON \
@@ -50,13 +52,18 @@ pybind11:
 # them in build/, so the C++ and CUDA code is compiled once, not twice.
 install-deps:
 	NEEDLE_MODULES=OFF $(PYTHON) -m pip install -e ".[test,torch,distributed,experiment]"
-	@mkdir -p $(BUILD_DIR) && touch $(DEPS_STAMP) $(DEMO_STAMP)
+	@mkdir -p $(BUILD_DIR) && touch $(DEPS_STAMP) $(DEMO_STAMP) $(CORE_STAMP)
 
 # The demo's: the package, its runtime dependencies (numpy, ml_dtypes) and the experiment extra (tqdm, matplotlib,
 # GPUtil); no test tools or torch.
 install-demo-deps:
 	NEEDLE_MODULES=OFF $(PYTHON) -m pip install -e ".[experiment]"
 	@mkdir -p $(BUILD_DIR) && touch $(DEMO_STAMP)
+
+# tests/core's: the test tools and PyTorch (its oracle); no MPI, no plotting.
+install-core-deps:
+	NEEDLE_MODULES=OFF $(PYTHON) -m pip install -e ".[test,torch]"
+	@mkdir -p $(BUILD_DIR) && touch $(CORE_STAMP)
 
 $(DEPS_STAMP): pyproject.toml
 	$(MAKE) install-deps
@@ -72,6 +79,12 @@ deps: $(DEPS_STAMP)
 
 demo-deps: $(DEMO_STAMP)
 	@$(PYTHON) -c "$$NEEDLE_IS_HERE" 2>/dev/null || $(MAKE) install-demo-deps
+
+$(CORE_STAMP): pyproject.toml
+	@if [ $(DEPS_STAMP) -nt pyproject.toml ]; then touch $@; else $(MAKE) install-core-deps; fi
+
+core-deps: $(CORE_STAMP)
+	@$(PYTHON) -c "$$NEEDLE_IS_HERE" 2>/dev/null || $(MAKE) install-core-deps
 
 define NEEDLE_IS_HERE
 import importlib.util, os, sys
@@ -132,7 +145,7 @@ export TALLY
 
 # tests/core alone: the graph core on the NumPy reference device, as if nothing were compiled (whatever is built
 # here), so it runs in a fresh clone with no build; about half a minute on 2 cores, once the dependencies are in.
-test-core: deps
+test-core: core-deps
 	NEEDLE_TESTS_WITHOUT_COMPILED=1 $(PYTEST) tests/core
 
 # The install (mostly waiting on downloads) beside the compile (pybind11 first: the one thing the build needs).
