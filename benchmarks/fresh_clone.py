@@ -3,15 +3,15 @@
     python benchmarks/fresh_clone.py               # make demo fresh; make test, then make demo twice (~7 min)
     python benchmarks/fresh_clone.py --skip-test   # the demos only
 
-Clones the committed HEAD of this repository into a temporary folder, with ../shared (the reduced PTB) copied
-beside it as the Quick start expects, makes a virtual environment there (`python -m venv`, no system site
-packages; pip's download cache is used as it would be), and times, as a new user would run them from the clone's
-root: `make demo` in a clone and environment of its own (it installs its part, builds, runs); then, in a second
-one, `make test` (installs, builds, lints, runs the suite), `make demo` (installed and built: the run alone), and
-`make demo` again while one other process spins on a core (`python -c "while True: pass"`). Prints a Markdown table on stdout (the commands' own
-output goes to a log in the temporary folder; its last lines are shown on stderr if one fails), each against the
-goal of issue 27 on a 2-core machine. A command that fails is a row that says so (with `make test`'s last line,
-pytest's summary), not a missing table.
+Clones the committed HEAD of this repository into a temporary folder, with ../shared (the reduced PTB) copied beside
+it as the Quick start expects, makes a virtual environment there (`python -m venv`, no system site packages; pip's
+download cache is used as it would be), and times, as a new user would run them from the clone's root: `make demo`
+in a clone and environment of its own (it installs its part, builds, runs); then, in a second one, `make test`
+(installs, builds, lints, runs the suite), `make demo` (installed and built: the run alone), and `make demo` again
+while one other process spins on a core (`python -c "while True: pass"`). Prints a Markdown table on stdout (the
+commands' own output goes to a log in the temporary folder; its last lines are shown on stderr if one fails), each
+against the goal of issue 27 on a 2-core machine. A command that fails is a row that says so (with `make test`'s
+last line, pytest's summary), not a missing table.
 """
 import argparse
 import os
