@@ -142,8 +142,8 @@ class TensorTupleOp(Op):
 class Value:
     """A node of the computational graph."""
 
-    __slots__ = ("op", "inputs", "_data", "requires_grad", "drop", "store", "stored", "grad", "_spec", "version",
-                 "_input_versions", "_released", "_grad_hooks", "__weakref__")
+    __slots__ = ("op", "inputs", "_data", "requires_grad", "drop", "boundary", "store", "stored", "grad", "_spec",
+                 "version", "_input_versions", "_released", "_grad_hooks", "__weakref__")
 
     @property
     def cached_data(self):
@@ -216,6 +216,7 @@ class Value:
         self._data = cached_data
         self.requires_grad = requires_grad
         self.drop = False  # checkpointing: not kept in memory after its last forward use
+        self.boundary = False  # a layer's output inside a stack: recomputed, held until its last use (backward.py)
         self.store = self.stored = None  # where its value goes when it leaves memory, and what holds it (store.py)
         self.grad = None
         self._spec = None
@@ -525,8 +526,9 @@ class Machine(Protocol):
     def compute(self, node) -> None:
         """Make `node`'s value from its inputs' (which exist)."""
 
-    def recompute(self, node) -> None:
-        """Make again, in backward, a value the forward pass made and released (checked: rule 4, backward.py)."""
+    def recompute(self, node, passing=False) -> None:
+        """Make again, in backward, a value the forward pass made and released (checked: rule 4, backward.py);
+        `passing`: only on the way to a stack's boundary, released again within the step."""
 
     def bring_back(self, node) -> None:
         """Bring back, in backward, a value its store holds (store.py). It may be read only after the next

@@ -36,6 +36,9 @@ class Step:
     recompute: list = field(default_factory=list)  # missing values its gradient reads, and their missing ancestors
     release: list = field(default_factory=list)  # forward values whose last use is this step: released after it
     bring_back: list = field(default_factory=list)  # values a store holds, brought back before this step, for the next
+    # Recomputed only on the way to a stack's boundary (another layer's interior): not held, released right after
+    # their last consumer here, at these positions of `recompute` ({position: [values]}).
+    passing: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -112,16 +115,23 @@ def plan_backward(root, has=None, stored=None):
         for v in needed:
             last_use[id(v)] = step
         missing = [v for v in needed if id(v) not in available]
-        for n in find_topo_sort(missing, expand=lambda n: id(n) not in available and not stored(n)):
-            if id(n) in available:
-                continue
-            available.add(id(n))  # rule 2: from now on it exists until its last use
+        order = [n for n in find_topo_sort(missing, expand=lambda n: id(n) not in available and not stored(n))
+                 if id(n) not in available]
+        held, passing = _held_here(missing, order), set()
+        for n in order:
             if stored(n):
+                available.add(id(n))
                 (steps[-2] if len(steps) > 1 else step).bring_back.append(n)  # a step ahead of its use
                 continue
+            if id(n) in held or n.boundary:
+                available.add(id(n))  # rule 2: from now on it exists until its last use
+            else:
+                passing.add(id(n))
             step.recompute.append(n)
             for inp in n.inputs:
-                last_use[id(inp)] = step
+                if id(inp) not in passing:
+                    last_use[id(inp)] = step
+        step.passing = _releases_on_the_way(step.recompute, passing)
     unused = []
     for node in reverse:
         if node.is_leaf() or node is root or always_kept(node):
@@ -131,6 +141,34 @@ def plan_backward(root, has=None, stored=None):
         else:
             unused.append(node)
     return BackwardPlan(root, unused, steps)
+
+
+def _held_here(missing, order):
+    """The ids of the values to recompute (`order`) that this step's own layer needs: those reached from `missing`
+    through their inputs without passing through a stack's boundary. What lies beyond a boundary (an earlier layer's
+    interior) is computed only to rebuild that boundary, and not held (rule 2 holds the boundaries themselves)."""
+    to_recompute, held, stack = {id(n) for n in order}, set(), list(missing)
+    while stack:
+        n = stack.pop()
+        if id(n) in held or id(n) not in to_recompute:
+            continue
+        held.add(id(n))
+        if not n.boundary:
+            stack.extend(n.inputs)
+    return held
+
+
+def _releases_on_the_way(recompute, passing):
+    """{position in `recompute`: the passing values whose last consumer there is}: released right after it."""
+    last = {}
+    for i, n in enumerate(recompute):
+        for inp in n.inputs:
+            if id(inp) in passing:
+                last[id(inp)] = (i, inp)
+    releases = {}
+    for i, inp in last.values():
+        releases.setdefault(i, []).append(inp)
+    return releases
 
 
 # ----- the machine that runs it for real --------------------------------------------------------------------------
@@ -149,7 +187,7 @@ class Compute(Machine):
 
     def __init__(self):
         self.stats = {"recomputed_nodes": 0, "recomputed_bytes": 0, "released_bytes": 0,
-                      "max_recomputes_per_node": 0, "brought_back_nodes": 0}
+                      "max_recomputes_per_node": 0, "brought_back_nodes": 0, "passing_nodes": 0}
         self.recomputed = {}  # id -> count, this pass
         self.in_backward = False  # run_backward sets it: a release there is a value's last (autograd.release)
         self.filling = []  # the stores that may still be filling a value brought back (see ready)
@@ -172,9 +210,10 @@ class Compute(Machine):
             recorder.computed(node, value)
         node.cached_data = value
 
-    def recompute(self, node):
+    def recompute(self, node, passing=False):
         """Rule 4: a recomputation reads the versions the forward pass read (`compute` checks them) and gives the
-        same shape and dtype."""
+        same shape and dtype. `passing`: computed only on the way to a stack's boundary, not held (rule 2 counts the
+        values held: each at most once a backward)."""
         if any(x.cached_data is None for x in node.inputs):
             raise RuntimeError(f"backward plan violated: an input of {type(node.op).__name__} is missing at its "
                                "recomputation (rule 2)")
@@ -187,9 +226,12 @@ class Compute(Machine):
                 f"checkpoint: recomputing {type(node.op).__name__} gave shape/dtype/device {got}, but the forward "
                 f"pass had {expected} (rule 4a). Does the op's compute depend on state other than its inputs, "
                 f"e.g. a global RNG? Make that state a leaf input.")
-        count = self.recomputed[id(node)] = self.recomputed.get(id(node), 0) + 1
         self.stats["recomputed_nodes"] += 1
         self.stats["recomputed_bytes"] += nbytes_of(node.cached_data)
+        if passing:
+            self.stats["passing_nodes"] += 1
+            return
+        count = self.recomputed[id(node)] = self.recomputed.get(id(node), 0) + 1
         self.stats["max_recomputes_per_node"] = max(self.stats["max_recomputes_per_node"], count)
 
     def check_reads(self, node):
@@ -290,8 +332,11 @@ def run_backward(plan, out_grad, machine=None):
             machine.bring_back(n)
         if step is plan.steps[0]:
             machine.ready()  # the first step's include what it reads itself (plan_backward)
-        for n in step.recompute:
-            machine.recompute(n)
+        passing = {id(x) for xs in step.passing.values() for x in xs}
+        for i, n in enumerate(step.recompute):
+            machine.recompute(n, passing=id(n) in passing)
+            for passed in step.passing.get(i, ()):  # (a stack's earlier layer, rebuilt only for its boundary)
+                machine.release(passed)
         parts = grads.pop(id(node), None)
         if parts is not None and len(parts) == 1 and node.is_leaf() and machine.has(parts[0]):
             machine.set_grad(node, parts[0])  # a parameter used once: its gradient is computed, nothing to release
@@ -410,7 +455,8 @@ _last_stats = {}
 
 
 def last_backward_stats():
-    """Statistics of the last backward pass: recomputed nodes and bytes, released bytes, values brought back from
+    """Statistics of the last backward pass: recomputed nodes and bytes (`passing_nodes` of them computed only on the
+    way to a stack's boundary), released bytes, values brought back from
     their stores, the allocator's peak, and what the stores did since the backward before (store.take_traffic:
     the bytes the toolbox's stores moved, say).
 

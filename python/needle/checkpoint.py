@@ -151,7 +151,7 @@ def resolve_policy(policy=None, segment_len=None):
     return lazy.load("offload").offload_all if found == "offload_all" else found
 
 
-def annotate(out_node, in_nodes, segment_len=None, policy=None, label=None):
+def annotate(out_node, in_nodes, segment_len=None, policy=None, label=None, stack=False):
     """Mark the nodes strictly between `in_nodes` and `out_node` as dropped, except the policy's checkpoints.
 
     Trade-off: every dropped node saves its bytes between the forward pass and its use in backward, and costs
@@ -163,7 +163,9 @@ def annotate(out_node, in_nodes, segment_len=None, policy=None, label=None):
     dropped: they are not candidates, so a policy never sees them. A node once dropped stays dropped, so nested
     regions compose (the inner region decides first). Eager mode releases the dropped values at once (the
     region's output exists); lazy mode releases them as they are consumed. `label` (a module's class name)
-    only names the region in the DOT graph.
+    only names the region in the DOT graph. `stack=True` makes it a stack of regions (a Transformer's layers, an
+    LSTM's time steps, a Sequential): the outputs of the regions inside are its boundaries, candidates like the
+    rest; one it drops is rebuilt once in backward and held, the interiors on the way not (backward.plan_backward).
 
         x = ndl.Tensor(...); h = ops.relu(x @ w); y = h @ v
         annotate(y, [x])           # x @ w and relu(...) are recomputed in backward
@@ -177,6 +179,8 @@ def annotate(out_node, in_nodes, segment_len=None, policy=None, label=None):
     order = find_topo_sort(outs, expand=lambda n: id(n) not in stop)
     candidates = [n for n in order if id(n) not in boundary and not n.is_leaf() and not n.drop and not always_kept(n)
                   and n.op.recomputable]  # a collective's output is kept: recomputing it would call it again
+    if stack:
+        regions.mark_boundaries(candidates)
     decisions = keep_flags(candidates, outs)
     if not isinstance(decisions, (list, tuple)) or len(decisions) < len(candidates):
         raise TypeError(f"checkpoint policy {keep_flags!r} returned a {type(decisions).__name__} for "

@@ -164,7 +164,8 @@ class Ledger(Machine):
         self._hold(node)
         self._note_peak(self._workspace(node))
 
-    recompute = compute
+    def recompute(self, node, passing=False):
+        self.compute(node)
 
     def _note_peak(self, workspace=0):
         if self.live + workspace > self.peak and not self.in_backward:

@@ -14,8 +14,8 @@ from .autograd import release
 from .ledger import required_spec
 from .store import Store
 
-__all__ = ["apply_decision", "keep_reason", "new_region", "note_reason", "note_region", "reason_noted", "region_of",
-           "region_structure"]
+__all__ = ["apply_decision", "keep_reason", "mark_boundaries", "new_region", "note_reason", "note_region",
+           "reason_noted", "region_of", "region_structure"]
 
 # Why an annotated node is kept ("boundary": a region's output; "checkpoint": chosen by the policy; "offloaded").
 _reasons = weakref.WeakKeyDictionary()
@@ -67,6 +67,15 @@ def keep_reason(node):
     if node.drop:
         return "dropped"
     return _reasons.get(node, "not annotated")
+
+
+def mark_boundaries(candidates):
+    """A stack's candidates that are its children's outputs (annotate noted them "boundary") become its boundaries:
+    should the stack drop one, backward rebuilds it once and holds it until its last use, and what it computes only
+    on the way (the children's interiors) it does not hold (backward.plan_backward)."""
+    for node in candidates:
+        if _reasons.get(node) == "boundary":
+            node.boundary = True
 
 
 def apply_decision(node, decision):

@@ -581,10 +581,10 @@ def test_predictor_and_executor_walk_the_same_plan():
         def __getattr__(self, name):
             method = getattr(self.machine, name)
 
-            def record(*args):
+            def record(*args, **kwargs):
                 if name in ("compute", "recompute", "release", "set_grad"):
                     self.log.append((name, node_number(args[0])))
-                return method(*args)
+                return method(*args, **kwargs)
             return record
 
     for gc in POLICIES:

@@ -165,7 +165,10 @@ def test_rule3_policies_shrink_activation_and_peak_memory():
 
 
 def test_rule2_language_model_recomputes_each_dropped_node_at_most_once():
-    """Rule 2 on the full model: count op.compute calls per node during backward."""
+    """Rule 2 on the full model, its layers a stack (issue 46): count op.compute calls per node during backward.
+    A value backward holds is recomputed at most once; a dropped boundary of the stack is one of them. What is
+    computed only on the way to a dropped boundary (an earlier layer's interior, `passing_nodes`) is not held, and
+    computed once more when its own layer is differentiated: at most twice, each counted."""
     model = _lm(dict(), dropout=0.1)
     X, y = _batch(0)
     with autograd.lazy_mode(True):
@@ -176,9 +179,12 @@ def test_rule2_language_model_recomputes_each_dropped_node_at_most_once():
     counts = count_computes(nodes)
     loss.backward()
     dropped = [n for n in nodes if n.drop]
-    assert dropped
-    assert max(counts.values()) == 1
-    assert checkpoint.last_backward_stats()["recomputed_nodes"] == sum(counts.values())
+    stats = checkpoint.last_backward_stats()
+    assert dropped and any(n.boundary for n in dropped)  # the stack dropped a layer's output
+    assert stats["max_recomputes_per_node"] == 1 and max(counts.values()) <= 2
+    assert all(counts.get(id(n), 0) <= 1 for n in nodes if n.boundary)
+    assert sum(c - 1 for c in counts.values()) == stats["passing_nodes"] > 0
+    assert stats["recomputed_nodes"] == sum(counts.values())
 
 
 @pytest.mark.parametrize("gc", [None, dict(), dict(policy="sqrt")], ids=["off", "all", "sqrt"])

@@ -196,10 +196,11 @@ class Module:
             m.checkpoint_policy = None
         return self
 
-    def checkpoint(self, out, inputs):
-        """Mark the nodes between `inputs` and `out` as dropped when checkpointing is on; return `out`."""
+    def checkpoint(self, out, inputs, stack=False):
+        """Mark the nodes between `inputs` and `out` as dropped when checkpointing is on; return `out`. `stack`: a
+        module made of modules (layers, time steps) annotates their outputs as its boundaries (see annotate)."""
         if self.checkpoint_policy is not None:
-            checkpoint.annotate(out, inputs, policy=self.checkpoint_policy, label=type(self).__name__)
+            checkpoint.annotate(out, inputs, policy=self.checkpoint_policy, label=type(self).__name__, stack=stack)
         return out
 
     def __call__(self, *args, **kwargs):

@@ -237,8 +237,11 @@ class Transformer(Module):
         pos = ops.reshape(self.positional_embedding(positions), (1, T, self.embedding_size))
         seq = x if self.batch_first else ops.transpose(x, (0, 1))
         y = self.checkpoint(seq + ops.broadcast_to(pos, (B, T, self.embedding_size)), [x])
+        stacked = y
         for layer in self.layers:
             y = layer(y)
+        # The layers are a stack: their outputs are its boundaries, which its policy may drop too (Chen's depth)
+        y = self.checkpoint(y, [stacked], stack=True)
         if not self.batch_first:
             y = ops.transpose(y, (0, 1))
         # The course returns a zero state beside the output; a broadcast view of one zero costs 4 bytes, not a

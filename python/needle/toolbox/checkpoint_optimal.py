@@ -157,7 +157,7 @@ class PointLedger(Ledger):
         self.points.append(max(self.since_point, self._local_peak(super().compute, node)))
         self.since_point = 0
 
-    def recompute(self, node):
+    def recompute(self, node, passing=False):
         self.since_point = max(self.since_point, self._local_peak(super().compute, node))
         self.recomputed.append(node)
 
