@@ -67,19 +67,36 @@ def dots_saveable(nodes, outputs=()):
     return [n.op.saveable for n in nodes]
 
 
+def keep_every_kth_child(nodes, children, k):
+    """A stack's decisions: the outputs of every k-th child kept (together: an LSTM step's h and c), the rest of
+    its candidates (the other children's outputs, what they kept inside) dropped. Backward rebuilds a dropped
+    segment's boundaries from the child kept before it, each once, and each child's interior as it differentiates
+    it (backward.plan_backward): a stack of n children keeps n / k of them, and holds k more while it rebuilds."""
+    keep = [False] * len(nodes)
+    for j, positions in enumerate(children):
+        if (j + 1) % k == 0:
+            for i in positions:
+                keep[i] = True
+    return keep
+
+
 @dataclass(frozen=True)
 class EverySegment:
-    """Keep every k-th candidate as a checkpoint (`segment_len=k`)."""
+    """Keep every k-th candidate as a checkpoint (`segment_len=k`); in a stack, every k-th child's outputs."""
 
     k: int
 
     def __call__(self, nodes, outputs=()):
+        children = regions.stack_children(nodes)
+        if children:
+            return keep_every_kth_child(nodes, children, self.k)
         return [(i + 1) % self.k == 0 for i in range(len(nodes))]
 
 
 @dataclass(frozen=True)
 class Sqrt:
-    """Chen's O(sqrt n) schedule: the region's n candidates in segments of k = ceil(sqrt n), one checkpoint each.
+    """Chen's O(sqrt n) schedule: the region's n candidates in segments of k = ceil(sqrt n), one checkpoint each
+    (in a stack of n children, the outputs of every k-th child: `keep_every_kth_child`).
 
     The region's output is kept anyway (rule 1) and ends the last segment, so only the first ceil(n/k) - 1
     segments get a checkpoint: a region of 2 candidates gets none, one of 16 gets 3. Within a segment it
@@ -90,6 +107,9 @@ class Sqrt:
     """
 
     def __call__(self, nodes, outputs=()):
+        children = regions.stack_children(nodes)
+        if children:  # a stack of n children (its output the last's): every ceil(sqrt n)-th child's outputs
+            return keep_every_kth_child(nodes, children, max(1, math.ceil(math.sqrt(len(children) + 1))))
         k = max(1, math.ceil(math.sqrt(len(nodes))))
         cost = [_keep_cost(n) for n in nodes]
         position = {id(n): i for i, n in enumerate(nodes)}
@@ -104,7 +124,7 @@ class Sqrt:
             reach = max(reach, last_consumer[i])
         keep = [False] * len(nodes)
         for start in range(0, len(nodes) - k, k):  # every segment but the last, which the output closes
-            segment = [i for i in range(start, start + k) if cost[i] > 0]
+            segment = [i for i in range(start, start + k) if 0 < cost[i] < math.inf]  # (unknown: never)
             if segment:
                 keep[min(segment, key=lambda i: (not cut[i], cost[i], -i))] = True
         return keep
@@ -218,8 +238,8 @@ def warn_if_nothing_to_drop(outputs, model_name):
     """Warn (NothingToDropWarning) when no region in the graph above `outputs` had an interior node to drop.
 
     A layer made of one op (a fused Linear, a ReLU) annotates a region whose only nodes are its input and its
-    output, both kept (rule 1), and a container (Sequential) is no region: so `enable_gc()` on the course's
-    `Sequential(Linear, ReLU, ...)` changes nothing. That is correct, but a student trying the feature should
+    output, both kept (rule 1): so `enable_gc()` on such a layer alone changes nothing (in an nn.Sequential, a
+    stack, the layers' outputs are the stack's to drop). That is correct, but a student trying the feature should
     hear it, so Module calls this after the first forward pass that follows `enable_gc`. A region has an
     interior when the policy saw candidates: some node was dropped or kept as a checkpoint. Returns whether it
     warned.
@@ -237,10 +257,9 @@ def warn_if_nothing_to_drop(outputs, model_name):
     labels = Counter(label for label, _ in {region_of(n) for n in nodes if region_of(n) is not None})
     named = ", ".join(f"{label} x{count}" for label, count in sorted(labels.items())) or "none"
     warnings.warn(f"{model_name}.enable_gc(): nothing to drop, so backward will recompute nothing. Regions "
-                  f"without an interior (one op between input and output): {named}. Make one with "
-                  f"checkpoint.checkpoint_sequential(layers, segments, x) in forward, or "
-                  f"checkpoint.checkpoint(nn.Sequential(...), x) to make a Sequential one region",
-                  NothingToDropWarning, stacklevel=3)
+                  f"without an interior (one op between input and output): {named}. Put the layers in an "
+                  f"nn.Sequential (a stack: their outputs can be dropped), or make a region of several ops with "
+                  f"checkpoint.checkpoint(fn, x)", NothingToDropWarning, stacklevel=3)
     return True
 
 

@@ -222,7 +222,10 @@ class Budget:
         group_of, groups = {}, {}
         for outs, candidates in regions:
             key = region_structure(candidates)
-            for position, n in list(enumerate(candidates)) + self._output_places(outs, lazy_step):
+            # A stack's boundaries are not its candidates here: rebuilding one costs its whole layer, which the prices
+            # (its own op's) do not see yet. (Its own region may still park it: an output place.)
+            places = [(p, n) for p, n in enumerate(candidates) if not n.boundary] + self._output_places(outs, lazy_step)
+            for position, n in places:
                 if id(n) not in group_of and id(n) in above:  # a value outside the step frees nothing
                     group_of[id(n)] = (key, position)
                     groups.setdefault((key, position), []).append(n)

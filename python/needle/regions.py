@@ -15,7 +15,7 @@ from .ledger import required_spec
 from .store import Store
 
 __all__ = ["apply_decision", "keep_reason", "mark_boundaries", "new_region", "note_reason", "note_region",
-           "reason_noted", "region_of", "region_structure"]
+           "reason_noted", "region_of", "region_structure", "stack_children"]
 
 # Why an annotated node is kept ("boundary": a region's output; "checkpoint": chosen by the policy; "offloaded").
 _reasons = weakref.WeakKeyDictionary()
@@ -76,6 +76,16 @@ def mark_boundaries(candidates):
     for node in candidates:
         if _reasons.get(node) == "boundary":
             node.boundary = True
+
+
+def stack_children(candidates):
+    """A stack's candidates grouped by the child region whose outputs they are: [[positions], ...] in the order the
+    children ran; [] where `candidates` are no stack's (no boundary among them)."""
+    children = {}
+    for i, node in enumerate(candidates):
+        if node.boundary:
+            children.setdefault(_regions.get(node), []).append(i)
+    return list(children.values())
 
 
 def apply_decision(node, decision):

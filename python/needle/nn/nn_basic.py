@@ -127,16 +127,18 @@ class Sigmoid(Module):
 
 
 class Sequential(Module):
-    """modules applied in order."""
+    """modules applied in order. With checkpointing on it is a stack: its modules' outputs are its boundaries,
+    which its policy may drop too ("all" keeps its input and output only; see checkpoint.annotate)."""
 
     def __init__(self, *modules):
         super().__init__()
         self.modules = modules
 
     def forward(self, x):
+        first = x
         for module in self.modules:
             x = module(x)
-        return x
+        return self.checkpoint(x, [first], stack=True) if isinstance(first, Tensor) else x
 
 
 class Residual(Module):

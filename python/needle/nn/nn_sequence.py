@@ -1,8 +1,9 @@
 """Sequence layers: Elman RNN and LSTM (cells and multi-layer stacks over (T, B, features)), and Embedding.
 
 The cells read their parameters from attributes at call time (user code may replace them with plain Tensors).
-Each cell annotates its own interior for checkpointing (inputs: X and the incoming state); the stacks do not,
-so every step's state stays a boundary.
+Each cell annotates its own interior for checkpointing (inputs: X and the incoming state); RNN and LSTM annotate
+their cells over every step and layer as one stack, whose boundaries (each step's state) their policy may drop too:
+backpropagation through time in O(sqrt T) memory with "sqrt" (Chen et al.; Gruslys et al. 2016).
 """
 import math
 
@@ -90,7 +91,9 @@ class RNN(Module):
                 outputs.append(h)
             xs = outputs
             last.append(h)
-        return ops.stack(xs, 0), ops.stack(last, 0)
+        outputs = [ops.stack(xs, 0), ops.stack(last, 0)]
+        self.checkpoint(outputs, [X] + ([] if h0 is None else [h0]), stack=True)
+        return tuple(outputs)
 
 
 class LSTMCell(Module):
@@ -159,7 +162,9 @@ class LSTM(Module):
             xs = outputs
             last_h.append(h_l)
             last_c.append(c_l)
-        return ops.stack(xs, 0), (ops.stack(last_h, 0), ops.stack(last_c, 0))
+        out, h_n, c_n = ops.stack(xs, 0), ops.stack(last_h, 0), ops.stack(last_c, 0)
+        self.checkpoint([out, h_n, c_n], [X] + [t for t in (h0, c0) if t is not None], stack=True)
+        return out, (h_n, c_n)
 
 
 def _check_sequence(module, X, input_size):
