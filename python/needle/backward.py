@@ -123,7 +123,7 @@ def plan_backward(root, has=None, stored=None):
                 available.add(id(n))
                 (steps[-2] if len(steps) > 1 else step).bring_back.append(n)  # a step ahead of its use
                 continue
-            if id(n) in held or n.boundary:
+            if id(n) in held:
                 available.add(id(n))  # rule 2: from now on it exists until its last use
             else:
                 passing.add(id(n))
@@ -144,9 +144,12 @@ def plan_backward(root, has=None, stored=None):
 
 
 def _held_here(missing, order):
-    """The ids of the values to recompute (`order`) that this step's own layer needs: those reached from `missing`
-    through their inputs without passing through a stack's boundary. What lies beyond a boundary (an earlier layer's
-    interior) is computed only to rebuild that boundary, and not held (rule 2 holds the boundaries themselves)."""
+    """The ids of the values to recompute (`order`) that are held until their last use (rule 2); the rest are
+    computed only on the way and let go. Held: what this step's own layer needs (reached from `missing` through
+    inputs without passing through a stack's boundary: the boundaries so reached are this step's `wanted` ones),
+    and the stack's boundaries rebuilt on the way, each as its `Boundary` says: always (Chen's schedule), or only
+    when rebuilding a given child's output, one of the wanted (Revolve's snapshots). An earlier layer's interior,
+    beyond a boundary, only passes."""
     to_recompute, held, stack = {id(n) for n in order}, set(), list(missing)
     while stack:
         n = stack.pop()
@@ -155,6 +158,11 @@ def _held_here(missing, order):
         held.add(id(n))
         if not n.boundary:
             stack.extend(n.inputs)
+    wanted = {(n.boundary.stack, n.boundary.child) for n in order if n.boundary and id(n) in held}
+    for n in order:
+        rule = n.boundary
+        if rule and (rule.held_for is None or (rule.stack, rule.held_for) in wanted):
+            held.add(id(n))
     return held
 
 
@@ -187,7 +195,8 @@ class Compute(Machine):
 
     def __init__(self):
         self.stats = {"recomputed_nodes": 0, "recomputed_bytes": 0, "released_bytes": 0,
-                      "max_recomputes_per_node": 0, "brought_back_nodes": 0, "passing_nodes": 0}
+                      "max_recomputes_per_node": 0, "brought_back_nodes": 0, "passing_nodes": 0,
+                      "recomputed_boundaries": 0}
         self.recomputed = {}  # id -> count, this pass
         self.in_backward = False  # run_backward sets it: a release there is a value's last (autograd.release)
         self.filling = []  # the stores that may still be filling a value brought back (see ready)
@@ -228,6 +237,7 @@ class Compute(Machine):
                 f"e.g. a global RNG? Make that state a leaf input.")
         self.stats["recomputed_nodes"] += 1
         self.stats["recomputed_bytes"] += nbytes_of(node.cached_data)
+        self.stats["recomputed_boundaries"] += bool(node.boundary)
         if passing:
             self.stats["passing_nodes"] += 1
             return
@@ -456,8 +466,8 @@ _last_stats = {}
 
 def last_backward_stats():
     """Statistics of the last backward pass: recomputed nodes and bytes (`passing_nodes` of them computed only on the
-    way to a stack's boundary), released bytes, values brought back from
-    their stores, the allocator's peak, and what the stores did since the backward before (store.take_traffic:
+    way to a stack's boundary, `recomputed_boundaries` of them a stack's boundaries), released bytes, values brought
+    back from their stores, the allocator's peak, and what the stores did since the backward before (store.take_traffic:
     the bytes the toolbox's stores moved, say).
 
     `peak_bytes` is the device allocator's peak since its last reset (reset it when a step starts to read that

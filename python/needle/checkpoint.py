@@ -52,9 +52,9 @@ __all__ = [
 
 # ----- policies: small pure functions from the candidate nodes of a region to decisions -------------------------
 # From the toolbox, on first use: OFFLOAD (the host-memory store, a policy's answer), compress(bits, policy),
-# offload_all (the "offload" policy).
+# offload_all (the "offload" policy), Revolve(snapshots) (binomial checkpointing for a stack).
 __getattr__ = lazy.attributes(__name__, {"OFFLOAD": "offload:OFFLOAD", "offload_all": "offload:offload_all",
-                                         "compress": "compress:compress"})
+                                         "compress": "compress:compress", "Revolve": "revolve:Revolve"})
 
 
 def nothing_saveable(nodes, outputs=()):
@@ -199,8 +199,9 @@ def annotate(out_node, in_nodes, segment_len=None, policy=None, label=None, stac
     order = find_topo_sort(outs, expand=lambda n: id(n) not in stop)
     candidates = [n for n in order if id(n) not in boundary and not n.is_leaf() and not n.drop and not always_kept(n)
                   and n.op.recomputable]  # a collective's output is kept: recomputing it would call it again
+    region = regions.new_region(label)
     if stack:
-        regions.mark_boundaries(candidates)
+        regions.mark_boundaries(candidates, region)
     decisions = keep_flags(candidates, outs)
     if not isinstance(decisions, (list, tuple)) or len(decisions) < len(candidates):
         raise TypeError(f"checkpoint policy {keep_flags!r} returned a {type(decisions).__name__} for "
@@ -212,7 +213,6 @@ def annotate(out_node, in_nodes, segment_len=None, policy=None, label=None, stac
     for node in outs:
         if node.store is None:
             regions.note_reason(node, "boundary")
-    region = regions.new_region(label)
     for node in order:  # the inner region ran first and keeps its nodes
         if id(node) not in stop and not node.is_leaf():
             regions.note_region(node, region)

@@ -7,6 +7,7 @@ node (its `drop` flag and its `store`). annotate also notes the region that made
 (viz.py), the memory recorder and the planners. Weak, so a note never keeps a value alive. Its own module so that
 the Budget and the toolbox's policies can apply and read decisions without importing checkpoint.py.
 """
+import dataclasses
 import itertools
 import weakref
 
@@ -14,8 +15,8 @@ from .autograd import release
 from .ledger import required_spec
 from .store import Store
 
-__all__ = ["apply_decision", "keep_reason", "mark_boundaries", "new_region", "note_reason", "note_region",
-           "reason_noted", "region_of", "region_structure", "stack_children"]
+__all__ = ["Boundary", "HeldFor", "apply_decision", "keep_reason", "mark_boundaries", "new_region", "note_reason",
+           "note_region", "reason_noted", "region_of", "region_structure", "stack_children"]
 
 # Why an annotated node is kept ("boundary": a region's output; "checkpoint": chosen by the policy; "offloaded").
 _reasons = weakref.WeakKeyDictionary()
@@ -69,35 +70,63 @@ def keep_reason(node):
     return _reasons.get(node, "not annotated")
 
 
-def mark_boundaries(candidates):
-    """A stack's candidates that are its children's outputs (annotate noted them "boundary") become its boundaries:
-    should the stack drop one, backward rebuilds it once and holds it until its last use, and what it computes only
-    on the way (the children's interiors) it does not hold (backward.plan_backward)."""
+@dataclasses.dataclass(frozen=True)
+class Boundary:
+    """Where a value sits in a stack (`Value.boundary`): the stack's region number and which child (0, 1, ...) made
+    it. Should the stack drop it, backward rebuilds it and holds it until its last use (`held_for` None, Chen's
+    schedule: once a backward), or holds it only when rebuilding child `held_for`'s output and lets it pass on any
+    other way (a `HeldFor` answer: Revolve's snapshots, checkpoint.py)."""
+
+    stack: int
+    child: int
+    held_for: object = None
+
+
+@dataclasses.dataclass(frozen=True)
+class HeldFor:
+    """A stack's policy's answer for one of its boundaries: drop it, and when backward rebuilds child `child`'s
+    output, hold it as a snapshot; on any other way through it, recompute it and let it go (backward.plan_backward)."""
+
+    child: int
+
+
+def mark_boundaries(candidates, stack):
+    """A stack's candidates that are its children's outputs (annotate noted them "boundary") become its boundaries,
+    numbered by child in the order the children ran (`stack`: the stack's region, from new_region)."""
+    child_of = {}
     for node in candidates:
         if _reasons.get(node) == "boundary":
-            node.boundary = True
+            child = child_of.setdefault(_regions.get(node), len(child_of))
+            node.boundary = Boundary(stack[1], child)
 
 
 def stack_children(candidates):
-    """A stack's candidates grouped by the child region whose outputs they are: [[positions], ...] in the order the
-    children ran; [] where `candidates` are no stack's (no boundary among them)."""
+    """A stack's candidates grouped by the child that made them, its outputs only: [[positions], ...] in the order
+    the children ran; [] where `candidates` are no stack's (no boundary among them)."""
     children = {}
     for i, node in enumerate(candidates):
         if node.boundary:
-            children.setdefault(_regions.get(node), []).append(i)
-    return list(children.values())
+            children.setdefault(node.boundary.child, []).append(i)
+    return [children[child] for child in sorted(children)]
 
 
 def apply_decision(node, decision):
     """Write a policy's answer on `node`: True keeps it (a checkpoint); False drops it, recomputed in backward; a
-    Store drops it into that store (one that does not accept the value — a view, say — drops it plainly). A dropped
+    Store drops it into that store (one that does not accept the value — a view, say — drops it plainly); HeldFor
+    drops a stack's boundary and writes when backward holds it (on its `boundary`). A dropped
     value is released now if it has been computed (eager mode; into its store first), else after its last forward
     consumer (lazy mode)."""
+    if isinstance(decision, HeldFor):  # a stack's boundary, held in backward only when rebuilding that child
+        if not node.boundary:
+            raise TypeError(f"checkpoint policy: answered {decision!r} for a {type(node.op).__name__} value that is "
+                            f"no stack's boundary (only a stack's children's outputs can be held for a child)")
+        node.boundary = dataclasses.replace(node.boundary, held_for=decision.child)
+        decision = False
     if not isinstance(decision, Store):
         if decision is None or isinstance(decision, str) or decision not in (True, False):
             raise TypeError(f"checkpoint policy: answered {decision!r} for a {type(node.op).__name__} value; a "
-                            f"policy answers True (keep), False (recompute) or a Store (checkpoint.OFFLOAD, a "
-                            f"compress codec)")
+                            f"policy answers True (keep), False (recompute), a Store (checkpoint.OFFLOAD, a "
+                            f"compress codec) or, for a stack's boundary, HeldFor(child)")
         decision = bool(decision)
         if decision:
             note_reason(node, "checkpoint")
