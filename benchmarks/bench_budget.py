@@ -28,6 +28,7 @@ import numpy as np  # noqa: E402
 import needle as ndl  # noqa: E402
 from needle import autograd, checkpoint, checkpoint_budget, nn  # noqa: E402
 from needle.backend_ndarray import memory_stats, reset_peak_memory_stats  # noqa: E402
+from needle.costs import CostModel as CoreCostModel  # noqa: E402
 from needle.toolbox.cost_model import Calibration, CostModel  # noqa: E402
 from bench_step import add_model_arguments  # noqa: E402
 from models import LanguageModel  # noqa: E402
@@ -67,8 +68,12 @@ def measured_peak(args, model):
 
 
 def budget_row(args, bytes, offload, host_bandwidth):
-    """(predicted peak, predicted time or None, measured M_peak) of a step under Budget(bytes, offload), or None."""
-    budget = checkpoint.Budget(bytes, offload=offload, host_bandwidth=host_bandwidth, calibrate=True)
+    """(predicted peak, predicted time or None, measured M_peak) of a step under Budget(bytes, offload), or None.
+    Priced by this machine's calibration, or with --teaching by the core's fixed rates (the teaching Budget's)."""
+    if args.teaching:
+        budget = checkpoint.Budget(bytes, offload=offload, host_bandwidth=host_bandwidth, cost_model=CoreCostModel())
+    else:
+        budget = checkpoint.Budget(bytes, offload=offload, host_bandwidth=host_bandwidth, calibrate=True)
     try:
         peak = measured_peak(args, make_model(args, budget))
     except ValueError:  # InfeasibleBudget: raised before anything is computed
@@ -158,17 +163,24 @@ def main():
     p.add_argument("--host-bandwidth", dest="host_bandwidth", type=float, default=None,
                    help="bytes/s to plan copies with (16e9: PCIe 4); default: this machine's, measured")
     p.add_argument("--nominal", action="store_true", help="price plans with Calibration.nominal(), not this machine's")
+    p.add_argument("--teaching", action="store_true",
+                   help="price both with the core's fixed rates (costs.CostModel(): the teaching Budget's, no clock)")
     p.add_argument("--markdown", action="store_true", help="print the table alone, as Markdown")
     args = p.parse_args()
     if not DEVICE.enabled():
         raise SystemExit("bench_budget: the C++ backend is not built; run `make` first")
-    calibration = Calibration.nominal() if args.nominal else Calibration.load_or_measure(DEVICE)
+    if args.teaching:
+        cost_model = CoreCostModel()
+    else:
+        calibration = Calibration.nominal() if args.nominal else Calibration.load_or_measure(DEVICE)
+        cost_model = CostModel(DEVICE, calibration=calibration)
     start = time.perf_counter()
-    off_peak, low, rows = sweep(args, CostModel(DEVICE, calibration=calibration))
+    off_peak, low, rows = sweep(args, cost_model)
     if not args.markdown:
         print(f"bench_budget: batch {args.batch_size} x seq_len {args.seq_len}, embedding {args.embedding_size}, "
               f"hidden {args.hidden_size}, {args.num_layers} layers, {args.num_head} heads, vocab {args.vocab}, lazy; "
-              f"{'nominal' if args.nominal else 'this machine'}'s cost model"
+              f"{'the core fixed rates' if args.teaching else 'nominal' if args.nominal else 'this machine'}'s "
+              f"cost model"
               + (f", copies planned at {args.host_bandwidth / 1e9:g} GB/s" if args.host_bandwidth else ""))
         print(f"gc off's M_peak {_mb(off_peak)} MB; recompute-only Budget's least peak {_mb(low)} MB; "
               f"+ms: seconds a plan adds to a step (recompute + exposed copies); sweep took "

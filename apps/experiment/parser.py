@@ -136,7 +136,11 @@ def add_model_flags(p, command):
     flag(g, "seq_len", type=int, default=32, metavar="T", help="tokens per sequence (BPTT window)")
     flag(g, "embedding_size", type=int, default=256, metavar="D", help="model width")
     flag(g, "hidden_size", type=int, default=256, metavar="H", help="feed-forward width of each Transformer layer")
-    flag(g, "num_layers", type=int, default=4, metavar="L", help="Transformer layers")
+    flag(g, "num_layers", type=int, default=4, metavar="L",
+         help="Transformer layers (LSTM layers with --seq-model lstm)")
+    flag(g, "seq_model", default="transformer", choices=["transformer", "lstm"],
+         help="the language model's sequence model: the Transformer, or an LSTM (--seq-len its chain of time steps; "
+              "--hidden-size its state; the Transformer's own flags unused)")
     flag(g, "num_head", type=int, default=4, metavar="N", help="attention heads; must divide --embedding-size")
     flag(g, "dropout", type=float, default=0.0, metavar="P", help="dropout probability, in [0, 1)")
     flag(g, "activation", default="relu", choices=["relu", "gelu", "gelu_tanh", "silu"],

@@ -42,7 +42,8 @@ def config_of(config, source, vocab, device):
         "accumulation_steps": config.accumulation_steps,
         "effective_batch_size": None if batch is None else batch * config.accumulation_steps,
         "seq_len": config.seq_len, "embedding_size": config.embedding_size, "hidden_size": config.hidden_size,
-        "num_layers": config.num_layers, "num_head": config.num_head, "dropout": config.dropout,
+        "num_layers": config.num_layers, "seq_model": config.seq_model, "num_head": config.num_head,
+        "dropout": config.dropout,
         "activation": config.activation, "activation_bits": config.activation_bits,
         "compress_bits": config.compress_bits,
         "head_init_scale": config.head_init_scale, "head": config.head, "precision": config.precision,
@@ -66,10 +67,10 @@ def config_of(config, source, vocab, device):
 # drawn as one bar with its spread (plot.py); the seed, and when and by what command line a run started, are not
 # among them: repeats differ there.
 CONFIG_KEYS = ("data", "vocab_size", "batch_size", "accumulation_steps", "effective_batch_size", "seq_len",
-               "embedding_size", "hidden_size", "num_layers", "num_head", "dropout", "activation", "activation_bits",
-               "compress_bits", "head_init_scale", "head", "precision", "stochastic_rounding", "init_scale",
-               "segment_len", "budget_bytes", "budget_offload", "host_bandwidth_bytes_per_second", "lazy", "device",
-               "threads", "epochs", "max_batches", "warmup", "lr", "optimizer", "offload_state", "parallel",
+               "embedding_size", "hidden_size", "num_layers", "seq_model", "num_head", "dropout", "activation",
+               "activation_bits", "compress_bits", "head_init_scale", "head", "precision", "stochastic_rounding",
+               "init_scale", "segment_len", "budget_bytes", "budget_offload", "host_bandwidth_bytes_per_second", "lazy",
+               "device", "threads", "epochs", "max_batches", "warmup", "lr", "optimizer", "offload_state", "parallel",
                "bucket_bytes", "world_size", "memory_limit_bytes")
 REPEAT_KEYS = ("seed", "needle_commit", "started_at", "argv")
 

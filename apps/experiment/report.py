@@ -82,8 +82,11 @@ def model_text(config, skip=()):
 def print_run_header(config, which, device, source, data, vocab):
     """What a run trains (the model, the batch, the passes, the data) and where its loss should start."""
     label = policy_label(config)
-    print(f"gc.py: Transformer LM ({plural(config.num_layers, 'layer')}, embedding {config.embedding_size}, "
-          f"feed-forward {config.hidden_size}, {config.num_head} heads), {batch_text(config)} x seq_len "
+    model = (f"LSTM LM ({plural(config.num_layers, 'layer')}, embedding {config.embedding_size}, state "
+             f"{config.hidden_size})" if config.seq_model == "lstm" else
+             f"Transformer LM ({plural(config.num_layers, 'layer')}, embedding {config.embedding_size}, "
+             f"feed-forward {config.hidden_size}, {config.num_head} heads)")
+    print(f"gc.py: {model}, {batch_text(config)} x seq_len "
           f"{config.seq_len}, device {device}, "
           f"{'lazy' if config.lazy else 'eager'}, {config.head} head; "
           + {(False,): "gc off", (True,): f"gc on ({label})", (False, True): f"gc off vs on ({label})"}[tuple(which)]

@@ -50,6 +50,7 @@ class RunConfig:
     embedding_size: int = None
     hidden_size: int = None
     num_layers: int = None
+    seq_model: str = "transformer"  # or "lstm"
     num_head: int = None
     dropout: float = None
     activation: str = "relu"
@@ -153,12 +154,17 @@ def budget_policy(config, bound=None):
 
 
 def build_model(config, vocab, device, policy):
-    """The course's LanguageModel (a Transformer), seeded; checkpointing on when policy is not "off"."""
+    """The course's LanguageModel (a Transformer, or an LSTM with --seq-model lstm), seeded; checkpointing on when
+    policy is not "off"."""
     np.random.seed(config.seed)
-    model = LanguageModel(config.embedding_size, vocab, config.hidden_size, num_layers=config.num_layers,
-                          seq_model="transformer", seq_len=config.seq_len, device=device, num_head=config.num_head,
-                          dim_head=config.embedding_size // config.num_head, dropout=config.dropout,
-                          activation=config.activation, activation_bits=config.activation_bits)
+    if config.seq_model == "lstm":
+        model = LanguageModel(config.embedding_size, vocab, config.hidden_size, num_layers=config.num_layers,
+                              seq_model="lstm", seq_len=config.seq_len, device=device)
+    else:
+        model = LanguageModel(config.embedding_size, vocab, config.hidden_size, num_layers=config.num_layers,
+                              seq_model="transformer", seq_len=config.seq_len, device=device, num_head=config.num_head,
+                              dim_head=config.embedding_size // config.num_head, dropout=config.dropout,
+                              activation=config.activation, activation_bits=config.activation_bits)
     if config.head_init_scale != 1:
         # The course's init gives the output layer logits with a std of several units (its input, the residual
         # stream, is not normalized), so the loss starts far above ln(vocab), a uniform guess.  Scaled down,

@@ -98,8 +98,9 @@ def _forward_backward(model, loss_fn, micro, config, device, params, scaler, bas
             if j == 0:
                 act = held
                 t_floor = time.perf_counter()  # bookkeeping of the measurement, left out of T_step
-                floor = sum(b for _, reason, b in checkpoint.saved_residuals(loss, exclude=params + [X, y])
-                            if reason in ("leaf", "boundary"))
+                # (a stack's boundary, a layer's output the stack's policy may drop, is no part of the floor)
+                floor = sum(b for node, reason, b in checkpoint.saved_residuals(loss, exclude=params + [X, y])
+                            if reason == "leaf" or reason == "boundary" and not node.boundary)
                 if rss:
                     rss.sample()
                 bookkeeping += time.perf_counter() - t_floor

@@ -17,6 +17,7 @@ The toolbox extends it (`Budget(b, offload=True)`, `calibrate=True`: toolbox/bud
 the device for host memory, gradients may be parked there, prices measured; `optimal` solves the choice exactly.
 """
 import itertools
+import math
 import weakref
 from dataclasses import dataclass
 
@@ -24,9 +25,9 @@ from . import lazy
 from .autograd import defer_until_backward, find_topo_sort
 from .costs import CostModel
 from .ledger import Ledger, holds_base, predict_peak, value_bytes, walk_step
-from .regions import apply_decision, region_structure
+from .regions import apply_decision, region_structure, stack_children
 
-__all__ = ["Budget", "InfeasibleBudget", "Ledger", "Planned", "predict_peak", "walk_step"]
+__all__ = ["Budget", "InfeasibleBudget", "Ledger", "Planned", "boundary_keep_order", "predict_peak", "walk_step"]
 
 # From the toolbox, on first use: the exact optimum (a mixed-integer program) and its plan.
 __getattr__ = lazy.attributes(__name__, {"optimal": "checkpoint_optimal:optimal",
@@ -143,7 +144,9 @@ class Budget:
         # How each group would leave the device (False: recomputed; the toolbox's: a Store), at what seconds.
         forward = [n for n in order if not n.is_leaf()]
         around = sum(map(self.cost_model.compute_seconds, forward)) / max(len(forward), 1)  # one op's compute
-        how = {id(ns[0]): self._cheaper_way(ns[0], around, output=isinstance(place, tuple))
+        rebuild = _rebuild_seconds(regions, self.cost_model)  # a stack's boundary: its whole layer again
+        how = {id(ns[0]): self._cheaper_way(ns[0], around, output=isinstance(place, tuple) and place[0] == "out",
+                                            recompute=rebuild.get(id(ns[0])))
                for (_, place), ns in groups.items()}
         ranked = _ranked(groups, how)
         # Model the forward pass the way later steps will run it: lazily if this one has not been computed yet.
@@ -218,17 +221,19 @@ class Budget:
     def _groups(self, regions, above, lazy_step):
         """{(region structure, place): its values}. A node goes by the first region that lists it and its place
         there: regions of one structure (the layers of a stack) get one decision per place, so the frozen table
-        replays them all."""
+        replays them all. A stack's boundaries come first, each child's its own place, in the order to drop them
+        (`_boundaries_to_drop`)."""
         group_of, groups = {}, {}
+        places = [(region_structure(c), ("child", child), n) for _, c in regions for child, ns in _boundaries_to_drop(c)
+                  for n in ns]
         for outs, candidates in regions:
             key = region_structure(candidates)
-            # A stack's boundaries are not its candidates here: rebuilding one costs its whole layer, which the prices
-            # (its own op's) do not see yet. (Its own region may still park it: an output place.)
-            places = [(p, n) for p, n in enumerate(candidates) if not n.boundary] + self._output_places(outs, lazy_step)
-            for position, n in places:
-                if id(n) not in group_of and id(n) in above:  # a value outside the step frees nothing
-                    group_of[id(n)] = (key, position)
-                    groups.setdefault((key, position), []).append(n)
+            places += [(key, p, n) for p, n in enumerate(candidates) if not n.boundary]
+            places += [(key, p, n) for p, n in self._output_places(outs, lazy_step)]
+        for key, position, n in places:
+            if id(n) not in group_of and id(n) in above:  # a value outside the step frees nothing
+                group_of[id(n)] = (key, position)
+                groups.setdefault((key, position), []).append(n)
         return groups
 
     def _output_places(self, outs, lazy_step):
@@ -253,10 +258,49 @@ class Budget:
                     apply_decision(n, decided[id(n)])  # eager mode computed it: released now, recomputed later
                     gone.add(id(n))
 
-    def _cheaper_way(self, node, around, output=False):
+    def _cheaper_way(self, node, around, output=False, recompute=None):
         """(how `node` leaves the device — False: recomputed; the toolbox's Budget may answer a Store —, what that
-        costs in seconds)."""
-        return False, self.cost_model.compute_seconds(node)
+        costs in seconds; `recompute`: the seconds of recomputing it, where that is more than its own op's)."""
+        return False, self.cost_model.compute_seconds(node) if recompute is None else recompute
+
+
+def boundary_keep_order(n):
+    """A stack's n children (0 .. n-1) in the order to keep their outputs, and how many are never dropped.
+
+    Backward rebuilds a dropped run of boundaries from the kept one below and holds it (Chen's scheme), so the kept
+    ones should stay evenly spread: the order halves the gaps between kept ones (the middle child first, then the
+    quarters, ...; breadth first). The first ceil(sqrt(n + 1)) - 1, Chen's segments for n + 1 layers, are never
+    dropped: beyond them, dropping more makes the runs backward holds longer than the bytes it saves. The Budget
+    drops the others in the reverse order; `optimal` tries the same spine."""
+    order, gaps = [], [(0, n + 1)]
+    for a, b in gaps:  # boundaries 1 .. n between the stack's input (0) and output (n + 1)
+        if b - a > 1:
+            order.append((a + b) // 2 - 1)
+            gaps += [(a, (a + b) // 2), ((a + b) // 2, b)]
+    return order, math.ceil(math.sqrt(n + 1)) - 1
+
+
+def _boundaries_to_drop(candidates):
+    """[(child, its outputs)] of a stack's boundaries the Budget may drop, in the order it drops them."""
+    children = stack_children(candidates)
+    order, spine = boundary_keep_order(len(children))
+    return [(child, [candidates[i] for i in children[child]]) for child in reversed(order[spine:])]
+
+
+def _rebuild_seconds(regions, cost_model):
+    """{id of a stack's boundary: the seconds backward spends rebuilding it once its layer's interior is dropped
+    too}: its stack's layers' mean, one share per output of the child (an LSTM step's h and c). The same for every
+    child, so the Budget drops them in `_boundaries_to_drop`'s order."""
+    seconds = {}
+    for _, candidates in regions:
+        children = stack_children(candidates)
+        if not children:
+            continue
+        layers = sum(cost_model.compute_seconds(n) for n in candidates[:children[-1][-1] + 1])
+        for positions in children:
+            for i in positions:
+                seconds[id(candidates[i])] = layers / len(children) / len(positions)
+    return seconds
 
 
 def _checked_bytes(value):

@@ -7,9 +7,9 @@ off's, to the bit.
 import numpy as np
 import pytest
 
-import needle as ndl
-from needle import backward, checkpoint, nn
+from needle import checkpoint
 from needle.toolbox.revolve import Revolve, runs, schedule, steps
+from stack_cases import gradients, most_boundaries_alive
 
 
 @pytest.mark.parametrize("snapshots", [1, 2, 3, 4, 6])
@@ -41,73 +41,19 @@ def test_revolve_needs_a_snapshot():
         schedule(5, 0)
 
 
-class Block(nn.Module):
-    """y = x + relu(x @ w) @ v: a layer with an interior of its own (a region)."""
-
-    def __init__(self, width, rng):
-        super().__init__()
-        self.w = nn.Parameter(rng.standard_normal((width, 2 * width)).astype("float32") / width)
-        self.v = nn.Parameter(rng.standard_normal((2 * width, width)).astype("float32") / width)
-
-    def forward(self, x):
-        return self.checkpoint(x + ndl.ops.relu(x @ self.w) @ self.v, [x])
-
-
-def _chain(length, seed=0, width=8):
-    rng = np.random.default_rng(seed)
-    model = nn.Sequential(*[Block(width, rng) for _ in range(length)])
-    x = ndl.Tensor(rng.standard_normal((4, width)).astype("float32"))
-    return model, x
-
-
-def _grads(length, policy):
-    model, x = _chain(length)
-    if policy is not None:
-        model.enable_gc(policy=policy)
-    model(x).sum().backward()
-    return [p.grad.numpy() for p in model.parameters()], backward.last_backward_stats()
-
-
 @pytest.mark.parametrize("length,snapshots", [(10, 2), (16, 3), (24, 4), (6, 1)])
 def test_backward_rebuilds_the_formulas_count_and_gives_gc_offs_gradients(length, snapshots):
-    off, _ = _grads(length, None)
-    on, stats = _grads(length, checkpoint.Revolve(snapshots))
+    off, _ = gradients(length, None)
+    on, stats = gradients(length, checkpoint.Revolve(snapshots))
     assert stats["recomputed_boundaries"] == runs(length, snapshots) - (length - 1)
     assert all(np.array_equal(a, b) for a, b in zip(off, on))
-
-
-class CountHeld(backward.Compute):
-    """The real machine, counting the stack's boundaries alive at once during backward."""
-
-    def __init__(self, boundaries, alive):
-        super().__init__()
-        self.boundaries, self.alive, self.most = boundaries, set(alive), len(alive)
-
-    def recompute(self, node, passing=False):
-        super().recompute(node, passing=passing)
-        if id(node) in self.boundaries:
-            self.alive.add(id(node))
-            self.most = max(self.most, len(self.alive))
-
-    def release(self, node):
-        self.alive.discard(id(node))
-        super().release(node)
 
 
 @pytest.mark.parametrize("length", [8, 32])
 def test_no_more_than_snapshots_boundaries_are_alive_whatever_the_depth(length):
     """M_act O(s): at most s of the stack's boundaries exist at once, kept from forward or rebuilt, plus the one a
-    rebuild is making before the one it passed through is let go."""
+    rebuild is making before the one it passed through is let go (a residual block reads its input last)."""
     snapshots = 3
-    model, x = _chain(length)
-    model.enable_gc(policy=checkpoint.Revolve(snapshots))
-    loss = model(x).sum()
-    nodes = backward.find_topo_sort([loss])
-    boundaries = {id(n) for n in nodes if n.boundary}
-    assert len(boundaries) == length - 1
-    machine = CountHeld(boundaries, [id(n) for n in nodes if n.boundary and n.cached_data is not None])
-    assert machine.most <= snapshots  # after forward
-    out_grad = ndl.Tensor(np.ones((), "float32"), requires_grad=False)
-    backward.run_backward(backward.plan_backward(loss), out_grad, machine)
-    assert machine.most <= snapshots + 1 and machine.stats["recomputed_boundaries"] == runs(length, snapshots) - (
-        length - 1)
+    after_forward, most, boundaries, stats = most_boundaries_alive(length, checkpoint.Revolve(snapshots))
+    assert boundaries == length - 1 and after_forward <= snapshots and most <= snapshots + 1
+    assert stats["recomputed_boundaries"] == runs(length, snapshots) - (length - 1)

@@ -12,6 +12,7 @@ import numpy as np
 
 from ..console import fail
 from ..data import SYNTHETIC
+from ..growth import DEPTH_PARAMETERS, growth_exponents
 from ..records import read_json
 from ..report import plural
 from ..runsets import bar_key, counts_text, ordered_labels, policy_base, run_label, run_set_key
@@ -87,14 +88,19 @@ def plot_sweep(records, out_dir):
         over = rs[0].get("sweep_over") or next(k for k in ("batch_size", "hidden_size", "segment_len", "num_layers")
                                                if len({r.get(k) for r in rs}) > 1)
         xs_all = sorted({r[over] for r in rs})
+        depth = over in DEPTH_PARAMETERS  # memory on log axes, each line's growth exponent in the legend
+        exponents = growth_exponents(rs, over) if depth else {}
         fig, axes = plt.subplots(1, 3, figsize=(14, 4.4))
         for label in ordered_labels(run_label(r) for r in rs):
             mine = [r for r in rs if run_label(r) == label]
             xs = sorted({r[over] for r in mine})
             for ax, (key, title, unit) in zip(axes, PANELS):
                 stats = [_spread([r[key] / unit for r in mine if r[over] == x and r.get(key) is not None]) for x in xs]
+                p = exponents.get(label, {}).get({"activation_bytes": "M_act", "peak_activation_bytes": "M_peak"}
+                                                 .get(key))
                 ax.errorbar(xs, [m for m, _ in stats], yerr=np.array([e for _, e in stats]).T, marker="o",
-                            capsize=3, color=_colour(label), label=label, zorder=3 if label == "off" else 2)
+                            capsize=3, color=_colour(label), zorder=3 if label == "off" else 2,
+                            label=label if p is None else f"{label} (p = {p:.2f})")
         floors = [statistics.median(r["floor_bytes"] / 2**20 for r in rs if r[over] == x and r.get("use_gc"))
                   if any(r[over] == x and r.get("use_gc") for r in rs) else None for x in xs_all]
         if any(f is not None for f in floors):
@@ -104,11 +110,16 @@ def plot_sweep(records, out_dir):
             ax.set_title(title + ("\n(some from < 3 timed steps: unreliable)" if key == "time" and _unreliable(rs)
                                   else ""), fontsize=10)
             ax.set_xlabel(over)
+            if depth and key != "time":  # growth as a slope: v = c + a * L^p
+                ax.set_xscale("log", base=2)
+                ax.set_yscale("log")
+                ax.legend(fontsize=7)
+            else:
+                ax.set_ylim(bottom=0)
             if len(xs_all) <= 12:
-                ax.set_xticks(xs_all)  # the swept values themselves: integers
+                ax.set_xticks(xs_all, [str(x) for x in xs_all])  # the swept values themselves: integers
             else:
                 ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-            ax.set_ylim(bottom=0)
             ax.grid(alpha=0.3)
         handles, names = axes[0].get_legend_handles_labels()
         order = sorted(range(len(names)), key=lambda i: names[i] == "M_floor")  # the policies first, "off" leading

@@ -9,6 +9,7 @@ from ..children import invocation_id, last_line, run_child
 from ..console import OOM_EXIT, fail, note, progress_on, say, tqdm_class
 from ..data import check_corpus, load_data, resolve_data
 from ..footprint import check_fits
+from ..growth import DEPTH_PARAMETERS, growth_exponents
 from ..records import config_of, read_json, write_json
 from ..report import mb, model_text
 from ..setup import BUDGET_CURVES, budget_policy, pick_device, plan_budget
@@ -54,11 +55,22 @@ def main_sweep(config):
     if not records:
         print(f"gc.py sweep: all {total} runs failed", file=sys.stderr)
         sys.exit(1)
+    if config.over in DEPTH_PARAMETERS:
+        print_growth(records, config.over)
     pngs = plot_sweep(records, out_dir)
     print(f"wrote {summary} (also as {os.path.join(out_dir, 'sweep.json')}) and {', '.join(pngs)}")
     if failed:
         print(f"gc.py sweep: {failed} of {total} runs failed (see above)", file=sys.stderr)
         sys.exit(1)
+
+
+def print_growth(records, over):
+    """How each policy's M_act, M_peak and M_floor grow with depth: the exponent p of c + a * over^p."""
+    print(f"growth with {over}: p of v = c + a * {over}^p, fitted to the increments of the medians "
+          f"(1: linear, 0.5: Chen's sqrt; '-': does not grow)")
+    print(f"  {'policy':12s}" + "".join(f"{name:>10s}" for name in ("M_act", "M_peak", "M_floor")))
+    for label, fitted in growth_exponents(records, over).items():
+        print(f"  {label:12s}" + "".join(f"{'-' if p is None else f'{p:.2f}':>10s}" for p in fitted.values()))
 
 
 def sweep_run(config, source, sweep_id, out_dir, point, counter):

@@ -73,11 +73,12 @@ class OffloadBudget(Budget):
         return sum(self.cost_model.copy_seconds(value_bytes(p), way)
                    for p in params for way in ("to_host", "to_device"))
 
-    def _cheaper_way(self, node, around, output=False):
+    def _cheaper_way(self, node, around, output=False, recompute=None):
         """(how `node` leaves the device — False: recomputed, OFFLOAD: parked in host memory —, what that costs in
         seconds). A copy to the host and back; where copies overlap compute, the part of each that the compute
-        beside it (`around`: one op's seconds) does not hide. A region's `output` can only be parked."""
-        recompute = self.cost_model.compute_seconds(node)
+        beside it (`around`: one op's seconds) does not hide. A region's `output` can only be parked; `recompute`:
+        the seconds of recomputing it, where more than its own op's (a stack's boundary: its layer)."""
+        recompute = self.cost_model.compute_seconds(node) if recompute is None else recompute
         if not (self.offload and offloadable(node)):
             return False, recompute
         copies = [self.cost_model.copy_seconds(value_bytes(node), way) for way in ("to_host", "to_device")]

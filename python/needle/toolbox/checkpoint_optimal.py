@@ -47,6 +47,7 @@ import numpy
 from .. import costs
 from ..autograd import find_topo_sort, infer_spec, placeholder, realize, spec_nbytes
 from ..backward import always_kept, plan_backward, run_backward
+from ..checkpoint_budget import boundary_keep_order
 from ..ledger import Ledger, holds_base, walk_step
 from ..regions import keep_reason, region_of
 from .cost_model import CostModel, device_copies_overlap
@@ -96,7 +97,8 @@ def find_groups(root):
     """The candidates above `root` (see the module doc), grouped: a list of lists of nodes, in program order.
 
     A value of an annotated region (`checkpoint.region_of`) joins the values at its place in every region of the
-    same structure (its candidates' ops, shapes and dtypes), as the Budget groups them; any other value joins those
+    same structure (its candidates' ops, shapes and dtypes), as the Budget groups them, but a stack's boundary (a
+    layer's output, `Value.boundary`) is a group of its own, as with the Budget; any other value joins those
     of its op class, shape and dtype. A view (not a candidate) goes with the value whose buffer it holds: a kept
     view would keep its dropped base's bytes on the device, and recomputing a view costs nothing.
     """
@@ -106,7 +108,9 @@ def find_groups(root):
         if not _candidate(node, root):
             continue
         region = region_of(node)
-        if region is None:
+        if node.boundary:  # a layer's output in a stack: which of them to keep is a choice of its own, each
+            groups.setdefault(("boundary", node.boundary.stack, node.boundary.child), []).append(node)
+        elif region is None:
             groups.setdefault(("op",) + _describe(node), []).append(node)
         else:
             by_region.setdefault(region, []).append(node)
@@ -346,17 +350,31 @@ class Program:
 def _least_peak(program):
     """(dropped, offloaded, walk) of the least peak the ledger verifies among: every group off the device
     (offloaded where it may be), the same but the annotated regions' outputs kept (the checkpoints that spare a
-    recomputation the walk back to the inputs), and the program's plan of least linearized peak."""
+    recomputation the walk back to the inputs), that with Chen's spine of each stack's boundaries kept too (the
+    Budget's least: checkpoint_budget.boundary_keep_order), and the program's plan of least linearized peak."""
     plans = [program.plan(range(len(program.ways)))]
     every_dropped, every_parked, _ = plans[0]
-    boundary = {id(n) for ns in program.groups for n in ns if keep_reason(n) == "boundary"}
-    if boundary:
-        plans.append(program.nodes_plan([n for n in every_dropped if id(n) not in boundary],
-                                        [n for n in every_parked if id(n) not in boundary]))
+    outputs = {id(n) for ns in program.groups for n in ns if keep_reason(n) == "boundary" and not n.boundary}
+    for kept in (outputs, outputs | _spine(program.groups)) if outputs else ():
+        plans.append(program.nodes_plan([n for n in every_dropped if id(n) not in kept],
+                                        [n for n in every_parked if id(n) not in kept]))
     picked = program.least_peak()
     if picked is not None:
         plans.append(program.plan(picked))
     return min(plans, key=lambda plan: plan[2].peak)
+
+
+def _spine(groups):
+    """The ids of the stacks' boundaries that the Budget never drops (checkpoint_budget.boundary_keep_order)."""
+    children = {}
+    for ns in groups:
+        if ns[0].boundary:
+            children.setdefault(ns[0].boundary.stack, {})[ns[0].boundary.child] = ns
+    spine = set()
+    for by_child in children.values():
+        order, kept = boundary_keep_order(len(by_child))
+        spine |= {id(n) for child in order[:kept] if child in by_child for n in by_child[child]}
+    return spine
 
 
 def _solve(program, bytes):
