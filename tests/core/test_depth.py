@@ -12,7 +12,7 @@ import math
 import numpy as np
 import pytest
 
-from needle import autograd, backward, checkpoint
+from needle import autograd, backward
 from needle.checkpoint_budget import Budget, InfeasibleBudget
 from stack_cases import chain, gradients, most_boundaries_alive
 
