@@ -31,6 +31,7 @@ from .store import Store
 __all__ = [
     "Budget",
     "EverySegment",
+    "KeepChildren",
     "NothingToDropWarning",
     "Store",
     "Sqrt",
@@ -352,39 +353,42 @@ def checkpoint(fn, *args, segment_len=None, policy=None):
 def checkpoint_sequential(modules, segments, x, segment_len=None, policy=None):
     """Run `modules` one after the other on `x`, as `segments` consecutive checkpointed chunks.
 
-    Trade-off: only the chunk boundaries (and leaves) stay in memory after the forward pass; backward
-    recomputes one chunk's interior at a time, so the peak holds `segments` boundaries plus one chunk: for n
-    layers, segments ~ sqrt(n) keeps O(sqrt n) activations for about one extra forward pass. Gradients are
-    bit-identical to running the modules plainly.
+    Only the chunk ends (and leaves) stay in memory after the forward pass; backward rebuilds one chunk's module
+    outputs at a time, then each module's interior: segments ~ sqrt(n) keeps O(sqrt n) activations for about one
+    extra forward pass, with gradients bit-identical. It is what `enable_gc` does for an nn.Sequential (a stack),
+    with the chunk ends kept (`KeepChildren`); each module is a region of its own.
 
     Args:
         modules: an nn.Sequential or a list/tuple of modules (any callables Tensor -> Tensor).
         segments: the number of chunks, 1 <= segments <= len(modules); their lengths differ by at most one.
         x: the input Tensor (kept).
-        segment_len, policy: passed to each chunk's `checkpoint`.
-    Returns the last module's output.
+        segment_len, policy: passed to each module's region.
 
         model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU())
-        y = checkpoint.checkpoint_sequential(model, 2, x)     # boundaries: x, model.modules[1]'s output, y
+        y = checkpoint.checkpoint_sequential(model, 2, x)     # kept: x, model.modules[1]'s output, y
     """
     modules = list(getattr(modules, "modules", modules))  # nn.Sequential keeps its layers in `.modules`
     if not 1 <= segments <= len(modules):
         raise ValueError(f"checkpoint_sequential: segments must be between 1 and the number of modules "
                          f"({len(modules)}), got {segments}")
-    bounds = [i * len(modules) // segments for i in range(segments + 1)]
-    for start, end in zip(bounds, bounds[1:]):
-        x = checkpoint(_Chunk(modules[start:end], f"modules[{start}:{end}]"), x,
-                       segment_len=segment_len, policy=policy)
-    return x
+    chunk_ends = frozenset(i * len(modules) // segments - 1 for i in range(1, segments))
+    first = x
+    for i, module in enumerate(modules):
+        start, x = x, module(x)
+        annotate(x, [start], segment_len=segment_len, policy=policy, label=f"modules[{i}]")
+    return annotate(x, [first], policy=KeepChildren(chunk_ends), label="checkpoint_sequential", stack=True)
 
 
-class _Chunk:
-    """Consecutive modules applied in order: one checkpoint region, named after their slice."""
+@dataclass(frozen=True)
+class KeepChildren:
+    """A stack's policy: keep the outputs of the children numbered in `children` (0: the first to run), drop every
+    other candidate (checkpoint_sequential's chunk ends)."""
 
-    def __init__(self, modules, name):
-        self.modules, self.__name__ = modules, name
+    children: frozenset
 
-    def __call__(self, x):
-        for module in self.modules:
-            x = module(x)
-        return x
+    def __call__(self, nodes, outputs=()):
+        keep = [False] * len(nodes)
+        for child, positions in enumerate(regions.stack_children(nodes)):
+            for i in positions:
+                keep[i] = child in self.children
+        return keep

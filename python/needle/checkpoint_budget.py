@@ -266,12 +266,9 @@ class Budget:
 
 def boundary_keep_order(n):
     """A stack's n children (0 .. n-1) in the order to keep their outputs, and how many are never dropped.
-
-    Backward rebuilds a dropped run of boundaries from the kept one below and holds it (Chen's scheme), so the kept
-    ones should stay evenly spread: the order halves the gaps between kept ones (the middle child first, then the
-    quarters, ...; breadth first). The first ceil(sqrt(n + 1)) - 1, Chen's segments for n + 1 layers, are never
-    dropped: beyond them, dropping more makes the runs backward holds longer than the bytes it saves. The Budget
-    drops the others in the reverse order; `optimal` tries the same spine."""
+    Backward holds a dropped run of boundaries (Chen's scheme), so the kept ones stay evenly spread: the middle
+    child first, then the quarters, ... The first ceil(sqrt(n + 1)) - 1 (Chen's spine) are never dropped: beyond
+    them, the runs backward holds grow more than the bytes saved. The Budget drops the rest in reverse order."""
     order, gaps = [], [(0, n + 1)]
     for a, b in gaps:  # boundaries 1 .. n between the stack's input (0) and output (n + 1)
         if b - a > 1:
@@ -288,9 +285,8 @@ def _boundaries_to_drop(candidates):
 
 
 def _rebuild_seconds(regions, cost_model):
-    """{id of a stack's boundary: the seconds backward spends rebuilding it once its layer's interior is dropped
-    too}: its stack's layers' mean, one share per output of the child (an LSTM step's h and c). The same for every
-    child, so the Budget drops them in `_boundaries_to_drop`'s order."""
+    """{id of a stack's boundary: the seconds of rebuilding it, its layer's interior dropped too}: the stack's mean
+    layer (the same for all, so `_boundaries_to_drop`'s order stands), shared by a child's outputs (h and c)."""
     seconds = {}
     for _, candidates in regions:
         children = stack_children(candidates)

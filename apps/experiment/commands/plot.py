@@ -75,8 +75,6 @@ def plot_sweep(records, out_dir):
     """One PNG per sweep in `records` (by sweep_id): M_act (with M_floor), M_peak and T_step against the swept
     parameter, a line per policy, error bars over repeats."""
     plt = _pyplot()
-    from matplotlib.ticker import MaxNLocator
-
     pngs = []
     by_sweep = {}
     for r in records:
@@ -106,21 +104,7 @@ def plot_sweep(records, out_dir):
         if any(f is not None for f in floors):
             axes[0].plot([x for x, f in zip(xs_all, floors) if f is not None], [f for f in floors if f is not None],
                          ls="--", color="black", lw=1, label="M_floor")
-        for ax, (key, title, _) in zip(axes, PANELS):
-            ax.set_title(title + ("\n(some from < 3 timed steps: unreliable)" if key == "time" and _unreliable(rs)
-                                  else ""), fontsize=10)
-            ax.set_xlabel(over)
-            if depth and key != "time":  # growth as a slope: v = c + a * L^p
-                ax.set_xscale("log", base=2)
-                ax.set_yscale("log")
-                ax.legend(fontsize=7)
-            else:
-                ax.set_ylim(bottom=0)
-            if len(xs_all) <= 12:
-                ax.set_xticks(xs_all, [str(x) for x in xs_all])  # the swept values themselves: integers
-            else:
-                ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-            ax.grid(alpha=0.3)
+        _style_sweep_axes(axes, over, xs_all, depth, _unreliable(rs))
         handles, names = axes[0].get_legend_handles_labels()
         order = sorted(range(len(names)), key=lambda i: names[i] == "M_floor")  # the policies first, "off" leading
         axes[0].legend([handles[i] for i in order], [names[i] for i in order], fontsize=8)
@@ -135,6 +119,28 @@ def plot_sweep(records, out_dir):
         plt.close(fig)
         pngs.append(png)
     return pngs
+
+
+def _style_sweep_axes(axes, over, xs_all, depth, unreliable):
+    """Titles, the swept values as ticks; over a depth (growth.DEPTH_PARAMETERS) memory on log axes, where growth
+    v = c + a * L^p is a slope, and each panel its legend (the exponents)."""
+    from matplotlib.ticker import MaxNLocator
+
+    for ax, (key, title, _) in zip(axes, PANELS):
+        ax.set_title(title + ("\n(some from < 3 timed steps: unreliable)" if key == "time" and unreliable else ""),
+                     fontsize=10)
+        ax.set_xlabel(over)
+        if depth and key != "time":
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.legend(fontsize=7)
+        else:
+            ax.set_ylim(bottom=0)
+        if len(xs_all) <= 12:
+            ax.set_xticks(xs_all, [str(x) for x in xs_all])  # the swept values themselves: integers
+        else:
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.grid(alpha=0.3)
 
 
 # gc.py sweep --over budget_mb: each curve's legend.  "offload" (policy offload) parks what "all" drops whatever the
