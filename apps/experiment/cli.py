@@ -9,6 +9,7 @@ data come first thing in the subcommand: the corpus, whether the model fits (foo
 import difflib
 import math
 import os
+import signal
 import sys
 from dataclasses import replace
 
@@ -32,11 +33,19 @@ DEFAULT_OUT = {"run": "results", "timeline": "results", "max-batch": os.path.joi
 def main(argv=None):
     """Run gc.py with `argv` (default: this process's command line)."""
     config = parse_args(argv)
+    signal.signal(signal.SIGINT, interrupt_once)
     try:
         COMMANDS[config.command](config)
     except KeyboardInterrupt:  # Ctrl-C outside a run's steps (those say which step, and where its JSON is)
         print(f"gc.py: {config.command} interrupted", file=sys.stderr)
         sys.exit(INTERRUPTED_EXIT)
+
+
+def interrupt_once(signum, frame):
+    """Ctrl-C: KeyboardInterrupt, once. A second Ctrl-C (a user pressing again while the first unwinds) is ignored:
+    it would interrupt a destructor or the line that says where the results are, and print a traceback."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    raise KeyboardInterrupt
 
 
 def parse_args(argv=None):

@@ -12,7 +12,8 @@ import math
 import numpy as np
 import pytest
 
-from needle import autograd, backward
+import needle as ndl
+from needle import autograd, backward, checkpoint, nn
 from needle.checkpoint_budget import Budget, InfeasibleBudget
 from stack_cases import chain, gradients, most_boundaries_alive
 
@@ -80,3 +81,32 @@ def test_a_budget_below_one_boundary_per_layer_holds_and_gives_gc_offs_gradients
     off, _ = gradients(length, None, lazy=True, rows=rows)
     assert budget.predicted_peak <= least and stats["recomputed_boundaries"] > 0
     assert all(np.array_equal(a, b) for a, b in zip(off, on))
+
+
+def _lstm_held_after_forward(steps, policy):
+    """Bytes the graph of an LSTM's loss holds after forward (its stacked output not kept by the caller, the loss
+    read from the final state), besides the parameters and the input; and the parameters' gradients."""
+    np.random.seed(0)
+    lstm = nn.LSTM(4, 8)
+    if policy is not None:
+        lstm.enable_gc(policy=policy)
+    x = ndl.Tensor(np.random.RandomState(1).randn(steps, 2, 4).astype("float32"))
+    _, (h, _) = lstm(x)
+    loss = (h * h).sum()
+    held = sum(b for _, _, b in checkpoint.saved_residuals(loss, exclude=lstm.parameters() + [x]))
+    loss.backward()
+    return held, [p.grad.numpy() for p in lstm.parameters()]
+
+
+def test_backpropagation_through_time_holds_about_sqrt_t_states_with_sqrt():
+    """Issue 46's goal for time steps: what an LSTM holds after forward grows as T^p, p <= 0.6 (fitted to the
+    increments; 8 -> 32 -> 128 steps here, 16 -> 256 in docs/checkpointing.md), gc off's as T; gradients equal gc
+    off's. (Not longer: the gradient of taking one of T slices builds T nodes, so a test of T steps costs T^2.)"""
+    held = {}
+    for steps in (8, 32, 128):
+        off_bytes, off = _lstm_held_after_forward(steps, None)
+        held[steps], on = _lstm_held_after_forward(steps, "sqrt")
+        assert all(np.array_equal(a, b) for a, b in zip(off, on))
+        assert held[steps] < off_bytes
+    p = math.log((held[128] - held[32]) / (held[32] - held[8])) / math.log(4)
+    assert p <= 0.6, (held, p)
