@@ -31,6 +31,7 @@ from needle.backend_ndarray import memory_stats, reset_peak_memory_stats  # noqa
 from needle.costs import CostModel as CoreCostModel  # noqa: E402
 from needle.toolbox.cost_model import Calibration, CostModel  # noqa: E402
 from bench_step import add_model_arguments  # noqa: E402
+from md_table import markdown_table  # noqa: E402
 from models import LanguageModel  # noqa: E402
 
 DEVICE = ndl.cpu()
@@ -155,6 +156,35 @@ def table(rows, markdown):
     return "\n".join("  ".join(c[i].rjust(widths[i]) for i in range(len(c))) for c in body)
 
 
+# --models: the depth table of issue 46, models the Budget was not tuned on (batch 16 x 32, E = H = 64 unless said)
+MODELS = [("2 layers", dict(num_layers=2)), ("8 layers", dict(num_layers=8)), ("32 layers", dict(num_layers=32)),
+          ("16 layers (the docs' model)", dict()),
+          ("8 layers, E 128, H 256, batch 32", dict(num_layers=8, embedding_size=128, hidden_size=256, batch_size=32))]
+
+
+def ratio_range(rows, column):
+    """'min - max' of the Budget's time over the optimum's across a sweep's rows (column 1: recompute only, 3: with
+    offloading), where both planned."""
+    ratios = [row[column][1] / row[column + 1].predicted_time for row in rows
+              if row[column] is not None and row[column + 1] is not None and row[column][1] is not None]
+    return f"{min(ratios):.3f} - {max(ratios):.3f}" if ratios else "n/a"
+
+
+def models_table(args, calibration):
+    """One row per (model, cost model): the range of Budget / optimal over a sweep of `args.points` budgets."""
+    rows = []
+    for name, overrides in MODELS:
+        for teaching in (False, True):
+            config = argparse.Namespace(**{**vars(args), **overrides, "teaching": teaching})
+            cost_model = CoreCostModel() if teaching else CostModel(DEVICE, calibration=calibration)
+            _, _, sweep_rows = sweep(config, cost_model)
+            rows.append([name, "teaching" if teaching else "calibrated", ratio_range(sweep_rows, 1),
+                         ratio_range(sweep_rows, 3)])
+            print(f"bench_budget --models: {name}, {rows[-1][1]}: {rows[-1][2]}, offload {rows[-1][3]}",
+                  file=sys.stderr)
+    return markdown_table(["model", "cost model", "Budget / optimal", "with offloading"], rows, right=(2, 3))
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_model_arguments(p)
@@ -165,10 +195,15 @@ def main():
     p.add_argument("--nominal", action="store_true", help="price plans with Calibration.nominal(), not this machine's")
     p.add_argument("--teaching", action="store_true",
                    help="price both with the core's fixed rates (costs.CostModel(): the teaching Budget's, no clock)")
+    p.add_argument("--models", action="store_true",
+                   help="instead: five models, both cost models, the range of Budget / optimal over each sweep")
     p.add_argument("--markdown", action="store_true", help="print the table alone, as Markdown")
     args = p.parse_args()
     if not DEVICE.enabled():
         raise SystemExit("bench_budget: the C++ backend is not built; run `make` first")
+    if args.models:
+        print(models_table(args, Calibration.nominal() if args.nominal else Calibration.load_or_measure(DEVICE)))
+        return
     if args.teaching:
         cost_model = CoreCostModel()
     else:

@@ -13,7 +13,9 @@ How, in four steps:
      output). They are grouped as the Budget groups them — a value of an annotated region by its region's structure
      and its place there, so the layers of a stack share one decision per place — and a value outside every region
      by (op class, shape, dtype). A view goes with the value whose buffer it holds (kept, it would keep that
-     buffer on the device; recomputed, it costs nothing). A 16-layer Transformer has about a dozen groups.
+     buffer on the device; recomputed, it costs nothing). A stack's boundaries (its layers' outputs) are grouped
+     twice over: each a group of its own, or at its layer's place; the program is solved for both groupings and
+     the faster verified plan is returned (many small interacting choices can mislead the linearization).
   2. Deltas. The peak is not linear in the choice, so it is linearized: the step is walked by the Budget's ledger
      once with nothing off the device, and once per (group, way) with only that group dropped (or offloaded),
      writing down the device bytes at fixed points of the walk — after every value computed, in forward and in
@@ -93,14 +95,15 @@ def _describe(node):
     return type(node.op).__name__, tuple(shape), str(dtype)
 
 
-def find_groups(root):
+def find_groups(root, split_boundaries=True):
     """The candidates above `root` (see the module doc), grouped: a list of lists of nodes, in program order.
 
     A value of an annotated region (`checkpoint.region_of`) joins the values at its place in every region of the
-    same structure (its candidates' ops, shapes and dtypes), as the Budget groups them, but a stack's boundary (a
-    layer's output, `Value.boundary`) is a group of its own, as with the Budget; any other value joins those
-    of its op class, shape and dtype. A view (not a candidate) goes with the value whose buffer it holds: a kept
-    view would keep its dropped base's bytes on the device, and recomputing a view costs nothing.
+    same structure (its candidates' ops, shapes and dtypes), as the Budget groups them; a stack's boundary (a
+    layer's output, `Value.boundary`) is a group of its own with `split_boundaries` (as with the Budget), else at
+    its layer's place like the rest; any other value joins those of its op class, shape and dtype. A view (not a
+    candidate) goes with the value whose buffer it holds: a kept view would keep its dropped base's bytes on the
+    device, and recomputing a view costs nothing.
     """
     order = find_topo_sort([root])
     by_region, groups, place = {}, {}, {id(n): i for i, n in enumerate(order)}
@@ -108,7 +111,7 @@ def find_groups(root):
         if not _candidate(node, root):
             continue
         region = region_of(node)
-        if node.boundary:  # a layer's output in a stack: which of them to keep is a choice of its own, each
+        if node.boundary and split_boundaries:  # a layer's output in a stack: which to keep is a choice of its own
             groups.setdefault(("boundary", node.boundary.stack, node.boundary.child), []).append(node)
         elif region is None:
             groups.setdefault(("op",) + _describe(node), []).append(node)
@@ -250,20 +253,35 @@ def optimal(root, bytes, offload=False, host_bandwidth=None, cost_model=None, ca
         raise ImportError("checkpoint_budget.optimal solves a mixed-integer program with SciPy's milp (HiGHS), and "
                           "SciPy is not installed: pip install 'needle[optimal]' (or pip install scipy)") from error
     cost_model = _cost_model(cost_model, host_bandwidth, calibrate)
-    groups = find_groups(root)
+    # A stack's boundaries, each a choice of its own or one per layer's place: the linearized peak of many small
+    # choices that interact (a dropped run of boundaries is held together in backward) can mislead the solver
+    # where the coarser choice does not, so both are solved, each plan verified by the ledger; the faster wins.
+    solutions = [_solve_grouping(scipy_optimize, root, bytes, offload, cost_model, split)
+                 for split in (True, False)]
+    feasible = [found for found in solutions if found[0] is not None]
+    if not feasible:
+        least = min(found[1] for found in solutions)
+        raise ValueError(f"optimal: a peak of {bytes} bytes is infeasible: the least peak found for this graph"
+                         f"{' (offloading)' if offload else ''} is {least} bytes ({least / 2**20:.1f} MB)")
+    (dropped, parked, walk), _, groups, solve_seconds = min(
+        feasible, key=lambda found: added_seconds(root, found[0][0], found[0][1], cost_model))
+    added = added_seconds(root, dropped, parked, cost_model)
+    return OptimalPlan(walk.peak, cost_model.step_seconds(root) + added, added, walk.host_peak, tuple(dropped),
+                       tuple(parked), groups, solve_seconds)
+
+
+def _solve_grouping(scipy_optimize, root, bytes, offload, cost_model, split_boundaries):
+    """((dropped, offloaded, walk) or None where infeasible, the least peak found, the number of groups, the
+    seconds solving took) for one grouping of the candidates."""
+    groups = find_groups(root, split_boundaries)
     ways = [(g, False) for g in range(len(groups))]  # (group, how it leaves the device): False is recomputed
     if offload:
         ways += [(g, OFFLOAD) for g, members in enumerate(groups) if parkable(members) is not None]
     program = Program(scipy_optimize, root, groups, ways, cost_model)
     least = _least_peak(program)
     if least[2].peak > bytes:
-        raise ValueError(f"optimal: a peak of {bytes} bytes is infeasible: the least peak found for this graph"
-                         f"{' (offloading)' if offload else ''} is {least[2].peak} bytes "
-                         f"({least[2].peak / 2**20:.1f} MB)")
-    dropped, parked, walk = _solve(program, int(bytes)) or least
-    added = added_seconds(root, dropped, parked, cost_model)
-    return OptimalPlan(walk.peak, cost_model.step_seconds(root) + added, added, walk.host_peak, tuple(dropped),
-                       tuple(parked), len(groups), program.solve_seconds)
+        return None, least[2].peak, len(groups), program.solve_seconds
+    return _solve(program, int(bytes)) or least, least[2].peak, len(groups), program.solve_seconds
 
 
 def _cost_model(cost_model, host_bandwidth, calibrate=False):

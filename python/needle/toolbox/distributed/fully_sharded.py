@@ -19,8 +19,9 @@ A unit's weights exist only while they are used:
   The root unit is gathered around each call of the DataParallel wrapper (forward, `model.loss`, ...).
 - backward: a gradient that reads a weight (a matmul's) finds it missing, so backward's plan recomputes it: the
   all-gather runs again (prefetching the layer below). It is a recomputation like any other (rule 2: at most once
-  per backward; rule 3: released after its last use), so checkpointing composes: a layer recomputed under gc
-  "all" gathers its weights once, as without checkpointing. This is a collective repeated on purpose, and on every
+  per backward; rule 3: released after its last use), so checkpointing composes: a layer recomputed for its own
+  gradient gathers its weights once, as without checkpointing; a layer that backward passes through to rebuild a
+  dropped boundary of the stack gathers them once more. This is a collective repeated on purpose, and on every
   rank alike, since every rank plans the same backward of the same graph; `Op.recomputable = False` is for the
   collectives that must never run twice (tensor parallelism's regions).
 - the gradient of the gather is a reduce-scatter ("mean", as DataParallel averages): each rank receives the
