@@ -199,10 +199,15 @@ def main():
                    help="instead: five models, both cost models, the range of Budget / optimal over each sweep")
     p.add_argument("--markdown", action="store_true", help="print the table alone, as Markdown")
     args = p.parse_args()
+    if args.markdown:  # HiGHS's C code may print to file descriptor 1: everything but the table goes to stderr
+        table_out = os.fdopen(os.dup(1), "w")
+        os.dup2(2, 1)
+        sys.stdout = sys.stderr
     if not DEVICE.enabled():
         raise SystemExit("bench_budget: the C++ backend is not built; run `make` first")
     if args.models:
-        print(models_table(args, Calibration.nominal() if args.nominal else Calibration.load_or_measure(DEVICE)))
+        result = models_table(args, Calibration.nominal() if args.nominal else Calibration.load_or_measure(DEVICE))
+        print(result, file=table_out if args.markdown else sys.stdout, flush=True)
         return
     if args.teaching:
         cost_model = CoreCostModel()
@@ -220,7 +225,7 @@ def main():
         print(f"gc off's M_peak {_mb(off_peak)} MB; recompute-only Budget's least peak {_mb(low)} MB; "
               f"+ms: seconds a plan adds to a step (recompute + exposed copies); sweep took "
               f"{time.perf_counter() - start:.0f} s")
-    print(table(rows, args.markdown))
+    print(table(rows, args.markdown), file=table_out if args.markdown else sys.stdout, flush=True)
 
 
 if __name__ == "__main__":
