@@ -15,14 +15,14 @@ from dataclasses import replace
 from needle import distributed as dist
 
 from .ablations import ABLATIONS, ACCUMULATE, BUDGET_ROWS, default_rows
-from .commands import ablate, plot, run, sweep, timeline
+from .commands import ablate, plot, run, sample, sweep, timeline
 from .console import BAD_INPUT_EXIT, INTERRUPTED_EXIT, fail
 from .outputs import check_outputs, checkpoint_file
 from .parser import SUBCOMMANDS, build_parser
 from .setup import BUDGET_CURVES, PARALLEL, TENSOR_PARALLEL, TP_DP_TENSOR_SIZE, RunConfig, parallel_layout
 
 COMMANDS = {"run": run.main, "sweep": sweep.main_sweep, "max-batch": sweep.main_max_batch, "ablate": ablate.main,
-            "timeline": timeline.main, "plot": plot.main}
+            "timeline": timeline.main, "plot": plot.main, "sample": sample.main}
 POSITIVE = ("batch_size", "seq_len", "embedding_size", "hidden_size", "num_layers", "num_head", "accumulation_steps",
             "epochs", "max_batches", "segment_len", "repeats", "steps", "save_every")
 DEFAULT_OUT = {"run": "results", "timeline": "results", "max-batch": os.path.join("results", "max_batch"),
@@ -68,6 +68,8 @@ def validate(config):
     command = config.command
     if command == "plot":
         return
+    if command == "sample":
+        return sample.validate(config)
     if command == "ablate":
         validate_ablate(config)
     validate_numbers(config)

@@ -89,6 +89,12 @@ class RunConfig:
     save_checkpoint: str = None
     save_every: int = None
     resume: str = None
+    # sample
+    checkpoint: str = None
+    prompt: str = None
+    tokens: int = None
+    temperature: float = None
+    top_k: int = None
     # sweep, ablate, plot
     over: str = None
     values: list = None
