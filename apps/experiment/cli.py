@@ -15,7 +15,8 @@ from dataclasses import replace
 from needle import distributed as dist
 
 from .ablations import ABLATIONS, ACCUMULATE, BUDGET_ROWS, default_rows
-from .commands import ablate, plot, run, sample, sweep, timeline
+from . import presets
+from .commands import ablate, plot, run, sample, sweep, timeline, writeup
 from .console import BAD_INPUT_EXIT, INTERRUPTED_EXIT, fail
 from .outputs import check_outputs, checkpoint_file
 from .parser import SUBCOMMANDS, build_parser
@@ -33,7 +34,7 @@ def main(argv=None):
     """Run gc.py with `argv` (default: this process's command line)."""
     config = parse_args(argv)
     try:
-        COMMANDS[config.command](config)
+        (writeup.main if config.preset else COMMANDS[config.command])(config)
     except KeyboardInterrupt:  # Ctrl-C outside a run's steps (those say which step, and where its JSON is)
         print(f"gc.py: {config.command} interrupted", file=sys.stderr)
         sys.exit(INTERRUPTED_EXIT)
@@ -59,6 +60,8 @@ def parse_args(argv=None):
     args = parsers[command].parse_args(rest)
     args.command = command
     config = RunConfig.from_args(args, argv)
+    if config.preset:
+        config = presets.apply(config, rest)
     validate(config)
     return config
 

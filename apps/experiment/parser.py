@@ -8,6 +8,7 @@ import sys
 from .ablations import ABLATIONS, ACCUMULATE
 from .console import BAD_INPUT_EXIT
 from .data import SYNTHETIC
+from .presets import PRESETS, WRITEUP_TEXT
 from .setup import BUDGET_CURVES, HEADS, OPTIMIZERS, PARALLEL, POLICIES, PRECISIONS
 
 TITLE = "gc.py — how much memory gradient checkpointing saves on a PTB Transformer language model, and what it costs."
@@ -166,6 +167,11 @@ def add_model_flags(p, command):
     add_output_flags(p, command)
     if command == "run":
         add_checkpoint_flags(p)
+        g = p.add_argument_group("preset")
+        flag(g, "preset", default=None, choices=list(PRESETS),
+             help=f"writeup: the write-up's experiment, \"{WRITEUP_TEXT}\": those flags set (a flag given wins), "
+                  "gc off against on, each run on the CPU and on the GPU where there is one; the two measures with "
+                  "their spread over the runs")
 
 
 def add_step_flags(g):

@@ -89,6 +89,7 @@ class RunConfig:
     save_checkpoint: str = None
     save_every: int = None
     resume: str = None
+    preset: str = None  # run --preset: presets.py's values for the flags not given
     # sample
     checkpoint: str = None
     prompt: str = None
