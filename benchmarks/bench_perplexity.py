@@ -133,7 +133,7 @@ def run(args):
     steps = len(windows(train, args.seq_len, args.max_batches))
     setup = (f"Transformer LM (embedding {args.embedding_size}, feed-forward {args.hidden_size}, {args.num_layers} "
              f"layers, {args.num_head} heads, vocabulary {len(corpus.dictionary)}), batch {args.batch_size} x seq_len "
-             f"{args.seq_len}, Adam lr {args.lr:g}, {steps} steps (one epoch of {os.path.normpath(data)}'s "
+             f"{args.seq_len}, Adam lr {args.lr:g}, {steps} steps (one epoch of {os.path.relpath(data, ROOT)}'s "
              f"{len(corpus.train)} training words), {threads} thread(s)")
     print(f"bench_perplexity: {setup}")
     results = {}
@@ -167,10 +167,10 @@ def main():
     with progress_to_stderr(args.markdown):
         results, setup = run(args)
         (ppl, *_, t), (ppl_torch, *_, t_torch) = results["needle"], results["PyTorch"]
-        print(f"needle's test perplexity is {abs(ppl / ppl_torch - 1):.2%} from PyTorch's; its step "
+        print(f"needle's test perplexity is {abs(ppl / ppl_torch - 1):.3%} from PyTorch's; its step "
               f"{t / t_torch:.2f}x PyTorch's")
     if args.markdown:
-        rows = [[name, f"{r[0]:.2f}", f"{(r[0] / ppl_torch - 1) * 100:+.2f}%", f"{r[1]:.3f} → {r[2]:.3f}",
+        rows = [[name, f"{r[0]:.2f}", f"{(r[0] / ppl_torch - 1) * 100:+.3f}%", f"{r[1]:.3f} → {r[2]:.3f}",
                  f"{r[3]:.3f} s", f"{r[3] / t_torch:.2f}"] for name, r in results.items()]
         print(f"{setup}.\n")
         print(markdown_table(["framework", "test perplexity", "vs PyTorch", "training loss, first → last step",
