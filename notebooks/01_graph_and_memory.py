@@ -91,7 +91,8 @@ checkpoint.print_saved_residuals(loss, exclude=[W1, W2, X, Y])
 # ## The allocator's bytes
 #
 # `nd.memory_stats(device)` counts every byte the arrays hold: `current_bytes` now, `peak_bytes` the most since
-# `reset_peak_memory_stats`. Backward makes the gradients and releases each activation after its last use.
+# `reset_peak_memory_stats`. Backward adds a gradient for every weight (W1's as large as W1) and, while it runs,
+# the temporaries of each op's gradient: the red bar is its peak, the orange what stays once it is done.
 
 # %%
 nd.reset_peak_memory_stats(device)
