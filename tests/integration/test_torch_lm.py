@@ -1,6 +1,8 @@
 """benchmarks/torch_lm.py, the PyTorch oracle of bench_perplexity.py: needle's Transformer LM written again in
 PyTorch with needle's parameters copied in computes the same loss and the same gradients, and after the same Adam
 steps on the same batches holds the same parameters. Otherwise the benchmark's "same model" would be a claim."""
+import argparse
+import importlib
 import importlib.util
 from pathlib import Path
 
@@ -11,15 +13,15 @@ import needle as ndl
 from needle import nn
 from apps.models import LanguageModel
 
-from conftest import requires_torch
+from conftest import device_params, requires_torch
 
 DEVICE = ndl.cpu() if ndl.cpu().enabled() else ndl.cpu_numpy()
 VOCAB, T, B = 23, 6, 4
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
 def torch_lm():
-    spec = importlib.util.spec_from_file_location(
-        "torch_lm", Path(__file__).resolve().parents[2] / "benchmarks" / "torch_lm.py")
+    spec = importlib.util.spec_from_file_location("torch_lm", BENCHMARKS / "torch_lm.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -74,3 +76,25 @@ def test_the_same_parameters_after_the_same_adam_steps():
         np.testing.assert_allclose(p.numpy(), q.detach().numpy(), rtol=1e-4, atol=1e-5, err_msg=name)
         moved += not np.allclose(p.numpy(), start.numpy())
     assert moved == len(oracle.names) - 2  # every other parameter trained: the comparison compares something
+
+
+@pytest.mark.parametrize("device", device_params("cpu"))  # the benchmark trains on the C++ backend
+def test_the_benchmark_trains_both_to_the_same_test_perplexity(device, tmp_path, monkeypatch):
+    """bench_perplexity.run end to end on a small corpus: one epoch each, the same first loss, both learned, and
+    test perplexities as close as the benchmark's figure says they are on PTB."""
+    requires_torch()
+    rs = np.random.RandomState(0)
+    words = [f"w{i}" for i in range(30)]
+    for name, lines in (("train.txt", 120), ("test.txt", 40)):
+        (tmp_path / name).write_text("\n".join(" ".join(rs.choice(words[:20 + rs.randint(10)], size=6))
+                                               for _ in range(lines)) + "\n")
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    bench = importlib.import_module("bench_perplexity")
+    args = argparse.Namespace(batch_size=4, seq_len=8, embedding_size=16, hidden_size=24, num_layers=1, num_head=4,
+                              lr=1e-2, seed=0, max_batches=None, data=str(tmp_path))
+    results, setup = bench.run(args)
+    (ppl, first, last, _), (ppl_torch, first_torch, last_torch, _) = results["needle"], results["PyTorch"]
+    assert "1 layers" in setup and "batch 4 x seq_len 8" in setup
+    assert first == pytest.approx(first_torch, rel=1e-5)
+    assert last < first - 0.3 and last_torch < first_torch - 0.3  # both trained, not just started alike
+    assert ppl == pytest.approx(ppl_torch, rel=2e-3)
