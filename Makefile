@@ -115,7 +115,7 @@ browser-deps:
 TIER_REPORTS := $(BUILD_DIR)/tests
 PYTEST = $(PYTHON) -m pytest -q
 test: deps browser-deps
-	$(PYTHON) -m ruff check python tests apps benchmarks gc.py
+	$(PYTHON) -m ruff check python tests apps benchmarks notebooks gc.py
 	@rm -rf $(TIER_REPORTS) && mkdir -p $(TIER_REPORTS)
 	@$(MAKE) --no-print-directory -j2 --output-sync=target test-tier-core cuda
 	@$(MAKE) --no-print-directory -j2 --output-sync=target test-tiers-backend-integration test-tier-toolbox

@@ -8,6 +8,7 @@
     mpiexec -n 2 python gc.py run --parallel dp                  # data parallel (also zero1, zero2, pipeline)
     python gc.py timeline --policy all                           # one step's every allocation and free: PNG, page
     python gc.py plot results/sweep_batch_size                   # the plots of whatever gc.py JSON a folder holds
+    python gc.py sample --checkpoint FILE --prompt "the company said"   # text from a run's --save-checkpoint FILE
 
 `python gc.py CMD --help` lists CMD's flags with their defaults.  The experiment itself is the package
 apps/experiment/ (its __init__.py is the map: cli.py, parser.py, setup.py, step.py, ... and commands/, one file

@@ -1,5 +1,7 @@
 """The course's models: ResNet9 for CIFAR-10 and an Embedding -> RNN/LSTM/Transformer -> Linear language model
 (and LMStage, a run of its Transformer layers as one pipeline stage)."""
+import contextlib
+
 import numpy as np
 
 import needle as ndl
@@ -107,6 +109,89 @@ class LanguageModel(nn.Module):
         # its own, so that checkpointing drops the copy and makes it again in backward from that output, which
         # backward holds anyway.
         return self.checkpoint(loss, [out]), h
+
+    def generate(self, tokens, max_new_tokens, temperature=1.0, top_k=None, seed=None):
+        """`tokens` (word ids) continued by `max_new_tokens` sampled ids: the whole sequence, as a list of ints.
+
+        Each new word is drawn from softmax(logits / temperature) of the model's prediction after the words so far
+        (temperature 0: always the likeliest word; `top_k`: only among the k likeliest), by a generator of its
+        own seeded with `seed`: one seed, one text, and NumPy's global RNG is left as it was. The Transformer
+        reads a window of the last seq_len words (its positions end there); the RNN and the LSTM carry their
+        state, reading each word once. In eval mode (no dropout); nothing is kept for backward.
+
+            ids = model.generate(corpus.encode("the company said"), 20, seed=0)
+            print(corpus.decode(ids))
+        """
+        ids = self._word_ids(tokens, 1, "generate")
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) \
+                or max_new_tokens < 0:
+            raise ValueError(f"generate: max_new_tokens must be a whole number >= 0, got {max_new_tokens!r}")
+        if not (isinstance(temperature, (int, float)) and np.isfinite(temperature) and temperature >= 0):
+            raise ValueError(f"generate: temperature must be a finite number >= 0, got {temperature!r}")
+        if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)) or top_k < 1):
+            raise ValueError(f"generate: top_k must be None or a whole number >= 1, got {top_k!r}")
+        rng = np.random.default_rng(seed)
+        with _evaluating(self):
+            fed, h = 0, None
+            for _ in range(max_new_tokens):
+                logits, h = self._next_logits(ids, fed, h)
+                fed = len(ids)
+                ids.append(_pick(logits, temperature, top_k, rng))
+        return ids
+
+    def perplexity(self, tokens):
+        """exp of the mean negative log-likelihood of tokens[1:], each word predicted from the words before it as
+        generate predicts it (the Transformer: from the last seq_len of them); in eval mode."""
+        ids = self._word_ids(tokens, 2, "perplexity")
+        nll, fed, h = [], 0, None
+        with _evaluating(self):
+            for i in range(1, len(ids)):
+                logits, h = self._next_logits(ids[:i], fed, h)
+                fed = i
+                z = logits - logits.max()
+                nll.append(np.log(np.exp(z).sum()) - z[ids[i]])
+        return float(np.exp(np.mean(nll)))
+
+    def _word_ids(self, tokens, least, caller):
+        """`tokens` as a list of ints, checked: at least `least` of them, each a word of the vocabulary."""
+        ids = np.asarray(tokens).reshape(-1) if not isinstance(tokens, ndl.Tensor) else tokens.numpy().reshape(-1)
+        if len(ids) < least or np.any(ids != np.round(ids)) or np.any(ids < 0) or np.any(ids >= self.output_size):
+            raise ValueError(f"{caller}: tokens must be at least {least} word id(s) in [0, {self.output_size}), "
+                             f"got {np.asarray(tokens).tolist()!r}")
+        return [int(i) for i in ids]
+
+    def _next_logits(self, ids, fed, h):
+        """(the logits of the word after `ids` (float64), the state after them): the Transformer reads the last
+        seq_len words afresh; the RNN and the LSTM read ids[fed:] from their state h."""
+        transformer = isinstance(self.seq_model, nn.Transformer)
+        window = ids[-self.seq_model.sequence_len:] if transformer else ids[fed:]
+        device = self.embedding.weight.device
+        X = ndl.Tensor(np.array(window, dtype=np.float32).reshape(-1, 1), device=device, requires_grad=False)
+        logits, h = self(X, None if transformer else h)
+        h = None if transformer else tuple(x.detach() for x in h) if isinstance(h, tuple) else h.detach()
+        return logits.numpy()[-1].astype(np.float64), h
+
+
+def _pick(logits, temperature, top_k, rng):
+    """One word id drawn from softmax(logits / temperature) over the top_k likeliest (temperature 0: the likeliest)."""
+    if top_k is not None and top_k < len(logits):
+        logits = np.where(logits >= np.partition(logits, -top_k)[-top_k], logits, -np.inf)
+    if temperature == 0:
+        return int(np.argmax(logits))
+    p = np.exp((logits - logits.max()) / temperature)
+    return int(rng.choice(len(p), p=p / p.sum()))
+
+
+@contextlib.contextmanager
+def _evaluating(model):
+    """A block in which `model` is in eval mode; its training mode is restored after."""
+    training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        if training:
+            model.train()
 
 
 class LMStage(nn.Module):

@@ -82,8 +82,11 @@ def bench(script, *flags):
 
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 FIGURES = [
-    Figure("demo", "README.md", bench("gc_tables.py", "demo"), GC + ("benchmarks/gc_tables.py",)),
+    Figure("demo", "docs/experiment.md", bench("gc_tables.py", "demo"), GC + ("benchmarks/gc_tables.py",)),
+    Figure("writeup", "README.md", bench("gc_tables.py", "writeup"), GC + ("benchmarks/gc_tables.py",)),
     Figure("quickstart-times", "docs/benchmarks.md", bench("fresh_clone.py"), CLONE, text_matters=True),
+    Figure("perplexity", "docs/experiment.md", bench("bench_perplexity.py", "--markdown"),
+           STEP + ("benchmarks/bench_perplexity.py", "benchmarks/torch_lm.py")),
     Figure("ndarray-1-thread", "docs/benchmarks.md", bench("bench_ndarray.py", "--markdown"),
            BACKEND + ("benchmarks/bench_ndarray.py",), ONE_THREAD),
     Figure("ndarray-2-threads", "docs/benchmarks.md", bench("bench_ndarray.py", "--markdown"),

@@ -4,6 +4,7 @@
     python benchmarks/gc_tables.py ablate     # `python gc.py ablate`: every technique, the same model and steps
     python benchmarks/gc_tables.py heads      # the full vs the fused LM head at the benchmark model, gc off and all
     python benchmarks/gc_tables.py parallel   # per-rank memory of `mpiexec -n 2 gc.py run --parallel dp|zero1|zero2`
+    python benchmarks/gc_tables.py writeup    # `gc.py run --preset writeup`: the write-up's experiment, gc off vs on
 
 Each runs gc.py in fresh processes with its console on stderr, writing its JSON into a temporary folder, and
 prints the table from those JSON files on stdout. The data is gc.py's default (data/ptb, then ../shared/data/ptb).
@@ -134,7 +135,27 @@ def parallel(out):
                           right=(1, 2, 3, 4, 5, 6))
 
 
-TABLES = {"demo": demo, "ablate": ablate, "heads": heads, "parallel": parallel}
+def writeup(out):
+    """The write-up's two measures, gc off and on, per device: the mean over its runs ± their standard deviation."""
+    gc_py("run", "--preset", "writeup", "--out", out)
+    result = read(os.path.join(out, "writeup.json"))
+    rows = []
+    for table in result["tables"]:
+        passes = list(table["passes"].items())
+        for name, p in passes:
+            peak, time = p["peak_bytes"], p["time_per_batch_seconds"]
+            rows.append([name, table["device"], f"{peak['mean'] / 2**20:.1f} ± {peak['std'] / 2**20:.1f}",
+                         f"{time['mean']:.3f} ± {time['std']:.3f}"])
+        (_, off), (_, on) = passes
+        rows.append(["gc on against off", table["device"],
+                     change(on["peak_bytes"]["mean"], off["peak_bytes"]["mean"]),
+                     change(on["time_per_batch_seconds"]["mean"], off["time_per_batch_seconds"]["mean"])])
+    runs = len(result["tables"][0]["passes"]["gc off"]["runs"])
+    return markdown_table([f"`gc.py run --preset writeup`, {runs} runs", "device", "peak memory (MB)",
+                           "time per batch (s)"], rows, right=(2, 3))
+
+
+TABLES = {"demo": demo, "ablate": ablate, "heads": heads, "parallel": parallel, "writeup": writeup}
 
 
 def main():

@@ -7,7 +7,8 @@ The tiers (`make test` runs every one this machine can; `make test-core` the fir
   tests/backend      NDArray and the compiled backends against the reference, and the build;
   tests/toolbox      offloading, compression, few-bit, the cost model, the memory timeline, mixed precision, the
                      memory-efficient optimizers, distributed;
-  tests/integration  gc.py and its experiment, the apps, resuming, the docs, the figures, the package.
+  tests/integration  gc.py and its experiment, the apps, resuming, the docs, the figures, the package, the
+                     notebooks.
 A compiled device's cases are collected only where it is there: `cpu` once the C++ module is built, `cuda` with a
 GPU; the terminal summary says in one line which were left out.
 

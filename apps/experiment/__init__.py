@@ -22,7 +22,7 @@ How to read it: a command line becomes one frozen RunConfig, and a subcommand's 
                     it is built when they cannot fit
     resume.py       run --save-checkpoint / --resume: the training state saved, and continued bit for bit
     commands/       one file per subcommand: run.py, sweep.py (sweep and max-batch), ablate.py, timeline.py,
-                    plot.py (the only importer of matplotlib)
+                    plot.py (the only importer of matplotlib), sample.py (text from a saved model)
 """
 import os
 

@@ -16,14 +16,15 @@ from dataclasses import replace
 from needle import distributed as dist
 
 from .ablations import ABLATIONS, ACCUMULATE, BUDGET_ROWS, default_rows
-from .commands import ablate, plot, run, sweep, timeline
+from . import presets
+from .commands import ablate, plot, run, sample, sweep, timeline, writeup
 from .console import BAD_INPUT_EXIT, INTERRUPTED_EXIT, fail
 from .outputs import check_outputs, checkpoint_file
 from .parser import SUBCOMMANDS, build_parser
 from .setup import BUDGET_CURVES, PARALLEL, TENSOR_PARALLEL, TP_DP_TENSOR_SIZE, RunConfig, parallel_layout
 
 COMMANDS = {"run": run.main, "sweep": sweep.main_sweep, "max-batch": sweep.main_max_batch, "ablate": ablate.main,
-            "timeline": timeline.main, "plot": plot.main}
+            "timeline": timeline.main, "plot": plot.main, "sample": sample.main}
 POSITIVE = ("batch_size", "seq_len", "embedding_size", "hidden_size", "num_layers", "num_head", "accumulation_steps",
             "epochs", "max_batches", "segment_len", "repeats", "steps", "save_every")
 DEFAULT_OUT = {"run": "results", "timeline": "results", "max-batch": os.path.join("results", "max_batch"),
@@ -35,7 +36,7 @@ def main(argv=None):
     config = parse_args(argv)
     signal.signal(signal.SIGINT, interrupt_once)
     try:
-        COMMANDS[config.command](config)
+        (writeup.main if config.preset else COMMANDS[config.command])(config)
     except KeyboardInterrupt:  # Ctrl-C outside a run's steps (those say which step, and where its JSON is)
         print(f"gc.py: {config.command} interrupted", file=sys.stderr)
         sys.exit(INTERRUPTED_EXIT)
@@ -68,6 +69,8 @@ def parse_args(argv=None):
     args = parsers[command].parse_args(rest)
     args.command = command
     config = RunConfig.from_args(args, argv)
+    if config.preset:
+        config = presets.apply(config, rest)
     validate(config)
     return config
 
@@ -77,6 +80,8 @@ def validate(config):
     command = config.command
     if command == "plot":
         return
+    if command == "sample":
+        return sample.validate(config)
     if command == "ablate":
         validate_ablate(config)
     validate_numbers(config)

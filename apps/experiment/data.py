@@ -1,4 +1,5 @@
 """The corpus a run trains on (PTB, or a synthetic stand-in of PTB's vocabulary size) and a step's micro-batches."""
+import functools
 import os
 
 import numpy as np
@@ -47,6 +48,15 @@ def load_data(source):
     except (OSError, ValueError) as err:  # unreadable, or not UTF-8 text: the loader's message names the file
         fail(f"--data {source}: {err}")
     return np.array(corpus.train, dtype=np.float32), len(corpus.dictionary)
+
+
+@functools.cache
+def vocabulary_words(source):
+    """The words of a run's vocabulary, in id order: the PTB folder's dictionary, or the synthetic corpus's names
+    w0, w1, ... (what gc.py sample writes its text with)."""
+    if source == SYNTHETIC:
+        return tuple(f"w{i}" for i in range(PTB_VOCAB))
+    return tuple(Corpus(source).dictionary.idx2word)
 
 
 def batch_text(config):

@@ -8,16 +8,18 @@ import sys
 from .ablations import ABLATIONS, ACCUMULATE
 from .console import BAD_INPUT_EXIT
 from .data import SYNTHETIC
+from .presets import PRESETS, WRITEUP_TEXT
 from .setup import BUDGET_CURVES, HEADS, OPTIMIZERS, PARALLEL, POLICIES, PRECISIONS
 
 TITLE = "gc.py — how much memory gradient checkpointing saves on a PTB Transformer language model, and what it costs."
-SUBCOMMANDS = ["run", "sweep", "max-batch", "ablate", "timeline", "plot"]
+SUBCOMMANDS = ["run", "sweep", "max-batch", "ablate", "timeline", "plot", "sample"]
 HELPS = {"run": "gc off vs on for one configuration, side by side (the default)",
          "sweep": "one parameter over several values and policies, a fresh process per run; JSON and plots",
          "max-batch": "the largest batch that trains under --memory-limit-mb, per policy (bisection)",
          "ablate": "every memory technique on the same model and steps, a fresh process per row; one table",
          "timeline": "one step's memory, every allocation and free, gc off beside gc on: JSON, PNG and HTML page",
-         "plot": "draw, into DIR, the plots of the gc.py JSON files DIR holds (run, sweep, max-batch, ablate)"}
+         "plot": "draw, into DIR, the plots of the gc.py JSON files DIR holds (run, sweep, max-batch, ablate)",
+         "sample": "text from a model gc.py run --save-checkpoint FILE trained: the prompt, continued"}
 SWEEPABLE = ["batch_size", "hidden_size", "embedding_size", "num_layers", "seq_len", "segment_len", "budget_mb"]
 MEASURES = """\
 What is measured, per training step (forward + backward + Adam), from the allocator's exact byte counts
@@ -169,6 +171,11 @@ def add_model_flags(p, command):
     add_output_flags(p, command)
     if command == "run":
         add_checkpoint_flags(p)
+        g = p.add_argument_group("preset")
+        flag(g, "preset", default=None, choices=list(PRESETS),
+             help=f"writeup: the write-up's experiment, \"{WRITEUP_TEXT}\": those flags set (a flag given wins), "
+                  "gc off against on, each run on the CPU and on the GPU where there is one; the two measures with "
+                  "their spread over the runs")
 
 
 def add_step_flags(g):
@@ -334,10 +341,27 @@ def add_sweep_flags(p):
     flag(g, "repeats", type=int, default=2, metavar="N", help="runs per value and policy (error bars)")
 
 
+def add_sample_flags(p):
+    g = p.add_argument_group("sample")
+    flag(g, "checkpoint", required=True, metavar="FILE",
+         help="a file gc.py run --save-checkpoint FILE wrote (the model's flags and vocabulary travel in it) "
+              "(required)")
+    flag(g, "prompt", required=True, metavar="TEXT",
+         help="the words to continue, from the model's vocabulary (PTB: lower case, numbers as N, rare words <unk>) "
+              "(required)")
+    flag(g, "tokens", type=int, default=40, metavar="N", help="words to add to the prompt")
+    flag(g, "temperature", type=float, default=1.0, metavar="T",
+         help="draw each word from softmax(logits / T): below 1 surer, above 1 wilder, 0 always the likeliest")
+    flag(g, "top_k", type=int, default=None, metavar="K", help="draw only among the K likeliest words (default: all)")
+    flag(g, "seed", type=int, default=0, metavar="N", help="the draws' seed: one seed, one text")
+    flag(g, "device", default=None, choices=["cpu", "cuda", "cpu_numpy"],
+         help="array backend (default: cuda when available, else cpu)")
+
+
 def build_parser():
     """(the top-level parser, which only prints the overview, {subcommand: its parser})."""
     top = Parser(prog="gc.py", formatter_class=formatter,
-                 usage="python gc.py [run|sweep|max-batch|ablate|timeline|plot] [flags]",
+                 usage="python gc.py [run|sweep|max-batch|ablate|timeline|plot|sample] [flags]",
                  description=TITLE + "\n\nsubcommands (run is the default):\n"
                              + "".join(f"  {c:11s}{h}\n" for c, h in HELPS.items()),
                  epilog="python gc.py CMD --help lists CMD's flags and their defaults. Every flag may be spelled with\n"
@@ -349,11 +373,13 @@ def build_parser():
 def subcommand_parser(command):
     epilog = MEASURES + "\n\nEvery flag may also be spelled with underscores (--batch_size)."
     p = Parser(prog=f"gc.py {command}", description=f"python gc.py {command}: {HELPS[command]}.",
-               formatter_class=formatter, epilog=epilog if command != "plot" else None,
+               formatter_class=formatter, epilog=epilog if command not in ("plot", "sample") else None,
                usage=f"python gc.py {command} {'DIR' if command == 'plot' else '[flags]'}", allow_abbrev=False)
     if command == "plot":
         p.add_argument("dir", metavar="DIR", help="a folder of gc.py JSON (run, sweep, max-batch or ablate); the "
                                                   "PNGs are written there")
+    elif command == "sample":
+        add_sample_flags(p)
     else:
         add_model_flags(p, command)
     if command == "sweep":

@@ -6,7 +6,8 @@ optimizer's state (moments, step counts), the GradScaler's scale, NumPy's global
 --compress-bits' rounding-noise counter (checkpoint.compress's state_dict; None without it), and the step count,
 which is also where the data is: step i trains on window i mod --max-batches of the corpus, a function of i and the
 flags, so the resumed run sees the batches the uninterrupted one would have.  The file also
-records the flags that make a step what it is (RESUME_MUST_MATCH); a resume with another value of one is refused
+records the flags that make a step what it is (RESUME_MUST_MATCH), and the vocabulary's words (so that gc.py sample can
+rebuild the model from the file alone and write its text); a resume with another value of one is refused
 in one line naming it, before any work, and so is what no run saves (a file edited by hand): a step that is not a
 count, weights or optimizer state that are not finite, a --compress-bits run's file without its counter.
 
@@ -22,6 +23,7 @@ from needle.toolbox import compress
 from needle import distributed as dist
 
 from .console import fail
+from .data import resolve_data, vocabulary_words
 from .outputs import checkpoint_file, make_folder_of
 
 # The flags a resumed run must share with the run that saved (the vocabulary and the world size too): the model's
@@ -66,7 +68,9 @@ def compress_state(model):
 
 def save_training(config, vocab, step, model, opt, scaler):
     """This process's training state after `step` steps, written atomically (ndl.save) to --save-checkpoint."""
+    # the vocabulary's words, in id order, one space between them: gc.py sample writes its text with them
     state = {"step": step, "config": identity(config, vocab), "model": module_of(model).state_dict(),
+             "vocabulary": " ".join(vocabulary_words(resolve_data(config.data))),
              "optimizer": opt.state_dict(), "scaler": None if scaler is None else scaler.state_dict(),
              "rng": ndl.random_state(), "compress": compress_state(model)}
     path = checkpoint_file(config.save_checkpoint, *rank_and_size(config))

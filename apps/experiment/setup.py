@@ -90,6 +90,13 @@ class RunConfig:
     save_checkpoint: str = None
     save_every: int = None
     resume: str = None
+    preset: str = None  # run --preset: presets.py's values for the flags not given
+    # sample
+    checkpoint: str = None
+    prompt: str = None
+    tokens: int = None
+    temperature: float = None
+    top_k: int = None
     # sweep, ablate, plot
     over: str = None
     values: list = None

@@ -296,6 +296,27 @@ def test_corpus_tokenizes_with_eos(ptb_dir):
     assert len(short.train) == 4 and len(short.test) == 4
 
 
+def test_encode_and_decode_map_words_both_ways(ptb_dir):
+    corpus = ndl.data.Corpus(str(ptb_dir))
+    ids = corpus.encode("the cat sat on the mat")
+    assert ids == [0, 1, 2, 5, 0, 6]
+    assert corpus.decode(ids) == "the cat sat on the mat"
+    # a line break is <eos>, as the files are read; decode keeps it as a word, one space between all
+    assert corpus.encode("a cat\n the dog\n") == [corpus.dictionary.word2idx[w] for w in
+                                                   "a cat <eos> the dog <eos>".split()]
+    assert corpus.decode(corpus.train) == "the cat sat <eos> the dog sat on the mat <eos> <eos> a cat <eos>"
+    assert corpus.decode(np.array([1.0, 3.0], dtype=np.float32)) == "cat <eos>"  # batchify's float ids
+
+
+def test_encode_and_decode_refuse_what_the_vocabulary_lacks(ptb_dir):
+    corpus = ndl.data.Corpus(str(ptb_dir))
+    with pytest.raises(ValueError, match=r"not in the vocabulary of 9 words: 'Cat', 'zebra'"):
+        corpus.encode("the zebra sat Cat")
+    for bad in (9, -1, 1.5):
+        with pytest.raises(ValueError, match=r"is not a word id of this vocabulary \(0..8\)"):
+            corpus.decode([0, bad])
+
+
 def test_corpus_missing_file_names_path_and_command(tmp_path):
     with pytest.raises(FileNotFoundError) as info:
         ndl.data.Corpus(str(tmp_path / "ptb"))

@@ -175,7 +175,8 @@ def test_a_resumed_run_equals_the_uninterrupted_one_bit_for_bit(tmp_path, capsys
     assert first[0] + rest[0] == whole[0]  # every step's loss, to the bit
     assert rest[1] == whole[1] != first[1]  # the final parameters, to the byte
     saved = ndl.load(ckpt)
-    assert saved["step"] == 2 and set(saved) == {"step", "config", "model", "optimizer", "scaler", "rng", "compress"}
+    assert saved["step"] == 2 and set(saved) == {"step", "config", "model", "optimizer", "scaler", "rng", "compress",
+                                                "vocabulary"}
     assert (saved["compress"] is None) == ("--compress-bits" not in flags)
 
 

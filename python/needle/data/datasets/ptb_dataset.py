@@ -26,6 +26,26 @@ class Dictionary:
     def __len__(self):
         return len(self.idx2word)
 
+    def encode(self, text):
+        """The ids of `text`'s words (split on whitespace), `<eos>` after each line break, as Corpus reads a file.
+        A word not in the vocabulary is a ValueError naming it (PTB writes rare words as <unk>, numbers as N)."""
+        lines = text.split("\n")
+        words = [w for i, line in enumerate(lines) for w in line.split() + ["<eos>"] * (i < len(lines) - 1)]
+        unknown = sorted({w for w in words if w not in self.word2idx})
+        if unknown:
+            raise ValueError(f"not in the vocabulary of {len(self)} words: {', '.join(map(repr, unknown[:10]))}"
+                             f"{' ...' if len(unknown) > 10 else ''}")
+        return [self.word2idx[w] for w in words]
+
+    def decode(self, ids):
+        """The words of `ids` (integers, or whole floats as batchify holds them) joined with one space."""
+        words = []
+        for i in ids:
+            if int(i) != i or not 0 <= int(i) < len(self):
+                raise ValueError(f"decode: {i!r} is not a word id of this vocabulary (0..{len(self) - 1})")
+            words.append(self.idx2word[int(i)])
+        return " ".join(words)
+
 
 class Corpus:
     """`train` and `test` token-id lists read from base_dir/{train,test}.txt, with one shared `dictionary`.
@@ -38,6 +58,14 @@ class Corpus:
         self.dictionary = Dictionary()
         self.train = self.tokenize(os.path.join(base_dir, "train.txt"), max_lines)
         self.test = self.tokenize(os.path.join(base_dir, "test.txt"), max_lines)
+
+    def encode(self, text):
+        """The dictionary's ids of `text` (Dictionary.encode)."""
+        return self.dictionary.encode(text)
+
+    def decode(self, ids):
+        """The dictionary's words of `ids`, joined with one space (Dictionary.decode)."""
+        return self.dictionary.decode(ids)
 
     def tokenize(self, path, max_lines=None):
         """The list of word ids of the file at `path` (first `max_lines` lines), adding new words."""
