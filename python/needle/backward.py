@@ -36,8 +36,7 @@ class Step:
     recompute: list = field(default_factory=list)  # missing values its gradient reads, and their missing ancestors
     release: list = field(default_factory=list)  # forward values whose last use is this step: released after it
     bring_back: list = field(default_factory=list)  # values a store holds, brought back before this step, for the next
-    # Recomputed only on the way to a stack's boundary (another layer's interior): not held, released right after
-    # their last consumer here, at these positions of `recompute` ({position: [values]}).
+    # {position in `recompute`: values recomputed only on the way to a stack's boundary, released after it}
     passing: dict = field(default_factory=dict)
 
 
@@ -144,12 +143,10 @@ def plan_backward(root, has=None, stored=None):
 
 
 def _held_here(missing, order):
-    """The ids of the values to recompute (`order`) that are held until their last use (rule 2); the rest are
-    computed only on the way and let go. Held: what this step's own layer needs (reached from `missing` through
-    inputs without passing through a stack's boundary: the boundaries so reached are this step's `wanted` ones),
-    and the stack's boundaries rebuilt on the way, each as its `Boundary` says: always (Chen's schedule), or only
-    when rebuilding a given child's output, one of the wanted (Revolve's snapshots). An earlier layer's interior,
-    beyond a boundary, only passes."""
+    """The ids of the values to recompute (`order`) held until their last use (rule 2); the rest only pass. Held:
+    what this step's own layer needs (reached from `missing` without crossing a stack's boundary; the boundaries so
+    reached are `wanted`), and the boundaries rebuilt on the way as their `Boundary` says: always (Chen), or only
+    when rebuilding a wanted child's output (Revolve's snapshots)."""
     to_recompute, held, stack = {id(n) for n in order}, set(), list(missing)
     while stack:
         n = stack.pop()
@@ -168,14 +165,10 @@ def _held_here(missing, order):
 
 def _releases_on_the_way(recompute, passing):
     """{position in `recompute`: the passing values whose last consumer there is}: released right after it."""
-    last = {}
-    for i, n in enumerate(recompute):
-        for inp in n.inputs:
-            if id(inp) in passing:
-                last[id(inp)] = (i, inp)
+    last = {id(x): (i, x) for i, n in enumerate(recompute) for x in n.inputs if id(x) in passing}  # the last wins
     releases = {}
-    for i, inp in last.values():
-        releases.setdefault(i, []).append(inp)
+    for i, x in last.values():
+        releases.setdefault(i, []).append(x)
     return releases
 
 
@@ -221,8 +214,7 @@ class Compute(Machine):
 
     def recompute(self, node, passing=False):
         """Rule 4: a recomputation reads the versions the forward pass read (`compute` checks them) and gives the
-        same shape and dtype. `passing`: computed only on the way to a stack's boundary, not held (rule 2 counts the
-        values held: each at most once a backward)."""
+        same shape and dtype. `passing`: only on the way to a stack's boundary, not held (rule 2 counts the held)."""
         if any(x.cached_data is None for x in node.inputs):
             raise RuntimeError(f"backward plan violated: an input of {type(node.op).__name__} is missing at its "
                                "recomputation (rule 2)")

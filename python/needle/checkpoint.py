@@ -68,19 +68,6 @@ def dots_saveable(nodes, outputs=()):
     return [n.op.saveable for n in nodes]
 
 
-def keep_every_kth_child(nodes, children, k):
-    """A stack's decisions: the outputs of every k-th child kept (together: an LSTM step's h and c), the rest of
-    its candidates (the other children's outputs, what they kept inside) dropped. Backward rebuilds a dropped
-    segment's boundaries from the child kept before it, each once, and each child's interior as it differentiates
-    it (backward.plan_backward): a stack of n children keeps n / k of them, and holds k more while it rebuilds."""
-    keep = [False] * len(nodes)
-    for j, positions in enumerate(children):
-        if (j + 1) % k == 0:
-            for i in positions:
-                keep[i] = True
-    return keep
-
-
 @dataclass(frozen=True)
 class EverySegment:
     """Keep every k-th candidate as a checkpoint (`segment_len=k`); in a stack, every k-th child's outputs."""
@@ -90,14 +77,14 @@ class EverySegment:
     def __call__(self, nodes, outputs=()):
         children = regions.stack_children(nodes)
         if children:
-            return keep_every_kth_child(nodes, children, self.k)
+            return KeepChildren(frozenset(range(self.k - 1, len(children), self.k)))(nodes)
         return [(i + 1) % self.k == 0 for i in range(len(nodes))]
 
 
 @dataclass(frozen=True)
 class Sqrt:
     """Chen's O(sqrt n) schedule: the region's n candidates in segments of k = ceil(sqrt n), one checkpoint each
-    (in a stack of n children, the outputs of every k-th child: `keep_every_kth_child`).
+    (in a stack of n children, the outputs of every k-th child: `KeepChildren`).
 
     The region's output is kept anyway (rule 1) and ends the last segment, so only the first ceil(n/k) - 1
     segments get a checkpoint: a region of 2 candidates gets none, one of 16 gets 3. Within a segment it
@@ -110,7 +97,8 @@ class Sqrt:
     def __call__(self, nodes, outputs=()):
         children = regions.stack_children(nodes)
         if children:  # a stack of n children (its output the last's): every ceil(sqrt n)-th child's outputs
-            return keep_every_kth_child(nodes, children, max(1, math.ceil(math.sqrt(len(children) + 1))))
+            k = math.ceil(math.sqrt(len(children) + 1))
+            return KeepChildren(frozenset(range(k - 1, len(children), k)))(nodes)
         k = max(1, math.ceil(math.sqrt(len(nodes))))
         cost = [_keep_cost(n) for n in nodes]
         position = {id(n): i for i, n in enumerate(nodes)}
@@ -184,9 +172,8 @@ def annotate(out_node, in_nodes, segment_len=None, policy=None, label=None, stac
     dropped: they are not candidates, so a policy never sees them. A node once dropped stays dropped, so nested
     regions compose (the inner region decides first). Eager mode releases the dropped values at once (the
     region's output exists); lazy mode releases them as they are consumed. `label` (a module's class name)
-    only names the region in the DOT graph. `stack=True` makes it a stack of regions (a Transformer's layers, an
-    LSTM's time steps, a Sequential): the outputs of the regions inside are its boundaries, candidates like the
-    rest; one it drops is rebuilt once in backward and held, the interiors on the way not (backward.plan_backward).
+    only names the region in the DOT graph. `stack=True`: a stack of regions (a Transformer's layers, an LSTM's
+    steps, a Sequential), whose children's outputs are its boundaries, candidates too (backward.plan_backward).
 
         x = ndl.Tensor(...); h = ops.relu(x @ w); y = h @ v
         annotate(y, [x])           # x @ w and relu(...) are recomputed in backward
@@ -239,11 +226,10 @@ def warn_if_nothing_to_drop(outputs, model_name):
     """Warn (NothingToDropWarning) when no region in the graph above `outputs` had an interior node to drop.
 
     A layer made of one op (a fused Linear, a ReLU) annotates a region whose only nodes are its input and its
-    output, both kept (rule 1): so `enable_gc()` on such a layer alone changes nothing (in an nn.Sequential, a
-    stack, the layers' outputs are the stack's to drop). That is correct, but a student trying the feature should
-    hear it, so Module calls this after the first forward pass that follows `enable_gc`. A region has an
-    interior when the policy saw candidates: some node was dropped or kept as a checkpoint. Returns whether it
-    warned.
+    output, both kept (rule 1): so `enable_gc()` on such a layer alone changes nothing (in a stack, such as an
+    nn.Sequential, the layers' outputs are the stack's to drop). A student trying the feature should hear it, so
+    Module calls this after the first forward after `enable_gc`. A region has an interior when the policy saw
+    candidates. Returns whether it warned.
     """
     roots, stack = [], [outputs]
     while stack:  # a model may return nested tuples of Tensors (an LSTM's (out, (h, c)))
@@ -356,13 +342,9 @@ def checkpoint_sequential(modules, segments, x, segment_len=None, policy=None):
     Only the chunk ends (and leaves) stay in memory after the forward pass; backward rebuilds one chunk's module
     outputs at a time, then each module's interior: segments ~ sqrt(n) keeps O(sqrt n) activations for about one
     extra forward pass, with gradients bit-identical. It is what `enable_gc` does for an nn.Sequential (a stack),
-    with the chunk ends kept (`KeepChildren`); each module is a region of its own.
-
-    Args:
-        modules: an nn.Sequential or a list/tuple of modules (any callables Tensor -> Tensor).
-        segments: the number of chunks, 1 <= segments <= len(modules); their lengths differ by at most one.
-        x: the input Tensor (kept).
-        segment_len, policy: passed to each module's region.
+    with the chunk ends kept (`KeepChildren`); each module (any callable Tensor -> Tensor, in an nn.Sequential or a
+    list) is a region of its own, `segment_len` and `policy` passed to it. 1 <= segments <= len(modules); the
+    chunks' lengths differ by at most one.
 
         model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU())
         y = checkpoint.checkpoint_sequential(model, 2, x)     # kept: x, model.modules[1]'s output, y
@@ -381,8 +363,9 @@ def checkpoint_sequential(modules, segments, x, segment_len=None, policy=None):
 
 @dataclass(frozen=True)
 class KeepChildren:
-    """A stack's policy: keep the outputs of the children numbered in `children` (0: the first to run), drop every
-    other candidate (checkpoint_sequential's chunk ends)."""
+    """A stack's policy: keep the outputs of the children numbered in `children` (0: the first to run; an LSTM step's
+    h and c together), drop every other candidate (what the children kept inside too). Backward rebuilds a dropped
+    run of boundaries from the child kept below it, once (backward.plan_backward)."""
 
     children: frozenset
 

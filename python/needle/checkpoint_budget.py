@@ -221,8 +221,7 @@ class Budget:
     def _groups(self, regions, above, lazy_step):
         """{(region structure, place): its values}. A node goes by the first region that lists it and its place
         there: regions of one structure (the layers of a stack) get one decision per place, so the frozen table
-        replays them all. A stack's boundaries come first, each child's its own place, in the order to drop them
-        (`_boundaries_to_drop`)."""
+        replays them all. A stack's boundaries come first, a place per child, in `_boundaries_to_drop`'s order."""
         group_of, groups = {}, {}
         places = [(region_structure(c), ("child", child), n) for _, c in regions for child, ns in _boundaries_to_drop(c)
                   for n in ns]
@@ -293,9 +292,7 @@ def _rebuild_seconds(regions, cost_model):
         if not children:
             continue
         layers = sum(cost_model.compute_seconds(n) for n in candidates[:children[-1][-1] + 1])
-        for positions in children:
-            for i in positions:
-                seconds[id(candidates[i])] = layers / len(children) / len(positions)
+        seconds.update({id(candidates[i]): layers / len(children) / len(ps) for ps in children for i in ps})
     return seconds
 
 

@@ -72,10 +72,9 @@ def keep_reason(node):
 
 @dataclasses.dataclass(frozen=True)
 class Boundary:
-    """Where a value sits in a stack (`Value.boundary`): the stack's region number and which child (0, 1, ...) made
-    it. Should the stack drop it, backward rebuilds it and holds it until its last use (`held_for` None, Chen's
-    schedule: once a backward), or holds it only when rebuilding child `held_for`'s output and lets it pass on any
-    other way (a `HeldFor` answer: Revolve's snapshots, checkpoint.py)."""
+    """Where a value sits in a stack (`Value.boundary`): the stack's region number, the child (0, 1, ...) that made
+    it. Dropped, it is rebuilt and held until its last use (`held_for` None: Chen's schedule), or held only when
+    backward rebuilds child `held_for`'s output and let pass otherwise (a `HeldFor` answer: Revolve's snapshots)."""
 
     stack: int
     child: int
@@ -84,8 +83,8 @@ class Boundary:
 
 @dataclasses.dataclass(frozen=True)
 class HeldFor:
-    """A stack's policy's answer for one of its boundaries: drop it, and when backward rebuilds child `child`'s
-    output, hold it as a snapshot; on any other way through it, recompute it and let it go (backward.plan_backward)."""
+    """A stack's policy's answer for a boundary: drop it; hold it (a snapshot) when backward rebuilds child `child`'s
+    output, and let it pass on any other way (backward.plan_backward)."""
 
     child: int
 
