@@ -205,9 +205,11 @@ def add_checkpointing_flags(p, command):
     g = p.add_argument_group("checkpointing")
     if command in ("run", "timeline"):
         flag(g, "policy", default=None, choices=POLICIES,
-             help="what gc on drops: all (every node inside each layer), sqrt (Chen's schedule), selective (keeps "
-                  "matmul outputs), budget (keeps M_peak under --budget-mb), offload (parks in host memory what all "
-                  "drops, fetched back for backward); off runs gc off alone (default: all)")
+             help="what gc on drops: all (every node inside each layer, and the layers' outputs but the last), "
+                  "sqrt (Chen's schedule, inside each layer and across them), selective (keeps matmul outputs), "
+                  "layers (every layer's interior, its output kept: one extra forward), budget (keeps M_peak under "
+                  "--budget-mb), offload (parks in host memory what all drops, fetched back for backward); off runs "
+                  "gc off alone (default: all)")
         flag(g, "offload", action="store_true",
              help="with --policy budget: Budget may also park a value in host memory instead of recomputing it, "
                   "whichever it predicts is faster (Budget(b, offload=True))")

@@ -18,7 +18,7 @@ from models import LanguageModel, LMStage
 from .console import fail
 from .data import micro_batches
 
-POLICIES = ["off", "all", "sqrt", "selective", "budget", "offload"]
+POLICIES = ["off", "all", "sqrt", "selective", "layers", "budget", "offload"]
 # gc.py sweep --over budget_mb: its curves, each (the child's --policy, whether its Budget may offload).  "offload"
 # offloads what "all" drops whatever the budget: Budget has no offload-only mode, so that curve stands for it.
 BUDGET_CURVES = {"budget": ("budget", False), "offload": ("offload", False), "budget-offload": ("budget", True)}

@@ -122,10 +122,7 @@ def plan_backward(root, has=None, stored=None):
                 available.add(id(n))
                 (steps[-2] if len(steps) > 1 else step).bring_back.append(n)  # a step ahead of its use
                 continue
-            if id(n) in held:
-                available.add(id(n))  # rule 2: from now on it exists until its last use
-            else:
-                passing.add(id(n))
+            (available if id(n) in held else passing).add(id(n))  # rule 2: one held exists until its last use
             step.recompute.append(n)
             for inp in n.inputs:
                 if id(inp) not in passing:

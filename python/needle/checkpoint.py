@@ -69,6 +69,24 @@ def dots_saveable(nodes, outputs=()):
 
 
 @dataclass(frozen=True)
+class KeepChildren:
+    """A stack's policy: keep the outputs of the children numbered in `children` (0: the first to run; an LSTM step's
+    h and c together; None: every child's, policy "layers", Hugging Face's per-layer checkpointing, about one extra
+    forward), drop every other candidate (a layer's interior too). Backward rebuilds a dropped run of boundaries
+    from the child kept below it, once (backward.plan_backward)."""
+
+    children: frozenset = None
+
+    def __call__(self, nodes, outputs=()):
+        keep = [False] * len(nodes)
+        for child, positions in enumerate(regions.stack_children(nodes)):
+            for i in positions:
+                keep[i] = self.children is None or child in self.children
+        return keep
+
+
+
+@dataclass(frozen=True)
 class EverySegment:
     """Keep every k-th candidate as a checkpoint (`segment_len=k`); in a stack, every k-th child's outputs."""
 
@@ -97,8 +115,7 @@ class Sqrt:
     def __call__(self, nodes, outputs=()):
         children = regions.stack_children(nodes)
         if children:  # a stack of n children (its output the last's): every ceil(sqrt n)-th child's outputs
-            k = math.ceil(math.sqrt(len(children) + 1))
-            return KeepChildren(frozenset(range(k - 1, len(children), k)))(nodes)
+            return EverySegment(math.ceil(math.sqrt(len(children) + 1)))(nodes)
         k = max(1, math.ceil(math.sqrt(len(nodes))))
         cost = [_keep_cost(n) for n in nodes]
         position = {id(n): i for i, n in enumerate(nodes)}
@@ -134,7 +151,7 @@ def _keep_cost(node):
 # "off" is no checkpointing at all (resolved to None: nothing annotated), the name gc.py's --policy off uses too;
 # "offload" is the toolbox's (offload_all, loaded when named).
 _POLICIES = {None: nothing_saveable, "all": nothing_saveable, "sqrt": Sqrt(), "selective": dots_saveable,
-             "offload": "offload_all", "off": None}
+             "layers": KeepChildren(), "offload": "offload_all", "off": None}
 
 
 def resolve_policy(policy=None, segment_len=None):
@@ -150,8 +167,8 @@ def resolve_policy(policy=None, segment_len=None):
     if callable(policy):
         return policy
     if policy not in _POLICIES:
-        raise ValueError(f"unknown checkpoint policy {policy!r}; use None, 'all', 'sqrt', 'selective', 'offload', "
-                         f"'off', Budget(bytes) or a callable (candidates, outputs) -> keep flags")
+        raise ValueError(f"unknown checkpoint policy {policy!r}; use None, 'all', 'sqrt', 'selective', 'layers', "
+                         f"'offload', 'off', Budget(bytes) or a callable (candidates, outputs) -> keep flags")
     if segment_len is not None and policy in (None, "all"):
         if int(segment_len) < 1:
             raise ValueError(f"segment_len must be >= 1, got {segment_len}")
@@ -359,19 +376,3 @@ def checkpoint_sequential(modules, segments, x, segment_len=None, policy=None):
         start, x = x, module(x)
         annotate(x, [start], segment_len=segment_len, policy=policy, label=f"modules[{i}]")
     return annotate(x, [first], policy=KeepChildren(chunk_ends), label="checkpoint_sequential", stack=True)
-
-
-@dataclass(frozen=True)
-class KeepChildren:
-    """A stack's policy: keep the outputs of the children numbered in `children` (0: the first to run; an LSTM step's
-    h and c together), drop every other candidate (what the children kept inside too). Backward rebuilds a dropped
-    run of boundaries from the child kept below it, once (backward.plan_backward)."""
-
-    children: frozenset
-
-    def __call__(self, nodes, outputs=()):
-        keep = [False] * len(nodes)
-        for child, positions in enumerate(regions.stack_children(nodes)):
-            for i in positions:
-                keep[i] = child in self.children
-        return keep

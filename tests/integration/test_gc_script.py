@@ -225,7 +225,7 @@ def test_every_subcommand_has_help_with_defaults_and_the_definitions(monkeypatch
     run_help = results["run"][1]
     assert "--batch-size N" in run_help and "(default: 32)" in run_help
     assert "--accumulation-steps K" in run_help and "effective batch" in run_help
-    assert "--policy {off,all,sqrt,selective,budget,offload}" in run_help and \
+    assert "--policy {off,all,sqrt,selective,layers,budget,offload}" in run_help and \
         "None" not in run_help.split("--policy")[1][:48]
     assert "--head {full,fused}" in run_help and "(default: fused)" in run_help.split("--head {full,fused}")[1]
     assert "--rows ROW" in results["ablate"][1] and "--steps N" in results["ablate"][1]
