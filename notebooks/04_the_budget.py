@@ -20,6 +20,7 @@
 # with depth.
 
 # %%
+import gc as python_gc
 import os
 import sys
 
@@ -33,6 +34,7 @@ import needle as ndl
 from needle import autograd, checkpoint
 from needle import backend_ndarray as nd
 from needle.checkpoint_budget import InfeasibleBudget
+from experiment.growth import fitted_exponent
 from models import LanguageModel
 
 device = ndl.cpu() if ndl.cpu().enabled() else ndl.cpu_numpy()
@@ -44,6 +46,8 @@ SEQ = 32
 WIDTH = 128
 VOCAB = 2000
 BUDGET_AT = 0.5   # your budget: this far from the least feasible peak (0) to gc off's peak (1)
+DEPTHS = (2, 4, 8, 16, 32)  # the numbers of layers of the last figure
+POLICIES = ("off", "sqrt", "layers", "Revolve(2)")  # its lines: "all", "selective" or Revolve(k) too
 
 # %%
 rs = np.random.RandomState(0)
@@ -128,26 +132,49 @@ print(f"budget {bound / 2**20:.2f} MiB: predicted {budget.predicted_peak / 2**20
 # %% [markdown]
 # ## Your turn: depth
 #
-# How M_peak grows with the number of layers, measured for gc off, the policies `"sqrt"` and `"all"`, and the least
-# feasible peak (what no choice of what to drop goes below). The lines are measurements of needle as it is: read
-# the slopes off the figure. Change `LAYERS`, `SEQ` or `WIDTH` and run all again.
+# A Transformer's layers are a *stack* (docs/checkpointing.md, "Depth"): its policy decides about the layers'
+# outputs too, not only about what is inside each layer. Below, M_act (the bytes held when backward starts) and
+# M_peak against the number of layers, on log axes, where growth c + a·L^p is a line of slope p (fitted to the
+# increments of M_act, so the constant embedding and head cancel; p is in the legend). gc off keeps every layer's
+# activations; "layers" keeps every layer's output and drops its interior; "sqrt" keeps every k-th output
+# (k ≈ sqrt L: Chen's O(sqrt L)); Revolve(2) keeps at most 2, recomputing more. M_peak also counts the gradients,
+# which grow as L whatever the policy, and the LM head, which does not: where the peak sits moves as L grows, so it
+# gets no single slope. Change `DEPTHS` or `POLICIES` and run all again.
 
 # %%
-depths = list(range(1, LAYERS + 1))
-curves = {"gc off": [], 'gc "sqrt"': [], 'gc "all"': [], "least feasible": []}
-for layers in depths:
-    m = language_model(layers)
-    curves["gc off"].append(m_peak(m, "off") / 2**20)
-    curves['gc "sqrt"'].append(m_peak(m, "sqrt") / 2**20)
-    curves['gc "all"'].append(m_peak(m, "all") / 2**20)
-    curves["least feasible"].append(least_peak(m) / 2**20)
-fig, ax = plt.subplots(figsize=(6, 4))
-for (name, values), style in zip(curves.items(), ("o-", "s-", "^--", "v:")):
-    ax.plot(depths, values, style, label=name)
-ax.set_xlabel("Transformer layers")
-ax.set_ylabel("M_peak (MiB)")
-ax.set_xticks(depths)
-ax.set_ylim(bottom=0)
-ax.set_title(f"batch {BATCH} x seq {SEQ}, width {WIDTH}, vocabulary {VOCAB}")
-ax.legend()
+def held_and_peak(model, policy):
+    """(M_act, M_peak) of one lazy step under `policy`: bytes held when backward starts, and the peak, above what
+    was held before it."""
+    model.disable_gc() if policy == "off" else model.enable_gc(policy=policy)
+    for p in model.parameters():
+        p.grad = None
+    python_gc.collect()  # the models measured before: freed now, not in the middle of this step
+    nd.reset_peak_memory_stats(device)
+    start = nd.memory_stats(device)["current_bytes"]
+    with autograd.lazy_mode():
+        loss, _ = model.loss(X, Y)
+        loss.realize_cached_data()
+        held = nd.memory_stats(device)["current_bytes"] - start
+        loss.backward()
+    return held, nd.memory_stats(device)["peak_bytes"] - start
+
+
+def as_policy(name):
+    return checkpoint.Revolve(int(name[8:-1])) if name.startswith("Revolve(") else name
+
+
+measured = {name: [held_and_peak(language_model(layers), as_policy(name)) for layers in DEPTHS] for name in POLICIES}
+fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+for ax, which, title in zip(axes, (0, 1), ("M_act: held when backward starts", "M_peak: the step's peak")):
+    for name, values in measured.items():
+        mib = [v[which] / 2**20 for v in values]
+        p = fitted_exponent(DEPTHS, mib) if which == 0 else None  # (M_peak's mixes terms: where the peak is moves)
+        ax.plot(DEPTHS, mib, "o-", label=name if p is None else f"{name} (p = {p:.2f})")  # None: a step not up
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks(DEPTHS, [str(d) for d in DEPTHS])
+    ax.set_xlabel("Transformer layers")
+    ax.set_ylabel("MiB")
+    ax.set_title(title)
+    ax.legend(fontsize=8)
 plt.show()

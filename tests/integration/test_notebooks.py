@@ -25,7 +25,7 @@ QUICK = {
     "01_graph_and_memory.py": dict(BATCH=8, FEATURES=64, HIDDEN=32),
     "02_lazy_and_drop.py": dict(LENGTH=5, ROWS=16, KEEP_EVERY=2),
     "03_policies_on_a_transformer_layer.py": dict(BATCH=2, SEQ=16, WIDTH=32, HEADS=2),
-    "04_the_budget.py": dict(LAYERS=2, BATCH=4, SEQ=8, WIDTH=32, VOCAB=100),
+    "04_the_budget.py": dict(LAYERS=2, BATCH=4, SEQ=8, WIDTH=32, VOCAB=100, DEPTHS=(1, 2, 4)),
     "05_the_whole_step.py": dict(BATCH=8, SEQ=8, WIDTH=32, LAYERS=1, STEPS=1),
     "06_a_language_model_on_ptb.py": dict(MAX_LINES=150, EPOCHS=2, BATCH=8, SEQ=16, WIDTH=32, LAYERS=1, TOKENS=8),
 }
