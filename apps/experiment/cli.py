@@ -34,12 +34,15 @@ DEFAULT_OUT = {"run": "results", "timeline": "results", "max-batch": os.path.joi
 def main(argv=None):
     """Run gc.py with `argv` (default: this process's command line)."""
     config = parse_args(argv)
-    signal.signal(signal.SIGINT, interrupt_once)
+    previous = signal.signal(signal.SIGINT, interrupt_once)
     try:
         (writeup.main if config.preset else COMMANDS[config.command])(config)
     except KeyboardInterrupt:  # Ctrl-C outside a run's steps (those say which step, and where its JSON is)
         print(f"gc.py: {config.command} interrupted", file=sys.stderr)
         sys.exit(INTERRUPTED_EXIT)
+    finally:  # not interrupted (then Ctrl-C stays ignored while the process ends): the caller's handler again
+        if signal.getsignal(signal.SIGINT) is interrupt_once:
+            signal.signal(signal.SIGINT, previous)
 
 
 def interrupt_once(signum, frame):
@@ -101,12 +104,26 @@ def validate_command(config):
         fail(f"gc.py {command} runs in one process, not under mpiexec with {ranks} ranks (gc.py run --parallel and "
              f"gc.py ablate do)")
     validate_policies(config)
+    validate_seq_model(config)
     if command == "sweep":
         validate_sweep(config)
     if config.stochastic_rounding and config.precision != "bf16":
         fail(f"--stochastic-rounding is for pure bf16 training (--precision bf16), whose bfloat16 weights it rounds "
              f"the updates of; --precision {config.precision} keeps float32 weights: leave it out, or give "
              f"--precision bf16")
+
+
+def validate_seq_model(config):
+    """--seq-model lstm: the Transformer's own flags have nothing to configure; said, not ignored."""
+    if config.seq_model != "lstm":
+        return
+    transformer_only = [flag for flag, given in (
+        ("--activation", config.activation != "relu"), ("--activation-bits", config.activation_bits is not None),
+        ("--dropout", bool(config.dropout)), ("--parallel", config.parallel in ("pipeline", "tp", "tp+sp", "tp+dp")))
+        if given]
+    if transformer_only:
+        fail(f"--seq-model lstm: {', '.join(transformer_only)} configure the Transformer (its MLP, its layers, its "
+             f"tensor or pipeline parallelism); the LSTM language model has none: leave them out")
 
 
 def validate_checkpoint_flags(config):

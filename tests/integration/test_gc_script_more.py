@@ -1,6 +1,7 @@
 """gc.py through its command line, continued from test_gc_script.py (whose helpers these tests share): the front
 door (what a run writes and what it can hold, checked before any work), saving and resuming, gc.py's own items of
 issue 27, the timeline subcommand and offloading."""
+import json
 import os
 import signal
 import subprocess
@@ -612,3 +613,18 @@ def test_a_budget_sweep_draws_three_curves_of_step_time_in_one_png(tmp_path, cap
     labels = [t.get_text() for t in step_time.get_legend().get_texts()]
     assert labels == [CURVE_LABELS[c] for c in ("budget", "offload", "budget-offload")]
     assert "recompute only" in labels[0] and "offload only" in labels[1] and "offload=True" in labels[2]
+
+
+def test_the_lstm_language_model_refuses_the_transformers_flags_and_runs_without_them(tmp_path):
+    """--seq-model lstm (issue 46: the same sweep over time steps): a Transformer-only flag is one line, exit 2; the
+    LSTM LM itself trains and its JSON says which model it was."""
+    data = tiny_ptb(tmp_path)
+    for flags in (["--activation", "gelu"], ["--dropout", "0.1"], ["--activation-bits", "1"]):
+        line = _one_line_error(*_gc_here(*TINY, "--data", data, "--seq-model", "lstm", *flags))
+        assert f"--seq-model lstm: {flags[0]} configure the Transformer" in line
+    out = tmp_path / "lstm.json"
+    code, _, err = _gc_here(*TINY, "--data", data, "--seq-model", "lstm", "--policy", "sqrt", "--use-gc", "1",
+                            "--json", out)
+    assert code == 0, err
+    record = json.loads(out.read_text())
+    assert record["seq_model"] == "lstm" and record["policy"] == "sqrt" and record["steps"]
