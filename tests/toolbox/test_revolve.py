@@ -35,8 +35,9 @@ def test_the_schedule_keeps_at_most_snapshots_in_forward_and_names_each_boundary
 
 
 def test_revolve_needs_a_snapshot():
-    with pytest.raises(ValueError, match="snapshots must be an int >= 1"):
-        Revolve(0)
+    for bad in (0, -2, 2.5, True, "3"):
+        with pytest.raises(ValueError, match="snapshots must be an int >= 1"):
+            Revolve(bad)
     with pytest.raises(ValueError, match="at least 1 snapshot"):
         schedule(5, 0)
 

@@ -90,7 +90,7 @@ class Revolve:
     snapshots: int
 
     def __post_init__(self):
-        if not isinstance(self.snapshots, int) or self.snapshots < 1:
+        if isinstance(self.snapshots, bool) or not isinstance(self.snapshots, int) or self.snapshots < 1:
             raise ValueError(f"Revolve(snapshots): snapshots must be an int >= 1, got {self.snapshots!r}")
 
     def __call__(self, nodes, outputs=()):
