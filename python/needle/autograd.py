@@ -143,7 +143,7 @@ class Value:
     """A node of the computational graph."""
 
     __slots__ = ("op", "inputs", "_data", "requires_grad", "drop", "boundary", "store", "stored", "grad", "_spec",
-                 "version", "_input_versions", "_released", "_grad_hooks", "__weakref__")
+                 "version", "_input_versions", "_released", "_grad_hooks", "optimizer", "__weakref__")
 
     @property
     def cached_data(self):
@@ -224,6 +224,7 @@ class Value:
         self._input_versions = tuple(x.version for x in inputs)  # what its value is a function of (rule 4c)
         self._released = False  # its value was computed, then released: a missing value is one to recompute
         self._grad_hooks = None  # callables run when backward sets this leaf's .grad (register_grad_hook)
+        self.optimizer = None  # the optimizer that updates this leaf inside backward (in_backward=True)
         if memory_hook.RECORDER is not None:
             memory_hook.RECORDER.node_made(self)  # needle.memory: its module, or what its data is
 

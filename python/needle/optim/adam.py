@@ -16,8 +16,8 @@ class Adam(Optimizer):
     hyperparameters = ("lr", "beta1", "beta2", "eps", "weight_decay", "t")
 
     def __init__(self, params, lr=0.01, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, master_weights=None,
-                 stochastic_rounding=False, offload_state=False):
-        super().__init__(params, master_weights, stochastic_rounding, offload_state)
+                 stochastic_rounding=False, offload_state=False, in_backward=False):
+        super().__init__(params, master_weights, stochastic_rounding, offload_state, in_backward)
         self.__dict__.update(self.check_hyperparameters(dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps,
                                                              weight_decay=weight_decay, t=0)))
 
@@ -31,11 +31,13 @@ class Adam(Optimizer):
         checked["weight_decay"] = check_range(name, "weight_decay", values["weight_decay"], 0, math.inf)
         return checked
 
-    def step(self):
+    def begin_step(self):
+        super().begin_step()
         self.t += 1
-        correction1, correction2 = 1 - self.beta1**self.t, 1 - self.beta2**self.t
-        for p, theta, grad in self._with_grads():
-            self._update(p, self._step_one(p, theta, grad, correction1, correction2))
+        self.corrections = 1 - self.beta1**self.t, 1 - self.beta2**self.t
+
+    def update_parameter(self, p, theta, grad):
+        self._update(p, self._step_one(p, theta, grad, *self.corrections))
 
     def _step_one(self, p, theta, grad, correction1, correction2):
         """Parameter p's new float32 value (its moments updated on the way)."""

@@ -144,6 +144,7 @@ def _check_distinct(name, params):
 
 
 def in_optimizer_phase(step):
+    """`step` run in needle.memory's "optimizer" phase."""
     @functools.wraps(step)
     def step_in_phase(self, *args, **kwargs):
         with memory_hook.phase("optimizer", self):
@@ -157,7 +158,8 @@ class Optimizer:
     slots = ()  # the names of the per-parameter state dicts, e.g. ("m", "v")
     hyperparameters = ()  # attributes the update reads besides the state (lr, betas, step count t): saved, restored
 
-    def __init__(self, params, master_weights=None, stochastic_rounding=False, offload_state=False):
+    def __init__(self, params, master_weights=None, stochastic_rounding=False, offload_state=False,
+                 in_backward=False):
         self.params = list(params)
         for i, p in enumerate(self.params):
             if not isinstance(p, Tensor):
@@ -174,6 +176,14 @@ class Optimizer:
         for slot in self.slots:
             setattr(self, slot, {})
         self._rounding_steps = 0
+        self._position = {id(p): i for i, p in enumerate(self.params)}  # a parameter's stochastic-rounding seed
+        # The optimizer in backward: backward updates each parameter the moment its gradient is final (backward.py's
+        # update steps), so all the gradients never exist at once (LOMO, Lv et al. 2024). The last optimizer built
+        # over a parameter decides whether it is updated there.
+        self.in_backward = bool(in_backward)
+        self._backward_pass = None  # the backward pass whose updates ran since the last step()
+        for p in self.params:
+            p.optimizer = self if self.in_backward else None
         if self.stochastic_rounding:
             if master_weights:
                 raise ValueError(f"{type(self).__name__}: stochastic_rounding is for pure 16-bit training "
@@ -191,8 +201,43 @@ class Optimizer:
         if "step" in cls.__dict__:
             cls.step = in_optimizer_phase(cls.__dict__["step"])
 
+    @in_optimizer_phase
     def step(self):
+        """Update every parameter that has a gradient (nothing to do if backward updated them: `in_backward`)."""
+        if self.in_backward:
+            self._backward_pass = None  # the step backward made is complete: the next backward may start one
+            return
+        self.begin_step()
+        for p, theta, grad in self._with_grads(self.l2_weight_decay):
+            self.update_parameter(p, theta, grad)
+        self.end_step()
+
+    # What an optimizer defines: the step's shared numbers, one parameter's update, and what ends a step.
+    l2_weight_decay = True  # the course's coupled weight decay: weight_decay * theta added to the gradient
+
+    def begin_step(self):
+        """Once per step, before any parameter's update (Adam: the step count and its bias corrections)."""
+        self._rounding_base, self._rounding_steps = self._rounding_steps, self._rounding_steps + len(self.params)
+
+    def update_parameter(self, p, theta, grad):
+        """Update parameter p from its float32 value `theta` and gradient `grad` (`_update` stores the result)."""
         raise NotImplementedError()
+
+    def end_step(self):
+        """Once per step, after the last update."""
+
+    def update_in_backward(self, p, backward_pass):
+        """Backward's update step (backward.py): p's gradient is final, read by nothing after; update p now. The
+        arithmetic is step()'s, so the parameters are bit-identical to the ordinary loop's."""
+        if self._backward_pass is not backward_pass:
+            if self._backward_pass is not None:
+                raise RuntimeError(
+                    f"{type(self).__name__}(in_backward=True): backward() ran again before step(), but this optimizer "
+                    "updated the parameters in the last backward: gradients cannot accumulate over micro-batches. "
+                    "Call step() after each backward(), or build the optimizer with in_backward=False")
+            self._backward_pass = backward_pass
+            self.begin_step()
+        self.update_parameter(p, *self._value_and_grad(p, self.l2_weight_decay))
 
     def check_hyperparameters(self, values):
         """`values` ({name: value} of `hyperparameters`), checked: the values as the update reads them, or
@@ -203,7 +248,7 @@ class Optimizer:
         return checked
 
     def reset_grad(self):
-        for p in self.params:
+        for p in self.params:  # (in backward, no parameter holds a gradient when backward returns)
             p.grad = None
 
     # ----- state: stored per parameter and slot, loaded as float32 for the update ---------------------------------
@@ -403,8 +448,7 @@ class Optimizer:
             return
         if self._keeps_master(p):
             self._save(p, "master", theta)
-        if self.stochastic_rounding:
-            self._rounding_steps += 1  # a fresh seed per parameter and step: the noise never repeats
-            p.cached_data = array_api.round_stochastic(theta, self._rounding_steps)
+        if self.stochastic_rounding:  # a fresh seed per parameter and step, whatever order they are updated in
+            p.cached_data = array_api.round_stochastic(theta, self._rounding_base + self._position[id(p)] + 1)
         else:
             p.cached_data = array_api.astype(theta, old.dtype)

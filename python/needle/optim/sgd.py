@@ -11,8 +11,8 @@ class SGD(Optimizer):
     hyperparameters = ("lr", "momentum", "weight_decay")
 
     def __init__(self, params, lr=0.01, momentum=0.0, weight_decay=0.0, master_weights=None,
-                 stochastic_rounding=False, offload_state=False):
-        super().__init__(params, master_weights, stochastic_rounding, offload_state)
+                 stochastic_rounding=False, offload_state=False, in_backward=False):
+        super().__init__(params, master_weights, stochastic_rounding, offload_state, in_backward)
         self.__dict__.update(self.check_hyperparameters(dict(lr=lr, momentum=momentum, weight_decay=weight_decay)))
 
     def check_hyperparameters(self, values):
@@ -22,13 +22,12 @@ class SGD(Optimizer):
         checked["weight_decay"] = check_range("SGD", "weight_decay", values["weight_decay"], 0, math.inf)
         return checked
 
-    def step(self):
+    def update_parameter(self, p, theta, grad):
         beta = self.momentum
-        for p, theta, grad in self._with_grads():
-            if beta:
-                u = self._load(p, "u")
-                u = grad * (1 - beta) if u is None else u * beta + grad * (1 - beta)
-                self._save(p, "u", u)
-            else:
-                u = grad
-            self._update(p, as_dtype(theta - u * self.lr, theta))
+        if beta:
+            u = self._load(p, "u")
+            u = grad * (1 - beta) if u is None else u * beta + grad * (1 - beta)
+            self._save(p, "u", u)
+        else:
+            u = grad
+        self._update(p, as_dtype(theta - u * self.lr, theta))

@@ -47,8 +47,8 @@ class Adafactor(Optimizer):
 
     def __init__(self, params, lr=None, beta1=None, eps=(1e-30, 1e-3), clip_threshold=1.0, decay_rate=-0.8,
                  relative_step=True, scale_parameter=True, warmup_init=False, weight_decay=0.0, master_weights=None,
-                 stochastic_rounding=False, offload_state=False):
-        super().__init__(params, master_weights, stochastic_rounding, offload_state)
+                 stochastic_rounding=False, offload_state=False, in_backward=False):
+        super().__init__(params, master_weights, stochastic_rounding, offload_state, in_backward)
         self.__dict__.update(self.check_hyperparameters(dict(
             lr=lr, beta1=beta1, eps=eps, clip_threshold=clip_threshold, decay_rate=decay_rate,
             relative_step=relative_step, scale_parameter=scale_parameter, warmup_init=warmup_init,
@@ -84,29 +84,33 @@ class Adafactor(Optimizer):
             lr *= max(self.eps[1], _rms(theta))
         return lr
 
-    def step(self):
+    l2_weight_decay = False  # decoupled: theta <- theta - lr_t weight_decay theta
+
+    def begin_step(self):
+        super().begin_step()
         self.t += 1
-        beta2 = 1 - self.t ** self.decay_rate
-        for p, theta, grad in self._with_grads(l2=False):
-            if theta.size == 0:  # nothing to update, and its RMS (the relative step, the clipping) is undefined
-                continue
-            lr = self._step_size(theta)
-            g2 = grad * grad + self.eps[0]
-            if len(grad.shape) >= 2:
-                u = grad * self._factored_rsqrt(p, g2, beta2)
-            else:
-                v = self._load(p, "v")
-                v = g2 * (1 - beta2) if v is None else v * beta2 + g2 * (1 - beta2)
-                self._save(p, "v", v)
-                u = grad * v ** -0.5
-            u = u * (lr / max(1.0, _rms(u) / self.clip_threshold))
-            if self.beta1 is not None:
-                m = self._load(p, "m")
-                u = u * (1 - self.beta1) if m is None else m * self.beta1 + u * (1 - self.beta1)
-                self._save(p, "m", u)
-            if self.weight_decay:
-                theta = theta - theta * (self.weight_decay * lr)
-            self._update(p, as_dtype(theta - u, theta))
+        self.beta2_t = 1 - self.t ** self.decay_rate
+
+    def update_parameter(self, p, theta, grad):
+        if theta.size == 0:  # nothing to update, and its RMS (the relative step, the clipping) is undefined
+            return
+        lr, beta2 = self._step_size(theta), self.beta2_t
+        g2 = grad * grad + self.eps[0]
+        if len(grad.shape) >= 2:
+            u = grad * self._factored_rsqrt(p, g2, beta2)
+        else:
+            v = self._load(p, "v")
+            v = g2 * (1 - beta2) if v is None else v * beta2 + g2 * (1 - beta2)
+            self._save(p, "v", v)
+            u = grad * v ** -0.5
+        u = u * (lr / max(1.0, _rms(u) / self.clip_threshold))
+        if self.beta1 is not None:
+            m = self._load(p, "m")
+            u = u * (1 - self.beta1) if m is None else m * self.beta1 + u * (1 - self.beta1)
+            self._save(p, "m", u)
+        if self.weight_decay:
+            theta = theta - theta * (self.weight_decay * lr)
+        self._update(p, as_dtype(theta - u, theta))
 
     def _state_shape(self, p, slot):
         """R (..., n, 1) and C (..., 1, m) for matrices, V for vectors, m of the parameter's shape."""

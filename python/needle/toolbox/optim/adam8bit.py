@@ -26,9 +26,9 @@ class Adam8bit(Adam):
 
     def __init__(self, params, lr, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, block_size=256,
                  min_8bit_size=4096, fp32_state_params=(), master_weights=None, stochastic_rounding=False,
-                 offload_state=False):
+                 offload_state=False, in_backward=False):
         super().__init__(params, lr, beta1, beta2, eps, weight_decay, master_weights, stochastic_rounding,
-                         offload_state)
+                         offload_state, in_backward)
         if isinstance(block_size, bool) or int(block_size) != block_size or block_size < 1 or \
                 block_size & (block_size - 1):
             raise ValueError(f"Adam8bit: block_size must be a positive power of two, got {block_size!r}")
@@ -43,8 +43,7 @@ class Adam8bit(Adam):
         self.maps = {"m": dynamic_map(signed=True), "v": dynamic_map(signed=False)}  # v >= 0: no sign to store
         self._device_maps = {}  # (slot, device name) -> the map as an array on that device, made once
 
-    def step(self):
-        super().step()
+    def end_step(self):
         if self.offload_state:
             self._device_maps.clear()  # offloaded: not even the maps stay on the device between steps
 
