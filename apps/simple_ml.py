@@ -224,6 +224,11 @@ def epoch_general_ptb(data, model, seq_len=40, loss_fn=nn.SoftmaxLoss(), opt=Non
     if k < 1 or batch_size % k:
         raise ValueError(f"accumulation_steps={accumulation_steps} must divide the batch size {batch_size}")
     micro = batch_size // k
+    if getattr(opt, "in_backward", False) and (clip is not None or k > 1):
+        why = ("the gradients never exist together to be clipped by their global norm" if clip is not None else
+               "gradients cannot accumulate over micro-batches")
+        raise ValueError(f"epoch_general_ptb: the optimizer updates inside backward (in_backward=True), so {why}; "
+                         "use in_backward=False")
     columns = [data] if k == 1 else [np.ascontiguousarray(data[:, j * micro:(j + 1) * micro]) for j in range(k)]
     hidden = [None] * k
     params = model.parameters()

@@ -547,6 +547,9 @@ class Machine(Protocol):
     def set_grad(self, node, grad) -> None:
         """Set a leaf's gradient: `grad`, complete."""
 
+    def update(self, node) -> None:
+        """Update parameter `node` by its optimizer (in backward, its gradient final), its gradient released."""
+
     def value(self, node):
         """`node`'s value (a raw array), or None where the machine holds no data."""
 

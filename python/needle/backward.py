@@ -38,6 +38,7 @@ class Step:
     bring_back: list = field(default_factory=list)  # values a store holds, brought back before this step, for the next
     # {position in `recompute`: values recomputed only on the way to a stack's boundary, released after it}
     passing: dict = field(default_factory=dict)
+    update: bool = False  # instead: update `node` by its optimizer in backward, its gradient final (`_with_updates`)
 
 
 @dataclass
@@ -50,6 +51,9 @@ class BackwardPlan:
 
     def recomputed(self):
         return [n for step in self.steps for n in step.recompute]
+
+    def updated(self):
+        return [step.node for step in self.steps if step.update]
 
     def brought_back(self):
         return [n for step in self.steps for n in step.bring_back]
@@ -136,7 +140,22 @@ def plan_backward(root, has=None, stored=None):
             last_use[id(node)].release.append(node)
         else:
             unused.append(node)
-    return BackwardPlan(root, unused, steps)
+    return BackwardPlan(root, unused, _with_updates(steps, last_use))
+
+
+def _with_updates(steps, last_use):
+    """`steps` with an update step for each leaf an optimizer updates in backward, placed where its gradient is
+    final: after its own step (every consumer's gradient summed) and after the last step that reads its value (a
+    recomputation, a gradient that reads the weight), so that nothing reads the parameter after it changes."""
+    position = {id(step): i for i, step in enumerate(steps)}
+    updates = {}
+    for i, step in enumerate(steps):
+        if step.node.is_leaf() and step.node.optimizer is not None:
+            at = max(i, position.get(id(last_use.get(id(step.node))), i))
+            updates.setdefault(at, []).append(Step(step.node, update=True))
+    if not updates:
+        return steps
+    return [s for i, step in enumerate(steps) for s in [step] + updates.get(i, [])]
 
 
 def _held_here(missing, order):
@@ -190,6 +209,7 @@ class Compute(Machine):
         self.recomputed = {}  # id -> count, this pass
         self.in_backward = False  # run_backward sets it: a release there is a value's last (autograd.release)
         self.filling = []  # the stores that may still be filling a value brought back (see ready)
+        self.optimizers = []  # the optimizers that updated parameters in this backward (in_backward)
 
     def has(self, node):
         return node.cached_data is not None
@@ -266,6 +286,20 @@ class Compute(Machine):
             grad.store = node.store
             release(grad)
 
+    def update(self, node):
+        """The optimizer in backward: update parameter `node` (its gradient final) and release its gradient."""
+        if node._grad_hooks:
+            raise RuntimeError(f"{type(node.optimizer).__name__}(in_backward=True): a grad hook waits for the "
+                               f"gradient of a parameter of shape {tuple(node.shape)} (register_grad_hook: data "
+                               "parallelism, say), so the update cannot come before it; use in_backward=False")
+        with memory_hook.phase("optimizer", node.optimizer):
+            node.optimizer.update_in_backward(node, self)
+        grad, node.grad = node.grad, None
+        if grad is not None:
+            release(grad)
+        if node.optimizer not in self.optimizers:
+            self.optimizers.append(node.optimizer)
+
     def value(self, node):
         return node.cached_data
 
@@ -324,6 +358,9 @@ def run_backward(plan, out_grad, machine=None):
         machine.release(node)
     for step in plan.steps:
         node = step.node
+        if step.update:
+            machine.update(node)  # the optimizer in backward: its gradient goes with it
+            continue
         if memory_hook.RECORDER is not None:
             memory_hook.RECORDER.differentiating(node)  # needle.memory: the gradients belong to node's module
         machine.ready()  # the values brought back a step ago are read from this step on
@@ -494,6 +531,9 @@ def compute_gradient_of_variables(output_tensor, out_grad):
     try:
         with memory_hook.phase("backward"):
             run_backward(plan_backward(output_tensor), out_grad, machine)
+        for optimizer in machine.optimizers:
+            with memory_hook.phase("optimizer", optimizer):
+                optimizer.end_step()
     finally:
         set_autocast(autocast)
     stats = dict(machine.stats)

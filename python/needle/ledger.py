@@ -59,6 +59,7 @@ class Ledger(Machine):
         # nothing else differs, so one walk with a gradient store answers for both (the Budget's search uses it).
         self.gradients_stored_bytes = self.peak_keeping_gradients = 0
         self.in_backward = False  # as backward.Compute's: run_backward sets it
+        self.grads = {}  # parameter id -> its gradient node (set_grad), until an update in backward releases it
         # A store that copies beside the compute holds a put's buffers until its next put or get: `in_flight`.
         self.device = infer_spec(out_grad)[2]
         self.in_flight = []
@@ -241,12 +242,23 @@ class Ledger(Machine):
     def set_grad(self, node, grad):
         """As backward.Compute's: with a gradient store, a parameter's complete gradient goes there (unless a grad
         hook waits for it on the device)."""
+        self.grads[id(node)] = grad
         if self.gradient_store is not None and not node._grad_hooks and id(grad) in self.present:
             live = self.live
             self._put(grad, self.gradient_store)
             self.held.pop(id(grad))  # (kept until the optimizer's update: beyond this walk)
             self.release(grad)
             self.gradients_stored_bytes += live - self.live
+
+    def update(self, node):
+        """As backward.Compute's: the optimizer's update in backward — the state it creates (on its first step),
+        its workspace for a moment, then the gradient released."""
+        state, workspace = node.optimizer.update_bytes(node)
+        self.live += state
+        self._note_peak(workspace)
+        grad = self.grads.pop(id(node), None)
+        if grad is not None:
+            self.release(grad)
 
     def value(self, node):
         return None

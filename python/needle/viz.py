@@ -6,7 +6,8 @@
 Kept values are solid boxes, dropped ones dashed grey, dropped values that backward recomputes orange (read off the
 backward plan of this very graph, so the marking cannot go stale), values a store holds (store.py) by the store's
 kind: offloaded ones (parked in host memory, fetched back for backward) purple double octagons, leaves (parameters,
-inputs, constants) green ellipses, values kept compressed (compress.py) rounded yellow boxes; a legend repeats this.
+inputs, constants) green ellipses (bold-edged: parameters the optimizer updates inside backward, the step of the
+plan that releases their gradient), values kept compressed (compress.py) rounded yellow boxes; a legend repeats this.
 Each node shows its op (a parameter: its name), shape and bytes. The nodes of one annotated region (a module's
 forward when checkpointing is on, a `checkpoint()` call) are boxed together under the module's class name.
 `hide_views=True` leaves out view nodes (reshape, broadcast, transpose: no buffer of their own) and draws their
@@ -20,6 +21,7 @@ __all__ = ["to_dot"]
 
 _STYLES = {
     "leaf": 'shape=ellipse, style=filled, fillcolor="#d9f2d9"',
+    "updated": 'shape=ellipse, style="filled,bold", fillcolor="#d9f2d9", color="#1b5e20", penwidth=2',
     "kept": 'shape=box, style=filled, fillcolor="#dde8f7"',
     "dropped": 'shape=box, style="dashed,filled", fillcolor="#eeeeee", color="#888888"',
     "recomputed": 'shape=box, style="filled,bold", fillcolor="#ffcc80", color="#e65100"',
@@ -29,6 +31,7 @@ _STYLES = {
 }
 _LEGEND = {
     "leaf": "leaf: parameter, input, constant",
+    "updated": "parameter updated inside backward",
     "kept": "kept for backward",
     "dropped": "dropped, not needed again",
     "recomputed": "dropped, recomputed in backward",
@@ -37,11 +40,11 @@ _LEGEND = {
 }  # (a store of another kind is drawn as "stored": not in the legend)
 
 
-def node_kind(node, recomputed_ids=frozenset()):
-    """'leaf', 'compressed', 'offloaded', 'recomputed', 'dropped' or 'kept' (the reason a value is or is not in
-    memory)."""
+def node_kind(node, recomputed_ids=frozenset(), updated_ids=frozenset()):
+    """'leaf', 'updated', 'compressed', 'offloaded', 'recomputed', 'dropped' or 'kept' (the reason a value is or is
+    not in memory)."""
     if node.is_leaf():
-        return "leaf"
+        return "updated" if id(node) in updated_ids else "leaf"
     if node.store is not None:
         return node.store.kind if node.store.kind in _STYLES else "stored"
     if id(node) in recomputed_ids:
@@ -89,9 +92,10 @@ def to_dot(tensor, name="needle", hide_views=False):
     """DOT text for the graph above `tensor` (a Tensor or a list of them); see the module's docstring."""
     roots = list(tensor) if isinstance(tensor, (list, tuple)) else [tensor]
     # What backward recomputes: the plan's recomputations when only leaves and kept values exist.
-    recomputed = {id(n) for r in roots if r.requires_grad
-                  for n in plan_backward(r, lambda n: n.is_leaf() or not n.drop, lambda n: n.store is not None)
-                  .recomputed()}
+    plans = [plan_backward(r, lambda n: n.is_leaf() or not n.drop, lambda n: n.store is not None)
+             for r in roots if r.requires_grad]
+    recomputed = {id(n) for plan in plans for n in plan.recomputed()}
+    updated = {id(n) for plan in plans for n in plan.updated()}
     order = find_topo_sort(roots)
     root_ids = {id(r) for r in roots}
     hidden = {id(n) for n in order if hide_views and n.op is not None and n.op.view and id(n) not in root_ids}
@@ -99,7 +103,7 @@ def to_dot(tensor, name="needle", hide_views=False):
     number = {id(n): i for i, n in enumerate(shown)}
     lines = [f"digraph {name} {{", "  rankdir=BT;", '  node [fontname="Helvetica", fontsize=10];']
     for node in shown:
-        kind = node_kind(node, recomputed)
+        kind = node_kind(node, recomputed, updated)
         title = getattr(node, "name", None) or ("leaf" if node.is_leaf() else type(node.op).__name__)
         shape, nbytes = _size(node)
         status = "" if title == kind else f"\\n{_label(node, kind)}"

@@ -265,7 +265,8 @@ def test_to_dot_legend_parameter_names_bytes_and_module_clusters():
     clusters = {sub.get_name(): sub for sub in graph.get_subgraphs()}
     legend = clusters.pop("cluster_legend")
     assert sorted(n.get_name() for n in legend.get_nodes()) == ["legend_compressed", "legend_dropped", "legend_kept",
-                                                                "legend_leaf", "legend_offloaded", "legend_recomputed"]
+                                                                "legend_leaf", "legend_offloaded", "legend_recomputed",
+                                                                "legend_updated"]
     labels = {n.get_name(): n.get("label").strip('"') for n in graph.get_nodes() if n.get("label")}
     leaves = [label.split("\\n") for label in labels.values() if label.endswith("\\nleaf")]
     assert leaves == [["modules.0.weight", "(8, 16)", "512 B", "leaf"], ["modules.0.bias", "(1, 16)", "64 B", "leaf"],

@@ -21,6 +21,7 @@ OPTIMIZERS = {
     "adam8bit": lambda ps: ndl.optim.Adam8bit(ps, lr=0.01),
     "adafactor": lambda ps: ndl.optim.Adafactor(ps),
     "adam-offloaded": lambda ps: ndl.optim.Adam(ps, lr=0.01, offload_state=True),
+    "adam-in-backward": lambda ps: ndl.optim.Adam(ps, lr=0.01, in_backward=True),
 }
 POLICIES = [None, "all", "sqrt", "selective", "budget"]
 
@@ -89,6 +90,16 @@ def test_live_bytes_are_exact_with_every_optimizer(optimizer):
         assert not state  # offloaded state lives in host memory, outside the allocator
     else:
         assert state
+
+
+def test_the_optimizer_in_backward_is_drawn_interleaved_with_backward_and_holds_no_gradient_at_its_peak():
+    snap, model = recorded_steps("all", optimizer="adam-in-backward")
+    names = " ".join(p["phase"] for p in snap.phases).split("forward")
+    after = names[-2].split()  # the last step's backward: updates between its steps, none after its last step
+    assert after.count("optimizer") >= len(model.parameters()) // 2 and after[-1] != "optimizer"
+    assert "backward" in after[after.index("optimizer") + 1:]
+    ordinary, _ = recorded_steps("all", optimizer="adam")
+    assert snap.peak["bytes"] < ordinary.peak["bytes"]  # every gradient and the moments no longer alive at once
 
 
 def test_every_buffer_is_named_by_what_made_it():

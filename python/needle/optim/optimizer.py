@@ -20,6 +20,7 @@ current update; elsewhere the copies are synchronous); `state_bytes()` counts wh
 `host_state_bytes()` what was offloaded.
 """
 import functools
+import math
 
 import numpy as np
 
@@ -225,6 +226,22 @@ class Optimizer:
 
     def end_step(self):
         """Once per step, after the last update."""
+
+    def update_bytes(self, p):
+        """(device bytes of state p's update creates — all of it before p's first update, unless offloaded —, bytes
+        of workspace it allocates and frees): what the Budget's ledger counts for an update in backward."""
+        state = 0 if self.offload_state else sum(
+            math.prod(shape) * np.dtype(dtype).itemsize for slot in ("master",) + tuple(self.slots_of(p))
+            if getattr(self, slot).get(p) is None for shape, dtype in self._state_layout(p, slot) or ())
+        return state, self.workspace_bytes(p)
+
+    def slots_of(self, p):
+        """The slots parameter p's update keeps (Adafactor without beta1 keeps no first moment)."""
+        return self.slots
+
+    def workspace_bytes(self, p):
+        """Bytes parameter p's update allocates besides its state and frees again (at most 1 MiB: in place)."""
+        return 0
 
     def update_in_backward(self, p, backward_pass):
         """Backward's update step (backward.py): p's gradient is final, read by nothing after; update p now. The

@@ -22,6 +22,9 @@ class SGD(Optimizer):
         checked["weight_decay"] = check_range("SGD", "weight_decay", values["weight_decay"], 0, math.inf)
         return checked
 
+    def slots_of(self, p):
+        return self.slots if self.momentum else ()
+
     def update_parameter(self, p, theta, grad):
         beta = self.momentum
         if beta:

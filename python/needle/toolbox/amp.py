@@ -25,7 +25,7 @@ import math
 
 import numpy
 
-from ..autograd import Tensor, active_autocast, lazy_mode, set_autocast
+from ..autograd import Tensor, active_autocast, find_topo_sort, lazy_mode, set_autocast
 from ..backend_selection import array_api
 from ..ops import Cast
 from ..regions import apply_decision
@@ -119,6 +119,11 @@ class GradScaler:
         """The loss times the scale (a Tensor; call .backward() on it)."""
         if not self.enabled:
             return loss
+        updated = next((n.optimizer for n in find_topo_sort([loss]) if n.optimizer is not None), None)
+        if updated is not None:  # (before backward: afterwards the parameters would have taken the step)
+            raise ValueError(f"GradScaler: {type(updated).__name__}(in_backward=True) updates the parameters inside "
+                             "backward, so a step whose gradients overflow could not be skipped; use bfloat16 "
+                             "autocast (it needs no scaler) or in_backward=False")
         return loss * self._scale
 
     def unscale_(self, optimizer):

@@ -103,6 +103,9 @@ class ZeroRedundancyOptimizer(Optimizer):
         if partition not in PARTITIONS:
             raise ValueError(f"ZeroRedundancyOptimizer: partition must be one of {', '.join(PARTITIONS)}, got "
                              f"{partition!r}")
+        if kw.get("in_backward"):
+            raise ValueError("ZeroRedundancyOptimizer: in_backward=True is not supported: each rank updates its shard "
+                             "after the gradients are reduced across ranks, not inside backward")
         if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, Optimizer)):
             raise TypeError(f"ZeroRedundancyOptimizer: optimizer_class must be an Optimizer class such as "
                             f"ndl.optim.Adam, got {optimizer_class!r}")

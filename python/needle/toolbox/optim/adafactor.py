@@ -112,6 +112,9 @@ class Adafactor(Optimizer):
             theta = theta - theta * (self.weight_decay * lr)
         self._update(p, as_dtype(theta - u, theta))
 
+    def slots_of(self, p):
+        return self.slots if self.beta1 is not None else self.slots[:-1]  # "m" only with beta1
+
     def _state_shape(self, p, slot):
         """R (..., n, 1) and C (..., 1, m) for matrices, V for vectors, m of the parameter's shape."""
         shape = tuple(p.shape)
