@@ -91,12 +91,13 @@ def test_the_plan_updates_each_parameter_once_after_every_step_that_reads_it():
 
 
 @pytest.mark.parametrize("policy", [None, "all"], ids=lambda p: p or "off")
-def test_when_backward_returns_no_parameter_holds_a_gradient_nor_the_allocator_its_bytes(policy):
+@pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
+def test_when_backward_returns_no_parameter_holds_a_gradient_nor_the_allocator_its_bytes(optimizer, policy):
     device = ndl.cpu() if nd.cpu().enabled() else ndl.cpu_numpy()
     model = TiedChain(length=4, width=64)
     if policy:
         model.enable_gc(policy=policy)
-    opt = ndl.optim.Adam(model.parameters(), lr=0.01, in_backward=True)
+    opt = OPTIMIZERS[optimizer](model.parameters(), in_backward=True)
     largest = max(p.numpy().nbytes for p in model.parameters())
     for step in range(3):  # from the second step on, Adam's state exists before the forward pass
         x = batch(step, rows=32, width=64)
