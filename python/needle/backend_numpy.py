@@ -89,9 +89,9 @@ def adam8bit_step(theta, grad, m_state, v_state, code_m, code_v, block_size, lr,
         ("theta", theta, "float32", n), ("grad", grad, "float32", n), ("q_m", q_m, "uint8", n),
         ("absmax_m", absmax_m, "float32", blocks), ("q_v", q_v, "uint8", n), ("absmax_v", absmax_v, "float32", blocks),
         ("code_m", code_m, "float32", 256), ("code_v", code_v, "float32", 256)])
-    new_theta, *state = ref.adam8bit_blocks(np.asarray(theta), np.asarray(grad), q_m.reshape(-1), absmax_m, q_v.reshape(-1),
-                                      absmax_v, np.asarray(code_m), np.asarray(code_v), block_size, lr, beta1, beta2,
-                                      eps, correction1, correction2)
+    new_theta, *state = ref.adam8bit_blocks(np.asarray(theta), np.asarray(grad), q_m.reshape(-1), absmax_m,
+                                            q_v.reshape(-1), absmax_v, np.asarray(code_m), np.asarray(code_v),
+                                            block_size, lr, beta1, beta2, eps, correction1, correction2)
     for stored, new in zip((q_m, absmax_m, q_v, absmax_v), state):
         stored[...] = new.reshape(stored.shape)
     if out is None:

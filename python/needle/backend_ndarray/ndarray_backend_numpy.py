@@ -167,7 +167,8 @@ def stochastic_bfloat16(values, seed, offset=0):
     """float32 values -> bfloat16, each rounded up with probability equal to the fraction rounding drops: a hash
     of (seed, offset + index) is added to the 16 bits that are cut off (NaN and inf round to nearest)."""
     values = np.ascontiguousarray(values, dtype=np.float32).reshape(-1)
-    h = (np.arange(values.size, dtype=np.uint64) + np.uint64(offset)).astype(np.uint32) ^ np.uint32((int(seed) * 0x9E3779B9) & 0xFFFFFFFF)
+    index = (np.arange(values.size, dtype=np.uint64) + np.uint64(offset)).astype(np.uint32)  # uint32(offset + i)
+    h = index ^ np.uint32((int(seed) * 0x9E3779B9) & 0xFFFFFFFF)
     h ^= h >> np.uint32(16)
     h *= np.uint32(0x7FEB352D)
     h ^= h >> np.uint32(15)

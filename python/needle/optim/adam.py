@@ -2,7 +2,7 @@
 from ..backend_selection import array_api
 import math
 
-from .optimizer import Optimizer, _flat, _widen, as_dtype, check_range
+from .optimizer import Optimizer, flat_view, widen, as_dtype, check_range
 
 
 class Adam(Optimizer):
@@ -43,10 +43,10 @@ class Adam(Optimizer):
             array_api.adam_step(theta, grad, None if new else m, None if new else v, *self._hyper(),
                                 out=(theta, m, v))
         else:
-            flat_m, flat_v = _flat(m), _flat(v)
+            flat_m, flat_v = flat_view(m), flat_view(v)
             for start, th, g in self._chunks(theta, grad):
                 end = start + g.size
-                old = (None, None) if new else (_widen(flat_m[start:end]), _widen(flat_v[start:end]))
+                old = (None, None) if new else (widen(flat_m[start:end]), widen(flat_v[start:end]))
                 th, flat_m[start:end], flat_v[start:end] = self._step_chunk(th, g, *old)
                 self._update(p, theta, th, start)
         self._finish(p, theta, m=m, v=v)

@@ -41,12 +41,12 @@ def _is_low(array):
     return (dtype if isinstance(dtype, str) else dtype.name) in _LOW
 
 
-def _widen(array):
+def widen(array):
     """A 16-bit array as float32 (any other array as it is): optimizer arithmetic is float32."""
     return array_api.astype(array, "float32") if _is_low(array) else array
 
 
-def _flat(array):
+def flat_view(array):
     """A 1-D view of `array` (of a compact copy of an NDArray view that is not compact): its slices are views."""
     compact = getattr(array, "compact", None)  # NDArray reshapes compact arrays only; NumPy any
     return array_api.reshape(array if compact is None else compact(), (array.size,))
@@ -297,7 +297,7 @@ class Optimizer:
         return value
 
     def _decode(self, p, slot, stored):
-        return _widen(stored)
+        return widen(stored)
 
     def _stored(self):
         for slot in ("master",) + tuple(self.slots):
@@ -440,17 +440,17 @@ class Optimizer:
         theta = p.realize_cached_data()
         if self._keeps_master(p):
             master = self._fetch(p, "master")
-            theta = _widen(theta) if master is None else master
+            theta = widen(theta) if master is None else master
         return theta, p.grad.realize_cached_data()
 
     # ----- an update in place, a chunk at a time: its temporaries are chunk-sized ---------------------------------
     def _chunks(self, theta, grad, align=1):
         """(start, theta, grad) for the chunks of at most CHUNK elements (a multiple of `align`) of the flat value
         and gradient, in float32, with weight_decay * theta added to the gradient (the course's coupled decay)."""
-        theta, grad, n = _flat(theta), _flat(grad), theta.size
+        theta, grad, n = flat_view(theta), flat_view(grad), theta.size
         step = max(align, CHUNK // align * align)
         for start in range(0, n, step):
-            th, g = _widen(theta[start:start + step]), _widen(grad[start:start + step])
+            th, g = widen(theta[start:start + step]), widen(grad[start:start + step])
             if self.l2_weight_decay and self.weight_decay:
                 g = g + th * self.weight_decay
             yield start, th, g
@@ -467,9 +467,9 @@ class Optimizer:
     def _update(self, p, theta, new, start=0):
         """Store new float32 values of p's flat elements [start, start + new.size): into its master copy `theta`
         if it keeps one, and (rounded) into the parameter's own array, in place."""
-        stop, data = start + new.size, _flat(p.realize_cached_data())
+        stop, data = start + new.size, flat_view(p.realize_cached_data())
         if self._keeps_master(p):
-            _flat(theta)[start:stop] = new
+            flat_view(theta)[start:stop] = new
         if self.stochastic_rounding:  # a fresh seed per parameter and step, whatever order they are updated in
             seed = self._rounding_base + self._position[id(p)] + 1
             data[start:stop] = array_api.round_stochastic(new, seed, start)

@@ -1,7 +1,7 @@
 """SGD with momentum and weight decay, with the course's update rule."""
 import math
 
-from .optimizer import Optimizer, _flat, _widen, check_range
+from .optimizer import Optimizer, flat_view, widen, check_range
 
 
 class SGD(Optimizer):
@@ -26,11 +26,11 @@ class SGD(Optimizer):
         beta, state = self.momentum, {}
         if beta:
             state["u"], new = self._open(p, "u")
-            stored = _flat(state["u"])
+            stored = flat_view(state["u"])
         for start, th, u in self._chunks(theta, grad):  # in place, a chunk at a time
             if beta:
                 end = start + u.size
-                u = u * (1 - beta) if new else _widen(stored[start:end]) * beta + u * (1 - beta)
+                u = u * (1 - beta) if new else widen(stored[start:end]) * beta + u * (1 - beta)
                 stored[start:end] = u
             self._update(p, theta, th - u * self.lr, start)
         self._finish(p, theta, **state)

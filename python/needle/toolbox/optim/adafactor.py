@@ -28,7 +28,7 @@ import math
 import numpy as np
 
 from ...backend_selection import array_api
-from ...optim.optimizer import CHUNK, Optimizer, _flat, _widen, check_range
+from ...optim.optimizer import CHUNK, Optimizer, flat_view, widen, check_range
 
 
 def _scalar(x):
@@ -50,14 +50,14 @@ def _mean(x, axis):
 
 def _pieces(array):
     """(start, float32 chunk) of the flat array, chunks of CHUNK elements."""
-    flat = _flat(array)
+    flat = flat_view(array)
     for start in range(0, array.size, CHUNK):
-        yield start, _widen(flat[start:start + CHUNK])
+        yield start, widen(flat[start:start + CHUNK])
 
 
 def _write(stored, value):
     """`value` written into the array `stored` (converted to its dtype), in place; `stored` returned."""
-    _flat(stored)[0:stored.size] = _flat(value)
+    flat_view(stored)[0:stored.size] = flat_view(value)
     return stored
 
 
@@ -130,13 +130,13 @@ class Adafactor(Optimizer):
         lr, state = self._step_size(theta), {}
         if self.beta1 is not None:
             state["m"], new_m = self._open(p, "m")
-            flat_m = _flat(state["m"])
+            flat_m = flat_view(state["m"])
         us = self._factored(p, grad, state) if len(grad.shape) >= 2 else self._unfactored(p, grad, state)
         scale = lr / max(1.0, _rms(u for _, u in us(False)) / self.clip_threshold)
         for start, u in us(True):  # the same u again, now applied
-            u, th, end = u * scale, _widen(_flat(theta)[start:start + u.size]), start + u.size
+            u, th, end = u * scale, widen(flat_view(theta)[start:start + u.size]), start + u.size
             if self.beta1 is not None:
-                u = u * (1 - self.beta1) if new_m else _widen(flat_m[start:end]) * self.beta1 + u * (1 - self.beta1)
+                u = u * (1 - self.beta1) if new_m else widen(flat_m[start:end]) * self.beta1 + u * (1 - self.beta1)
                 flat_m[start:end] = u
             if self.weight_decay:
                 th = th - th * (self.weight_decay * lr)
@@ -147,12 +147,12 @@ class Adafactor(Optimizer):
         """us(write): (start, flat u chunk) with V updated from g^2 + eps1 (written into V when `write`)."""
         beta2, eps1 = self.beta2_t, self.eps[0]
         state["v"], new = self._open(p, "v")
-        flat_v = _flat(state["v"])
+        flat_v = flat_view(state["v"])
 
         def us(write):
             for start, g in _pieces(grad):
                 end, g2 = start + g.size, g * g + eps1
-                v = g2 * (1 - beta2) if new else _widen(flat_v[start:end]) * beta2 + g2 * (1 - beta2)
+                v = g2 * (1 - beta2) if new else widen(flat_v[start:end]) * beta2 + g2 * (1 - beta2)
                 if write:
                     flat_v[start:end] = v
                 yield start, g * v ** -0.5
@@ -162,28 +162,28 @@ class Adafactor(Optimizer):
         """us(write): (start, u chunk) for u = g / sqrt(R C^T / mean(R)), R and C updated (and kept) first."""
         shape, beta2 = tuple(grad.shape), self.beta2_t
         n, m = shape[-2:]
-        grad = array_api.reshape(_flat(grad), (-1, m))
+        grad = array_api.reshape(flat_view(grad), (-1, m))
         (row, new), (col, _) = self._open(p, "row"), self._open(p, "col")
         wide = "float64" if str(grad.dtype) == "float64" else "float32"  # (float64 under NEEDLE_BACKEND=np)
         row_now = array_api.empty((grad.shape[0], 1), dtype=wide, device=p.device)
         col_sum = [None] * math.prod(shape[:-2])
         for r, k, b in _row_chunks(shape):  # R's new rows and C's sums of g^2 + eps1, whole rows at a time
-            g = _widen(grad[r:r + k])
+            g = widen(grad[r:r + k])
             g2 = g * g + self.eps[0]
             row_now[r:r + k] = _mean(g2, -1)
             s = array_api.sum(g2, axis=0, keepdims=True)
             col_sum[b] = s if col_sum[b] is None else col_sum[b] + s
         row_now = array_api.reshape(row_now, row.shape)
         col_now = array_api.reshape(array_api.stack(col_sum) if len(col_sum) > 1 else col_sum[0], col.shape) / n
-        rows = row_now * (1 - beta2) if new else _widen(row) * beta2 + row_now * (1 - beta2)
-        cols = col_now * (1 - beta2) if new else _widen(col) * beta2 + col_now * (1 - beta2)
+        rows = row_now * (1 - beta2) if new else widen(row) * beta2 + row_now * (1 - beta2)
+        cols = col_now * (1 - beta2) if new else widen(col) * beta2 + col_now * (1 - beta2)
         state["row"], state["col"] = _write(row, rows), _write(col, cols)
         r = (rows / array_api.broadcast_to(_mean(rows, -2), rows.shape)) ** -0.5  # rows normalized by their mean
         r, c = array_api.reshape(r, (-1, 1)), array_api.reshape(cols ** -0.5, (-1, m))
 
         def us(write):
             for r0, k, b in _row_chunks(shape):
-                g = _widen(grad[r0:r0 + k])
+                g = widen(grad[r0:r0 + k])
                 factor = array_api.broadcast_to(r[r0:r0 + k], g.shape) * array_api.broadcast_to(c[b:b + 1], g.shape)
                 yield r0 * m, array_api.reshape(g * factor, (-1,))
         return us

@@ -10,7 +10,7 @@ parameters named in `fp32_state_params` (the paper's "stable embedding" recipe k
 """
 from ...backend_selection import array_api, device_of
 from ...optim.adam import Adam
-from ...optim.optimizer import _flat
+from ...optim.optimizer import flat_view
 from .quantization import dequantize, device_code, dynamic_map
 
 
@@ -89,7 +89,7 @@ class Adam8bit(Adam):
                 not self.weight_decay:
             array_api.adam8bit_step(theta, grad, m, v, *codes, self.block_size, *self._hyper(), out=theta)
         else:
-            flat = [_flat(a) for a in m + v]
+            flat = [flat_view(a) for a in m + v]
             for start, th, g in self._chunks(theta, grad, align=self.block_size):
                 blocks = slice(start // self.block_size, -(-(start + g.size) // self.block_size))
                 chunk = [array_api.astype(a[start:start + g.size] if k % 2 == 0 else a[blocks], a.dtype)
