@@ -41,9 +41,9 @@ def astype(a, dtype):
     return a.astype(dtype)
 
 
-def round_stochastic(a, seed):
+def round_stochastic(a, seed, offset=0):
     """float32 -> bfloat16 with stochastic rounding (the reference backend's bits; see src/README.md)."""
-    return ref.stochastic_bfloat16(a, seed).reshape(a.shape)
+    return ref.stochastic_bfloat16(a, seed, offset).reshape(a.shape)
 
 
 def quantize_blockwise(a, code, block_size):
@@ -65,17 +65,21 @@ def dequantize_blockwise(q, absmax, code, block_size):
     return ref.dequantize_blocks(q, code, absmax.reshape(-1), block_size).reshape(q.shape)
 
 
-def adam_step(theta, grad, m, v, lr, beta1, beta2, eps, correction1, correction2):
+def adam_step(theta, grad, m, v, lr, beta1, beta2, eps, correction1, correction2, out=None):
     """Adam's update of one float32 parameter (the reference backend's bytes; see src/README.md): the new
-    (theta, m, v); m and v are None on the first step."""
+    (theta, m, v); m and v are None on the first step. `out`: three arrays to write them into (in place)."""
     named = [("theta", theta), ("grad", grad)] + ([] if m is None else [("m", m), ("v", v)])
     ref.check_blockwise("adam_step", [(name, a, "float32", theta.size) for name, a in named])
-    return ref.adam_update(np.asarray(theta), np.asarray(grad), m, v, lr, beta1, beta2, eps, correction1,
-                           correction2)
+    new = ref.adam_update(np.asarray(theta), np.asarray(grad), m, v, lr, beta1, beta2, eps, correction1, correction2)
+    if out is None:
+        return new
+    for array, value in zip(out, new):
+        array[...] = value
+    return out
 
 
 def adam8bit_step(theta, grad, m_state, v_state, code_m, code_v, block_size, lr, beta1, beta2, eps, correction1,
-                  correction2):
+                  correction2, out=None):
     """One fused 8-bit Adam step (the reference backend's bytes; see src/README.md): the new float32 theta;
     m_state = (q_m, absmax_m) and v_state = (q_v, absmax_v) are updated in place."""
     (q_m, absmax_m), (q_v, absmax_v) = m_state, v_state
@@ -85,12 +89,15 @@ def adam8bit_step(theta, grad, m_state, v_state, code_m, code_v, block_size, lr,
         ("theta", theta, "float32", n), ("grad", grad, "float32", n), ("q_m", q_m, "uint8", n),
         ("absmax_m", absmax_m, "float32", blocks), ("q_v", q_v, "uint8", n), ("absmax_v", absmax_v, "float32", blocks),
         ("code_m", code_m, "float32", 256), ("code_v", code_v, "float32", 256)])
-    out, *state = ref.adam8bit_blocks(np.asarray(theta), np.asarray(grad), q_m.reshape(-1), absmax_m, q_v.reshape(-1),
-                                      absmax_v, np.asarray(code_m), np.asarray(code_v), block_size, lr, beta1, beta2,
-                                      eps, correction1, correction2)
+    new_theta, *state = ref.adam8bit_blocks(np.asarray(theta), np.asarray(grad), q_m.reshape(-1), absmax_m,
+                                            q_v.reshape(-1), absmax_v, np.asarray(code_m), np.asarray(code_v),
+                                            block_size, lr, beta1, beta2, eps, correction1, correction2)
     for stored, new in zip((q_m, absmax_m, q_v, absmax_v), state):
         stored[...] = new.reshape(stored.shape)
-    return out.reshape(theta.shape)
+    if out is None:
+        return new_theta.reshape(theta.shape)
+    out[...] = new_theta.reshape(out.shape)
+    return out
 
 
 def to_host(a, out=None):

@@ -56,8 +56,9 @@ static void dropout(const Array& a, Array& out, double p, uint32_t seed) {
 
 // float32 -> bfloat16, rounding up with probability equal to the discarded fraction: a 16-bit random number is
 // added to the lower half of the float32 bits before truncating (carries propagate into the exponent correctly).
-// The random number is a hash of (seed, i), as above.
-static void round_stochastic(const Array& a, Array& out, uint32_t seed) {
+// The random number is a hash of (seed, offset + i), as above: a chunk of a larger array, rounded with its
+// offset, gets the bits the whole array would.
+static void round_stochastic(const Array& a, Array& out, uint32_t seed, uint64_t offset) {
   if (a.dtype != DType::f32 || out.dtype != DType::bf16)
     throw py::type_error("round_stochastic: needs float32 a and bfloat16 out, got " + a.dtype_name() + " and " +
                          out.dtype_name());
@@ -71,7 +72,7 @@ static void round_stochastic(const Array& a, Array& out, uint32_t seed) {
       if ((u & 0x7f800000u) == 0x7f800000u) {  // inf or NaN: as plain rounding
         po[i] = from_float<bfloat16_t>(pa[i]);
       } else {
-        po[i] = {static_cast<uint16_t>((u + (lowbias32(static_cast<uint32_t>(i) ^ key) & 0xffffu)) >> 16)};
+        po[i] = {static_cast<uint16_t>((u + (lowbias32(static_cast<uint32_t>(offset + i) ^ key) & 0xffffu)) >> 16)};
       }
     }
   });

@@ -48,8 +48,10 @@ __host__ __device__ inline __nv_bfloat16 round_stochastic_element(float x, int64
   return __ushort_as_bfloat16(static_cast<unsigned short>((bits + noise) >> 16));
 }
 
-__global__ void round_stochastic_kernel(const float* a, __nv_bfloat16* out, int64_t n, uint32_t seed_hash) {
-  for (int64_t i = first_index(); i < n; i += grid_stride()) out[i] = round_stochastic_element(a[i], i, seed_hash);
+__global__ void round_stochastic_kernel(const float* a, __nv_bfloat16* out, int64_t n, uint32_t seed_hash,
+                                        uint64_t offset) {
+  for (int64_t i = first_index(); i < n; i += grid_stride())
+    out[i] = round_stochastic_element(a[i], static_cast<int64_t>(offset + static_cast<uint64_t>(i)), seed_hash);
 }
 
 // dropout (src/README.md): out[i] = a[i] * m / keep, m from the hash of (seed, i) as attention's mask has it.
@@ -73,8 +75,8 @@ uint32_t seed_hash_of(const py::object& seed) {
   return static_cast<uint32_t>(PyLong_AsUnsignedLongLongMask(integer.ptr())) * 0x9E3779B9u;
 }
 
-// float32 a -> bfloat16 out of the same size, rounded stochastically with the seed.
-void round_stochastic(const CudaArray& a, CudaArray& out, const py::object& seed) {
+// float32 a -> bfloat16 out of the same size, rounded stochastically with the seed; element i hashes offset + i.
+void round_stochastic(const CudaArray& a, CudaArray& out, const py::object& seed, uint64_t offset) {
   if (a.dtype != DType::kFloat32 || out.dtype != DType::kBFloat16 || a.size != out.size) {
     throw py::type_error("needle cuda: round_stochastic: expects float32 a and bfloat16 out of one size, got a " +
                          std::string(dtype_name(a.dtype)) + " (" + std::to_string(a.size) + "), out " +
@@ -83,7 +85,8 @@ void round_stochastic(const CudaArray& a, CudaArray& out, const py::object& seed
   const uint32_t seed_hash = seed_hash_of(seed);
   const int64_t n = as_int64(out.size);
   if (n == 0) return;
-  round_stochastic_kernel<<<grid_for(n), kBlockSize>>>(data<float>(a), data<__nv_bfloat16>(out), n, seed_hash);
+  round_stochastic_kernel<<<grid_for(n), kBlockSize>>>(data<float>(a), data<__nv_bfloat16>(out), n, seed_hash,
+                                                       offset);
   check_kernel("round_stochastic");
 }
 

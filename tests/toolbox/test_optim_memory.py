@@ -421,3 +421,122 @@ def test_the_readme_table_rows_exist_in_gc_ablate():
     for row in ("adam8bit", "adafactor", "offload", "toolbox", "mixed-bf16", "mixed-fp16", "bf16"):
         assert row in ABLATIONS, row
     assert ABLATIONS["toolbox"][1]["optimizer"] == "adam8bit"
+
+
+# ----- an update works in place (issue 47) ---------------------------------------------------------------------------
+INPLACE_SHAPE = (1100, 256)  # 1.1 MB in float32: a whole-parameter temporary would break the 1 MB bound
+INPLACE_OPTIMIZERS = {
+    "sgd": lambda ps, **kw: optim.SGD(ps, lr=0.05, **kw),
+    "sgd-momentum": lambda ps, **kw: optim.SGD(ps, lr=0.05, momentum=0.9, **kw),
+    "adam": lambda ps, **kw: optim.Adam(ps, lr=0.01, **kw),
+    "adam8bit": lambda ps, **kw: optim.Adam8bit(ps, lr=0.01, **kw),
+    "adafactor": lambda ps, **kw: optim.Adafactor(ps, **kw),
+    "adafactor-beta1": lambda ps, **kw: optim.Adafactor(ps, beta1=0.9, **kw),
+}
+PRECISIONS = {"fp32": ("float32", {}), "bf16-master": ("bfloat16", {}),
+              "bf16-pure": ("bfloat16", {"master_weights": False}),
+              "bf16-stochastic": ("bfloat16", {"stochastic_rounding": True})}
+
+
+def _run_inplace(name, precision, weight_decay, offload, steps=3, shape=INPLACE_SHAPE):
+    """(the parameter as float32 after each step, the workspace of the last step): the allocator's peak during
+    step() less what was live before it, less the state an offloaded optimizer brings to the device for it."""
+    dtype, kw = PRECISIONS[precision]
+    rs = np.random.RandomState(0)
+    p = nn.Parameter(ndl.Tensor(rs.randn(*shape).astype(np.float32), device=CPU).astype(dtype))
+    opt = INPLACE_OPTIMIZERS[name]([p], weight_decay=weight_decay, offload_state=offload, **kw)
+    history, workspace = [], None
+    for g in _inplace_grads(shape, steps):
+        p.grad = ndl.Tensor(g, device=CPU).astype(dtype)
+        p.grad.realize_cached_data()
+        before = nd.memory_stats(CPU)["current_bytes"]
+        nd.reset_peak_memory_stats(CPU)
+        opt.step()
+        workspace = nd.memory_stats(CPU)["peak_bytes"] - before - opt.host_state_bytes()
+        history.append(p.numpy().astype(np.float32))
+    return history, workspace
+
+
+def _inplace_grads(shape, steps):
+    rs = np.random.RandomState(1)
+    return [(rs.randn(*shape) * 0.1).astype(np.float32) for _ in range(steps)]
+
+
+def _reference_inplace(name, precision, weight_decay, steps=3, shape=INPLACE_SHAPE):
+    """SGD and Adam in NumPy float32, one rounding per operation as every backend computes them (the whole-array
+    arithmetic the optimizers had before they worked in place): the parameter after each step."""
+    import ml_dtypes
+    from needle.backend_ndarray import ndarray_backend_numpy as ref
+    f, bf16 = np.float32, ml_dtypes.bfloat16
+    low = precision != "fp32"
+    param = np.random.RandomState(0).randn(*shape).astype(np.float32)
+    param = param.astype(bf16).astype(f) if low else param
+    master, state, history = param, {}, []
+    for t, g in enumerate(_inplace_grads(shape, steps), 1):
+        g = g.astype(bf16).astype(f) if low else g
+        theta = master if precision in ("fp32", "bf16-master") else param
+        if weight_decay:
+            g = g + theta * f(weight_decay)
+        if name == "adam":
+            new, state["m"], state["v"] = ref.adam_update(theta, g, state.get("m"), state.get("v"), 0.01, 0.9, 0.999,
+                                                          1e-8, 1 - 0.9**t, 1 - 0.999**t)
+        else:
+            u = g
+            if name == "sgd-momentum":
+                u = state["u"] = g * f(1 - 0.9) if t == 1 else state["u"] * f(0.9) + g * f(1 - 0.9)
+            new = theta - u * f(0.05)
+        if precision in ("bf16-pure", "bf16-stochastic"):  # 16-bit state: stored rounded
+            state = {k: s.astype(bf16).astype(f) for k, s in state.items()}
+        master = new
+        if precision == "bf16-stochastic":
+            param = ref.stochastic_bfloat16(new, t).astype(f).reshape(shape)  # seed: step base + position + 1
+        else:
+            param = new.astype(bf16).astype(f) if low else new
+        history.append(param)
+    return history
+
+
+@requires_cpu
+@pytest.mark.parametrize("offload", [False, True], ids=["on-device", "offloaded"])
+@pytest.mark.parametrize("weight_decay", [0.0, 0.01], ids=["no-decay", "decay"])
+@pytest.mark.parametrize("precision", list(PRECISIONS))
+@pytest.mark.parametrize("name", list(INPLACE_OPTIMIZERS))
+def test_an_update_needs_at_most_1_mb_beyond_the_parameter_and_its_state(name, precision, weight_decay, offload):
+    """Issue 47: every optimizer updates in place (a chunk at a time, or in one fused pass), so a step's workspace
+    is at most 1 MB whatever the parameter's size; SGD and Adam give the bytes of the whole-array arithmetic."""
+    history, workspace = _run_inplace(name, precision, weight_decay, offload)
+    assert workspace <= 2**20, f"{name} ({precision}): {workspace / 2**20:.2f} MiB of workspace"
+    if name in ("sgd", "sgd-momentum", "adam"):
+        for got, want in zip(history, _reference_inplace(name, precision, weight_decay)):
+            np.testing.assert_array_equal(got, want)
+
+
+@requires_cpu
+@pytest.mark.parametrize("precision", list(PRECISIONS))
+@pytest.mark.parametrize("name", ["adam8bit", "adafactor-beta1"])
+def test_updates_in_chunks_give_the_one_chunk_numbers(name, precision, monkeypatch):
+    """Chunks change nothing element-wise (Adam8bit's chunks are whole blocks: the same bytes); Adafactor's sums over
+    chunks (RMS, column sums) are added in another order, so only its last bits may move."""
+    from needle.optim import optimizer
+    from needle.toolbox.optim import adafactor
+    chunked, _ = _run_inplace(name, precision, 0.01, False)
+    for module in (optimizer, adafactor):
+        monkeypatch.setattr(module, "CHUNK", 1 << 30)
+    whole, _ = _run_inplace(name, precision, 0.01, False)
+    for got, want in zip(chunked, whole):
+        if name == "adam8bit":
+            np.testing.assert_array_equal(got, want)
+        else:
+            np.testing.assert_allclose(got, want, rtol=1e-5 if precision == "fp32" else 1e-2, atol=1e-6)
+
+
+@requires_cpu
+def test_an_in_place_update_counts_one_write_and_leaves_the_array_in_place():
+    """Rule 4c: the parameter's array is written in place, and its version counts the write once per step."""
+    p = _param((64, 96), CPU)
+    data = p.realize_cached_data()
+    opt = optim.SGD([p], lr=0.1)
+    for step in range(2):
+        p.grad = ndl.Tensor(_targets((64, 96)), device=CPU)
+        opt.step()
+        assert p.realize_cached_data() is data and p.version == step + 1

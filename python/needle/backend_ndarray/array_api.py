@@ -103,14 +103,15 @@ def astype(a, dtype):
     return a.astype(dtype)
 
 
-def round_stochastic(a, seed):
+def round_stochastic(a, seed, offset=0):
     """A float32 array as bfloat16, each element rounded up with probability equal to the fraction of a bfloat16
-    step that rounding drops (so rounding is unbiased on average); `seed` picks the noise, deterministically."""
+    step that rounding drops (so rounding is unbiased on average); `seed` picks the noise, deterministically, and
+    element i's is that of element offset + i of a larger array (so a chunk rounds as the whole array would)."""
     if a.dtype != "float32":
         raise TypeError(f"round_stochastic: needs a float32 array, got {a.dtype}")
     a = a.compact()
     out = NDArray._empty(a.shape, a.device, "bfloat16")
-    a.device.mod.round_stochastic(a._handle, out._handle, int(seed) & 0xFFFFFFFF)
+    a.device.mod.round_stochastic(a._handle, out._handle, int(seed) & 0xFFFFFFFF, int(offset))
     return out
 
 
@@ -217,9 +218,10 @@ def dequantize_linear(codes, scales, shape, bits, block_size):
     return out
 
 
-def adam_step(theta, grad, m, v, lr, beta1, beta2, eps, correction1, correction2):
+def adam_step(theta, grad, m, v, lr, beta1, beta2, eps, correction1, correction2, out=None):
     """Adam's update of one float32 parameter in one backend pass (src/README.md, adam_step): returns the new
-    (theta, m, v); m and v are None on the first step. correction1/2 are Adam's 1 - beta^t."""
+    (theta, m, v); m and v are None on the first step. correction1/2 are Adam's 1 - beta^t. `out`: three compact
+    float32 arrays of theta's shape to write them into (theta, m, v themselves: the update in place)."""
     fn = "adam_step"
     first = m is None
     named = [("theta", theta), ("grad", grad)] + ([] if first else [("m", m), ("v", v)])
@@ -229,7 +231,10 @@ def adam_step(theta, grad, m, v, lr, beta1, beta2, eps, correction1, correction2
             raise ValueError(f"{fn}: {name} has shape {array.shape}, theta {theta.shape}")
     theta, grad = theta.compact(), grad.compact()
     m, v = (grad, grad) if first else (m.compact(), v.compact())
-    out, out_m, out_v = (NDArray._empty(theta.shape, theta.device, "float32") for _ in range(3))
+    out, out_m, out_v = out or (NDArray._empty(theta.shape, theta.device, "float32") for _ in range(3))
+    for name, array in (("out", out), ("out_m", out_m), ("out_v", out_v)):
+        if not array.is_compact() or array.shape != theta.shape or array.device != theta.device:
+            raise ValueError(f"adam_step: {name} must be a compact array of theta's shape on its device")
     theta.device.mod.adam_step(theta._handle, grad._handle, m._handle, v._handle, out._handle, out_m._handle,
                                out_v._handle, first, float(lr), float(beta1), float(beta2), float(eps),
                                float(correction1), float(correction2))
@@ -237,10 +242,11 @@ def adam_step(theta, grad, m, v, lr, beta1, beta2, eps, correction1, correction2
 
 
 def adam8bit_step(theta, grad, m_state, v_state, code_m, code_v, block_size, lr, beta1, beta2, eps, correction1,
-                  correction2):
+                  correction2, out=None):
     """One Adam step for a parameter whose moments are stored block-wise in 8 bits, fused into one pass per block
     (src/README.md, adam8bit_step): returns the new float32 theta and updates `m_state` = (q_m, absmax_m) and
-    `v_state` = (q_v, absmax_v) in place (q_v holds sqrt(v)). correction1/2 are Adam's 1 - beta^t."""
+    `v_state` = (q_v, absmax_v) in place (q_v holds sqrt(v)). correction1/2 are Adam's 1 - beta^t. `out`: a
+    compact float32 array of theta's shape for the new theta (theta itself: in place)."""
     fn = "adam8bit_step"
     (q_m, absmax_m), (q_v, absmax_v) = m_state, v_state
     named = [("theta", theta), ("grad", grad), ("q_m", q_m), ("absmax_m", absmax_m), ("q_v", q_v),
@@ -251,7 +257,10 @@ def adam8bit_step(theta, grad, m_state, v_state, code_m, code_v, block_size, lr,
             raise ValueError(f"{fn}: {name} is updated in place and must be compact")
     if grad.shape != theta.shape:
         raise ValueError(f"{fn}: grad has shape {grad.shape}, theta {theta.shape}")
-    out = NDArray._empty(theta.shape, theta.device, "float32")
+    if out is None:
+        out = NDArray._empty(theta.shape, theta.device, "float32")
+    elif not out.is_compact() or out.shape != theta.shape or out.device != theta.device:
+        raise ValueError(f"{fn}: out must be a compact array of theta's shape on its device")
     theta.device.mod.adam8bit_step(
         theta.compact()._handle, grad.compact()._handle, q_m._handle, absmax_m._handle, q_v._handle,
         absmax_v._handle, code_m.compact()._handle, code_v.compact()._handle, out._handle, int(block_size),

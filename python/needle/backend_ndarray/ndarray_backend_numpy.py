@@ -163,11 +163,12 @@ def scalar_setitem(size, val, out, shape, strides, offset):
     _view(out, shape, strides, offset)[...] = convert(val, out.dtype)
 
 
-def stochastic_bfloat16(values, seed):
+def stochastic_bfloat16(values, seed, offset=0):
     """float32 values -> bfloat16, each rounded up with probability equal to the fraction rounding drops: a hash
-    of (seed, index) is added to the 16 bits that are cut off (NaN and inf round to nearest)."""
+    of (seed, offset + index) is added to the 16 bits that are cut off (NaN and inf round to nearest)."""
     values = np.ascontiguousarray(values, dtype=np.float32).reshape(-1)
-    h = np.arange(values.size, dtype=np.uint32) ^ np.uint32((int(seed) * 0x9E3779B9) & 0xFFFFFFFF)
+    index = (np.arange(values.size, dtype=np.uint64) + np.uint64(offset)).astype(np.uint32)  # uint32(offset + i)
+    h = index ^ np.uint32((int(seed) * 0x9E3779B9) & 0xFFFFFFFF)
     h ^= h >> np.uint32(16)
     h *= np.uint32(0x7FEB352D)
     h ^= h >> np.uint32(15)
@@ -179,11 +180,11 @@ def stochastic_bfloat16(values, seed):
     return np.where(np.isfinite(values), bits, nearest).view(ml_dtypes.bfloat16)
 
 
-def round_stochastic(a, out, seed):
+def round_stochastic(a, out, seed, offset):
     if a.dtype != "float32" or out.dtype != "bfloat16" or a.size != out.size:
         raise TypeError(f"round_stochastic: needs float32 a and bfloat16 out of one size, got {a.dtype} "
                         f"({a.size}) and {out.dtype} ({out.size})")
-    out.array[:] = stochastic_bfloat16(a.array, seed)
+    out.array[:] = stochastic_bfloat16(a.array, seed, offset)
 
 
 # ----- block-wise 8-bit quantization (Dettmers et al. 2021) ------------------------------------------------------

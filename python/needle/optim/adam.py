@@ -2,7 +2,7 @@
 from ..backend_selection import array_api
 import math
 
-from .optimizer import Optimizer, as_dtype, check_range
+from .optimizer import Optimizer, flat_view, widen, as_dtype, check_range
 
 
 class Adam(Optimizer):
@@ -37,26 +37,33 @@ class Adam(Optimizer):
         self.corrections = 1 - self.beta1**self.t, 1 - self.beta2**self.t
 
     def update_parameter(self, p, theta, grad):
-        self._update(p, self._step_one(p, theta, grad, *self.corrections))
+        (m, new), (v, _) = self._open(p, "m"), self._open(p, "v")
+        if all(_is_float32(a) for a in (p.realize_cached_data(), grad, m)) and not self.weight_decay:
+            # A float32 parameter: one backend pass (adam_step) over the whole arrays, written in place.
+            array_api.adam_step(theta, grad, None if new else m, None if new else v, *self._hyper(),
+                                out=(theta, m, v))
+        else:
+            flat_m, flat_v = flat_view(m), flat_view(v)
+            for start, th, g in self._chunks(theta, grad):
+                end = start + g.size
+                old = (None, None) if new else (widen(flat_m[start:end]), widen(flat_v[start:end]))
+                th, flat_m[start:end], flat_v[start:end] = self._step_chunk(th, g, *old)
+                self._update(p, theta, th, start)
+        self._finish(p, theta, m=m, v=v)
 
-    def _step_one(self, p, theta, grad, correction1, correction2):
-        """Parameter p's new float32 value (its moments updated on the way)."""
-        b1, b2 = self.beta1, self.beta2
-        m, v = self._load(p, "m"), self._load(p, "v")
+    def _hyper(self):
+        return (self.lr, self.beta1, self.beta2, self.eps) + self.corrections
+
+    def _step_chunk(self, theta, grad, m, v):
+        """The new (theta, m, v) of a chunk in float32 (m, v None on the first step)."""
         if all(_is_float32(a) for a in (theta, grad) + (() if m is None else (m, v))):
-            # One backend pass (adam_step): the same float32 operations as below, in one kernel.
-            theta, m, v = array_api.adam_step(theta, grad, m, v, self.lr, b1, b2, self.eps, correction1,
-                                              correction2)
-            self._save(p, "m", m)
-            self._save(p, "v", v)
-            return theta
+            return array_api.adam_step(theta, grad, m, v, *self._hyper())  # the same operations in one pass
+        b1, b2, (correction1, correction2) = self.beta1, self.beta2, self.corrections
         m = grad * (1 - b1) if m is None else m * b1 + grad * (1 - b1)
         v = (grad * grad) * (1 - b2) if v is None else v * b2 + (grad * grad) * (1 - b2)
-        self._save(p, "m", m)
-        self._save(p, "v", v)
         m_hat = m / correction1
         v_hat = v / correction2
-        return as_dtype(theta - m_hat * self.lr / (v_hat**0.5 + self.eps), theta)
+        return as_dtype(theta - m_hat * self.lr / (v_hat**0.5 + self.eps), theta), m, v
 
 
 def _is_float32(array):

@@ -29,6 +29,7 @@ from ..autograd import Tensor, release
 from ..backend_selection import array_api
 
 _LOW = ("float16", "bfloat16")
+CHUNK = 1 << 15  # elements an update works on at once: each of its float32 temporaries is at most 128 KB
 
 
 def as_dtype(array, like):
@@ -41,9 +42,15 @@ def _is_low(array):
     return (dtype if isinstance(dtype, str) else dtype.name) in _LOW
 
 
-def _widen(array):
+def widen(array):
     """A 16-bit array as float32 (any other array as it is): optimizer arithmetic is float32."""
     return array_api.astype(array, "float32") if _is_low(array) else array
+
+
+def flat_view(array):
+    """A 1-D view of `array` (of a compact copy of an NDArray view that is not compact): its slices are views."""
+    compact = getattr(array, "compact", None)  # NDArray reshapes compact arrays only; NumPy any
+    return array_api.reshape(array if compact is None else compact(), (array.size,))
 
 
 def _to_host(stored, previous=None):
@@ -209,7 +216,7 @@ class Optimizer:
             self._backward_pass = None  # the step backward made is complete: the next backward may start one
             return
         self.begin_step()
-        for p, theta, grad in self._with_grads(self.l2_weight_decay):
+        for p, theta, grad in self._with_grads():
             self.update_parameter(p, theta, grad)
         self.end_step()
 
@@ -221,7 +228,8 @@ class Optimizer:
         self._rounding_base, self._rounding_steps = self._rounding_steps, self._rounding_steps + len(self.params)
 
     def update_parameter(self, p, theta, grad):
-        """Update parameter p from its float32 value `theta` and gradient `grad` (`_update` stores the result)."""
+        """Update parameter p from its value `theta` and gradient `grad` (`_value_and_grad`), in place: chunk by
+        chunk (`_chunks` gives them in float32, `_update` stores each result), then `_finish`."""
         raise NotImplementedError()
 
     def end_step(self):
@@ -254,7 +262,7 @@ class Optimizer:
                     "Call step() after each backward(), or build the optimizer with in_backward=False")
             self._backward_pass = backward_pass
             self.begin_step()
-        self.update_parameter(p, *self._value_and_grad(p, self.l2_weight_decay))
+        self.update_parameter(p, *self._value_and_grad(p))
 
     def check_hyperparameters(self, values):
         """`values` ({name: value} of `hyperparameters`), checked: the values as the update reads them, or
@@ -306,7 +314,7 @@ class Optimizer:
         return value
 
     def _decode(self, p, slot, stored):
-        return _widen(stored)
+        return widen(stored)
 
     def _stored(self):
         for slot in ("master",) + tuple(self.slots):
@@ -424,10 +432,8 @@ class Optimizer:
     def _keeps_master(self, p):
         return self.master_weights is not False and _is_low(p.realize_cached_data())
 
-    def _with_grads(self, l2=True):
-        """(parameter, its value, its gradient) in float32 for every parameter that has a grad; with `l2` the
-        gradient has weight_decay * value added (the course's coupled weight decay). For a 16-bit parameter the
-        value is its float32 master copy (made on first use) or the widened value."""
+    def _with_grads(self):
+        """(parameter, its value, its gradient) for every parameter that has a grad (`_value_and_grad`)."""
         params = [p for p in self.params if p.grad is not None]
         try:
             for k, p in enumerate(params):
@@ -436,7 +442,7 @@ class Optimizer:
                         self._prefetch(p)
                     if k + 1 < len(params):
                         self._prefetch(params[k + 1])
-                yield (p, *self._value_and_grad(p, l2))
+                yield (p, *self._value_and_grad(p))
                 if p.grad.stored is not None:  # a gradient a store holds came back for this update only
                     release(p.grad)
         finally:
@@ -445,27 +451,53 @@ class Optimizer:
                     array_api.wait_for_copies(device)
                 self._incoming.clear()
 
-    def _value_and_grad(self, p, l2):
+    def _value_and_grad(self, p):
+        """p's value for the update, the float32 master copy of a 16-bit parameter (made on first use) or p's own
+        array, and its gradient as it is: `_chunks` widens both to float32 a chunk at a time (issue 47)."""
         theta = p.realize_cached_data()
         if self._keeps_master(p):
-            master = self._load(p, "master")
-            theta = _widen(theta) if master is None else master
-        else:
-            theta = _widen(theta)
-        grad = _widen(p.grad.realize_cached_data())
-        if l2 and self.weight_decay:
-            grad = grad + theta * self.weight_decay
-        return theta, grad
+            master = self._fetch(p, "master")
+            theta = widen(theta) if master is None else master
+        return theta, p.grad.realize_cached_data()
 
-    def _update(self, p, theta):
-        """Store a parameter's new float32 value: into its master copy and (rounded) into the parameter."""
-        old = p.realize_cached_data()
-        if not _is_low(old):
-            p.cached_data = as_dtype(theta, old)
-            return
+    # ----- an update in place, a chunk at a time: its temporaries are chunk-sized ---------------------------------
+    def _chunks(self, theta, grad, align=1):
+        """(start, theta, grad) for the chunks of at most CHUNK elements (a multiple of `align`) of the flat value
+        and gradient, in float32, with weight_decay * theta added to the gradient (the course's coupled decay)."""
+        theta, grad, n = flat_view(theta), flat_view(grad), theta.size
+        step = max(align, CHUNK // align * align)
+        for start in range(0, n, step):
+            th, g = widen(theta[start:start + step]), widen(grad[start:start + step])
+            if self.l2_weight_decay and self.weight_decay:
+                g = g + th * self.weight_decay
+            yield start, th, g
+
+    def _open(self, p, slot):
+        """(p's stored state `slot`, whether it is new): a new one (uninitialized, of the stored shape and dtype) is
+        written in place by the update, chunk by chunk, as an old one is; `_finish` keeps both."""
+        stored = self._fetch(p, slot)
+        if stored is not None:
+            return stored, False
+        (shape, dtype), = self._state_layout(p, slot)
+        return array_api.empty(shape, dtype=dtype, device=p.device), True
+
+    def _update(self, p, theta, new, start=0):
+        """Store new float32 values of p's flat elements [start, start + new.size): into its master copy `theta`
+        if it keeps one, and (rounded) into the parameter's own array, in place."""
+        stop, data = start + new.size, flat_view(p.realize_cached_data())
         if self._keeps_master(p):
-            self._save(p, "master", theta)
+            flat_view(theta)[start:stop] = new
         if self.stochastic_rounding:  # a fresh seed per parameter and step, whatever order they are updated in
-            p.cached_data = array_api.round_stochastic(theta, self._rounding_base + self._position[id(p)] + 1)
+            seed = self._rounding_base + self._position[id(p)] + 1
+            data[start:stop] = array_api.round_stochastic(new, seed, start)
         else:
-            p.cached_data = array_api.astype(theta, old.dtype)
+            data[start:stop] = new  # (converted on the way to a 16-bit parameter's dtype: rounded to nearest)
+
+    def _finish(self, p, theta, **state):
+        """After p's update: its master copy and `state` (slot=stored) kept (back to the host when offloaded), and
+        p's version counts the write (rule 4c: its array was written in place)."""
+        if self._keeps_master(p):
+            self._keep(p, "master", theta)
+        for slot, stored in state.items():
+            self._keep(p, slot, stored)
+        p.version += 1

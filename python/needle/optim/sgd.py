@@ -1,7 +1,7 @@
 """SGD with momentum and weight decay, with the course's update rule."""
 import math
 
-from .optimizer import Optimizer, as_dtype, check_range
+from .optimizer import Optimizer, flat_view, widen, check_range
 
 
 class SGD(Optimizer):
@@ -26,11 +26,14 @@ class SGD(Optimizer):
         return self.slots if self.momentum else ()
 
     def update_parameter(self, p, theta, grad):
-        beta = self.momentum
+        beta, state = self.momentum, {}
         if beta:
-            u = self._load(p, "u")
-            u = grad * (1 - beta) if u is None else u * beta + grad * (1 - beta)
-            self._save(p, "u", u)
-        else:
-            u = grad
-        self._update(p, as_dtype(theta - u * self.lr, theta))
+            state["u"], new = self._open(p, "u")
+            stored = flat_view(state["u"])
+        for start, th, u in self._chunks(theta, grad):  # in place, a chunk at a time
+            if beta:
+                end = start + u.size
+                u = u * (1 - beta) if new else widen(stored[start:end]) * beta + u * (1 - beta)
+                stored[start:end] = u
+            self._update(p, theta, th - u * self.lr, start)
+        self._finish(p, theta, **state)

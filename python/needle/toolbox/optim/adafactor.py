@@ -16,26 +16,59 @@ the common reference implementations (HF transformers, fairseq):
   update:      theta <- theta - lr_t weight_decay theta - step   (decoupled weight decay)
 
 RMS(x) = sqrt(mean(x^2)). One step count t for all parameters (as needle's Adam).
+
+The update works in place, a chunk of whole rows at a time (optimizer.CHUNK elements), so its temporaries are
+chunk-sized (issue 47): one pass for R and C, one for RMS(u), one that writes; u is computed twice rather than kept.
+The arithmetic per element is the whole-array form's; only the sums over chunks differ in order: RMS(theta), RMS(u)
+(each chunk's sum in the backend, the chunk sums added in float64) and, for a matrix larger than a chunk, its column
+sums (added chunk by chunk in float32), so those may differ from a whole-array sum in the last bits.
 """
 import math
 
 import numpy as np
 
 from ...backend_selection import array_api
-from ...optim.optimizer import Optimizer, as_dtype, check_range
+from ...optim.optimizer import CHUNK, Optimizer, flat_view, widen, check_range
 
 
 def _scalar(x):
     return float(np.asarray(array_api.to_numpy(x)).reshape(-1)[0])
 
 
-def _rms(x):
-    return math.sqrt(_scalar(array_api.sum(x * x)) / x.size)
+def _rms(chunks):
+    """RMS of the array made of `chunks` (float32): each chunk's sum of squares from the backend, added in float64."""
+    total = size = 0
+    for x in chunks:
+        total, size = total + _scalar(array_api.sum(x * x)), size + x.size
+    return math.sqrt(total / size)
 
 
 def _mean(x, axis):
     """Mean over `axis`, the axis kept (length 1) so that it broadcasts back."""
     return array_api.sum(x, axis=axis, keepdims=True) / x.shape[axis]
+
+
+def _pieces(array):
+    """(start, float32 chunk) of the flat array, chunks of CHUNK elements."""
+    flat = flat_view(array)
+    for start in range(0, array.size, CHUNK):
+        yield start, widen(flat[start:start + CHUNK])
+
+
+def _write(stored, value):
+    """`value` written into the array `stored` (converted to its dtype), in place; `stored` returned."""
+    flat_view(stored)[0:stored.size] = flat_view(value)
+    return stored
+
+
+def _row_chunks(shape):
+    """(first row, rows, matrix) of chunks of whole rows of a parameter seen as matrices (..., n, m): at most CHUNK
+    elements (one row at least), never two matrices."""
+    n, m = shape[-2], shape[-1]
+    k = max(1, CHUNK // max(m, 1))
+    for b in range(math.prod(shape[:-2])):
+        for r in range(0, n, k):
+            yield b * n + r, min(k, n - r), b
 
 
 class Adafactor(Optimizer):
@@ -81,7 +114,7 @@ class Adafactor(Optimizer):
         if self.relative_step:
             lr = min(1e-6 * self.t if self.warmup_init else 1e-2, 1 / math.sqrt(self.t))
         if self.scale_parameter:
-            lr *= max(self.eps[1], _rms(theta))
+            lr *= max(self.eps[1], _rms(x for _, x in _pieces(theta)))
         return lr
 
     l2_weight_decay = False  # decoupled: theta <- theta - lr_t weight_decay theta
@@ -94,23 +127,66 @@ class Adafactor(Optimizer):
     def update_parameter(self, p, theta, grad):
         if theta.size == 0:  # nothing to update, and its RMS (the relative step, the clipping) is undefined
             return
-        lr, beta2 = self._step_size(theta), self.beta2_t
-        g2 = grad * grad + self.eps[0]
-        if len(grad.shape) >= 2:
-            u = grad * self._factored_rsqrt(p, g2, beta2)
-        else:
-            v = self._load(p, "v")
-            v = g2 * (1 - beta2) if v is None else v * beta2 + g2 * (1 - beta2)
-            self._save(p, "v", v)
-            u = grad * v ** -0.5
-        u = u * (lr / max(1.0, _rms(u) / self.clip_threshold))
+        lr, state = self._step_size(theta), {}
         if self.beta1 is not None:
-            m = self._load(p, "m")
-            u = u * (1 - self.beta1) if m is None else m * self.beta1 + u * (1 - self.beta1)
-            self._save(p, "m", u)
-        if self.weight_decay:
-            theta = theta - theta * (self.weight_decay * lr)
-        self._update(p, as_dtype(theta - u, theta))
+            state["m"], new_m = self._open(p, "m")
+            flat_m = flat_view(state["m"])
+        us = self._factored(p, grad, state) if len(grad.shape) >= 2 else self._unfactored(p, grad, state)
+        scale = lr / max(1.0, _rms(u for _, u in us(False)) / self.clip_threshold)
+        for start, u in us(True):  # the same u again, now applied
+            u, th, end = u * scale, widen(flat_view(theta)[start:start + u.size]), start + u.size
+            if self.beta1 is not None:
+                u = u * (1 - self.beta1) if new_m else widen(flat_m[start:end]) * self.beta1 + u * (1 - self.beta1)
+                flat_m[start:end] = u
+            if self.weight_decay:
+                th = th - th * (self.weight_decay * lr)
+            self._update(p, theta, th - u, start)
+        self._finish(p, theta, **state)
+
+    def _unfactored(self, p, grad, state):
+        """us(write): (start, flat u chunk) with V updated from g^2 + eps1 (written into V when `write`)."""
+        beta2, eps1 = self.beta2_t, self.eps[0]
+        state["v"], new = self._open(p, "v")
+        flat_v = flat_view(state["v"])
+
+        def us(write):
+            for start, g in _pieces(grad):
+                end, g2 = start + g.size, g * g + eps1
+                v = g2 * (1 - beta2) if new else widen(flat_v[start:end]) * beta2 + g2 * (1 - beta2)
+                if write:
+                    flat_v[start:end] = v
+                yield start, g * v ** -0.5
+        return us
+
+    def _factored(self, p, grad, state):
+        """us(write): (start, u chunk) for u = g / sqrt(R C^T / mean(R)), R and C updated (and kept) first."""
+        shape, beta2 = tuple(grad.shape), self.beta2_t
+        n, m = shape[-2:]
+        grad = array_api.reshape(flat_view(grad), (-1, m))
+        (row, new), (col, _) = self._open(p, "row"), self._open(p, "col")
+        wide = "float64" if str(grad.dtype) == "float64" else "float32"  # (float64 under NEEDLE_BACKEND=np)
+        row_now = array_api.empty((grad.shape[0], 1), dtype=wide, device=p.device)
+        col_sum = [None] * math.prod(shape[:-2])
+        for r, k, b in _row_chunks(shape):  # R's new rows and C's sums of g^2 + eps1, whole rows at a time
+            g = widen(grad[r:r + k])
+            g2 = g * g + self.eps[0]
+            row_now[r:r + k] = _mean(g2, -1)
+            s = array_api.sum(g2, axis=0, keepdims=True)
+            col_sum[b] = s if col_sum[b] is None else col_sum[b] + s
+        row_now = array_api.reshape(row_now, row.shape)
+        col_now = array_api.reshape(array_api.stack(col_sum) if len(col_sum) > 1 else col_sum[0], col.shape) / n
+        rows = row_now * (1 - beta2) if new else widen(row) * beta2 + row_now * (1 - beta2)
+        cols = col_now * (1 - beta2) if new else widen(col) * beta2 + col_now * (1 - beta2)
+        state["row"], state["col"] = _write(row, rows), _write(col, cols)
+        r = (rows / array_api.broadcast_to(_mean(rows, -2), rows.shape)) ** -0.5  # rows normalized by their mean
+        r, c = array_api.reshape(r, (-1, 1)), array_api.reshape(cols ** -0.5, (-1, m))
+
+        def us(write):
+            for r0, k, b in _row_chunks(shape):
+                g = widen(grad[r0:r0 + k])
+                factor = array_api.broadcast_to(r[r0:r0 + k], g.shape) * array_api.broadcast_to(c[b:b + 1], g.shape)
+                yield r0 * m, array_api.reshape(g * factor, (-1,))
+        return us
 
     def slots_of(self, p):
         return self.slots if self.beta1 is not None else self.slots[:-1]  # "m" only with beta1

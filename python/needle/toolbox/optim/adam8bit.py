@@ -10,6 +10,7 @@ parameters named in `fp32_state_params` (the paper's "stable embedding" recipe k
 """
 from ...backend_selection import array_api, device_of
 from ...optim.adam import Adam
+from ...optim.optimizer import flat_view
 from .quantization import dequantize, device_code, dynamic_map
 
 
@@ -75,19 +76,29 @@ class Adam8bit(Adam):
             self._device_maps[key] = device_code(self.maps[slot], device)
         return self._device_maps[key]
 
-    def _step_one(self, p, theta, grad, correction1, correction2):
+    def update_parameter(self, p, theta, grad):
         if not self.quantizes(p):
-            return super()._step_one(p, theta, grad, correction1, correction2)
+            return super().update_parameter(p, theta, grad)
         m, v = self._fetch(p, "m"), self._fetch(p, "v")
         if m is None:  # the first step: zero moments (a zero absmax turns every byte into 0)
             m, v = self._zero_state(theta), self._zero_state(theta)
-        # Dequantize, Adam's update in float32, requantize: one pass per block in the backend (adam8bit_step).
-        theta = array_api.adam8bit_step(theta, grad, m, v, self._map("m", p.device), self._map("v", p.device),
-                                        self.block_size, self.lr, self.beta1, self.beta2, self.eps, correction1,
-                                        correction2)
-        self._keep(p, "m", m)  # updated in place
-        self._keep(p, "v", v)
-        return theta
+        # Dequantize, Adam's update in float32, requantize: one pass per block in the backend (adam8bit_step),
+        # the moments updated in place; the parameter too when it is float32, else a chunk of blocks at a time.
+        codes = self._map("m", p.device), self._map("v", p.device)
+        if str(p.realize_cached_data().dtype) == "float32" and str(grad.dtype) == "float32" and \
+                not self.weight_decay:
+            array_api.adam8bit_step(theta, grad, m, v, *codes, self.block_size, *self._hyper(), out=theta)
+        else:
+            flat = [flat_view(a) for a in m + v]
+            for start, th, g in self._chunks(theta, grad, align=self.block_size):
+                blocks = slice(start // self.block_size, -(-(start + g.size) // self.block_size))
+                chunk = [array_api.astype(a[start:start + g.size] if k % 2 == 0 else a[blocks], a.dtype)
+                         for k, a in enumerate(flat)]  # copies of the chunk's bytes and absmax
+                th = array_api.adam8bit_step(th, g, chunk[:2], chunk[2:], *codes, self.block_size, *self._hyper())
+                for k, (a, c) in enumerate(zip(flat, chunk)):
+                    a[slice(start, start + g.size) if k % 2 == 0 else blocks] = c
+                self._update(p, theta, th, start)
+        self._finish(p, theta, m=m, v=v)
 
     def _zero_state(self, theta):
         blocks, device = -(-theta.size // self.block_size), device_of(theta)
