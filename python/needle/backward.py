@@ -292,11 +292,11 @@ class Compute(Machine):
             raise RuntimeError(f"{type(node.optimizer).__name__}(in_backward=True): a grad hook waits for the "
                                f"gradient of a parameter of shape {tuple(node.shape)} (register_grad_hook: data "
                                "parallelism, say), so the update cannot come before it; use in_backward=False")
-        with memory_hook.phase("optimizer", node.optimizer):
+        with memory_hook.phase("optimizer", node.optimizer):  # (the timeline draws the update and the free)
             node.optimizer.update_in_backward(node, self)
-        grad, node.grad = node.grad, None
-        if grad is not None:
-            release(grad)
+            grad, node.grad = node.grad, None
+            if grad is not None:
+                release(grad)
         if node.optimizer not in self.optimizers:
             self.optimizers.append(node.optimizer)
 
@@ -374,11 +374,11 @@ def run_backward(plan, out_grad, machine=None):
             for passed in step.passing.get(i, ()):  # (a stack's earlier layer, rebuilt only for its boundary)
                 machine.release(passed)
         parts = grads.pop(id(node), None)
+        for g in parts or ():  # consumed here (counts are by id: a stale one would pass to a later node's)
+            awaited[id(g)] = awaited.get(id(g), 0) - 1
         if parts is not None and len(parts) == 1 and node.is_leaf() and machine.has(parts[0]):
             machine.set_grad(node, parts[0])  # a parameter used once: its gradient is computed, nothing to release
         elif parts is not None:
-            for g in parts:
-                awaited[id(g)] = awaited.get(id(g), 0) - 1
             with lazy_mode(True):
                 grad = sum_node_list(parts)
             walked = []

@@ -153,3 +153,35 @@ def test_to_dot_draws_the_parameters_updated_in_backward():
     assert dot.count("penwidth=2") == len(model.parameters()) + 1  # each parameter, and the legend's entry
     assert "parameter updated inside backward" in dot
 
+
+
+@pytest.mark.parametrize("policy", [None, "all", "sqrt"], ids=lambda p: p or "off")
+@pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
+def test_the_ledger_walks_the_updates_and_predicts_the_allocators_peak(optimizer, policy):
+    """The Budget's ledger walks the same plan, update steps included: the gradients they free, the state the first
+    one makes, their workspace (declared as a bound: `Optimizer.workspace_bytes`). Its prediction is the
+    allocator's peak to 1% where the update is one fused kernel in place (Adam, float32), and never below it, nor
+    above by more than the declared workspace, where it goes a chunk at a time."""
+    from needle.ledger import walk_step
+    device = ndl.cpu() if nd.cpu().enabled() else ndl.cpu_numpy()
+    model = TiedChain(length=4, width=64)
+    if policy:
+        model.enable_gc(policy=policy)
+    opt = OPTIMIZERS[optimizer](model.parameters(), in_backward=True)
+    bound = max(opt.workspace_bytes(p) for p in model.parameters())
+    for step in range(2):  # the first step's updates make the state; the second's find it
+        x = batch(step, rows=32, width=64)
+        with ndl.autograd.lazy_mode(True):
+            loss = (model(x) ** 2).sum()
+        dropped = {id(n) for n in ndl.autograd.find_topo_sort([loss]) if n.drop}
+        predicted = walk_step(loss, dropped).peak - x.numpy().nbytes  # (the ledger counts the batch)
+        python_gc.collect()
+        nd.reset_peak_memory_stats(device)
+        base = nd.memory_stats(device)["current_bytes"]
+        loss.backward()
+        measured = nd.memory_stats(device)["peak_bytes"] - base
+        assert measured - 0.01 * measured <= predicted <= measured + 0.01 * measured + bound, (step, predicted,
+                                                                                              measured, bound)
+        if optimizer == "adam-offloaded" or bound == 0:
+            assert abs(predicted - measured) <= 0.01 * measured
+        opt.step()

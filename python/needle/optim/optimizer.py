@@ -30,6 +30,7 @@ from ..backend_selection import array_api
 
 _LOW = ("float16", "bfloat16")
 CHUNK = 1 << 15  # elements an update works on at once: each of its float32 temporaries is at most 128 KB
+CHUNK_TEMPORARIES = 8  # float32 chunk-sized temporaries an update holds at once, at most (the ledger's bound)
 
 
 def as_dtype(array, like):
@@ -238,18 +239,26 @@ class Optimizer:
     def update_bytes(self, p):
         """(device bytes of state p's update creates — all of it before p's first update, unless offloaded —, bytes
         of workspace it allocates and frees): what the Budget's ledger counts for an update in backward."""
-        state = 0 if self.offload_state else sum(
-            math.prod(shape) * np.dtype(dtype).itemsize for slot in ("master",) + tuple(self.slots_of(p))
-            if getattr(self, slot).get(p) is None for shape, dtype in self._state_layout(p, slot) or ())
-        return state, self.workspace_bytes(p)
+        def layout_bytes(slots):
+            return sum(math.prod(shape) * np.dtype(dtype).itemsize for slot in slots
+                       for shape, dtype in self._state_layout(p, slot) or ())
+        slots = ("master",) + tuple(self.slots_of(p))
+        if self.offload_state:  # on the device only for the update: workspace
+            return 0, layout_bytes(slots) + self.workspace_bytes(p)
+        return layout_bytes([s for s in slots if getattr(self, s).get(p) is None]), self.workspace_bytes(p)
 
     def slots_of(self, p):
         """The slots parameter p's update keeps (Adafactor without beta1 keeps no first moment)."""
         return self.slots
 
     def workspace_bytes(self, p):
-        """Bytes parameter p's update allocates besides its state and frees again (at most 1 MiB: in place)."""
-        return 0
+        """Bytes parameter p's update allocates besides its state and frees again, at most: nothing for a fused
+        kernel that writes in place, else CHUNK_TEMPORARIES float32 chunks (1 MiB: the updates hold fewer)."""
+        return 0 if self.fused_in_place(p) else CHUNK_TEMPORARIES * min(p.realize_cached_data().size, CHUNK) * 4
+
+    def fused_in_place(self, p):
+        """Whether p's update is one backend kernel over the whole arrays, written in place (Adam's adam_step)."""
+        return False
 
     def update_in_backward(self, p, backward_pass):
         """Backward's update step (backward.py): p's gradient is final, read by nothing after; update p now. The

@@ -76,6 +76,17 @@ class Adam8bit(Adam):
             self._device_maps[key] = device_code(self.maps[slot], device)
         return self._device_maps[key]
 
+    def update_bytes(self, p):
+        state, workspace = super().update_bytes(p)
+        maps = sum(1024 for slot in ("m", "v") if (slot, str(p.device)) not in self._device_maps)  # 256 float32
+        # The first quantized update makes the maps, which stay: counted for every update (at most 2 KiB over).
+        return state, workspace + (maps if self.quantizes(p) else 0)
+
+    def fused_in_place(self, p):
+        if not self.quantizes(p):
+            return super().fused_in_place(p)
+        return str(p.realize_cached_data().dtype) == "float32" and not self.weight_decay
+
     def update_parameter(self, p, theta, grad):
         if not self.quantizes(p):
             return super().update_parameter(p, theta, grad)
