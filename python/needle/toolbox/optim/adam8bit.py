@@ -85,7 +85,7 @@ class Adam8bit(Adam):
     def fused_in_place(self, p):
         if not self.quantizes(p):
             return super().fused_in_place(p)
-        return str(p.realize_cached_data().dtype) == "float32" and not self.weight_decay
+        return str(p.realize_cached_data().dtype) == "float32"
 
     def update_parameter(self, p, theta, grad):
         if not self.quantizes(p):
@@ -96,9 +96,9 @@ class Adam8bit(Adam):
         # Dequantize, Adam's update in float32, requantize: one pass per block in the backend (adam8bit_step),
         # the moments updated in place; the parameter too when it is float32, else a chunk of blocks at a time.
         codes = self._map("m", p.device), self._map("v", p.device)
-        if str(p.realize_cached_data().dtype) == "float32" and str(grad.dtype) == "float32" and \
-                not self.weight_decay:
-            array_api.adam8bit_step(theta, grad, m, v, *codes, self.block_size, *self._hyper(), out=theta)
+        if str(p.realize_cached_data().dtype) == "float32" and str(grad.dtype) == "float32":
+            array_api.adam8bit_step(theta, grad, m, v, *codes, self.block_size, *self._hyper(),
+                                    weight_decay=self.weight_decay, out=theta)
         else:
             flat = [flat_view(a) for a in m + v]
             for start, th, g in self._chunks(theta, grad, align=self.block_size):
