@@ -17,8 +17,8 @@ __all__ = [
     "cpu_numpy", "cuda", "default_device", "dequantize_blockwise", "device_of", "dropout", "empty", "exp", "flip",
     "from_host_async", "full", "host_empty", "layer_norm", "layer_norm_backward", "log", "logsumexp", "matmul",
     "max", "maximum", "pack_codes", "quantize_stochastic", "dequantize_linear", "pad", "promote_types",
-    "quantize_blockwise", "reshape", "round_stochastic", "scatter_add_rows", "scatter_along_rows",
-    "sgd_step", "softmax_xent_grad", "split", "stack", "sum", "take_along_rows", "take_rows", "tanh", "tensor_data", "to_host",
+    "quantize_blockwise", "reshape", "round_stochastic", "scatter_add_rows", "scatter_along_rows", "sgd_step",
+    "softmax_xent_grad", "split", "stack", "sum", "take_along_rows", "take_rows", "tanh", "tensor_data", "to_host",
     "to_numpy", "transpose", "unpack_scale", "wait_for_copies", "zeros",
 ]
 
@@ -66,8 +66,7 @@ def dequantize_blockwise(q, absmax, code, block_size):
 
 
 def _fused(fn, update, theta, grad, state, *hyper, out=None):
-    """A fused optimizer step on float32 numpy arrays (the reference backend's bytes; see src/README.md): its new
-    arrays, or written into `out` (in place)."""
+    """A fused optimizer step (the reference backend's bytes): its new arrays, or written into `out`."""
     named = [("theta", theta), ("grad", grad)] + [(k, a) for k, a in state.items() if a is not None]
     ref.check_blockwise(fn, [(name, a, "float32", theta.size) for name, a in named])
     new = update(np.asarray(theta), np.asarray(grad), *state.values(), *hyper)
@@ -77,16 +76,14 @@ def _fused(fn, update, theta, grad, state, *hyper, out=None):
 
 
 def sgd_step(theta, grad, u, lr, momentum, weight_decay=0.0, out=None):
-    """SGD's update of one float32 parameter: the new (theta, u); u is None on the first step (and the new u is
-    None without momentum). `out`: two arrays to write them into (in place; u only with momentum)."""
+    """SGD's update (src/README.md): the new (theta, u), u None on the first step and without momentum."""
     new = _fused("sgd_step", ref.sgd_update, theta, grad, {"u": u}, lr, momentum, weight_decay,
                  out=out and out[:1 + bool(momentum)])
     return new[0], new[1] if momentum else None
 
 
 def adam_step(theta, grad, m, v, lr, beta1, beta2, eps, correction1, correction2, weight_decay=0.0, out=None):
-    """Adam's update of one float32 parameter: the new (theta, m, v); m and v are None on the first step. `out`:
-    three arrays to write them into (in place)."""
+    """Adam's update (src/README.md): the new (theta, m, v), m and v None on the first step."""
     return _fused("adam_step", ref.adam_update, theta, grad, {"m": m, "v": v}, lr, beta1, beta2, eps, correction1,
                   correction2, weight_decay, out=out)
 

@@ -220,8 +220,7 @@ def dequantize_linear(codes, scales, shape, bits, block_size):
 
 
 def _fused_arrays(fn, theta, grad, state, out):
-    """The compact operands of a fused optimizer step (theta, grad, its state arrays, or None on the first step)
-    and its outputs (`out`, or new float32 arrays of theta's shape), checked."""
+    """A fused step's compact operands (state None on the first step: grad in its place) and outputs, checked."""
     named = [("theta", theta), ("grad", grad)] + [(k, a) for k, a in state.items() if a is not None]
     _ndarrays_on_one_device(fn, *named)
     for name, array in named[1:]:
@@ -236,9 +235,8 @@ def _fused_arrays(fn, theta, grad, state, out):
 
 
 def sgd_step(theta, grad, u, lr, momentum, weight_decay=0.0, out=None):
-    """SGD's update of one float32 parameter in one backend pass (src/README.md, sgd_step): returns the new
-    (theta, u); u is None on the first step (and without momentum, when the new u is None too). `out`: two compact
-    float32 arrays of theta's shape to write them into (theta, u themselves: the update in place)."""
+    """SGD's update in one backend pass (src/README.md, sgd_step): the new (theta, u), u None on the first step and
+    without momentum; `out` as adam_step's."""
     theta, grad, (u_in,), (out, out_u) = _fused_arrays("sgd_step", theta, grad, {"u": u}, out)
     theta.device.mod.sgd_step(theta._handle, grad._handle, u_in._handle, out._handle, out_u._handle, u is None,
                               float(lr), float(momentum), float(weight_decay))
@@ -247,9 +245,8 @@ def sgd_step(theta, grad, u, lr, momentum, weight_decay=0.0, out=None):
 
 def adam_step(theta, grad, m, v, lr, beta1, beta2, eps, correction1, correction2, weight_decay=0.0, out=None):
     """Adam's update of one float32 parameter in one backend pass (src/README.md, adam_step): returns the new
-    (theta, m, v); m and v are None on the first step. correction1/2 are Adam's 1 - beta^t; weight_decay the
-    course's coupled decay (grad + weight_decay * theta). `out`: three compact float32 arrays of theta's shape to
-    write them into (theta, m, v themselves: the update in place)."""
+    (theta, m, v); m and v are None on the first step. correction1/2 are Adam's 1 - beta^t. `out`: compact float32
+    arrays of theta's shape to write them into (theta, m, v themselves: the update in place)."""
     theta, grad, (m_in, v_in), out = _fused_arrays("adam_step", theta, grad, {"m": m, "v": v}, out)
     theta.device.mod.adam_step(theta._handle, grad._handle, m_in._handle, v_in._handle, *(a._handle for a in out),
                                m is None, float(lr), float(beta1), float(beta2), float(eps), float(correction1),

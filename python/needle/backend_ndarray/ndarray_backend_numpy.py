@@ -245,8 +245,7 @@ def dequantize_blockwise(q, code, absmax, out, block_size):
 
 
 def sgd_update(theta, grad, u, lr, momentum, weight_decay):
-    """SGD's update on flat float32 numpy arrays, as src/README.md's sgd_step (u None on the first step): float32
-    arithmetic, each operation rounded once. -> (new theta, new u; without momentum u is the decayed gradient)."""
+    """src/README.md's sgd_step on flat float32 numpy arrays (u None on the first step) -> (new theta, new u)."""
     f32 = np.float32
     with np.errstate(all="ignore"):
         g = grad + theta * f32(weight_decay) if weight_decay else grad
@@ -277,11 +276,8 @@ def adam_update(theta, grad, m, v, lr, beta1, beta2, eps, correction1, correctio
 
 def adam_step(theta, grad, m, v, out, out_m, out_v, first, lr, beta1, beta2, eps, correction1, correction2,
               weight_decay):
-    n = theta.size
-    check_blockwise("adam_step", [
-        ("theta", theta, "float32", n), ("grad", grad, "float32", n), ("m", m, "float32", n),
-        ("v", v, "float32", n), ("out", out, "float32", n), ("out_m", out_m, "float32", n),
-        ("out_v", out_v, "float32", n)])
+    check_blockwise("adam_step", [(k, a, "float32", theta.size) for k, a in zip(
+        ("theta", "grad", "m", "v", "out", "out_m", "out_v"), (theta, grad, m, v, out, out_m, out_v))])
     out.array[:], out_m.array[:], out_v.array[:] = adam_update(
         theta.array, grad.array, None if first else m.array, None if first else v.array, lr, beta1, beta2, eps,
         correction1, correction2, weight_decay)

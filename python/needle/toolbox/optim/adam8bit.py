@@ -10,7 +10,7 @@ parameters named in `fp32_state_params` (the paper's "stable embedding" recipe k
 """
 from ...backend_selection import array_api, device_of
 from ...optim.adam import Adam
-from ...optim.optimizer import flat_view
+from ...optim.optimizer import flat_view, widen
 from .quantization import dequantize, device_code, dynamic_map
 
 
@@ -121,4 +121,4 @@ class Adam8bit(Adam):
         if isinstance(stored, tuple):  # (q, absmax)
             value = dequantize(*stored, self._map(slot, p.device), self.block_size)
             return value * value if slot == "v" else value
-        return super()._decode(p, slot, stored)
+        return widen(stored)
