@@ -41,6 +41,8 @@ PTB_VOCAB = 10000
 # name -> (how gc.py spells it, a constructor at learning rate lr)
 OPTIMIZERS = {
     "adam": ("adam", lambda ps, lr, model: optim.Adam(ps, lr=lr)),
+    "adam weight decay": ("adam", lambda ps, lr, model: optim.Adam(ps, lr=lr, weight_decay=0.01)),
+    "sgd momentum": ("sgd", lambda ps, lr, model: optim.SGD(ps, lr=lr, momentum=0.9, weight_decay=0.01)),
     "adam8bit": ("adam8bit", lambda ps, lr, model: optim.Adam8bit(ps, lr=lr,
                                                                   fp32_state_params=[model.embedding.weight])),
     "adafactor": ("adafactor", lambda ps, lr, model: optim.Adafactor(ps, lr=lr, relative_step=False,

@@ -18,7 +18,7 @@
 //   copy_thread.h     copy_thread_to_host, copy_thread_to_device, copy_thread_wait: offloading's copies beside compute
 //   random.h          the counter-based hash lowbias32: dropout, round_stochastic
 //   quantize.h        block-wise 8-bit quantization: quantize_blockwise, dequantize_blockwise
-//   adam.h            the optimizer kernels: adam_step, adam8bit_step
+//   adam.h            the optimizer kernels: sgd_step, adam_step, adam8bit_step
 //   simd.h            GCC vector types, the instruction sets of this build (NEEDLE_X86_DISPATCH), cpu_has
 //   vector_math.h     exp, log, tanh, row sum / max / sum of exp for 4, 8 or 16 lanes, chosen at import
 //   elementwise.h     ewise_* / scalar_* on compact buffers, ewise_strided / scalar_strided / unary_strided
@@ -106,6 +106,7 @@ PYBIND11_MODULE(ndarray_backend_cpu, m) {
   m.def("dequantize_blockwise", dequantize_blockwise);
   m.def("adam8bit_step", adam8bit_step);
   m.def("adam_step", adam_step);
+  m.def("sgd_step", sgd_step);
   m.def("dropout", dropout);
 
   m.def("ewise_add", ewise_add);

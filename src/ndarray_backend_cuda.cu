@@ -19,7 +19,7 @@
 //   reduce.cuh          reduce_sum, reduce_max, reduce_logsumexp, softmax_xent_grad; block_reduce
 //   matmul.cuh          matmul (operands read transposed in place), matmul_batched, matmul_tiled
 //   quantize.cuh        block-wise 8-bit quantization
-//   optimizer.cuh       adam_step, adam8bit_step
+//   optimizer.cuh       sgd_step, adam_step, adam8bit_step
 //   attention.cuh       fused attention (FlashAttention-2): attention_forward, attention_backward
 //   layernorm.cuh       fused layer norm: layernorm_forward, layernorm_backward
 //   activations.cuh     GELU (exact, tanh), SiLU and their derivatives: functors for ewise_gelu, ..., ewise_silu_grad
@@ -122,6 +122,7 @@ PYBIND11_MODULE(ndarray_backend_cuda, m) {
   m.def("dequantize_blockwise", dequantize_blockwise);
   m.def("adam8bit_step", adam8bit_step);
   m.def("adam_step", adam_step);
+  m.def("sgd_step", sgd_step);
   m.def("dropout", dropout);
 
   def_ewise(m, "ewise_add", AddOp());

@@ -17,7 +17,7 @@ __all__ = [
     "cpu_numpy", "cuda", "default_device", "dequantize_blockwise", "device_of", "dropout", "empty", "exp", "flip",
     "from_host_async", "full", "host_empty", "layer_norm", "layer_norm_backward", "log", "logsumexp", "matmul",
     "max", "maximum", "pack_codes", "quantize_stochastic", "dequantize_linear", "pad", "promote_types",
-    "quantize_blockwise", "reshape", "round_stochastic", "scatter_add_rows", "scatter_along_rows",
+    "quantize_blockwise", "reshape", "round_stochastic", "scatter_add_rows", "scatter_along_rows", "sgd_step",
     "softmax_xent_grad", "split", "stack", "sum", "take_along_rows", "take_rows", "tanh", "tensor_data", "to_host",
     "to_numpy", "transpose", "unpack_scale", "wait_for_copies", "zeros",
 ]
@@ -65,21 +65,31 @@ def dequantize_blockwise(q, absmax, code, block_size):
     return ref.dequantize_blocks(q, code, absmax.reshape(-1), block_size).reshape(q.shape)
 
 
-def adam_step(theta, grad, m, v, lr, beta1, beta2, eps, correction1, correction2, out=None):
-    """Adam's update of one float32 parameter (the reference backend's bytes; see src/README.md): the new
-    (theta, m, v); m and v are None on the first step. `out`: three arrays to write them into (in place)."""
-    named = [("theta", theta), ("grad", grad)] + ([] if m is None else [("m", m), ("v", v)])
-    ref.check_blockwise("adam_step", [(name, a, "float32", theta.size) for name, a in named])
-    new = ref.adam_update(np.asarray(theta), np.asarray(grad), m, v, lr, beta1, beta2, eps, correction1, correction2)
-    if out is None:
-        return new
-    for array, value in zip(out, new):
+def _fused(fn, update, theta, grad, state, *hyper, out=None):
+    """A fused optimizer step (the reference backend's bytes): its new arrays, or written into `out`."""
+    named = [("theta", theta), ("grad", grad)] + [(k, a) for k, a in state.items() if a is not None]
+    ref.check_blockwise(fn, [(name, a, "float32", theta.size) for name, a in named])
+    new = update(np.asarray(theta), np.asarray(grad), *state.values(), *hyper)
+    for array, value in zip(out or (), new):
         array[...] = value
-    return out
+    return out or new
+
+
+def sgd_step(theta, grad, u, lr, momentum, weight_decay=0.0, out=None):
+    """SGD's update (src/README.md): the new (theta, u), u None on the first step and without momentum."""
+    new = _fused("sgd_step", ref.sgd_update, theta, grad, {"u": u}, lr, momentum, weight_decay,
+                 out=out and out[:1 + bool(momentum)])
+    return new[0], new[1] if momentum else None
+
+
+def adam_step(theta, grad, m, v, lr, beta1, beta2, eps, correction1, correction2, weight_decay=0.0, out=None):
+    """Adam's update (src/README.md): the new (theta, m, v), m and v None on the first step."""
+    return _fused("adam_step", ref.adam_update, theta, grad, {"m": m, "v": v}, lr, beta1, beta2, eps, correction1,
+                  correction2, weight_decay, out=out)
 
 
 def adam8bit_step(theta, grad, m_state, v_state, code_m, code_v, block_size, lr, beta1, beta2, eps, correction1,
-                  correction2, out=None):
+                  correction2, weight_decay=0.0, out=None):
     """One fused 8-bit Adam step (the reference backend's bytes; see src/README.md): the new float32 theta;
     m_state = (q_m, absmax_m) and v_state = (q_v, absmax_v) are updated in place."""
     (q_m, absmax_m), (q_v, absmax_v) = m_state, v_state
@@ -91,7 +101,8 @@ def adam8bit_step(theta, grad, m_state, v_state, code_m, code_v, block_size, lr,
         ("code_m", code_m, "float32", 256), ("code_v", code_v, "float32", 256)])
     new_theta, *state = ref.adam8bit_blocks(np.asarray(theta), np.asarray(grad), q_m.reshape(-1), absmax_m,
                                             q_v.reshape(-1), absmax_v, np.asarray(code_m), np.asarray(code_v),
-                                            block_size, lr, beta1, beta2, eps, correction1, correction2)
+                                            block_size, lr, beta1, beta2, eps, correction1, correction2,
+                                            weight_decay)
     for stored, new in zip((q_m, absmax_m, q_v, absmax_v), state):
         stored[...] = new.reshape(stored.shape)
     if out is None:

@@ -1,8 +1,9 @@
-// adam.h -- the optimizer kernels: adam_step (Adam's update in one pass) and adam8bit_step (Adam with
-// block-wise 8-bit moments, Dettmers et al. 2021, on quantize.h's rule).
+// adam.h -- the optimizer kernels: sgd_step (SGD with momentum in one pass), adam_step (Adam's update in one pass)
+// and adam8bit_step (Adam with block-wise 8-bit moments, Dettmers et al. 2021, on quantize.h's rule).
 //
-// Both Adam kernels compute in float32 with every operation rounded (no fused multiply-add), so their bytes equal
-// the NumPy reference's and the element-wise composite's.
+// They compute in float32 with every operation rounded (no fused multiply-add), so their bytes equal the NumPy
+// reference's and the element-wise composite's.  Each takes the course's coupled weight decay, g + theta * wd,
+// computed only when wd is not 0 (adding theta * 0 would turn -0 into +0 and spread an infinite theta's NaN).
 #pragma once
 
 #include "array.h"
@@ -36,15 +37,49 @@ struct AdamHyper {
   float b1, a1, b2, a2, c1, c2, lr, eps;
 };
 
+// sgd_step: SGD's update of one float32 parameter in one pass instead of five element-wise kernels.  Per element,
+// in float32 with every operation rounded as the element-wise kernels round it:
+//   g = g + theta * wd                                     (only when wd != 0)
+//   u = u * beta + g * (1 - beta)   (first step: u = g * (1 - beta); without momentum, beta = 0: u = g, u not kept)
+//   out = theta - u * lr
+NEEDLE_NO_FMA static void sgd_step(const Array& theta, const Array& grad, const Array& u, Array& out, Array& out_u,
+                                   bool first, double lr, double momentum, double weight_decay) {
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#endif
+  const char* fn = "sgd_step";
+  const size_t n = theta.size;
+  check_blockwise(fn, {{"theta", theta, DType::f32, n},
+                       {"grad", grad, DType::f32, n},
+                       {"u", u, DType::f32, n},
+                       {"out", out, DType::f32, n},
+                       {"out_u", out_u, DType::f32, n}});
+  const float beta = static_cast<float>(momentum), a = static_cast<float>(1.0 - momentum);
+  const float step = static_cast<float>(lr), wd = static_cast<float>(weight_decay);
+  const bool decay = weight_decay != 0.0, keep = momentum != 0.0;
+  const float *pt = theta.data<float>(), *pg = grad.data<float>(), *pu = u.data<float>();
+  float *po = out.data<float>(), *ou = out_u.data<float>();
+  const int nthreads = threads_for(n, true);
+  py::gil_scoped_release release;
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)
+  for (int64_t i = 0; i < static_cast<int64_t>(n); ++i) {  // loop-invariant branches only: vectorized
+    const float t = pt[i], g = decay ? pg[i] + t * wd : pg[i];
+    const float uk = !keep ? g : first ? g * a : pu[i] * beta + g * a;
+    po[i] = t - uk * step;
+    if (keep) ou[i] = uk;
+  }
+}
+
 // adam_step: Adam's update of one float32 parameter in one pass instead of eleven element-wise kernels (each a
 // Python call and a full-size temporary).  Per element, in float32 with every operation rounded as the element-wise
 // kernels round it (so the bytes equal the composite update's):
 //   m = m * b1 + g * (1 - b1);  v = v * b2 + (g * g) * (1 - b2)
 //   (first step: m = g * (1 - b1), v = (g * g) * (1 - b2))
 //   out = theta - (m / c1) * lr / (sqrt(v / c2) + eps)
+// where g = grad + theta * wd (wd != 0) or grad.
 NEEDLE_NO_FMA static void adam_step(const Array& theta, const Array& grad, const Array& m, const Array& v, Array& out,
                                     Array& out_m, Array& out_v, bool first, double lr, double beta1, double beta2,
-                                    double eps, double correction1, double correction2) {
+                                    double eps, double correction1, double correction2, double weight_decay) {
 #if defined(__clang__)
 #pragma clang fp contract(off)
 #endif
@@ -59,14 +94,16 @@ NEEDLE_NO_FMA static void adam_step(const Array& theta, const Array& grad, const
                        {"out_v", out_v, DType::f32, n}});
   const AdamHyper h(lr, beta1, beta2, eps, correction1, correction2);
   const float b1 = h.b1, a1 = h.a1, b2 = h.b2, a2 = h.a2, c1 = h.c1, c2 = h.c2, step = h.lr, fe = h.eps;
+  const float wd = static_cast<float>(weight_decay);
+  const bool decay = weight_decay != 0.0;
   const float *pt = theta.data<float>(), *pg = grad.data<float>(), *pm = m.data<float>(), *pv = v.data<float>();
   float *po = out.data<float>(), *om = out_m.data<float>(), *ov = out_v.data<float>();
   const int nthreads = threads_for(n, true);
   py::gil_scoped_release release;
   // An OpenMP loop, not parallel_range's lambda: the region's body keeps this function's fp-contract=off.
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)
-  for (int64_t i = 0; i < static_cast<int64_t>(n); ++i) {  // no branches but the loop-invariant one: vectorized
-    const float g = pg[i];
+  for (int64_t i = 0; i < static_cast<int64_t>(n); ++i) {  // no branches but loop-invariant ones: vectorized
+    const float g = decay ? pg[i] + pt[i] * wd : pg[i];
     const float mk = first ? g * a1 : pm[i] * b1 + g * a1;
     const float vk = first ? (g * g) * a2 : pv[i] * b2 + (g * g) * a2;
     po[i] = pt[i] - mk / c1 * step / (std::sqrt(vk / c2) + fe);
@@ -81,6 +118,7 @@ NEEDLE_NO_FMA static void adam_step(const Array& theta, const Array& grad, const
 // block instead of dequantize -> nine element-wise kernels -> quantize.  Per element i of block b, in float32
 // with every operation rounded (no fused multiply-add, so the bytes equal the NumPy reference's):
 //   m = code_m[q_m[i]] * absmax_m[b];  r = code_v[q_v[i]] * absmax_v[b];  v = r * r      (q_v stores sqrt(v))
+//   g = grad[i] + theta[i] * wd  (wd != 0; else g = grad[i])
 //   m = m * b1 + g * (1 - b1);  v = v * b2 + (g * g) * (1 - b2)
 //   out[i] = theta[i] - (m / c1) * lr / (sqrt(v / c2) + eps)
 // then the block's new m and sqrt(v) are quantized into q_m, absmax_m, q_v, absmax_v (quantize_blockwise's rule).
@@ -97,7 +135,8 @@ static void scale_block(float* x, size_t n, float absmax) {
 NEEDLE_NO_FMA static void adam8bit_step(const Array& theta, const Array& grad, Array& q_m, Array& absmax_m,
                                         Array& q_v, Array& absmax_v, const Array& code_m, const Array& code_v,
                                         Array& out, int64_t block_size, double lr, double beta1, double beta2,
-                                        double eps, double correction1, double correction2) {
+                                        double eps, double correction1, double correction2,
+                                        double weight_decay) {
 #if defined(__clang__)
 #pragma clang fp contract(off)
 #endif
@@ -124,6 +163,8 @@ NEEDLE_NO_FMA static void adam8bit_step(const Array& theta, const Array& grad, A
   float* av = absmax_v.data<float>();
   float* po = out.data<float>();
   const size_t bs = static_cast<size_t>(block_size);
+  const float wd = static_cast<float>(weight_decay);
+  const bool decay = weight_decay != 0.0;
   const int nthreads = threads_for(n, true);
   const CodeBuckets &buckets_m = buckets_for(cm), &buckets_v = buckets_for(cv);
   py::gil_scoped_release release;
@@ -141,9 +182,10 @@ NEEDLE_NO_FMA static void adam8bit_step(const Array& theta, const Array& grad, A
       const float* g = pg + begin;
       const float* t = pt + begin;
       float* o = po + begin;
-      for (size_t k = 0; k < len; ++k) {  // Adam (no lookups or branches: vectorized)
-        const float mk = m[k] * b1 + g[k] * a1;
-        const float vk = r[k] * r[k] * b2 + g[k] * g[k] * a2;
+      for (size_t k = 0; k < len; ++k) {  // Adam (no lookups, loop-invariant branches only: vectorized)
+        const float gk = decay ? g[k] + t[k] * wd : g[k];
+        const float mk = m[k] * b1 + gk * a1;
+        const float vk = r[k] * r[k] * b2 + gk * gk * a2;
         o[k] = t[k] - mk / c1 * step / (std::sqrt(vk / c2) + fe);
         m[k] = mk;
         r[k] = std::sqrt(vk);

@@ -1,6 +1,7 @@
-// optimizer.cuh -- fused optimizer steps: adam_step (Adam's update of one float32 parameter in one pass) and
-// adam8bit_step (8-bit Adam: moments stored block-wise in 8 bits, Dettmers et al. 2021).  Every operation is an
-// IEEE round-to-nearest intrinsic, so the bytes are the NumPy reference's.
+// optimizer.cuh -- fused optimizer steps: sgd_step (SGD with momentum in one pass), adam_step (Adam's update of one
+// float32 parameter in one pass) and adam8bit_step (8-bit Adam: moments stored block-wise in 8 bits, Dettmers et
+// al. 2021).  Every operation is an IEEE round-to-nearest intrinsic, so the bytes are the NumPy reference's.  Each
+// takes the course's coupled weight decay, g = grad + theta * wd, computed only when wd is not 0.
 //
 // Kernels first, then the host wrappers.
 #pragma once
@@ -34,12 +35,35 @@ AdamHyper adam_hyper(double lr, double beta1, double beta2, double eps, double c
           static_cast<float>(lr), static_cast<float>(eps)};
 }
 
+// g + theta * wd, the coupled weight decay (decay false: g as it is, so -0 stays -0).
+__device__ float decayed(float g, float theta, bool decay, float wd) {
+  return decay ? __fadd_rn(g, __fmul_rn(theta, wd)) : g;
+}
+
+// sgd_step (src/README.md): SGD's update of one float32 parameter, one thread per element (grid-stride):
+// u = u * beta + g * (1 - beta) (first: g * (1 - beta); keep false, no momentum: u = g, not stored), theta - u * lr.
+struct SgdHyper {
+  float beta, a, lr, wd;
+  bool decay, keep;
+};
+
+__global__ void sgd_step_kernel(const float* theta, const float* grad, const float* u, float* out, float* out_u,
+                                int64_t n, bool first, SgdHyper h) {
+  for (int64_t i = first_index(); i < n; i += grid_stride()) {
+    const float t = theta[i], g = decayed(grad[i], t, h.decay, h.wd);
+    const float uk = !h.keep ? g : first ? __fmul_rn(g, h.a) : __fadd_rn(__fmul_rn(u[i], h.beta), __fmul_rn(g, h.a));
+    out[i] = __fsub_rn(t, __fmul_rn(uk, h.lr));
+    if (h.keep) out_u[i] = uk;
+  }
+}
+
 // adam_step (src/README.md): Adam's update of one float32 parameter, one thread per element (grid-stride), every
 // operation rounded as the element-wise kernels round it (no fused multiply-add).
 __global__ void adam_step_kernel(const float* theta, const float* grad, const float* m, const float* v, float* out,
-                                 float* out_m, float* out_v, int64_t n, bool first, AdamHyper h) {
+                                 float* out_m, float* out_v, int64_t n, bool first, AdamHyper h, bool decay,
+                                 float wd) {
   for (int64_t i = first_index(); i < n; i += grid_stride()) {
-    const float g = grad[i], gg = __fmul_rn(g, g);
+    const float g = decayed(grad[i], theta[i], decay, wd), gg = __fmul_rn(g, g);
     const float mk = first ? __fmul_rn(g, h.a1) : __fadd_rn(__fmul_rn(m[i], h.b1), __fmul_rn(g, h.a1));
     const float vk = first ? __fmul_rn(gg, h.a2) : __fadd_rn(__fmul_rn(v[i], h.b2), __fmul_rn(gg, h.a2));
     const float denom = __fadd_rn(__fsqrt_rn(__fdiv_rn(vk, h.c2)), h.eps);
@@ -54,9 +78,10 @@ __global__ void adam_step_kernel(const float* theta, const float* grad, const fl
 // adam8bit_step (src/README.md): per element, m and v = r * r are dequantized (q_v stores r = sqrt(v)), updated as
 // Adam does, theta updated, and the block's new m and r quantized.  One thread block per quantization block
 // (grid-stride), each thread owning the same elements throughout, in two passes:
-//   1. compute the new m, r and theta (written), and the block's new absmax of m and of r (block_reduce);
-//   2. compute m and r again from the still unchanged bytes (cheaper than holding a block of any size in
-//      shared memory) and write their new bytes.
+//   1. compute the new m and r, and the block's new absmax of m and of r (block_reduce);
+//   2. compute m and r again from the still unchanged bytes and theta (cheaper than holding a block of any size in
+//      shared memory), write their new bytes and the new theta (last: out may be theta, which the weight decay
+//      reads in both passes).
 // Every operation is an IEEE round-to-nearest intrinsic (no contraction into FMA), so the bytes are the NumPy
 // reference's.
 __device__ void adam8bit_moments(const AdamHyper& h, float m, float r, float g, float* m_out, float* v_out) {
@@ -66,7 +91,8 @@ __device__ void adam8bit_moments(const AdamHyper& h, float m, float r, float g, 
 
 __global__ void adam8bit_step_kernel(const float* theta, const float* grad, uint8_t* q_m, float* absmax_m,
                                      uint8_t* q_v, float* absmax_v, const float* code_m, const float* code_v,
-                                     float* out, int64_t n, int64_t block_size, int64_t num_blocks, AdamHyper h) {
+                                     float* out, int64_t n, int64_t block_size, int64_t num_blocks, AdamHyper h,
+                                     bool decay, float wd) {
   __shared__ float table_m[kCodeSize], table_v[kCodeSize];
   for (int j = threadIdx.x; j < kCodeSize; j += blockDim.x) {
     table_m[j] = code_m[j];
@@ -80,9 +106,8 @@ __global__ void adam8bit_step_kernel(const float* theta, const float* grad, uint
     float new_m = 0.0f, new_r = 0.0f;
     for (int64_t i = begin + threadIdx.x; i < end; i += blockDim.x) {  // pass 1
       float m, v;
-      adam8bit_moments(h, __fmul_rn(table_m[q_m[i]], old_m), __fmul_rn(table_v[q_v[i]], old_r), grad[i], &m, &v);
-      const float denom = __fadd_rn(__fsqrt_rn(__fdiv_rn(v, h.c2)), h.eps);
-      out[i] = __fsub_rn(theta[i], __fdiv_rn(__fmul_rn(__fdiv_rn(m, h.c1), h.lr), denom));
+      adam8bit_moments(h, __fmul_rn(table_m[q_m[i]], old_m), __fmul_rn(table_v[q_v[i]], old_r),
+                       decayed(grad[i], theta[i], decay, wd), &m, &v);
       new_m = MaximumOp()(new_m, fabsf(m));
       new_r = MaximumOp()(new_r, __fsqrt_rn(v));
     }
@@ -94,8 +119,11 @@ __global__ void adam8bit_step_kernel(const float* theta, const float* grad, uint
     }
     for (int64_t i = begin + threadIdx.x; i < end; i += blockDim.x) {  // pass 2
       float m, v;
-      adam8bit_moments(h, __fmul_rn(table_m[q_m[i]], old_m), __fmul_rn(table_v[q_v[i]], old_r), grad[i], &m, &v);
-      const float r = __fsqrt_rn(v);
+      const float t = theta[i];
+      adam8bit_moments(h, __fmul_rn(table_m[q_m[i]], old_m), __fmul_rn(table_v[q_v[i]], old_r),
+                       decayed(grad[i], t, decay, wd), &m, &v);
+      const float r = __fsqrt_rn(v), denom = __fadd_rn(__fsqrt_rn(__fdiv_rn(v, h.c2)), h.eps);
+      out[i] = __fsub_rn(t, __fdiv_rn(__fmul_rn(__fdiv_rn(m, h.c1), h.lr), denom));
       q_m[i] = nearest_code(table_m, new_m == 0.0f ? 0.0f : __fdiv_rn(m, new_m));
       q_v[i] = nearest_code(table_v, new_r == 0.0f ? 0.0f : __fdiv_rn(r, new_r));
     }
@@ -104,9 +132,29 @@ __global__ void adam8bit_step_kernel(const float* theta, const float* grad, uint
 
 // ---- Host wrappers ----------------------------------------------------------------------------------------
 
+void sgd_step(const CudaArray& theta, const CudaArray& grad, const CudaArray& u, CudaArray& out, CudaArray& out_u,
+              bool first, double lr, double momentum, double weight_decay) {
+  const char* fn = "sgd_step";
+  check_exact_dtypes(fn, {{"theta", theta, DType::kFloat32},
+                          {"grad", grad, DType::kFloat32},
+                          {"u", u, DType::kFloat32},
+                          {"out", out, DType::kFloat32},
+                          {"out_u", out_u, DType::kFloat32}});
+  for (const auto& [name, size] : {std::pair<const char*, size_t>{"grad", grad.size}, {"u", u.size},
+                                   {"out", out.size}, {"out_u", out_u.size}})
+    check_size(fn, name, size, theta.size);
+  const int64_t n = as_int64(theta.size);
+  if (n == 0) return;
+  const SgdHyper h{static_cast<float>(momentum), static_cast<float>(1.0 - momentum), static_cast<float>(lr),
+                   static_cast<float>(weight_decay), weight_decay != 0.0, momentum != 0.0};
+  sgd_step_kernel<<<grid_for(n), kBlockSize>>>(data<float>(theta), data<float>(grad), data<float>(u),
+                                               data<float>(out), data<float>(out_u), n, first, h);
+  check_kernel(fn);
+}
+
 void adam_step(const CudaArray& theta, const CudaArray& grad, const CudaArray& m, const CudaArray& v, CudaArray& out,
                CudaArray& out_m, CudaArray& out_v, bool first, double lr, double beta1, double beta2, double eps,
-               double correction1, double correction2) {
+               double correction1, double correction2, double weight_decay) {
   const char* fn = "adam_step";
   check_exact_dtypes(fn, {{"theta", theta, DType::kFloat32},
                           {"grad", grad, DType::kFloat32},
@@ -122,14 +170,15 @@ void adam_step(const CudaArray& theta, const CudaArray& grad, const CudaArray& m
   if (n == 0) return;
   adam_step_kernel<<<grid_for(n), kBlockSize>>>(data<float>(theta), data<float>(grad), data<float>(m), data<float>(v),
                                                 data<float>(out), data<float>(out_m), data<float>(out_v), n, first,
-                                                adam_hyper(lr, beta1, beta2, eps, correction1, correction2));
+                                                adam_hyper(lr, beta1, beta2, eps, correction1, correction2),
+                                                weight_decay != 0.0, static_cast<float>(weight_decay));
   check_kernel(fn);
 }
 
 void adam8bit_step(const CudaArray& theta, const CudaArray& grad, CudaArray& q_m, CudaArray& absmax_m, CudaArray& q_v,
                    CudaArray& absmax_v, const CudaArray& code_m, const CudaArray& code_v, CudaArray& out,
                    int64_t block_size, double lr, double beta1, double beta2, double eps, double correction1,
-                   double correction2) {
+                   double correction2, double weight_decay) {
   const char* fn = "adam8bit_step";
   const int64_t blocks = num_quantization_blocks(fn, theta.size, block_size);
   check_exact_dtypes(fn, {{"theta", theta, DType::kFloat32},
@@ -155,7 +204,7 @@ void adam8bit_step(const CudaArray& theta, const CudaArray& grad, CudaArray& q_m
   adam8bit_step_kernel<<<grid, reduce_threads(static_cast<size_t>(block_size))>>>(
       data<float>(theta), data<float>(grad), data<uint8_t>(q_m), data<float>(absmax_m), data<uint8_t>(q_v),
       data<float>(absmax_v), data<float>(code_m), data<float>(code_v), data<float>(out), as_int64(theta.size),
-      block_size, blocks, h);
+      block_size, blocks, h, weight_decay != 0.0, static_cast<float>(weight_decay));
   check_kernel(fn);
 }
 

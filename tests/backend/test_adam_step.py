@@ -22,10 +22,12 @@ def corrections(t, beta1=0.9, beta2=0.999):
     return 1 - beta1**t, 1 - beta2**t
 
 
-def composite_step(device, theta, grad, m, v, t, lr, beta1, beta2, eps):
+def composite_step(device, theta, grad, m, v, t, lr, beta1, beta2, eps, weight_decay=0.0):
     """optim.Adam's update as element-wise NDArray ops on `device` (what ran before the fused kernel)."""
     c1, c2 = corrections(t, beta1, beta2)
     theta, grad = nd.array(theta, device=device), nd.array(grad, device=device)
+    if weight_decay:  # the course's coupled weight decay, as Optimizer._chunks adds it
+        grad = grad + theta * weight_decay
     if m is None:
         m, v = grad * (1 - beta1), (grad * grad) * (1 - beta2)
     else:
@@ -35,9 +37,14 @@ def composite_step(device, theta, grad, m, v, t, lr, beta1, beta2, eps):
     return out.numpy(), m.numpy(), v.numpy()
 
 
-def fused_step(device, theta, grad, m, v, t, lr, beta1, beta2, eps):
+def fused_step(device, theta, grad, m, v, t, lr, beta1, beta2, eps, weight_decay=0.0, in_place=False):
     arrays = [None if a is None else nd.array(a, device=device) for a in (theta, grad, m, v)]
-    out = nd.adam_step(*arrays, lr, beta1, beta2, eps, *corrections(t, beta1, beta2))
+    out = None
+    if in_place:  # out = theta, m, v themselves (new m, v buffers on the first step)
+        out = (arrays[0],) + tuple(nd.array(np.full(theta.shape, np.nan, np.float32), device=device)
+                                   if a is None else a for a in arrays[2:])
+    out = nd.adam_step(*arrays, lr, beta1, beta2, eps, *corrections(t, beta1, beta2), weight_decay=weight_decay,
+                       out=out)
     for a in out:
         assert a.dtype == "float32" and a.shape == theta.shape and a.device == device
     return tuple(a.numpy() for a in out)
@@ -62,10 +69,13 @@ def test_adam_step_has_the_composite_bytes(device, shape, first):
     grad, m, v = moments(rng, shape)
     if first:
         m = v = None
-    for t, hyper in ((1 if first else 5, HYPER), (3, dict(lr=0.05, beta1=0.5, beta2=0.9, eps=1e-3))):
+    for t, hyper in ((1 if first else 5, HYPER), (3, dict(lr=0.05, beta1=0.5, beta2=0.9, eps=1e-3)),
+                     (2, dict(HYPER, weight_decay=0.01)), (4, dict(lr=0.05, beta1=0.5, beta2=0.9, eps=1e-3,
+                                                                   weight_decay=3.0))):
         expected = composite_step(nd.cpu_numpy(), theta, grad, m, v, t, **hyper)
-        for ours, want in zip(fused_step(device, theta, grad, m, v, t, **hyper), expected):
-            assert_same_bits(ours, want)
+        for in_place in (False, True):
+            for ours, want in zip(fused_step(device, theta, grad, m, v, t, **hyper, in_place=in_place), expected):
+                assert_same_bits(ours, want)
         if device is not nd.cpu_numpy():  # the device's own element-wise ops agree too
             for ours, want in zip(expected, composite_step(device, theta, grad, m, v, t, **hyper)):
                 assert_same_bits(ours, want)
@@ -76,11 +86,12 @@ def test_adam_step_numpy_face_is_the_reference():
     theta = rng.standard_normal((6, 9)).astype(np.float32)
     grad, m, v = moments(rng, (6, 9))
     for state in ((None, None), (m, v)):
-        ours = np_face.adam_step(theta, grad, *state, **HYPER, correction1=corrections(2)[0],
-                                 correction2=corrections(2)[1])
-        ref = fused_step(nd.cpu_numpy(), theta, grad, *state, t=2, **HYPER)
-        for a, b in zip(ours, ref):
-            assert_same_bits(np.asarray(a).reshape(b.shape), b)
+        for wd in (0.0, 0.01):
+            ours = np_face.adam_step(theta, grad, *state, **HYPER, correction1=corrections(2)[0],
+                                     correction2=corrections(2)[1], weight_decay=wd)
+            ref = fused_step(nd.cpu_numpy(), theta, grad, *state, t=2, **HYPER, weight_decay=wd)
+            for a, b in zip(ours, ref):
+                assert_same_bits(np.asarray(a).reshape(b.shape), b)
 
 
 @pytest.mark.parametrize("device", DEVICES)

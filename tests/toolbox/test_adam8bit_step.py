@@ -27,7 +27,7 @@ def corrections(t, beta1=0.9, beta2=0.999):
     return 1 - beta1**t, 1 - beta2**t
 
 
-def contract_step(theta, grad, m_state, v_state, block_size, t, lr, beta1, beta2, eps):
+def contract_step(theta, grad, m_state, v_state, block_size, t, lr, beta1, beta2, eps, weight_decay=0.0):
     """src/README.md's adam8bit_step in words: float32 scalars, one rounding per operation."""
     f = np.float32
     c1, c2 = corrections(t, beta1, beta2)
@@ -36,6 +36,7 @@ def contract_step(theta, grad, m_state, v_state, block_size, t, lr, beta1, beta2
     out, m_new, r_new = [], [], []
     with np.errstate(all="ignore"):
         for th, g, m, r in zip(theta.reshape(-1), grad.reshape(-1), m_old, r_old):
+            g = g + th * f(weight_decay) if weight_decay else g
             m = m * f(beta1) + g * f(1 - beta1)
             v = r * r * f(beta2) + g * g * f(1 - beta2)
             out.append(th - m / f(c1) * f(lr) / (np.sqrt(v / f(c2)) + f(eps)))
@@ -50,14 +51,16 @@ def zero_state(n, block_size):
     return (np.zeros(n, np.uint8), np.zeros(blocks, np.float32)), (np.zeros(n, np.uint8), np.zeros(blocks, np.float32))
 
 
-def step_on(device, theta, grad, m_state, v_state, block_size, t, **hyper):
+def step_on(device, theta, grad, m_state, v_state, block_size, t, in_place=False, weight_decay=0.0, **hyper):
     """One adam8bit_step through the NDArray function on `device`: numpy (theta, q_m, absmax_m, q_v, absmax_v)."""
     hyper = {**HYPER, **hyper}
     arrays = [nd.array(a, device=device, dtype=str(a.dtype)) for a in (*m_state, *v_state)]
-    out = nd.adam8bit_step(nd.array(theta, device=device), nd.array(grad, device=device), tuple(arrays[:2]),
+    theta = nd.array(theta, device=device)
+    out = nd.adam8bit_step(theta, nd.array(grad, device=device), tuple(arrays[:2]),
                            tuple(arrays[2:]), nd.array(SIGNED, device=device), nd.array(UNSIGNED, device=device),
                            block_size, hyper["lr"], hyper["beta1"], hyper["beta2"], hyper["eps"],
-                           *corrections(t, hyper["beta1"], hyper["beta2"]))
+                           *corrections(t, hyper["beta1"], hyper["beta2"]), weight_decay=weight_decay,
+                           out=theta if in_place else None)
     assert out.dtype == "float32" and out.shape == theta.shape and out.device == device
     return (out.numpy(), *(a.numpy() for a in arrays))
 
@@ -82,6 +85,25 @@ def test_reference_matches_the_contract(n, block_size):
         expected = contract_step(theta, grad, m_state, v_state, block_size, t, **HYPER)
         for ours, want in zip(step_on(REF, theta, grad, m_state, v_state, block_size, t), expected):
             assert_same_bits(ours, want)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("n,block_size", [(7, 3), (300, 256), (70000, 256)])
+def test_weight_decay_is_the_contracts_on_every_device_in_place_or_not(device, n, block_size):
+    """g + theta * wd inside the kernel (the course's coupled decay, as optim.Adam adds it): the contract's bytes,
+    also when out is theta itself (the kernel reads theta for the decay and writes it)."""
+    for theta, grad, m_state, v_state, t in three_steps(np.random.default_rng(n), n, block_size):
+        theta = theta.copy()
+        theta[::9] = -0.0
+        expected = (step_on(REF, theta, grad, m_state, v_state, block_size, t, weight_decay=0.05) if n > 300 else
+                    contract_step(theta, grad, m_state, v_state, block_size, t, **HYPER, weight_decay=0.05))
+        for in_place in (False, True):
+            ours = step_on(device, theta, grad, m_state, v_state, block_size, t, in_place, weight_decay=0.05)
+            for a, b in zip(ours, expected):
+                assert_same_bits(a, b)
+        decayed = grad + theta * np.float32(0.05)  # the decay outside, as the chunk path adds it
+        for a, b in zip(step_on(device, theta, decayed, m_state, v_state, block_size, t), expected):
+            assert_same_bits(a, b)
 
 
 def test_reference_matches_the_contract_with_nan_inf_and_other_hyper_parameters():
@@ -185,7 +207,7 @@ def test_backend_function_rejects_wrong_dtypes_and_sizes(device):
         mod.fill(a, 0.0)
     for a in (good[2], good[4]):
         mod.fill(a, 0)
-    mod.adam8bit_step(*good, bs, 1e-3, 0.9, 0.999, 1e-8, 0.1, 0.001)
+    mod.adam8bit_step(*good, bs, 1e-3, 0.9, 0.999, 1e-8, 0.1, 0.001, 0.0)
     for index, bad, error, words in [
         (1, mod.Array(n, "float16"), TypeError, r"adam8bit_step\b.*\bgrad\b"),
         (2, f32(n), TypeError, r"adam8bit_step\b.*\bq_m\b"),
@@ -198,9 +220,9 @@ def test_backend_function_rejects_wrong_dtypes_and_sizes(device):
         args = list(good)
         args[index] = bad
         with pytest.raises(error, match=words):
-            mod.adam8bit_step(*args, bs, 1e-3, 0.9, 0.999, 1e-8, 0.1, 0.001)
+            mod.adam8bit_step(*args, bs, 1e-3, 0.9, 0.999, 1e-8, 0.1, 0.001, 0.0)
     with pytest.raises(ValueError, match=r"adam8bit_step\b.*\bblock_size\b"):
-        mod.adam8bit_step(*good, 0, 1e-3, 0.9, 0.999, 1e-8, 0.1, 0.001)
+        mod.adam8bit_step(*good, 0, 1e-3, 0.9, 0.999, 1e-8, 0.1, 0.001, 0.0)
 
 
 def test_ndarray_function_rejects_views_of_state_shapes_and_devices():
@@ -221,7 +243,7 @@ def test_ndarray_function_rejects_views_of_state_shapes_and_devices():
     if nd.cpu().enabled():
         with pytest.raises(ValueError, match=r"adam8bit_step: theta is on cpu_numpy\(\) but code_v on cpu\(\)"):
             nd.adam8bit_step(theta, grad, (q, absmax), (q, absmax), code_m, nd.array(UNSIGNED, device=nd.cpu()), 32,
-                             1e-3, 0.9, 0.999, 1e-8, 0.1, 0.001)
+                             1e-3, 0.9, 0.999, 1e-8, 0.1, 0.001, 0.0)
 
 
 def test_np_face_rejects_wrong_dtypes_and_sizes():

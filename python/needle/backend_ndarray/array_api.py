@@ -57,6 +57,7 @@ __all__ = [
     "round_stochastic",
     "scatter_add_rows",
     "scatter_along_rows",
+    "sgd_step",
     "softmax_xent_grad",
     "split",
     "stack",
@@ -218,34 +219,47 @@ def dequantize_linear(codes, scales, shape, bits, block_size):
     return out
 
 
-def adam_step(theta, grad, m, v, lr, beta1, beta2, eps, correction1, correction2, out=None):
-    """Adam's update of one float32 parameter in one backend pass (src/README.md, adam_step): returns the new
-    (theta, m, v); m and v are None on the first step. correction1/2 are Adam's 1 - beta^t. `out`: three compact
-    float32 arrays of theta's shape to write them into (theta, m, v themselves: the update in place)."""
-    fn = "adam_step"
-    first = m is None
-    named = [("theta", theta), ("grad", grad)] + ([] if first else [("m", m), ("v", v)])
+def _fused_arrays(fn, theta, grad, state, out):
+    """A fused step's compact operands (state None on the first step: grad in its place) and outputs, checked."""
+    named = [("theta", theta), ("grad", grad)] + [(k, a) for k, a in state.items() if a is not None]
     _ndarrays_on_one_device(fn, *named)
     for name, array in named[1:]:
         if array.shape != theta.shape:
             raise ValueError(f"{fn}: {name} has shape {array.shape}, theta {theta.shape}")
-    theta, grad = theta.compact(), grad.compact()
-    m, v = (grad, grad) if first else (m.compact(), v.compact())
-    out, out_m, out_v = out or (NDArray._empty(theta.shape, theta.device, "float32") for _ in range(3))
-    for name, array in (("out", out), ("out_m", out_m), ("out_v", out_v)):
+    out = out or tuple(NDArray._empty(theta.shape, theta.device, "float32") for _ in range(1 + len(state)))
+    for name, array in zip(["out"] + [f"out_{k}" for k in state], out):
         if not array.is_compact() or array.shape != theta.shape or array.device != theta.device:
-            raise ValueError(f"adam_step: {name} must be a compact array of theta's shape on its device")
-    theta.device.mod.adam_step(theta._handle, grad._handle, m._handle, v._handle, out._handle, out_m._handle,
-                               out_v._handle, first, float(lr), float(beta1), float(beta2), float(eps),
-                               float(correction1), float(correction2))
-    return out, out_m, out_v
+            raise ValueError(f"{fn}: {name} must be a compact array of theta's shape on its device")
+    theta, grad = theta.compact(), grad.compact()
+    return theta, grad, [grad if a is None else a.compact() for a in state.values()], out
+
+
+def sgd_step(theta, grad, u, lr, momentum, weight_decay=0.0, out=None):
+    """SGD's update in one backend pass (src/README.md, sgd_step): the new (theta, u), u None on the first step and
+    without momentum; `out` as adam_step's."""
+    theta, grad, (u_in,), (out, out_u) = _fused_arrays("sgd_step", theta, grad, {"u": u}, out)
+    theta.device.mod.sgd_step(theta._handle, grad._handle, u_in._handle, out._handle, out_u._handle, u is None,
+                              float(lr), float(momentum), float(weight_decay))
+    return out, out_u if momentum else None
+
+
+def adam_step(theta, grad, m, v, lr, beta1, beta2, eps, correction1, correction2, weight_decay=0.0, out=None):
+    """Adam's update of one float32 parameter in one backend pass (src/README.md, adam_step): returns the new
+    (theta, m, v); m and v are None on the first step. correction1/2 are Adam's 1 - beta^t. `out`: compact float32
+    arrays of theta's shape to write them into (theta, m, v themselves: the update in place)."""
+    theta, grad, (m_in, v_in), out = _fused_arrays("adam_step", theta, grad, {"m": m, "v": v}, out)
+    theta.device.mod.adam_step(theta._handle, grad._handle, m_in._handle, v_in._handle, *(a._handle for a in out),
+                               m is None, float(lr), float(beta1), float(beta2), float(eps), float(correction1),
+                               float(correction2), float(weight_decay))
+    return out
 
 
 def adam8bit_step(theta, grad, m_state, v_state, code_m, code_v, block_size, lr, beta1, beta2, eps, correction1,
-                  correction2, out=None):
+                  correction2, weight_decay=0.0, out=None):
     """One Adam step for a parameter whose moments are stored block-wise in 8 bits, fused into one pass per block
     (src/README.md, adam8bit_step): returns the new float32 theta and updates `m_state` = (q_m, absmax_m) and
-    `v_state` = (q_v, absmax_v) in place (q_v holds sqrt(v)). correction1/2 are Adam's 1 - beta^t. `out`: a
+    `v_state` = (q_v, absmax_v) in place (q_v holds sqrt(v)). correction1/2 are Adam's 1 - beta^t; weight_decay
+    as adam_step's. `out`: a
     compact float32 array of theta's shape for the new theta (theta itself: in place)."""
     fn = "adam8bit_step"
     (q_m, absmax_m), (q_v, absmax_v) = m_state, v_state
@@ -264,7 +278,8 @@ def adam8bit_step(theta, grad, m_state, v_state, code_m, code_v, block_size, lr,
     theta.device.mod.adam8bit_step(
         theta.compact()._handle, grad.compact()._handle, q_m._handle, absmax_m._handle, q_v._handle,
         absmax_v._handle, code_m.compact()._handle, code_v.compact()._handle, out._handle, int(block_size),
-        float(lr), float(beta1), float(beta2), float(eps), float(correction1), float(correction2))
+        float(lr), float(beta1), float(beta2), float(eps), float(correction1), float(correction2),
+        float(weight_decay))
     return out
 
 

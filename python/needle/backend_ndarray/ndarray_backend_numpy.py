@@ -244,37 +244,54 @@ def dequantize_blockwise(q, code, absmax, out, block_size):
     out.array[:] = dequantize_blocks(q.array, code.array, absmax.array, block_size)
 
 
-def adam_update(theta, grad, m, v, lr, beta1, beta2, eps, correction1, correction2):
+def sgd_update(theta, grad, u, lr, momentum, weight_decay):
+    """src/README.md's sgd_step on flat float32 numpy arrays (u None on the first step) -> (new theta, new u)."""
+    f32 = np.float32
+    with np.errstate(all="ignore"):
+        g = grad + theta * f32(weight_decay) if weight_decay else grad
+        if momentum:
+            g = g * f32(1 - momentum) if u is None else u * f32(momentum) + g * f32(1 - momentum)
+        return theta - g * f32(lr), g
+
+
+def sgd_step(theta, grad, u, out, out_u, first, lr, momentum, weight_decay):
+    check_blockwise("sgd_step", [(k, a, "float32", theta.size) for k, a in zip(
+        ("theta", "grad", "u", "out", "out_u"), (theta, grad, u, out, out_u))])
+    out.array[:], u = sgd_update(theta.array, grad.array, None if first else u.array, lr, momentum, weight_decay)
+    if momentum:
+        out_u.array[:] = u
+
+
+def adam_update(theta, grad, m, v, lr, beta1, beta2, eps, correction1, correction2, weight_decay=0.0):
     """Adam's update on flat float32 numpy arrays, as src/README.md's adam_step (m, v None on the first step):
     float32 arithmetic, each operation rounded once. -> (new theta, new m, new v)."""
     f32 = np.float32
     with np.errstate(all="ignore"):  # inf and NaN propagate as in the element-wise kernels
+        grad = grad + theta * f32(weight_decay) if weight_decay else grad  # the coupled weight decay
         m = grad * f32(1 - beta1) if m is None else m * f32(beta1) + grad * f32(1 - beta1)
         v = (grad * grad) * f32(1 - beta2) if v is None else v * f32(beta2) + (grad * grad) * f32(1 - beta2)
         out = theta - m / f32(correction1) * f32(lr) / (np.sqrt(v / f32(correction2)) + f32(eps))
     return out, m, v
 
 
-def adam_step(theta, grad, m, v, out, out_m, out_v, first, lr, beta1, beta2, eps, correction1, correction2):
-    n = theta.size
-    check_blockwise("adam_step", [
-        ("theta", theta, "float32", n), ("grad", grad, "float32", n), ("m", m, "float32", n),
-        ("v", v, "float32", n), ("out", out, "float32", n), ("out_m", out_m, "float32", n),
-        ("out_v", out_v, "float32", n)])
+def adam_step(theta, grad, m, v, out, out_m, out_v, first, lr, beta1, beta2, eps, correction1, correction2,
+              weight_decay):
+    check_blockwise("adam_step", [(k, a, "float32", theta.size) for k, a in zip(
+        ("theta", "grad", "m", "v", "out", "out_m", "out_v"), (theta, grad, m, v, out, out_m, out_v))])
     out.array[:], out_m.array[:], out_v.array[:] = adam_update(
         theta.array, grad.array, None if first else m.array, None if first else v.array, lr, beta1, beta2, eps,
-        correction1, correction2)
+        correction1, correction2, weight_decay)
 
 
 def adam8bit_blocks(theta, grad, q_m, absmax_m, q_v, absmax_v, code_m, code_v, block_size, lr, beta1, beta2, eps,
-                    correction1, correction2):
+                    correction1, correction2, weight_decay=0.0):
     """One Adam step on 8-bit block-wise moments (q_v stores sqrt(v)), on flat numpy arrays, as src/README.md's
     adam8bit_step: float32 arithmetic, each operation rounded once. -> (new theta, q_m, absmax_m, q_v, absmax_v)."""
     f32 = np.float32
     with np.errstate(all="ignore"):  # inf and NaN propagate as in the element-wise kernels
         m = dequantize_blocks(q_m, code_m, absmax_m, block_size)
         r = dequantize_blocks(q_v, code_v, absmax_v, block_size)
-        g = grad.reshape(-1)
+        g = grad.reshape(-1) + theta.reshape(-1) * f32(weight_decay) if weight_decay else grad.reshape(-1)
         m = m * f32(beta1) + g * f32(1 - beta1)
         v = r * r * f32(beta2) + g * g * f32(1 - beta2)
         out = theta.reshape(-1) - m / f32(correction1) * f32(lr) / (np.sqrt(v / f32(correction2)) + f32(eps))
@@ -283,7 +300,7 @@ def adam8bit_blocks(theta, grad, q_m, absmax_m, q_v, absmax_v, code_m, code_v, b
 
 
 def adam8bit_step(theta, grad, q_m, absmax_m, q_v, absmax_v, code_m, code_v, out, block_size, lr, beta1, beta2, eps,
-                  correction1, correction2):
+                  correction1, correction2, weight_decay):
     n = theta.size
     blocks = num_blocks("adam8bit_step", n, block_size)
     check_blockwise("adam8bit_step", [
@@ -292,7 +309,7 @@ def adam8bit_step(theta, grad, q_m, absmax_m, q_v, absmax_v, code_m, code_v, out
         ("code_m", code_m, "float32", 256), ("code_v", code_v, "float32", 256), ("out", out, "float32", n)])
     (out.array[:], q_m.array[:], absmax_m.array[:], q_v.array[:], absmax_v.array[:]) = adam8bit_blocks(
         theta.array, grad.array, q_m.array, absmax_m.array, q_v.array, absmax_v.array, code_m.array, code_v.array,
-        block_size, lr, beta1, beta2, eps, correction1, correction2)
+        block_size, lr, beta1, beta2, eps, correction1, correction2, weight_decay)
 
 
 # ----- element-wise on compact buffers ----------------------------------------------------------------------

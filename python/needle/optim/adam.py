@@ -37,14 +37,14 @@ class Adam(Optimizer):
         self.corrections = 1 - self.beta1**self.t, 1 - self.beta2**self.t
 
     def fused_in_place(self, p):
-        return _is_float32(p.realize_cached_data()) and not self.weight_decay  # (its gradient: of its dtype)
+        return _is_float32(p.realize_cached_data())  # (its gradient: of its dtype)
 
     def update_parameter(self, p, theta, grad):
         (m, new), (v, _) = self._open(p, "m"), self._open(p, "v")
-        if all(_is_float32(a) for a in (p.realize_cached_data(), grad, m)) and not self.weight_decay:
+        if all(_is_float32(a) for a in (p.realize_cached_data(), grad, m)):
             # A float32 parameter: one backend pass (adam_step) over the whole arrays, written in place.
             array_api.adam_step(theta, grad, None if new else m, None if new else v, *self._hyper(),
-                                out=(theta, m, v))
+                                weight_decay=self.weight_decay, out=(theta, m, v))
         else:
             flat_m, flat_v = flat_view(m), flat_view(v)
             for start, th, g in self._chunks(theta, grad):

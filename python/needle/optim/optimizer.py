@@ -11,8 +11,8 @@ into the parameter, so updates smaller than a 16-bit step accumulate instead of 
 fraction, so that small updates survive on average (Kalamkar et al. 2019; Zamirai et al. 2020).
 
 State: each optimizer names its per-parameter state in `slots` (Adam: "m", "v"); `self.<slot>` maps a parameter
-to its stored state, which `_load` hands to the update as float32 and `_save` stores back — as float32, 16-bit for
-pure 16-bit training, 8-bit for Adam8bit (whose fused step reads and writes the bytes: `_fetch`/`_keep`). With
+to its stored state, which `_fetch` hands to the update and `_keep` stores back — float32, 16-bit for pure 16-bit
+training, 8-bit for Adam8bit; the update widens it a chunk at a time or a fused kernel reads the bytes. With
 `offload_state=True` the stored state lives in host memory (NumPy arrays, outside the device allocator that
 `memory_stats` counts) and each parameter's state is brought to the device for its own update only, the next
 parameter's already on its way (on cuda: page-locked host memory and a copy stream, so that copy overlaps the
@@ -286,15 +286,6 @@ class Optimizer:
             p.grad = None
 
     # ----- state: stored per parameter and slot, loaded as float32 for the update ---------------------------------
-    def _load(self, p, slot):
-        """Parameter p's state `slot` as a float32 array on p's device, or None before its first update."""
-        stored = self._fetch(p, slot)
-        return None if stored is None else self._decode(p, slot, stored)
-
-    def _save(self, p, slot, value):
-        """Store parameter p's new float32 state `slot` (encoded, and offloaded to the host if asked)."""
-        self._keep(p, slot, self._encode(p, slot, value))
-
     def _fetch(self, p, slot):
         """Parameter p's state `slot` as stored (encoded), on p's device; None before its first update."""
         stored = getattr(self, slot).get(p)
@@ -315,15 +306,6 @@ class Optimizer:
             stored = getattr(self, slot).get(p)
             if stored is not None:
                 self._incoming[(p, slot)] = _to_device(stored, p.device)
-
-    def _encode(self, p, slot, value):
-        """How state is kept: 16-bit for a pure 16-bit parameter (a master copy is float32 by definition)."""
-        if slot != "master" and self.master_weights is False and _is_low(p.realize_cached_data()):
-            return array_api.astype(value, p.dtype)
-        return value
-
-    def _decode(self, p, slot, stored):
-        return widen(stored)
 
     def _stored(self):
         for slot in ("master",) + tuple(self.slots):

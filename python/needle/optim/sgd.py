@@ -1,6 +1,7 @@
 """SGD with momentum and weight decay, with the course's update rule."""
 import math
 
+from ..backend_selection import array_api
 from .optimizer import Optimizer, flat_view, widen, check_range
 
 
@@ -25,11 +26,18 @@ class SGD(Optimizer):
     def slots_of(self, p):
         return self.slots if self.momentum else ()
 
+    def fused_in_place(self, p):
+        return str(p.realize_cached_data().dtype) == "float32"  # (its gradient and u: float32 too)
+
     def update_parameter(self, p, theta, grad):
-        beta, state = self.momentum, {}
+        beta, state, new = self.momentum, {}, True
         if beta:
             state["u"], new = self._open(p, "u")
             stored = flat_view(state["u"])
+        if self.fused_in_place(p) and str(grad.dtype) == "float32":  # one backend pass (sgd_step), in place
+            u = state.get("u", theta)  # (without momentum no u is read or written)
+            array_api.sgd_step(theta, grad, None if new else u, self.lr, beta, self.weight_decay, out=(theta, u))
+            return self._finish(p, theta, **state)
         for start, th, u in self._chunks(theta, grad):  # in place, a chunk at a time
             if beta:
                 end = start + u.size

@@ -199,15 +199,3 @@ class Adafactor(Optimizer):
         if len(shape) >= 2:
             return {"row": shape[:-1] + (1,), "col": shape[:-2] + (1,) + shape[-1:]}.get(slot)
         return shape if slot == "v" else None
-
-    def _factored_rsqrt(self, p, g2, beta2):
-        """1 / sqrt(V) for the rank-1 estimate V = R C^T / mean(R), after updating R and C from g2 = g^2 + eps1."""
-        row, col = self._load(p, "row"), self._load(p, "col")
-        row_now, col_now = _mean(g2, -1), _mean(g2, -2)  # (..., n, 1) and (..., 1, m)
-        row = row_now * (1 - beta2) if row is None else row * beta2 + row_now * (1 - beta2)
-        col = col_now * (1 - beta2) if col is None else col * beta2 + col_now * (1 - beta2)
-        self._save(p, "row", row)
-        self._save(p, "col", col)
-        r = (row / array_api.broadcast_to(_mean(row, -2), row.shape)) ** -0.5  # rows normalized by their mean
-        c = col ** -0.5
-        return array_api.broadcast_to(r, g2.shape) * array_api.broadcast_to(c, g2.shape)  # NDArray: explicitly

@@ -10,7 +10,7 @@ parameters named in `fp32_state_params` (the paper's "stable embedding" recipe k
 """
 from ...backend_selection import array_api, device_of
 from ...optim.adam import Adam
-from ...optim.optimizer import flat_view
+from ...optim.optimizer import flat_view, widen
 from .quantization import dequantize, device_code, dynamic_map
 
 
@@ -85,7 +85,7 @@ class Adam8bit(Adam):
     def fused_in_place(self, p):
         if not self.quantizes(p):
             return super().fused_in_place(p)
-        return str(p.realize_cached_data().dtype) == "float32" and not self.weight_decay
+        return str(p.realize_cached_data().dtype) == "float32"
 
     def update_parameter(self, p, theta, grad):
         if not self.quantizes(p):
@@ -96,9 +96,9 @@ class Adam8bit(Adam):
         # Dequantize, Adam's update in float32, requantize: one pass per block in the backend (adam8bit_step),
         # the moments updated in place; the parameter too when it is float32, else a chunk of blocks at a time.
         codes = self._map("m", p.device), self._map("v", p.device)
-        if str(p.realize_cached_data().dtype) == "float32" and str(grad.dtype) == "float32" and \
-                not self.weight_decay:
-            array_api.adam8bit_step(theta, grad, m, v, *codes, self.block_size, *self._hyper(), out=theta)
+        if str(p.realize_cached_data().dtype) == "float32" and str(grad.dtype) == "float32":
+            array_api.adam8bit_step(theta, grad, m, v, *codes, self.block_size, *self._hyper(),
+                                    weight_decay=self.weight_decay, out=theta)
         else:
             flat = [flat_view(a) for a in m + v]
             for start, th, g in self._chunks(theta, grad, align=self.block_size):
@@ -121,4 +121,4 @@ class Adam8bit(Adam):
         if isinstance(stored, tuple):  # (q, absmax)
             value = dequantize(*stored, self._map(slot, p.device), self.block_size)
             return value * value if slot == "v" else value
-        return super()._decode(p, slot, stored)
+        return widen(stored)
