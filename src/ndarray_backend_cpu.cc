@@ -29,6 +29,7 @@
 //   matmul_bf16.h     the bfloat16 micro-kernel on VDPBF16PS (AVX512-BF16) and its panels of pairs
 //   matmul_gemm.h     the packed GEMM (Goto/BLIS) and the small-product paths; the choice of kernel
 //   matmul.h          matmul, matmul_batched, matmul_tiled
+//   adafactor.h       Adafactor's passes: adafactor_moments, adafactor_sumsq, adafactor_step
 //   attention.h       fused attention (FlashAttention-2): attention_forward, attention_backward
 //   layernorm.h       fused layer norm: layernorm_forward, layernorm_backward
 //   activations.h     GELU (exact, tanh) and SiLU and their derivatives: ewise_gelu, ..., ewise_silu_grad
@@ -58,6 +59,7 @@
 #include "cpu/gather.h"
 #include "cpu/cross_entropy.h"
 #include "cpu/matmul_gemm.h"
+#include "cpu/adafactor.h"
 #include "cpu/matmul.h"
 #include "cpu/attention.h"
 #include "cpu/layernorm.h"
@@ -107,6 +109,9 @@ PYBIND11_MODULE(ndarray_backend_cpu, m) {
   m.def("adam8bit_step", adam8bit_step);
   m.def("adam_step", adam_step);
   m.def("sgd_step", sgd_step);
+  m.def("adafactor_moments", adafactor_moments);
+  m.def("adafactor_sumsq", adafactor_sumsq);
+  m.def("adafactor_step", adafactor_step);
   m.def("dropout", dropout);
 
   m.def("ewise_add", ewise_add);

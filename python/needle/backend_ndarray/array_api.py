@@ -24,6 +24,9 @@ __all__ = [
     "dequantize_linear",
     "activation",
     "activation_grad",
+    "adafactor_moments",
+    "adafactor_step",
+    "adafactor_sumsq",
     "adam8bit_step",
     "adam_step",
     "array",
@@ -252,6 +255,46 @@ def adam_step(theta, grad, m, v, lr, beta1, beta2, eps, correction1, correction2
                                m is None, float(lr), float(beta1), float(beta2), float(eps), float(correction1),
                                float(correction2), float(weight_decay))
     return out
+
+
+def adafactor_moments(grad, n, cols, rows_per_chunk, eps1):
+    """Adafactor's new row and column means of g * g + eps1 (src/README.md, adafactor_moments): float32 arrays
+    (batch * n,) and (batch * cols,) for grad seen as matrices (n, cols), summed rows_per_chunk rows at a time."""
+    grad = grad.compact()
+    row, col = (NDArray._empty((grad.size // d,), grad.device, "float32") for d in (cols, n))
+    grad.device.mod.adafactor_moments(grad._handle, row._handle, col._handle, n, cols, rows_per_chunk, float(eps1))
+    return row, col
+
+
+def _adafactor_handles(fn, grad, rc, v, written=()):
+    """grad compact and the handles (r, c, v) of a factored moment (rc = (r, c)) or of the full one (rc None: v);
+    arrays written in place (theta, m, v) must be compact."""
+    named = [("grad", grad), *zip(("r", "c"), rc or ()), *([] if rc else [("v", v)]), *written]
+    _ndarrays_on_one_device(fn, *named)
+    if any(name in ("theta", "v", "m") and not a.is_compact() for name, a in named):
+        raise ValueError(f"{fn}: theta, v and m are updated in place and must be compact")
+    grad = grad.compact()
+    r, c = (a.compact() for a in rc) if rc else (grad, grad)
+    return grad, (r._handle, c._handle, (grad if rc else v)._handle)
+
+
+def adafactor_sumsq(grad, rc, v, first, n, cols, rows_per_chunk, beta2, eps1):
+    """The sums of u * u over Adafactor's chunks (src/README.md, adafactor_sumsq): float32 (chunks,)."""
+    grad, handles = _adafactor_handles("adafactor_sumsq", grad, rc, v)
+    sums = NDArray._empty((grad.size // (n * cols) * -(-n // rows_per_chunk),), grad.device, "float32")
+    grad.device.mod.adafactor_sumsq(grad._handle, *handles, sums._handle, rc is not None, first, n, cols,
+                                    rows_per_chunk, float(beta2), float(eps1))
+    return sums
+
+
+def adafactor_step(theta, grad, rc, v, m, first_v, first_m, n, cols, beta2, eps1, scale, beta1, lr, weight_decay):
+    """Adafactor's update in one pass, written into theta, the full v (rc None) and m (None: no first moment) in
+    place (src/README.md, adafactor_step); rc, v as adafactor_sumsq's."""
+    written = (("theta", theta),) + ((("m", m),) if m is not None else ())
+    grad, handles = _adafactor_handles("adafactor_step", grad, rc, v, written)
+    theta.device.mod.adafactor_step(theta._handle, grad._handle, *handles, (grad if m is None else m)._handle,
+                                    rc is not None, first_v, first_m, m is not None, n, cols, float(beta2),
+                                    float(eps1), float(scale), float(beta1 or 0), float(lr), float(weight_decay))
 
 
 def adam8bit_step(theta, grad, m_state, v_state, code_m, code_v, block_size, lr, beta1, beta2, eps, correction1,

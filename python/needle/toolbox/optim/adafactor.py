@@ -30,6 +30,8 @@ import numpy as np
 from ...backend_selection import array_api
 from ...optim.optimizer import CHUNK, Optimizer, flat_view, widen, check_range
 
+_KERNELS = hasattr(array_api, "adafactor_step")  # the fused passes (not on NEEDLE_BACKEND=np: its sums differ)
+
 
 def _scalar(x):
     return float(np.asarray(array_api.to_numpy(x)).reshape(-1)[0])
@@ -128,6 +130,9 @@ class Adafactor(Optimizer):
         if theta.size == 0:  # nothing to update, and its RMS (the relative step, the clipping) is undefined
             return
         lr, state = self._step_size(theta), {}
+        if all(str(a.dtype) == "float32" for a in (p.realize_cached_data(), grad)) and _KERNELS:
+            self._update_fused(p, theta, grad, lr, state)
+            return self._finish(p, theta, **state)
         if self.beta1 is not None:
             state["m"], new_m = self._open(p, "m")
             flat_m = flat_view(state["m"])
@@ -142,6 +147,28 @@ class Adafactor(Optimizer):
                 th = th - th * (self.weight_decay * lr)
             self._update(p, theta, th - u, start)
         self._finish(p, theta, **state)
+
+    def _update_fused(self, p, theta, grad, lr, state):
+        """The float32 update in three backend calls, each over the whole parameter and summing in the chunks'
+        order (src/README.md, adafactor_*): the bytes of the chunk loop below."""
+        shape, beta2, eps1 = tuple(grad.shape), self.beta2_t, self.eps[0]
+        n, m = shape[-2:] if len(shape) >= 2 else (theta.size, 1)
+        k = max(1, CHUNK // m) if len(shape) >= 2 else CHUNK  # rows per chunk, as _row_chunks and _pieces take them
+        (v, first), rc = (None, False), None
+        if len(shape) >= 2:
+            r, c = self._factors(p, *array_api.adafactor_moments(grad, n, m, k, eps1), state)
+            rc = array_api.reshape(r, (-1,)), array_api.reshape(c, (-1,))
+        else:
+            v, first = self._open(p, "v")
+            state["v"] = v
+        total = 0.0
+        for x in array_api.to_numpy(array_api.adafactor_sumsq(grad, rc, v, first, n, m, k, beta2, eps1)).tolist():
+            total += x  # in order, in float64, as _rms adds the chunks' sums
+        scale = lr / max(1.0, math.sqrt(total / theta.size) / self.clip_threshold)
+        if self.beta1 is not None:
+            state["m"], new_m = self._open(p, "m")
+        array_api.adafactor_step(theta, grad, rc, v, state.get("m"), first, self.beta1 is not None and new_m, n, m,
+                                 beta2, eps1, scale, self.beta1, lr, self.weight_decay)
 
     def _unfactored(self, p, grad, state):
         """us(write): (start, flat u chunk) with V updated from g^2 + eps1 (written into V when `write`)."""
@@ -163,7 +190,6 @@ class Adafactor(Optimizer):
         shape, beta2 = tuple(grad.shape), self.beta2_t
         n, m = shape[-2:]
         grad = array_api.reshape(flat_view(grad), (-1, m))
-        (row, new), (col, _) = self._open(p, "row"), self._open(p, "col")
         wide = "float64" if str(grad.dtype) == "float64" else "float32"  # (float64 under NEEDLE_BACKEND=np)
         row_now = array_api.empty((grad.shape[0], 1), dtype=wide, device=p.device)
         col_sum = [None] * math.prod(shape[:-2])
@@ -173,13 +199,8 @@ class Adafactor(Optimizer):
             row_now[r:r + k] = _mean(g2, -1)
             s = array_api.sum(g2, axis=0, keepdims=True)
             col_sum[b] = s if col_sum[b] is None else col_sum[b] + s
-        row_now = array_api.reshape(row_now, row.shape)
-        col_now = array_api.reshape(array_api.stack(col_sum) if len(col_sum) > 1 else col_sum[0], col.shape) / n
-        rows = row_now * (1 - beta2) if new else widen(row) * beta2 + row_now * (1 - beta2)
-        cols = col_now * (1 - beta2) if new else widen(col) * beta2 + col_now * (1 - beta2)
-        state["row"], state["col"] = _write(row, rows), _write(col, cols)
-        r = (rows / array_api.broadcast_to(_mean(rows, -2), rows.shape)) ** -0.5  # rows normalized by their mean
-        r, c = array_api.reshape(r, (-1, 1)), array_api.reshape(cols ** -0.5, (-1, m))
+        r, c = self._factors(p, row_now, (array_api.stack(col_sum) if len(col_sum) > 1 else col_sum[0]) / n, state)
+        r, c = array_api.reshape(r, (-1, 1)), array_api.reshape(c, (-1, m))
 
         def us(write):
             for r0, k, b in _row_chunks(shape):
@@ -187,6 +208,17 @@ class Adafactor(Optimizer):
                 factor = array_api.broadcast_to(r[r0:r0 + k], g.shape) * array_api.broadcast_to(c[b:b + 1], g.shape)
                 yield r0 * m, array_api.reshape(g * factor, (-1,))
         return us
+
+    def _factors(self, p, row_now, col_now, state):
+        """(r, c): r = (R / mean(R))^-0.5 per row, c = C^-0.5 per column, after R and C take this step's row and
+        column means of g^2 + eps1."""
+        (row, new), (col, _) = self._open(p, "row"), self._open(p, "col")
+        beta2 = self.beta2_t
+        row_now, col_now = array_api.reshape(row_now, row.shape), array_api.reshape(col_now, col.shape)
+        rows = row_now * (1 - beta2) if new else widen(row) * beta2 + row_now * (1 - beta2)
+        cols = col_now * (1 - beta2) if new else widen(col) * beta2 + col_now * (1 - beta2)
+        state["row"], state["col"] = _write(row, rows), _write(col, cols)
+        return (rows / array_api.broadcast_to(_mean(rows, -2), rows.shape)) ** -0.5, cols ** -0.5  # r: normalized
 
     def slots_of(self, p):
         return self.slots if self.beta1 is not None else self.slots[:-1]  # "m" only with beta1
