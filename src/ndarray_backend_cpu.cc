@@ -28,8 +28,8 @@
 //   matmul_kernels.h  the float32 micro-kernels (generic, AVX2, AVX-512) and the packing of their panels
 //   matmul_bf16.h     the bfloat16 micro-kernel on VDPBF16PS (AVX512-BF16) and its panels of pairs
 //   matmul_gemm.h     the packed GEMM (Goto/BLIS) and the small-product paths; the choice of kernel
-//   matmul.h          matmul, matmul_batched, matmul_tiled
 //   adafactor.h       Adafactor's passes: adafactor_moments, adafactor_sumsq, adafactor_step
+//   matmul.h          matmul, matmul_batched, matmul_tiled
 //   attention.h       fused attention (FlashAttention-2): attention_forward, attention_backward
 //   layernorm.h       fused layer norm: layernorm_forward, layernorm_backward
 //   activations.h     GELU (exact, tanh) and SiLU and their derivatives: ewise_gelu, ..., ewise_silu_grad

@@ -20,6 +20,7 @@
 //   matmul.cuh          matmul (operands read transposed in place), matmul_batched, matmul_tiled
 //   quantize.cuh        block-wise 8-bit quantization
 //   optimizer.cuh       sgd_step, adam_step, adam8bit_step
+//   adafactor.cuh       Adafactor's passes: adafactor_moments, adafactor_sumsq, adafactor_step
 //   attention.cuh       fused attention (FlashAttention-2): attention_forward, attention_backward
 //   layernorm.cuh       fused layer norm: layernorm_forward, layernorm_backward
 //   activations.cuh     GELU (exact, tanh), SiLU and their derivatives: functors for ewise_gelu, ..., ewise_silu_grad
@@ -41,6 +42,7 @@
 #include <exception>
 
 #include "cuda/activations.cuh"
+#include "cuda/adafactor.cuh"
 #include "cuda/array.cuh"
 #include "cuda/attention.cuh"
 #include "cuda/common.cuh"
@@ -123,6 +125,9 @@ PYBIND11_MODULE(ndarray_backend_cuda, m) {
   m.def("adam8bit_step", adam8bit_step);
   m.def("adam_step", adam_step);
   m.def("sgd_step", sgd_step);
+  m.def("adafactor_moments", adafactor_moments);
+  m.def("adafactor_sumsq", adafactor_sumsq);
+  m.def("adafactor_step", adafactor_step);
   m.def("dropout", dropout);
 
   def_ewise(m, "ewise_add", AddOp());

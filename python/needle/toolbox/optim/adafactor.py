@@ -21,7 +21,9 @@ The update works in place, a chunk of whole rows at a time (optimizer.CHUNK elem
 chunk-sized (issue 47): one pass for R and C, one for RMS(u), one that writes; u is computed twice rather than kept.
 The arithmetic per element is the whole-array form's; only the sums over chunks differ in order: RMS(theta), RMS(u)
 (each chunk's sum in the backend, the chunk sums added in float64) and, for a matrix larger than a chunk, its column
-sums (added chunk by chunk in float32), so those may differ from a whole-array sum in the last bits.
+sums (added chunk by chunk in float32), so those may differ from a whole-array sum in the last bits. A float32
+parameter takes the same passes as three backend calls over the whole array (adafactor_moments, adafactor_sumsq,
+adafactor_step: src/README.md), which sum in the chunks' order and so give the chunk loop's bytes.
 """
 import math
 
@@ -187,7 +189,7 @@ class Adafactor(Optimizer):
 
     def _factored(self, p, grad, state):
         """us(write): (start, u chunk) for u = g / sqrt(R C^T / mean(R)), R and C updated (and kept) first."""
-        shape, beta2 = tuple(grad.shape), self.beta2_t
+        shape = tuple(grad.shape)
         n, m = shape[-2:]
         grad = array_api.reshape(flat_view(grad), (-1, m))
         wide = "float64" if str(grad.dtype) == "float64" else "float32"  # (float64 under NEEDLE_BACKEND=np)
