@@ -101,6 +101,9 @@ def train(config, use_gc, data, vocab, source, out_dir=None, quiet=False, json_p
     try:
         for i in range(first, total):
             start = (i % nbatch) * config.seq_len  # the step's window: a function of i, so a resumed run's too
+            # the previous step's garbage in reference cycles is given back before this one, outside its clock: each
+            # step's peak is its own bytes, the same whether recorded (ndl.memory.record collects too) or not
+            python_gc.collect()
             try:
                 # the last step is recorded (measure.peak_split: its peak, by category), and left out of T_step
                 with peak_split(device, on=split_peak and i == total - 1 and not config.parallel) as split:
