@@ -197,8 +197,9 @@ def print_table(off, on):
     lower = lambda key: (1 - on[key] / off[key]) * 100 if off[key] else 0.0  # noqa: E731
     overhead = (f"time overhead {pct(on['time'], off['time'])}" + (f" ({note})" if note else "") if both else
                 "time overhead not measured (no step timed after the warm-up: lower --warmup)")
-    print(f"\nactivation memory at backward start: {lower('activation_bytes'):.1f}% lower; step peak: "
-          f"{lower('peak_activation_bytes'):.1f}% lower; {overhead}")
+    print(f"\nactivation memory at backward start: {lower('activation_bytes'):.1f}% lower; M_peak: "
+          f"{lower('peak_activation_bytes'):.1f}% lower; step peak (all live bytes): {lower('peak_bytes'):.1f}% lower; "
+          f"{overhead}")
     if off.get("rss_peak_bytes") and on.get("rss_peak_bytes") is not None:
         print(f"resident memory a step uses at its peak (what the OS sees): {lower('rss_peak_bytes'):.1f}% lower")
     print(state_text(off))

@@ -101,21 +101,9 @@ def train(config, use_gc, data, vocab, source, out_dir=None, quiet=False, json_p
     try:
         for i in range(first, total):
             start = (i % nbatch) * config.seq_len  # the step's window: a function of i, so a resumed run's too
-            # the previous step's garbage in reference cycles is given back before this one, outside its clock: each
-            # step's peak is its own bytes, the same whether recorded (ndl.memory.record collects too) or not
-            python_gc.collect()
-            try:
-                # the last step is recorded (measure.peak_split: its peak, by category), and left out of T_step
-                with peak_split(device, on=split_peak and i == total - 1 and not config.parallel) as split:
-                    if config.parallel == "pipeline":
-                        step, loss = pipeline_step(model, loss_fn, opt, batches, start, config, device, params)
-                    else:
-                        step, loss = train_step(model, loss_fn, opt, batches, start, config, device, params, scaler)
-                    del loss
-            except InfeasibleBudget as err:
-                fail(str(err))  # planned before anything was computed
-            if split:
-                step.update(split, recorded=True)
+            # the last step is recorded (measure.peak_split: its peak, by category), and left out of T_step
+            step = one_step(config, (model, loss_fn, opt, params, scaler), batches, start, device,
+                            split_peak and i == total - 1 and not config.parallel)
             add_step(record, {"step": i, **step}, policy, config, path)
             if config.save_checkpoint and (i + 1 == total or config.save_every and (i + 1) % config.save_every == 0):
                 save_training(config, vocab, i + 1, model, opt, scaler)
@@ -138,6 +126,27 @@ def train(config, use_gc, data, vocab, source, out_dir=None, quiet=False, json_p
         write_json(path, record)
     record["json"] = path
     return record
+
+
+def one_step(config, training, batches, start, device, recorded):
+    """One optimizer step, measured (train_step, or pipeline_step with --parallel pipeline); `recorded`: with
+    ndl.memory.record on, its peak split by category (measure.peak_split) into the step's record."""
+    model, loss_fn, opt, params, scaler = training
+    # the previous step's garbage in reference cycles is given back first, outside the step's clock: each step's
+    # peak is its own bytes, the same whether recorded (ndl.memory.record collects too) or not
+    python_gc.collect()
+    try:
+        with peak_split(device, on=recorded) as split:
+            if config.parallel == "pipeline":
+                step, loss = pipeline_step(model, loss_fn, opt, batches, start, config, device, params)
+            else:
+                step, loss = train_step(model, loss_fn, opt, batches, start, config, device, params, scaler)
+            del loss
+    except InfeasibleBudget as err:
+        fail(str(err))  # planned before anything was computed
+    if split:
+        step.update(split, recorded=True)
+    return step
 
 
 def new_record(config, use_gc, source, vocab, device, first_step):
