@@ -29,6 +29,7 @@ from conftest import GC_TINY as TINY
 from conftest import gc_in_process as _gc_here
 from conftest import gc_process as _gc
 from conftest import run_gc, strict_json, tiny_ptb
+from experiment import ablations
 
 SUBCOMMANDS = ["run", "sweep", "max-batch", "ablate", "timeline", "plot"]
 
@@ -484,6 +485,18 @@ def test_the_step_peak_is_split_by_category_at_its_instant_on_the_last_step(tmp_
                f"{r['peak_phase']}" in printed
 
 
+def test_the_optimizer_in_backward_trains_alike_and_no_gradient_outlives_its_update(tmp_path, capsys):
+    data, runs = tiny_ptb(tmp_path), {}
+    for name, flags in (("after", []), ("inside", ["--optimizer-in-backward"])):
+        runs[name] = tmp_path / f"{name}.json"
+        run_gc(TINY + ["--data", data, "--policy", "off", "--json", str(runs[name]), *flags])
+    after, inside = strict_json(runs["after"]), strict_json(runs["inside"])
+    assert (after["optimizer_in_backward"], inside["optimizer_in_backward"]) == (False, True)
+    assert [s["loss"] for s in inside["steps"]] == pytest.approx([s["loss"] for s in after["steps"]], rel=1e-6)
+    assert inside["grad_bytes"] == 0 < after["grad_bytes"]  # each gradient freed by its own update
+    assert inside["peak_by_category"]["gradient"] < after["grad_bytes"]  # never every gradient at once
+
+
 # ----- plots ---------------------------------------------------------------------------------------------------------
 def _figures(monkeypatch):
     """The figures gc.py's plot functions draw, kept for inspection instead of closed."""
@@ -616,16 +629,16 @@ ABLATE_TINY = ["--batch-size", "4", "--seq-len", "5", "--embedding-size", "8", "
 
 def test_ablate_prints_one_table_and_writes_its_json_and_png(tmp_path, monkeypatch, capsys):
     out = tmp_path / "out"
-    run_gc(["ablate", "--steps", "2", "--rows", "baseline", "fused", "--data", tiny_ptb(tmp_path), "--out", str(out),
-            *ABLATE_TINY])  # each row a child process, as always
+    run_gc(["ablate", "--steps", "2", "--rows", "baseline", "fused", "whole-step", "--data", tiny_ptb(tmp_path),
+            "--out", str(out), *ABLATE_TINY])  # each row a child process, as always
     printed = capsys.readouterr().out
     table = printed.split("\nrow ")[1]  # the table, after the lines each row printed as it ended
     assert "M_act MB" in table and "M_peak MB" in table and "T_step s" in table and "loss-base" in table
-    lines = [ln.split()[0] for ln in table.splitlines()[1:3]]
-    assert lines == ["baseline", "fused"]
+    lines = [ln.split()[0] for ln in table.splitlines()[1:4]]
+    assert lines == ["baseline", "fused", "whole-step"]
     result = strict_json(out / "ablation.json")
     assert result["kind"] == "ablation" and result["steps_per_row"] == 2 and result["batch_size"] == 4
-    assert [r["row"] for r in result["rows"]] == ["baseline", "fused"]
+    assert [r["row"] for r in result["rows"]] == ["baseline", "fused", "whole-step"]
     for r in result["rows"]:
         for key in ("setup", "policy", "head", "activation_bytes", "peak_activation_bytes", "rss_peak_bytes",
                     "step_time_seconds", "loss", "loss_diff", "peak_change", "time_change", "json", "peak_bytes",
@@ -634,8 +647,11 @@ def test_ablate_prints_one_table_and_writes_its_json_and_png(tmp_path, monkeypat
         run = strict_json(r["json"])
         assert run["ablation_id"] == result["ablation_id"]  # each row's own run JSON
         assert r["peak_bytes"] == run["peak_bytes"] == sum(r["peak_by_category"].values())  # the step's peak, split
-    base, fused = result["rows"]
+    base, fused, whole = result["rows"]
     assert (base["policy"], base["head"], fused["policy"], fused["head"]) == ("off", "full", "off", "fused")
+    # the whole step's levers reached its run: no gradient outlives its update inside backward
+    assert whole["flags"] == ablations.WHOLE_STEP and whole["grad_bytes"] == 0 < base["grad_bytes"]
+    assert strict_json(whole["json"])["optimizer_in_backward"] is True
     assert base["loss_diff"] == 0 and abs(fused["loss_diff"]) < 1e-4
     assert "the step's peak (all live bytes), by category at its instant" in printed
     with open(out / "ablation.png", "rb") as f:
