@@ -10,17 +10,17 @@ from needle import distributed as dist
 
 ACCUMULATE = 4  # the accumulation rows: ACCUMULATE micro-batches of --batch-size / ACCUMULATE per optimizer step
 BASE = {"policy": "off", "head": "full"}  # the course's step: no checkpointing, the logits held whole
-# The levers that minimise the step's peak of all live bytes, together (issue 47). Chosen by measuring the demo model
-# over 50 steps (step peak / the baseline's 181.3 MiB): with the optimizer in backward the peak sits in the last
-# updates (the embedding's and the head's 7.4 MiB matrices, their gradient and Adafactor's temporaries), not in the
-# activations, so policy sqrt reaches all's peak (63.8 MiB) and recomputes less (off 78.9, selective 65.9);
-# Adafactor's state is 0.2 MiB where Adam8bit keeps 14-22 MiB (98.9 MiB with pure bf16); pure bf16 halves the
-# parameters but its float32 update temporaries and gradients leave it higher (73.6 MiB, and a loss 1.9% above the
-# baseline's after 50 steps), so bf16 autocast with float32 master weights (63.8 MiB, loss 0.7% below)
+# The levers that minimise the step's peak of all live bytes, together (issue 47), chosen by measuring the demo model
+# over 50 steps (step peak against the baseline row's 181.3 MiB), the optimizers updating in place a chunk at a
+# time: with the optimizer in backward no step holds every gradient, and with checkpointing few activations, so
+# what is left is the parameters and the gradients in flight; pure bf16 halves both (33.6 MiB, 0.185, its loss
+# after 50 steps 1.9% above the baseline's) where bf16 autocast keeps them in float32 (46.9 MiB, 0.259; float32
+# 66.2). Adafactor's state is 0.1 MiB, Adam8bit's 14.3 (47.9 MiB). Policy sqrt reaches all's peak with less
+# recomputation; selective peaks at 35.8 MiB.
 WHOLE_STEP = {"policy": "sqrt", "head": "fused", "optimizer": "adafactor", "optimizer_in_backward": True,
-              "precision": "mixed-bf16"}
+              "precision": "bf16", "stochastic_rounding": True}
 WHOLE_STEP_TEXT = ("the whole step's levers together: gc sqrt, the fused head, Adafactor updating each parameter "
-                   "inside backward, bf16 autocast (float32 master weights)")
+                   "inside backward, pure bf16 with stochastic rounding")
 ABLATIONS = {
     "baseline": ("gc off, full head: the course's step", BASE),
     "accumulate": (f"gradient accumulation x{ACCUMULATE}: micro-batch = batch/{ACCUMULATE}, the same effective batch",
