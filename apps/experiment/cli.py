@@ -105,12 +105,29 @@ def validate_command(config):
              f"gc.py ablate do)")
     validate_policies(config)
     validate_seq_model(config)
+    validate_in_backward(config)
     if command == "sweep":
         validate_sweep(config)
     if config.stochastic_rounding and config.precision != "bf16":
         fail(f"--stochastic-rounding is for pure bf16 training (--precision bf16), whose bfloat16 weights it rounds "
              f"the updates of; --precision {config.precision} keeps float32 weights: leave it out, or give "
              f"--precision bf16")
+
+
+def validate_in_backward(config):
+    """--optimizer-in-backward updates each parameter during backward, the moment its gradient is complete: refused
+    where something must see every gradient, or a later backward's, before the update."""
+    if not config.optimizer_in_backward:
+        return
+    clash = (f"--accumulation-steps {config.accumulation_steps}, which sums several backwards' gradients before one "
+             "update" if config.accumulation_steps > 1 else
+             "--precision mixed-fp16, whose GradScaler checks every gradient for overflow before the update"
+             if config.precision == "mixed-fp16" else
+             f"--parallel {config.parallel}, whose gradients are reduced across the ranks after backward"
+             if config.parallel else None)
+    if clash:
+        fail(f"--optimizer-in-backward updates each parameter inside backward, so it cannot go with "
+             f"{clash}: leave one of them out")
 
 
 def validate_seq_model(config):

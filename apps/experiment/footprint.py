@@ -41,15 +41,18 @@ def model_bytes(config, vocab, ranks=1):
     """{"parameters", "gradients", "optimizer_state"}: bytes one process holds for them (a lower bound).  Pure bf16
     keeps 2-byte weights, every other precision 4-byte ones; --parallel pipeline spreads the parameters over the
     ranks, ZeRO the state (stage 1), the gradients (stage 2) and the parameters (stage 3), tensor parallelism splits
-    all three (the layer norms, whole on every rank, make the division a lower bound still)."""
+    all three (the layer norms, whole on every rank, make the division a lower bound still); --optimizer-in-backward
+    holds one gradient at a time."""
     shapes = parameter_shapes(config, vocab)
     itemsize = 2 if config.precision == "bf16" else 4
     params = itemsize * sum(math.prod(s) for s in shapes)
     state = state_bytes(config, shapes, itemsize)
+    # --optimizer-in-backward: each gradient is freed by its update inside backward; at least the largest is made
+    grads = itemsize * max(math.prod(s) for s in shapes) if config.optimizer_in_backward else params
     split, _ = parallel_layout(config.parallel, ranks)  # tensor parallel: each rank about 1/split of the model
     share = {"pipeline": (ranks, ranks, ranks), "zero1": (1, 1, ranks), "zero2": (1, ranks, ranks),
              "zero3": (ranks, ranks, ranks)}.get(config.parallel, (split, split, split))
-    return {"parameters": params // share[0], "gradients": params // share[1], "optimizer_state": state // share[2]}
+    return {"parameters": params // share[0], "gradients": grads // share[1], "optimizer_state": state // share[2]}
 
 
 def check_fits(config, vocab, device):

@@ -1,6 +1,8 @@
 """What the OS and the driver see of a step, next to the allocator's exact byte counts
 (needle.backend_ndarray.memory_stats, read in step.py): the process's peak resident memory, the GPU's used
-memory, the CPU backend's thread count, and the memory the machine has at all."""
+memory, the CPU backend's thread count, and the memory the machine has at all; and what the step's peak is made
+of, by category (one step recorded with ndl.memory.record)."""
+import contextlib
 import ctypes
 import ctypes.util
 import os
@@ -112,3 +114,35 @@ def machine_memory_bytes(device):
     if limit.isdigit() and int(limit) < have:
         have, where = int(limit), "the container's memory limit (cgroup memory.max)"
     return have, where
+
+
+@contextlib.contextmanager
+def peak_split(device, on=True):
+    """`with peak_split(device) as split:` around one training step records it (ndl.memory.record: every allocation
+    and free, each with its category) and fills `split`, when the block ends, with what the step's peak of all live
+    bytes was made of: {"peak_by_category": {category: bytes}, "peak_phase": the phase it fell in}. Recording costs
+    Python time in every allocation, so gc.py records one step (the run's last) and leaves it out of T_step.
+    `on=False`: nothing recorded, `split` stays empty."""
+    split = {}
+    if not on:
+        yield split
+        return
+    with ndl.memory.record(device) as snapshot:
+        yield split
+    split.update(peak_by_category(snapshot))
+
+
+def peak_by_category(snapshot):
+    """{"peak_by_category": the device bytes alive at the recorded peak, by the recorder's categories (parameter,
+    gradient, optimizer_state, activation_kept, activation_recomputed, workspace, input, other), "peak_phase"}.
+    The values sum to the peak: bytes the allocator counted that no array held count as "other"; offloaded host
+    copies are not device bytes and are not in it."""
+    event = snapshot.peak["event"]
+    split = dict.fromkeys((c for c in ndl.memory.CATEGORIES if c != "host"), 0)
+    for block in snapshot.alive_at(event):
+        if block["category"] in split:
+            split[block["category"]] += block["bytes"]
+    split["other"] += snapshot.data["baseline_bytes"]
+    phase = None if event is None else next(
+        (p["phase"] for p in snapshot.phases if p["start"] <= event < p["end"]), None)
+    return {"peak_by_category": split, "peak_phase": phase}

@@ -45,8 +45,11 @@ What is measured, per training step (forward + backward + Adam), from the alloca
            cpu() a copy thread runs them beside compute, on cuda a copy stream; on cpu_numpy they are
            synchronous, so hidden is 0
 The table's other rows:
-  peak bytes        the allocator's peak over the step, baseline included (parameters, optimizer
-                    state, the batch, Adam's update)  [peak_bytes]
+  step peak         the step's peak of all live bytes: the allocator's peak over the whole step,
+                    baseline included (parameters, gradients, optimizer state, the batch, activations,
+                    temporaries, the optimizer's update)  [peak_bytes]; what it was made of at that
+                    instant, by category, and its phase, from the run's last step recorded with
+                    ndl.memory.record (that step is left out of T_step)  [peak_by_category, peak_phase]
   loss (last step)  the training loss of the last step  [loss]
   recomputed nodes  graph nodes backward recomputed in the last step (0 with gc off)  [recomputed_nodes]
   GPUtil used       (cuda) the GPU memory the driver reports in use after the last step
@@ -192,6 +195,10 @@ def add_step_flags(g):
     flag(g, "optimizer", default="adam", choices=OPTIMIZERS,
          help="adam (the course's), adam8bit (8-bit block-wise moments), adafactor (factored second moments, "
               "no first moment, at --lr), sgd (momentum 0.9) (default: adam)")
+    flag(g, "optimizer_in_backward", action="store_true",
+         help="update each parameter inside backward, as soon as its gradient is complete, and free that gradient "
+              "there (the optimizer's in_backward=True): the step never holds every gradient at once. Not with "
+              "--accumulation-steps > 1, --precision mixed-fp16 (GradScaler) or --parallel")
     flag(g, "offload_state", action="store_true",
          help="keep the optimizer's state in host memory, outside the device allocator, and bring each "
               "parameter's state in for its update")

@@ -55,6 +55,7 @@ def config_of(config, source, vocab, device):
         "lazy": config.lazy,
         "device": str(device), "threads": threads(), "epochs": config.epochs, "max_batches": config.max_batches,
         "warmup": config.warmup, "lr": config.lr, "optimizer": config.optimizer,
+        "optimizer_in_backward": bool(config.optimizer_in_backward),
         "offload_state": bool(config.offload_state), "seed": config.seed, "parallel": config.parallel,
         "bucket_bytes": mb_to_bytes(config.bucket_mb) if config.parallel else None,
         "world_size": dist.world_size() if config.parallel else 1,
@@ -70,7 +71,8 @@ CONFIG_KEYS = ("data", "vocab_size", "batch_size", "accumulation_steps", "effect
                "embedding_size", "hidden_size", "num_layers", "seq_model", "num_head", "dropout", "activation",
                "activation_bits", "compress_bits", "head_init_scale", "head", "precision", "stochastic_rounding",
                "init_scale", "segment_len", "budget_bytes", "budget_offload", "host_bandwidth_bytes_per_second", "lazy",
-               "device", "threads", "epochs", "max_batches", "warmup", "lr", "optimizer", "offload_state", "parallel",
+               "device", "threads", "epochs", "max_batches", "warmup", "lr", "optimizer", "optimizer_in_backward",
+               "offload_state", "parallel",
                "bucket_bytes", "world_size", "memory_limit_bytes")
 REPEAT_KEYS = ("seed", "needle_commit", "started_at", "argv")
 
@@ -78,14 +80,21 @@ REPEAT_KEYS = ("seed", "needle_commit", "started_at", "argv")
 def summarize(record, warmup):
     """The record's summary of its steps so far: medians and maxima over the timed steps (after `warmup`)."""
     steps = [s for s in record["steps"] if not s.get("traced")]
-    timed = steps[warmup:]
-    steps = timed or steps or record["steps"]  # too few steps: the warm-up ones, flagged below
-    t_step = statistics.median(s["time_seconds"] for s in steps)
+    after = steps[warmup:]
+    timed = [s for s in after if not s.get("recorded")]  # the recorded step paid for its recording: not timed
+    steps = after or steps or record["steps"]  # too few steps: the warm-up ones, flagged below
+    clocked = timed or [s for s in steps if not s.get("recorded")] or steps
+    t_step = statistics.median(s["time_seconds"] for s in clocked)
     peak = max(s["peak_bytes"] for s in steps)
+    recorded = next((s for s in reversed(record["steps"]) if s.get("recorded")), {})
     record.update({
         "step_time_seconds": t_step, "timed_steps": len(timed), "step_time_reliable": len(timed) >= MIN_TIMED_STEPS,
         "time": t_step, "time_per_batch_median": t_step,  # the earlier project's names (ALIASES)
         "peak_bytes": peak, "peak memory": peak,
+        # the step's peak of all live bytes by category, as the recorded step (the last) had it: its values sum
+        # to that step's peak_bytes (measure.peak_split); None until it is recorded, and under --parallel
+        "peak_by_category": recorded.get("peak_by_category"), "peak_phase": recorded.get("peak_phase"),
+        "peak_split_step": recorded.get("step"),
         "peak_activation_bytes": max(s["peak_activation_bytes"] for s in steps),
         "step_peak_bytes": max(s["step_peak_bytes"] for s in steps),
         "activation_bytes": max(s["activation_bytes"] for s in steps),

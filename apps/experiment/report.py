@@ -171,7 +171,7 @@ def step_line(i, step):
 
 def print_table(off, on):
     rows = [("M_act (MB)", "activation_bytes"), ("M_peak (MB)", "peak_activation_bytes"),
-            ("peak bytes (MB)", "peak_bytes")]
+            ("step peak (MB)", "peak_bytes")]
     print(f"\n{'':18s}{'gc off':>12s}{'gc on':>12s}{'change':>10s}")
     for label, key in rows:
         a, b = off[key], on[key]
@@ -197,11 +197,15 @@ def print_table(off, on):
     lower = lambda key: (1 - on[key] / off[key]) * 100 if off[key] else 0.0  # noqa: E731
     overhead = (f"time overhead {pct(on['time'], off['time'])}" + (f" ({note})" if note else "") if both else
                 "time overhead not measured (no step timed after the warm-up: lower --warmup)")
-    print(f"\nactivation memory at backward start: {lower('activation_bytes'):.1f}% lower; step peak: "
-          f"{lower('peak_activation_bytes'):.1f}% lower; {overhead}")
+    print(f"\nactivation memory at backward start: {lower('activation_bytes'):.1f}% lower; M_peak: "
+          f"{lower('peak_activation_bytes'):.1f}% lower; step peak (all live bytes): {lower('peak_bytes'):.1f}% lower; "
+          f"{overhead}")
     if off.get("rss_peak_bytes") and on.get("rss_peak_bytes") is not None:
         print(f"resident memory a step uses at its peak (what the OS sees): {lower('rss_peak_bytes'):.1f}% lower")
     print(state_text(off))
+    for r in (off, on):
+        if r.get("peak_by_category"):
+            print(f"{'gc on' if r['use_gc'] else 'gc off'}: {split_text(r)}")
     for line in filter(None, map(scaler_text, (off, on))):
         print(line)
     for r in (off, on) if off.get("parallel") else ():
@@ -213,7 +217,10 @@ def print_single(r):
     note = time_note(r)
     print(f"\n{r['policy']}: M_act {mb(r['activation_bytes']).strip()} MB, M_peak "
           f"{mb(r['peak_activation_bytes']).strip()} MB, M_floor {mb(r['floor_bytes']).strip()} MB, "
-          f"T_step {seconds(r)}{' s' * timed(r)}{f' ({note})' if note else ''}, loss {r['loss']:.4f}")
+          f"step peak {mb(r['peak_bytes']).strip()} MB, T_step {seconds(r)}{' s' * timed(r)}"
+          f"{f' ({note})' if note else ''}, loss {r['loss']:.4f}")
+    if r.get("peak_by_category"):
+        print(split_text(r))
     if r.get("activation_offloaded_bytes"):
         print(f"host memory {mb(r['host_peak_bytes']).strip()} MB (M_host: {host_text(r)}, outside M_peak), "
               f"copy time {r['copy_seconds_exposed'] or 0:.3f} s ({copy_text(r)})")
@@ -222,6 +229,21 @@ def print_single(r):
         print(scaler_text(r))
     if r.get("parallel"):
         print(parallel_text(r))
+
+
+# the recorder's categories (ndl.memory.CATEGORIES) as the tables name them
+CATEGORY_TEXT = {"parameter": "parameters", "gradient": "gradients", "optimizer_state": "optimizer state",
+                 "activation_kept": "activations kept", "activation_recomputed": "recomputed",
+                 "workspace": "temporaries", "input": "inputs", "other": "other"}
+
+
+def split_text(r):
+    """What a run's step peak (all live bytes) was made of, by category, at the recorded step's peak."""
+    split = r["peak_by_category"]
+    parts = [f"{CATEGORY_TEXT.get(c, c)} {mb(n).strip()}" for c, n in split.items() if n]
+    where = f" in {r['peak_phase']}" if r.get("peak_phase") else ""
+    return (f"step peak {mb(sum(split.values())).strip()} MB{where} (step {r.get('peak_split_step')}, recorded): "
+            f"{', '.join(parts)} MB")
 
 
 def host_text(r):
@@ -282,15 +304,26 @@ def print_ablation(result):
     rows = result["rows"]
     widths = (max(len(r["row"]) for r in rows + [{"row": "row"}]) + 2, max(len(r["setup"]) for r in rows) + 2)
     print(f"\n{'row':{widths[0]}s}{'setup':{widths[1]}s}{'M_act MB':>9s}{'M_peak MB':>10s}{'vs base':>9s}"
-          f"{'P+G MB':>8s}{'state MB':>9s}{'RSS MB':>8s}{'T_step s':>9s}{'vs base':>9s}{'loss':>8s}{'loss-base':>10s}")
+          f"{'peak MB':>9s}{'vs base':>9s}{'P+G MB':>8s}{'state MB':>9s}{'RSS MB':>8s}{'T_step s':>9s}{'vs base':>9s}"
+          f"{'loss':>8s}{'loss-base':>10s}")
     for r in rows:
         print(_ablation_line(r, widths))
+    split = [r for r in rows if r.get("peak_by_category")]
+    if split:
+        cats = [c for c in CATEGORY_TEXT if any(r["peak_by_category"].get(c) for r in split)]
+        print(f"\nthe step's peak (all live bytes), by category at its instant, MB:\n{'row':{widths[0]}s}"
+              f"{'peak':>8s}{'in':>10s}" + "".join(f"{CATEGORY_TEXT[c]:>{len(CATEGORY_TEXT[c]) + 2}s}" for c in cats))
+        for r in split:
+            print(f"{r['row']:{widths[0]}s}{r['peak_bytes'] / 2**20:8.1f}{r.get('peak_phase') or '':>10s}" + "".join(
+                f"{r['peak_by_category'].get(c, 0) / 2**20:{len(CATEGORY_TEXT[c]) + 2}.1f}" for c in cats))
     note = time_note(*[r for r in rows if "failed" not in r]).replace("--max-batches", "--steps")
     b = result["batch_size"]
     accumulation = (f" x {ACCUMULATE}: {ACCUMULATE} micro-batches of {b // ACCUMULATE} per step, their gradients "
                     f"summed." if any(r.get("accumulation_steps", 1) > 1 for r in rows) else "")
     print(textwrap.fill(
         f"M_act, M_peak: exact allocator bytes over forward + backward, parameters and optimizer state left out; "
+        f"peak: the step's peak of all live bytes (parameters, gradients, optimizer state, activations, "
+        f"temporaries), split by category on the row's last step, recorded (and left out of T_step); "
         f"P+G: parameters and gradients; state: the optimizer's state on the device (moments, master weights); "
         f"RSS: the resident memory a step uses at its peak (RSS less the allocator's free cache); "
         f"T_step: median step time after the warm-up"
@@ -310,6 +343,7 @@ def _ablation_line(r, widths):
         "0" if r["loss_diff"] == 0 else f"{r['loss_diff']:+.1e}"
     return (f"{name}{r['activation_bytes'] / 2**20:9.1f}"
             f"{r['peak_activation_bytes'] / 2**20:10.1f}{change('peak_change'):>9s}"
+            f"{mb_or_blank(r.get('peak_bytes')):>9s}{change('peak_bytes_change'):>9s}"
             f"{mb_or_blank((r.get('param_bytes') or 0) + (r.get('grad_bytes') or 0)):>8s}"
             f"{mb_or_blank(r.get('optimizer_bytes')):>9s}{rss:>8s}"
             f"{seconds({**r, 'time': r['step_time_seconds']}):>9s}{change('time_change') if timed(r) else '':>9s}"

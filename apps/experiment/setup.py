@@ -61,6 +61,7 @@ class RunConfig:
     stochastic_rounding: bool = False
     init_scale: float = 2.0**16
     optimizer: str = "adam"
+    optimizer_in_backward: bool = False  # each parameter updated inside backward, its gradient freed there
     offload_state: bool = False
     head: str = None
     # checkpointing
@@ -191,9 +192,13 @@ def make_optimizer(config, params, model=None):
     scale_parameter off, so the rows compare at one learning rate; factored second moments, no first moment);
     SGD with momentum 0.9.  fp32 and mixed precision keep float32 parameters (the master weights); pure bf16 keeps
     weights and state in bfloat16, with stochastic rounding if asked.  --offload-state keeps the state in host
-    memory.  --parallel zero1 / zero2 / zero3 runs it inside ZeroRedundancyOptimizer (stage 1 / 2 / 3)."""
+    memory.  --optimizer-in-backward updates each parameter inside backward, as soon as its gradient is complete
+    (in_backward=True; step() and reset_grad() then have nothing to do).  --parallel zero1 / zero2 / zero3 runs it
+    inside ZeroRedundancyOptimizer (stage 1 / 2 / 3)."""
     name = config.optimizer
     kw = {"lr": config.lr, "offload_state": bool(config.offload_state)}
+    if config.optimizer_in_backward:  # (only when asked: an optimizer without the argument still builds)
+        kw["in_backward"] = True
     if config.precision == "bf16":
         kw.update(master_weights=False, stochastic_rounding=config.stochastic_rounding)
     cls = {"adam8bit": ndl.optim.Adam8bit, "adafactor": ndl.optim.Adafactor, "sgd": ndl.optim.SGD}.get(

@@ -114,6 +114,26 @@ def test_compress_bits_reaches_gc_on_children_and_ablates_compress_rows_only(tmp
     assert setup.make_policy(replace(on, policy="off")).policy is None  # keep everything, compressed
 
 
+def test_the_whole_step_row_pulls_the_levers_of_the_step_peak_and_its_child_gets_them(tmp_path):
+    """ablate's whole-step row (issue 47): checkpointing, the fused head, a lean optimizer that updates each
+    parameter inside backward, 16-bit storage; its child gc.py run is told every one of them."""
+    flags = ablations.ABLATIONS["whole-step"][1]
+    assert flags["policy"] in ("all", "sqrt") and flags["head"] == "fused" and flags["optimizer_in_backward"] is True
+    assert flags["optimizer"] in ("adam8bit", "adafactor") and flags["precision"] in ("bf16", "mixed-bf16")
+    assert "whole-step" in ablations.default_rows()
+    parent = cli.parse_args(["ablate", "--rows", "baseline", "whole-step"])
+    overrides = {key: value for key, value in flags.items() if key != "policy"}
+    child = cli.parse_args(children.child_argv(parent, "synthetic", overrides, flags["policy"], tmp_path / "w.json"))
+    assert (child.policy, child.use_gc) == (flags["policy"], 1)
+    for key, value in overrides.items():
+        assert getattr(child, key) == value, key
+    # in backward, each gradient is freed by its own update: the footprint's lower bound counts the largest only
+    shapes = footprint.parameter_shapes(child, 100)
+    held = footprint.model_bytes(child, 100)["gradients"]
+    assert held == max(math.prod(s) for s in shapes) * (2 if child.precision == "bf16" else 4)
+    assert held < footprint.model_bytes(replace(child, optimizer_in_backward=False), 100)["gradients"]
+
+
 # ----- set-up --------------------------------------------------------------------------------------------------------
 def test_the_output_layer_starts_near_a_uniform_guess_without_changing_the_rest(tmp_path):
     corpus, vocab = data.load_data(tiny_ptb(tmp_path))

@@ -29,6 +29,7 @@ from conftest import GC_TINY as TINY
 from conftest import gc_in_process as _gc_here
 from conftest import gc_process as _gc
 from conftest import run_gc, strict_json, tiny_ptb
+from experiment import ablations
 
 SUBCOMMANDS = ["run", "sweep", "max-batch", "ablate", "timeline", "plot"]
 
@@ -302,6 +303,9 @@ def test_bad_input_is_one_line_and_exit_2_before_any_work(tmp_path):
         (["--batch-size", "100000"], "too small"),
         (["--policy", "budget", "--budget-mb", "0.001"], "is infeasible: the least M_peak"),
         (["--policy", "budget", "--budget-mb", "0.001", "--no-lazy"], "is infeasible: the least M_peak"),
+        (["--optimizer-in-backward", "--accumulation-steps", "2"], "cannot go with --accumulation-steps 2"),
+        (["--optimizer-in-backward", "--precision", "mixed-fp16"], "cannot go with --precision mixed-fp16"),
+        (["--optimizer-in-backward", "--parallel", "dp"], "cannot go with --parallel dp"),
     ]
     commands = [tiny + argv for argv, _ in cases] + [
         ["sweep", "--values", "4", "0"] + tiny,
@@ -312,11 +316,13 @@ def test_bad_input_is_one_line_and_exit_2_before_any_work(tmp_path):
         ["plot", str(tmp_path)],  # a folder without gc.py JSON
         ["ablate", "--batch-size", "6", "--rows", "baseline", "accumulate"],
         ["ablate", "--rows", "baseline", "--budget-mb", "5"],
+        ["sweep", "--optimizer-in-backward", "--accumulation-steps", "2"] + tiny,
     ]
     expected = [e for _, e in cases] + ["--values must be positive integers", "compares policies off and all only",
                                         "add budget to --policies", "required: --memory-limit-mb",
                                         "is not a folder", "holds no gc.py run, sweep, max-batch or ablation JSON",
-                                        "give a --batch-size that divides by 4, not 6", "add budget to --rows"]
+                                        "give a --batch-size that divides by 4, not 6", "add budget to --rows",
+                                        "cannot go with --accumulation-steps 2"]
     results = [_gc_here(*argv) for argv in commands]
     for argv, text, result in zip(commands, expected, results):
         line = _one_line_error(*result)
@@ -453,10 +459,42 @@ def test_t_step_from_fewer_than_3_timed_steps_is_flagged(tmp_path, capsys):
     out = tmp_path / "out"
     run_gc(TINY + ["--data", tiny_ptb(tmp_path), "--out", str(out), "--max-batches", "3", "--warmup", "1"])
     printed = capsys.readouterr().out
-    assert "unreliable: from 2 timed steps (< 3)" in printed and "time overhead" in printed
+    # steps 1 and 2 follow the warm-up; the last, recorded for the step peak's split, is not timed
+    assert "unreliable: from 1 timed step (< 3)" in printed and "time overhead" in printed
     for name in os.listdir(out):
         r = strict_json(out / name)
-        assert r["timed_steps"] == 2 and r["step_time_reliable"] is False
+        assert r["timed_steps"] == 1 and r["step_time_reliable"] is False
+
+
+def test_the_step_peak_is_split_by_category_at_its_instant_on_the_last_step(tmp_path, capsys):
+    out = tmp_path / "out"
+    run_gc(TINY + ["--data", tiny_ptb(tmp_path), "--out", str(out)])
+    printed = capsys.readouterr().out
+    assert "step peak (MB)" in printed
+    for name in os.listdir(out):
+        r = strict_json(out / name)
+        *others, last = r["steps"]
+        assert last["recorded"] is True and not any(s.get("recorded") for s in others)  # one step recorded
+        split = r["peak_by_category"]
+        assert set(split) <= set(ndl.memory.CATEGORIES) - {"host"}, split
+        # the categories sum to the step's peak of all live bytes: parameters, gradients, state, activations, ...
+        assert sum(split.values()) == last["peak_bytes"] == r["peak_bytes"]
+        assert split["parameter"] >= r["param_bytes"] and split["optimizer_state"] >= r["optimizer_bytes"] > 0
+        assert r["peak_phase"] in ndl.memory.PHASES and r["peak_split_step"] == last["step"]
+        assert f"{'gc on' if r['use_gc'] else 'gc off'}: step peak {r['peak_bytes'] / 2**20:.1f} MB in " \
+               f"{r['peak_phase']}" in printed
+
+
+def test_the_optimizer_in_backward_trains_alike_and_no_gradient_outlives_its_update(tmp_path, capsys):
+    data, runs = tiny_ptb(tmp_path), {}
+    for name, flags in (("after", []), ("inside", ["--optimizer-in-backward"])):
+        runs[name] = tmp_path / f"{name}.json"
+        run_gc(TINY + ["--data", data, "--policy", "off", "--json", str(runs[name]), *flags])
+    after, inside = strict_json(runs["after"]), strict_json(runs["inside"])
+    assert (after["optimizer_in_backward"], inside["optimizer_in_backward"]) == (False, True)
+    assert [s["loss"] for s in inside["steps"]] == pytest.approx([s["loss"] for s in after["steps"]], rel=1e-6)
+    assert inside["grad_bytes"] == 0 < after["grad_bytes"]  # each gradient freed by its own update
+    assert inside["peak_by_category"]["gradient"] < after["grad_bytes"]  # never every gradient at once
 
 
 # ----- plots ---------------------------------------------------------------------------------------------------------
@@ -591,24 +629,31 @@ ABLATE_TINY = ["--batch-size", "4", "--seq-len", "5", "--embedding-size", "8", "
 
 def test_ablate_prints_one_table_and_writes_its_json_and_png(tmp_path, monkeypatch, capsys):
     out = tmp_path / "out"
-    run_gc(["ablate", "--steps", "2", "--rows", "baseline", "fused", "--data", tiny_ptb(tmp_path), "--out", str(out),
-            *ABLATE_TINY])  # each row a child process, as always
+    run_gc(["ablate", "--steps", "2", "--rows", "baseline", "fused", "whole-step", "--data", tiny_ptb(tmp_path),
+            "--out", str(out), *ABLATE_TINY])  # each row a child process, as always
     printed = capsys.readouterr().out
     table = printed.split("\nrow ")[1]  # the table, after the lines each row printed as it ended
     assert "M_act MB" in table and "M_peak MB" in table and "T_step s" in table and "loss-base" in table
-    lines = [ln.split()[0] for ln in table.splitlines()[1:3]]
-    assert lines == ["baseline", "fused"]
+    lines = [ln.split()[0] for ln in table.splitlines()[1:4]]
+    assert lines == ["baseline", "fused", "whole-step"]
     result = strict_json(out / "ablation.json")
     assert result["kind"] == "ablation" and result["steps_per_row"] == 2 and result["batch_size"] == 4
-    assert [r["row"] for r in result["rows"]] == ["baseline", "fused"]
+    assert [r["row"] for r in result["rows"]] == ["baseline", "fused", "whole-step"]
     for r in result["rows"]:
         for key in ("setup", "policy", "head", "activation_bytes", "peak_activation_bytes", "rss_peak_bytes",
-                    "step_time_seconds", "loss", "loss_diff", "peak_change", "time_change", "json"):
+                    "step_time_seconds", "loss", "loss_diff", "peak_change", "time_change", "json", "peak_bytes",
+                    "peak_bytes_change", "peak_by_category", "peak_phase"):
             assert key in r, key
-        assert strict_json(r["json"])["ablation_id"] == result["ablation_id"]  # each row's own run JSON
-    base, fused = result["rows"]
+        run = strict_json(r["json"])
+        assert run["ablation_id"] == result["ablation_id"]  # each row's own run JSON
+        assert r["peak_bytes"] == run["peak_bytes"] == sum(r["peak_by_category"].values())  # the step's peak, split
+    base, fused, whole = result["rows"]
     assert (base["policy"], base["head"], fused["policy"], fused["head"]) == ("off", "full", "off", "fused")
+    # the whole step's levers reached its run: no gradient outlives its update inside backward
+    assert whole["flags"] == ablations.WHOLE_STEP and whole["grad_bytes"] == 0 < base["grad_bytes"]
+    assert strict_json(whole["json"])["optimizer_in_backward"] is True
     assert base["loss_diff"] == 0 and abs(fused["loss_diff"]) < 1e-4
+    assert "the step's peak (all live bytes), by category at its instant" in printed
     with open(out / "ablation.png", "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
     # plot redraws the ablation, and draws no run plot of the rows' own JSON

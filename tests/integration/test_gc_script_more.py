@@ -457,7 +457,7 @@ def test_every_row_of_the_table_is_defined_in_help(tmp_path, capsys):
     run_gc(TINY + ["--data", tiny_ptb(tmp_path), "--out", str(tmp_path / "out")])
     table = capsys.readouterr().out.split("gc off       gc on")[1].split("\n\n")[0]
     rows = [line[:18].strip() for line in table.splitlines()[1:] if line.strip()]
-    assert "peak bytes (MB)" in rows and "recomputed nodes" in rows, rows
+    assert "step peak (MB)" in rows and "recomputed nodes" in rows, rows
     code, help_text, _ = _gc_here("run", "--help")
     assert code == 0
     for row in rows:

@@ -1,5 +1,5 @@
-"""gc.py run --preset writeup: the write-up's experiment as it states it, gc off against on, several runs, its two
-measures with their spread (commands/writeup.py, presets.py)."""
+"""gc.py run --preset writeup: the write-up's experiment as it states it, gc off against on (and the whole-step
+row's levers), several runs, its two measures with their spread (commands/writeup.py, presets.py)."""
 import json
 import statistics
 import types
@@ -49,7 +49,9 @@ def test_it_measures_peak_memory_and_time_per_batch_over_the_runs_and_writes_the
     assert "given on the command line: --batch-size 8 (write-up: 256), --embedding-size 16" in out
     table = out[out.rindex("mean ± standard deviation over 3 runs"):].splitlines()
     assert table[1].split() == ["peak", "memory", "(MB)", "time", "per", "batch", "(s)"]
-    assert [line.split()[:2] for line in table[2:5]] == [["gc", "off"], ["gc", "on"], ["gc", "on"]]
+    names = [line[:22].strip() for line in table[2:7]]
+    assert names == ["gc off", "gc on (all)", "whole-step", "gc on against off", "whole-step against off"], names
+    assert "whole-step: ablate's row on this model" in out
     with open(tmp_path / "out" / "writeup.json") as f:
         result = json.load(f)
     (table,) = result["tables"]
@@ -64,8 +66,9 @@ def test_it_measures_peak_memory_and_time_per_batch_over_the_runs_and_writes_the
         assert p["peak_bytes"] == {"mean": statistics.mean(peaks), "std": statistics.stdev(peaks)}
         assert p["time_per_batch_seconds"]["mean"] == pytest.approx(statistics.mean(times))
         assert p["time_per_batch_seconds"]["std"] == pytest.approx(statistics.stdev(times))
-    off, on = table["passes"].values()
+    off, on, whole = table["passes"].values()
     assert on["peak_bytes"]["mean"] < off["peak_bytes"]["mean"]  # gc on holds fewer activations at its peak
+    assert whole["peak_bytes"]["mean"] < on["peak_bytes"]["mean"]  # and the whole step's levers fewer bytes still
 
 
 def test_the_gpu_gets_the_same_table_where_there_is_one(monkeypatch):

@@ -20,7 +20,8 @@ from .plot import plot_ablation
 
 # what each ablation row keeps of its run's record (the run's own JSON, named by "json", has everything)
 ABLATION_KEYS = ["policy", "head", "batch_size", "accumulation_steps", "effective_batch_size", "budget_bytes",
-                 "activation_bytes", "peak_activation_bytes", "floor_bytes", "rss_peak_bytes", "step_time_seconds",
+                 "activation_bytes", "peak_activation_bytes", "peak_bytes", "peak_by_category", "peak_phase",
+                 "floor_bytes", "rss_peak_bytes", "step_time_seconds",
                  "timed_steps", "step_time_reliable", "loss", "recomputed_nodes", "param_bytes", "grad_bytes",
                  "optimizer_bytes", "offloaded_bytes", "parallel", "world_size", "tokens_per_second", "per_rank",
                  "host_peak_bytes", "activation_offloaded_bytes", "copy_seconds_exposed", "copy_hidden_fraction"]
@@ -103,7 +104,8 @@ def ablation_row(config, source, name, budget, out_dir, ablation_id, counter):
     write_json(json_path, {**r, "ablation_id": ablation_id, "label": name})  # plot: part of this ablation
     row.update({key: r.get(key) for key in ABLATION_KEYS})
     say(f"  {counter} done   {name}: M_act {mb(r['activation_bytes'])} MB  M_peak "
-        f"{mb(r['peak_activation_bytes'])} MB  T {r['time']:.3f} s  loss {r['loss']:.4f}  "
+        f"{mb(r['peak_activation_bytes'])} MB  step peak {mb(r['peak_bytes'])} MB  T {r['time']:.3f} s  "
+        f"loss {r['loss']:.4f}  "
         f"({time.perf_counter() - t0:.0f} s)")
     return row
 
@@ -145,12 +147,14 @@ def setup_text(config, flags, budget_bytes, compress_bits=None):
 
 
 def compare_to_baseline(rows):
-    """Each row's change from the baseline row: M_peak and T_step as ratios - 1, the final loss as a difference."""
+    """Each row's change from the baseline row: M_peak, the step's peak and T_step as ratios - 1, the final loss as
+    a difference."""
     base = next((r for r in rows if r["row"] == "baseline" and "failed" not in r), None)
     for r in rows:
         if "failed" in r:
             continue
         ok = base is not None
         r["peak_change"] = r["peak_activation_bytes"] / base["peak_activation_bytes"] - 1 if ok else None
+        r["peak_bytes_change"] = r["peak_bytes"] / base["peak_bytes"] - 1 if ok else None
         r["time_change"] = r["step_time_seconds"] / base["step_time_seconds"] - 1 if ok else None
         r["loss_diff"] = r["loss"] - base["loss"] if ok and None not in (r["loss"], base["loss"]) else None

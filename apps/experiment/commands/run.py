@@ -16,6 +16,7 @@ from needle.data import batchify
 from ..console import INTERRUPTED_EXIT, OOM_EXIT, fail, progress_on, say, tqdm_class
 from ..data import check_corpus, load_data, resolve_data, windows
 from ..footprint import check_fits
+from ..measure import peak_split
 from ..records import ALIASES, config_of, summarize, write_json
 from ..report import print_run_header, print_single, print_table, step_line
 from ..setup import (AUTOCAST, TENSOR_PARALLEL, build_model, check_budget, check_tensor_parallel_vocabulary, make_loss,
@@ -73,10 +74,13 @@ def main(config):
         print(f"plots: python gc.py plot {out_dir}")
 
 
-def train(config, use_gc, data, vocab, source, out_dir=None, quiet=False, json_path=None, resumed=None):
+def train(config, use_gc, data, vocab, source, out_dir=None, quiet=False, json_path=None, resumed=None,
+          split_peak=True):
     """Train for a few batches with checkpointing off or on; return the measured record (also as JSON: to
     json_path if given, else to a new file in out_dir if given), written after every step.  `resumed`, a state
-    resume.load_training read, continues that training from its step instead of from the start."""
+    resume.load_training read, continues that training from its step instead of from the start.  `split_peak`:
+    the last step is recorded with ndl.memory.record, its peak split by category (peak_by_category; one process
+    only: not under --parallel)."""
     python_gc.collect()  # a previous run's model and optimizer must not count in this run's memory
     device = pick_device(config.device)
     if hasattr(device.mod, "empty_cache"):  # nor its freed blocks, which the allocator keeps for reuse
@@ -97,14 +101,9 @@ def train(config, use_gc, data, vocab, source, out_dir=None, quiet=False, json_p
     try:
         for i in range(first, total):
             start = (i % nbatch) * config.seq_len  # the step's window: a function of i, so a resumed run's too
-            try:
-                if config.parallel == "pipeline":
-                    step, loss = pipeline_step(model, loss_fn, opt, batches, start, config, device, params)
-                else:
-                    step, loss = train_step(model, loss_fn, opt, batches, start, config, device, params, scaler)
-            except InfeasibleBudget as err:
-                fail(str(err))  # planned before anything was computed
-            del loss
+            # the last step is recorded (measure.peak_split: its peak, by category), and left out of T_step
+            step = one_step(config, (model, loss_fn, opt, params, scaler), batches, start, device,
+                            split_peak and i == total - 1 and not config.parallel)
             add_step(record, {"step": i, **step}, policy, config, path)
             if config.save_checkpoint and (i + 1 == total or config.save_every and (i + 1) % config.save_every == 0):
                 save_training(config, vocab, i + 1, model, opt, scaler)
@@ -127,6 +126,27 @@ def train(config, use_gc, data, vocab, source, out_dir=None, quiet=False, json_p
         write_json(path, record)
     record["json"] = path
     return record
+
+
+def one_step(config, training, batches, start, device, recorded):
+    """One optimizer step, measured (train_step, or pipeline_step with --parallel pipeline); `recorded`: with
+    ndl.memory.record on, its peak split by category (measure.peak_split) into the step's record."""
+    model, loss_fn, opt, params, scaler = training
+    # the previous step's garbage in reference cycles is given back first, outside the step's clock: each step's
+    # peak is its own bytes, the same whether recorded (ndl.memory.record collects too) or not
+    python_gc.collect()
+    try:
+        with peak_split(device, on=recorded) as split:
+            if config.parallel == "pipeline":
+                step, loss = pipeline_step(model, loss_fn, opt, batches, start, config, device, params)
+            else:
+                step, loss = train_step(model, loss_fn, opt, batches, start, config, device, params, scaler)
+            del loss
+    except InfeasibleBudget as err:
+        fail(str(err))  # planned before anything was computed
+    if split:
+        step.update(split, recorded=True)
+    return step
 
 
 def new_record(config, use_gc, source, vocab, device, first_step):

@@ -8,7 +8,9 @@ the epochs of each step's allocator peak (parameters, Adam's state, the batch an
 JSON's peak_bytes), and the time per batch, the mean over every batch of the epochs (forward, backward and Adam's
 update: the JSON's time_seconds); each as the mean over the runs ± their standard deviation. Runs differ by their
 seed (--seed, --seed + 1, ...), and gc off and on take turns, run by run, so that a machine growing busier slows
-both alike.  Each pass's JSON goes to --out (default results/writeup), with writeup.json: the table's figures.
+both alike.  A third pass, whole-step, trains the write-up's model with ablate's whole-step row's levers (which
+replace its Adam and fp32: ablations.WHOLE_STEP), so that the table shows the step's peak with every lever pulled.
+Each pass's JSON goes to --out (default results/writeup), with writeup.json: the table's figures.
 """
 import os
 import statistics
@@ -19,6 +21,7 @@ from needle import backend_ndarray as nd
 from ..data import SYNTHETIC, check_corpus, load_data, resolve_data, windows
 from ..footprint import check_fits
 from ..presets import PRESETS, WRITEUP_TEXT, given_flags
+from ..ablations import WHOLE_STEP, WHOLE_STEP_TEXT
 from ..records import write_json
 from ..report import plural, threads_text
 from ..setup import RunConfig, pick_device, policy_label
@@ -53,14 +56,21 @@ def devices(config):
     return [config.device] if config.device else ["cpu"] + (["cuda"] if nd.cuda().enabled() else [])
 
 
+def passes(config):
+    """(name, gc on?, configuration) of each pass: gc off, gc on (--policy), and the whole step, ablate's whole-step
+    row on the write-up's model (its levers replace the write-up's Adam, fp32 and policy)."""
+    return [("gc off", False, config), (f"gc on ({policy_label(config)})", True, config),
+            ("whole-step", True, replace(config, **WHOLE_STEP))]
+
+
 def measure(config, data, vocab, source, device):
-    """{device, passes: {gc off, gc on: per-run figures, their mean and spread}} of the preset's runs."""
-    label = f"gc on ({policy_label(config)})"
-    runs = {"gc off": [], label: []}
+    """{device, passes: {gc off, gc on, whole-step: per-run figures, their mean and spread}} of the preset's runs."""
+    runs = {name: [] for name, _, _ in passes(config)}
     for run in range(config.repeats):
-        for use_gc, name in ((False, "gc off"), (True, label)):
-            r = train(replace(config, seed=config.seed + run), use_gc, data, vocab, source, out_dir=config.out,
-                      quiet=True)
+        for name, use_gc, pass_config in passes(config):
+            # no step recorded (split_peak): the time per batch is the mean over every batch
+            r = train(replace(pass_config, seed=config.seed + run), use_gc, data, vocab, source, out_dir=config.out,
+                      quiet=True, split_peak=False)
             steps = r["steps"]
             runs[name].append({"seed": config.seed + run, "json": r["json"], "batches": len(steps),
                                "peak_bytes": max(s["peak_bytes"] for s in steps),
@@ -103,6 +113,7 @@ def print_header(config, source, data, vocab):
               f"{vocab} words: not the write-up's PTB")
     else:
         print(f"data: {source}, {len(data)} training tokens, vocabulary {vocab}")
+    print(f"whole-step: ablate's row on this model, {WHOLE_STEP_TEXT} (not the write-up's Adam and fp32)")
     print(f"measures: peak memory during batch training (the most the allocator held in any batch: parameters, "
           f"Adam's state, the batch, the activations) and the mean time per batch; mean ± standard deviation over "
           f"the {plural(config.repeats, 'run')}")
@@ -130,6 +141,7 @@ def print_table(table, repeats):
         peak, time = p["peak_bytes"], p["time_per_batch_seconds"]
         print(f"{name:22s}{peak['mean'] / 2**20:>13.1f} ± {peak['std'] / 2**20:<6.1f}"
               f"{time['mean']:>13.3f} ± {time['std']:<6.3f}")
-    off, on = table["passes"].values()
-    change = [on[key]["mean"] / off[key]["mean"] - 1 for key in ("peak_bytes", "time_per_batch_seconds")]
-    print(f"{'gc on against off':22s}{change[0]:>+21.1%} {change[1]:>+21.1%}")
+    off, *others = table["passes"].items()
+    for name, p in others:
+        change = [p[key]["mean"] / off[1][key]["mean"] - 1 for key in ("peak_bytes", "time_per_batch_seconds")]
+        print(f"{name.split(' (')[0] + ' against off':22s}{change[0]:>+21.1%} {change[1]:>+21.1%}")
