@@ -1,6 +1,6 @@
 // array.h -- Array, the module's buffer: `size` elements of one dtype, counted by the memory statistics from
 // construction until the Python object dies; the allocator's policy behind it (C library heap for small buffers,
-// allocator.h's arenas of mapped pages for the others: what stays resident for reuse, and for how long); the
+// allocator.h's arena of mapped pages for the others: what stays resident for reuse, and for how long); the
 // contract's memory functions (memory_stats, reset_peak_memory_stats, set_memory_limit, set_cache_limit,
 // empty_cache); and the dtype checks on Arrays that kernels share (same_float_dtype, require_float32).
 //
@@ -47,15 +47,17 @@ class NeedleMemoryError : public std::runtime_error {
 // of the sizes of live Arrays, which is what tests and users can predict.
 //
 // Where the bytes come from.  Buffers below ARENA_THRESHOLD (64 KiB: biases, row statistics, small reductions)
-// come from the C library (aligned_alloc), where an allocation is a few tens of nanoseconds.  The others, whole
-// pages, come from allocator.h's arenas: segments of address space mapped from the kernel, in which a block is
+// come from the C library (aligned_alloc), where an allocation is a few tens of nanoseconds (the arena's take a
+// few hundred, nothing beside the work on 64 KiB, and round to 4 KiB pages, which small buffers would waste).  The
+// others, whole pages, come from allocator.h's arena: segments of address space mapped from the kernel, in which a block is
 // carved from the best-fitting free range and a freed block joins its free neighbours, so memory one size gave
 // back serves a request of another.  The C library's heap cannot do that for us: glibc keeps freed blocks in its
 // heap (raising its own mmap threshold up to 32 MiB as it frees), a freed heap block below a live one never goes
 // back, and small arrays allocated between large ones pin them (measured: three rounds of 200 x 4 MiB with a small
-// live array after each left 1.4 GB resident with 0 bytes held).  Blocks of 4 MiB and more live in an arena of
-// their own whose segments ask for transparent huge pages (512 times fewer faults on first touch); the two arenas
-// keep small buffers from splitting the large ones' free ranges.
+// live array after each left 1.4 GB resident with 0 bytes held).  The small buffers' heap is apart from the arena,
+// so they never pin its free pages.  The arena's segments ask for transparent huge pages (first touching 2 MiB
+// faults once, not 512 times); measured, one arena for every size kept resident memory lower than a second arena
+// for blocks of 4 MiB and more did (each arena's free pages could serve only its own sizes).
 //
 // What stays resident.  A fresh page faults in on first touch (the kernel zeroes it), about one pass over the
 // buffer.  A training step frees and asks again for the same sizes every step, so a freed block stays *dirty*
@@ -66,9 +68,10 @@ class NeedleMemoryError : public std::runtime_error {
 //     while a training step's sizes recur within its first step or two and are kept from then on.
 //   - Live + dirty bytes stay within 1.15 x the high-water mark (the most bytes ever live at once) + 32 MiB, the
 //     dirty ranges freed longest ago going first (set_cache_limit bounds the dirty bytes further; 0: none kept;
-//     under set_memory_limit never more than the limit).  Because free ranges split and coalesce, what the step
-//     frees early serves what it asks for at its peak, so the peak needs no more pages than it holds (an
-//     allocator of exact sizes kept the freed blocks of one size resident beside the new blocks of another).
+//     under set_memory_limit never more than the limit).  Because free ranges split and coalesce, what a step
+//     frees early serves what it asks for later, whatever the size (an earlier cache of exact sizes kept the freed
+//     blocks of one size resident beside new blocks of another); what the bound still has to hold is
+//     fragmentation: holes between live blocks too small for the next request.
 //   - Dirty memory not reused for longer than a step goes back (the *hold*).  A step is not announced, so the
 //     allocator measures it: the hold is twice the longest interval it saw, among the last thousand or so reuses,
 //     between a block's free and the reuse of its pages or the next request of its size (one step for what a
@@ -85,7 +88,6 @@ class NeedleMemoryError : public std::runtime_error {
 // count live plus cached blocks: the resident memory the allocator answers for); empty_cache() releases them,
 // as does an allocation the kernel refuses.
 constexpr size_t ARENA_THRESHOLD = size_t(64) << 10;
-constexpr size_t LARGE_BLOCK = 2 * HUGE_PAGE;       // 4 MiB: from here on, the huge-page arena
 constexpr size_t CACHE_SLACK_BYTES = size_t(32) << 20;  // the bound's + 32 MiB
 constexpr size_t MAX_TRACKED_SIZES = 4096;  // sizes remembered (returned, last freed); forgotten all at once beyond
 constexpr size_t AUTO_CACHE = std::numeric_limits<size_t>::max();
@@ -102,8 +104,7 @@ struct MemoryStats {
   size_t high_water_bytes = 0;       // the most bytes ever live at once (never reset)
   size_t cache_limit = AUTO_CACHE;   // set_cache_limit's bytes, or AUTO_CACHE: the bound in cache_capacity
   size_t cached_bytes_at_peak = 0;   // cached bytes when peak_bytes was last raised (or reset)
-  Arena pages{false};                // blocks from ARENA_THRESHOLD up to LARGE_BLOCK
-  Arena large{true};                 // blocks of LARGE_BLOCK and more, on huge pages
+  Arena pages{true};                 // the blocks of ARENA_THRESHOLD bytes and more, on huge pages where THP allows
   std::unordered_set<size_t> returned;   // sizes of blocks that went back to the kernel (not yet recurring)
   std::unordered_set<size_t> recurring;  // sizes asked for again after that: their freed blocks are kept
   std::unordered_map<size_t, Clock::time_point> last_freed;  // per recurring size: its latest free
@@ -112,7 +113,7 @@ struct MemoryStats {
   std::condition_variable* trimmer_cv = new std::condition_variable();  // replaced in a forked child
   bool trimmer_started = false;
   bool trimmer_idle = false;  // waiting with no deadline: nothing was dirty
-  size_t cached_bytes() const { return pages.dirty_bytes() + large.dirty_bytes(); }
+  size_t cached_bytes() const { return pages.dirty_bytes(); }
 };
 
 // Never destroyed, so Arrays that die during interpreter shutdown (and the trimmer) still find it.
@@ -149,17 +150,13 @@ static void saw_reuse(MemoryStats& s, Clock::duration interval) {
 
 // Releases dirty ranges until at most `cap` bytes are dirty, those freed longest ago first.  Caller holds s.mu.
 static void trim_cache(MemoryStats& s, size_t cap) {
-  while (s.cached_bytes() > cap) {
-    const size_t over = s.cached_bytes() - cap;
-    Arena& a = s.pages.oldest_dirty() <= s.large.oldest_dirty() ? s.pages : s.large;
-    if (a.release_oldest(over, page_size()) == 0) break;
-  }
+  while (s.cached_bytes() > cap)
+    if (s.pages.release_oldest(s.cached_bytes() - cap, page_size()) == 0) break;
 }
 
 // Releases every dirty range.  Caller holds s.mu.
 static void release_cache(MemoryStats& s) {
   s.pages.release_before(Clock::time_point::max());
-  s.large.release_before(Clock::time_point::max());
 }
 
 // How many bytes may stay dirty now: 1.15 x the high-water mark + 32 MiB, less what is live, so that live plus
@@ -180,7 +177,7 @@ static void trim_forever() {
   MemoryStats& s = stats();
   std::unique_lock<std::mutex> lock(s.mu);
   for (;;) {
-    const Clock::time_point oldest = std::min(s.pages.oldest_dirty(), s.large.oldest_dirty());
+    const Clock::time_point oldest = s.pages.oldest_dirty();
     if (oldest == Clock::time_point::max()) {
       s.trimmer_idle = true;
       s.trimmer_cv->wait(lock);  // until a block is kept (put_pages notifies)
@@ -193,7 +190,6 @@ static void trim_forever() {
       continue;
     }
     s.pages.release_before(now - hold(s));
-    s.large.release_before(now - hold(s));
   }
 }
 
@@ -222,19 +218,18 @@ static void wake_trimmer(MemoryStats& s) {
   }
 }
 
-// A block of `bytes` (page-rounded) from the arena of its size; after a refused mapping, again once every dirty
+// A block of `bytes` (page-rounded) from the arena; after a refused mapping, again once every dirty
 // range is released; nullptr if even that fails.  Caller holds s.mu.
 static void* get_pages(MemoryStats& s, size_t bytes) {
   const Clock::time_point now = Clock::now();
   if (s.returned.erase(bytes) != 0) s.recurring.insert(bytes);  // asked for again: keep this size from now on
   const auto last = s.last_freed.find(bytes);
   if (last != s.last_freed.end()) saw_reuse(s, now - last->second);
-  Arena& arena = bytes >= LARGE_BLOCK ? s.large : s.pages;
   Clock::duration reused;
-  void* p = arena.take(bytes, now, &reused);
+  void* p = s.pages.take(bytes, now, &reused);
   if (p == nullptr && s.cached_bytes() != 0) {
     release_cache(s);
-    p = arena.take(bytes, now, &reused);
+    p = s.pages.take(bytes, now, &reused);
   }
   if (reused != Clock::duration::zero()) saw_reuse(s, reused);
   return p;
@@ -253,7 +248,7 @@ static void put_pages(MemoryStats& s, void* ptr, size_t bytes) {
   }
   if (s.last_freed.size() >= MAX_TRACKED_SIZES) s.last_freed.clear();
   s.last_freed[bytes] = now;
-  (bytes >= LARGE_BLOCK ? s.large : s.pages).give(ptr, bytes, keep, now);
+  s.pages.give(ptr, bytes, keep, now);
   if (keep) {
     trim_cache(s, cap);
     wake_trimmer(s);
