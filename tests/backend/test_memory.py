@@ -681,6 +681,7 @@ def test_cpu_freed_blocks_serve_other_sizes_and_a_repeated_step_takes_no_page_fa
         phase = [touched(950_000 + 4096 * k, device) for k in range(8)]  # 8 x ~3.8 MiB
         del phase
         phase = [touched(64 * 1024 + 64 * k, device) for k in range(120)]  # 120 x 256-286 KiB
+        del phase
 
     for _ in range(3):
         step()
