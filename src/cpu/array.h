@@ -46,18 +46,18 @@ class NeedleMemoryError : public std::runtime_error {
 // really reserves (rounded up to a multiple of ALIGNMENT, or to whole pages).  So current_bytes is exactly the sum
 // of the sizes of live Arrays, which is what tests and users can predict.
 //
-// Where the bytes come from.  Buffers below ARENA_THRESHOLD (64 KiB: biases, row statistics, small reductions)
-// come from the C library (aligned_alloc), where an allocation is a few tens of nanoseconds (the arena's take a
-// few hundred, nothing beside the work on 64 KiB, and round to 4 KiB pages, which small buffers would waste).  The
-// others, whole pages, come from allocator.h's arena: segments of address space mapped from the kernel, in which a block is
-// carved from the best-fitting free range and a freed block joins its free neighbours, so memory one size gave
-// back serves a request of another.  The C library's heap cannot do that for us: glibc keeps freed blocks in its
-// heap (raising its own mmap threshold up to 32 MiB as it frees), a freed heap block below a live one never goes
-// back, and small arrays allocated between large ones pin them (measured: three rounds of 200 x 4 MiB with a small
-// live array after each left 1.4 GB resident with 0 bytes held).  The small buffers' heap is apart from the arena,
-// so they never pin its free pages.  The arena's segments ask for transparent huge pages (first touching 2 MiB
-// faults once, not 512 times); measured, one arena for every size kept resident memory lower than a second arena
-// for blocks of 4 MiB and more did (each arena's free pages could serve only its own sizes).
+// Where the bytes come from.  Buffers below ARENA_THRESHOLD (64 KiB: biases, row statistics, small reductions) come
+// from the C library (aligned_alloc), where an allocation is a few tens of nanoseconds (the arena's take a few
+// hundred, nothing beside the work on 64 KiB, and round to 4 KiB pages, which small buffers would waste).  The
+// others, whole pages, come from allocator.h's arena: segments of address space mapped from the kernel, in which a
+// block is carved from the best-fitting free range and a freed block joins its free neighbours, so memory one size
+// gave back serves a request of another.  The C library's heap cannot do that for us: glibc keeps freed blocks in
+// its heap (raising its own mmap threshold up to 32 MiB as it frees), a freed heap block below a live one never
+// goes back, and small arrays allocated between large ones pin them (measured: three rounds of 200 x 4 MiB with a
+// small live array after each left 1.4 GB resident with 0 bytes held).  The small buffers' heap is apart from the
+// arena, so they never pin its free pages.  The arena's segments ask for transparent huge pages (first touching 2
+// MiB faults once, not 512 times); measured, one arena for every size kept resident memory lower than a second
+// arena for blocks of 4 MiB and more did (each arena's free pages could serve only its own sizes).
 //
 // What stays resident.  A fresh page faults in on first touch (the kernel zeroes it), about one pass over the
 // buffer.  A training step frees and asks again for the same sizes every step, so a freed block stays *dirty*
