@@ -74,15 +74,19 @@ class NeedleMemoryError : public std::runtime_error {
 //     fragmentation: holes between live blocks too small for the next request.
 //   - Dirty memory not reused for longer than a step goes back (the *hold*).  A step is not announced, so the
 //     allocator measures it: the hold is twice the longest interval it saw, among the last thousand or so reuses,
-//     between a block's free and the reuse of its pages or the next request of its size (one step for what a
-//     step asks for once, as Adam's temporaries), within [1 s, 10 s].  A dirty range older than the hold is
-//     released by the trimmer, a thread that sleeps until the oldest range's hold runs out: so after a step's
-//     last free, or a burst of allocations nobody repeats, resident memory falls back to what is live within
-//     seconds, without anybody calling in.  The thread only takes the allocator's mutex and calls madvise/munmap;
-//     it never touches Python, so it needs the GIL for nothing and the interpreter's shutdown does not concern it
-//     (it is detached, and the state it reads is never destroyed).  fork(): pthread_atfork handlers take the mutex
-//     around the fork, so the child never inherits it locked by a thread it does not have, and the child starts a
-//     trimmer of its own when it first keeps a block.
+//     between a block's free and the reuse of its pages or the next request of its size (one step for what a step
+//     asks for once, as Adam's temporaries), within [1 s, 10 s] (at least 1 s: before the first reuse there is
+//     nothing to go by, and a step of up to half a second keeps its blocks from the start; at most 10 s: after a
+//     longer pause, an evaluation say, the next step faults its pages in once).  A dirty range older than the hold is
+//     released by the trimmer, a thread that sleeps until the oldest range's hold runs out: so after a step's last
+//     free, or a burst of allocations nobody repeats, resident memory falls back to what is live within seconds,
+//     without anybody calling in.  The thread only takes the allocator's mutex and calls madvise/munmap; it never
+//     touches Python, so it needs the GIL for nothing and the interpreter's shutdown does not concern it (it is
+//     detached, and the state it reads is never destroyed).  fork(): pthread_atfork handlers take the mutex around
+//     the fork, so the child never inherits it locked by a thread it does not have, and the child starts a trimmer
+//     of its own when it first keeps a block.  (Released pages inside a segment that still holds live blocks may be
+//     filled again by the kernel's khugepaged, which collapses a partly resident 2 MiB range into a huge page; it
+//     scans slowly, 4096 pages every 10 s by default, and memory_stats cannot see it.)
 // The dirty bytes are resident memory that current_bytes does not count, so they are reported:
 // memory_stats()["cached_bytes"] (and "reserved_bytes" = current_bytes + cached_bytes, as CUDA's reserved bytes
 // count live plus cached blocks: the resident memory the allocator answers for); empty_cache() releases them,
