@@ -11,7 +11,8 @@
 //
 //   common.h          scalar_t, ALIGNMENT, and the ValueError helpers fail / check_size
 //   dtypes.h          the storage dtypes, float16 / bfloat16 conversions, visit_float / visit_any
-//   array.h           Array and its allocator (mapped large buffers, the cache of freed ones), memory_stats & co.
+//   allocator.h       Arena: mapped pages carved into blocks, free ranges split, coalesced and given back
+//   array.h           Array and its allocator's policy (what stays resident, the trimmer), memory_stats & co.
 //   threads.h         num_threads, threads_for, parallel_range (OpenMP)
 //   walk.h            walking strided views: Walk, make_walk, for_each_run
 //   views.h           compact (astype), ewise_setitem, scalar_setitem, to_numpy(_into), from_numpy, fill

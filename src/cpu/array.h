@@ -1,18 +1,21 @@
 // array.h -- Array, the module's buffer: `size` elements of one dtype, counted by the memory statistics from
-// construction until the Python object dies; the allocator behind it (C library heap for small buffers, mapped
-// pages with a cache of freed ones for large ones); the contract's memory functions (memory_stats,
-// reset_peak_memory_stats, set_memory_limit, set_cache_limit, empty_cache); and the dtype checks on Arrays that
-// kernels share (same_float_dtype, require_float32).
+// construction until the Python object dies; the allocator's policy behind it (C library heap for small buffers,
+// allocator.h's arena of mapped pages for the others: what stays resident for reuse, and for how long); the
+// contract's memory functions (memory_stats, reset_peak_memory_stats, set_memory_limit, set_cache_limit,
+// empty_cache); and the dtype checks on Arrays that kernels share (same_float_dtype, require_float32).
 //
 // Python owns shape / strides / offset: an Array never knows them.
 #pragma once
 
+#include "allocator.h"
 #include "common.h"
 #include "dtypes.h"
 
 #include <pybind11/pybind11.h>
 
 #include <algorithm>
+#include <chrono>
+#include <condition_variable>
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
@@ -22,10 +25,12 @@
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <system_error>
+#include <thread>
+#include <unordered_map>
 #include <unordered_set>
-#include <vector>
 
-#include <sys/mman.h>
+#include <pthread.h>
 #include <unistd.h>
 
 namespace needle {
@@ -37,48 +42,62 @@ class NeedleMemoryError : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-// Accounting counts the *requested* bytes, size * sizeof(float), of every live Array: not the bytes the
-// allocator really reserves (rounded up to a multiple of ALIGNMENT, at least ALIGNMENT, or to whole pages).  So
-// current_bytes is exactly the sum of 4*size over live Arrays, which is what tests and users can predict.
+// Accounting counts the *requested* bytes, size * itemsize, of every live Array: not the bytes the allocator
+// really reserves (rounded up to a multiple of ALIGNMENT, or to whole pages).  So current_bytes is exactly the sum
+// of the sizes of live Arrays, which is what tests and users can predict.
 //
-// Where the bytes come from.  Buffers below MAP_THRESHOLD come from the C library (aligned_alloc).  Buffers of
-// MAP_THRESHOLD and more are mapped from the operating system on their own (mmap) and given back when they die
-// (munmap), so the process's resident memory follows current_bytes.  The C library would keep them: glibc raises
-// its own mmap threshold each time it frees a mapped block (up to 32 MiB), after which blocks of that size live
-// in its heap, and a freed heap block below a live one is never returned (measured: three rounds of 200 x 4 MiB
-// with a small live array after each left 1.4 GB resident with 0 bytes held).  Why 1 MiB: it maps the buffers
-// that matter for memory (a 4096 x 256 activation is 4 MiB) and leaves the many small ones (biases, reductions,
-// small matmuls) to the heap, where an allocation is a few tens of nanoseconds and not a system call.
+// Where the bytes come from.  Buffers below ARENA_THRESHOLD (64 KiB: biases, row statistics, small reductions) come
+// from the C library (aligned_alloc), where an allocation is a few tens of nanoseconds (the arena's take a few
+// hundred, nothing beside the work on 64 KiB, and round to 4 KiB pages, which small buffers would waste).  The
+// others, whole pages, come from allocator.h's arena: segments of address space mapped from the kernel, in which a
+// block is carved from the best-fitting free range and a freed block joins its free neighbours, so memory one size
+// gave back serves a request of another.  The C library's heap cannot do that for us: glibc keeps freed blocks in
+// its heap (raising its own mmap threshold up to 32 MiB as it frees), a freed heap block below a live one never
+// goes back, and small arrays allocated between large ones pin them (measured: three rounds of 200 x 4 MiB with a
+// small live array after each left 1.4 GB resident with 0 bytes held).  The small buffers' heap is apart from the
+// arena, so they never pin its free pages.  The arena's segments ask for transparent huge pages (first touching 2
+// MiB faults once, not 512 times); measured, one arena for every size kept resident memory lower than a second
+// arena for blocks of 4 MiB and more did (each arena's free pages could serve only its own sizes).
 //
-// A fresh mapping is zero pages that fault in on first touch: the kernel zeroes them (and, for the huge-page
-// hint, may first compact memory to find 2 MiB pages), about one pass over the buffer at best.  A training step
-// frees and asks again for the same sizes every step, so freed mapped blocks of a *recurring* size go into a
-// cache (exact page-rounded sizes, the most recently freed first; the oldest are unmapped when it overflows),
-// from which a request of the same size is served without asking the kernel.  Two rules keep both promises,
-// "freed memory goes back to the OS" and "a repeated step takes no page faults":
+// What stays resident.  A fresh page faults in on first touch (the kernel zeroes it), about one pass over the
+// buffer.  A training step frees and asks again for the same sizes every step, so a freed block stays *dirty*
+// (its pages resident, reused without a fault) when it is worth keeping; otherwise its pages go back to the kernel
+// at once (madvise(MADV_DONTNEED); a segment with nothing live and nothing dirty is unmapped).  Three rules:
 //   - A size recurs once it is asked for again after a block of that size went back to the kernel.  Until then
-//     a freed block of that size is unmapped at once: `del` of a big array lowers resident memory right away,
+//     a freed block of that size goes back at once: `del` of a big array lowers resident memory right away,
 //     while a training step's sizes recur within its first step or two and are kept from then on.
-//   - The cache holds at most 1.15 x the high-water mark (the most bytes ever live at once) + 32 MiB, less what
-//     is live now, so resident memory never exceeds that bound (as CUDA's caching allocator keeps its blocks,
-//     but bounded).  The 15% + 32 MiB of slack is what keeps a step that frees blocks of one size and asks for
-//     another near its peak from giving back what it asks for again later (a cap of exactly high water - live
-//     did: 2,600 page faults a step on the benchmark model; with the slack 0-19, as with no bound at all).
-// set_cache_limit(n) bounds the cache further to n bytes (0: every freed block is unmapped at once, so resident
-// memory follows current_bytes).  Under set_memory_limit the cache never holds more than the limit.  The cache
-// is resident memory that current_bytes does not count, so it is reported: memory_stats()["cached_bytes"] (and
-// "reserved_bytes" = current_bytes + cached_bytes, as CUDA's reserved bytes count live plus cached blocks);
-// empty_cache() unmaps it, as does an allocation the kernel refuses.
-constexpr size_t MAP_THRESHOLD = size_t(1) << 20;
+//   - Live + dirty bytes stay within 1.15 x the high-water mark (the most bytes ever live at once) + 32 MiB, the
+//     dirty ranges freed longest ago going first (set_cache_limit bounds the dirty bytes further; 0: none kept;
+//     under set_memory_limit never more than the limit).  Because free ranges split and coalesce, what a step
+//     frees early serves what it asks for later, whatever the size (an earlier cache of exact sizes kept the freed
+//     blocks of one size resident beside new blocks of another); what the bound still has to hold is
+//     fragmentation: holes between live blocks too small for the next request.
+//   - Dirty memory not reused for longer than a step goes back (the *hold*).  A step is not announced, so the
+//     allocator measures it: the hold is twice the longest interval it saw, among the last thousand or so reuses,
+//     between a block's free and the reuse of its pages or the next request of its size (one step for what a step
+//     asks for once, as Adam's temporaries), within [1 s, 10 s] (at least 1 s: before the first reuse there is
+//     nothing to go by, and a step of up to half a second keeps its blocks from the start; at most 10 s: after a
+//     longer pause, an evaluation say, the next step faults its pages in once).  A dirty range older than the hold is
+//     released by the trimmer, a thread that sleeps until the oldest range's hold runs out: so after a step's last
+//     free, or a burst of allocations nobody repeats, resident memory falls back to what is live within seconds,
+//     without anybody calling in.  The thread only takes the allocator's mutex and calls madvise/munmap; it never
+//     touches Python, so it needs the GIL for nothing and the interpreter's shutdown does not concern it (it is
+//     detached, and the state it reads is never destroyed).  fork(): pthread_atfork handlers take the mutex around
+//     the fork, so the child never inherits it locked by a thread it does not have, and the child starts a trimmer
+//     of its own when it first keeps a block.  (Released pages inside a segment that still holds live blocks may be
+//     filled again by the kernel's khugepaged, which collapses a partly resident 2 MiB range into a huge page; it
+//     scans slowly, 4096 pages every 10 s by default, and memory_stats cannot see it.)
+// The dirty bytes are resident memory that current_bytes does not count, so they are reported:
+// memory_stats()["cached_bytes"] (and "reserved_bytes" = current_bytes + cached_bytes, as CUDA's reserved bytes
+// count live plus cached blocks: the resident memory the allocator answers for); empty_cache() releases them,
+// as does an allocation the kernel refuses.
+constexpr size_t ARENA_THRESHOLD = size_t(64) << 10;
 constexpr size_t CACHE_SLACK_BYTES = size_t(32) << 20;  // the bound's + 32 MiB
-constexpr size_t MAX_TRACKED_SIZES = 4096;  // sizes remembered as returned; forgotten all at once beyond this
+constexpr size_t MAX_TRACKED_SIZES = 4096;  // sizes remembered (returned, last freed); forgotten all at once beyond
 constexpr size_t AUTO_CACHE = std::numeric_limits<size_t>::max();
-constexpr size_t HUGE_PAGE = size_t(2) << 20;
-
-struct CachedBlock {
-  size_t bytes;
-  void* ptr;
-};
+constexpr size_t HOLD_WINDOW = 1024;  // reuses per window of the hold's measurement (the last two windows count)
+constexpr Clock::duration MIN_HOLD = std::chrono::seconds(1);
+constexpr Clock::duration MAX_HOLD = std::chrono::seconds(10);
 
 struct MemoryStats {
   std::mutex mu;
@@ -88,14 +107,20 @@ struct MemoryStats {
   size_t limit_bytes = 0;  // 0 = no limit
   size_t high_water_bytes = 0;       // the most bytes ever live at once (never reset)
   size_t cache_limit = AUTO_CACHE;   // set_cache_limit's bytes, or AUTO_CACHE: the bound in cache_capacity
-  size_t cached_bytes = 0;           // sum of cache[i].bytes
-  size_t cached_bytes_at_peak = 0;   // cached_bytes when peak_bytes was last raised (or reset)
-  std::vector<CachedBlock> cache;    // freed mapped blocks, oldest first
+  size_t cached_bytes_at_peak = 0;   // cached bytes when peak_bytes was last raised (or reset)
+  Arena pages{true};                 // the blocks of ARENA_THRESHOLD bytes and more, on huge pages where THP allows
   std::unordered_set<size_t> returned;   // sizes of blocks that went back to the kernel (not yet recurring)
-  std::unordered_set<size_t> recurring;  // sizes asked for again after that: their freed blocks are cached
+  std::unordered_set<size_t> recurring;  // sizes asked for again after that: their freed blocks are kept
+  std::unordered_map<size_t, Clock::time_point> last_freed;  // per recurring size: its latest free
+  Clock::duration reuse_window[2] = {};  // the longest reuse interval of this window and of the one before
+  size_t reuses_in_window = 0;
+  std::condition_variable* trimmer_cv = new std::condition_variable();  // replaced in a forked child
+  bool trimmer_started = false;
+  bool trimmer_idle = false;  // waiting with no deadline: nothing was dirty
+  size_t cached_bytes() const { return pages.dirty_bytes(); }
 };
 
-// Never destroyed, so Arrays that die during interpreter shutdown still find it.
+// Never destroyed, so Arrays that die during interpreter shutdown (and the trimmer) still find it.
 static MemoryStats& stats() {
   static MemoryStats* s = new MemoryStats();
   return *s;
@@ -109,49 +134,37 @@ static size_t page_size() {
   return p;
 }
 
-// A large buffer is fresh memory from the kernel, and first touching it faults in one 4 KiB page at a time.
-// Asking for transparent huge pages on its 2 MiB-aligned interior, as NumPy does for its large arrays, makes
-// that 512 times fewer faults.  Only a hint: ignored where THP is off.
-static void advise_huge_pages(void* ptr, size_t bytes) {
-#if defined(__linux__) && defined(MADV_HUGEPAGE)
-  if (bytes < 2 * HUGE_PAGE) return;
-  const uintptr_t begin = (reinterpret_cast<uintptr_t>(ptr) + HUGE_PAGE - 1) & ~(HUGE_PAGE - 1);
-  const uintptr_t end = (reinterpret_cast<uintptr_t>(ptr) + bytes) & ~(HUGE_PAGE - 1);
-  if (end > begin) madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);
-#else
-  (void)ptr;
-  (void)bytes;
-#endif
+// How long a dirty range may wait for reuse: twice the longest reuse interval of the last two windows, within
+// [MIN_HOLD, MAX_HOLD].  Caller holds s.mu.
+static Clock::duration hold(const MemoryStats& s) {
+  return std::clamp(2 * std::max(s.reuse_window[0], s.reuse_window[1]), MIN_HOLD, MAX_HOLD);
 }
 
-// A new mapping of `bytes` (a multiple of the page size), or nullptr.  Mappings that get the huge-page hint
-// start on a 2 MiB boundary (map a little more, unmap the ends), so all of them but a partial last huge page
-// can be huge pages.
-static void* map_pages(size_t bytes) {
-  const bool huge = bytes >= 2 * HUGE_PAGE;
-  const size_t span = huge ? bytes + HUGE_PAGE : bytes;
-  void* p = mmap(nullptr, span, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  if (p == MAP_FAILED) return nullptr;
-  if (huge) {
-    const uintptr_t raw = reinterpret_cast<uintptr_t>(p);
-    const uintptr_t start = (raw + HUGE_PAGE - 1) & ~(HUGE_PAGE - 1);
-    if (start > raw) munmap(p, start - raw);
-    if (raw + span > start + bytes) munmap(reinterpret_cast<void*>(start + bytes), raw + span - start - bytes);
-    p = reinterpret_cast<void*>(start);
+// One reuse interval seen (a dirty range's age when its pages were reused, or the time since a size's last free
+// when it is asked for again).  Caller holds s.mu.
+static void saw_reuse(MemoryStats& s, Clock::duration interval) {
+  if (interval > MAX_HOLD) return;  // an idle spell, not a step
+  if (++s.reuses_in_window > HOLD_WINDOW) {
+    s.reuse_window[1] = s.reuse_window[0];
+    s.reuse_window[0] = Clock::duration::zero();
+    s.reuses_in_window = 1;
   }
-  advise_huge_pages(p, bytes);
-  return p;
+  s.reuse_window[0] = std::max(s.reuse_window[0], interval);
 }
 
-// Unmaps every cached block.  Caller holds s.mu.
+// Releases dirty ranges until at most `cap` bytes are dirty, those freed longest ago first.  Caller holds s.mu.
+static void trim_cache(MemoryStats& s, size_t cap) {
+  while (s.cached_bytes() > cap)
+    if (s.pages.release_oldest(s.cached_bytes() - cap, page_size()) == 0) break;
+}
+
+// Releases every dirty range.  Caller holds s.mu.
 static void release_cache(MemoryStats& s) {
-  for (const CachedBlock& b : s.cache) munmap(b.ptr, b.bytes);
-  s.cache.clear();
-  s.cached_bytes = 0;
+  s.pages.release_before(Clock::time_point::max());
 }
 
-// How many bytes the cache may hold now: 1.15 x the high-water mark + 32 MiB, less what is live, so that live
-// plus cached bytes stay within that bound; or set_cache_limit's bytes; never more than set_memory_limit's.
+// How many bytes may stay dirty now: 1.15 x the high-water mark + 32 MiB, less what is live, so that live plus
+// dirty bytes stay within that bound; or set_cache_limit's bytes; never more than set_memory_limit's.
 // Caller holds s.mu.
 static size_t cache_capacity(const MemoryStats& s) {
   size_t cap = s.cache_limit;
@@ -163,49 +176,87 @@ static size_t cache_capacity(const MemoryStats& s) {
   return cap;
 }
 
-// Unmaps the oldest cached blocks until at most `cap` bytes are cached.  Caller holds s.mu.
-static void trim_cache(MemoryStats& s, size_t cap) {
-  size_t drop = 0, dropped = 0;
-  while (s.cached_bytes - dropped > cap) dropped += s.cache[drop++].bytes;
-  for (size_t i = 0; i < drop; ++i) munmap(s.cache[i].ptr, s.cache[i].bytes);
-  s.cache.erase(s.cache.begin(), s.cache.begin() + static_cast<std::ptrdiff_t>(drop));
-  s.cached_bytes -= dropped;
+// The trimmer's loop: sleep until the oldest dirty range has waited its hold, release what has, again.
+static void trim_forever() {
+  MemoryStats& s = stats();
+  std::unique_lock<std::mutex> lock(s.mu);
+  for (;;) {
+    const Clock::time_point oldest = s.pages.oldest_dirty();
+    if (oldest == Clock::time_point::max()) {
+      s.trimmer_idle = true;
+      s.trimmer_cv->wait(lock);  // until a block is kept (put_pages notifies)
+      s.trimmer_idle = false;
+      continue;
+    }
+    const Clock::time_point now = Clock::now();
+    if (now < oldest + hold(s)) {
+      s.trimmer_cv->wait_until(lock, oldest + hold(s));
+      continue;
+    }
+    s.pages.release_before(now - hold(s));
+  }
 }
 
-// A block of exactly `bytes` (page-rounded): the most recently freed one in the cache, else a new mapping, else
-// (the kernel refused) a new mapping after the cache is unmapped; nullptr if even that fails.  Caller holds s.mu.
-static void* get_mapped(MemoryStats& s, size_t bytes) {
-  for (size_t i = s.cache.size(); i-- > 0;) {
-    if (s.cache[i].bytes == bytes) {
-      void* p = s.cache[i].ptr;
-      s.cache.erase(s.cache.begin() + static_cast<std::ptrdiff_t>(i));
-      s.cached_bytes -= bytes;
-      return p;
-    }
+// Starts the trimmer on the first block kept, or wakes it if nothing was dirty.  Caller holds s.mu.
+static void wake_trimmer(MemoryStats& s) {
+  if (s.trimmer_started) {
+    if (s.trimmer_idle) s.trimmer_cv->notify_one();
+    return;
   }
+  static const bool fork_handlers = [] {
+    pthread_atfork([] { stats().mu.lock(); }, [] { stats().mu.unlock(); },
+                   [] {  // the child: no trimmer thread, and a condition variable no thread of its waits on
+                     MemoryStats& c = stats();
+                     c.trimmer_cv = new std::condition_variable();  // the parent's may count its waiter: leaked
+                     c.trimmer_started = c.trimmer_idle = false;
+                     c.mu.unlock();
+                   });
+    return true;
+  }();
+  (void)fork_handlers;
+  try {
+    std::thread(trim_forever).detach();
+    s.trimmer_started = true;
+  } catch (const std::system_error&) {
+    // no thread to be had: dirty memory then goes back only under the bound, empty_cache() or a refused mapping
+  }
+}
+
+// A block of `bytes` (page-rounded) from the arena; after a refused mapping, again once every dirty
+// range is released; nullptr if even that fails.  Caller holds s.mu.
+static void* get_pages(MemoryStats& s, size_t bytes) {
+  const Clock::time_point now = Clock::now();
   if (s.returned.erase(bytes) != 0) s.recurring.insert(bytes);  // asked for again: keep this size from now on
-  void* p = map_pages(bytes);
-  if (p == nullptr && !s.cache.empty()) {
+  const auto last = s.last_freed.find(bytes);
+  if (last != s.last_freed.end()) saw_reuse(s, now - last->second);
+  Clock::duration reused;
+  void* p = s.pages.take(bytes, now, &reused);
+  if (p == nullptr && s.cached_bytes() != 0) {
     release_cache(s);
-    p = map_pages(bytes);
+    p = s.pages.take(bytes, now, &reused);
   }
+  if (reused != Clock::duration::zero()) saw_reuse(s, reused);
   return p;
 }
 
-// A mapped block whose Array died: into the cache if its size recurs and it fits (unmapping the oldest blocks to
-// make room), else unmapped (and its size remembered, so that a later request of it makes the size recurring).
-// Caller holds s.mu.
-static void put_mapped(MemoryStats& s, void* ptr, size_t bytes) {
+// A block whose Array died: kept dirty if its size recurs and it fits under the bound (releasing the oldest
+// dirty ranges to make room), else released at once (and its size remembered, so that a later request of it makes
+// the size recurring).  Caller holds s.mu.
+static void put_pages(MemoryStats& s, void* ptr, size_t bytes) {
+  const Clock::time_point now = Clock::now();
   const size_t cap = cache_capacity(s);
-  if (bytes > cap || s.recurring.count(bytes) == 0) {
-    munmap(ptr, bytes);
+  const bool keep = bytes <= cap && s.recurring.count(bytes) != 0;
+  if (!keep) {
     if (s.returned.size() >= MAX_TRACKED_SIZES) s.returned.clear();
     s.returned.insert(bytes);
-    return;
   }
-  trim_cache(s, cap - bytes);
-  s.cache.push_back({bytes, ptr});
-  s.cached_bytes += bytes;
+  if (s.last_freed.size() >= MAX_TRACKED_SIZES) s.last_freed.clear();
+  s.last_freed[bytes] = now;
+  s.pages.give(ptr, bytes, keep, now);
+  if (keep) {
+    trim_cache(s, cap);
+    wake_trimmer(s);
+  }
 }
 
 struct Array {
@@ -227,10 +278,10 @@ struct Array {
           << s.limit_bytes << " bytes";
       throw NeedleMemoryError(msg.str());
     }
-    if (alloc_bytes >= MAP_THRESHOLD) {
+    if (alloc_bytes >= ARENA_THRESHOLD) {
       const size_t page = page_size();
       mapped_bytes = (alloc_bytes + page - 1) / page * page;
-      ptr = static_cast<scalar_t*>(get_mapped(s, mapped_bytes));  // page-aligned, so ALIGNMENT-aligned
+      ptr = static_cast<scalar_t*>(get_pages(s, mapped_bytes));  // page-aligned, so ALIGNMENT-aligned
     } else {
       ptr = static_cast<scalar_t*>(std::aligned_alloc(ALIGNMENT, alloc_bytes));
     }
@@ -243,8 +294,7 @@ struct Array {
     s.current_bytes += bytes;
     if (s.current_bytes > s.peak_bytes) {
       s.peak_bytes = s.current_bytes;
-  s.cached_bytes_at_peak = s.cached_bytes;
-      s.cached_bytes_at_peak = s.cached_bytes;
+      s.cached_bytes_at_peak = s.cached_bytes();
     }
     s.high_water_bytes = std::max(s.high_water_bytes, s.current_bytes);
     s.allocations += 1;
@@ -254,7 +304,7 @@ struct Array {
     std::lock_guard<std::mutex> lock(s.mu);
     s.current_bytes -= size * itemsize;
     if (mapped_bytes != 0) {
-      put_mapped(s, ptr, mapped_bytes);
+      put_pages(s, ptr, mapped_bytes);
     } else {
       std::free(ptr);
     }
@@ -275,7 +325,7 @@ struct Array {
   size_t size;
   DType dtype;
   size_t itemsize;
-  size_t mapped_bytes = 0;  // bytes of ptr's own mapping; 0 if ptr came from aligned_alloc
+  size_t mapped_bytes = 0;  // bytes of ptr's block in an arena (whole pages); 0 if ptr came from aligned_alloc
 };
 
 // TypeError unless every array is floating and of one dtype (which is returned).
@@ -306,8 +356,8 @@ static py::dict memory_stats() {
   d["peak_bytes"] = s.peak_bytes;
   d["cached_bytes_at_peak"] = s.cached_bytes_at_peak;  // resident but free when peak_bytes was reached
   d["allocations"] = s.allocations;
-  d["cached_bytes"] = s.cached_bytes;
-  d["reserved_bytes"] = s.current_bytes + s.cached_bytes;
+  d["cached_bytes"] = s.cached_bytes();
+  d["reserved_bytes"] = s.current_bytes + s.cached_bytes();
   d["high_water_bytes"] = s.high_water_bytes;  // the most bytes ever live at once: what the cache's bound is of
   return d;
 }
@@ -330,7 +380,7 @@ static void reset_peak_memory_stats() {
   MemoryStats& s = stats();
   std::lock_guard<std::mutex> lock(s.mu);
   s.peak_bytes = s.current_bytes;
-  s.cached_bytes_at_peak = s.cached_bytes;
+  s.cached_bytes_at_peak = s.cached_bytes();
 }
 
 static void set_memory_limit(int64_t nbytes) {

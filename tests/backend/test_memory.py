@@ -5,7 +5,11 @@ of `memory_stats(device)` for allocations, frees, views, the temporaries inside 
 whole training step of Tensors.
 """
 import gc
+import json
 import os
+import resource
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -333,11 +337,12 @@ def test_cuda_out_of_memory_raises_memory_error_with_sizes():
 
 
 # ----- the CPU allocator and the operating system: resident memory follows the byte counts -------------------
-# Large buffers (1 MiB and more) are mapped from the OS. A freed one goes back to the OS at once unless its size
-# recurs (was asked for again after a block of that size went back); freed blocks of recurring sizes wait in a
-# cache of exact sizes (reported as "cached_bytes") so that a repeated step takes no page faults. The cache holds
-# at most 1.15 x the high-water mark + 32 MiB less what is live (set_cache_limit bounds it further; 0: none);
-# empty_cache() gives it back.
+# Buffers of 64 KiB and more come from arenas of mapped pages (src/cpu/allocator.h), split and coalesced. A freed
+# one goes back to the OS at once unless its size recurs (was asked for again after a block of that size went
+# back); freed blocks of recurring sizes stay resident for reuse (reported as "cached_bytes") so that a repeated
+# step takes no page faults, and serve requests of any size. Live + cached bytes stay within 1.15 x the high-water
+# mark + 32 MiB (set_cache_limit bounds the cached bytes further; 0: none); cached bytes not reused for longer than
+# a step (the hold, 1 to 10 s) go back by themselves; empty_cache() gives them back at once.
 MiB = 1 << 20
 cpu_only = pytest.mark.skipif(not nd.cpu().enabled(), reason="C++ backend not built (run `make`)")
 linux_only = pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads RSS from /proc/self/statm")
@@ -422,8 +427,9 @@ def test_cpu_cache_by_default_serves_a_repeated_step(cache_limit):
 
 @cpu_only
 def test_cpu_cache_keeps_what_a_step_of_several_sizes_asks_for_again(cache_limit):
-    """A step whose peak holds blocks of one size while it asks for another: from its third run on it maps
-    nothing new and gives nothing back (reserved bytes unchanged), so it takes no page faults."""
+    """A step whose peak holds blocks of one size while it asks for another: once its blocks have settled where
+    best fit puts them (by its fourth run) it maps nothing new and gives nothing back (reserved bytes unchanged),
+    so it takes no page faults."""
     device = nd.cpu()
     cache_limit(None)
     device.mod.empty_cache()
@@ -435,8 +441,8 @@ def test_cpu_cache_keeps_what_a_step_of_several_sizes_asks_for_again(cache_limit
         again = [nd.empty((MiB + 2048,), device=device) for _ in range(10)]
         del large, again
 
-    step()
-    step()
+    for _ in range(3):
+        step()
     reserved = stats(device)["reserved_bytes"]
     step()
     assert stats(device)["reserved_bytes"] == reserved
@@ -519,7 +525,7 @@ def test_cpu_rss_drops_at_once_after_two_large_arrays_with_the_default_cache(cac
     del a, b
     freed = rss_bytes()
     assert held - freed >= 400e6, f"only {(held - freed) / 1e6:.0f} MB of 512 MiB went back to the OS"
-    assert stats(device)["cached_bytes"] == cached
+    assert stats(device)["cached_bytes"] <= cached  # less if the hold of what earlier tests left ran out meanwhile
 
 
 @cpu_only
@@ -605,3 +611,114 @@ def test_a_record_block_inside_another_is_refused_not_half_recorded():
         b = nd.array(np.ones(512, np.float32), device=device)
         del a, b
     assert [e["action"] for e in outer.events] == ["alloc", "alloc", "free", "free"]
+
+
+# Issue 47: freed memory the step will not reuse goes back to the OS by itself, without giving up the reuse of what
+# a step recycles. These run in a fresh interpreter, where the hold has only the pattern's own reuses to go by.
+PATTERN = r"""
+import json, os, time
+from needle import backend_ndarray as nd
+
+def rss():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+device = nd.cpu()
+nd.full((16,), 1.0, device=device)
+start, small = rss(), []
+for _ in range(3):
+    big = []
+    for _ in range(200):
+        big.append(nd.full((1 << 20,), 1.0, device=device))  # 4 MiB, every page written
+        small.append(nd.full((1024,), 1.0, device=device))  # 4 KiB, kept alive between the big ones
+    del big
+kept = nd.memory_stats(device)["cached_bytes"]
+t0 = time.monotonic()
+while time.monotonic() - t0 < 20:
+    s = nd.memory_stats(device)
+    if rss() - start <= 64 << 20 and s["reserved_bytes"] - s["current_bytes"] <= 64 << 20:
+        break
+    time.sleep(0.05)
+s = nd.memory_stats(device)
+print(json.dumps({"start": start, "end": rss(), "current": s["current_bytes"], "reserved": s["reserved_bytes"],
+                  "kept": kept, "seconds": time.monotonic() - t0}))
+"""
+
+
+def run_python(source, timeout=120):
+    out = subprocess.run([sys.executable, "-c", source], capture_output=True, text=True, timeout=timeout)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+@cpu_only
+@linux_only
+def test_cpu_rss_and_reserved_return_after_the_pattern_by_themselves():
+    """3 rounds of 200 x 4 MiB freed, a 4 KiB array kept after each: the last rounds' blocks are kept for reuse,
+    then, not asked for again, go back to the OS within the hold (1-10 s): RSS within 64 MB of its start and
+    reserved_bytes within 64 MB of current_bytes, without empty_cache()."""
+    r = json.loads(run_python(PATTERN))
+    print(f"RSS: start {r['start'] / MiB:.0f} MB, end {r['end'] / MiB:.0f} MB after {r['seconds']:.1f} s; "
+          f"kept for reuse at first {r['kept'] / MiB:.0f} MB")
+    assert r["kept"] >= 700e6  # recycled blocks were kept, not unmapped at once
+    assert r["end"] - r["start"] <= 64 * MiB, f"{(r['end'] - r['start']) / 1e6:.0f} MB still resident"
+    assert r["reserved"] - r["current"] <= 64 * MiB
+    assert r["seconds"] <= 12  # the hold is at most 10 s; the trimmer wakes when it runs out
+
+
+@cpu_only
+@linux_only
+def test_cpu_freed_blocks_serve_other_sizes_and_a_repeated_step_takes_no_page_faults(cache_limit):
+    """Split and coalesce: what one size freed serves the next sizes, so a step of three phases of ~32 MiB each
+    keeps about one phase resident, not three; once settled, a repeat maps nothing and faults no page in."""
+    device = nd.cpu()
+    cache_limit(None)
+    device.mod.empty_cache()
+
+    def step():
+        phase = [touched(MiB // 2 + 1024 * k, device) for k in range(16)]  # 16 x ~2 MiB, all sizes differ
+        del phase
+        phase = [touched(950_000 + 4096 * k, device) for k in range(8)]  # 8 x ~3.8 MiB
+        del phase
+        phase = [touched(64 * 1024 + 64 * k, device) for k in range(120)]  # 120 x 256-286 KiB
+        del phase
+
+    for _ in range(3):
+        step()
+    reserved = stats(device)["reserved_bytes"]
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    step()
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+    s = stats(device)
+    assert s["reserved_bytes"] == reserved
+    assert faults <= 100, f"{faults} page faults in a repeated step (~{3 * 32 * MiB // 4096} if nothing were kept)"
+    assert s["cached_bytes"] <= 48 * MiB  # an exact-size cache would keep all three phases, ~100 MiB
+    device.mod.empty_cache()
+
+
+FORKED = r"""
+import os, time
+from needle import backend_ndarray as nd
+
+device = nd.cpu()
+for _ in range(3):
+    a = nd.full((1 << 20,), 1.0, device=device)  # a recurring size: kept, and the trimmer started
+    del a
+pid = os.fork()
+if pid == 0:  # the child: its allocator's mutex is free, and a trimmer of its own releases what it keeps
+    for _ in range(3):
+        a = nd.full((1 << 20,), 1.0, device=device)
+        del a
+    t0 = time.monotonic()
+    while nd.memory_stats(device)["cached_bytes"] and time.monotonic() - t0 < 20:
+        time.sleep(0.05)
+    os._exit(0 if nd.memory_stats(device)["cached_bytes"] == 0 else 3)
+_, status = os.waitpid(pid, 0)
+print(os.waitstatus_to_exitcode(status))
+"""
+
+
+@cpu_only
+@linux_only
+def test_cpu_a_forked_child_allocates_and_trims_on_its_own():
+    assert run_python(FORKED, timeout=60).strip() == "0"

@@ -192,6 +192,32 @@ def test_plot_draws_a_png(tmp_path):
     assert snap._repr_png_()[:4] == b"\x89PNG"
 
 
+def test_the_timeline_carries_reserved_bytes_above_the_live_bands(tmp_path):
+    """Issue 47: every event carries the allocator's reserved_bytes (live + cached for reuse), never below the live
+    bytes, and above them once a freed block is kept; it survives save/load, and the PNG draws it as a line. A
+    backend without reserved bytes (NumPy's) records null and draws no line."""
+    from needle.backend_ndarray import empty
+    from needle.toolbox.memory.plot import draw, new_figure
+    snap, _ = recorded_steps("all", steps=1)
+    with ndl.memory.record() as kept:
+        for _ in range(3):  # 4 MiB, asked for again after it went back: its freed block is kept for reuse
+            block = empty((1 << 20,), device=DEVICE)
+            del block
+    for recorded in (snap, kept):
+        assert all(isinstance(e["reserved_bytes"], int) and e["reserved_bytes"] >= e["live_bytes"]
+                   for e in recorded.events)
+    assert kept.events[-1]["reserved_bytes"] >= kept.events[-1]["live_bytes"] + 4 * 2**20
+    kept.save(tmp_path / "kept.json")
+    assert ndl.memory.load(tmp_path / "kept.json").events == kept.events
+    with ndl.memory.record(ndl.cpu_numpy()) as plain:
+        block = empty((16,), device=ndl.cpu_numpy())
+        del block
+    assert [e["reserved_bytes"] for e in plain.events] == [None, None]
+    pytest.importorskip("matplotlib")
+    assert "reserved" in draw(kept, new_figure().subplots())
+    assert "reserved" not in draw(plain, new_figure().subplots())
+
+
 def test_phase_names_never_overlap_and_the_legend_names_every_phase():
     # A backward interleaved with short recomputations drew "backward", "recompute", "backward" over each other.
     pytest.importorskip("matplotlib")

@@ -2,9 +2,11 @@
 
 `plot_snapshot`: live bytes (MiB) over the events as stacked areas, one per category, with the phases as light
 bands (named where the name fits, and in the legend) and the peak marked and labelled with the largest tensors
-alive at that instant. `plot_side_by_side`: several snapshots (gc off and gc on, say) on one shared y axis, so
-their heights compare at a glance. Figures are made with matplotlib's `Figure` directly, not pyplot: no window,
-no global state, any backend (a notebook's too).
+alive at that instant; above them, as a line, the bytes the allocator holds resident (reserved: live + what it
+keeps cached for reuse, where the backend reports it; the gap is its cache and fragmentation).
+`plot_side_by_side`: several snapshots (gc off and gc on, say) on one shared y axis, so their heights compare at
+a glance. Figures are made with matplotlib's `Figure` directly, not pyplot: no window, no global state, any
+backend (a notebook's too).
 """
 from .recorder import CATEGORIES
 
@@ -43,6 +45,11 @@ def draw(snapshot, ax, title=None, x="event", largest=3):
         ax.plot(xs, [b / MIB for b in series["host"]], color=COLORS["host"], linestyle="--", linewidth=1,
                 label="host (offloaded copies, not stacked)")
         used.append("host")
+    reserved = [e.get("reserved_bytes") for e in snapshot.events]
+    if reserved and None not in reserved:  # what the allocator holds resident: live + cached (fragmentation shows)
+        ax.step(xs, [b / MIB for b in reserved], where="post", color="black", linewidth=0.8,
+                label="reserved (live + cached for reuse)")
+        used.append("reserved")
     draw_phases(snapshot, ax, xs)
     peak = snapshot.peak
     if peak["event"] is not None:
@@ -116,17 +123,22 @@ def plot_snapshot(snapshot, path=None, ax=None, title=None, x="event"):
 
 def plot_side_by_side(labelled, path, title=None, x="event"):
     """[(label, snapshot), ...] side by side on one shared y axis, one legend; written to `path` (PNG)."""
-    from matplotlib.patches import Rectangle  # optional dependency (the experiment extra)
+    from matplotlib.lines import Line2D  # optional dependency (the experiment extra)
+    from matplotlib.patches import Rectangle
     figure = new_figure(figsize=(6 * len(labelled), 4.8))
     axes = figure.subplots(1, len(labelled), sharey=True, squeeze=False)
     used = []
     for ax, (label, snapshot) in zip(axes[0], labelled):
         used += [c for c in draw(snapshot, ax, title=label, x=x) if c not in used]
     handles = [Rectangle((0, 0), 1, 1, color=COLORS[c]) for c in CATEGORIES if c in used]
+    names = [c for c in CATEGORIES if c in used]
+    if "reserved" in used:
+        handles.append(Line2D([], [], color="black", linewidth=0.8))
+        names.append("reserved (live + cached for reuse)")
     phases, phase_names = phase_handles([snapshot for _, snapshot in labelled])
     entries = len(handles + phases)
     rows = 1 + (entries > 7)  # two rows where one would run past the figure's edges
-    figure.legend(handles + phases, [c for c in CATEGORIES if c in used] + [f"phase: {p}" for p in phase_names],
+    figure.legend(handles + phases, names + [f"phase: {p}" for p in phase_names],
                   loc="lower center", ncol=-(-entries // rows), fontsize=8)
     if title:
         figure.suptitle(title, fontsize=10)

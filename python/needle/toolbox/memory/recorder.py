@@ -107,7 +107,8 @@ class Recorder:
 
     def __init__(self, device, check=False):
         self.device, self.check = device, check
-        self.blocks, self.events = [], []  # events: (action, block, live bytes, seconds, backend's bytes or None)
+        # events: (action, block, live bytes, seconds, backend's bytes or None, host bytes, reserved bytes or None)
+        self.blocks, self.events = [], []
         self.live, self.live_bytes, self.baseline_bytes = {}, 0, 0  # live: id(buffer) -> Block
         self.phase, self.phase_changes = "forward", [("forward", 0)]  # (phase, index of the first event in it)
         self.op_node, self.op_blocks = None, []  # the value being computed, and the blocks made meanwhile
@@ -119,6 +120,9 @@ class Recorder:
         # Offloaded values' host copies (category "host", outside the device allocator): id(value) -> (a weak
         # reference to the value, its block); `host_bytes` is what they hold. live_bytes stays the device's.
         self.host, self.host_bytes = {}, 0
+        # Whether the allocator reports what it holds resident (live + cached for reuse: "reserved_bytes"; the C++
+        # and CUDA backends do): then every event reads it, so the timeline draws it above the live bands.
+        self.reserved = "reserved_bytes" in device.memory_stats()
 
     # ----- on and off ----------------------------------------------------------------------------------------
     def begin(self):
@@ -245,9 +249,10 @@ class Recorder:
         self.append(action, block)
 
     def append(self, action, block):
-        backend = self.device.memory_stats()["current_bytes"] if self.check else None
-        self.events.append((action, block, self.live_bytes, time.perf_counter() - self.start, backend,
-                            self.host_bytes))
+        stats = self.device.memory_stats() if self.check or self.reserved else None
+        self.events.append((action, block, self.live_bytes, time.perf_counter() - self.start,
+                            stats["current_bytes"] if self.check else None, self.host_bytes,
+                            stats["reserved_bytes"] if self.reserved else None))
 
     # ----- offloaded values' host copies (toolbox/offload.py) ------------------------------------------------
     def parked(self, node, nbytes):

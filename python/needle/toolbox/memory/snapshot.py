@@ -9,7 +9,8 @@ The JSON file (`snap.save(path)`, read back by `ndl.memory.load(path)`) is one o
                  # alloc/free: event indices (alloc null: alive when recording began; free null: alive at its end);
                  # name: a parameter's ("blocks.0.attn.q.weight"), its gradient's (".grad") or its state's (": m")
      "events": [{"action": "alloc" | "free", "block", "bytes", "category", "phase", "op", "module", "name",
-                 "shape", "dtype", "reason", "live_bytes", "time", "backend_bytes", "host_bytes"}, ...],
+                 "shape", "dtype", "reason", "live_bytes", "time", "backend_bytes", "host_bytes",
+                 "reserved_bytes"}, ...],
      "peak": {"bytes", "event"},           # the most live bytes, and the first event that reached them
      "phases": [{"phase", "start", "end"}, ...],   # event index ranges [start, end)
      "backend_peak_bytes": null}           # the allocator's peak_bytes when recording ended (record(check=True))
@@ -18,7 +19,10 @@ The JSON file (`snap.save(path)`, read back by `ndl.memory.load(path)`) is one o
 `host_bytes` the bytes of offloaded values' host copies (category "host": outside the device allocator, so not in
 `live_bytes`; a host copy's free is recorded at the next event after offload.py gives it back);
 `backend_bytes` is the allocator's `current_bytes` read right after the event (record(check=True) only, else
-null): the two are equal at every event, which is what the tests check. `category` is one of
+null): the two are equal at every event, which is what the tests check. `reserved_bytes` is the allocator's
+`reserved_bytes` after the event (live + what it keeps resident for reuse; null on a backend without it): the
+timeline draws it as a line above the live bands, and the gap between them is the allocator's cache and
+fragmentation. `category` is one of
 `recorder.CATEGORIES`, `phase` one of "forward", "backward", "recompute", "optimizer"; `op` and `module` name what
 made the buffer (null where no op or module did).
 """
@@ -58,11 +62,11 @@ class Snapshot:
                    "phase": b.phase, "op": b.op, "module": module_name(b, names), "name": b.name,
                    "reason": b.reason, "alloc": b.alloc, "free": b.free} for b in recorder.blocks]
         events = []
-        for action, block, live, seconds, backend, host in recorder.events:
+        for action, block, live, seconds, backend, host, reserved in recorder.events:
             info = blocks[block.id]
             events.append({"action": action, "block": block.id, "bytes": block.bytes,
                            **{k: info[k] for k in EVENT_FIELDS}, "live_bytes": live, "time": seconds,
-                           "backend_bytes": backend, "host_bytes": host})
+                           "backend_bytes": backend, "host_bytes": host, "reserved_bytes": reserved})
         return cls({"format": FORMAT, "version": VERSION, "device": str(recorder.device),
                     "baseline_bytes": recorder.baseline_bytes, "blocks": blocks, "events": events,
                     "peak": peak_of(events, recorder.baseline_bytes + sum(b["bytes"] for b in blocks

@@ -191,6 +191,20 @@
     return d ? '<path class="live-line" d="' + d + "H" + g.X(g.x1).toFixed(1) + '"/>' : "";
   }
 
+  // What the allocator holds resident (live + cached for reuse), where the backend reports it: a dashed line above
+  // the stack; the gap between them is the allocator's cache and fragmentation.
+  function reservedLineSvg(panel, g) {
+    const events = panel.snapshot.events;
+    let d = "", lastX = -1;
+    for (let i = 0; i < events.length; i++) {
+      if (g.xs[i + 1] < g.x0 || g.xs[i] > g.x1 || typeof events[i].reserved_bytes !== "number") continue;
+      const x = g.X(g.xs[i]), y = g.Y(events[i].reserved_bytes).toFixed(1);
+      d += (d ? (x - lastX < 0.5 ? "V" + y : "H" + x.toFixed(1) + "V" + y) : "M" + x.toFixed(1) + " " + y);
+      if (x - lastX >= 0.5) lastX = x;
+    }
+    return d ? '<path class="reserved-line" d="' + d + "H" + g.X(g.x1).toFixed(1) + '"><title>reserved: live + cached for reuse</title></path>' : "";
+  }
+
   function peakSvg(panel, g) {
     const peak = panel.snapshot.peak;
     if (!peak || typeof peak.event !== "number" || typeof peak.bytes !== "number") return "";
@@ -218,7 +232,7 @@
       parts.push('<path class="alloc' + (b.bytes >= edgeBytes ? " edged" : "") + '" data-block="' + esc(b.id)
         + '" fill="' + colorOf(b.category) + '" d="' + blockPath(b, g) + '"/>');
     }
-    out += parts.join("") + liveLineSvg(panel, g) + peakSvg(panel, g);
+    out += parts.join("") + liveLineSvg(panel, g) + reservedLineSvg(panel, g) + peakSvg(panel, g);
     if (panel.instant !== undefined) {
       const x = g.X((g.xs[panel.instant] + g.xs[panel.instant + 1]) / 2).toFixed(1);
       out += '<line class="instant" x1="' + x + '" x2="' + x + '" y1="' + g.top + '" y2="' + g.bottom + '"/>';
@@ -318,14 +332,14 @@
   function main() {
     document.getElementById("legend").innerHTML = Object.keys(CATEGORY_COLORS).map((c) =>
       '<span><i style="background:' + CATEGORY_COLORS[c] + '"></i>' + c + "</span>").join("")
-      + '<span><i class="baseline"></i>before recording</span><span>phases:</span>'
+      + '<span><i class="baseline"></i>before recording</span><span><i class="reserved"></i>reserved (live + cached)</span><span>phases:</span>'
       + Object.keys(PHASE_COLORS).map((p) => '<span><i style="background:' + PHASE_COLORS[p] + '"></i>' + p + "</span>").join("");
     const panels = data.snapshots.map(makePanel);
     // One y axis for every panel, so that gc off and gc on compare by eye.
     let yMax = 1;
     for (const p of panels) {
       yMax = Math.max(yMax, p.snapshot.peak ? p.snapshot.peak.bytes : 0, p.snapshot.baseline_bytes);
-      for (const e of p.snapshot.events) yMax = Math.max(yMax, e.live_bytes || 0);
+      for (const e of p.snapshot.events) yMax = Math.max(yMax, e.live_bytes || 0, e.reserved_bytes || 0);
     }
     yMax *= 1.08;
     if (!panels.every((p) => hasTimes(p.snapshot))) xmodeSelect.disabled = true;

@@ -1,0 +1,204 @@
+// allocator.h -- Arena: the pages behind the CPU backend's buffers of 64 KiB and more.  An arena maps segments
+// of address space from the kernel and carves blocks out of them: a block comes from the best-fitting free range
+// (split, the rest stays free), and a freed block joins its free neighbours (coalesced), so the bytes one size
+// gave back serve the next request of any size.  A free range is either *dirty* (its pages are still resident:
+// reused without a page fault) or *clean* (released with madvise(MADV_DONTNEED): address space only, zero pages
+// that fault in on first touch); requests take a dirty range before a clean one.  A segment with nothing live and
+// nothing dirty is unmapped.  Which freed blocks stay dirty, and for how long, is array.h's policy: this file only
+// keeps the ranges.  Not thread-safe: the caller holds the allocator's mutex (array.h's MemoryStats::mu).
+#pragma once
+
+#include <algorithm>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <iterator>
+#include <map>
+#include <set>
+#include <utility>
+#include <vector>
+
+#include <sys/mman.h>
+
+namespace needle {
+namespace cpu {
+
+using Clock = std::chrono::steady_clock;
+constexpr size_t HUGE_PAGE = size_t(2) << 20;
+constexpr size_t SEGMENT_BYTES = size_t(64) << 20;  // a bigger request gets a segment of its own size
+
+class Arena {
+ public:
+  // huge_pages: ask for transparent huge pages on every segment (madvise(MADV_HUGEPAGE)), as NumPy does for its
+  // large arrays: first touching 2 MiB faults once instead of 512 times.  Only a hint, ignored where THP is off.
+  explicit Arena(bool huge_pages) : huge_(huge_pages) {}
+
+  // A block of `bytes` (a multiple of the page size, so it is 64-byte aligned): carved from the smallest dirty
+  // range that holds it, else from the smallest clean one, else from a new segment; nullptr if the kernel refuses
+  // one.  *reused is set to how long the dirty range it came from had been free (zero if it was clean).
+  void* take(size_t bytes, Clock::time_point now, Clock::duration* reused) {
+    *reused = Clock::duration::zero();
+    auto it = dirty_by_size_.lower_bound({bytes, 0});
+    if (it == dirty_by_size_.end()) {
+      it = clean_by_size_.lower_bound({bytes, 0});
+      if (it == clean_by_size_.end()) {
+        if (!map_segment(bytes, now)) return nullptr;
+        it = clean_by_size_.lower_bound({bytes, 0});
+      }
+    }
+    const uintptr_t addr = it->second;
+    const Range r = free_.at(addr);
+    remove(free_.find(addr));
+    if (r.dirty) *reused = now - r.freed_at;
+    if (r.bytes > bytes) add(addr + bytes, {r.bytes - bytes, r.dirty, r.freed_at, r.segment});
+    segments_.at(r.segment).live += bytes;
+    return reinterpret_cast<void*>(addr);
+  }
+
+  // Takes back a block take() gave: kept dirty (resident, for reuse) or, with keep false, released at once.
+  void give(void* ptr, size_t bytes, bool keep, Clock::time_point now) {
+    const uintptr_t addr = reinterpret_cast<uintptr_t>(ptr);
+    const uintptr_t segment = std::prev(segments_.upper_bound(addr))->first;
+    segments_.at(segment).live -= bytes;
+    if (!keep) madvise(ptr, bytes, MADV_DONTNEED);
+    add_coalesced(addr, {bytes, keep, now, segment});
+    unmap_if_unused(segment);
+  }
+
+  // Releases up to `bytes` (rounded up to pages) of the dirty range freed longest ago; returns the bytes released
+  // (0: nothing is dirty).  The range's upper end goes, so what stays dirty is where the next block is carved.
+  size_t release_oldest(size_t bytes, size_t page) {
+    auto oldest = free_.end();
+    for (auto it = free_.begin(); it != free_.end(); ++it)
+      if (it->second.dirty && (oldest == free_.end() || it->second.freed_at < oldest->second.freed_at)) oldest = it;
+    if (oldest == free_.end()) return 0;
+    const uintptr_t addr = oldest->first;
+    const Range r = oldest->second;
+    const size_t n = std::min(r.bytes, (bytes + page - 1) / page * page);
+    remove(oldest);
+    if (r.bytes > n) add(addr, {r.bytes - n, true, r.freed_at, r.segment});
+    madvise(reinterpret_cast<void*>(addr + r.bytes - n), n, MADV_DONTNEED);
+    add_coalesced(addr + r.bytes - n, {n, false, r.freed_at, r.segment});
+    unmap_if_unused(r.segment);
+    return n;
+  }
+
+  // Releases every dirty range freed at or before `before`; returns the bytes released.
+  size_t release_before(Clock::time_point before) {
+    std::vector<uintptr_t> due;
+    for (const auto& [addr, r] : free_)
+      if (r.dirty && r.freed_at <= before) due.push_back(addr);
+    size_t released = 0;
+    for (uintptr_t addr : due) {  // releasing merges clean ranges only: a dirty one's address stays valid
+      const Range r = free_.at(addr);
+      remove(free_.find(addr));
+      madvise(reinterpret_cast<void*>(addr), r.bytes, MADV_DONTNEED);
+      add_coalesced(addr, {r.bytes, false, r.freed_at, r.segment});
+      unmap_if_unused(r.segment);
+      released += r.bytes;
+    }
+    return released;
+  }
+
+  // When the dirty range freed longest ago was freed; time_point::max() when nothing is dirty.
+  Clock::time_point oldest_dirty() const {
+    Clock::time_point t = Clock::time_point::max();
+    for (const auto& [addr, r] : free_)
+      if (r.dirty) t = std::min(t, r.freed_at);
+    return t;
+  }
+
+  size_t dirty_bytes() const { return dirty_; }
+
+ private:
+  struct Segment {
+    size_t bytes;
+    size_t live = 0;   // bytes of blocks given out
+    size_t dirty = 0;  // bytes of its dirty free ranges
+  };
+  struct Range {
+    size_t bytes;
+    bool dirty;
+    Clock::time_point freed_at;  // of a merged range: the latest of its parts
+    uintptr_t segment;           // the segment's start: ranges never merge across segments
+  };
+  using BySize = std::set<std::pair<size_t, uintptr_t>>;  // (bytes, address): best fit, lowest address first
+
+  void add(uintptr_t addr, const Range& r) {
+    free_.emplace(addr, r);
+    (r.dirty ? dirty_by_size_ : clean_by_size_).insert({r.bytes, addr});
+    if (r.dirty) {
+      dirty_ += r.bytes;
+      segments_.at(r.segment).dirty += r.bytes;
+    }
+  }
+
+  void remove(std::map<uintptr_t, Range>::iterator it) {
+    const Range& r = it->second;
+    (r.dirty ? dirty_by_size_ : clean_by_size_).erase({r.bytes, it->first});
+    if (r.dirty) {
+      dirty_ -= r.bytes;
+      segments_.at(r.segment).dirty -= r.bytes;
+    }
+    free_.erase(it);
+  }
+
+  // Adds a free range, merged with the free neighbours of its own state in its segment.
+  void add_coalesced(uintptr_t addr, Range r) {
+    auto next = free_.find(addr + r.bytes);
+    if (next != free_.end() && next->second.segment == r.segment && next->second.dirty == r.dirty) {
+      r.bytes += next->second.bytes;
+      r.freed_at = std::max(r.freed_at, next->second.freed_at);
+      remove(next);
+    }
+    auto after = free_.lower_bound(addr);
+    if (after != free_.begin()) {
+      auto prev = std::prev(after);
+      if (prev->first + prev->second.bytes == addr && prev->second.segment == r.segment &&
+          prev->second.dirty == r.dirty) {
+        addr = prev->first;
+        r.bytes += prev->second.bytes;
+        r.freed_at = std::max(r.freed_at, prev->second.freed_at);
+        remove(prev);
+      }
+    }
+    add(addr, r);
+  }
+
+  // A new segment of at least `bytes`, all of it one clean range, starting on a 2 MiB boundary (map a little
+  // more, unmap the ends) so that all of it can be huge pages.
+  bool map_segment(size_t bytes, Clock::time_point now) {
+    const size_t seg = std::max(SEGMENT_BYTES, (bytes + HUGE_PAGE - 1) / HUGE_PAGE * HUGE_PAGE);
+    void* p = mmap(nullptr, seg + HUGE_PAGE, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) return false;
+    const uintptr_t raw = reinterpret_cast<uintptr_t>(p);
+    const uintptr_t start = (raw + HUGE_PAGE - 1) & ~(HUGE_PAGE - 1);
+    if (start > raw) munmap(p, start - raw);
+    if (raw + HUGE_PAGE > start) munmap(reinterpret_cast<void*>(start + seg), raw + HUGE_PAGE - start);
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+    if (huge_) madvise(reinterpret_cast<void*>(start), seg, MADV_HUGEPAGE);
+#endif
+    segments_.emplace(start, Segment{seg});
+    add(start, {seg, false, now, start});
+    return true;
+  }
+
+  // Unmaps a segment with no live block and no dirty range (so it is one clean range, or several split by nothing).
+  void unmap_if_unused(uintptr_t segment) {
+    const Segment& s = segments_.at(segment);
+    if (s.live != 0 || s.dirty != 0) return;
+    const size_t bytes = s.bytes;
+    for (auto it = free_.lower_bound(segment); it != free_.end() && it->first < segment + bytes;) remove(it++);
+    munmap(reinterpret_cast<void*>(segment), bytes);
+    segments_.erase(segment);
+  }
+
+  bool huge_;
+  std::map<uintptr_t, Segment> segments_;  // by start address
+  std::map<uintptr_t, Range> free_;        // every free range, by start address
+  BySize dirty_by_size_, clean_by_size_;
+  size_t dirty_ = 0;  // bytes of all dirty ranges
+};
+
+}  // namespace cpu
+}  // namespace needle
