@@ -32,14 +32,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 sys.path[:0] = [os.path.join(ROOT, "python"), os.path.join(ROOT, "apps"), os.path.dirname(os.path.abspath(__file__))]
 
-import numpy as np  # noqa: E402
 
 import needle as ndl  # noqa: E402
-from bench_step import add_model_arguments  # noqa: E402
+from bench_step import add_model_arguments, build_lm  # noqa: E402
 from md_table import markdown_table, progress_to_stderr  # noqa: E402
-from models import LanguageModel  # noqa: E402
 from needle import backend_ndarray as nd  # noqa: E402
-from needle import nn  # noqa: E402
 
 MiB = 1 << 20
 
@@ -72,20 +69,7 @@ def reset_high_water():
 def lm_step_fns(args, gc_all):
     """bench_step's model (or, with --head fused, gc.py's fused LM head) as two closures: forward + backward,
     then Adam's step, so that M_peak is read between them as gc.py reads it."""
-    np.random.seed(0)
-    device = ndl.cpu()
-    model = LanguageModel(args.embedding_size, args.vocab, args.hidden_size, num_layers=args.num_layers,
-                          seq_model="transformer", seq_len=args.seq_len, device=device, num_head=args.num_head,
-                          dim_head=args.embedding_size // args.num_head)
-    if gc_all:
-        model.enable_gc()
-    opt = ndl.optim.Adam(model.parameters(), lr=1e-3)
-    loss_fn = nn.SoftmaxLoss()
-    rs = np.random.RandomState(0)
-    X = ndl.Tensor(rs.randint(0, args.vocab, (args.seq_len, args.batch_size)).astype(np.float32), device=device,
-                   requires_grad=False)
-    y = ndl.Tensor(rs.randint(0, args.vocab, (args.seq_len * args.batch_size,)).astype(np.float32), device=device,
-                   requires_grad=False)
+    model, opt, loss_fn, X, y = build_lm(args, gc_all)
 
     def forward_backward():
         opt.reset_grad()

@@ -31,7 +31,8 @@ from md_table import markdown_table, progress_to_stderr  # noqa: E402
 from models import LanguageModel  # noqa: E402
 
 
-def needle_step_fn(args, gc, autocast=None):
+def build_lm(args, gc):
+    """(model, Adam, the loss, X, y): the benchmark's Transformer LM on one seeded batch (bench_rss builds it too)."""
     np.random.seed(0)
     device = ndl.cpu()
     model = LanguageModel(args.embedding_size, args.vocab, args.hidden_size, num_layers=args.num_layers,
@@ -40,12 +41,16 @@ def needle_step_fn(args, gc, autocast=None):
     if gc:
         model.enable_gc()
     opt = ndl.optim.Adam(model.parameters(), lr=1e-3)
-    loss_fn = nn.SoftmaxLoss()
     rs = np.random.RandomState(0)
     X = ndl.Tensor(rs.randint(0, args.vocab, (args.seq_len, args.batch_size)).astype(np.float32), device=device,
                    requires_grad=False)
     y = ndl.Tensor(rs.randint(0, args.vocab, (args.seq_len * args.batch_size,)).astype(np.float32), device=device,
                    requires_grad=False)
+    return model, opt, nn.SoftmaxLoss(), X, y
+
+
+def needle_step_fn(args, gc, autocast=None):
+    model, opt, loss_fn, X, y = build_lm(args, gc)
 
     def step():
         opt.reset_grad()
