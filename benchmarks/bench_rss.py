@@ -142,6 +142,8 @@ def main():
         argv = ["--batch_size", "32", "--embedding_size", "64", "--hidden_size", "64", "--vocab", "7596", "--head",
                 "fused", "--steps", "10"] + argv
     args = p.parse_args(argv)
+    if args.steps < 3:
+        p.error(f"--steps must be at least 3 (the figures read steps 3 on, after the first ones settle), got {args.steps}")
     if args.gc is not None:  # a child: its row, as a Markdown line on stdout with --markdown
         with progress_to_stderr(args.markdown):
             row = one_policy(args)
