@@ -143,7 +143,7 @@ def main():
                 "fused", "--steps", "10"] + argv
     args = p.parse_args(argv)
     if args.steps < 3:
-        p.error(f"--steps must be at least 3 (the figures read steps 3 on, after the first ones settle), got {args.steps}")
+        p.error(f"--steps must be at least 3 (the figures read steps 3 on, once settled), got {args.steps}")
     if args.gc is not None:  # a child: its row, as a Markdown line on stdout with --markdown
         with progress_to_stderr(args.markdown):
             row = one_policy(args)
