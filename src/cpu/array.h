@@ -66,7 +66,7 @@ class NeedleMemoryError : public std::runtime_error {
 //   - A size recurs once it is asked for again after a block of that size went back to the kernel.  Until then
 //     a freed block of that size goes back at once: `del` of a big array lowers resident memory right away,
 //     while a training step's sizes recur within its first step or two and are kept from then on.
-//   - Live + dirty bytes stay within 1.2 x the high-water mark (the most bytes ever live at once) + 32 MiB, the
+//   - Live + dirty bytes stay within 1.15 x the high-water mark (the most bytes ever live at once) + 32 MiB, the
 //     dirty ranges freed longest ago going first (set_cache_limit bounds the dirty bytes further; 0: none kept;
 //     under set_memory_limit never more than the limit).  Because free ranges split and coalesce, what a step
 //     frees early serves what it asks for later, whatever the size (an earlier cache of exact sizes kept the freed
@@ -92,7 +92,6 @@ class NeedleMemoryError : public std::runtime_error {
 // count live plus cached blocks: the resident memory the allocator answers for); empty_cache() releases them,
 // as does an allocation the kernel refuses.
 constexpr size_t ARENA_THRESHOLD = size_t(64) << 10;
-constexpr size_t CACHE_SLACK_PERCENT = 20;  // the bound's 1.2 x (1.15 left gc "all" 79 page faults a step: issue 47)
 constexpr size_t CACHE_SLACK_BYTES = size_t(32) << 20;  // the bound's + 32 MiB
 constexpr size_t MAX_TRACKED_SIZES = 4096;  // sizes remembered (returned, last freed); forgotten all at once beyond
 constexpr size_t AUTO_CACHE = std::numeric_limits<size_t>::max();
@@ -164,13 +163,13 @@ static void release_cache(MemoryStats& s) {
   s.pages.release_before(Clock::time_point::max());
 }
 
-// How many bytes may stay dirty now: 1.2 x the high-water mark + 32 MiB, less what is live, so that live plus
+// How many bytes may stay dirty now: 1.15 x the high-water mark + 32 MiB, less what is live, so that live plus
 // dirty bytes stay within that bound; or set_cache_limit's bytes; never more than set_memory_limit's.
 // Caller holds s.mu.
 static size_t cache_capacity(const MemoryStats& s) {
   size_t cap = s.cache_limit;
   if (cap == AUTO_CACHE) {
-    const size_t bound = s.high_water_bytes + s.high_water_bytes / 100 * CACHE_SLACK_PERCENT + CACHE_SLACK_BYTES;
+    const size_t bound = s.high_water_bytes + s.high_water_bytes / 100 * 15 + CACHE_SLACK_BYTES;
     cap = bound - std::min(bound, s.current_bytes);
   }
   if (s.limit_bytes != 0) cap = std::min(cap, s.limit_bytes);

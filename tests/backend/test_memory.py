@@ -340,7 +340,7 @@ def test_cuda_out_of_memory_raises_memory_error_with_sizes():
 # Buffers of 64 KiB and more come from arenas of mapped pages (src/cpu/allocator.h), split and coalesced. A freed
 # one goes back to the OS at once unless its size recurs (was asked for again after a block of that size went
 # back); freed blocks of recurring sizes stay resident for reuse (reported as "cached_bytes") so that a repeated
-# step takes no page faults, and serve requests of any size. Live + cached bytes stay within 1.2 x the high-water
+# step takes no page faults, and serve requests of any size. Live + cached bytes stay within 1.15 x the high-water
 # mark + 32 MiB (set_cache_limit bounds the cached bytes further; 0: none); cached bytes not reused for longer than
 # a step (the hold, 1 to 10 s) go back by themselves; empty_cache() gives them back at once.
 MiB = 1 << 20
@@ -531,7 +531,7 @@ def test_cpu_rss_drops_at_once_after_two_large_arrays_with_the_default_cache(cac
 @cpu_only
 @linux_only
 def test_cpu_resident_memory_of_a_repeated_step_stays_within_the_bound(cache_limit):
-    """Rule of the cache: live + cached bytes <= 1.2 x high water + 32 MiB, and a repeated step maps nothing."""
+    """Rule of the cache: live + cached bytes <= 1.15 x high water + 32 MiB, and a repeated step maps nothing."""
     device = nd.cpu()
     cache_limit(None)
     device.mod.empty_cache()
@@ -548,7 +548,7 @@ def test_cpu_resident_memory_of_a_repeated_step_stays_within_the_bound(cache_lim
     for _ in range(3):
         step()
         s = stats(device)
-        assert s["reserved_bytes"] <= 1.2 * s["high_water_bytes"] + 32 * MiB
+        assert s["reserved_bytes"] <= 1.15 * s["high_water_bytes"] + 32 * MiB
     reserved = s["reserved_bytes"]
     step()
     assert stats(device)["reserved_bytes"] == reserved  # the fourth run is served from the cache alone
