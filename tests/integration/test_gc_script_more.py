@@ -479,6 +479,21 @@ def test_the_ablation_plot_says_per_rank_on_data_parallel_rows(tmp_path, monkeyp
     assert texts[1].endswith(" per rank") and "%" not in texts[1], texts
 
 
+def test_the_ablation_plot_draws_the_steps_peak_first_with_its_change(tmp_path, monkeypatch):
+    from experiment.commands.plot import plot_ablation
+
+    row = {"setup": "s", "loss": 5.0, "activation_bytes": 2**20, "peak_activation_bytes": 2**21, "peak_bytes": 2**23,
+           "rss_peak_bytes": 2**22, "step_time_seconds": 0.1, "peak_change": 0.0, "time_change": 0.0}
+    result = {"rows": [{**row, "row": "baseline"}, {**row, "row": "whole-step", "peak_bytes": 2**20,
+                                                    "peak_bytes_change": -0.875}],
+              "steps_per_row": 2, "warmup": 1, "batch_size": 4}
+    figures = _figures(monkeypatch)
+    plot_ablation(result, str(tmp_path))
+    first = figures[0].axes[0]
+    assert "all live bytes" in first.get_title()
+    assert [t.get_text() for t in first.texts] == ["8.0", "1.0 (-88%)"]
+
+
 # ----- gc.py timeline ----------------------------------------------------------------------------------------------
 def test_timeline_writes_both_snapshots_a_png_and_a_page(tmp_path, capsys):
     out = tmp_path / "out"

@@ -295,17 +295,18 @@ ROW_COLOURS = {**COLOURS, "offload-all": CURVE_COLOURS["offload"], "budget-offlo
 
 
 def plot_ablation(result, out_dir):
-    """ablation.png: a bar per row (baseline on top, in grey) of M_peak (M_act inside it), resident memory in use at
-    the step's peak and T_step, each labelled with its change from the baseline; the final loss beside each row's
-    name."""
+    """ablation.png: a bar per row (baseline on top, in grey) of the step's peak of all live bytes, M_peak (M_act
+    inside it), resident memory in use at the step's peak and T_step, each labelled with its change from the
+    baseline; the final loss beside each row's name."""
     plt = _pyplot()
     rows = [r for r in result["rows"] if "failed" not in r]
     names = [f"{r['row']}\nloss {r['loss']:.4f}" if r.get("loss") is not None else r["row"] for r in rows]
     names = [f"{name}\n(per rank)" if r.get("parallel") else name for name, r in zip(names, rows)]
     colours = [ROW_COLOURS.get(r["row"], "tab:olive") for r in rows]
     y = np.arange(len(rows))
-    fig, axes = plt.subplots(1, 3, figsize=(16, 1.6 + 0.62 * len(rows)), sharey=True)
-    panels = [("peak_activation_bytes", "M_peak (MiB), M_act inside (hatched)", 2**20, "peak_change"),
+    fig, axes = plt.subplots(1, 4, figsize=(20, 1.6 + 0.62 * len(rows)), sharey=True)
+    panels = [("peak_bytes", "the step's peak (MiB): all live bytes", 2**20, "peak_bytes_change"),
+              ("peak_activation_bytes", "M_peak (MiB), M_act inside (hatched)", 2**20, "peak_change"),
               ("rss_peak_bytes", "resident memory a step uses at its peak (MiB)", 2**20, None),
               ("step_time_seconds", "T_step (s): median step time", 1, "time_change")]
     for ax, (key, title, unit, change) in zip(axes, panels):
