@@ -288,10 +288,6 @@ class Compute(Machine):
 
     def update(self, node):
         """The optimizer in backward: update parameter `node` (its gradient final) and release its gradient."""
-        if node._grad_hooks:
-            raise RuntimeError(f"{type(node.optimizer).__name__}(in_backward=True): a grad hook waits for the "
-                               f"gradient of a parameter of shape {tuple(node.shape)} (register_grad_hook: data "
-                               "parallelism, say), so the update cannot come before it; use in_backward=False")
         with memory_hook.phase("optimizer", node.optimizer):  # (the timeline draws the update and the free)
             node.optimizer.update_in_backward(node, self)
             grad, node.grad = node.grad, None

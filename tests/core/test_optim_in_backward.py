@@ -142,8 +142,10 @@ def test_a_grad_hook_waiting_for_the_gradient_is_an_error():
     model = TiedChain()
     ndl.optim.Adam(model.parameters(), lr=0.01, in_backward=True)
     model.bias.register_grad_hook(lambda p: None)
+    before = [p.numpy() for p in model.parameters()]
     with pytest.raises(RuntimeError, match=r"a grad hook waits for the gradient of a parameter of shape \(16,\)"):
         (model(batch(0)) ** 2).sum().backward()
+    assert all(np.array_equal(a, p.numpy()) for a, p in zip(before, model.parameters()))  # none updated first
 
 
 def test_to_dot_draws_the_parameters_updated_in_backward():

@@ -269,6 +269,11 @@ class Optimizer:
                     f"{type(self).__name__}(in_backward=True): backward() ran again before step(), but this optimizer "
                     "updated the parameters in the last backward: gradients cannot accumulate over micro-batches. "
                     "Call step() after each backward(), or build the optimizer with in_backward=False")
+            hooked = next((q for q in self.params if q._grad_hooks), None)  # checked before any update
+            if hooked is not None:
+                raise RuntimeError(f"{type(self).__name__}(in_backward=True): a grad hook waits for the gradient of "
+                                   f"a parameter of shape {tuple(hooked.shape)} (register_grad_hook: data "
+                                   "parallelism, say), so its update cannot come first; use in_backward=False")
             self._backward_pass = backward_pass
             self.begin_step()
         self.update_parameter(p, *self._value_and_grad(p))
