@@ -163,14 +163,15 @@ static void release_cache(MemoryStats& s) {
   s.pages.release_before(Clock::time_point::max());
 }
 
-// How many bytes may stay dirty now: 1.15 x the high-water mark + 32 MiB, less what is live, so that live plus
-// dirty bytes stay within that bound; or set_cache_limit's bytes; never more than set_memory_limit's.
-// Caller holds s.mu.
-static size_t cache_capacity(const MemoryStats& s) {
+// How many bytes may stay dirty now: 1.15 x the high-water mark + 32 MiB, less what is live (and `more_live`
+// bytes about to be), so that live plus dirty bytes stay within that bound; or set_cache_limit's bytes; never more
+// than set_memory_limit's.  Caller holds s.mu.
+static size_t cache_capacity(const MemoryStats& s, size_t more_live = 0) {
   size_t cap = s.cache_limit;
   if (cap == AUTO_CACHE) {
-    const size_t bound = s.high_water_bytes + s.high_water_bytes / 100 * 15 + CACHE_SLACK_BYTES;
-    cap = bound - std::min(bound, s.current_bytes);
+    const size_t high_water = std::max(s.high_water_bytes, s.current_bytes + more_live);
+    const size_t bound = high_water + high_water / 100 * 15 + CACHE_SLACK_BYTES;
+    cap = bound - std::min(bound, s.current_bytes + more_live);
   }
   if (s.limit_bytes != 0) cap = std::min(cap, s.limit_bytes);
   return cap;
@@ -230,12 +231,16 @@ static void* get_pages(MemoryStats& s, size_t bytes) {
   const auto last = s.last_freed.find(bytes);
   if (last != s.last_freed.end()) saw_reuse(s, now - last->second);
   Clock::duration reused;
-  void* p = s.pages.take(bytes, now, &reused);
+  bool fresh;
+  void* p = s.pages.take(bytes, now, &reused, &fresh);
   if (p == nullptr && s.cached_bytes() != 0) {
     release_cache(s);
-    p = s.pages.take(bytes, now, &reused);
+    p = s.pages.take(bytes, now, &reused, &fresh);
   }
   if (reused != Clock::duration::zero()) saw_reuse(s, reused);
+  // Fresh pages are about to become resident: release dirty ones first, so that resident memory (live + dirty)
+  // never passes the bound, not even until the next free.
+  if (p != nullptr && fresh) trim_cache(s, cache_capacity(s, bytes));
   return p;
 }
 

@@ -696,6 +696,47 @@ def test_cpu_freed_blocks_serve_other_sizes_and_a_repeated_step_takes_no_page_fa
     device.mod.empty_cache()
 
 
+BIGGER_THAN_ANY_FREE_BLOCK = r"""
+import json, os
+from needle import backend_ndarray as nd
+
+def rss():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+device, MiB = nd.cpu(), 1 << 20
+for n in (10 * MiB, 4 * MiB):  # 40 MiB and 16 MiB float32 blocks: asked for twice, so kept when freed
+    for _ in range(2):
+        a = nd.empty((n,), device=device)
+        del a
+blocks = [nd.full((10 * MiB,), 1.0, device=device) for _ in range(3)]  # 3 x 40 MiB, side by side, resident
+del blocks
+before = rss()
+big = nd.full((25 * MiB,), 1.0, device=device)  # 100 MiB: more than any one freed block, less than the three
+beside_freed = rss() - before
+del big
+a = nd.full((4 * MiB,), 1.0, device=device)  # 16 MiB at the start of what the 100 MiB block left (dirty)
+del a
+before = rss()
+wide = nd.full((10 * MiB,), 1.0, device=device)  # 40 MiB: 16 of them dirty, the rest clean pages beside them
+beside_clean = rss() - before
+print(json.dumps({"beside_freed": beside_freed, "beside_clean": beside_clean}))
+"""
+
+
+@cpu_only
+@linux_only
+def test_cpu_a_block_larger_than_any_freed_one_takes_their_coalesced_pages_and_clean_pages_beside_them():
+    """Free ranges merge within a segment (1 GiB of address space), so 3 freed 40 MiB blocks serve a 100 MiB one
+    without a page fault (with a segment per 64 MiB, the logits of the benchmark model faulted in anew every step);
+    and a request larger than every resident free range takes the largest one with the clean pages beside it, so
+    only the clean part is new resident memory."""
+    r = json.loads(run_python(BIGGER_THAN_ANY_FREE_BLOCK))
+    assert r["beside_freed"] <= 8 * MiB, f"{r['beside_freed'] / MiB:.0f} MiB faulted in for 100 MiB over 120 freed"
+    assert 16 * MiB <= r["beside_clean"] <= 28 * MiB, f"{r['beside_clean'] / MiB:.0f} MiB (24 expected, 40 if "
+    "the 16 resident MiB beside the clean range were left aside)"
+
+
 FORKED = r"""
 import os, time
 from needle import backend_ndarray as nd
