@@ -167,7 +167,7 @@ PYBIND11_MODULE(ndarray_backend_cuda, m) {
   m.def("unary_strided", unary_strided);
 
   m.def("matmul", matmul, py::arg("a"), py::arg("b"), py::arg("out"), py::arg("m"), py::arg("n"), py::arg("p"),
-        py::arg("trans_a") = false, py::arg("trans_b") = false);
+        py::arg("trans_a") = false, py::arg("trans_b") = false, py::arg("accumulate") = false);
   m.def("matmul_batched", matmul_batched);
   m.def("matmul_tiled", matmul_tiled);
   m.def("reduce_sum", reduce_sum);

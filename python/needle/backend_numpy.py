@@ -11,7 +11,7 @@ import numpy as np
 from .backend_ndarray import ndarray_backend_numpy as ref  # the reference backend: its bits are the contract
 
 __all__ = [
-    "Device", "activation", "activation_grad", "adam8bit_step", "adam_step", "all_devices", "array", "astype",
+    "Device", "activation", "activation_grad", "adam8bit_step", "add_matmul", "adam_step", "all_devices", "array", "astype",
     "attention_backward", "attention_forward", "broadcast_to", "cast_like", "copies_async", "copy_thread",
     "copy_to_host", "cpu",
     "cpu_numpy", "cuda", "default_device", "dequantize_blockwise", "device_of", "dropout", "empty", "exp", "flip",
@@ -82,17 +82,46 @@ def sgd_step(theta, grad, u, lr, momentum, weight_decay=0.0, out=None):
     return new[0], new[1] if momentum else None
 
 
-def adam_step(theta, grad, m, v, lr, beta1, beta2, eps, correction1, correction2, weight_decay=0.0, out=None):
-    """Adam's update (src/README.md): the new (theta, m, v), m and v None on the first step."""
-    return _fused("adam_step", ref.adam_update, theta, grad, {"m": m, "v": v}, lr, beta1, beta2, eps, correction1,
-                  correction2, weight_decay, out=out)
+def adam_step(theta, grad, m, v, lr, beta1, beta2, eps, correction1, correction2, weight_decay=0.0, out=None,
+              rounding_seed=None):
+    """Adam's update (src/README.md): the new (theta, m, v), m and v None on the first step. A bfloat16 theta is
+    updated in place (out=(theta, m, v)), widened and rounded back as the reference backend does."""
+    if str(theta.dtype) != "bfloat16":
+        return _fused("adam_step", ref.adam_update, theta, grad, {"m": m, "v": v}, lr, beta1, beta2, eps,
+                      correction1, correction2, weight_decay, out=out)
+    if out is None or out[0] is not theta:
+        raise ValueError("adam_step: a bfloat16 theta is updated in place: pass out=(theta, m, v)")
+    f32 = [None if a is None else np.asarray(a, np.float32) for a in (theta, grad, m, v)]
+    new, new_m, new_v = ref.adam_update(*f32, lr, beta1, beta2, eps, correction1, correction2, weight_decay)
+    _round_into(out[0], new, rounding_seed)
+    out[1][...], out[2][...] = new_m.astype(out[1].dtype), new_v.astype(out[2].dtype)
+    return out
+
+
+def _round_into(theta, new, seed):
+    """float32 `new` into a bfloat16 theta: to nearest, or with `seed` as round_stochastic rounds it."""
+    rounded = new.astype(theta.dtype) if seed is None else ref.stochastic_bfloat16(new, seed)
+    theta[...] = rounded.reshape(theta.shape)
+
+
+def add_matmul(out, a, b):
+    """out += a @ b in place; returns out."""
+    out += a @ b
+    return out
 
 
 def adam8bit_step(theta, grad, m_state, v_state, code_m, code_v, block_size, lr, beta1, beta2, eps, correction1,
-                  correction2, weight_decay=0.0, out=None):
+                  correction2, weight_decay=0.0, out=None, rounding_seed=None):
     """One fused 8-bit Adam step (the reference backend's bytes; see src/README.md): the new float32 theta;
-    m_state = (q_m, absmax_m) and v_state = (q_v, absmax_v) are updated in place."""
+    m_state = (q_m, absmax_m) and v_state = (q_v, absmax_v) are updated in place. A bfloat16 theta is updated in
+    place (out=theta), widened and rounded back as the reference backend does."""
     (q_m, absmax_m), (q_v, absmax_v) = m_state, v_state
+    low = str(theta.dtype) == "bfloat16"
+    if low and out is not theta:
+        raise ValueError("adam8bit_step: a bfloat16 theta is updated in place: pass out=theta")
+    rounded_theta = theta
+    if low:  # widened (a float32 grad as it is): the checks below see float32
+        theta, grad = np.asarray(theta, np.float32), np.asarray(grad, np.float32) if grad.dtype == theta.dtype else grad
     n = theta.size
     blocks = ref.num_blocks("adam8bit_step", n, block_size)
     ref.check_blockwise("adam8bit_step", [
@@ -105,6 +134,9 @@ def adam8bit_step(theta, grad, m_state, v_state, code_m, code_v, block_size, lr,
                                             weight_decay)
     for stored, new in zip((q_m, absmax_m, q_v, absmax_v), state):
         stored[...] = new.reshape(stored.shape)
+    if low:
+        _round_into(rounded_theta, new_theta, rounding_seed)
+        return rounded_theta
     if out is None:
         return new_theta.reshape(theta.shape)
     out[...] = new_theta.reshape(out.shape)

@@ -8,6 +8,7 @@
 
 #include "array.h"
 #include "quantize.h"
+#include "random.h"
 #include "threads.h"
 
 #include <pybind11/pybind11.h>
@@ -16,6 +17,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 namespace needle {
@@ -70,45 +72,84 @@ NEEDLE_NO_FMA static void sgd_step(const Array& theta, const Array& grad, const 
   }
 }
 
-// adam_step: Adam's update of one float32 parameter in one pass instead of eleven element-wise kernels (each a
-// Python call and a full-size temporary).  Per element, in float32 with every operation rounded as the element-wise
-// kernels round it (so the bytes equal the composite update's):
+// A new parameter value stored as T: float32 as it is; bfloat16 to nearest (key 0 and not stochastic) or, with
+// stochastic rounding, round_stochastic's bits for flat index i.
+template <class T>
+static inline T store_param(float x, bool stochastic, uint32_t key, uint64_t i) {
+  if constexpr (std::is_same<T, float>::value) {
+    return x;
+  } else {
+    return stochastic ? stochastic_bf16(x, key, i) : from_float<T>(x);
+  }
+}
+
+// adam_step: Adam's update of one parameter in one pass instead of eleven element-wise kernels (each a Python call
+// and a full-size temporary).  Per element, in float32 with every operation rounded as the element-wise kernels
+// round it (so the bytes equal the composite update's):
 //   m = m * b1 + g * (1 - b1);  v = v * b2 + (g * g) * (1 - b2)
 //   (first step: m = g * (1 - b1), v = (g * g) * (1 - b2))
 //   out = theta - (m / c1) * lr / (sqrt(v / c2) + eps)
-// where g = grad + theta * wd (wd != 0) or grad.
-NEEDLE_NO_FMA static void adam_step(const Array& theta, const Array& grad, const Array& m, const Array& v, Array& out,
-                                    Array& out_m, Array& out_v, bool first, double lr, double beta1, double beta2,
-                                    double eps, double correction1, double correction2, double weight_decay) {
+// where g = grad + theta * wd (wd != 0) or grad.  theta, m, v and the outputs are float32; or all bfloat16 (a pure
+// bfloat16 parameter and its state), updated in place, each value widened and its new value rounded back -- the
+// state to nearest, theta to nearest (seed < 0) or stochastically with round_stochastic's bits for (seed, index);
+// grad float32 or of theta's dtype.
+template <class T, class G>
+NEEDLE_NO_FMA static void adam_loop(const T* pt, const G* pg, const T* pm, const T* pv, T* po, T* om, T* ov, size_t n,
+                                    bool first, const AdamHyper& h, float wd, bool decay, int64_t seed) {
 #if defined(__clang__)
 #pragma clang fp contract(off)
 #endif
-  const char* fn = "adam_step";
-  const size_t n = theta.size;
-  check_blockwise(fn, {{"theta", theta, DType::f32, n},
-                       {"grad", grad, DType::f32, n},
-                       {"m", m, DType::f32, n},
-                       {"v", v, DType::f32, n},
-                       {"out", out, DType::f32, n},
-                       {"out_m", out_m, DType::f32, n},
-                       {"out_v", out_v, DType::f32, n}});
-  const AdamHyper h(lr, beta1, beta2, eps, correction1, correction2);
   const float b1 = h.b1, a1 = h.a1, b2 = h.b2, a2 = h.a2, c1 = h.c1, c2 = h.c2, step = h.lr, fe = h.eps;
-  const float wd = static_cast<float>(weight_decay);
-  const bool decay = weight_decay != 0.0;
-  const float *pt = theta.data<float>(), *pg = grad.data<float>(), *pm = m.data<float>(), *pv = v.data<float>();
-  float *po = out.data<float>(), *om = out_m.data<float>(), *ov = out_v.data<float>();
+  const bool stochastic = seed >= 0;
+  const uint32_t key = static_cast<uint32_t>(seed) * 0x9E3779B9u;
   const int nthreads = threads_for(n, true);
   py::gil_scoped_release release;
   // An OpenMP loop, not parallel_range's lambda: the region's body keeps this function's fp-contract=off.
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)
   for (int64_t i = 0; i < static_cast<int64_t>(n); ++i) {  // no branches but loop-invariant ones: vectorized
-    const float g = decay ? pg[i] + pt[i] * wd : pg[i];
-    const float mk = first ? g * a1 : pm[i] * b1 + g * a1;
-    const float vk = first ? (g * g) * a2 : pv[i] * b2 + (g * g) * a2;
-    po[i] = pt[i] - mk / c1 * step / (std::sqrt(vk / c2) + fe);
-    om[i] = mk;
-    ov[i] = vk;
+    const float t = to_float(pt[i]), g = decay ? to_float(pg[i]) + t * wd : to_float(pg[i]);
+    const float mk = first ? g * a1 : to_float(pm[i]) * b1 + g * a1;
+    const float vk = first ? (g * g) * a2 : to_float(pv[i]) * b2 + (g * g) * a2;
+    po[i] = store_param<T>(t - mk / c1 * step / (std::sqrt(vk / c2) + fe), stochastic, key, static_cast<uint64_t>(i));
+    om[i] = store_param<T>(mk, false, 0, 0);
+    ov[i] = store_param<T>(vk, false, 0, 0);
+  }
+}
+
+static void adam_step(const Array& theta, const Array& grad, const Array& m, const Array& v, Array& out, Array& out_m,
+                      Array& out_v, bool first, double lr, double beta1, double beta2, double eps, double correction1,
+                      double correction2, double weight_decay, int64_t seed) {
+  const char* fn = "adam_step";
+  const size_t n = theta.size;
+  const bool bf16 = theta.dtype == DType::bf16;
+  const DType dt = bf16 ? DType::bf16 : DType::f32, grad_dtype = grad.dtype == DType::bf16 ? dt : DType::f32;
+  // (on the first step m and v are not read: the caller passes grad in their place)
+  const DType state_dtype = first && m.dtype == grad.dtype ? m.dtype : dt;
+  check_blockwise(fn, {{"theta", theta, dt, n},
+                       {"grad", grad, grad_dtype, n},
+                       {"m", m, state_dtype, n},
+                       {"v", v, state_dtype, n},
+                       {"out", out, dt, n},
+                       {"out_m", out_m, dt, n},
+                       {"out_v", out_v, dt, n}});
+  if (bf16 && out.ptr != theta.ptr) fail(std::string(fn) + ": a bfloat16 theta is updated in place: out must be theta");
+  if (!bf16 && seed >= 0) fail(std::string(fn) + ": stochastic rounding (seed >= 0) needs a bfloat16 theta");
+  const AdamHyper h(lr, beta1, beta2, eps, correction1, correction2);
+  const float wd = static_cast<float>(weight_decay);
+  const bool decay = weight_decay != 0.0;
+  if (!bf16) {
+    adam_loop(theta.data<float>(), grad.data<float>(), m.data<float>(), v.data<float>(), out.data<float>(),
+              out_m.data<float>(), out_v.data<float>(), n, first, h, wd, decay, seed);
+    return;
+  }
+  using B = bfloat16_t;
+  const B *pm = first ? nullptr : m.data<B>(), *pv = first ? nullptr : v.data<B>();
+  if (grad_dtype == DType::bf16) {
+    adam_loop(theta.data<B>(), grad.data<B>(), pm, pv, out.data<B>(), out_m.data<B>(), out_v.data<B>(), n, first, h,
+              wd, decay, seed);
+  } else {
+    adam_loop(theta.data<B>(), grad.data<float>(), pm, pv, out.data<B>(), out_m.data<B>(), out_v.data<B>(), n, first,
+              h, wd, decay, seed);
   }
 }
 
@@ -132,39 +173,19 @@ static void scale_block(float* x, size_t n, float absmax) {
   }
 }
 
-NEEDLE_NO_FMA static void adam8bit_step(const Array& theta, const Array& grad, Array& q_m, Array& absmax_m,
-                                        Array& q_v, Array& absmax_v, const Array& code_m, const Array& code_v,
-                                        Array& out, int64_t block_size, double lr, double beta1, double beta2,
-                                        double eps, double correction1, double correction2,
-                                        double weight_decay) {
+// The blocks of adam8bit_step for theta and out of storage type T (float32, or bfloat16 updated in place: each
+// value widened, updated in float32, rounded back) and grad of G.
+template <class T, class G>
+NEEDLE_NO_FMA static void adam8bit_blocks(const T* pt, const G* pg, uint8_t* qm, float* am, uint8_t* qv, float* av,
+                                          const float* cm, const float* cv, T* po, size_t n, size_t bs,
+                                          const AdamHyper& h, float wd, bool decay, int64_t seed) {
 #if defined(__clang__)
 #pragma clang fp contract(off)
 #endif
-  const char* fn = "adam8bit_step";
-  const size_t n = theta.size, blocks = num_blocks(fn, n, block_size);
-  check_blockwise(fn, {{"theta", theta, DType::f32, n},
-                       {"grad", grad, DType::f32, n},
-                       {"q_m", q_m, DType::u8, n},
-                       {"absmax_m", absmax_m, DType::f32, blocks},
-                       {"q_v", q_v, DType::u8, n},
-                       {"absmax_v", absmax_v, DType::f32, blocks},
-                       {"code_m", code_m, DType::f32, CODE_SIZE},
-                       {"code_v", code_v, DType::f32, CODE_SIZE},
-                       {"out", out, DType::f32, n}});
-  const AdamHyper h(lr, beta1, beta2, eps, correction1, correction2);
   const float b1 = h.b1, a1 = h.a1, b2 = h.b2, a2 = h.a2, c1 = h.c1, c2 = h.c2, step = h.lr, fe = h.eps;
-  const float* pt = theta.data<float>();
-  const float* pg = grad.data<float>();
-  const float* cm = code_m.data<float>();
-  const float* cv = code_v.data<float>();
-  uint8_t* qm = q_m.data<uint8_t>();
-  uint8_t* qv = q_v.data<uint8_t>();
-  float* am = absmax_m.data<float>();
-  float* av = absmax_v.data<float>();
-  float* po = out.data<float>();
-  const size_t bs = static_cast<size_t>(block_size);
-  const float wd = static_cast<float>(weight_decay);
-  const bool decay = weight_decay != 0.0;
+  const size_t blocks = n == 0 ? 0 : (n - 1) / bs + 1;
+  const bool stochastic = seed >= 0;
+  const uint32_t key = static_cast<uint32_t>(seed) * 0x9E3779B9u;
   const int nthreads = threads_for(n, true);
   const CodeBuckets &buckets_m = buckets_for(cm), &buckets_v = buckets_for(cv);
   py::gil_scoped_release release;
@@ -179,14 +200,14 @@ NEEDLE_NO_FMA static void adam8bit_step(const Array& theta, const Array& grad, A
         m[k] = cm[qm[begin + k]] * old_m;
         r[k] = cv[qv[begin + k]] * old_r;
       }
-      const float* g = pg + begin;
-      const float* t = pt + begin;
-      float* o = po + begin;
+      const G* g = pg + begin;
+      const T* t = pt + begin;
+      T* o = po + begin;
       for (size_t k = 0; k < len; ++k) {  // Adam (no lookups, loop-invariant branches only: vectorized)
-        const float gk = decay ? g[k] + t[k] * wd : g[k];
+        const float tk = to_float(t[k]), gk = decay ? to_float(g[k]) + tk * wd : to_float(g[k]);
         const float mk = m[k] * b1 + gk * a1;
         const float vk = r[k] * r[k] * b2 + gk * gk * a2;
-        o[k] = t[k] - mk / c1 * step / (std::sqrt(vk / c2) + fe);
+        o[k] = store_param<T>(tk - mk / c1 * step / (std::sqrt(vk / c2) + fe), stochastic, key, begin + k);
         m[k] = mk;
         r[k] = std::sqrt(vk);
       }
@@ -200,6 +221,46 @@ NEEDLE_NO_FMA static void adam8bit_step(const Array& theta, const Array& grad, A
         qv[begin + k] = buckets_v.nearest(cv, r[k]);
       }
     }
+  }
+}
+
+// theta and out float32; or a bfloat16 theta updated in place (out is theta), its gradient bfloat16 or float32,
+// each new value rounded to nearest (seed < 0) or stochastically with round_stochastic's bits for (seed, index).
+static void adam8bit_step(const Array& theta, const Array& grad, Array& q_m, Array& absmax_m, Array& q_v,
+                          Array& absmax_v, const Array& code_m, const Array& code_v, Array& out, int64_t block_size,
+                          double lr, double beta1, double beta2, double eps, double correction1, double correction2,
+                          double weight_decay, int64_t seed) {
+  const char* fn = "adam8bit_step";
+  const size_t n = theta.size, blocks = num_blocks(fn, n, block_size);
+  const bool bf16 = theta.dtype == DType::bf16;
+  const DType grad_dtype = bf16 && grad.dtype == DType::bf16 ? DType::bf16 : DType::f32;
+  check_blockwise(fn, {{"theta", theta, bf16 ? DType::bf16 : DType::f32, n},
+                       {"grad", grad, grad_dtype, n},
+                       {"q_m", q_m, DType::u8, n},
+                       {"absmax_m", absmax_m, DType::f32, blocks},
+                       {"q_v", q_v, DType::u8, n},
+                       {"absmax_v", absmax_v, DType::f32, blocks},
+                       {"code_m", code_m, DType::f32, CODE_SIZE},
+                       {"code_v", code_v, DType::f32, CODE_SIZE},
+                       {"out", out, theta.dtype, n}});
+  if (bf16 && out.ptr != theta.ptr) fail(std::string(fn) + ": a bfloat16 theta is updated in place: out must be theta");
+  if (!bf16 && seed >= 0) fail(std::string(fn) + ": stochastic rounding (seed >= 0) needs a bfloat16 theta");
+  const AdamHyper h(lr, beta1, beta2, eps, correction1, correction2);
+  const float wd = static_cast<float>(weight_decay);
+  const bool decay = weight_decay != 0.0;
+  const size_t bs = static_cast<size_t>(block_size);
+  uint8_t *qm = q_m.data<uint8_t>(), *qv = q_v.data<uint8_t>();
+  float *am = absmax_m.data<float>(), *av = absmax_v.data<float>();
+  const float *cm = code_m.data<float>(), *cv = code_v.data<float>();
+  if (!bf16) {
+    adam8bit_blocks(theta.data<float>(), grad.data<float>(), qm, am, qv, av, cm, cv, out.data<float>(), n, bs, h,
+                    wd, decay, seed);
+  } else if (grad_dtype == DType::bf16) {
+    adam8bit_blocks(theta.data<bfloat16_t>(), grad.data<bfloat16_t>(), qm, am, qv, av, cm, cv,
+                    out.data<bfloat16_t>(), n, bs, h, wd, decay, seed);
+  } else {
+    adam8bit_blocks(theta.data<bfloat16_t>(), grad.data<float>(), qm, am, qv, av, cm, cv, out.data<bfloat16_t>(),
+                    n, bs, h, wd, decay, seed);
   }
 }
 

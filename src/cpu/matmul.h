@@ -104,20 +104,26 @@ static std::vector<T> transposed(const T* src, int64_t rows, int64_t cols) {
 // trans_a: a holds A's transpose, (n x m) row-major; trans_b: b holds B's, (p x n).  A float32 product on the
 // packed kernel reads them in place while packing; any other transposes them into temporaries outside the
 // allocator first.  Either way no buffer the allocator counts is made, and the bits are those of the product of
-// compact copies.
+// compact copies.  accumulate: out += A @ B, the float32 packed kernel adding its sums to out (other products are
+// made outside the allocator, then added to out and rounded once), so a sum of products needs no temporary the
+// allocator counts.
 static void matmul(const Array& a, const Array& b, Array& out, int64_t m, int64_t n, int64_t p, bool trans_a,
-                   bool trans_b) {
+                   bool trans_b, bool accumulate) {
   check_matmul("matmul", a, b, out, m, n, p);
   const DType dt = check_matmul_dtypes("matmul", a, b, out);
-  if (m == 0 || p == 0) return;
+  if (m == 0 || p == 0 || (n == 0 && accumulate)) return;
   if (n == 0) {
     fill(out, 0.0f);
     return;
   }
-  if ((trans_a || trans_b) && dt == DType::f32 && uses_packed_kernel(m, n, p)) {
-    const gemm_fn<float> f = !trans_b ? g_kernel->gemm_ta : !trans_a ? g_kernel->gemm_tb : g_kernel->gemm_tab;
+  if (dt == DType::f32 && out.dtype == DType::f32 && uses_packed_kernel(m, n, p) &&
+      (trans_a || trans_b || accumulate)) {
+    const gemm_fn<float> f = !trans_a && !trans_b ? g_kernel->gemm
+                             : !trans_b           ? g_kernel->gemm_ta
+                             : !trans_a           ? g_kernel->gemm_tb
+                                                  : g_kernel->gemm_tab;
     py::gil_scoped_release release;
-    f(a.data<float>(), b.data<float>(), out.ptr, m, n, p, matmul_threads(m, n, p));
+    f(a.data<float>(), b.data<float>(), out.ptr, m, n, p, matmul_threads(m, n, p), accumulate);
     return;
   }
   visit_float(dt, [&](auto t) {
@@ -125,7 +131,19 @@ static void matmul(const Array& a, const Array& b, Array& out, int64_t m, int64_
     std::vector<T> at, bt;
     if (trans_a) at = transposed(a.data<T>(), n, m);
     if (trans_b) bt = transposed(b.data<T>(), p, n);
-    matmul_compact(trans_a ? at.data() : a.data<T>(), trans_b ? bt.data() : b.data<T>(), out, dt, m, n, p);
+    const T *A = trans_a ? at.data() : a.data<T>(), *B = trans_b ? bt.data() : b.data<T>();
+    if (!accumulate) {
+      matmul_compact(A, B, out, dt, m, n, p);
+      return;
+    }
+    std::vector<float> product(static_cast<size_t>(m * p));
+    py::gil_scoped_release release;
+    gemm(A, B, product.data(), m, n, p, matmul_threads(m, n, p));
+    visit_float(out.dtype, [&](auto o) {
+      using O = decltype(o);
+      O* po = out.data<O>();
+      for (size_t i = 0; i < product.size(); ++i) po[i] = from_float<O>(to_float(po[i]) + product[i]);
+    });
   });
 }
 

@@ -66,10 +66,10 @@ static Scratch& b_scratch() {
 
 // C (m x p) = A (m x n) @ B (n x p), all compact row-major; A and B of P's input type, C float32 (O = float) or,
 // for Bf16Pairs with n <= KC, bfloat16.  P says how the panels are packed and which micro-kernel reads them
-// (FloatPanels, Bf16Pairs).
+// (FloatPanels, Bf16Pairs).  accumulate: C += A @ B (the first KC block adds to C instead of storing; float32 C).
 template <class P, class O = scalar_t>
 static void gemm_packed(const typename P::input_t* A, const typename P::input_t* B, O* C, int64_t m, int64_t n,
-                        int64_t p, int nthreads) {
+                        int64_t p, int nthreads, bool accumulate) {
   using packed_t = typename P::packed_t;
   constexpr int64_t MR = P::MR, NR = P::NR, KC = P::KC;
   // Row blocks: about 4 per thread for balance, a multiple of MR, at most MC_MAX.
@@ -94,7 +94,7 @@ static void gemm_packed(const typename P::input_t* A, const typename P::input_t*
     for (int64_t jr = 0; jr < nc; jr += NR)
       for (int64_t ir = 0; ir < mc; ir += MR)
         P::kernel(depth, Ap + ir * depth, Bp + jr * depth, C + (ic + ir) * p + jc + jr, p,
-                  std::min<int64_t>(MR, mc - ir), std::min<int64_t>(NR, nc - jr), pc > 0);
+                  std::min<int64_t>(MR, mc - ir), std::min<int64_t>(NR, nc - jr), accumulate || pc > 0);
   };
 
   if (nthreads == 1) {  // no OpenMP region at all: even an inactive one costs about as much as a small product
@@ -181,7 +181,7 @@ static void gemv(const scalar_t* A, const scalar_t* x, scalar_t* y, int64_t m, i
 }
 
 template <class T, class O = scalar_t>
-using gemm_fn = void (*)(const T*, const T*, O*, int64_t, int64_t, int64_t, int);
+using gemm_fn = void (*)(const T*, const T*, O*, int64_t, int64_t, int64_t, int, bool);
 
 // One micro-kernel, and the packed GEMM built on it for each storage type of A and B; the AVX-512 one also has
 // the bfloat16 dot-product GEMM (Bf16Pairs), used for bfloat16 products when g_bf16_dot is on.
@@ -288,7 +288,7 @@ static void gemm(const scalar_t* A, const scalar_t* B, scalar_t* C, int64_t m, i
   } else if (!uses_packed_kernel(m, n, p)) {
     gemm_small(A, B, C, m, n, p, nthreads);
   } else {
-    g_kernel->gemm(A, B, C, m, n, p, nthreads);
+    g_kernel->gemm(A, B, C, m, n, p, nthreads, false);
   }
 }
 
@@ -297,13 +297,13 @@ static void gemm(const scalar_t* A, const scalar_t* B, scalar_t* C, int64_t m, i
 static void gemm(const bfloat16_t* A, const bfloat16_t* B, scalar_t* C, int64_t m, int64_t n, int64_t p,
                  int nthreads) {
   if (use_bf16_dot()) {
-    g_kernel->gemm_bf16_dot(A, B, C, m, n, p, nthreads);
+    g_kernel->gemm_bf16_dot(A, B, C, m, n, p, nthreads, false);
   } else {
-    g_kernel->gemm_bf16(A, B, C, m, n, p, nthreads);
+    g_kernel->gemm_bf16(A, B, C, m, n, p, nthreads, false);
   }
 }
 static void gemm(const half_t* A, const half_t* B, scalar_t* C, int64_t m, int64_t n, int64_t p, int nthreads) {
-  g_kernel->gemm_f16(A, B, C, m, n, p, nthreads);
+  g_kernel->gemm_f16(A, B, C, m, n, p, nthreads, false);
 }
 
 // A bfloat16 product with a bfloat16 out is rounded in the dot-product kernel's registers and written to out
@@ -314,7 +314,7 @@ static bool bf16_out_direct(DType dt, const Array& out, int64_t n) {
 }
 static void gemm(const bfloat16_t* A, const bfloat16_t* B, bfloat16_t* C, int64_t m, int64_t n, int64_t p,
                  int nthreads) {
-  g_kernel->gemm_bf16_dot_to_bf16(A, B, C, m, n, p, nthreads);
+  g_kernel->gemm_bf16_dot_to_bf16(A, B, C, m, n, p, nthreads, false);
 }
 
 }  // namespace cpu

@@ -56,8 +56,15 @@ static void dropout(const Array& a, Array& out, double p, uint32_t seed) {
 
 // float32 -> bfloat16, rounding up with probability equal to the discarded fraction: a 16-bit random number is
 // added to the lower half of the float32 bits before truncating (carries propagate into the exponent correctly).
-// The random number is a hash of (seed, offset + i), as above: a chunk of a larger array, rounded with its
-// offset, gets the bits the whole array would.
+// The random number is a hash of (seed, index), key = seed * 0x9E3779B9; inf and NaN round as plain rounding.
+static inline bfloat16_t stochastic_bf16(float x, uint32_t key, uint64_t index) {
+  const uint32_t u = bits_from_float(x);
+  if ((u & 0x7f800000u) == 0x7f800000u) return from_float<bfloat16_t>(x);
+  return {static_cast<uint16_t>((u + (lowbias32(static_cast<uint32_t>(index) ^ key) & 0xffffu)) >> 16)};
+}
+
+// round_stochastic: out[i] = stochastic_bf16(a[i]) with index offset + i, so a chunk of a larger array, rounded
+// with its offset, gets the bits the whole array would.
 static void round_stochastic(const Array& a, Array& out, uint32_t seed, uint64_t offset) {
   if (a.dtype != DType::f32 || out.dtype != DType::bf16)
     throw py::type_error("round_stochastic: needs float32 a and bfloat16 out, got " + a.dtype_name() + " and " +
@@ -67,14 +74,7 @@ static void round_stochastic(const Array& a, Array& out, uint32_t seed, uint64_t
   bfloat16_t* po = out.data<bfloat16_t>();
   const uint32_t key = seed * 0x9E3779B9u;
   parallel_range(a.size, threads_for(a.size, false), [&](size_t begin, size_t end) {
-    for (size_t i = begin; i < end; ++i) {
-      const uint32_t u = bits_from_float(pa[i]);
-      if ((u & 0x7f800000u) == 0x7f800000u) {  // inf or NaN: as plain rounding
-        po[i] = from_float<bfloat16_t>(pa[i]);
-      } else {
-        po[i] = {static_cast<uint16_t>((u + (lowbias32(static_cast<uint32_t>(offset + i) ^ key) & 0xffffu)) >> 16)};
-      }
-    }
+    for (size_t i = begin; i < end; ++i) po[i] = stochastic_bf16(pa[i], key, offset + i);
   });
 }
 

@@ -50,6 +50,7 @@ constexpr int kMmATilePitch = kMmTileRows + 2;
 // for a given transposed, as matmul's trans_a says), and likewise b.
 struct MatmulStrides {
   int64_t a_rs, a_cs, b_rs, b_cs;
+  bool accumulate;  // out += a @ b
 };
 
 template <typename TIn, typename TOut>
@@ -122,7 +123,8 @@ __device__ void matmul_tile(const TIn* a, const TIn* b, TOut* out, int64_t m, in
     for (int j = 0; j < kMmThreadCols; ++j) {
       const int64_t gr = row0 + ty + i * kMmThreadsY;
       const int64_t gc = col0 + tx + j * kMmThreadsX;
-      if (gr < m && gc < p) out[gr * p + gc] = from_float<TOut>(acc[i][j]);
+      if (gr < m && gc < p)
+        out[gr * p + gc] = from_float<TOut>(st.accumulate ? to_float(out[gr * p + gc]) + acc[i][j] : acc[i][j]);
     }
   }
 }
@@ -171,8 +173,9 @@ void check_matmul_dtypes(const char* fn, const CudaArray& a, const CudaArray& b,
 
 // Launches matmul_kernel for the dtypes of a, b and out (already checked by check_matmul_dtypes).
 void launch_matmul(const dim3& grid, const CudaArray& a, const CudaArray& b, CudaArray& out, int64_t batch,
-                   int64_t m, int64_t n, int64_t p, bool trans_a = false, bool trans_b = false) {
-  const MatmulStrides st{trans_a ? 1 : n, trans_a ? m : 1, trans_b ? 1 : p, trans_b ? n : 1};
+                   int64_t m, int64_t n, int64_t p, bool trans_a = false, bool trans_b = false,
+                   bool accumulate = false) {
+  const MatmulStrides st{trans_a ? 1 : n, trans_a ? m : 1, trans_b ? 1 : p, trans_b ? n : 1, accumulate};
   visit_floating(a.dtype, [&](auto tag) {
     using T = TypeOf<decltype(tag)>;
     if (out.dtype == a.dtype) {
@@ -184,8 +187,9 @@ void launch_matmul(const dim3& grid, const CudaArray& a, const CudaArray& b, Cud
 }
 
 // trans_a: a holds A's transpose, (n x m) row-major; trans_b: b holds B's (p x n).  The tiles read them in place.
+// accumulate: out += a @ b (out's value added to the float32 sums, rounded once).
 void matmul(const CudaArray& a, const CudaArray& b, CudaArray& out, size_t m, size_t n, size_t p, bool trans_a,
-            bool trans_b) {
+            bool trans_b, bool accumulate) {
   check_matmul_dtypes("matmul", a, b, out);
   check_extents("matmul", "a", a.size, m, n);
   check_extents("matmul", "b", b.size, n, p);
@@ -197,7 +201,7 @@ void matmul(const CudaArray& a, const CudaArray& b, CudaArray& out, size_t m, si
   }
   // Row tiles go in grid x (limit 2^31 - 1): tall matrices are the common case.
   const dim3 grid(static_cast<unsigned>(ceil_div(as_int64(m), kMmTileRows)), static_cast<unsigned>(col_blocks));
-  launch_matmul(grid, a, b, out, 1, as_int64(m), as_int64(n), as_int64(p), trans_a, trans_b);
+  launch_matmul(grid, a, b, out, 1, as_int64(m), as_int64(n), as_int64(p), trans_a, trans_b, accumulate);
   check_kernel("matmul");
 }
 

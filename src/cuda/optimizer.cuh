@@ -16,6 +16,7 @@
 #include "array.cuh"
 #include "common.cuh"
 #include "quantize.cuh"
+#include "random.cuh"
 #include "reduce.cuh"
 
 namespace needle {
@@ -57,19 +58,35 @@ __global__ void sgd_step_kernel(const float* theta, const float* grad, const flo
   }
 }
 
-// adam_step (src/README.md): Adam's update of one float32 parameter, one thread per element (grid-stride), every
-// operation rounded as the element-wise kernels round it (no fused multiply-add).
-__global__ void adam_step_kernel(const float* theta, const float* grad, const float* m, const float* v, float* out,
-                                 float* out_m, float* out_v, int64_t n, bool first, AdamHyper h, bool decay,
-                                 float wd) {
+// A new parameter value stored as T: float32 as it is; bfloat16 to nearest, or (stochastic) with round_stochastic's
+// bits for flat index i.
+template <typename T>
+__device__ T store_param(float x, int64_t i, bool stochastic, uint32_t seed_hash) {
+  if constexpr (std::is_same<T, float>::value) {
+    return x;
+  } else {
+    return stochastic ? round_stochastic_element(x, i, seed_hash) : from_float<T>(x);
+  }
+}
+
+// adam_step (src/README.md): Adam's update of one parameter, one thread per element (grid-stride), every
+// operation rounded as the element-wise kernels round it (no fused multiply-add).  T: float32, or bfloat16 for a pure
+// bfloat16 parameter and state updated in place (state to nearest, theta to nearest or stochastically); G: T or
+// float32.
+template <typename T, typename G>
+__global__ void adam_step_kernel(const T* theta, const G* grad, const T* m, const T* v, T* out, T* out_m, T* out_v,
+                                 int64_t n, bool first, AdamHyper h, bool decay, float wd, bool stochastic,
+                                 uint32_t seed_hash) {
   for (int64_t i = first_index(); i < n; i += grid_stride()) {
-    const float g = decayed(grad[i], theta[i], decay, wd), gg = __fmul_rn(g, g);
-    const float mk = first ? __fmul_rn(g, h.a1) : __fadd_rn(__fmul_rn(m[i], h.b1), __fmul_rn(g, h.a1));
-    const float vk = first ? __fmul_rn(gg, h.a2) : __fadd_rn(__fmul_rn(v[i], h.b2), __fmul_rn(gg, h.a2));
+    const float t = to_float(theta[i]);
+    const float g = decayed(to_float(grad[i]), t, decay, wd), gg = __fmul_rn(g, g);
+    const float mk = first ? __fmul_rn(g, h.a1) : __fadd_rn(__fmul_rn(to_float(m[i]), h.b1), __fmul_rn(g, h.a1));
+    const float vk = first ? __fmul_rn(gg, h.a2) : __fadd_rn(__fmul_rn(to_float(v[i]), h.b2), __fmul_rn(gg, h.a2));
     const float denom = __fadd_rn(__fsqrt_rn(__fdiv_rn(vk, h.c2)), h.eps);
-    out[i] = __fsub_rn(theta[i], __fdiv_rn(__fmul_rn(__fdiv_rn(mk, h.c1), h.lr), denom));
-    out_m[i] = mk;
-    out_v[i] = vk;
+    out[i] = store_param<T>(__fsub_rn(t, __fdiv_rn(__fmul_rn(__fdiv_rn(mk, h.c1), h.lr), denom)), i, stochastic,
+                            seed_hash);
+    out_m[i] = store_param<T>(mk, i, false, 0);
+    out_v[i] = store_param<T>(vk, i, false, 0);
   }
 }
 
@@ -89,10 +106,12 @@ __device__ void adam8bit_moments(const AdamHyper& h, float m, float r, float g, 
   *v_out = __fadd_rn(__fmul_rn(__fmul_rn(r, r), h.b2), __fmul_rn(__fmul_rn(g, g), h.a2));
 }
 
-__global__ void adam8bit_step_kernel(const float* theta, const float* grad, uint8_t* q_m, float* absmax_m,
+// theta and out of T (float32, or a bfloat16 theta updated in place), grad of G.
+template <typename T, typename G>
+__global__ void adam8bit_step_kernel(const T* theta, const G* grad, uint8_t* q_m, float* absmax_m,
                                      uint8_t* q_v, float* absmax_v, const float* code_m, const float* code_v,
-                                     float* out, int64_t n, int64_t block_size, int64_t num_blocks, AdamHyper h,
-                                     bool decay, float wd) {
+                                     T* out, int64_t n, int64_t block_size, int64_t num_blocks, AdamHyper h,
+                                     bool decay, float wd, bool stochastic, uint32_t seed_hash) {
   __shared__ float table_m[kCodeSize], table_v[kCodeSize];
   for (int j = threadIdx.x; j < kCodeSize; j += blockDim.x) {
     table_m[j] = code_m[j];
@@ -107,7 +126,7 @@ __global__ void adam8bit_step_kernel(const float* theta, const float* grad, uint
     for (int64_t i = begin + threadIdx.x; i < end; i += blockDim.x) {  // pass 1
       float m, v;
       adam8bit_moments(h, __fmul_rn(table_m[q_m[i]], old_m), __fmul_rn(table_v[q_v[i]], old_r),
-                       decayed(grad[i], theta[i], decay, wd), &m, &v);
+                       decayed(to_float(grad[i]), to_float(theta[i]), decay, wd), &m, &v);
       new_m = MaximumOp()(new_m, fabsf(m));
       new_r = MaximumOp()(new_r, __fsqrt_rn(v));
     }
@@ -119,11 +138,12 @@ __global__ void adam8bit_step_kernel(const float* theta, const float* grad, uint
     }
     for (int64_t i = begin + threadIdx.x; i < end; i += blockDim.x) {  // pass 2
       float m, v;
-      const float t = theta[i];
+      const float t = to_float(theta[i]);
       adam8bit_moments(h, __fmul_rn(table_m[q_m[i]], old_m), __fmul_rn(table_v[q_v[i]], old_r),
-                       decayed(grad[i], t, decay, wd), &m, &v);
+                       decayed(to_float(grad[i]), t, decay, wd), &m, &v);
       const float r = __fsqrt_rn(v), denom = __fadd_rn(__fsqrt_rn(__fdiv_rn(v, h.c2)), h.eps);
-      out[i] = __fsub_rn(t, __fdiv_rn(__fmul_rn(__fdiv_rn(m, h.c1), h.lr), denom));
+      out[i] = store_param<T>(__fsub_rn(t, __fdiv_rn(__fmul_rn(__fdiv_rn(m, h.c1), h.lr), denom)), i, stochastic,
+                              seed_hash);
       q_m[i] = nearest_code(table_m, new_m == 0.0f ? 0.0f : __fdiv_rn(m, new_m));
       q_v[i] = nearest_code(table_v, new_r == 0.0f ? 0.0f : __fdiv_rn(r, new_r));
     }
@@ -154,42 +174,70 @@ void sgd_step(const CudaArray& theta, const CudaArray& grad, const CudaArray& u,
 
 void adam_step(const CudaArray& theta, const CudaArray& grad, const CudaArray& m, const CudaArray& v, CudaArray& out,
                CudaArray& out_m, CudaArray& out_v, bool first, double lr, double beta1, double beta2, double eps,
-               double correction1, double correction2, double weight_decay) {
+               double correction1, double correction2, double weight_decay, int64_t seed) {
   const char* fn = "adam_step";
-  check_exact_dtypes(fn, {{"theta", theta, DType::kFloat32},
-                          {"grad", grad, DType::kFloat32},
-                          {"m", m, DType::kFloat32},
-                          {"v", v, DType::kFloat32},
-                          {"out", out, DType::kFloat32},
-                          {"out_m", out_m, DType::kFloat32},
-                          {"out_v", out_v, DType::kFloat32}});
+  const bool bf16 = theta.dtype == DType::kBFloat16;
+  const DType dt = bf16 ? DType::kBFloat16 : DType::kFloat32;
+  const DType grad_dtype = grad.dtype == DType::kBFloat16 ? dt : DType::kFloat32;
+  const DType state_dtype = first && m.dtype == grad.dtype ? m.dtype : dt;  // first: grad stands in for m and v
+  check_exact_dtypes(fn, {{"theta", theta, dt},
+                          {"grad", grad, grad_dtype},
+                          {"m", m, state_dtype},
+                          {"v", v, state_dtype},
+                          {"out", out, dt},
+                          {"out_m", out_m, dt},
+                          {"out_v", out_v, dt}});
+  if (bf16 && out.ptr != theta.ptr)
+    throw py::value_error(std::string("needle cuda: ") + fn + ": a bfloat16 theta is updated in place: out must be theta");
+  if (!bf16 && seed >= 0)
+    throw py::value_error(std::string("needle cuda: ") + fn + ": stochastic rounding (seed >= 0) needs a bfloat16 theta");
   for (const auto& [name, size] : {std::pair<const char*, size_t>{"grad", grad.size}, {"m", m.size}, {"v", v.size},
                                    {"out", out.size}, {"out_m", out_m.size}, {"out_v", out_v.size}})
     check_size(fn, name, size, theta.size);
   const int64_t n = as_int64(theta.size);
   if (n == 0) return;
-  adam_step_kernel<<<grid_for(n), kBlockSize>>>(data<float>(theta), data<float>(grad), data<float>(m), data<float>(v),
-                                                data<float>(out), data<float>(out_m), data<float>(out_v), n, first,
-                                                adam_hyper(lr, beta1, beta2, eps, correction1, correction2),
-                                                weight_decay != 0.0, static_cast<float>(weight_decay));
+  const AdamHyper h = adam_hyper(lr, beta1, beta2, eps, correction1, correction2);
+  const uint32_t seed_hash = static_cast<uint32_t>(seed) * 0x9E3779B9u;
+  auto launch = [&](auto theta_type, auto grad_type) {
+    using T = decltype(theta_type);
+    using G = decltype(grad_type);
+    adam_step_kernel<T, G><<<grid_for(n), kBlockSize>>>(
+        data<T>(theta), data<G>(grad), data<T>(m), data<T>(v), data<T>(out), data<T>(out_m), data<T>(out_v), n,
+        first, h, weight_decay != 0.0, static_cast<float>(weight_decay), seed >= 0, seed_hash);
+  };
+  if (!bf16) {
+    launch(float(), float());
+  } else if (grad_dtype == DType::kBFloat16) {
+    launch(__nv_bfloat16(), __nv_bfloat16());
+  } else {
+    launch(__nv_bfloat16(), float());
+  }
   check_kernel(fn);
 }
 
 void adam8bit_step(const CudaArray& theta, const CudaArray& grad, CudaArray& q_m, CudaArray& absmax_m, CudaArray& q_v,
                    CudaArray& absmax_v, const CudaArray& code_m, const CudaArray& code_v, CudaArray& out,
                    int64_t block_size, double lr, double beta1, double beta2, double eps, double correction1,
-                   double correction2, double weight_decay) {
+                   double correction2, double weight_decay, int64_t seed) {
+  // theta and out float32; or a bfloat16 theta updated in place (out is theta), its gradient bfloat16 or float32,
+  // each new value rounded to nearest (seed < 0) or stochastically with round_stochastic's bits for (seed, index).
   const char* fn = "adam8bit_step";
   const int64_t blocks = num_quantization_blocks(fn, theta.size, block_size);
-  check_exact_dtypes(fn, {{"theta", theta, DType::kFloat32},
-                          {"grad", grad, DType::kFloat32},
+  const bool bf16 = theta.dtype == DType::kBFloat16;
+  const DType grad_dtype = bf16 && grad.dtype == DType::kBFloat16 ? DType::kBFloat16 : DType::kFloat32;
+  check_exact_dtypes(fn, {{"theta", theta, bf16 ? DType::kBFloat16 : DType::kFloat32},
+                          {"grad", grad, grad_dtype},
                           {"q_m", q_m, DType::kUInt8},
                           {"absmax_m", absmax_m, DType::kFloat32},
                           {"q_v", q_v, DType::kUInt8},
                           {"absmax_v", absmax_v, DType::kFloat32},
                           {"code_m", code_m, DType::kFloat32},
                           {"code_v", code_v, DType::kFloat32},
-                          {"out", out, DType::kFloat32}});
+                          {"out", out, theta.dtype}});
+  if (bf16 && out.ptr != theta.ptr)
+    throw py::value_error(std::string("needle cuda: ") + fn + ": a bfloat16 theta is updated in place: out must be theta");
+  if (!bf16 && seed >= 0)
+    throw py::value_error(std::string("needle cuda: ") + fn + ": stochastic rounding (seed >= 0) needs a bfloat16 theta");
   check_size(fn, "grad", grad.size, theta.size);
   check_size(fn, "q_m", q_m.size, theta.size);
   check_size(fn, "q_v", q_v.size, theta.size);
@@ -201,10 +249,25 @@ void adam8bit_step(const CudaArray& theta, const CudaArray& grad, CudaArray& q_m
   if (blocks == 0) return;
   const AdamHyper h = adam_hyper(lr, beta1, beta2, eps, correction1, correction2);
   const unsigned grid = static_cast<unsigned>(std::min(blocks, kReduceMaxBlocks));
-  adam8bit_step_kernel<<<grid, reduce_threads(static_cast<size_t>(block_size))>>>(
-      data<float>(theta), data<float>(grad), data<uint8_t>(q_m), data<float>(absmax_m), data<uint8_t>(q_v),
-      data<float>(absmax_v), data<float>(code_m), data<float>(code_v), data<float>(out), as_int64(theta.size),
-      block_size, blocks, h, weight_decay != 0.0, static_cast<float>(weight_decay));
+  const unsigned threads = reduce_threads(static_cast<size_t>(block_size));
+  const bool stochastic = seed >= 0;
+  const uint32_t seed_hash = static_cast<uint32_t>(seed) * 0x9E3779B9u;
+  const float wd = static_cast<float>(weight_decay);
+  auto launch = [&](auto theta_type, auto grad_type) {
+    using T = decltype(theta_type);
+    using G = decltype(grad_type);
+    adam8bit_step_kernel<T, G><<<grid, threads>>>(
+        data<T>(theta), data<G>(grad), data<uint8_t>(q_m), data<float>(absmax_m), data<uint8_t>(q_v),
+        data<float>(absmax_v), data<float>(code_m), data<float>(code_v), data<T>(out), as_int64(theta.size),
+        block_size, blocks, h, weight_decay != 0.0, wd, stochastic, seed_hash);
+  };
+  if (!bf16) {
+    launch(float(), float());
+  } else if (grad_dtype == DType::kBFloat16) {
+    launch(__nv_bfloat16(), __nv_bfloat16());
+  } else {
+    launch(__nv_bfloat16(), float());
+  }
   check_kernel(fn);
 }
 

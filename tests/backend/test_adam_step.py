@@ -126,3 +126,52 @@ def test_adam_step_errors_name_the_array(device):
     with pytest.raises(ValueError, match="adam_step: v has shape"):
         nd.adam_step(theta, theta, theta, nd.array(np.zeros(12, np.float32), device=device), 0.1, 0.9, 0.99, 1e-8,
                      0.1, 0.01)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("grad_dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("seed", [None, 11])
+def test_a_bfloat16_parameter_and_state_are_updated_in_place_as_the_float32_step_rounded(device, grad_dtype, seed):
+    """Pure bfloat16 training: theta, m, v bfloat16, one pass widens them, updates in float32 as the float32 kernel
+    does and rounds back (state to nearest; theta to nearest or as round_stochastic(new, seed) rounds it): the bits
+    of the chunked path it replaces, without its float32 copies (issue 47's whole step)."""
+    rng = np.random.default_rng(9)
+    shape = (33, 31)
+    theta = nd.array(rng.standard_normal(shape).astype(np.float32), device=device).astype("bfloat16")
+    grad = nd.array(rng.standard_normal(shape).astype(np.float32), device=device).astype(grad_dtype)
+    m = v = None
+    for t in (1, 2):
+        widened = [None if a is None else a.astype("float32") for a in (theta, grad, m, v)]
+        want = nd.adam_step(*widened, **HYPER, correction1=corrections(t)[0], correction2=corrections(t)[1])
+        if m is None:
+            m, v = (nd.empty(shape, dtype="bfloat16", device=device) for _ in range(2))
+            old = None, None
+        else:
+            old = m, v
+        out = nd.adam_step(theta, grad, *old, **HYPER, correction1=corrections(t)[0], correction2=corrections(t)[1],
+                           out=(theta, m, v), rounding_seed=seed)
+        assert out[0] is theta and all(a.dtype == "bfloat16" for a in out)
+        rounded = want[0].astype("bfloat16") if seed is None else nd.round_stochastic(want[0], seed)
+        assert_same_bits(theta.numpy(), rounded.numpy())
+        assert_same_bits(m.numpy(), want[1].astype("bfloat16").numpy())
+        assert_same_bits(v.numpy(), want[2].astype("bfloat16").numpy())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_optim_adam_on_bfloat16_takes_one_pass_and_keeps_the_chunked_bits(device, monkeypatch):
+    """optim.Adam on a pure bfloat16 parameter with stochastic rounding: the fused in-place pass gives the bits the
+    chunked update (what it was before) gives."""
+    def train(fused):
+        np.random.seed(0)
+        w = ndl.Tensor(np.random.randn(70, 9).astype(np.float32), device=device, dtype="bfloat16", requires_grad=True)
+        opt = optim.Adam([w], lr=0.01, stochastic_rounding=True, master_weights=False)
+        if not fused:
+            monkeypatch.setattr(opt, "fused_in_place", lambda p: False)
+        for _ in range(3):
+            opt.reset_grad()
+            (w * w).sum().backward()
+            opt.step()
+        monkeypatch.undo()
+        return w.numpy()
+
+    assert_same_bits(train(True), train(False))

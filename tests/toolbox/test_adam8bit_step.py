@@ -207,7 +207,7 @@ def test_backend_function_rejects_wrong_dtypes_and_sizes(device):
         mod.fill(a, 0.0)
     for a in (good[2], good[4]):
         mod.fill(a, 0)
-    mod.adam8bit_step(*good, bs, 1e-3, 0.9, 0.999, 1e-8, 0.1, 0.001, 0.0)
+    mod.adam8bit_step(*good, bs, 1e-3, 0.9, 0.999, 1e-8, 0.1, 0.001, 0.0, -1)
     for index, bad, error, words in [
         (1, mod.Array(n, "float16"), TypeError, r"adam8bit_step\b.*\bgrad\b"),
         (2, f32(n), TypeError, r"adam8bit_step\b.*\bq_m\b"),
@@ -220,9 +220,9 @@ def test_backend_function_rejects_wrong_dtypes_and_sizes(device):
         args = list(good)
         args[index] = bad
         with pytest.raises(error, match=words):
-            mod.adam8bit_step(*args, bs, 1e-3, 0.9, 0.999, 1e-8, 0.1, 0.001, 0.0)
+            mod.adam8bit_step(*args, bs, 1e-3, 0.9, 0.999, 1e-8, 0.1, 0.001, 0.0, -1)
     with pytest.raises(ValueError, match=r"adam8bit_step\b.*\bblock_size\b"):
-        mod.adam8bit_step(*good, 0, 1e-3, 0.9, 0.999, 1e-8, 0.1, 0.001, 0.0)
+        mod.adam8bit_step(*good, 0, 1e-3, 0.9, 0.999, 1e-8, 0.1, 0.001, 0.0, -1)
 
 
 def test_ndarray_function_rejects_views_of_state_shapes_and_devices():
@@ -255,3 +255,45 @@ def test_np_face_rejects_wrong_dtypes_and_sizes():
     with pytest.raises(ValueError, match=r"adam8bit_step: absmax_v has 2 elements, expected 3"):
         np_face.adam8bit_step(x, x, (q_m, absmax_m), (q_v, absmax_v[:2]), SIGNED, UNSIGNED, 4, 1e-3, 0.9, 0.999,
                               1e-8, 0.1, 0.001)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("grad_dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("seed", [None, 7])
+def test_a_bfloat16_theta_is_updated_in_place_as_the_float32_step_rounded_back(device, grad_dtype, seed):
+    """A bfloat16 parameter without a master copy (pure bf16 training): one pass widens each element, updates it as
+    the float32 kernel does and rounds it back, to nearest or as round_stochastic(new, seed) rounds it -- the bits
+    of the chunked path it replaces, with no float32 copy of the parameter (issue 47's whole step)."""
+    rng = np.random.default_rng(5)
+    n, bs = 1000, 256
+    theta16 = nd.array(rng.standard_normal(n).astype(np.float32), device=device).astype("bfloat16")
+    grad = nd.array(scaled_blocks(rng, n, bs), device=device).astype(grad_dtype)
+    (q_m, a_m), (q_v, a_v) = zero_state(n, bs)
+    for t in (1, 2):
+        theta32 = theta16.astype("float32").numpy()
+        want, *want_state = step_on(REF, theta32, grad.astype("float32").numpy(), (q_m, a_m), (q_v, a_v), bs, t)
+        state = [nd.array(a, device=device, dtype=str(a.dtype)) for a in (q_m, a_m, q_v, a_v)]
+        out = nd.adam8bit_step(theta16, grad, tuple(state[:2]), tuple(state[2:]), nd.array(SIGNED, device=device),
+                               nd.array(UNSIGNED, device=device), bs, **HYPER, correction1=corrections(t)[0],
+                               correction2=corrections(t)[1], out=theta16, rounding_seed=seed)
+        assert out is theta16 and out.dtype == "bfloat16"
+        rounded = nd.array(want, device=device)
+        rounded = rounded.astype("bfloat16") if seed is None else nd.round_stochastic(rounded, seed)
+        assert_same_bits(theta16.numpy(), rounded.numpy())
+        for ours, expected in zip(state, want_state):
+            assert_same_bits(ours.numpy(), expected)
+        q_m, a_m, q_v, a_v = want_state
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_bfloat16_theta_needs_out_theta_and_float32_needs_no_seed(device):
+    theta = nd.array(np.ones(8, np.float32), device=device)
+    (q_m, a_m), (q_v, a_v) = zero_state(8, 4)
+    state = [nd.array(a, device=device, dtype=str(a.dtype)) for a in (q_m, a_m, q_v, a_v)]
+    codes = nd.array(SIGNED, device=device), nd.array(UNSIGNED, device=device)
+    args = (tuple(state[:2]), tuple(state[2:]), *codes, 4, 1e-3, 0.9, 0.999, 1e-8, 0.1, 0.001)
+    low = theta.astype("bfloat16")
+    with pytest.raises(ValueError, match=r"adam8bit_step: a bfloat16 theta is updated in place"):
+        nd.adam8bit_step(low, low, *args)
+    with pytest.raises(ValueError, match=r"adam8bit_step: stochastic rounding .* needs a bfloat16 theta"):
+        nd.adam8bit_step(theta, theta, *args, out=theta, rounding_seed=3)

@@ -3,6 +3,7 @@ the NumPy-like functions ops call on them (array_api.py)."""
 from . import array_api
 from .array_api import (
     adam8bit_step,
+    add_matmul,
     adam_step,
     array,
     astype,
@@ -65,6 +66,7 @@ from .ndarray import (
 __all__ = [
     "array_api",
     "adam8bit_step",
+    "add_matmul",
     "adam_step",
     "all_devices",
     "array",

@@ -28,6 +28,7 @@ __all__ = [
     "adafactor_step",
     "adafactor_sumsq",
     "adam8bit_step",
+    "add_matmul",
     "adam_step",
     "array",
     "astype",
@@ -246,14 +247,21 @@ def sgd_step(theta, grad, u, lr, momentum, weight_decay=0.0, out=None):
     return out, out_u if momentum else None
 
 
-def adam_step(theta, grad, m, v, lr, beta1, beta2, eps, correction1, correction2, weight_decay=0.0, out=None):
-    """Adam's update of one float32 parameter in one backend pass (src/README.md, adam_step): returns the new
-    (theta, m, v); m and v are None on the first step. correction1/2 are Adam's 1 - beta^t. `out`: compact float32
-    arrays of theta's shape to write them into (theta, m, v themselves: the update in place)."""
+def adam_step(theta, grad, m, v, lr, beta1, beta2, eps, correction1, correction2, weight_decay=0.0, out=None,
+              rounding_seed=None):
+    """Adam's update of one parameter in one backend pass (src/README.md, adam_step): returns the new (theta, m,
+    v); m and v are None on the first step. correction1/2 are Adam's 1 - beta^t. `out`: compact float32 arrays of
+    theta's shape to write them into (theta, m, v themselves: the update in place). A bfloat16 theta with bfloat16
+    m and v (its grad bfloat16 or float32) is updated in place only (out=(theta, m, v)): each value widened,
+    updated in float32 and rounded back, the state to nearest, theta to nearest or, with `rounding_seed`, as
+    round_stochastic(new, rounding_seed) rounds it."""
+    if theta.dtype == "bfloat16" and (out is None or out[0] is not theta):
+        raise ValueError("adam_step: a bfloat16 theta is updated in place: pass out=(theta, m, v)")
     theta, grad, (m_in, v_in), out = _fused_arrays("adam_step", theta, grad, {"m": m, "v": v}, out)
+    seed = -1 if rounding_seed is None else int(rounding_seed) & 0xFFFFFFFF
     theta.device.mod.adam_step(theta._handle, grad._handle, m_in._handle, v_in._handle, *(a._handle for a in out),
                                m is None, float(lr), float(beta1), float(beta2), float(eps), float(correction1),
-                               float(correction2), float(weight_decay))
+                               float(correction2), float(weight_decay), seed)
     return out
 
 
@@ -298,12 +306,14 @@ def adafactor_step(theta, grad, rc, v, m, first_v, first_m, n, cols, beta2, eps1
 
 
 def adam8bit_step(theta, grad, m_state, v_state, code_m, code_v, block_size, lr, beta1, beta2, eps, correction1,
-                  correction2, weight_decay=0.0, out=None):
+                  correction2, weight_decay=0.0, out=None, rounding_seed=None):
     """One Adam step for a parameter whose moments are stored block-wise in 8 bits, fused into one pass per block
-    (src/README.md, adam8bit_step): returns the new float32 theta and updates `m_state` = (q_m, absmax_m) and
+    (src/README.md, adam8bit_step): returns the new theta and updates `m_state` = (q_m, absmax_m) and
     `v_state` = (q_v, absmax_v) in place (q_v holds sqrt(v)). correction1/2 are Adam's 1 - beta^t; weight_decay
-    as adam_step's. `out`: a
-    compact float32 array of theta's shape for the new theta (theta itself: in place)."""
+    as adam_step's. `out`: a compact array of theta's shape and dtype for the new theta (theta itself: in place).
+    A bfloat16 theta (its grad bfloat16 or float32) is updated in place only (out=theta), each element widened,
+    updated in float32 and rounded back: to nearest, or with `rounding_seed` stochastically, as
+    round_stochastic(new, rounding_seed) rounds it."""
     fn = "adam8bit_step"
     (q_m, absmax_m), (q_v, absmax_v) = m_state, v_state
     named = [("theta", theta), ("grad", grad), ("q_m", q_m), ("absmax_m", absmax_m), ("q_v", q_v),
@@ -318,11 +328,14 @@ def adam8bit_step(theta, grad, m_state, v_state, code_m, code_v, block_size, lr,
         out = NDArray._empty(theta.shape, theta.device, "float32")
     elif not out.is_compact() or out.shape != theta.shape or out.device != theta.device:
         raise ValueError(f"{fn}: out must be a compact array of theta's shape on its device")
+    if theta.dtype == "bfloat16" and out is not theta:
+        raise ValueError(f"{fn}: a bfloat16 theta is updated in place: pass out=theta")
+    seed = -1 if rounding_seed is None else int(rounding_seed) & 0xFFFFFFFF
     theta.device.mod.adam8bit_step(
-        theta.compact()._handle, grad.compact()._handle, q_m._handle, absmax_m._handle, q_v._handle,
-        absmax_v._handle, code_m.compact()._handle, code_v.compact()._handle, out._handle, int(block_size),
-        float(lr), float(beta1), float(beta2), float(eps), float(correction1), float(correction2),
-        float(weight_decay))
+        (theta if out is theta else theta.compact())._handle, grad.compact()._handle, q_m._handle, absmax_m._handle,
+        q_v._handle, absmax_v._handle, code_m.compact()._handle, code_v.compact()._handle, out._handle,
+        int(block_size), float(lr), float(beta1), float(beta2), float(eps), float(correction1), float(correction2),
+        float(weight_decay), seed)
     return out
 
 
@@ -487,6 +500,11 @@ def activation_grad(a, grad, kind):
 
 def matmul(a, b):
     return a @ b
+
+
+def add_matmul(out, a, b):
+    """out += a @ b in place, without a temporary (NDArray.add_matmul); returns out."""
+    return out.add_matmul(a, b)
 
 
 def sum(a, axis=None, keepdims=False):

@@ -780,6 +780,25 @@ class NDArray:
         return self._device.mod
 
     # ----- matrix multiplication ----------------------------------------------------------------------------
+    def add_matmul(self, a, b):
+        """self += a @ b for 2-D a (m, n) and b (n, p) of self's floating dtype, self compact (m, p), in place:
+        the backend adds the product's float32 sums to self (rounded once), so a sum of products needs no
+        temporary (the transpose of a whole compact matrix is read in place, as in @)."""
+        if not all(isinstance(x, NDArray) for x in (a, b)):
+            raise TypeError("add_matmul: operands must be NDArrays")
+        if a.device != self.device or b.device != self.device:
+            raise ValueError(f"add_matmul: operands on {a.device} and {b.device}, out on {self.device}")
+        if a.ndim != 2 or b.ndim != 2 or a.shape[1] != b.shape[0] or self.shape != (a.shape[0], b.shape[1]):
+            raise ValueError(f"add_matmul: out {self.shape} += {a.shape} @ {b.shape}: shapes are not aligned")
+        if not self.is_compact():
+            raise ValueError("add_matmul: out must be compact")
+        if not a._dtype == b._dtype == self._dtype:
+            raise TypeError(f"add_matmul: out and operands of one dtype, got {self._dtype}, {a._dtype} and {b._dtype}")
+        _require_float("add_matmul", a._dtype)
+        (ha, trans_a), (hb, trans_b) = _matmul_operand(a), _matmul_operand(b)
+        self.device.mod.matmul(ha, hb, self._handle, a.shape[0], a.shape[1], b.shape[1], trans_a, trans_b, True)
+        return self
+
     def __matmul__(self, other):
         """(m, n) @ (n, p) -> (m, p); batch dimensions broadcast as in NumPy."""
         if not isinstance(other, NDArray):

@@ -13,6 +13,7 @@ import ml_dtypes
 import numpy as np
 
 from .adafactor_reference import adafactor_moments, adafactor_step, adafactor_sumsq  # noqa: F401 (the contract's)
+from .codes_reference import check_bits, code_bytes, pack_code_values, unpack_code_values  # noqa: F401
 
 __device_name__ = "cpu_numpy"
 __tile_size__ = 1
@@ -277,12 +278,35 @@ def adam_update(theta, grad, m, v, lr, beta1, beta2, eps, correction1, correctio
 
 
 def adam_step(theta, grad, m, v, out, out_m, out_v, first, lr, beta1, beta2, eps, correction1, correction2,
-              weight_decay):
-    check_blockwise("adam_step", [(k, a, "float32", theta.size) for k, a in zip(
-        ("theta", "grad", "m", "v", "out", "out_m", "out_v"), (theta, grad, m, v, out, out_m, out_v))])
-    out.array[:], out_m.array[:], out_v.array[:] = adam_update(
-        theta.array, grad.array, None if first else m.array, None if first else v.array, lr, beta1, beta2, eps,
+              weight_decay, seed=-1):
+    """float32 arrays; or a bfloat16 theta, m, v updated in place (grad bfloat16 or float32), m, v to nearest."""
+    fn, n = "adam_step", theta.size
+    bf16 = theta.dtype == "bfloat16"
+    dt = "bfloat16" if bf16 else "float32"
+    state = m.dtype if first and m.dtype == grad.dtype else dt  # first: grad stands in for m and v
+    check_blockwise(fn, [(k, a, d, n) for k, a, d in zip(
+        ("theta", "grad", "m", "v", "out", "out_m", "out_v"), (theta, grad, m, v, out, out_m, out_v),
+        (dt, "bfloat16" if bf16 and grad.dtype == "bfloat16" else "float32", state, state, dt, dt, dt))])
+    new, new_m, new_v = adam_update(
+        _f32(theta), _f32(grad), None if first else _f32(m), None if first else _f32(v), lr, beta1, beta2, eps,
         correction1, correction2, weight_decay)
+    _store(out_m, new_m)
+    _store(out_v, new_v)
+    _store_param(fn, theta, out, new, seed)
+
+
+def _store_param(fn, theta, out, new, seed):
+    """A fused step's new float32 theta into out: float32 as it is, or into a bfloat16 theta (out must be theta) to
+    nearest (seed < 0) or stochastically (round_stochastic's bits for (seed, index))."""
+    if theta.dtype == "bfloat16" and out is not theta:
+        raise ValueError(f"{fn}: a bfloat16 theta is updated in place: out must be theta")
+    if theta.dtype != "bfloat16" and seed >= 0:
+        raise ValueError(f"{fn}: stochastic rounding (seed >= 0) needs a bfloat16 theta")
+    new = new.reshape(out.array.shape)
+    if seed >= 0:
+        out.array[:] = stochastic_bfloat16(new, seed).reshape(out.array.shape)
+    else:
+        _store(out, new)
 
 
 def adam8bit_blocks(theta, grad, q_m, absmax_m, q_v, absmax_v, code_m, code_v, block_size, lr, beta1, beta2, eps,
@@ -302,16 +326,20 @@ def adam8bit_blocks(theta, grad, q_m, absmax_m, q_v, absmax_v, code_m, code_v, b
 
 
 def adam8bit_step(theta, grad, q_m, absmax_m, q_v, absmax_v, code_m, code_v, out, block_size, lr, beta1, beta2, eps,
-                  correction1, correction2, weight_decay):
-    n = theta.size
-    blocks = num_blocks("adam8bit_step", n, block_size)
-    check_blockwise("adam8bit_step", [
-        ("theta", theta, "float32", n), ("grad", grad, "float32", n), ("q_m", q_m, "uint8", n),
+                  correction1, correction2, weight_decay, seed=-1):
+    """float32 theta and out; or a bfloat16 theta updated in place, grad bfloat16 or float32 (_store_param)."""
+    fn, n = "adam8bit_step", theta.size
+    blocks = num_blocks(fn, n, block_size)
+    bf16 = theta.dtype == "bfloat16"
+    check_blockwise(fn, [
+        ("theta", theta, theta.dtype if bf16 else "float32", n),
+        ("grad", grad, "bfloat16" if bf16 and grad.dtype == "bfloat16" else "float32", n), ("q_m", q_m, "uint8", n),
         ("absmax_m", absmax_m, "float32", blocks), ("q_v", q_v, "uint8", n), ("absmax_v", absmax_v, "float32", blocks),
-        ("code_m", code_m, "float32", 256), ("code_v", code_v, "float32", 256), ("out", out, "float32", n)])
-    (out.array[:], q_m.array[:], absmax_m.array[:], q_v.array[:], absmax_v.array[:]) = adam8bit_blocks(
-        theta.array, grad.array, q_m.array, absmax_m.array, q_v.array, absmax_v.array, code_m.array, code_v.array,
+        ("code_m", code_m, "float32", 256), ("code_v", code_v, "float32", 256), ("out", out, theta.dtype, n)])
+    new, q_m.array[:], absmax_m.array[:], q_v.array[:], absmax_v.array[:] = adam8bit_blocks(
+        _f32(theta), _f32(grad), q_m.array, absmax_m.array, q_v.array, absmax_v.array, code_m.array, code_v.array,
         block_size, lr, beta1, beta2, eps, correction1, correction2, weight_decay)
+    _store_param(fn, theta, out, new, seed)
 
 
 # ----- element-wise on compact buffers ----------------------------------------------------------------------
@@ -483,46 +511,7 @@ def ewise_silu_grad(a, g, out):
     _activation_grad("silu", a, g, out)
 
 
-# ----- few-bit codes (src/README.md: pack_codes, unpack_scale) --------------------------------------------------
-# n codes of `bits` bits each (1 <= bits <= 8) in ceil(n·bits / 8) bytes: code i at bits [i·bits, (i+1)·bits) of
-# a least-significant-bit-first stream (bit j of the stream is bit j % 8 of byte j // 8). So every 8 codes fill
-# exactly `bits` bytes: each group of 8 is a little-endian integer of `bits` bytes, code j of the group at bit
-# j·bits. That is how every backend packs them, so their bytes agree.
-def code_bytes(n, bits):
-    """Bytes holding n packed codes of `bits` bits."""
-    return -(-n * bits // 8)
-
-
-def check_bits(fn, bits):
-    bits = operator.index(bits)  # TypeError for a float, as the compiled modules
-    if not 1 <= bits <= 8:
-        raise ValueError(f"{fn}: bits must be in 1..8, got {bits}")
-    return bits
-
-
-def pack_code_values(codes, bits):
-    """Codes (integers < 2**bits, any shape) -> their packed bytes (uint8, ceil(n·bits / 8))."""
-    codes = np.asarray(codes).reshape(-1)
-    n, groups = codes.size, -(-codes.size // 8)
-    padded = np.zeros(groups * 8, dtype=np.uint64)
-    padded[:n] = codes
-    shifts = np.arange(8, dtype=np.uint64) * np.uint64(bits)
-    acc = np.bitwise_or.reduce(padded.reshape(groups, 8) << shifts, axis=1) if groups else np.zeros(0, np.uint64)
-    packed = (acc[:, None] >> (np.arange(bits, dtype=np.uint64) * np.uint64(8))) & np.uint64(0xFF)
-    return packed.astype(np.uint8).reshape(-1)[:code_bytes(n, bits)]
-
-
-def unpack_code_values(packed, n, bits):
-    """The inverse of pack_code_values: n codes (uint8) from their packed bytes."""
-    groups = -(-n // 8)
-    padded = np.zeros(groups * bits, dtype=np.uint64)
-    padded[:code_bytes(n, bits)] = np.asarray(packed).reshape(-1)[:code_bytes(n, bits)]
-    acc = np.bitwise_or.reduce(padded.reshape(groups, bits) << (np.arange(bits, dtype=np.uint64) * np.uint64(8)),
-                               axis=1) if groups else np.zeros(0, np.uint64)
-    codes = (acc[:, None] >> (np.arange(8, dtype=np.uint64) * np.uint64(bits))) & np.uint64(2**bits - 1)
-    return codes.astype(np.uint8).reshape(-1)[:n]
-
-
+# ----- few-bit codes (src/README.md: pack_codes, unpack_scale; their packing: codes_reference.py) ---------------
 def pack_codes(a, boundaries, out, bits):
     fn = "pack_codes"
     bits = check_bits(fn, bits)
@@ -633,13 +622,15 @@ def unary_strided(op, a, strides, offset, out, shape):
 
 
 # ----- matmul and reductions: float32 accumulation -------------------------------------------------------------
-def matmul(a, b, out, m, n, p, trans_a=False, trans_b=False):
+def matmul(a, b, out, m, n, p, trans_a=False, trans_b=False, accumulate=False):
+    """out = a @ b, or with accumulate out += a @ b (out's value added to the float32 product, rounded once)."""
     _floats("matmul", a, b, out=out)
     # Transposed operands as row-major copies: NumPy's BLAS picks its kernel (and summation order) by layout.
     left = np.ascontiguousarray(_f32(a)[: m * n].reshape(n, m).T) if trans_a else _f32(a)[: m * n].reshape(m, n)
     right = np.ascontiguousarray(_f32(b)[: n * p].reshape(p, n).T) if trans_b else _f32(b)[: n * p].reshape(n, p)
     with np.errstate(invalid="ignore"):  # (a BLAS's spurious flag: see the note below matmul_batched)
-        _store(out, (left @ right).reshape(-1))
+        product = (left @ right).reshape(-1)
+        _store(out, _f32(out)[: m * p] + product if accumulate else product)
 
 
 def matmul_batched(a, b, out, batch, m, n, p):

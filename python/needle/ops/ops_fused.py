@@ -132,16 +132,12 @@ class LinearCrossEntropyGrad(TensorTupleOp):
         hidden, weight, bias, _ = _split(shapes[:-1], self.bias)
         (N, H), V = hidden, weight[1]
         c = chunk_rows(N, V, self.chunk_size)
-        b = _weight_block_rows(c, H)
         copied = c < N  # a chunk's rows of hidden and target are copied (whole compact arrays are used as they are)
         return 1 + max(  # g/N, plus the most alive at once while a chunk is differentiated:
-            c * V + copied * c * H,  # the logits beside the copy of the chunk's hidden rows
+            c * V + copied * c * H,  # the logits, or dz, beside the copy of the chunk's hidden rows (or of h^T)
             2 * c * V + c + copied * c,  # the logits, dz = their gradient, copies of g/N and of the targets
             (bias is not None) * (c * V + V + max(c, V)),  # dz, its column sum (a row of ones, or the new db)
-            # dz, a block of h^T dz (beside the copy of h^T's block, or the new dW block; a whole h^T, b = H, is
-            # read in place by matmul)
-            c * V + b * V + b * (V if b == H else max(c, V)),
-            c * V + c * H,  # dz, W dz^T (matmul reads dz^T in place)
+            c * V + c * H,  # dz, W dz^T (matmul reads dz^T in place; dW += h^T dz adds into dW: nothing more)
             2 * c * H,  # dz W^T and the compact copy written into dhidden
         )
 
@@ -184,19 +180,13 @@ def _chunk_losses(h, weight, bias, y):
 
 def _chunk_grads(h, weight, bias, y, g_row, dweight, dbias):
     """Add one chunk's share to dweight (and dbias) in place; return its rows of dhidden, dz W^T."""
-    c, H = h.shape
+    c = h.shape[0]
     dz = array_api.softmax_xent_grad(_logits(h, weight, bias), y, array_api.broadcast_to(g_row, (c,)))
     if dbias is not None:
         dbias[:] = dbias + array_api.sum(dz, axis=0)
-    b = _weight_block_rows(c, H)
-    for r in range(0, H, b):  # dW += h^T dz, b rows at a time: the block and its sum stay within one chunk of logits
-        dweight[r:r + b] = dweight[r:r + b] + array_api.matmul(array_api.transpose(h[:, r:r + b], (1, 0)), dz)
+    array_api.add_matmul(dweight, array_api.transpose(h, (1, 0)), dz)  # dW += h^T dz, the matmul adding into dW
     # (W dz^T)^T: matmul reads dz^T in place (the transpose of a whole compact matrix)
     return array_api.transpose(array_api.matmul(weight, array_api.transpose(dz, (1, 0))), (1, 0))
-
-
-def _weight_block_rows(c, H):
-    return max(1, min(H, c // 2))
 
 
 # ----- checks ------------------------------------------------------------------------------------------------

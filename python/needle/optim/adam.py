@@ -37,14 +37,20 @@ class Adam(Optimizer):
         self.corrections = 1 - self.beta1**self.t, 1 - self.beta2**self.t
 
     def fused_in_place(self, p):
-        return _is_float32(p.realize_cached_data())  # (its gradient: of its dtype)
+        """float32, or bfloat16 without a master copy (pure bf16 training: state in bfloat16 too)."""
+        dtype = str(p.realize_cached_data().dtype)
+        return dtype == "float32" or (dtype == "bfloat16" and not self._keeps_master(p))
 
     def update_parameter(self, p, theta, grad):
         (m, new), (v, _) = self._open(p, "m"), self._open(p, "v")
-        if all(_is_float32(a) for a in (p.realize_cached_data(), grad, m)):
-            # A float32 parameter: one backend pass (adam_step) over the whole arrays, written in place.
+        if self.fused_in_place(p) and str(m.dtype) == str(theta.dtype) and str(grad.dtype) in ("float32",
+                                                                                               str(theta.dtype)):
+            # One backend pass (adam_step) over the whole arrays, written in place; a bfloat16 parameter widened,
+            # updated and rounded back inside it, as `_update` would round it.
+            low = str(theta.dtype) == "bfloat16"
+            seed = self._rounding_base + self._position[id(p)] + 1 if self.stochastic_rounding and low else None
             array_api.adam_step(theta, grad, None if new else m, None if new else v, *self._hyper(),
-                                weight_decay=self.weight_decay, out=(theta, m, v))
+                                weight_decay=self.weight_decay, out=(theta, m, v), rounding_seed=seed)
         else:
             flat_m, flat_v = flat_view(m), flat_view(v)
             for start, th, g in self._chunks(theta, grad):

@@ -85,7 +85,8 @@ class Adam8bit(Adam):
     def fused_in_place(self, p):
         if not self.quantizes(p):
             return super().fused_in_place(p)
-        return str(p.realize_cached_data().dtype) == "float32"
+        dtype = str(p.realize_cached_data().dtype)
+        return dtype == "float32" or (dtype == "bfloat16" and not self._keeps_master(p))
 
     def update_parameter(self, p, theta, grad):
         if not self.quantizes(p):
@@ -96,9 +97,13 @@ class Adam8bit(Adam):
         # Dequantize, Adam's update in float32, requantize: one pass per block in the backend (adam8bit_step),
         # the moments updated in place; the parameter too when it is float32, else a chunk of blocks at a time.
         codes = self._map("m", p.device), self._map("v", p.device)
-        if str(p.realize_cached_data().dtype) == "float32" and str(grad.dtype) == "float32":
+        if self.fused_in_place(p) and str(grad.dtype) in ("float32", str(theta.dtype)):
+            # float32, or a bfloat16 parameter without a master copy: widened, updated and rounded back (as
+            # `_update` rounds) inside the kernel, in place
+            low = str(theta.dtype) == "bfloat16"
+            seed = self._rounding_base + self._position[id(p)] + 1 if self.stochastic_rounding and low else None
             array_api.adam8bit_step(theta, grad, m, v, *codes, self.block_size, *self._hyper(),
-                                    weight_decay=self.weight_decay, out=theta)
+                                    weight_decay=self.weight_decay, out=theta, rounding_seed=seed)
         else:
             flat = [flat_view(a) for a in m + v]
             for start, th, g in self._chunks(theta, grad, align=self.block_size):
