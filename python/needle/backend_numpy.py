@@ -11,7 +11,8 @@ import numpy as np
 from .backend_ndarray import ndarray_backend_numpy as ref  # the reference backend: its bits are the contract
 
 __all__ = [
-    "Device", "activation", "activation_grad", "adam8bit_step", "add_matmul", "adam_step", "all_devices", "array", "astype",
+    "Device", "activation", "activation_grad", "adam8bit_step", "add_matmul", "adam_step", "all_devices", "array",
+    "astype",
     "attention_backward", "attention_forward", "broadcast_to", "cast_like", "copies_async", "copy_thread",
     "copy_to_host", "cpu",
     "cpu_numpy", "cuda", "default_device", "dequantize_blockwise", "device_of", "dropout", "empty", "exp", "flip",
