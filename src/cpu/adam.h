@@ -89,12 +89,12 @@ static inline T store_param(float x, bool stochastic, uint32_t key, uint64_t i) 
 //   m = m * b1 + g * (1 - b1);  v = v * b2 + (g * g) * (1 - b2)
 //   (first step: m = g * (1 - b1), v = (g * g) * (1 - b2))
 //   out = theta - (m / c1) * lr / (sqrt(v / c2) + eps)
-// where g = grad + theta * wd (wd != 0) or grad.  theta, m, v and the outputs are float32; or all bfloat16 (a pure
-// bfloat16 parameter and its state), updated in place, each value widened and its new value rounded back -- the
-// state to nearest, theta to nearest (seed < 0) or stochastically with round_stochastic's bits for (seed, index);
-// grad float32 or of theta's dtype.
-template <class T, class G>
-NEEDLE_NO_FMA static void adam_loop(const T* pt, const G* pg, const T* pm, const T* pv, T* po, T* om, T* ov, size_t n,
+// where g = grad + theta * wd (wd != 0) or grad.  theta, m, v and the outputs are float32; or theta bfloat16 (a pure
+// bfloat16 parameter), updated in place, each value widened and its new value rounded back -- theta to nearest
+// (seed < 0) or stochastically with round_stochastic's bits for (seed, index), its state (bfloat16 or float32) to
+// nearest; grad float32 or of theta's dtype.
+template <class T, class G, class S>
+NEEDLE_NO_FMA static void adam_loop(const T* pt, const G* pg, const S* pm, const S* pv, T* po, S* om, S* ov, size_t n,
                                     bool first, const AdamHyper& h, float wd, bool decay, int64_t seed) {
 #if defined(__clang__)
 #pragma clang fp contract(off)
@@ -111,8 +111,8 @@ NEEDLE_NO_FMA static void adam_loop(const T* pt, const G* pg, const T* pm, const
     const float mk = first ? g * a1 : to_float(pm[i]) * b1 + g * a1;
     const float vk = first ? (g * g) * a2 : to_float(pv[i]) * b2 + (g * g) * a2;
     po[i] = store_param<T>(t - mk / c1 * step / (std::sqrt(vk / c2) + fe), stochastic, key, static_cast<uint64_t>(i));
-    om[i] = store_param<T>(mk, false, 0, 0);
-    ov[i] = store_param<T>(vk, false, 0, 0);
+    om[i] = store_param<S>(mk, false, 0, 0);
+    ov[i] = store_param<S>(vk, false, 0, 0);
   }
 }
 
@@ -123,15 +123,16 @@ static void adam_step(const Array& theta, const Array& grad, const Array& m, con
   const size_t n = theta.size;
   const bool bf16 = theta.dtype == DType::bf16;
   const DType dt = bf16 ? DType::bf16 : DType::f32, grad_dtype = grad.dtype == DType::bf16 ? dt : DType::f32;
+  const DType state = out_m.dtype == DType::bf16 ? dt : DType::f32;  // a bfloat16 parameter's: either
   // (on the first step m and v are not read: the caller passes grad in their place)
-  const DType state_dtype = first && m.dtype == grad.dtype ? m.dtype : dt;
+  const DType state_in = first && m.dtype == grad.dtype ? m.dtype : state;
   check_blockwise(fn, {{"theta", theta, dt, n},
                        {"grad", grad, grad_dtype, n},
-                       {"m", m, state_dtype, n},
-                       {"v", v, state_dtype, n},
+                       {"m", m, state_in, n},
+                       {"v", v, state_in, n},
                        {"out", out, dt, n},
-                       {"out_m", out_m, dt, n},
-                       {"out_v", out_v, dt, n}});
+                       {"out_m", out_m, state, n},
+                       {"out_v", out_v, state, n}});
   if (bf16 && out.ptr != theta.ptr) fail(std::string(fn) + ": a bfloat16 theta is updated in place: out must be theta");
   if (!bf16 && seed >= 0) fail(std::string(fn) + ": stochastic rounding (seed >= 0) needs a bfloat16 theta");
   const AdamHyper h(lr, beta1, beta2, eps, correction1, correction2);
@@ -142,14 +143,17 @@ static void adam_step(const Array& theta, const Array& grad, const Array& m, con
               out_m.data<float>(), out_v.data<float>(), n, first, h, wd, decay, seed);
     return;
   }
-  using B = bfloat16_t;
-  const B *pm = first ? nullptr : m.data<B>(), *pv = first ? nullptr : v.data<B>();
+  auto run = [&](auto grad_type, auto state_type) {
+    using G = decltype(grad_type);
+    using S = decltype(state_type);
+    const S *pm = first ? nullptr : m.data<S>(), *pv = first ? nullptr : v.data<S>();
+    adam_loop(theta.data<bfloat16_t>(), grad.data<G>(), pm, pv, out.data<bfloat16_t>(), out_m.data<S>(),
+              out_v.data<S>(), n, first, h, wd, decay, seed);
+  };
   if (grad_dtype == DType::bf16) {
-    adam_loop(theta.data<B>(), grad.data<B>(), pm, pv, out.data<B>(), out_m.data<B>(), out_v.data<B>(), n, first, h,
-              wd, decay, seed);
+    state == DType::bf16 ? run(bfloat16_t(), bfloat16_t()) : run(bfloat16_t(), float());
   } else {
-    adam_loop(theta.data<B>(), grad.data<float>(), pm, pv, out.data<B>(), out_m.data<B>(), out_v.data<B>(), n, first,
-              h, wd, decay, seed);
+    state == DType::bf16 ? run(float(), bfloat16_t()) : run(float(), float());
   }
 }
 

@@ -71,10 +71,10 @@ __device__ T store_param(float x, int64_t i, bool stochastic, uint32_t seed_hash
 
 // adam_step (src/README.md): Adam's update of one parameter, one thread per element (grid-stride), every
 // operation rounded as the element-wise kernels round it (no fused multiply-add).  T: float32, or bfloat16 for a pure
-// bfloat16 parameter and state updated in place (state to nearest, theta to nearest or stochastically); G: T or
-// float32.
-template <typename T, typename G>
-__global__ void adam_step_kernel(const T* theta, const G* grad, const T* m, const T* v, T* out, T* out_m, T* out_v,
+// bfloat16 parameter updated in place (theta to nearest or stochastically, its state, S: bfloat16 or float32, to
+// nearest); G: T or float32.
+template <typename T, typename G, typename S>
+__global__ void adam_step_kernel(const T* theta, const G* grad, const S* m, const S* v, T* out, S* out_m, S* out_v,
                                  int64_t n, bool first, AdamHyper h, bool decay, float wd, bool stochastic,
                                  uint32_t seed_hash) {
   for (int64_t i = first_index(); i < n; i += grid_stride()) {
@@ -85,8 +85,8 @@ __global__ void adam_step_kernel(const T* theta, const G* grad, const T* m, cons
     const float denom = __fadd_rn(__fsqrt_rn(__fdiv_rn(vk, h.c2)), h.eps);
     out[i] = store_param<T>(__fsub_rn(t, __fdiv_rn(__fmul_rn(__fdiv_rn(mk, h.c1), h.lr), denom)), i, stochastic,
                             seed_hash);
-    out_m[i] = store_param<T>(mk, i, false, 0);
-    out_v[i] = store_param<T>(vk, i, false, 0);
+    out_m[i] = store_param<S>(mk, i, false, 0);
+    out_v[i] = store_param<S>(vk, i, false, 0);
   }
 }
 
@@ -179,14 +179,15 @@ void adam_step(const CudaArray& theta, const CudaArray& grad, const CudaArray& m
   const bool bf16 = theta.dtype == DType::kBFloat16;
   const DType dt = bf16 ? DType::kBFloat16 : DType::kFloat32;
   const DType grad_dtype = grad.dtype == DType::kBFloat16 ? dt : DType::kFloat32;
-  const DType state_dtype = first && m.dtype == grad.dtype ? m.dtype : dt;  // first: grad stands in for m and v
+  const DType state = out_m.dtype == DType::kBFloat16 ? dt : DType::kFloat32;  // a bfloat16 parameter's: either
+  const DType state_in = first && m.dtype == grad.dtype ? m.dtype : state;  // first: grad stands in for m and v
   check_exact_dtypes(fn, {{"theta", theta, dt},
                           {"grad", grad, grad_dtype},
-                          {"m", m, state_dtype},
-                          {"v", v, state_dtype},
+                          {"m", m, state_in},
+                          {"v", v, state_in},
                           {"out", out, dt},
-                          {"out_m", out_m, dt},
-                          {"out_v", out_v, dt}});
+                          {"out_m", out_m, state},
+                          {"out_v", out_v, state}});
   if (bf16 && out.ptr != theta.ptr)
     throw py::value_error(std::string("needle cuda: ") + fn + ": a bfloat16 theta is updated in place: out must be theta");
   if (!bf16 && seed >= 0)
@@ -198,19 +199,21 @@ void adam_step(const CudaArray& theta, const CudaArray& grad, const CudaArray& m
   if (n == 0) return;
   const AdamHyper h = adam_hyper(lr, beta1, beta2, eps, correction1, correction2);
   const uint32_t seed_hash = static_cast<uint32_t>(seed) * 0x9E3779B9u;
-  auto launch = [&](auto theta_type, auto grad_type) {
+  auto launch = [&](auto theta_type, auto grad_type, auto state_type) {
     using T = decltype(theta_type);
     using G = decltype(grad_type);
-    adam_step_kernel<T, G><<<grid_for(n), kBlockSize>>>(
-        data<T>(theta), data<G>(grad), data<T>(m), data<T>(v), data<T>(out), data<T>(out_m), data<T>(out_v), n,
+    using S = decltype(state_type);
+    adam_step_kernel<T, G, S><<<grid_for(n), kBlockSize>>>(
+        data<T>(theta), data<G>(grad), data<S>(m), data<S>(v), data<T>(out), data<S>(out_m), data<S>(out_v), n,
         first, h, weight_decay != 0.0, static_cast<float>(weight_decay), seed >= 0, seed_hash);
   };
+  using B = __nv_bfloat16;
   if (!bf16) {
-    launch(float(), float());
+    launch(float(), float(), float());
   } else if (grad_dtype == DType::kBFloat16) {
-    launch(__nv_bfloat16(), __nv_bfloat16());
+    state == DType::kBFloat16 ? launch(B(), B(), B()) : launch(B(), B(), float());
   } else {
-    launch(__nv_bfloat16(), float());
+    state == DType::kBFloat16 ? launch(B(), float(), B()) : launch(B(), float(), float());
   }
   check_kernel(fn);
 }

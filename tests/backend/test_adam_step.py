@@ -131,10 +131,13 @@ def test_adam_step_errors_name_the_array(device):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("grad_dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("seed", [None, 11])
-def test_a_bfloat16_parameter_and_state_are_updated_in_place_as_the_float32_step_rounded(device, grad_dtype, seed):
-    """Pure bfloat16 training: theta, m, v bfloat16, one pass widens them, updates in float32 as the float32 kernel
-    does and rounds back (state to nearest; theta to nearest or as round_stochastic(new, seed) rounds it): the bits
-    of the chunked path it replaces, without its float32 copies (issue 47's whole step)."""
+@pytest.mark.parametrize("state_dtype", ["bfloat16", "float32"])
+def test_a_bfloat16_parameter_and_state_are_updated_in_place_as_the_float32_step_rounded(device, grad_dtype, seed,
+                                                                                       state_dtype):
+    """Pure bfloat16 training: theta bfloat16 (its state bfloat16, or float32 as Adam8bit keeps an embedding's), one
+    pass widens them, updates in float32 as the float32 kernel does and rounds back (state to nearest; theta to
+    nearest or as round_stochastic(new, seed) rounds it): the bits of the chunked path it replaces, without its
+    float32 copies (issue 47's whole step)."""
     rng = np.random.default_rng(9)
     shape = (33, 31)
     theta = nd.array(rng.standard_normal(shape).astype(np.float32), device=device).astype("bfloat16")
@@ -144,17 +147,17 @@ def test_a_bfloat16_parameter_and_state_are_updated_in_place_as_the_float32_step
         widened = [None if a is None else a.astype("float32") for a in (theta, grad, m, v)]
         want = nd.adam_step(*widened, **HYPER, correction1=corrections(t)[0], correction2=corrections(t)[1])
         if m is None:
-            m, v = (nd.empty(shape, dtype="bfloat16", device=device) for _ in range(2))
+            m, v = (nd.empty(shape, dtype=state_dtype, device=device) for _ in range(2))
             old = None, None
         else:
             old = m, v
         out = nd.adam_step(theta, grad, *old, **HYPER, correction1=corrections(t)[0], correction2=corrections(t)[1],
                            out=(theta, m, v), rounding_seed=seed)
-        assert out[0] is theta and all(a.dtype == "bfloat16" for a in out)
+        assert out[0] is theta and theta.dtype == "bfloat16" and m.dtype == v.dtype == state_dtype
         rounded = want[0].astype("bfloat16") if seed is None else nd.round_stochastic(want[0], seed)
         assert_same_bits(theta.numpy(), rounded.numpy())
-        assert_same_bits(m.numpy(), want[1].astype("bfloat16").numpy())
-        assert_same_bits(v.numpy(), want[2].astype("bfloat16").numpy())
+        assert_same_bits(m.numpy(), want[1].astype(state_dtype).numpy())
+        assert_same_bits(v.numpy(), want[2].astype(state_dtype).numpy())
 
 
 @pytest.mark.parametrize("device", DEVICES)

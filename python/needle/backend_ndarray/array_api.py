@@ -251,8 +251,8 @@ def adam_step(theta, grad, m, v, lr, beta1, beta2, eps, correction1, correction2
               rounding_seed=None):
     """Adam's update of one parameter in one backend pass (src/README.md, adam_step): returns the new (theta, m,
     v); m and v are None on the first step. correction1/2 are Adam's 1 - beta^t. `out`: compact float32 arrays of
-    theta's shape to write them into (theta, m, v themselves: the update in place). A bfloat16 theta with bfloat16
-    m and v (its grad bfloat16 or float32) is updated in place only (out=(theta, m, v)): each value widened,
+    theta's shape to write them into (theta, m, v themselves: the update in place). A bfloat16 theta (its m, v
+    and grad bfloat16 or float32) is updated in place only (out=(theta, m, v)): each value widened,
     updated in float32 and rounded back, the state to nearest, theta to nearest or, with `rounding_seed`, as
     round_stochastic(new, rounding_seed) rounds it."""
     if theta.dtype == "bfloat16" and (out is None or out[0] is not theta):

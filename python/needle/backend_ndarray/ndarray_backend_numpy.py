@@ -279,14 +279,15 @@ def adam_update(theta, grad, m, v, lr, beta1, beta2, eps, correction1, correctio
 
 def adam_step(theta, grad, m, v, out, out_m, out_v, first, lr, beta1, beta2, eps, correction1, correction2,
               weight_decay, seed=-1):
-    """float32 arrays; or a bfloat16 theta, m, v updated in place (grad bfloat16 or float32), m, v to nearest."""
+    """float32 arrays; or a bfloat16 theta updated in place (grad bfloat16 or float32; m, v bfloat16 or float32)."""
     fn, n = "adam_step", theta.size
     bf16 = theta.dtype == "bfloat16"
     dt = "bfloat16" if bf16 else "float32"
-    state = m.dtype if first and m.dtype == grad.dtype else dt  # first: grad stands in for m and v
+    state = dt if out_m.dtype == "bfloat16" else "float32"  # a bfloat16 parameter's: either
+    old = m.dtype if first and m.dtype == grad.dtype else state  # first: grad stands in for m and v
     check_blockwise(fn, [(k, a, d, n) for k, a, d in zip(
         ("theta", "grad", "m", "v", "out", "out_m", "out_v"), (theta, grad, m, v, out, out_m, out_v),
-        (dt, "bfloat16" if bf16 and grad.dtype == "bfloat16" else "float32", state, state, dt, dt, dt))])
+        (dt, "bfloat16" if bf16 and grad.dtype == "bfloat16" else "float32", old, old, dt, state, state))])
     new, new_m, new_v = adam_update(
         _f32(theta), _f32(grad), None if first else _f32(m), None if first else _f32(v), lr, beta1, beta2, eps,
         correction1, correction2, weight_decay)

@@ -43,8 +43,8 @@ class Adam(Optimizer):
 
     def update_parameter(self, p, theta, grad):
         (m, new), (v, _) = self._open(p, "m"), self._open(p, "v")
-        if self.fused_in_place(p) and str(m.dtype) == str(theta.dtype) and str(grad.dtype) in ("float32",
-                                                                                               str(theta.dtype)):
+        kinds = ("float32", str(theta.dtype))
+        if self.fused_in_place(p) and str(m.dtype) in kinds and str(grad.dtype) in kinds:
             # One backend pass (adam_step) over the whole arrays, written in place; a bfloat16 parameter widened,
             # updated and rounded back inside it, as `_update` would round it.
             low = str(theta.dtype) == "bfloat16"
