@@ -13,7 +13,7 @@ from .backend_ndarray import ndarray_backend_numpy as ref  # the reference backe
 __all__ = [
     "Device", "activation", "activation_grad", "adam8bit_step", "add_matmul", "adam_step", "all_devices", "array",
     "astype",
-    "attention_backward", "attention_forward", "broadcast_to", "cast_like", "copies_async", "copy_thread",
+    "attention_backward", "attention_forward", "broadcast_to", "cast_like", "copy", "copies_async", "copy_thread",
     "copy_to_host", "cpu",
     "cpu_numpy", "cuda", "default_device", "dequantize_blockwise", "device_of", "dropout", "empty", "exp", "flip",
     "from_host_async", "full", "host_empty", "layer_norm", "layer_norm_backward", "log", "logsumexp", "matmul",
@@ -103,6 +103,11 @@ def _round_into(theta, new, seed):
     """float32 `new` into a bfloat16 theta: to nearest, or with `seed` as round_stochastic rounds it."""
     rounded = new.astype(theta.dtype) if seed is None else ref.stochastic_bfloat16(new, seed)
     theta[...] = rounded.reshape(theta.shape)
+
+
+def copy(a):
+    """A C-contiguous copy of `a`."""
+    return np.array(a, order="C")
 
 
 def add_matmul(out, a, b):

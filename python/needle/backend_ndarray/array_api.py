@@ -29,6 +29,7 @@ __all__ = [
     "adafactor_sumsq",
     "adam8bit_step",
     "add_matmul",
+    "copy",
     "adam_step",
     "array",
     "astype",
@@ -500,6 +501,11 @@ def activation_grad(a, grad, kind):
 
 def matmul(a, b):
     return a @ b
+
+
+def copy(a):
+    """A compact copy of `a` in a new buffer (a broadcast view written out once)."""
+    return a.copy()
 
 
 def add_matmul(out, a, b):

@@ -505,8 +505,10 @@ class NDArray:
 
     def compact(self):
         """This array if it is compact, else a compact copy."""
-        if self.is_compact():
-            return self
+        return self if self.is_compact() else self.copy()
+
+    def copy(self):
+        """A compact copy in a new buffer (of a compact array too)."""
         out = NDArray._empty(self._shape, self._device, self._dtype)
         self.device.mod.compact(self._handle, out._handle, list(self._shape), list(self._strides), self._offset)
         return out

@@ -48,8 +48,7 @@ class LinearCrossEntropy(TensorOp):
         c = chunk_rows(N, V, self.chunk_size)
         copied = c < N  # a chunk's rows of hidden and target are copied (whole compact arrays are used as they are)
         return N + max(  # the (N,) row losses, plus the most alive at once while a chunk is computed:
-            c * V + copied * c * H,  # the logits beside the copy of the chunk's hidden rows
-            (bias is not None) * 2 * c * V,  # the logits and the logits plus bias
+            c * V + copied * c * H,  # the logits (the bias, then the product added) beside the copy of the chunk's rows
             c * V + 3 * c,  # the logits, their row logsumexp, the target logits (beside the target copy), the losses
             1,  # at the end: the losses' sum (the output is the sum / N)
         )
@@ -165,11 +164,12 @@ class LinearCrossEntropyGrad(TensorTupleOp):
 # ----- one chunk of tokens -------------------------------------------------------------------------------------
 # Temporaries die when these return, so a chunk's logits never outlive it (the ops' `workspace` counts them).
 def _logits(h, weight, bias):
-    """z = h W + b for one chunk's rows h."""
-    z = array_api.matmul(h, weight)
+    """z = h W + b for one chunk's rows h: b written into every row, then the product added to it (add_matmul), so
+    the logits and the logits plus bias never exist side by side."""
     if bias is None:
-        return z
-    return z + array_api.broadcast_to(array_api.reshape(bias, (1, weight.shape[1])), z.shape)
+        return array_api.matmul(h, weight)
+    rows = array_api.broadcast_to(array_api.reshape(bias, (1, weight.shape[1])), (h.shape[0], weight.shape[1]))
+    return array_api.add_matmul(array_api.copy(rows), h, weight)
 
 
 def _chunk_losses(h, weight, bias, y):
