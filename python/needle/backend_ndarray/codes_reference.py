@@ -15,10 +15,11 @@ def code_bytes(n, bits):
     return -(-n * bits // 8)
 
 
-def check_bits(fn, bits):
-    bits = operator.index(bits)  # TypeError for a float, as the compiled modules
-    if not 1 <= bits <= 8:
-        raise ValueError(f"{fn}: bits must be in 1..8, got {bits}")
+def check_bits(fn, bits, low=1):
+    """bits as an int in low..8: TypeError for a float (as the compiled modules), else ValueError outside."""
+    bits = operator.index(bits)
+    if not low <= bits <= 8:
+        raise ValueError(f"{fn}: bits must be in {low}..8, got {bits}")
     return bits
 
 

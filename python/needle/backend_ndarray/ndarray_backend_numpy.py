@@ -536,10 +536,7 @@ def unpack_scale(codes, levels, g, out, bits):
 
 # ----- compressed saved activations (ActNN, Chen et al. 2021): k-bit linear codes, stochastic rounding --------
 def check_compress_bits(fn, bits):
-    bits = operator.index(bits)  # TypeError for a float, as the compiled modules
-    if not 2 <= bits <= 8:
-        raise ValueError(f"{fn}: bits must be in 2..8, got {bits}")
-    return bits
+    return check_bits(fn, bits, low=2)
 
 
 def uniform_from_counter(seed, n):
