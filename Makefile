@@ -41,6 +41,18 @@ cuda-off:
 cuda-all:
 	$(MAKE) lib NEEDLE_CUDA=ON CUDA_ARCHS=
 
+# The CUDA backend on a GPU in one go (issue 51, docs/gpu.md): build for this GPU, its tests, compute-sanitizer,
+# the tables, a summary in OUT. Without a GPU: `make cuda` (make test's compile check) and one line saying so.
+OUT ?= gpu-check
+.PHONY: gpu-check
+gpu-check:
+ifeq ($(wildcard /dev/nvidia0)$(shell command -v nvidia-smi 2>/dev/null),)
+	@$(MAKE) --no-print-directory cuda
+	@$(PYTHON) benchmarks/gpu_check.py --dry-run
+else
+	$(PYTHON) benchmarks/gpu_check.py --out $(OUT)
+endif
+
 # The in-tree build needs pybind11 in this interpreter (pip-installed if missing).
 .PHONY: pybind11
 pybind11:
