@@ -31,10 +31,11 @@ from md_table import markdown_table, progress_to_stderr  # noqa: E402
 from models import LanguageModel  # noqa: E402
 
 
-def build_lm(args, gc):
-    """(model, Adam, the loss, X, y): the benchmark's Transformer LM on one seeded batch (bench_rss builds it too)."""
+def build_lm(args, gc, device=None):
+    """(model, Adam, the loss, X, y): the benchmark's Transformer LM on one seeded batch (bench_rss builds it too),
+    on `device` (cpu() unless given: gpu_check.py times it on cuda())."""
     np.random.seed(0)
-    device = ndl.cpu()
+    device = device or ndl.cpu()
     model = LanguageModel(args.embedding_size, args.vocab, args.hidden_size, num_layers=args.num_layers,
                           seq_model="transformer", seq_len=args.seq_len, device=device, num_head=args.num_head,
                           dim_head=args.embedding_size // args.num_head)
@@ -49,8 +50,8 @@ def build_lm(args, gc):
     return model, opt, nn.SoftmaxLoss(), X, y
 
 
-def needle_step_fn(args, gc, autocast=None):
-    model, opt, loss_fn, X, y = build_lm(args, gc)
+def needle_step_fn(args, gc, autocast=None, device=None):
+    model, opt, loss_fn, X, y = build_lm(args, gc, device)
 
     def step():
         opt.reset_grad()
@@ -64,7 +65,7 @@ def needle_step_fn(args, gc, autocast=None):
     return step
 
 
-def torch_step_fn(args, autocast=False, return_model=False):
+def torch_step_fn(args, autocast=False, return_model=False, device="cpu"):
     import torch
 
     torch.set_num_threads(int(threads))
@@ -83,7 +84,8 @@ def torch_step_fn(args, autocast=False, return_model=False):
             B, T, _ = x.shape
             q, k, v = self.qkv(self.norm_q(x)).view(B, T, 3, heads, E // heads).permute(2, 0, 3, 1, 4)
             scores = q @ k.transpose(-1, -2) / (E // heads) ** 0.5
-            scores = scores.masked_fill(torch.triu(torch.ones(T, T, dtype=torch.bool), 1), float("-inf"))
+            mask = torch.triu(torch.ones(T, T, dtype=torch.bool, device=x.device), 1)
+            scores = scores.masked_fill(mask, float("-inf"))
             x = x + self.out((scores.softmax(-1) @ v).transpose(1, 2).reshape(B, T, E))
             return x + self.ff2(torch.relu(self.ff1(self.norm_ff(x))))
 
@@ -95,19 +97,19 @@ def torch_step_fn(args, autocast=False, return_model=False):
             self.head = torch.nn.Linear(E, args.vocab)
 
         def forward(self, x):  # (T, B)
-            h = (self.embed(x) + self.pos(torch.arange(x.shape[0]))[:, None]).transpose(0, 1)
+            h = (self.embed(x) + self.pos(torch.arange(x.shape[0], device=x.device))[:, None]).transpose(0, 1)
             for layer in self.layers:
                 h = layer(h)
             return self.head(h.transpose(0, 1).reshape(-1, E))
 
-    model = LM()
+    model = LM().to(device)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    X = torch.randint(0, args.vocab, (args.seq_len, args.batch_size))
-    y = torch.randint(0, args.vocab, (args.seq_len * args.batch_size,))
+    X = torch.randint(0, args.vocab, (args.seq_len, args.batch_size)).to(device)
+    y = torch.randint(0, args.vocab, (args.seq_len * args.batch_size,)).to(device)
 
     def step():
         opt.zero_grad()
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
             loss = torch.nn.functional.cross_entropy(model(X), y)
         loss.backward()
         opt.step()

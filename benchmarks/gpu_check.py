@@ -8,8 +8,8 @@ default), each step in a subprocess with its own time limit, a failure collected
     2. tests    the CUDA test cases (pytest -k "cuda or gpu" over tests/backend, tests/toolbox, tests/integration)
     3. sanitize compute-sanitizer --tool memcheck over a selection that reaches every kernel
     4. measure  the tables: memory (gc.py ablate's rows on cuda, beside the same rows on cpu) and speed (matmul
-                fp32 and bf16 against torch.matmul); not yet: attention against scaled_dot_product_attention, the
-                LM step against PyTorch CUDA, the allocator's reserved bytes (docs/gpu.md lists them)
+                fp32 and bf16 against torch.matmul, attention against scaled_dot_product_attention, the LM step
+                against PyTorch CUDA); not yet: the allocator's reserved bytes (docs/gpu.md lists what is missing)
 
 and writes into DIR at most 8 files: summary.json, summary.md (what passed, what failed, the first lines of each
 error), a log per step and the CUDA tests' junit XML.
@@ -138,12 +138,61 @@ def matmul_rows():
             host = np.random.default_rng(0).standard_normal((n, n)).astype(np.float32)
             a = nd.array(host, device=device).astype(dtype)
             ta = torch.tensor(host, device="cuda").to(getattr(torch, dtype))
-            ours = timed(lambda: a @ a, lambda: (a @ a)[0:1, 0:1].numpy(), repeats=3)
+            ours = timed(lambda: a @ a, needle_sync, repeats=3)
             theirs = timed(lambda: ta @ ta, torch.cuda.synchronize, repeats=3)
             flops = 2.0 * n**3
             rows.append({"n": n, "dtype": dtype, "needle TFLOP/s": round(flops / ours / 1e12, 2),
                          "torch TFLOP/s": round(flops / theirs / 1e12, 2), "needle / torch": round(theirs / ours, 2)})
     return rows
+
+
+def attention_rows():
+    """Fused causal attention forward, (8, 8, 1024, 64): needle's cuda() against scaled_dot_product_attention."""
+    import numpy as np
+    import torch
+
+    from needle import backend_ndarray as nd
+
+    shape, rows = (8, 8, 1024, 64), []
+    for dtype in ("float32", "bfloat16"):
+        host = [np.random.default_rng(i).standard_normal(shape).astype(np.float32) for i in range(3)]
+        q, k, v = (nd.array(h, device=nd.cuda()).astype(dtype) for h in host)
+        tq, tk, tv = (torch.tensor(h, device="cuda").to(getattr(torch, dtype)) for h in host)
+        ours = timed(lambda: nd.attention_forward(q, k, v, shape[-1] ** -0.5, causal=True), needle_sync)
+        theirs = timed(lambda: torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=True),
+                       torch.cuda.synchronize)
+        rows.append({"shape": "x".join(map(str, shape)), "dtype": dtype, "needle ms": round(ours * 1e3, 3),
+                     "torch ms": round(theirs * 1e3, 3), "needle / torch": round(ours / theirs, 2)})
+    return rows
+
+
+def lm_rows():
+    """bench_step's benchmark model, one training step: needle on cuda() (gc off, "all") against PyTorch CUDA."""
+    import torch
+
+    import needle as ndl
+
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    sys.path.insert(0, os.path.join(ROOT, "apps"))
+    import bench_step
+
+    args = argparse.Namespace(batch_size=128, seq_len=32, embedding_size=256, hidden_size=256, num_layers=4,
+                              num_head=4, vocab=10000)
+    theirs = timed(bench_step.torch_step_fn(args, device="cuda"), torch.cuda.synchronize)
+    rows = [{"step": "pytorch", "ms": round(theirs * 1e3, 2), "x pytorch": 1.0}]
+    for name, gc in (("needle, gc off", False), ("needle, gc all", True)):
+        ours = timed(bench_step.needle_step_fn(args, gc, device=ndl.cuda()), needle_sync)
+        rows.append({"step": name, "ms": round(ours * 1e3, 2), "x pytorch": round(ours / theirs, 2)})
+    return rows
+
+
+def needle_sync():
+    """Wait for cuda()'s queue: a one-element result copied to the host comes after everything launched before."""
+    import numpy as np
+
+    from needle import backend_ndarray as nd
+
+    (nd.array(np.zeros(1, np.float32), device=nd.cuda()) + 1).numpy()
 
 
 def memory_rows():
@@ -177,8 +226,8 @@ def mb(n):
 def measure(out):
     """Every table that can be measured, each one's error recorded instead of stopping the others."""
     tables, errors = {}, {}
-    for title, fn in (("memory on the GPU (gc.py ablate, 4 steps)", memory_rows),
-                      ("matmul", matmul_rows)):
+    for title, fn in (("memory on the GPU (gc.py ablate, 4 steps)", memory_rows), ("matmul", matmul_rows),
+                      ("attention", attention_rows), ("the LM step", lm_rows)):
         try:
             tables[title] = fn()
         except Exception as e:  # noqa: BLE001 (a table that fails is reported, the others still measured)
@@ -243,6 +292,9 @@ def dry_run():
     """Without a GPU: the parts this script imports on the GPU machine import here, and one line says so."""
     import needle  # noqa: F401
     from needle import backend_ndarray as nd
+
+    sys.path[:0] = [os.path.join(ROOT, "benchmarks"), os.path.join(ROOT, "apps")]
+    import bench_step  # noqa: F401  (the LM step's table builds both models with it)
 
     found = nd.cuda().enabled()
     print("gpu-check: no GPU found (cuda() is not enabled here): nothing run or measured (`make gpu-check` compiles "
