@@ -249,7 +249,8 @@ def gpu_name():
 def steps_for(out):
     """(name, command) of the check's four steps, in order."""
     python, junit = sys.executable, os.path.join(out, "cuda-tests.xml")
-    return [("build", ["make", "lib", "NEEDLE_CUDA=ON", "CUDA_ARCHS=native", f"PYTHON={python}"]),
+    return [("build", ["make", "lib", "NEEDLE_CUDA=ON", "CUDA_ARCHS=native", f"PYTHON={python}",
+                       f"JOBS={os.cpu_count() or 2}"]),
             ("tests", [python, "-m", "pytest", "-q", "-k", CUDA_CASES, f"--junitxml={junit}", "-p",
                        "no:cacheprovider", "tests/backend", "tests/toolbox", "tests/integration"]),
             ("sanitize", ["compute-sanitizer", "--tool", "memcheck", python, "-m", "pytest", "-q", "-x", "-k",
