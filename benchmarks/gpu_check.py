@@ -210,8 +210,9 @@ def memory_rows():
     table = []
     for name, by_device in rows.items():
         gpu, cpu = by_device.get("cuda", {}), by_device.get("cpu", {})
-        with open(gpu["json"]) as f:
-            driver = max((s.get("gpu_memory_bytes") or 0) for s in json.load(f)["steps"])
+        with open(gpu["json"]) as f:  # GPUtil's reading; None where GPUtil is not installed
+            readings = [s["gpu_memory_bytes"] for s in json.load(f)["steps"] if s.get("gpu_memory_bytes") is not None]
+        driver = max(readings, default=None)
         table.append({"row": name, "M_act MB": mb(gpu.get("activation_bytes")),
                       "M_peak MB": mb(gpu.get("peak_activation_bytes")), "step peak MB": mb(gpu.get("peak_bytes")),
                       "driver MB (GPUtil)": mb(driver), "cpu M_peak MB": mb(cpu.get("peak_activation_bytes")),
