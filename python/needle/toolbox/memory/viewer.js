@@ -179,30 +179,28 @@
   // The live bytes the recorder wrote, as a thin line over the stack: where it leaves the stack's top edge the
   // snapshot's blocks and its live_bytes disagree.
   function liveLineSvg(panel, g) {
-    const events = panel.snapshot.events;
-    if (!events.length) return "";
-    let d = "", lastX = -1;
-    for (let i = 0; i < events.length; i++) {
-      if (g.xs[i + 1] < g.x0 || g.xs[i] > g.x1 || typeof events[i].live_bytes !== "number") continue;
-      const x = g.X(g.xs[i]), y = g.Y(events[i].live_bytes).toFixed(1);
-      d += (d ? (x - lastX < 0.5 ? "V" + y : "H" + x.toFixed(1) + "V" + y) : "M" + x.toFixed(1) + " " + y);
-      if (x - lastX >= 0.5) lastX = x;
-    }
-    return d ? '<path class="live-line" d="' + d + "H" + g.X(g.x1).toFixed(1) + '"/>' : "";
+    const d = stepPath(panel.snapshot.events, "live_bytes", g);
+    return d ? '<path class="live-line" d="' + d + '"/>' : "";
   }
 
   // What the allocator holds resident (live + cached for reuse), where the backend reports it: a dashed line above
   // the stack; the gap between them is the allocator's cache and fragmentation.
   function reservedLineSvg(panel, g) {
-    const events = panel.snapshot.events;
+    const d = stepPath(panel.snapshot.events, "reserved_bytes", g);
+    return d ? '<path class="reserved-line" d="' + d + '"><title>reserved: live + cached for reuse</title></path>' : "";
+  }
+
+  // A step line through events[i][key] over the visible range (events without the key skipped), as an SVG path's
+  // d: steps closer than half a pixel merge into one vertical move; "" when nothing is visible.
+  function stepPath(events, key, g) {
     let d = "", lastX = -1;
     for (let i = 0; i < events.length; i++) {
-      if (g.xs[i + 1] < g.x0 || g.xs[i] > g.x1 || typeof events[i].reserved_bytes !== "number") continue;
-      const x = g.X(g.xs[i]), y = g.Y(events[i].reserved_bytes).toFixed(1);
+      if (g.xs[i + 1] < g.x0 || g.xs[i] > g.x1 || typeof events[i][key] !== "number") continue;
+      const x = g.X(g.xs[i]), y = g.Y(events[i][key]).toFixed(1);
       d += (d ? (x - lastX < 0.5 ? "V" + y : "H" + x.toFixed(1) + "V" + y) : "M" + x.toFixed(1) + " " + y);
       if (x - lastX >= 0.5) lastX = x;
     }
-    return d ? '<path class="reserved-line" d="' + d + "H" + g.X(g.x1).toFixed(1) + '"><title>reserved: live + cached for reuse</title></path>' : "";
+    return d ? d + "H" + g.X(g.x1).toFixed(1) : "";
   }
 
   function peakSvg(panel, g) {
