@@ -46,11 +46,9 @@ class Adam(Optimizer):
         kinds = ("float32", str(theta.dtype))
         if self.fused_in_place(p) and str(m.dtype) in kinds and str(grad.dtype) in kinds:
             # One backend pass (adam_step) over the whole arrays, written in place; a bfloat16 parameter widened,
-            # updated and rounded back inside it, as `_update` would round it.
-            low = str(theta.dtype) == "bfloat16"
-            seed = self._rounding_base + self._position[id(p)] + 1 if self.stochastic_rounding and low else None
+            # updated and rounded back inside it, as `_update` would round it (stochastic rounding: bfloat16 only).
             array_api.adam_step(theta, grad, None if new else m, None if new else v, *self._hyper(),
-                                weight_decay=self.weight_decay, out=(theta, m, v), rounding_seed=seed)
+                                weight_decay=self.weight_decay, out=(theta, m, v), rounding_seed=self.rounding_seed(p))
         else:
             flat_m, flat_v = flat_view(m), flat_view(v)
             for start, th, g in self._chunks(theta, grad):

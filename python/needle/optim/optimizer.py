@@ -483,11 +483,15 @@ class Optimizer:
         stop, data = start + new.size, flat_view(p.realize_cached_data())
         if self._keeps_master(p):
             flat_view(theta)[start:stop] = new
-        if self.stochastic_rounding:  # a fresh seed per parameter and step, whatever order they are updated in
-            seed = self._rounding_base + self._position[id(p)] + 1
-            data[start:stop] = array_api.round_stochastic(new, seed, start)
+        if self.stochastic_rounding:
+            data[start:stop] = array_api.round_stochastic(new, self.rounding_seed(p), start)
         else:
             data[start:stop] = new  # (converted on the way to a 16-bit parameter's dtype: rounded to nearest)
+
+    def rounding_seed(self, p):
+        """The stochastic-rounding seed of p's update this step, a fresh one per parameter and step whatever order
+        they are updated in (`_update`'s round_stochastic, a fused kernel's rounding_seed); None: to nearest."""
+        return self._rounding_base + self._position[id(p)] + 1 if self.stochastic_rounding else None
 
     def _finish(self, p, theta, **state):
         """After p's update: its master copy and `state` (slot=stored) kept (back to the host when offloaded), and

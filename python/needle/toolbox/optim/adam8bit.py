@@ -99,11 +99,9 @@ class Adam8bit(Adam):
         codes = self._map("m", p.device), self._map("v", p.device)
         if self.fused_in_place(p) and str(grad.dtype) in ("float32", str(theta.dtype)):
             # float32, or a bfloat16 parameter without a master copy: widened, updated and rounded back (as
-            # `_update` rounds) inside the kernel, in place
-            low = str(theta.dtype) == "bfloat16"
-            seed = self._rounding_base + self._position[id(p)] + 1 if self.stochastic_rounding and low else None
+            # `_update` rounds) inside the kernel, in place (stochastic rounding: bfloat16 parameters only)
             array_api.adam8bit_step(theta, grad, m, v, *codes, self.block_size, *self._hyper(),
-                                    weight_decay=self.weight_decay, out=theta, rounding_seed=seed)
+                                    weight_decay=self.weight_decay, out=theta, rounding_seed=self.rounding_seed(p))
         else:
             flat = [flat_view(a) for a in m + v]
             for start, th, g in self._chunks(theta, grad, align=self.block_size):
