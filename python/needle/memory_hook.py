@@ -34,6 +34,11 @@ def phase(name, owner=None):
     return _NOTHING if RECORDER is None else _phase(RECORDER, name, owner)
 
 
+def allocating_state(optimizer):
+    """A context in which `optimizer` allocates its state (when it is built): the buffers made are that state."""
+    return _NOTHING if RECORDER is None else RECORDER.allocating_state(optimizer)
+
+
 def module(mod):
     """A context in which the graph values made belong to module `mod` (Module.__call__)."""
     return _NOTHING if RECORDER is None else RECORDER.in_module(mod)

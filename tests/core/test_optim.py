@@ -196,7 +196,8 @@ def test_load_state_dict_names_the_mismatch_and_changes_nothing():
         fresh.load_state_dict({**state, "param_groups": [group]})
     with pytest.raises(ValueError, match="expected a dict with 'state'"):
         fresh.load_state_dict({"m": 1})
-    assert fresh.lr == 0.3 and fresh.t == 0 and fresh.m == {} and fresh.state_dict()["state"] == {}
+    assert fresh.lr == 0.3 and fresh.t == 0 and fresh.state_dict()["state"] == {}
+    assert fresh.state_bytes() == 2 * 4 * sum(p.realize_cached_data().size for p in params)  # allocated, unwritten
 
 
 def test_load_state_dict_checks_the_options_that_fix_the_states_layout():

@@ -109,8 +109,9 @@ def test_every_buffer_is_named_by_what_made_it():
     assert set(params) == {name for name, _ in model.named_parameters()}, "each parameter's data, by its name"
     assert all(b["module"] == name.rsplit(".", 1)[0] for name, b in params.items())
     phases = [p["phase"] for p in snap.phases]
-    first_step = phases[:phases.index("optimizer") + 1]
-    assert first_step[:2] == ["forward", "backward"] and set(first_step[2:-1]) == {"backward", "recompute"}
+    first_step = phases[:phases.index("forward", 1)]  # (Adam's fused update allocates nothing: no optimizer phase)
+    assert first_step[:2] == ["forward", "backward"]
+    assert set(first_step[2:]) - {"optimizer"} == {"backward", "recompute"}
     kept = [b for b in snap.blocks if b["category"] == "activation_kept"]
     assert kept and all(b["reason"] and b["op"] and b["phase"] == "forward" for b in kept)
     assert any(b["module"] and b["module"].startswith("seq_model.layers.") for b in kept), {b["module"] for b in kept}

@@ -313,6 +313,32 @@ def test_state_bytes_is_what_the_allocator_holds(name, offload):
 
 
 @requires_cpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_the_state_is_allocated_when_the_optimizer_is_built(name, dtype):
+    """Rule: an optimizer allocates its state (and master copies) when built, so no step allocates anything that
+    stays and the first step's peak is no higher than the next ones' (it may be lower: a first update has no old
+    state to widen); a parameter that takes no gradient gets no state."""
+    params = _params(CPU, dtype)
+    frozen = nn.Parameter(_param((64, 64), CPU, seed=9))
+    frozen.requires_grad = False
+    before = nd.memory_stats(CPU)["current_bytes"]
+    opt = OPTIMIZERS[name](params + [frozen])
+    assert opt.state_bytes() > 0 and nd.memory_stats(CPU)["current_bytes"] - before == opt.state_bytes()
+    assert opt.state_dict()["state"] == {}  # allocated, not yet written: nothing to save
+    assert all(p is not frozen for slot in ("master",) + opt.slots for p in getattr(opt, slot))
+    held, peaks = opt.state_bytes(), []
+    for _ in range(3):
+        _grads(params)
+        nd.reset_peak_memory_stats(CPU)
+        before = nd.memory_stats(CPU)["current_bytes"]
+        opt.step()
+        peaks.append(nd.memory_stats(CPU)["peak_bytes"] - before)
+        assert nd.memory_stats(CPU)["current_bytes"] == before and opt.state_bytes() == held
+    assert peaks[0] <= peaks[1] == peaks[2], peaks
+
+
+@requires_cpu
 def test_master_weights_are_offloaded_too():
     params = _params(CPU, "bfloat16")
     opt = optim.Adam(params, lr=0.01, offload_state=True)

@@ -4,20 +4,19 @@ Updates work on raw arrays (a parameter's `cached_data`), so a step never grows 
 `param.grad` and keeps the parameter's dtype. Parameters without a gradient are skipped.
 
 16-bit parameters (float16, bfloat16): the update is always computed in float32. With `master_weights=True`
-(the default for them) the optimizer keeps a float32 copy of each such parameter, updates the copy and rounds it
-into the parameter, so updates smaller than a 16-bit step accumulate instead of vanishing (Micikevicius et al.
-2017). With `master_weights=False` ("pure bf16") the parameters and the optimizer's state stay 16-bit, and
-`stochastic_rounding=True` rounds each new bfloat16 weight up or down with probability given by the dropped
-fraction, so that small updates survive on average (Kalamkar et al. 2019; Zamirai et al. 2020).
+(the default for them) the optimizer keeps a float32 copy of each such parameter, updates it and rounds it into
+the parameter, so updates smaller than a 16-bit step accumulate (Micikevicius et al. 2017). With
+`master_weights=False` ("pure bf16") parameters and state stay 16-bit, and `stochastic_rounding=True` rounds each
+new weight up or down with probability given by the dropped fraction (Kalamkar et al. 2019; Zamirai et al. 2020).
 
 State: each optimizer names its per-parameter state in `slots` (Adam: "m", "v"); `self.<slot>` maps a parameter
-to its stored state, which `_fetch` hands to the update and `_keep` stores back — float32, 16-bit for pure 16-bit
-training, 8-bit for Adam8bit; the update widens it a chunk at a time or a fused kernel reads the bytes. With
-`offload_state=True` the stored state lives in host memory (NumPy arrays, outside the device allocator that
-`memory_stats` counts) and each parameter's state is brought to the device for its own update only, the next
-parameter's already on its way (on cuda: page-locked host memory and a copy stream, so that copy overlaps the
-current update; elsewhere the copies are synchronous); `state_bytes()` counts what stays on the device,
-`host_state_bytes()` what was offloaded.
+to its stored state (float32, 16-bit, or 8-bit for Adam8bit), which `_fetch` hands to the update and `_keep`
+stores back. It is allocated when the optimizer is built (`allocate_state`, as optax's `init`): the first step's
+peak is every later step's, and state that cannot fit fails at construction, not after a step's work. With
+`offload_state=True` it lives in host memory instead (outside the allocator `memory_stats` counts), made by each
+parameter's first update, and each parameter's state comes to the device for its own update only, the next one's
+already on its way (on cuda: page-locked memory and a copy stream); `state_bytes()` counts what stays on the
+device, `host_state_bytes()` what was offloaded.
 """
 import functools
 import math
@@ -80,6 +79,13 @@ def _nbytes(stored):
     if isinstance(stored, tuple):
         return sum(_nbytes(a) for a in stored)
     return int(stored.size * np.dtype(stored.dtype).itemsize)
+
+
+def _new_state(layout, device):
+    """Arrays of a state layout [(shape, dtype)], zero-filled so that their pages are resident from the start (the
+    operating system counts the state where the allocator does): one array, or a tuple for a pair."""
+    arrays = tuple(array_api.zeros(shape, dtype=dtype, device=device) for shape, dtype in layout)
+    return arrays if len(arrays) > 1 else arrays[0]
 
 
 def _dtype_name(dtype):
@@ -161,7 +167,18 @@ def in_optimizer_phase(step):
     return step_in_phase
 
 
-class Optimizer:
+class AllocatesState(type):
+    """Optimizer's metaclass: once the outermost constructor returns (a subclass sets what the state's layout reads,
+    Adam8bit's block_size, after its parent's __init__), the state is allocated."""
+
+    def __call__(cls, *args, **kwargs):
+        optimizer = super().__call__(*args, **kwargs)
+        with memory_hook.allocating_state(optimizer):
+            optimizer.allocate_state()
+        return optimizer
+
+
+class Optimizer(metaclass=AllocatesState):
     """Holds the parameters; `step()` updates them from their `.grad`, `reset_grad()` clears the gradients."""
 
     slots = ()  # the names of the per-parameter state dicts, e.g. ("m", "v")
@@ -184,6 +201,7 @@ class Optimizer:
         self._incoming = {}  # (parameter, slot) -> offloaded state on its way to the device, during a step
         for slot in self.slots:
             setattr(self, slot, {})
+        self._unwritten = set()  # (slot, id(parameter)) of state allocated but not yet written by an update
         self._rounding_steps = 0
         self._position = {id(p): i for i, p in enumerate(self.params)}  # a parameter's stochastic-rounding seed
         # The optimizer in backward: backward updates each parameter the moment its gradient is final (backward.py's
@@ -291,10 +309,27 @@ class Optimizer:
             p.grad = None
 
     # ----- state: stored per parameter and slot, loaded as float32 for the update ---------------------------------
+    def allocate_state(self):
+        """Allocate the state (zeros, read as unwritten until an update writes it) of every parameter that takes
+        gradients, on its device: done once the optimizer is built, and again after load_state_dict for what the
+        state dict did not hold."""
+        if self.offload_state:  # host memory, made by each parameter's first update
+            return
+        for p in self.params:
+            if not p.requires_grad:
+                continue
+            for slot in ("master",) + tuple(self.slots_of(p)):
+                layout = self._state_layout(p, slot)
+                if layout is not None and getattr(self, slot).get(p) is None:
+                    getattr(self, slot)[p] = _new_state(layout, p.device)
+                    self._unwritten.add((slot, id(p)))
+
     def _fetch(self, p, slot):
         """Parameter p's state `slot` as stored (encoded), on p's device; None before its first update."""
         stored = getattr(self, slot).get(p)
-        if stored is None or not self.offload_state:
+        if stored is None or (slot, id(p)) in self._unwritten:
+            return None
+        if not self.offload_state:
             return stored
         stored, ready = self._incoming.pop((p, slot), None) or _to_device(stored, p.device)
         ready()
@@ -304,6 +339,7 @@ class Optimizer:
         """Keep encoded state `stored` as parameter p's `slot` (on the host when offloading)."""
         state = getattr(self, slot)
         state[p] = _to_host(stored, state.get(p)) if self.offload_state else stored
+        self._unwritten.discard((slot, id(p)))
 
     def _prefetch(self, p):
         """Start bringing parameter p's offloaded state to its device, to overlap the update before p's."""
@@ -344,7 +380,7 @@ class Optimizer:
         state = {}
         for i, p in enumerate(self.params):
             entry = {slot: _host_copy(getattr(self, slot)[p]) for slot in ("master",) + tuple(self.slots)
-                     if getattr(self, slot).get(p) is not None}
+                     if getattr(self, slot).get(p) is not None and (slot, id(p)) not in self._unwritten}
             if entry:
                 state[i] = entry
         group = {name: getattr(self, name) for name in self.hyperparameters}
@@ -384,10 +420,12 @@ class Optimizer:
         for name, value in values.items():  # all checked: now change the optimizer
             setattr(self, name, value)
         self._rounding_steps = rounding_steps
+        self._unwritten.clear()
         for slot, values in restored.items():
             getattr(self, slot).clear()
             for p, stored in values.items():
                 self._keep(p, slot, stored)
+        self.allocate_state()  # what the state dict did not hold: written by its first update, as in a new optimizer
         if self.offload_state:  # the host copies complete before anything reads them
             for device in {str(p.device): p.device for p in self.params}.values():
                 array_api.wait_for_copies(device)
@@ -452,8 +490,10 @@ class Optimizer:
         array, and its gradient as it is: `_chunks` widens both to float32 a chunk at a time (issue 47)."""
         theta = p.realize_cached_data()
         if self._keeps_master(p):
-            master = self._fetch(p, "master")
-            theta = widen(theta) if master is None else master
+            master, new = self._open(p, "master")
+            if new:  # the first update: the master copy is the parameter's value, widened
+                flat_view(master)[:] = flat_view(theta)
+            theta = master
         return theta, p.grad.realize_cached_data()
 
     # ----- an update in place, a chunk at a time: its temporaries are chunk-sized ---------------------------------
@@ -469,13 +509,14 @@ class Optimizer:
             yield start, th, g
 
     def _open(self, p, slot):
-        """(p's stored state `slot`, whether it is new): a new one (uninitialized, of the stored shape and dtype) is
-        written in place by the update, chunk by chunk, as an old one is; `_finish` keeps both."""
+        """(p's stored state `slot`, whether it is new): a new one (allocated by `allocate_state`, or here when
+        offloaded; zeros of the stored layout, read as unwritten) is written in place by the update, chunk by
+        chunk, as an old one is; `_finish` keeps both."""
         stored = self._fetch(p, slot)
         if stored is not None:
             return stored, False
-        (shape, dtype), = self._state_layout(p, slot)
-        return array_api.empty(shape, dtype=dtype, device=p.device), True
+        allocated = getattr(self, slot).get(p) if (slot, id(p)) in self._unwritten else None
+        return (_new_state(self._state_layout(p, slot), p.device) if allocated is None else allocated), True
 
     def _update(self, p, theta, new, start=0):
         """Store new float32 values of p's flat elements [start, start + new.size): into its master copy `theta`

@@ -16,6 +16,7 @@ A block's category is settled by its phase and what it became (`CATEGORIES` belo
 a forward value is "activation_kept" if it is still alive when backward starts (or when recording stops), else it
 was a forward temporary ("workspace"); what an optimizer made and still holds when its step ends is its state.
 """
+import contextlib
 import gc
 import time
 import weakref
@@ -387,6 +388,13 @@ class Recorder:
             return
         block.category = "activation_kept"
         block.reason = KEPT_BECAUSE.get(keep_reason(node), "kept") if node is not None else "kept"
+
+    @contextlib.contextmanager
+    def allocating_state(self, optimizer):
+        """Optimizer.allocate_state: what it makes and holds is its state, as what a step makes and holds is."""
+        first = len(self.blocks)
+        yield
+        self.settle_optimizer_step(optimizer, self.blocks[first:])
 
     def settle_optimizer_step(self, optimizer, made):
         """What an optimizer's step made and still holds when it ends is a parameter (its new data) or its state

@@ -8,7 +8,7 @@ blocks of 256) instead of Adam's 8. As in the paper and bitsandbytes, tensors wi
 elements keep float32 state (they are few bytes, and often the sensitive ones: biases, norms), and so do the
 parameters named in `fp32_state_params` (the paper's "stable embedding" recipe keeps the embedding's 32-bit).
 """
-from ...backend_selection import array_api, device_of
+from ...backend_selection import array_api
 from ...optim.adam import Adam
 from ...optim.optimizer import flat_view, widen
 from .quantization import dequantize, device_code, dynamic_map
@@ -76,10 +76,19 @@ class Adam8bit(Adam):
             self._device_maps[key] = device_code(self.maps[slot], device)
         return self._device_maps[key]
 
+    def allocate_state(self):
+        """The moments (Optimizer.allocate_state), and the two code maps on each device with 8-bit moments (device
+        state too, unless offloaded: then each step makes them for its updates and frees them at its end)."""
+        super().allocate_state()
+        for p in self.params:
+            if p.requires_grad and self.quantizes(p) and not self.offload_state:
+                self._map("m", p.device), self._map("v", p.device)
+
     def update_bytes(self, p):
         state, workspace = super().update_bytes(p)
         maps = sum(1024 for slot in ("m", "v") if (slot, str(p.device)) not in self._device_maps)  # 256 float32
-        # The first quantized update makes the maps, which stay: counted for every update (at most 2 KiB over).
+        # Offloaded, a step's first quantized update makes the maps, which stay until the step ends: counted for
+        # every update (at most 2 KiB over).
         return state, workspace + (maps if self.quantizes(p) else 0)
 
     def fused_in_place(self, p):
@@ -91,9 +100,10 @@ class Adam8bit(Adam):
     def update_parameter(self, p, theta, grad):
         if not self.quantizes(p):
             return super().update_parameter(p, theta, grad)
-        m, v = self._fetch(p, "m"), self._fetch(p, "v")
-        if m is None:  # the first step: zero moments (a zero absmax turns every byte into 0)
-            m, v = self._zero_state(theta), self._zero_state(theta)
+        (m, new), (v, _) = self._open(p, "m"), self._open(p, "v")
+        if new:  # the first step: zero moments (a zero absmax turns every byte into 0)
+            for array in m + v:
+                array.fill(0)
         # Dequantize, Adam's update in float32, requantize: one pass per block in the backend (adam8bit_step),
         # the moments updated in place; the parameter too when it is float32, else a chunk of blocks at a time.
         codes = self._map("m", p.device), self._map("v", p.device)
@@ -113,11 +123,6 @@ class Adam8bit(Adam):
                     a[slice(start, start + g.size) if k % 2 == 0 else blocks] = c
                 self._update(p, theta, th, start)
         self._finish(p, theta, m=m, v=v)
-
-    def _zero_state(self, theta):
-        blocks, device = -(-theta.size // self.block_size), device_of(theta)
-        return (array_api.full(theta.shape, 0, dtype="uint8", device=device),
-                array_api.full((blocks,), 0.0, dtype="float32", device=device))
 
     def _decode(self, p, slot, stored):
         """A stored moment as float32 (m, or v = sqrt(v) squared); the step itself works on the bytes."""
