@@ -26,9 +26,8 @@ __all__ = ["LAZY_MODE", "TENSOR_COUNTER", "BackwardPlan", "Compute", "Machine", 
            "realize", "release", "run_backward", "run_deferred", "set_autocast", "spec_nbytes", "spec_of"]
 
 LAZY_MODE = False  # when True, ops only record the graph; values are computed when something asks for them
-# Mixed precision: the active `needle.amp.autocast` context, or None; changed only through `set_autocast`. Read
-# only when an op is applied (never when a value is computed or recomputed), like LAZY_MODE: the casts it asks for
-# become graph nodes, so a checkpoint's recomputation replays them exactly.
+# Mixed precision: the active `needle.amp.autocast` context or None, set only by `set_autocast`, read only when an
+# op is applied (like LAZY_MODE): the casts it asks for become graph nodes, so a recomputation replays them exactly.
 AUTOCAST = None
 # The number of live graph values (course code checks it for leaks).
 TENSOR_COUNTER = 0
@@ -77,9 +76,13 @@ class Op:
         """Elements `compute` allocates besides its result (temporaries), for the Budget's ledger; usually 0."""
         return 0
 
+    def workspace_16bit(self, *input_shapes):
+        """Elements compute allocates besides `workspace` in 16 bits, whose entry points copy a broadcast first."""
+        return 0
+
     def reads_transposed(self, *input_shapes):
-        """Whether compute reads an input that is the transpose of a whole compact matrix where it is, instead of
-        compacting it (a 2-D matmul: the backend packs it transposed), for the Budget's ledger."""
+        """Whether compute reads an input that is a whole compact matrix's transpose where it is (a 2-D matmul packs
+        it transposed) instead of compacting it, for the Budget's ledger."""
         return False
     # ----- end of the memory facts ----------------------------------------------------------------------------
 
@@ -163,6 +166,8 @@ class Value:
         kept in host memory, say) is brought back from it.
         """
         if self.cached_data is None:
+            if memory_hook.PREDICTOR is not None:
+                memory_hook.PREDICTOR.refuse_value(self)  # a dry run computes nothing
             if self.stored is not None:
                 self.cached_data = self.store.get(self, self.stored)
                 self.store.ready()
@@ -244,6 +249,8 @@ class Value:
         value = cls.__new__(cls)
         value._init(op, inputs)
         if not LAZY_MODE:
+            if memory_hook.PREDICTOR is not None:  # a dry run traces an eager step lazily, and walks it as eager
+                return memory_hook.PREDICTOR.eager_op(value)
             if not value.requires_grad:
                 return value.detach()
             value.realize_cached_data()
@@ -297,8 +304,11 @@ class Tensor(Value):
         else:
             if device is None:
                 device = device_of(array) if isinstance(array, NDArray) else default_device()
-            cached_data = Tensor._array_from_numpy(array, device=device, dtype=dtype)
+            dry = memory_hook.PREDICTOR is not None and not isinstance(array, NDArray)  # a dry run: a spec, no data
+            cached_data = None if dry else Tensor._array_from_numpy(array, device=device, dtype=dtype)
         self._init(None, [], cached_data=cached_data, requires_grad=requires_grad)
+        if cached_data is None:
+            memory_hook.PREDICTOR.constant(self, array, device, dtype)
 
     @staticmethod
     def _array_from_numpy(numpy_array, device, dtype):
@@ -346,9 +356,10 @@ class Tensor(Value):
         if not self.requires_grad:
             raise RuntimeError(f"backward(): this Tensor (shape {tuple(self.shape)}) does not require grad: no leaf "
                                "of its graph has requires_grad=True, so there is nothing to differentiate")
+        if memory_hook.PREDICTOR is not None:  # ndl.memory.predict: walked, not computed
+            return memory_hook.PREDICTOR.backward(self, out_grad)
         if out_grad is None:
-            out_grad = Tensor(array_api.full(self.shape, 1.0, dtype=self.dtype, device=self.device),
-                              device=self.device, requires_grad=False)
+            out_grad = Tensor(array_api.full(self.shape, 1, dtype=self.dtype, device=self.device), requires_grad=False)
         compute_gradient_of_variables(self, out_grad)
 
     def __repr__(self):

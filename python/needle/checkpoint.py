@@ -21,7 +21,7 @@ import warnings
 from collections import Counter
 from dataclasses import dataclass
 
-from . import autograd, lazy, regions
+from . import autograd, lazy, memory_hook, regions
 from .regions import apply_decision, keep_reason, region_of
 from .autograd import Value, element_shapes, find_topo_sort, infer_spec, itemsize, spec_nbytes
 from .backward import always_kept, last_backward_stats
@@ -215,6 +215,8 @@ def annotate(out_node, in_nodes, segment_len=None, policy=None, label=None, stac
     drop_outputs(outs, decisions[len(candidates):])
     for node, decision in zip(candidates, decisions):
         apply_decision(node, decision)
+    if memory_hook.PREDICTOR is not None:  # ndl.memory.predict walks an eager step region by region: what each drops
+        memory_hook.PREDICTOR.regions.append((outs, [n for n in candidates if n.drop]))
     for node in outs:
         if node.store is None:
             regions.note_reason(node, "boundary")

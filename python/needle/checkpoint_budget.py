@@ -21,7 +21,7 @@ import math
 import weakref
 from dataclasses import dataclass
 
-from . import lazy
+from . import lazy, memory_hook
 from .autograd import defer_until_backward, find_topo_sort
 from .costs import CostModel
 from .ledger import Ledger, holds_base, predict_peak, value_bytes, walk_step
@@ -54,7 +54,11 @@ class Planned:
 
 class InfeasibleBudget(ValueError):
     """Budget(b) cannot be met: no choice of checkpoints brings this graph's peak under b (the message names the
-    least peak it can reach; the Budget's minimum_peak holds it in bytes)."""
+    least peak it can reach; `budget`, the Budget, holds it in bytes: minimum_peak)."""
+
+    def __init__(self, message, budget=None):
+        super().__init__(message)
+        self.budget = budget
 
 
 class Budget:
@@ -138,7 +142,8 @@ class Budget:
         regions = self._take_regions_above(above)
         if not regions:
             return Planned(tuple(self.planned.items()))
-        lazy_step = root.cached_data is None
+        # (ndl.memory.predict traces an eager step without computing it: planned as the eager step it is)
+        lazy_step = root.cached_data is None and not getattr(memory_hook.PREDICTOR, "eager", False)
         trace_seconds = self._trace_seconds(lazy_step)
         groups = self._groups(regions, above, lazy_step)
         # How each group would leave the device (False: recomputed; the toolbox's: a Store), at what seconds.
@@ -192,7 +197,7 @@ class Budget:
         if self.minimum_peak > self.bytes:
             raise InfeasibleBudget(f"{self!r} is infeasible: the least peak activation memory this graph can "
                                    f"reach by {self.means} is {self.minimum_peak} bytes "
-                                   f"({self.minimum_peak / 2**20:.1f} MB)")
+                                   f"({self.minimum_peak / 2**20:.1f} MB)", self)
         target = max(self.minimum_peak, self.bytes * (1 - PREDICTION_MARGIN))  # (with room for prediction error)
         # Gradients leave the device only where nothing fits without: where everything off the device, the
         # gradients kept, peaks above the target. The least walk (which sent them) counted that peak as it went.

@@ -124,13 +124,18 @@ class Ledger(Machine):
                 self.live += self.size[key]
 
     def _workspace(self, node):
-        """Bytes compute allocates besides its result: declared temporaries and compact copies of strided inputs."""
+        """Bytes compute allocates besides its result: declared temporaries (elements of the result's dtype) and
+        compact copies of strided inputs (each in its input's dtype)."""
         shapes = [self.spec(x)[0] for x in node.inputs]
         extra = node.op.workspace(*shapes)
         compacted = node.op.compacts_inputs  # True (every input) or the positions of the inputs it compacts
+        if element_dtype(self.spec(node)[1], 0) in ("float16", "bfloat16"):  # 16-bit entry points: compact operands
+            extra += node.op.workspace_16bit(*shapes)
+            compacted = compacted or getattr(node.op, "elementwise", False)  # (TensorOps have it)
         if not compacted and not extra:
             return 0  # most ops: nothing besides the result (the ledger's most frequent question, answered first)
         transposed_in_place = compacted and node.op.reads_transposed(*shapes)
+        copies = 0
         for i, (x, shape) in enumerate(zip(node.inputs, shapes)):
             if compacted is True or (compacted and i in compacted):
                 strides = self.strides.get(id(x))
@@ -138,8 +143,8 @@ class Ledger(Machine):
                     continue
                 if transposed_in_place and is_transposed_matrix(shape, strides) and self._whole_buffer(x, shape):
                     continue
-                extra += elements_of(shape)
-        return extra * itemsize(element_dtype(self.spec(node)[1], 0))
+                copies += elements_of(shape) * itemsize(element_dtype(self.spec(x)[1], 0))
+        return extra * itemsize(element_dtype(self.spec(node)[1], 0)) + copies
 
     def _whole_buffer(self, node, shape):
         keys = self.buffers[id(node)]
@@ -276,23 +281,32 @@ def predict_peak(root, dropped, regions=None, stores=None, gradient_store=None):
     return walk_step(root, dropped, regions, stores, gradient_store).peak
 
 
-def walk_step(root, dropped, regions=None, stores=None, gradient_store=None):
+def walk_step(root, dropped, regions=None, stores=None, gradient_store=None, ledger=Ledger, order=None):
     """The Ledger after walking a step's forward and backward passes (see predict_peak): its device `peak`, its
-    `host_peak`, the host bytes put (`host_bytes_out`) and brought back (`host_bytes_back`)."""
+    `host_peak`, the host bytes put (`host_bytes_out`) and brought back (`host_bytes_back`). `ledger`: the class
+    (or a function of Ledger's arguments) that walks, Ledger or one that also notes more (ndl.memory.predict's);
+    `order`: eager mode's, the order the values were made in (default: a topological order)."""
     out_grad = placeholder(required_spec(root))  # the root's gradient: its shape, dtype and device, no data
-    ledger = Ledger(root, out_grad, stores, gradient_store)
+    ledger = ledger(root, out_grad, stores, gradient_store)
     if regions is None:
         realize([root], lambda n: id(n) not in dropped, ledger)
     else:
-        ends = {}
+        ends, order = {}, order or find_topo_sort([root])
         for outputs, candidates in regions:
             ends.setdefault(id(outputs[-1]), []).extend(candidates)
-        for node in find_topo_sort([root]):
+        # A value dropped outside every region (autocast's cast of an activation) is computed for its consumer
+        # and not kept, as realization does: released after its last consumer.
+        in_regions = {id(n) for _, candidates in regions for n in candidates}
+        last = {id(x): node for node in order for x in node.inputs if id(x) in dropped and id(x) not in in_regions}
+        for node in order:
             if not ledger.has(node):
                 ledger.compute(node)
             for n in ends.get(id(node), ()):
                 if id(n) in dropped:
                     ledger.release(n)
+            for x in node.inputs:
+                if last.get(id(x)) is node:
+                    ledger.release(x)
     ledger.forward_peak, ledger.forward_live = ledger.peak, ledger.live  # the forward pass alone
     ledger.forward_buffers = dict(ledger.buffers)
     ledger.forward_clock = ledger.clock

@@ -8,8 +8,18 @@ through `set_recorder`. This module imports nothing of needle's, so any of them 
 import contextlib
 
 RECORDER = None
+# ndl.memory.predict's dry run while it traces a step (None: off): Tensor.backward, an optimizer's step and
+# reset_grad hand it their work instead of doing it, and no value is computed or made from data.
+PREDICTOR = None
 
 _NOTHING = contextlib.nullcontext()
+
+
+def set_predictor(predictor):
+    """Make `predictor` the active dry run (None: off); return the previous one."""
+    global PREDICTOR
+    previous, PREDICTOR = PREDICTOR, predictor
+    return previous
 
 
 def set_recorder(recorder):

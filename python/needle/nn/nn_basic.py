@@ -9,7 +9,7 @@ import math
 
 import numpy as np
 
-from .. import init, ops
+from .. import init, memory_hook, ops
 from ..autograd import Tensor
 from ..ops.ops_activation import check_bits, check_relu_bits
 from ..backend_selection import array_api
@@ -289,7 +289,8 @@ class Dropout(Module):
         if not self.training:
             return x
         if self.p == 0:
-            np.random.rand(*x.shape)  # the mask's draw, as randb makes it: the stream stays the course's
+            if memory_hook.PREDICTOR is None:  # (ndl.memory.predict's dry run draws nothing)
+                np.random.rand(*x.shape)  # the mask's draw, as randb makes it: the stream stays the course's
             return x
         if self.regenerate and self.p < 1:
             return ops.dropout(x, self.p, draw_like_rand(_prod(x.shape)))
@@ -306,6 +307,8 @@ def draw_like_rand(n):
     """Advance NumPy's global RNG exactly as np.random.rand(n) would, a chunk at a time (no n-sized array);
     return a 32-bit seed made from the first number drawn (0 when n is 0)."""
     seed = 0
+    if memory_hook.PREDICTOR is not None:  # ndl.memory.predict's dry run draws nothing: the stream is the step's
+        return seed
     for start in range(0, n, _DRAW_CHUNK):
         u = np.random.random_sample(min(_DRAW_CHUNK, n - start))
         if start == 0:

@@ -38,8 +38,10 @@ class ScaledDotProductAttention(TensorTupleOp):
     def __init__(self, causal=False, scale=None, dropout_p=0.0, seed=0):
         self.causal, self.scale, self.dropout_p, self.seed = bool(causal), scale, float(dropout_p), int(seed)
 
+    def infer_dtype(self, q, k, v):
+        return q if str(q) == "float32" else (q, "float32")  # lse is float32 whatever the storage (specs.spec_of)
+
     def infer_shape(self, q, k, v):
-        # (the ledger sizes a tuple in its first element's dtype: exact in float32, lse at 2 bytes a row in 16-bit)
         if not _fits(q, k, v, self.causal):
             return None  # compute raises the error
         return q[:-1] + (v[-1],), q[:-1]
@@ -119,8 +121,12 @@ class ScaledDotProductAttentionGrad(TensorTupleOp):
         return (q, k, v) if _fits(q, k, v, self.causal) else None
 
     def workspace(self, q, *shapes):
-        # delta, one float32 per query row (exact in float32; a 16-bit graph's ledger counts it at 2 bytes a row)
-        return math.prod(q[:-1])
+        return math.prod(q[:-1])  # delta, one float32 per query row
+
+    def workspace_16bit(self, q, *shapes):
+        # the ledger counts 16-bit elements: float32 delta takes two a row, and dlse (the broadcast zero of an unused
+        # lse, whose 16-bit compact copy the ledger counts) is copied into float32 instead: one more a row
+        return 2 * math.prod(q[:-1])
 
     def compute(self, q, k, v, out, lse, dout, dlse):
         _check_shapes(type(self).__name__, q.shape, k.shape, v.shape, self.causal)

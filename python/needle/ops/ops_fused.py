@@ -127,18 +127,22 @@ class LinearCrossEntropyGrad(TensorTupleOp):
             return None  # compute raises the error
         return (hidden, weight) + ((bias,) if self.bias else ())
 
-    def workspace(self, *shapes):
+    def workspace(self, *shapes, low=False):
         hidden, weight, bias, _ = _split(shapes[:-1], self.bias)
         (N, H), V = hidden, weight[1]
         c = chunk_rows(N, V, self.chunk_size)
         copied = c < N  # a chunk's rows of hidden and target are copied (whole compact arrays are used as they are)
         return 1 + max(  # g/N, plus the most alive at once while a chunk is differentiated:
             c * V + copied * c * H,  # the logits, or dz, beside the copy of the chunk's hidden rows (or of h^T)
-            2 * c * V + c + copied * c,  # the logits, dz = their gradient, copies of g/N and of the targets
+            # the logits, dz = their gradient, copies of g/N and of the targets (float32 targets: in 16 bits, twice)
+            2 * c * V + c + copied * c * (2 if low else 1),
             (bias is not None) * (c * V + V + max(c, V)),  # dz, its column sum (a row of ones, or the new db)
             c * V + c * H,  # dz, W dz^T (matmul reads dz^T in place; dW += h^T dz adds into dW: nothing more)
             2 * c * H,  # dz W^T and the compact copy written into dhidden
         )
+
+    def workspace_16bit(self, *shapes):
+        return self.workspace(*shapes, low=True) - self.workspace(*shapes)
 
     def compute(self, hidden, weight, *rest):
         bias, target, g = rest if self.bias else (None, *rest)

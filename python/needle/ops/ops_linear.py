@@ -50,6 +50,9 @@ class Linear(TensorOp):
         # x W before the bias is added into a new array, or x W (+ b) before relu is applied into a new one
         return math.prod(x[:-1]) * w[1] if self.bias or self.relu else 0
 
+    def workspace_16bit(self, x, w, *b):
+        return math.prod(x[:-1]) * w[1] if b else 0  # the bias's (rows, m) broadcast, copied for the add
+
     def compute(self, x, w, *b):
         if not _fits(x.shape, w.shape, *(t.shape for t in b)):
             raise ValueError(f"linear: needs x (..., n), weight (n, m) and bias (m,) or (1, m); got x {tuple(x.shape)}"

@@ -162,6 +162,8 @@ def in_optimizer_phase(step):
     """`step` run in needle.memory's "optimizer" phase."""
     @functools.wraps(step)
     def step_in_phase(self, *args, **kwargs):
+        if memory_hook.PREDICTOR is not None:  # ndl.memory.predict: the update counted, not made
+            return memory_hook.PREDICTOR.optimizer_step(self)
         with memory_hook.phase("optimizer", self):
             return step(self, *args, **kwargs)
     return step_in_phase
@@ -305,6 +307,8 @@ class Optimizer(metaclass=AllocatesState):
         return checked
 
     def reset_grad(self):
+        if memory_hook.PREDICTOR is not None:  # ndl.memory.predict: the gradients counted as freed, kept
+            return memory_hook.PREDICTOR.reset_grad(self)
         for p in self.params:  # (in backward, no parameter holds a gradient when backward returns)
             p.grad = None
 

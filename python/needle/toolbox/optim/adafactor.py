@@ -222,6 +222,24 @@ class Adafactor(Optimizer):
         state["row"], state["col"] = _write(row, rows), _write(col, cols)
         return (rows / array_api.broadcast_to(_mean(rows, -2), rows.shape)) ** -0.5, cols ** -0.5  # r: normalized
 
+    def workspace_bytes(self, p):
+        """The fused float32 update's temporaries, exactly (ndl.memory.predict counts them): the step's row and
+        column means, R and C's new values and their normalized factors, at most four row or column vectors beside
+        two of the other (three of each on the first update: its state has no old value to widen), the chunks'
+        sums, and with scale_parameter the RMS's chunk of squares; a 16-bit update's: Optimizer's chunked bound."""
+        data = p.realize_cached_data()
+        if str(data.dtype) != "float32" or not _KERNELS:
+            return super().workspace_bytes(p)
+        shape, rms = tuple(p.shape), (4 * min(data.size, CHUNK) + 4) if self.scale_parameter else 0
+        if len(shape) < 2:
+            return max(rms, 4 * -(-data.size // CHUNK))
+        n, m, matrices = shape[-2], shape[-1], math.prod(shape[:-2])
+        R, C = 4 * matrices * n, 4 * matrices * m
+        sums = 4 * matrices * -(-n // max(1, CHUNK // max(m, 1)))
+        first = self.row.get(p) is None or ("row", id(p)) in self._unwritten  # (no old value to widen)
+        factors = max(4 * R + 2 * C, 3 * R + 3 * C) if first else max(4 * R + 2 * C, 2 * R + 4 * C)
+        return max(rms, factors, R + C + sums)
+
     def slots_of(self, p):
         return self.slots if self.beta1 is not None else self.slots[:-1]  # "m" only with beta1
 
