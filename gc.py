@@ -7,6 +7,7 @@
     python gc.py ablate --rows baseline all fused combined       # each technique, the same model and steps: a table
     mpiexec -n 2 python gc.py run --parallel dp                  # data parallel (also zero1, zero2, pipeline)
     python gc.py timeline --policy all                           # one step's every allocation and free: PNG, page
+    python gc.py explain --verify                                # where the step peaks, why; each lever's dry run
     python gc.py plot results/sweep_batch_size                   # the plots of whatever gc.py JSON a folder holds
     python gc.py sample --checkpoint FILE --prompt "the company said"   # text from a run's --save-checkpoint FILE
 

@@ -118,6 +118,8 @@ FIGURES = [
            GC + ("python/needle/toolbox/memory/", "benchmarks/readme_pictures.py")),
     Figure("budget-sweep", "docs/offloading.md", bench("readme_pictures.py", "budget-sweep"),
            GC + ("python/needle/toolbox/checkpoint_optimal.py", "benchmarks/readme_pictures.py")),
+    Figure("predict", "docs/predict.md", bench("bench_predict.py", "--markdown"),
+           GC + ("python/needle/toolbox/memory/", "benchmarks/bench_predict.py"), ONE_THREAD),
     Figure("memory-record", "docs/timeline.md", bench("bench_memory_record.py", "--markdown"),
            STEP + ("python/needle/toolbox/memory/", "benchmarks/bench_memory_record.py",
                    "benchmarks/bench_step.py")),

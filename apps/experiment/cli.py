@@ -17,14 +17,14 @@ from needle import distributed as dist
 
 from .ablations import ABLATIONS, ACCUMULATE, BUDGET_ROWS, default_rows
 from . import presets
-from .commands import ablate, plot, run, sample, sweep, timeline, writeup
+from .commands import ablate, explain, plot, run, sample, sweep, timeline, writeup
 from .console import BAD_INPUT_EXIT, INTERRUPTED_EXIT, fail
 from .outputs import check_outputs, checkpoint_file
 from .parser import SUBCOMMANDS, build_parser
 from .setup import BUDGET_CURVES, PARALLEL, TENSOR_PARALLEL, TP_DP_TENSOR_SIZE, RunConfig, parallel_layout
 
 COMMANDS = {"run": run.main, "sweep": sweep.main_sweep, "max-batch": sweep.main_max_batch, "ablate": ablate.main,
-            "timeline": timeline.main, "plot": plot.main, "sample": sample.main}
+            "timeline": timeline.main, "explain": explain.main, "plot": plot.main, "sample": sample.main}
 POSITIVE = ("batch_size", "seq_len", "embedding_size", "hidden_size", "num_layers", "num_head", "accumulation_steps",
             "epochs", "max_batches", "segment_len", "repeats", "steps", "save_every")
 DEFAULT_OUT = {"run": "results", "timeline": "results", "max-batch": os.path.join("results", "max_batch"),
@@ -90,6 +90,10 @@ def validate(config):
     validate_numbers(config)
     if command != "ablate":
         validate_command(config)
+    if command == "explain":  # it writes --json FILE only
+        if config.json:
+            check_outputs(config, None)
+        return
     check_outputs(config, DEFAULT_OUT.get(command) or os.path.join("results", f"sweep_{config.over}"))
 
 
@@ -218,7 +222,7 @@ def validate_ablate(config):
 def validate_policies(config):
     """run's --policy / --use-gc / --json, and the flags that belong to one policy (run, sweep, max-batch)."""
     command = config.command
-    if command == "timeline":
+    if command in ("timeline", "explain"):
         policies = [config.policy or "all"]
     elif command == "run":
         policies = [config.policy or "all"]

@@ -12,12 +12,13 @@ from .presets import PRESETS, WRITEUP_TEXT
 from .setup import BUDGET_CURVES, HEADS, OPTIMIZERS, PARALLEL, POLICIES, PRECISIONS
 
 TITLE = "gc.py — how much memory gradient checkpointing saves on a PTB Transformer language model, and what it costs."
-SUBCOMMANDS = ["run", "sweep", "max-batch", "ablate", "timeline", "plot", "sample"]
+SUBCOMMANDS = ["run", "sweep", "max-batch", "ablate", "timeline", "explain", "plot", "sample"]
 HELPS = {"run": "gc off vs on for one configuration, side by side (the default)",
          "sweep": "one parameter over several values and policies, a fresh process per run; JSON and plots",
          "max-batch": "the largest batch that trains under --memory-limit-mb, per policy (bisection)",
          "ablate": "every memory technique on the same model and steps, a fresh process per row; one table",
          "timeline": "one step's memory, every allocation and free, gc off beside gc on: JSON, PNG and HTML page",
+         "explain": "where the step peaks and why; each lever's whole-step peak from a dry run (--verify: measured)",
          "plot": "draw, into DIR, the plots of the gc.py JSON files DIR holds (run, sweep, max-batch, ablate)",
          "sample": "text from a model gc.py run --save-checkpoint FILE trained: the prompt, continued"}
 SWEEPABLE = ["batch_size", "hidden_size", "embedding_size", "num_layers", "seq_len", "segment_len", "budget_mb"]
@@ -210,7 +211,7 @@ def add_step_flags(g):
 
 def add_checkpointing_flags(p, command):
     g = p.add_argument_group("checkpointing")
-    if command in ("run", "timeline"):
+    if command in ("run", "timeline", "explain"):
         flag(g, "policy", default=None, choices=POLICIES,
              help="what gc on drops: all (every node inside each layer, and the layers' outputs but the last), "
                   "sqrt (Chen's schedule, inside each layer and across them), selective (keeps matmul outputs), "
@@ -223,7 +224,7 @@ def add_checkpointing_flags(p, command):
     if command == "run":
         flag(g, "use_gc", type=int, choices=[0, 1], default=None,
              help="run only gc off (0) or only gc on (1) (default: both, side by side)")
-    if command not in ("run", "timeline"):
+    if command not in ("run", "timeline", "explain"):
         choices = POLICIES + (["budget-offload"] if command == "sweep" else [])
         flag(g, "policies", nargs="+", choices=choices, default=None, metavar="POLICY",
              help="policies to compare, from " + "|".join(choices) + " (default: " +
@@ -277,8 +278,13 @@ def add_parallel_flags(p):
 
 def add_output_flags(p, command):
     g = p.add_argument_group("output")
-    default_out = {"run": "results", "sweep": "results/sweep_OVER", "max-batch": "results/max_batch",
-                   "timeline": "results"}[command]
+    if command == "explain":  # (it writes --json FILE only)
+        flag(g, "verify", action="store_true", help="also train each what-if row one step, measured beside it")
+        flag(g, "json", default=None, metavar="FILE", help="write the what-if rows to FILE (JSON)")
+        return
+    if command == "max-batch":
+        flag(g, "dry_run", action="store_true", help="bisect on dry runs (ndl.memory.predict), then train the answer")
+    default_out = {"sweep": "results/sweep_OVER", "max-batch": "results/max_batch"}.get(command, "results")
     what = "the JSON, PNG and HTML files" if command == "timeline" else "the JSON (and PNG) files"
     flag(g, "out", default=None, metavar="DIR", help=f"folder for {what} (default: {default_out})")
     if command == "run":
@@ -326,8 +332,7 @@ def add_ablate_flags(p):
     flag(g, "progress", action=argparse.BooleanOptionalAction, default=None,
          help="a progress bar on stderr (default: when stderr is a terminal or in a notebook)")
     # what the rows set themselves, or gc.py run's defaults
-    p.set_defaults(accumulation_steps=1, epochs=1, max_batches=None, segment_len=None, memory_limit_mb=None,
-                   head=None)
+    p.set_defaults(accumulation_steps=1, epochs=1, max_batches=None, segment_len=None, memory_limit_mb=None, head=None)
 
 
 def number(text):
@@ -370,12 +375,11 @@ def add_sample_flags(p):
 def build_parser():
     """(the top-level parser, which only prints the overview, {subcommand: its parser})."""
     top = Parser(prog="gc.py", formatter_class=formatter,
-                 usage="python gc.py [run|sweep|max-batch|ablate|timeline|plot|sample] [flags]",
+                 usage="python gc.py [run|sweep|max-batch|ablate|timeline|explain|plot|sample] [flags]",
                  description=TITLE + "\n\nsubcommands (run is the default):\n"
                              + "".join(f"  {c:11s}{h}\n" for c, h in HELPS.items()),
                  epilog="python gc.py CMD --help lists CMD's flags and their defaults. Every flag may be spelled with\n"
-                        "hyphens or underscores (--batch-size, --batch_size).\n\n" + MEASURES,
-                 allow_abbrev=False)
+                        "hyphens or underscores (--batch-size, --batch_size).\n\n" + MEASURES, allow_abbrev=False)
     return top, {command: subcommand_parser(command) for command in SUBCOMMANDS}
 
 

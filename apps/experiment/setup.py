@@ -105,6 +105,9 @@ class RunConfig:
     rows: list = None
     steps: int = None
     dir: str = None
+    # explain, max-batch
+    verify: bool = False  # explain: each what-if row measured beside its prediction
+    dry_run: bool = False  # max-batch: bisect on predictions, then confirm the answer with one real step
 
     @classmethod
     def from_args(cls, args, argv=()):

@@ -31,7 +31,7 @@ from conftest import gc_process as _gc
 from conftest import run_gc, strict_json, tiny_ptb
 from experiment import ablations
 
-SUBCOMMANDS = ["run", "sweep", "max-batch", "ablate", "timeline", "plot"]
+SUBCOMMANDS = ["run", "sweep", "max-batch", "ablate", "timeline", "explain", "plot"]
 
 
 def _read(path):
@@ -107,21 +107,48 @@ def test_interrupted_run_keeps_the_results_written(tmp_path, monkeypatch):
     assert record["complete"] is False
 
 
-def max_batch_search(folder):
+def max_batch_search(folder, *flags):
     """gc.py max-batch as a user runs it (its tries child processes), in `folder`: (exit status, its output, the
-    largest batches it wrote)."""
-    data = tiny_ptb(pathlib.Path(folder), num_lines=2000)
-    out = os.path.join(folder, "mb")
+    largest batches it wrote, its tries)."""
+    data = os.path.join(folder, "ptb")
+    if not os.path.exists(data):
+        data = tiny_ptb(pathlib.Path(folder), num_lines=2000)
+    out = os.path.join(folder, "mb" + "".join(flags))
     code, printed, err = _gc("max-batch", "--memory_limit_mb", "0.5", "--policies", "off", "all", "--data", data,
-                             "--out", out, *TINY, timeout=600)
+                             "--out", out, *TINY, *flags, timeout=600)
     path = os.path.join(out, "max_batch.json")
-    return code, printed + err, _read(path)["largest_batch"] if os.path.exists(path) else None
+    result = _read(path) if os.path.exists(path) else {}
+    return code, printed + err, result.get("largest_batch"), result.get("tries")
 
 
-def test_max_batch_finds_a_larger_batch_with_checkpointing(tmp_path):
-    code, log, result = max_batch_search(str(tmp_path))
+def test_max_batch_finds_a_larger_batch_with_checkpointing_and_its_dry_run_the_same(tmp_path):
+    """Rule: max-batch --dry-run (bisection on ndl.memory.predict) finds the batch the real search finds, training
+    only its answer."""
+    code, log, result, _ = max_batch_search(str(tmp_path))
     assert code == 0, log
     assert result["all"] >= result["off"] > 0
+    code, log, dry, tries = max_batch_search(str(tmp_path), "--dry-run")
+    assert code == 0, log
+    assert dry == result
+    trained = [t for t in tries if not t.get("dry_run")]
+    assert len(trained) == 2 and {(t["policy"], t["batch_size"]) for t in trained} == set(result.items())
+
+
+def test_explain_prints_the_account_and_each_lever_predicted_and_measured(tmp_path):
+    path = tmp_path / "levers.json"
+    code, out, err = _gc_here("explain", *TINY, "--data", tiny_ptb(tmp_path), "--head", "full", "--verify",
+                              "--json", path)
+    assert code == 0, err
+    assert "The step's peak will be" in out and "What each lever would make of it" in out
+    rows = _read(path)["rows"]
+    levers = [r["lever"] for r in rows]
+    assert levers[0] == "as given"
+    assert {"gc off", "budget 50%", "adam8bit", "fused head", "accumulate x2"} <= set(levers)
+    for r in rows:
+        assert {"lever", "predicted_peak_bytes", "measured_peak_bytes", "predicted_activation_bytes",
+                "measured_activation_bytes"} <= set(r)
+        if not r["approximate"]:
+            assert r["predicted_peak_bytes"] == r["measured_peak_bytes"], r
 
 
 # ----- statistics that cannot lie: strict JSON, one file per child, the OS's view of memory ---------------------

@@ -12,8 +12,10 @@ from ..footprint import check_fits
 from ..growth import DEPTH_PARAMETERS, growth_exponents
 from ..records import config_of, read_json, write_json
 from ..report import mb, model_text
-from ..setup import BUDGET_CURVES, budget_policy, pick_device, plan_budget
+from ..setup import BUDGET_CURVES, budget_policy, make_policy, pick_device, plan_budget
+from .explain import predict_row
 from .plot import plot_max_batch, plot_sweep
+from .run import build_training
 
 
 def main_sweep(config):
@@ -130,12 +132,15 @@ def main_max_batch(config):
     os.makedirs(out_dir, exist_ok=True)
     search.start()
     for policy in search.policies:
+        fits = search.predicted_fits if config.dry_run else search.fits
         lo, hi = 0, config.batch_size
-        while search.fits(hi, policy):  # double until a batch does not fit...
+        while fits(hi, policy):  # double until a batch does not fit...
             lo, hi = hi, hi * 2
         while hi - lo > max(1, lo // 16):  # ...then bisect to within ~6%
             mid = (lo + hi) // 2
-            lo, hi = (mid, hi) if search.fits(mid, policy) else (lo, mid)
+            lo, hi = (mid, hi) if fits(mid, policy) else (lo, mid)
+        if config.dry_run:
+            lo = search.confirm(lo, policy)
         search.result["largest_batch"][policy] = lo
         write_json(search.path, search.result)
         say(f"  {policy:>9s}: largest batch under {config.memory_limit_mb:g} MB = {lo}")
@@ -162,15 +167,44 @@ class BatchSearch:
                            max_batches=2)  # the batch is what is searched; each try trains 2 steps
         self.path = os.path.join(out_dir, "max_batch.json")
         self.bar = None
+        self.device = device
+        self.data = load_data(source) if config.dry_run else None  # --dry-run predicts in this process
+        self.trainings = {}  # policy -> (model, loss, parameters, optimizer) of --dry-run's tries
 
     def start(self):
         """The search's header line, and its progress bar under it."""
         config = self.config
+        how = ("each try a dry run of the step (ndl.memory.predict), the answer trained for real" if config.dry_run
+               else "a fresh process per try")
         print(f"gc.py max-batch {self.id}: the largest batch that trains under {config.memory_limit_mb:g} MB, per "
-              f"policy ({' '.join(self.policies)}), from batch {config.batch_size} (doubled, then bisected; a fresh "
-              f"process per try); {model_text(config, {'batch_size'})}; data {self.source}", flush=True)
+              f"policy ({' '.join(self.policies)}), from batch {config.batch_size} (doubled, then bisected; "
+              f"{how}); {model_text(config, {'batch_size'})}; data {self.source}", flush=True)
         self.bar = tqdm_class()(desc="max-batch tries", unit="try", file=sys.stderr,
                                 disable=not progress_on(config.progress), dynamic_ncols=True)
+
+    def predicted_fits(self, batch, policy):
+        """--dry-run: whether ndl.memory.predict's whole-step peak of `batch` with `policy` is under the cap (one
+        dry run in this process: nothing computed)."""
+        config = replace(self.config, batch_size=batch, policy=policy, accumulation_steps=1)
+        data, vocab = self.data
+        if policy not in self.trainings:  # one model per policy: the batch is all a try changes
+            self.trainings = {policy: build_training(config, vocab, self.device,
+                                                     make_policy(config) if policy != "off" else "off")}
+        peak = predict_row(config, data, vocab, self.device, self.trainings[policy])[1]["predicted_peak_bytes"]
+        fits = peak <= self.config.memory_limit_mb * 2**20
+        self.result["tries"].append({"policy": policy, "batch_size": batch, "fits": fits, "predicted_peak_bytes": peak,
+                                     "dry_run": True})
+        note(f"  [{len(self.result['tries'])}] predicted policy={policy} batch_size={batch}: {peak / 2**20:.1f} MB, "
+             f"{'fits' if fits else 'over the cap'}")
+        self.bar.update()
+        return fits
+
+    def confirm(self, batch, policy):
+        """--dry-run's answer, trained for real under the cap (a fresh process, as a try); if it does not fit after
+        all, the batch ~6% smaller, until one does (0: none)."""
+        while batch > 0 and not self.fits(batch, policy):
+            batch = min(batch - 1, batch * 15 // 16)
+        return batch
 
     def fits(self, batch, policy):
         """Whether `batch` trains under the cap with `policy` (a run that fails otherwise stops the search)."""
