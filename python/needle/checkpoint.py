@@ -204,6 +204,8 @@ def annotate(out_node, in_nodes, segment_len=None, policy=None, label=None, stac
     order = find_topo_sort(outs, expand=lambda n: id(n) not in stop)
     candidates = [n for n in order if id(n) not in boundary and not n.is_leaf() and not n.drop and not always_kept(n)
                   and n.op.recomputable]  # a collective's output is kept: recomputing it would call it again
+    if getattr(memory_hook.PREDICTOR, "eager", False):  # an eager step's dry run: what no gradient flows through
+        candidates = [n for n in candidates if n.requires_grad]  # is a detached leaf when it really runs
     region = regions.new_region(label)
     if stack:
         regions.mark_boundaries(candidates, region)

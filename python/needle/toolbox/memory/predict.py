@@ -22,7 +22,7 @@ import ml_dtypes
 import numpy as np
 
 from ... import memory_hook
-from ...autograd import find_topo_sort, lazy_mode, run_deferred
+from ...autograd import element_shapes, find_topo_sort, infer_spec, lazy_mode, placeholder, run_deferred
 from ...backend_ndarray.array_api import dtype_name
 from ...backend_selection import default_device
 from ...ledger import Ledger, walk_step
@@ -104,9 +104,15 @@ class Predictor:
         self.constants.append(entry)
 
     def eager_op(self, node):
-        """An op applied outside lazy mode: the step is eager (traced lazily all the same, walked as eager)."""
+        """An op applied outside lazy mode: the step is eager (traced lazily all the same, walked as eager). A value
+        no gradient flows through is a constant there (make_from_op detaches it): here a spec of one."""
         self.eager = True
-        return node
+        spec = None if node.requires_grad or node.op.view else infer_spec(node)  # (a view: the ledger aliases it)
+        if spec is None or isinstance(spec[1], tuple) or element_shapes(spec[0]) is not None:  # (a tuple: as it is)
+            return node
+        constant = placeholder(spec, requires_grad=False)
+        self.constant(constant, None, spec[2], spec[1])
+        return constant
 
     def refuse_value(self, node):
         op = type(node.op).__name__ if node.op is not None else "a leaf"
