@@ -10,7 +10,7 @@ A row is the configuration gc.py ablate trains it with (its Budget rows at ablat
 `ndl.memory.predict`'s peak_bytes, measured the allocator's peak_bytes over a later real step of the same plain
 training step (gc.py explain's: reset_grad, forward and loss, backward, the optimizer's step). The dry run's time is
 the fastest of three, the step's too. Accumulation rows are the micro-batch's step predicted and gc.py's gradient
-sums around it (gc.py explain's "~").
+sums around it (gc.py explain's "~"); their dry run is timed against the whole step (all its micro-batches).
 """
 import argparse
 import os
@@ -67,9 +67,13 @@ def one_row(name, model_flags, lazy, data, vocab, device):
         config = replace(config, budget_mb=(least + (off - least) * (0.75 if config.offload else 0.5)) / 2**20)
     row = gc_explain.lever_row(name, {"accumulation_steps": k} if k > 1 else {}, config, (0, 0), data, vocab,
                                device, verify=True)
-    step, micro, _ = gc_explain.build(replace(config, batch_size=config.batch_size // k), data, vocab, device)
+    # the dry run (of one micro-batch's step, with accumulation) against the step it predicts (all k micro-batches)
+    one = replace(config, batch_size=config.batch_size // k)
+    step, micro, _ = gc_explain.build(replace(one, accumulation_steps=1), data, vocab, device)
+    whole, micro_k, _ = gc_explain.build(replace(one, accumulation_steps=k), data, vocab, device)
     step(micro)
-    ratio = timed(lambda: ndl.memory.predict(step, micro, device=device)) / timed(lambda: step(micro))
+    whole(micro_k)
+    ratio = timed(lambda: ndl.memory.predict(step, micro, device=device)) / timed(lambda: whole(micro_k))
     p, m = row["predicted_peak_bytes"], row["measured_peak_bytes"]
     mark = "~" if k > 1 else ""
     return [name, "lazy" if lazy else "eager", f"{mark}{p:,} B", f"{m:,} B",
