@@ -14,6 +14,7 @@ sums around it (gc.py explain's "~"); their dry run is timed against the whole s
 """
 import argparse
 import os
+import re
 import subprocess
 import sys
 import time
@@ -90,9 +91,10 @@ def max_batch(cap_mb, model_flags):
                "--policies", "off", "all", "--out", folder, "--no-progress", *model_flags] + (["--dry-run"] * dry)
         t0 = time.perf_counter()
         log = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-        out[dry] = (time.perf_counter() - t0, [line.strip() for line in log.splitlines() if "largest batch" in line])
+        out[dry] = (time.perf_counter() - t0, re.findall(r"^\s*(\w+): largest batch under .* = (\d+)$", log, re.M))
     for dry, (seconds, lines) in out.items():
-        print(f"{'--dry-run' if dry else 'real search'}: {seconds:.1f} s; " + "; ".join(lines))
+        print(f"{'--dry-run' if dry else 'real search'}: {seconds:.1f} s; largest batch " +
+              ", ".join(f"{policy} {batch}" for policy, batch in lines))
     same = out[True][1] == out[False][1]
     print(f"dry run / real: {out[True][0] / out[False][0]:.3f} of the time; the same answers: {same}")
 

@@ -130,8 +130,9 @@ def test_max_batch_finds_a_larger_batch_with_checkpointing_and_its_dry_run_the_s
     code, log, dry, tries = max_batch_search(str(tmp_path), "--dry-run")
     assert code == 0, log
     assert dry == result
-    trained = [t for t in tries if not t.get("dry_run")]
+    trained = [t for t in tries if t.get("confirmed")]
     assert len(trained) == 2 and {(t["policy"], t["batch_size"]) for t in trained} == set(result.items())
+    assert all(t.get("dry_run") for t in tries if not t.get("confirmed"))
 
 
 def test_explain_prints_the_account_and_each_lever_predicted_and_measured(tmp_path):

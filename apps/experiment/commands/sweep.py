@@ -5,6 +5,8 @@ import sys
 import time
 from dataclasses import replace
 
+from needle import backend_ndarray as nd
+
 from ..children import invocation_id, last_line, run_child
 from ..console import OOM_EXIT, fail, note, progress_on, say, tqdm_class
 from ..data import check_corpus, load_data, resolve_data
@@ -13,7 +15,7 @@ from ..growth import DEPTH_PARAMETERS, growth_exponents
 from ..records import config_of, read_json, write_json
 from ..report import mb, model_text
 from ..setup import BUDGET_CURVES, budget_policy, make_policy, pick_device, plan_budget
-from .explain import predict_row
+from .explain import build, predict_row
 from .plot import plot_max_batch, plot_sweep
 from .run import build_training
 
@@ -174,7 +176,7 @@ class BatchSearch:
     def start(self):
         """The search's header line, and its progress bar under it."""
         config = self.config
-        how = ("each try a dry run of the step (ndl.memory.predict), the answer trained for real" if config.dry_run
+        how = ("each try a dry run of the step (ndl.memory.predict), the answer trained one step" if config.dry_run
                else "a fresh process per try")
         print(f"gc.py max-batch {self.id}: the largest batch that trains under {config.memory_limit_mb:g} MB, per "
               f"policy ({' '.join(self.policies)}), from batch {config.batch_size} (doubled, then bisected; "
@@ -200,11 +202,31 @@ class BatchSearch:
         return fits
 
     def confirm(self, batch, policy):
-        """--dry-run's answer, trained for real under the cap (a fresh process, as a try); if it does not fit after
-        all, the batch ~6% smaller, until one does (0: none)."""
-        while batch > 0 and not self.fits(batch, policy):
+        """--dry-run's answer, trained for real: one step under the cap, in this process (the model the predictions
+        were made on; nothing else of the search holds device memory); if it does not fit after all, the batch ~6%
+        smaller, until one does (0: none)."""
+        while batch > 0 and not self.one_real_step(batch, policy):
             batch = min(batch - 1, batch * 15 // 16)
         return batch
+
+    def one_real_step(self, batch, policy):
+        """Whether one real training step of `batch` with `policy` stays under the cap (the allocator's limit)."""
+        config = replace(self.config, batch_size=batch, policy=policy, accumulation_steps=1)
+        data, vocab = self.data
+        step, micro, _ = build(config, data, vocab, self.device, self.trainings[policy])
+        t0, fits = time.perf_counter(), True
+        nd.set_memory_limit(int(self.config.memory_limit_mb * 2**20), self.device)
+        try:
+            step(micro)
+        except MemoryError:
+            fits = False
+        finally:
+            nd.set_memory_limit(0, self.device)
+        self.result["tries"].append({"policy": policy, "batch_size": batch, "fits": fits, "confirmed": True})
+        write_json(self.path, self.result)
+        note(f"  [{len(self.result['tries'])}] trained policy={policy} batch_size={batch}: one step, "
+             f"{'fits' if fits else 'out of memory'} ({time.perf_counter() - t0:.0f} s)")
+        return fits
 
     def fits(self, batch, policy):
         """Whether `batch` trains under the cap with `policy` (a run that fails otherwise stops the search)."""
