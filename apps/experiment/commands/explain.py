@@ -106,10 +106,12 @@ def lever_row(name, change, given, bounds, data, vocab, device, verify):
     return row
 
 
-def build(config, data, vocab, device, training=None):
+def build(config, data, vocab, device, training=None, collect=True):
     """(the plain step, its argument: the micro-batches, the parameters) for a configuration: the model and
-    optimizer fresh, or `training` (build_training's, reused: max-batch --dry-run tries batch after batch)."""
-    python_gc.collect()
+    optimizer fresh, or `training` (build_training's, reused: max-batch --dry-run tries batch after batch);
+    `collect`: the garbage of what ran before given back first (a dry run's holds no device memory)."""
+    if collect:
+        python_gc.collect()
     policy = make_policy(config) if config.policy != "off" else "off"
     model, loss_fn, params, opt = training or build_training(config, vocab, device, policy)
     batches = batchify(data, config.batch_size * config.accumulation_steps, device=device, dtype="float32")
@@ -141,9 +143,9 @@ def build(config, data, vocab, device, training=None):
     return step, micro, params
 
 
-def predict_row(config, data, vocab, device, training=None):
+def predict_row(config, data, vocab, device, training=None, collect=True):
     """(ndl.memory.predict's Prediction of the configuration's step, its row's predicted fields)."""
-    step, micro, params = build(config, data, vocab, device, training)
+    step, micro, params = build(config, data, vocab, device, training, collect)
     prediction = ndl.memory.predict(step, micro, device=device)
     if config.policy == "budget":  # the dry run planned the Budget: the steps after the first apply its plan as
         prediction = ndl.memory.predict(step, micro, device=device)  # they go (eager mode frees sooner)

@@ -1,5 +1,6 @@
 """gc.py sweep (one parameter over several values and policies) and gc.py max-batch (the largest batch under a
 memory cap, per policy): each configuration a child `gc.py run` process, the JSON written as they end."""
+import gc as python_gc
 import os
 import sys
 import time
@@ -162,7 +163,7 @@ class BatchSearch:
         self.config, self.source, self.out_dir = config, source, out_dir
         self.id = invocation_id()
         self.policies = config.policies or ["off", "all", "sqrt", "selective"]
-        _, vocab = load_data(source)
+        data, vocab = load_data(source)
         self.result = {"kind": "max-batch", "max_batch_id": self.id, "policies": self.policies,
                        **config_of(config, source, vocab, device), "largest_batch": {}, "tries": []}
         self.result.update(batch_size=None, effective_batch_size=None, first_batch_size=config.batch_size,
@@ -170,7 +171,7 @@ class BatchSearch:
         self.path = os.path.join(out_dir, "max_batch.json")
         self.bar = None
         self.device = device
-        self.data = load_data(source) if config.dry_run else None  # --dry-run predicts in this process
+        self.data = (data, vocab) if config.dry_run else None  # --dry-run predicts in this process
         self.trainings = {}  # policy -> (model, loss, parameters, optimizer) of --dry-run's tries
 
     def start(self):
@@ -190,9 +191,12 @@ class BatchSearch:
         config = replace(self.config, batch_size=batch, policy=policy, accumulation_steps=1)
         data, vocab = self.data
         if policy not in self.trainings:  # one model per policy: the batch is all a try changes
-            self.trainings = {policy: build_training(config, vocab, self.device,
-                                                     make_policy(config) if policy != "off" else "off")}
-        peak = predict_row(config, data, vocab, self.device, self.trainings[policy])[1]["predicted_peak_bytes"]
+            self.trainings.clear()
+            python_gc.collect()  # (the last policy's model and real step go before this one's tries count bytes)
+            self.trainings[policy] = build_training(config, vocab, self.device,
+                                                    make_policy(config) if policy != "off" else "off")
+        peak = predict_row(config, data, vocab, self.device, self.trainings[policy], collect=False)[1][
+            "predicted_peak_bytes"]
         fits = peak <= self.config.memory_limit_mb * 2**20
         self.result["tries"].append({"policy": policy, "batch_size": batch, "fits": fits, "predicted_peak_bytes": peak,
                                      "dry_run": True})

@@ -15,6 +15,7 @@ the parameters and the optimizer's state are unchanged afterwards. Not predicted
 backward in one step (accumulation), a value read inside the step (`loss.numpy()`), offloaded gradients.
 """
 import contextlib
+import dataclasses
 import math
 import weakref
 
@@ -70,7 +71,9 @@ def _predicted(device, step, args, kwargs):
     finally:
         memory_hook.set_predictor(previous)
         memory_hook.set_recorder(previous_recorder)
-    return predictor.prediction(tracker)
+    prediction = predictor.prediction(tracker)
+    predictor.walk = predictor.best = None  # (the ledger and the predictor refer to each other: the traced graph,
+    return prediction  # the batch under it, goes now, not at the next garbage collection)
 
 
 class Predictor:
@@ -218,7 +221,7 @@ class Predictor:
     def note_ledger(self, ledger, phase, workspace=0, node=None):
         total = self.start - self.freed + ledger.live + workspace
         if self.best is None or total > self.best[0]:
-            values = ledger.alive()
+            values = ledger.snapshot()  # (the values alive are read from it once the walk is over: alive_at)
             if workspace and isinstance(node, Parameter):  # an update's: named by its parameter
                 values.append((node, workspace, "temporaries", "the workspace of the parameter's update (and its "
                                                                "state on the device, if offloaded)"))
@@ -231,6 +234,8 @@ class Predictor:
 
     def prediction(self, tracker):
         total, phase, values = self.best
+        if values and isinstance(values[0], Snapshot):
+            values = self.walk.alive_at(values[0]) + values[1:]
         names = module_names(tracker.roots.values())
         rows = [value_row(node, nbytes, category, reason, self.module_of, names)
                 for node, nbytes, category, reason in values]
@@ -279,13 +284,23 @@ def head_width(modules):
     return max(widths) if widths else None
 
 
+@dataclasses.dataclass
+class Snapshot:
+    """The moment of a peak: the log's length then, whether backward had begun, whether backward's seed was counted,
+    and the device bytes of the stored copies alive."""
+    position: int
+    in_backward: bool
+    seed_counted: bool
+    held: list
+
+
 class StepLedger(Ledger):
     """The ledger of a predicted step: as Ledger, and at each new peak of the whole step (the start's bytes less
     those freed, plus what the walk holds) which values are alive, with their categories."""
 
     def __init__(self, predictor, root, out_grad, stores=None, gradient_store=None):
         self.predictor, self.owner, self.state_made = predictor, {}, 0
-        self.phase = "forward"
+        self.phase, self.log = "forward", []  # the log: (buffer, made alive or let go), in order
         super().__init__(root, out_grad, stores, gradient_store)
         for node in find_topo_sort([root]):  # leaves with a buffer exist at the start: in its bytes already
             if node.is_leaf() and node.cached_data is not None:
@@ -370,19 +385,41 @@ class StepLedger(Ledger):
         super().update(node)
         self.phase = phase
 
-    def alive(self):
-        """[(node, bytes, category, reason)] of the buffers alive now (a buffer once, by its first owner)."""
-        rows = []
-        for key, count in self.holders.items():
-            if count > 0 and self.size[key] > 0:
-                node, phase = self.owner.get(key, (None, None))
-                rows.append((node, self.size[key], *self.category(node, phase)))
-        for device, _ in self.held.values():
-            if device:
-                rows.append((None, device, "activations", "a stored copy on the device"))
-        return rows
+    # A peak is noted often (in forward, at almost every op): what is alive then is kept as a position in the log
+    # of buffers made alive and let go, and read back once, after the walk.
+    def _hold(self, node):
+        for key in self.buffers[id(node)]:
+            self.holders[key] = self.holders.get(key, 0) + 1
+            if self.holders[key] == 1:
+                self.live += self.size[key]
+                self.log.append((key, True))
 
-    def category(self, node, phase):
+    def _let_go(self, key):
+        super()._let_go(key)
+        if self.holders[key] == 0:
+            self.log.append((key, False))
+
+    def snapshot(self):
+        held = [device for device, _ in self.held.values() if device]
+        return [Snapshot(len(self.log), self.in_backward, not self.seed, held)]
+
+    def alive_at(self, snap):
+        """[(node, bytes, category, reason)] of the buffers alive at `snap` (a buffer once, by its first owner)."""
+        alive = {}
+        for key, on in self.log[:snap.position]:
+            if on:
+                alive[key] = True
+            else:
+                alive.pop(key, None)
+        seed = {key for key in self.buffers.get(id(self.out_grad), ())} if not snap.seed_counted else set()
+        rows = []
+        for key in alive:
+            if self.size[key] > 0 and key not in seed:
+                node, phase = self.owner.get(key, (None, None))
+                rows.append((node, self.size[key], *self.category(node, phase, snap.in_backward)))
+        return rows + [(None, device, "activations", "a stored copy on the device") for device in snap.held]
+
+    def category(self, node, phase, in_backward):
         if node is None:
             return "other", ""
         if node is self.out_grad:
@@ -392,7 +429,7 @@ class StepLedger(Ledger):
         if id(node) in self.predictor.forward_ids:
             if phase == "recompute":
                 return "activations", "dropped in forward, recomputed"
-            return "activations", "kept for backward" if self.in_backward else "a forward value"
+            return "activations", "kept for backward" if in_backward else "a forward value"
         return "gradients", "made by backward"
 
 
