@@ -25,7 +25,6 @@ sys.path[:0] = [os.path.join(ROOT, "python"), os.path.join(ROOT, "apps"), os.pat
 
 import needle as ndl  # noqa: E402
 from experiment.ablations import ABLATIONS  # noqa: E402
-from experiment.cli import parse_args  # noqa: E402
 from experiment.commands import explain as gc_explain  # noqa: E402
 from experiment.commands.ablate import ablation_budget  # noqa: E402
 from experiment.data import load_data, resolve_data  # noqa: E402
@@ -34,22 +33,6 @@ from md_table import markdown_table, progress_to_stderr  # noqa: E402
 
 HEADER = ["row", "mode", "predicted peak", "measured peak", "predicted − measured", "predicted M_act",
           "measured M_act", "dry run / step time"]
-
-
-def row_config(name, model_flags, lazy):
-    """gc.py ablate's row `name` as gc.py explain's configuration, and its accumulation."""
-    flags = ABLATIONS[name][1]
-    argv = ["explain"] + model_flags + ([] if lazy else ["--no-lazy"])
-    for key, value in flags.items():
-        if key == "compress":
-            argv += ["--compress-bits", "8"]
-        elif key == "offload":
-            argv += ["--offload"]
-        elif key != "accumulate":
-            argv += [f"--{key.replace('_', '-')}"] + ([] if value is True else [str(value)])
-    if flags.get("policy") == "budget":
-        argv += ["--budget-mb", "1"]  # replaced by ablate's b below
-    return gc_explain._as_run(parse_args(argv)), flags.get("accumulate", 1)
 
 
 def timed(fn, repeats=3):
@@ -62,9 +45,9 @@ def timed(fn, repeats=3):
 
 
 def one_row(name, model_flags, lazy, data, vocab, device):
-    config, k = row_config(name, model_flags, lazy)
+    config, k = gc_explain.ablation_row_config(name, model_flags, lazy)
     if config.policy == "budget":
-        _, _, least, off = ablation_budget(replace(config, budget_mb=None), data, vocab, device)
+        _, _, least, off = ablation_budget(config, data, vocab, device)
         config = replace(config, budget_mb=(least + (off - least) * (0.75 if config.offload else 0.5)) / 2**20)
     row = gc_explain.lever_row(name, {"accumulation_steps": k} if k > 1 else {}, config, (0, 0), data, vocab,
                                device, verify=True)

@@ -13,7 +13,6 @@ from needle import checkpoint, nn
 from needle.checkpoint_budget import InfeasibleBudget
 
 from experiment.ablations import ABLATIONS
-from experiment.cli import parse_args
 from experiment.commands import explain as gc_explain
 from experiment.commands.ablate import ablation_budget
 from experiment.data import load_data
@@ -27,22 +26,6 @@ SIZES = {  # (no size tuned on: the rows were checked at other sizes while predi
              "--seq-len", "12", "--num-head", "4"],
 }
 ROWS = [name for name, (_, flags) in ABLATIONS.items() if not flags.get("parallel")]
-
-
-def row_config(name, size, lazy):
-    """gc.py ablate's row `name` as explain's configuration (its accumulation and Budget fraction apart)."""
-    flags = ABLATIONS[name][1]
-    argv = ["explain", "--data", "synthetic", "--device", "cpu"] + SIZES[size] + ([] if lazy else ["--no-lazy"])
-    for key, value in flags.items():
-        if key == "compress":
-            argv += ["--compress-bits", "8"]
-        elif key == "offload":
-            argv += ["--offload"]
-        elif key != "accumulate":
-            argv += [f"--{key.replace('_', '-')}"] + ([] if value is True else [str(value)])
-    if flags.get("policy") == "budget":
-        argv += ["--budget-mb", "1"]  # (the row's bound is set below: midway between gc all's and gc off's)
-    return gc_explain._as_run(parse_args(argv)), flags.get("accumulate", 1)
 
 
 @pytest.fixture(scope="module")
@@ -59,9 +42,10 @@ def test_predict_is_the_measured_whole_step_peak_for_every_ablation_row(row, siz
     whose gradient sums are gc.py's code around the predicted micro-batch step: within 0.5%), and its M_act is
     what the forward pass holds when backward starts."""
     data, vocab = corpus
-    config, accumulate = row_config(row, size, lazy)
+    config, accumulate = gc_explain.ablation_row_config(row, ["--data", "synthetic", "--device", "cpu"] + SIZES[size],
+                                                        lazy)
     if config.policy == "budget":  # ablate's b: between Budget's least M_peak and gc off's (offloading: nearer off)
-        _, _, least, off = ablation_budget(replace(config, budget_mb=None), data, vocab, CPU)
+        _, _, least, off = ablation_budget(config, data, vocab, CPU)
         config = replace(config, budget_mb=(least + (off - least) * (0.75 if config.offload else 0.5)) / 2**20)
     change = {"accumulation_steps": accumulate} if accumulate > 1 else {}
     result = gc_explain.lever_row(row, change, config, (0, 0), data, vocab, CPU, verify=True)

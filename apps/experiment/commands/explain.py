@@ -21,8 +21,10 @@ from needle import autograd
 from needle import backend_ndarray as nd
 from needle.data import batchify
 
+from ..ablations import ABLATIONS
 from ..data import check_corpus, load_data, micro_batches, resolve_data
-from ..setup import make_policy, pick_device
+from ..parser import build_parser
+from ..setup import RunConfig, make_policy, pick_device
 from .run import build_training
 
 LEVERS = [  # (row, what it changes)
@@ -66,6 +68,23 @@ def main(config):
 def _as_run(config):
     """explain's configuration as run's one pass: gc on with --policy (all when not given), off with --policy off."""
     return replace(config, policy=config.policy or "all", accumulation_steps=config.accumulation_steps or 1)
+
+
+def ablation_row_config(name, model_argv, lazy=True):
+    """(gc.py ablate's row `name` as explain's configuration, its accumulation steps): `model_argv` the model's
+    flags. A Budget row has no bound yet: set the row's own (ablate.ablation_budget) before using it."""
+    flags = ABLATIONS[name][1]
+    argv = ["explain", *model_argv] + ([] if lazy else ["--no-lazy"])
+    for key, value in flags.items():
+        if key == "compress":
+            argv += ["--compress-bits", "8"]
+        elif key == "offload":
+            argv += ["--offload"]
+        elif key != "accumulate":
+            argv += [f"--{key.replace('_', '-')}"] + ([] if value is True else [str(value)])
+    args = build_parser()[1]["explain"].parse_args(argv[1:])
+    args.command = "explain"
+    return _as_run(RunConfig.from_args(args, argv)), flags.get("accumulate", 1)
 
 
 def _describe(config):

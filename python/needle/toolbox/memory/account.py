@@ -7,6 +7,8 @@ dicts with `op`, `module`, `shape`, `dtype`, `bytes`, `category`, `reason`) and 
 """
 import contextlib
 
+from ...checkpoint_budget import InfeasibleBudget
+
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "temporaries", "inputs", "other")
 
 CAUSES = {
@@ -109,6 +111,21 @@ def causes_of(account, gc_on, dropped_any, head_width, floor=False):
     if floor:
         causes.append("below-floor")
     return causes
+
+
+def at_the_floor_if_infeasible(account_of):
+    """account_of(); where a Budget is below its floor (InfeasibleBudget), account_of() again with the Budget raised
+    to its floor, the account's `floor_bytes` set and `below-floor` among its causes."""
+    try:
+        return account_of()
+    except InfeasibleBudget as err:
+        if err.budget is None:
+            raise
+        with at_floor(err.budget) as floor:
+            account = account_of()
+        account.floor_bytes = floor
+        account.causes.append("below-floor")
+        return account
 
 
 @contextlib.contextmanager

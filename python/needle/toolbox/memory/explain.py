@@ -10,9 +10,8 @@ below its floor (InfeasibleBudget) is explained at the floor: the step runs once
 least peak it can reach (`below-floor` among the causes, `floor_bytes` set), then the Budget is set back.
 """
 from ...backend_selection import default_device
-from ...checkpoint_budget import InfeasibleBudget
 from .recording import record
-from .account import Account, at_floor, by_category_of, causes_of
+from .account import Account, at_the_floor_if_infeasible, by_category_of, causes_of
 from .predict import head_width
 
 __all__ = ["Explanation", "explain"]
@@ -31,16 +30,7 @@ class Explanation(Account):
 def explain(step, *args, **kwargs):
     """Run `step(*args, **kwargs)` once under ndl.memory.record() and return its `Explanation`."""
     device = kwargs.pop("device", None) or default_device()
-    try:
-        return _explained(device, step, args, kwargs)
-    except InfeasibleBudget as err:
-        if err.budget is None:
-            raise
-        with at_floor(err.budget) as floor:
-            explanation = _explained(device, step, args, kwargs)
-        explanation.floor_bytes = floor
-        explanation.causes.append("below-floor")
-        return explanation
+    return at_the_floor_if_infeasible(lambda: _explained(device, step, args, kwargs))
 
 
 def _explained(device, step, args, kwargs):

@@ -28,9 +28,8 @@ from ...backend_ndarray.array_api import dtype_name
 from ...backend_selection import default_device
 from ...ledger import Ledger, walk_step
 from ...nn import Parameter
-from ...checkpoint_budget import InfeasibleBudget
-from .account import Account, at_floor, by_category_of, causes_of, value_row
-from .recorder import module_names
+from .account import Account, at_the_floor_if_infeasible, by_category_of, causes_of, value_row
+from .recorder import ModuleScope, module_names
 
 __all__ = ["predict", "Prediction"]
 
@@ -48,16 +47,7 @@ def predict(step, *args, **kwargs):
     """Trace `step(*args, **kwargs)` without computing it and return its `Prediction` (see the module docstring).
     A Budget below its floor is predicted at the floor (`below-floor` among the causes, `floor_bytes` set)."""
     device = kwargs.pop("device", None) or default_device()
-    try:
-        return _predicted(device, step, args, kwargs)
-    except InfeasibleBudget as err:
-        if err.budget is None:
-            raise
-        with at_floor(err.budget) as floor:
-            prediction = _predicted(device, step, args, kwargs)
-        prediction.floor_bytes = floor
-        prediction.causes.append("below-floor")
-        return prediction
+    return at_the_floor_if_infeasible(lambda: _predicted(device, step, args, kwargs))
 
 
 def _predicted(device, step, args, kwargs):
@@ -447,7 +437,7 @@ class ModuleTracker:
             self.predictor.module_of[id(node)] = module
 
     def in_module(self, module):
-        return _ModuleScope(self, module)
+        return ModuleScope(self, module)  # (it keeps `modules` and `roots` as the recorder's)
 
     def enter_phase(self, name, owner=None):
         return None
@@ -470,17 +460,3 @@ class ModuleTracker:
 
     def parked(self, node, nbytes):
         pass
-
-
-class _ModuleScope:
-    def __init__(self, tracker, module):
-        self.tracker, self.module = tracker, module
-
-    def __enter__(self):
-        if not self.tracker.modules:
-            self.tracker.roots.setdefault(id(self.module), self.module)
-        self.tracker.modules.append(self.module)
-
-    def __exit__(self, *exc):
-        self.tracker.modules.pop()
-        return False
