@@ -120,8 +120,8 @@ def lever_row(name, change, given, bounds, data, vocab, device, verify):
     if k > 1:  # gc.py's sum: a later micro-batch runs beside the sum so far, then the new sum is made beside both
         grads = prediction.gradient_bytes
         row["predicted_peak_bytes"] = max(prediction.peak_bytes + grads, prediction.after_backward_bytes + 2 * grads)
-    if verify:
-        row.update(measure_row(config, data, vocab, device))
+    row.update(measure_row(config, data, vocab, device) if verify else
+               {"measured_peak_bytes": None, "measured_activation_bytes": None})  # (null: not measured)
     return row
 
 
