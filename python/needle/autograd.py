@@ -308,7 +308,7 @@ class Tensor(Value):
             cached_data = None if dry else Tensor._array_from_numpy(array, device=device, dtype=dtype)
         self._init(None, [], cached_data=cached_data, requires_grad=requires_grad)
         if cached_data is None:
-            memory_hook.PREDICTOR.constant(self, array, device, dtype)
+            self._spec = memory_hook.PREDICTOR.constant(self, numpy.shape(array), dtype, device)
 
     @staticmethod
     def _array_from_numpy(numpy_array, device, dtype):

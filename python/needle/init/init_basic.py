@@ -9,8 +9,9 @@ __all__ = ["constant", "one_hot", "ones", "ones_like", "rand", "randb", "randn",
 def _spec_only(shape, device, dtype, requires_grad):
     """In ndl.memory.predict's dry run: a Tensor of this shape, dtype and device with no data (nothing drawn from
     the RNG, nothing allocated), which the dry run counts."""
-    node = placeholder((tuple(shape), "float32", device or default_device()), requires_grad=requires_grad)
-    memory_hook.PREDICTOR.constant(node, None, device, "float32" if dtype in ("bool", bool) else dtype)
+    device, dtype = device or default_device(), "float32" if dtype in ("bool", bool) else dtype
+    node = placeholder((tuple(shape), dtype, device), requires_grad=requires_grad)
+    memory_hook.PREDICTOR.constant(node, shape, dtype, device)
     return node
 
 

@@ -85,16 +85,16 @@ class Predictor:
         self.note(self.start, "forward", [])
 
     # ----- what the core hands over (memory_hook.PREDICTOR) -------------------------------------------------------
-    def constant(self, node, array, device, dtype):
-        """A Tensor made from data (or by init) inside the step: given a spec and no buffer, and counted while it
-        lives (`constants`: made and freed by the count of values made, for an eager walk; bytes)."""
-        shape = tuple(np.shape(array)) if array is not None else tuple(node._spec[0])
-        dtype = "float32" if dtype in (None, "bool", bool) else dtype_name(dtype)
-        node._spec = shape, dtype, device
+    def constant(self, node, shape, dtype, device):
+        """A Tensor made from data (or by init) inside the step, with no buffer: its spec (shape, dtype, device), as
+        the backends would store it; it is counted while it lives (`constants`: made and freed by the count of
+        values made, for an eager walk; bytes)."""
+        shape, dtype = tuple(shape), "float32" if dtype in (None, "bool", bool) else dtype_name(dtype)
         entry = [len(self.made), None, math.prod(shape) * np.dtype(_numpy_dtype(dtype)).itemsize, id(node)]
         made = self.made  # (the callback holds the list, not the predictor: nothing outlives the dry run)
         entry.append(weakref.ref(node, lambda _, entry=entry: entry.__setitem__(1, len(made))))
         self.constants.append(entry)
+        return shape, dtype, device
 
     def eager_op(self, node):
         """An op applied outside lazy mode: the step is eager (traced lazily all the same, walked as eager). A value
@@ -104,7 +104,7 @@ class Predictor:
         if spec is None or isinstance(spec[1], tuple) or element_shapes(spec[0]) is not None:  # (a tuple: as it is)
             return node
         constant = placeholder(spec, requires_grad=False)
-        self.constant(constant, None, spec[2], spec[1])
+        self.constant(constant, *spec)
         return constant
 
     def refuse_value(self, node):
