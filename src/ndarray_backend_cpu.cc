@@ -90,6 +90,8 @@ PYBIND11_MODULE(ndarray_backend_cpu, m) {
       .def(py::init([](size_t size, const std::string& dtype) { return new Array(size, parse_dtype(dtype)); }),
            py::return_value_policy::take_ownership, py::arg("size"), py::arg("dtype"))
       .def("ptr", &Array::ptr_as_int)
+      .def("alias_into", &Array::alias_into, py::arg("arena"), py::arg("offset"), py::arg("keep"))
+      .def_property_readonly("is_alias", &Array::is_alias)
       .def_readonly("size", &Array::size)
       .def_readonly("itemsize", &Array::itemsize)
       .def_property_readonly("dtype", &Array::dtype_name);

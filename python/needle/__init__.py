@@ -20,7 +20,7 @@ __version__ = package_version()
 
 # The memory toolbox (needle/toolbox/), loaded on first use: `import needle` imports the core only.
 __getattr__ = lazy.attributes(__name__, {"amp": "amp", "autocast": "amp:autocast", "distributed": "distributed",
-                                         "memory": "memory", "toolbox": ""})
+                                         "jit": "jit", "memory": "memory", "toolbox": ""})
 
 __all__ = [
     "BACKEND", "Tensor", "TensorTuple", "add", "add_scalar", "all_devices", "autograd",

@@ -2,8 +2,8 @@
 
 The allocator's Python side (backend_ndarray/ndarray.py), the graph (autograd.py, backward.py), modules and
 optimizers call the recorder through this module only where `RECORDER is not None`, so recording costs one
-attribute read per allocation and per computed value when it is off. Only `needle.memory.record()` turns it on,
-through `set_recorder`. This module imports nothing of needle's, so any of them can import it.
+attribute read per allocation and per computed value when it is off (PREDICTOR, CAPTURE alike). Only
+`needle.memory.record()` turns it on, by `set_recorder`. This module imports nothing of needle's: all import it.
 """
 import contextlib
 
@@ -11,6 +11,8 @@ RECORDER = None
 # ndl.memory.predict's dry run while it traces a step (None: off): Tensor.backward, an optimizer's step and
 # reset_grad hand it their work instead of doing it, and no value is computed or made from data.
 PREDICTOR = None
+# ndl.jit.capture while it records a step (None: off): it runs an optimizer's step live, and notes the modules.
+CAPTURE = None
 
 _NOTHING = contextlib.nullcontext()
 
@@ -19,6 +21,13 @@ def set_predictor(predictor):
     """Make `predictor` the active dry run (None: off); return the previous one."""
     global PREDICTOR
     previous, PREDICTOR = PREDICTOR, predictor
+    return previous
+
+
+def set_capture(capture):
+    """Make `capture` the step being recorded (None: off); return the previous one."""
+    global CAPTURE
+    previous, CAPTURE = CAPTURE, capture
     return previous
 
 
@@ -51,4 +60,6 @@ def allocating_state(optimizer):
 
 def module(mod):
     """A context in which the graph values made belong to module `mod` (Module.__call__)."""
+    if CAPTURE is not None:
+        CAPTURE.module_called(mod)
     return _NOTHING if RECORDER is None else RECORDER.in_module(mod)

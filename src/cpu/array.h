@@ -19,6 +19,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <initializer_list>
 #include <limits>
 #include <mutex>
@@ -305,16 +306,33 @@ struct Array {
     s.allocations += 1;
   }
   ~Array() {
-    MemoryStats& s = stats();
-    std::lock_guard<std::mutex> lock(s.mu);
-    s.current_bytes -= size * itemsize;
-    if (mapped_bytes != 0) {
-      put_pages(s, ptr, mapped_bytes);
-    } else {
-      std::free(ptr);
-    }
-    s.allocations -= 1;
+    if (!arena.is_none()) return;  // an alias owns nothing (its arena is released with `arena`)
+    release_block();
   }
+  // ndl.jit.capture's static memory plan: this array's bytes move to `offset` bytes into `arena_array` (copied
+  // there when `keep` is true), its own block is given back, and it keeps `arena_array` alive. A replayed step
+  // then writes where the plan put it, and allocates nothing.
+  void alias_into(py::object arena_array, size_t offset, bool keep) {
+    const Array& into = arena_array.cast<const Array&>();
+    const size_t bytes = size * itemsize;
+    if (!arena.is_none() || !into.arena.is_none() || &into == this) {
+      throw std::invalid_argument("Array.alias_into: an alias cannot be aliased again, nor point into an alias");
+    }
+    if (offset % ALIGNMENT != 0 || offset > into.size * into.itemsize ||
+        bytes > into.size * into.itemsize - offset) {
+      std::ostringstream msg;
+      msg << "Array.alias_into: " << bytes << " bytes at offset " << offset << " do not fit an arena of "
+          << into.size * into.itemsize << " bytes (offsets are multiples of " << ALIGNMENT << ")";
+      throw std::invalid_argument(msg.str());
+    }
+    scalar_t* dst = reinterpret_cast<scalar_t*>(reinterpret_cast<char*>(into.ptr) + offset);
+    if (keep && bytes != 0) std::memmove(dst, ptr, bytes);
+    release_block();
+    ptr = dst;
+    mapped_bytes = 0;
+    arena = std::move(arena_array);
+  }
+  bool is_alias() const { return !arena.is_none(); }
   Array(const Array&) = delete;
   Array& operator=(const Array&) = delete;
 
@@ -331,6 +349,20 @@ struct Array {
   DType dtype;
   size_t itemsize;
   size_t mapped_bytes = 0;  // bytes of ptr's block in an arena (whole pages); 0 if ptr came from aligned_alloc
+  py::object arena = py::none();  // an alias's arena (alias_into); None for an array that owns its block
+
+ private:
+  void release_block() {
+    MemoryStats& s = stats();
+    std::lock_guard<std::mutex> lock(s.mu);
+    s.current_bytes -= size * itemsize;
+    if (mapped_bytes != 0) {
+      put_pages(s, ptr, mapped_bytes);
+    } else {
+      std::free(ptr);
+    }
+    s.allocations -= 1;
+  }
 };
 
 // TypeError unless every array is floating and of one dtype (which is returned).

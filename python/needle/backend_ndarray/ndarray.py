@@ -6,6 +6,7 @@ offset) of a view (the contract is in src/README.md). Every view is bounds-check
 ever handed one that reaches outside its buffer. The NumPy-like functions that ops call (`array`, `sum`,
 `matmul`, ...) are in array_api.py.
 """
+import contextlib
 import functools
 import importlib
 import math
@@ -128,6 +129,15 @@ class BackendDevice:
             raise TypeError(f"cannot pickle device {self!r}: only {', '.join(map(repr, _DEVICES.values()))} "
                             "are pickled (by name)")
         return _device_named, (self.name,)
+
+    @contextlib.contextmanager
+    def calls_through(self, router):
+        """Inside the block every backend call on this device goes to `router` (ndl.jit.capture records them)."""
+        mod, self.mod = self.mod, router
+        try:
+            yield
+        finally:
+            self.mod = mod
 
     def enabled(self):
         if self.mod is None:

@@ -1,0 +1,74 @@
+"""A captured step's static memory plan: every transient buffer gets an offset in one arena, ahead of time.
+
+At capture every buffer's size and lifetime (the first and last program entry that touches it) are known, so two
+buffers whose lifetimes do not overlap may share bytes. Placing them is the offset-assignment problem XLA's buffer
+assignment and TFLite's arena planner solve; this is their "greedy by size" heuristic: the largest buffer first,
+each at the lowest offset where it overlaps no placed buffer that is alive at the same time. The optimum is at
+least the most bytes alive at any one entry (`lower_bound_bytes`); the arena is usually within a few percent.
+
+    lifetime  0 ─────────────── n        offset
+    a (big)   ██████████                 0
+    b              ████████████          |a|     (alive beside a)
+    c                    ██████          0       (a is dead by then: c reuses its bytes)
+"""
+from dataclasses import dataclass, field
+
+ALIGNMENT = 64  # every offset a multiple of the backend's alignment (src/cpu/common.h)
+
+
+@dataclass
+class PlannedBuffer:
+    """One transient buffer: its bytes, its lifetime [first, last] in program entries, and its offset."""
+    nbytes: int
+    first: int
+    last: int
+    escapes: bool  # still referenced when the step returns (its outputs, the gradients): alive to the end
+    offset: int = 0
+
+
+@dataclass
+class MemoryPlan:
+    """Where each transient buffer of a captured step lives in the one arena (`arena_bytes` in all)."""
+    buffers: list = field(default_factory=list)
+    arena_bytes: int = 0
+    lower_bound_bytes: int = 0  # the most bytes alive at one entry: no arena can be smaller
+
+    def rows(self):
+        """Each buffer as a dict: offset, bytes, first and last entry, whether it escapes the step."""
+        return [{"offset": b.offset, "bytes": b.nbytes, "first": b.first, "last": b.last, "escapes": b.escapes}
+                for b in self.buffers]
+
+    def __repr__(self):
+        return (f"MemoryPlan({len(self.buffers)} buffers in an arena of {self.arena_bytes:,} bytes; the most alive "
+                f"at once: {self.lower_bound_bytes:,})")
+
+
+def aligned(nbytes):
+    return max(ALIGNMENT, -(-nbytes // ALIGNMENT) * ALIGNMENT)
+
+
+def place(buffers):
+    """Give each PlannedBuffer an offset (greedy by size, best fit among the gaps); return the MemoryPlan."""
+    placed = []  # (offset, end, first, last), the buffers placed so far
+    for b in sorted(buffers, key=lambda b: (-b.nbytes, b.first)):
+        size = aligned(b.nbytes)
+        busy = sorted((o, e) for o, e, f, l in placed if f <= b.last and b.first <= l)
+        best, cursor = None, 0
+        for start, end in busy:  # the gaps between the buffers alive beside b, smallest that fits
+            if start - cursor >= size and (best is None or start - cursor < best[1]):
+                best = (cursor, start - cursor)
+            cursor = max(cursor, end)
+        b.offset = best[0] if best is not None else cursor
+        placed.append((b.offset, b.offset + size, b.first, b.last))
+    return MemoryPlan(buffers, max((e for _, e, _, _ in placed), default=0), lower_bound(buffers))
+
+
+def lower_bound(buffers):
+    """The most (aligned) bytes alive at any one program entry."""
+    events = sorted([(b.first, aligned(b.nbytes)) for b in buffers] + [(b.last + 1, -aligned(b.nbytes))
+                                                                       for b in buffers], key=lambda e: (e[0], e[1]))
+    alive = most = 0
+    for _, delta in events:
+        alive += delta
+        most = max(most, alive)
+    return most

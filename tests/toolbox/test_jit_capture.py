@@ -1,0 +1,146 @@
+"""ndl.jit.capture: a replayed step is the uncaptured step, bit for bit, and allocates nothing; what it froze is
+checked (issue 49)."""
+import numpy as np
+import pytest
+
+import needle as ndl
+from needle import backend_ndarray as nd
+from needle import checkpoint, nn
+
+CPU = ndl.cpu()
+requires_cpu = pytest.mark.skipif(not CPU.enabled(), reason="needs the C++ CPU backend")
+pytestmark = requires_cpu
+
+VOCAB, SEQ, BATCH = 50, 8, 4
+
+
+def _lm(policy, optimizer, lazy, layers=2):
+    """(model, its training step fn(X, y) returning the loss): a small Transformer LM, seeded."""
+    from models import LanguageModel
+    np.random.seed(0)
+    model = LanguageModel(16, VOCAB, 16, num_layers=layers, seq_model="transformer", seq_len=SEQ, device=CPU,
+                          num_head=2, dim_head=8)
+    if policy == "budget":
+        model.enable_gc(policy=checkpoint.Budget(1 << 20))
+    elif policy != "off":
+        model.enable_gc(policy=policy)
+    opt = optimizer(model.parameters())
+
+    def step(X, y):
+        opt.reset_grad()
+        with ndl.autograd.lazy_mode(lazy):
+            loss = nn.SoftmaxLoss()(model(X)[0], y)
+        loss.backward()
+        opt.step()
+        return loss
+    return model, opt, step
+
+
+def _batches(n, seed=1, batch=BATCH):
+    rs = np.random.RandomState(seed)
+    return [(ndl.Tensor(rs.randint(0, VOCAB, (SEQ, batch)).astype(np.float32), device=CPU, requires_grad=False),
+             ndl.Tensor(rs.randint(0, VOCAB, (SEQ * batch,)).astype(np.float32), device=CPU, requires_grad=False))
+            for _ in range(n)]
+
+
+OPTIMIZERS = {"sgd": lambda ps: ndl.optim.SGD(ps, lr=0.1, momentum=0.9),
+              "adam": lambda ps: ndl.optim.Adam(ps, lr=1e-2, weight_decay=1e-3)}
+
+
+@pytest.mark.parametrize("lazy", [True, False], ids=["lazy", "eager"])
+@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
+@pytest.mark.parametrize("policy", ["off", "all", "sqrt", "selective", "budget"])
+def test_a_replayed_step_is_the_uncaptured_step_bit_for_bit(policy, optimizer, lazy):
+    plain_model, _, plain = _lm(policy, OPTIMIZERS[optimizer], lazy)
+    model, _, step = _lm(policy, OPTIMIZERS[optimizer], lazy)
+    captured = ndl.jit.capture(step)
+    for X, y in _batches(20):
+        expected, got = plain(X, y).numpy(), captured(X, y).numpy()
+        assert np.array_equal(expected, got)
+    assert captured.latest is not None  # (it replayed: a program was made after the second call)
+    for p, q in zip(plain_model.parameters(), model.parameters()):
+        assert np.array_equal(p.numpy(), q.numpy())
+
+
+def test_a_replay_allocates_nothing_and_its_arena_is_the_plan():
+    _, _, step = _lm("all", OPTIMIZERS["adam"], lazy=True)
+    captured = ndl.jit.capture(step)
+    batches = _batches(6)
+    for X, y in batches[:2]:
+        captured(X, y)
+    before = nd.memory_stats(CPU)
+    for X, y in batches[2:]:
+        captured(X, y)
+    after = nd.memory_stats(CPU)
+    assert after["allocations"] == before["allocations"] and after["current_bytes"] == before["current_bytes"]
+    plan = captured.memory_plan
+    assert plan.arena.size * 4 >= plan.arena_bytes >= plan.lower_bound_bytes > 0
+    assert plan.arena_bytes <= 1.05 * plan.lower_bound_bytes  # greedy by size, near the least possible
+    rows = plan.rows()
+    for a in rows:  # no two buffers alive at once share a byte
+        for b in rows:
+            if a is not b and a["first"] <= b["last"] and b["first"] <= a["last"]:
+                assert a["offset"] + a["bytes"] <= b["offset"] or b["offset"] + b["bytes"] <= a["offset"]
+
+
+def test_each_shape_gets_its_own_program():
+    plain_model, _, plain = _lm("off", OPTIMIZERS["sgd"], lazy=True)
+    model, _, step = _lm("off", OPTIMIZERS["sgd"], lazy=True)
+    captured = ndl.jit.capture(step)
+    small, large = _batches(4, batch=2), _batches(4, seed=2, batch=3)
+    for pair in zip(small, large):
+        for X, y in pair:
+            assert np.array_equal(plain(X, y).numpy(), captured(X, y).numpy())
+    assert len(captured.programs) == 2
+    for p, q in zip(plain_model.parameters(), model.parameters()):
+        assert np.array_equal(p.numpy(), q.numpy())
+
+
+def test_a_new_learning_rate_is_read_by_the_replay():
+    plain_model, plain_opt, plain = _lm("off", OPTIMIZERS["adam"], lazy=True)
+    model, opt, step = _lm("off", OPTIMIZERS["adam"], lazy=True)
+    captured = ndl.jit.capture(step)
+    for i, (X, y) in enumerate(_batches(6)):
+        plain_opt.lr = opt.lr = 1e-2 / (i + 1)
+        assert np.array_equal(plain(X, y).numpy(), captured(X, y).numpy())
+    assert opt.t == plain_opt.t == 6
+    for p, q in zip(plain_model.parameters(), model.parameters()):
+        assert np.array_equal(p.numpy(), q.numpy())
+
+
+@pytest.mark.parametrize("change, words", [
+    (lambda model, opt: model.eval(), "switched to eval"),
+    (lambda model, opt: model.disable_gc(), "checkpointing changed"),
+    (lambda model, opt: setattr(opt.params[0], "data", opt.params[0].detach() * 1.0), "was replaced"),
+])
+def test_a_change_that_would_make_the_program_stale_is_refused(change, words):
+    model, opt, step = _lm("all", OPTIMIZERS["sgd"], lazy=True)
+    captured = ndl.jit.capture(step)
+    batches = _batches(3)
+    for X, y in batches[:2]:
+        captured(X, y)
+    change(model, opt)
+    with pytest.raises(ndl.jit.StaleCapture, match=words):
+        captured(*batches[2])
+
+
+def test_a_step_whose_program_changes_every_call_is_refused():
+    model, opt, _ = _lm("off", OPTIMIZERS["sgd"], lazy=True)
+    carried = {}
+
+    def carrying(X, y):  # reads a buffer the call before made: each call's program names another one
+        logits = model(X)[0]
+        if "logits" in carried:
+            logits = logits + carried["logits"]
+        carried["logits"] = logits.detach()
+        return nn.SoftmaxLoss()(logits, y)
+    captured = ndl.jit.capture(carrying)
+    with pytest.raises(RuntimeError, match="changed on each of 3 calls"):
+        for X, y in _batches(4):
+            captured(X, y)
+
+
+def test_a_captured_step_takes_tensors():
+    captured = ndl.jit.capture(lambda x: x)
+    with pytest.raises(TypeError, match="argument 0 is a ndarray"):
+        captured(np.zeros(3))
