@@ -38,7 +38,7 @@ def build_lm(args, gc, device=None):
     device = device or ndl.cpu()
     model = LanguageModel(args.embedding_size, args.vocab, args.hidden_size, num_layers=args.num_layers,
                           seq_model="transformer", seq_len=args.seq_len, device=device, num_head=args.num_head,
-                          dim_head=args.embedding_size // args.num_head)
+                          dim_head=dim_head(args))
     if gc:
         model.enable_gc()
     opt = ndl.optim.Adam(model.parameters(), lr=1e-3)
@@ -50,10 +50,16 @@ def build_lm(args, gc, device=None):
     return model, opt, nn.SoftmaxLoss(), X, y
 
 
-def needle_step_fn(args, gc, autocast=None, device=None):
+def dim_head(args):
+    """Each head's width: --dim_head, else the embedding split among the heads (the benchmark model's)."""
+    return getattr(args, "dim_head", None) or args.embedding_size // args.num_head
+
+
+def needle_step_fn(args, gc, autocast=None, device=None, capture=False):
+    """The step as a function of no arguments; `capture`: run through ndl.jit.capture (replayed after two calls)."""
     model, opt, loss_fn, X, y = build_lm(args, gc, device)
 
-    def step():
+    def train(X, y):
         opt.reset_grad()
         with ndl.autograd.lazy_mode(True), ndl.autocast(autocast or "bfloat16", enabled=autocast is not None):
             out, _ = model(X)
@@ -61,8 +67,10 @@ def needle_step_fn(args, gc, autocast=None, device=None):
         with ndl.autograd.lazy_mode(True):
             loss.backward()
         opt.step()
+        return loss
 
-    return step
+    train = ndl.jit.capture(train) if capture else train
+    return lambda: train(X, y)
 
 
 def torch_step_fn(args, autocast=False, return_model=False, device="cpu"):
@@ -70,23 +78,23 @@ def torch_step_fn(args, autocast=False, return_model=False, device="cpu"):
 
     torch.set_num_threads(int(threads))
     torch.manual_seed(0)
-    E, H, heads = args.embedding_size, args.hidden_size, args.num_head
+    E, H, heads, D = args.embedding_size, args.hidden_size, args.num_head, dim_head(args)
 
     class Layer(torch.nn.Module):
         def __init__(self):
             super().__init__()
             self.norm_q, self.norm_ff = torch.nn.LayerNorm(E), torch.nn.LayerNorm(E)
-            self.qkv = torch.nn.Linear(E, 3 * E, bias=False)
-            self.out = torch.nn.Linear(E, E, bias=False)
+            self.qkv = torch.nn.Linear(E, 3 * heads * D, bias=False)
+            self.out = torch.nn.Linear(heads * D, E, bias=False)
             self.ff1, self.ff2 = torch.nn.Linear(E, H), torch.nn.Linear(H, E)
 
         def forward(self, x):  # (B, T, E)
             B, T, _ = x.shape
-            q, k, v = self.qkv(self.norm_q(x)).view(B, T, 3, heads, E // heads).permute(2, 0, 3, 1, 4)
-            scores = q @ k.transpose(-1, -2) / (E // heads) ** 0.5
+            q, k, v = self.qkv(self.norm_q(x)).view(B, T, 3, heads, D).permute(2, 0, 3, 1, 4)
+            scores = q @ k.transpose(-1, -2) / D ** 0.5
             mask = torch.triu(torch.ones(T, T, dtype=torch.bool, device=x.device), 1)
             scores = scores.masked_fill(mask, float("-inf"))
-            x = x + self.out((scores.softmax(-1) @ v).transpose(1, 2).reshape(B, T, E))
+            x = x + self.out((scores.softmax(-1) @ v).transpose(1, 2).reshape(B, T, heads * D))
             return x + self.ff2(torch.relu(self.ff1(self.norm_ff(x))))
 
     class LM(torch.nn.Module):
@@ -118,7 +126,8 @@ def torch_step_fn(args, autocast=False, return_model=False, device="cpu"):
 
 
 def median_step(step, repeats):
-    step()  # warm-up
+    step()  # warm-up (a captured step: recorded on this call and the next, replayed after)
+    step()
     times = []
     for _ in range(repeats):
         t = time.perf_counter()
@@ -136,6 +145,7 @@ def add_model_arguments(p):
     p.add_argument("--num_layers", type=int, default=4)
     p.add_argument("--num_head", type=int, default=4)
     p.add_argument("--vocab", type=int, default=10000)
+    p.add_argument("--dim_head", type=int, default=None, help="each head's width (default: embedding / heads)")
 
 
 def timed_rounds(args):
@@ -151,7 +161,9 @@ def timed_rounds(args):
     results = {}
     for _ in range(args.rounds):  # interleave the frameworks, keep each one's best median
         for name, make in (("needle, gc off", lambda: needle_step_fn(args, False)),
+                           ("needle, gc off, captured", lambda: needle_step_fn(args, False, capture=True)),
                            ("needle, gc all", lambda: needle_step_fn(args, True)),
+                           ("needle, gc all, captured", lambda: needle_step_fn(args, True, capture=True)),
                            ("needle, mixed-bf16", lambda: needle_step_fn(args, False, "bfloat16")),
                            ("pytorch", torch_step and (lambda: torch_step)),
                            ("pytorch, autocast bf16", torch_mixed and (lambda: torch_mixed))):

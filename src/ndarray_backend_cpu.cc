@@ -41,6 +41,7 @@
 #include <pybind11/stl.h>  // the std::vector<int64_t> shapes and strides
 
 #include <exception>
+#include <memory>
 #include <pthread.h>
 #include <string>
 
@@ -96,6 +97,17 @@ PYBIND11_MODULE(ndarray_backend_cpu, m) {
       .def_readonly("itemsize", &Array::itemsize)
       .def_property_readonly("dtype", &Array::dtype_name);
 
+  // ndl.jit.capture's static memory plan: a new array of `size` elements of `dtype` placed at `offset` bytes into
+  // `arena` (an Array), owning nothing; a replayed step writes it there.
+  m.def(
+      "alias_array",
+      [](py::object arena, size_t offset, size_t size, const std::string& dtype) {
+        std::unique_ptr<Array> a(new Array(size, parse_dtype(dtype), Array::Unallocated{}));
+        a->alias_into(std::move(arena), offset, false);
+        return a.release();
+      },
+      py::return_value_policy::take_ownership, py::arg("arena"), py::arg("offset"), py::arg("size"),
+      py::arg("dtype"));
   m.def("to_numpy", to_numpy);
   m.def("to_numpy_into", to_numpy_into);
   m.def("from_numpy", from_numpy);

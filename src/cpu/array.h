@@ -305,9 +305,10 @@ struct Array {
     s.high_water_bytes = std::max(s.high_water_bytes, s.current_bytes);
     s.allocations += 1;
   }
+  struct Unallocated {};  // an array of no bytes yet: alias_into gives it its place (alias_array)
+  Array(size_t n, DType dt, Unallocated) : size(n), dtype(dt), itemsize(info(dt).itemsize), owns(false) {}
   ~Array() {
-    if (!arena.is_none()) return;  // an alias owns nothing (its arena is released with `arena`)
-    release_block();
+    if (owns) release_block();  // (an alias owns nothing: its arena is released with `arena`)
   }
   // ndl.jit.capture's static memory plan: this array's bytes move to `offset` bytes into `arena_array` (copied
   // there when `keep` is true), its own block is given back, and it keeps `arena_array` alive. A replayed step
@@ -326,8 +327,9 @@ struct Array {
       throw std::invalid_argument(msg.str());
     }
     scalar_t* dst = reinterpret_cast<scalar_t*>(reinterpret_cast<char*>(into.ptr) + offset);
-    if (keep && bytes != 0) std::memmove(dst, ptr, bytes);
-    release_block();
+    if (keep && owns && bytes != 0) std::memmove(dst, ptr, bytes);
+    if (owns) release_block();
+    owns = false;
     ptr = dst;
     mapped_bytes = 0;
     arena = std::move(arena_array);
@@ -350,6 +352,7 @@ struct Array {
   size_t itemsize;
   size_t mapped_bytes = 0;  // bytes of ptr's block in an arena (whole pages); 0 if ptr came from aligned_alloc
   py::object arena = py::none();  // an alias's arena (alias_into); None for an array that owns its block
+  bool owns = true;  // whether ptr is this array's own block (false: an alias, or not placed yet)
 
  private:
   void release_block() {

@@ -11,6 +11,7 @@ least the most bytes alive at any one entry (`lower_bound_bytes`); the arena is 
     b              ████████████          |a|     (alive beside a)
     c                    ██████          0       (a is dead by then: c reuses its bytes)
 """
+import bisect
 from dataclasses import dataclass, field
 
 ALIGNMENT = 64  # every offset a multiple of the backend's alignment (src/cpu/common.h)
@@ -49,17 +50,16 @@ def aligned(nbytes):
 
 def place(buffers):
     """Give each PlannedBuffer an offset (greedy by size, best fit among the gaps); return the MemoryPlan."""
-    placed = []  # (offset, end, first, last), the buffers placed so far
+    placed = []  # (offset, end, first, last) of the buffers placed so far, in order of offset
     for b in sorted(buffers, key=lambda b: (-b.nbytes, b.first)):
-        size = aligned(b.nbytes)
-        busy = sorted((o, e) for o, e, f, l in placed if f <= b.last and b.first <= l)
-        best, cursor = None, 0
-        for start, end in busy:  # the gaps between the buffers alive beside b, smallest that fits
-            if start - cursor >= size and (best is None or start - cursor < best[1]):
-                best = (cursor, start - cursor)
-            cursor = max(cursor, end)
+        size, best, cursor = aligned(b.nbytes), None, 0
+        for start, end, first, last in placed:  # the gaps between the buffers alive beside b: the smallest that fits
+            if first <= b.last and b.first <= last:
+                if start - cursor >= size and (best is None or start - cursor < best[1]):
+                    best = (cursor, start - cursor)
+                cursor = max(cursor, end)
         b.offset = best[0] if best is not None else cursor
-        placed.append((b.offset, b.offset + size, b.first, b.last))
+        bisect.insort(placed, (b.offset, b.offset + size, b.first, b.last))
     return MemoryPlan(buffers, max((e for _, e, _, _ in placed), default=0), lower_bound(buffers))
 
 
