@@ -2,10 +2,12 @@
 
     python benchmarks/readme_pictures.py timeline       # gc.py timeline on the demo model -> docs/img/timeline.png
     python benchmarks/readme_pictures.py budget-sweep   # gc.py sweep --over budget_mb -> docs/img/budget-sweep.png
+    python benchmarks/readme_pictures.py capture-plan   # ndl.jit.capture's memory plans -> docs/img/capture-plan.png
 
 Each prints Markdown on stdout: the picture's link and a small table of what it shows (benchmarks/figures.py writes
 it into its page under its stamp, so the picture and its numbers are remade, and listed as stale, together). The
-link is relative to that page: README.md for timeline, docs/offloading.md for budget-sweep.
+link is relative to that page: README.md for timeline, docs/offloading.md for budget-sweep, docs/capture.md for
+capture-plan.
 """
 import glob
 import json
@@ -91,6 +93,36 @@ def budget_sweep():
               f"{f'{first / measured:.2f}x' if first and measured else 'n/a'} | {fmt_mb(r.get('host_peak_bytes'))} |")
 
 
+def capture_plan():
+    """The memory plans of bench_capture's small model captured with gc off and with gc all, side by side."""
+    sys.path[:0] = [os.path.join(ROOT, "python"), os.path.join(ROOT, "apps"), os.path.join(ROOT, "benchmarks")]
+    import needle as ndl
+    from matplotlib.figure import Figure
+    from bench_capture import SMALL, training
+
+    fig = Figure(figsize=(11, 4))
+    rows = []
+    for ax, gc in zip(fig.subplots(1, 2), (False, True)):
+        step, X, y = training(SMALL, gc)
+        step(X, y)
+        prediction = ndl.memory.predict(step, X, y)
+        captured = ndl.jit.capture(step)
+        while not captured.programs:
+            captured(X, y)
+        plan, name = captured.memory_plan, "gc all" if gc else "gc off"
+        plan.draw(ax, f"{name}: {len(plan.buffers)} buffers, arena {plan.arena_bytes / MB:.1f} MiB")
+        own = sum(prediction.by_category.get(c, 0) for c in ("activations", "temporaries", "gradients"))
+        rows.append(f"| {name} | {len(captured.listing())} | {len(plan.buffers)} | {plan.arena_bytes / MB:.2f} MiB | "
+                    f"{plan.lower_bound_bytes / MB:.2f} MiB | {own / MB:.2f} MiB |")
+    fig.tight_layout()
+    fig.savefig(os.path.join(IMG, "capture-plan.png"), dpi=100)
+    print("![the memory plans of the small model's captured step, gc off and gc all](img/capture-plan.png)\n")
+    print("| step | backend calls | buffers | arena | most alive at once | the ledger's prediction of the step's own "
+          "bytes |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    print("\n".join(rows))
+
+
 def fmt_mb(n):
     return "n/a" if n is None else f"{n / MB:.1f} MB"
 
@@ -100,4 +132,4 @@ def fmt_s(n):
 
 
 if __name__ == "__main__":
-    {"timeline": timeline, "budget-sweep": budget_sweep}[sys.argv[1]]()
+    {"timeline": timeline, "budget-sweep": budget_sweep, "capture-plan": capture_plan}[sys.argv[1]]()

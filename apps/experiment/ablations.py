@@ -31,6 +31,8 @@ ABLATIONS = {
     "selective": ("checkpointing, policy selective: matmul outputs kept", {**BASE, "policy": "selective"}),
     "budget": ("checkpointing, Budget(b): b midway between the least M_peak and gc off's (--budget-mb to choose)",
                {**BASE, "policy": "budget"}),
+    "captured": ("the baseline's step through ndl.jit.capture: replayed as its backend calls on a static memory plan",
+                 {**BASE, "capture": True}),
     "fused": ("the fused LM head (model.loss: the logits never held whole), gc off", {**BASE, "head": "fused"}),
     "combined": (f"gc all + fused head + gradient accumulation x{ACCUMULATE}",
                  {"policy": "all", "head": "fused", "accumulate": ACCUMULATE}),

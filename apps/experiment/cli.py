@@ -110,12 +110,25 @@ def validate_command(config):
     validate_policies(config)
     validate_seq_model(config)
     validate_in_backward(config)
+    validate_capture(config)
     if command == "sweep":
         validate_sweep(config)
     if config.stochastic_rounding and config.precision != "bf16":
         fail(f"--stochastic-rounding is for pure bf16 training (--precision bf16), whose bfloat16 weights it rounds "
              f"the updates of; --precision {config.precision} keeps float32 weights: leave it out, or give "
              f"--precision bf16")
+
+
+def validate_capture(config):
+    """--capture replays one recorded program per step: refused with what a replay cannot repeat."""
+    clash = (f"--accumulation-steps {config.accumulation_steps}" if config.accumulation_steps > 1 else
+             "--precision mixed-fp16 (GradScaler reads every gradient into Python)"
+             if config.precision == "mixed-fp16" else f"--parallel {config.parallel}" if config.parallel else
+             "--optimizer-in-backward" if config.optimizer_in_backward else
+             "offloading (--offload-state, --policy offload, --offload)"
+             if config.offload_state or config.policy == "offload" or getattr(config, "offload", False) else None)
+    if config.capture and clash:
+        fail(f"--capture replays a step recorded once, which it cannot do with {clash}: leave one of them out")
 
 
 def validate_in_backward(config):

@@ -190,9 +190,8 @@ def add_step_flags(g):
               "(default: fp32)")
     flag(g, "stochastic_rounding", action="store_true",
          help="with --precision bf16: round each weight update stochastically (else to nearest)")
-    flag(g, "init_scale", type=float, default=2.0**16, metavar="S",
-         help="with --precision mixed-fp16: GradScaler's initial loss scale (default: 65536, PyTorch's; steps "
-              "whose gradients overflow at it are skipped while it comes down)")
+    flag(g, "init_scale", type=float, default=2.0**16, metavar="S", help="with --precision mixed-fp16: "
+         "GradScaler's initial loss scale (default: 65536, PyTorch's; overflowing steps are skipped)")
     flag(g, "optimizer", default="adam", choices=OPTIMIZERS,
          help="adam (the course's), adam8bit (8-bit block-wise moments), adafactor (factored second moments, "
               "no first moment, at --lr), sgd (momentum 0.9) (default: adam)")
@@ -200,9 +199,10 @@ def add_step_flags(g):
          help="update each parameter inside backward, as soon as its gradient is complete, and free that gradient "
               "there (the optimizer's in_backward=True): the step never holds every gradient at once. Not with "
               "--accumulation-steps > 1, --precision mixed-fp16 (GradScaler) or --parallel")
-    flag(g, "offload_state", action="store_true",
-         help="keep the optimizer's state in host memory, outside the device allocator, and bring each "
-              "parameter's state in for its update")
+    flag(g, "offload_state", action="store_true", help="keep the optimizer's state in host memory, outside the "
+         "device allocator, and bring each parameter's state in for its update")
+    flag(g, "capture", action="store_true", help="run the step through ndl.jit.capture: recorded on its first "
+         "calls, then replayed as its backend calls on a static memory plan (docs/capture.md)")
     flag(g, "head", default="fused", choices=HEADS,
          help="the LM head and loss: fused is model.loss(x, y) (ops.linear_cross_entropy: the logits computed "
               "a chunk of tokens at a time, never held whole; the same loss and gradients); full is the "

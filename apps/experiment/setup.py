@@ -63,6 +63,7 @@ class RunConfig:
     optimizer: str = "adam"
     optimizer_in_backward: bool = False  # each parameter updated inside backward, its gradient freed there
     offload_state: bool = False
+    capture: bool = False  # the step through ndl.jit.capture: recorded on its first calls, replayed after
     head: str = None
     # checkpointing
     policy: str = None  # run: None is "all"

@@ -1,7 +1,7 @@
 """One optimizer step of a run, measured: its micro-batches' forward and backward passes, the optimizer's update,
 and what they cost in memory (the allocator's exact bytes, the process's RSS) and time.  train_step for one
 process, data parallel (--parallel dp, zero1, zero2, zero3) or tensor parallel (tp, tp+sp, tp+dp); pipeline_step
-for --parallel pipeline."""
+for --parallel pipeline; captured_step for --capture (ndl.jit.capture)."""
 import contextlib
 import time
 
@@ -125,6 +125,52 @@ def _forward_backward(model, loss_fn, micro, config, device, params, scaler, bas
             # Gradient accumulation's buffers (the last micro-batch's gradients, the sums), held in `passes` until
             # train_step returns, as gc.py always has: its step_peak_bytes (Adam's update included) counts them.
             "accumulation_buffers": (grads, accumulated)}
+
+
+def captured_training(model, loss_fn, opt, config, device):
+    """--capture: (the plain step through ndl.jit.capture, `held`): recorded on its first calls, replayed after; on
+    the calls that run in Python the step notes in `held` the bytes live once its forward is computed (M_act's
+    reading: a replay, which runs no Python, skips it, as it skips every value read into Python)."""
+    held = []
+
+    def plain(X, y):
+        opt.reset_grad()
+        with autograd.lazy_mode(config.lazy):
+            loss = loss_fn(X, y)
+            autograd.run_deferred([loss])
+        loss.realize_cached_data()
+        held.append(nd.memory_stats(device)["current_bytes"])
+        loss.backward()
+        opt.step()
+        return loss
+    return ndl.jit.capture(plain), held
+
+
+def captured_step(captured, batches, start, config, device, params, opt):
+    """One step of --capture, measured from outside it. A recording call is measured as train_step measures a
+    step; a replay allocates nothing (its arena, made at capture and kept, is the step's memory): its M_peak and
+    step peak are the arena's bytes, its M_act the arena's bytes alive when the loss is computed."""
+    stepper, held = captured
+    ((X, y),) = micro_batches(batches, start, config, device)
+    opt.reset_grad()  # (the last step's gradients go before the baseline, as in train_step; a replay puts them back)
+    nd.reset_peak_memory_stats(device)
+    baseline = nd.memory_stats(device)["current_bytes"]
+    held.clear()
+    t0 = time.perf_counter()
+    loss = float(stepper(X, y).numpy())
+    elapsed = time.perf_counter() - t0
+    stats = nd.memory_stats(device)
+    if held:  # recorded: the step ran in Python
+        act, own = held[0] - baseline, stats["peak_bytes"] - baseline
+    else:
+        own = stepper.memory_plan.arena_bytes if stepper.memory_plan else stats["peak_bytes"] - baseline
+        act, baseline = stepper.latest.result_bytes() or 0, baseline - own
+    return {"loss": loss, "time_seconds": elapsed, "activation_bytes": int(act), "floor_bytes": None,
+            "peak_bytes": int(stats["peak_bytes"]), "peak_activation_bytes": int(own), "step_peak_bytes": int(own),
+            "baseline_bytes": int(baseline), "recomputed_nodes": 0, "gpu_memory_bytes": gpu_memory_bytes(),
+            "rss_peak_bytes": None, "rss_start_bytes": None, "replayed": not held,
+            **state_bytes(opt, params, gradient_bytes(opt, params)), "skipped_step": False, "loss_scale": None,
+            **offload_traffic([], device)}, None
 
 
 def offload_traffic(backward_stats, device):

@@ -645,3 +645,25 @@ def test_the_lstm_language_model_refuses_the_transformers_flags_and_runs_without
     assert code == 0, err
     record = json.loads(out.read_text())
     assert record["seq_model"] == "lstm" and record["policy"] == "sqrt" and record["steps"]
+
+
+def test_a_captured_run_trains_alike_and_replays_on_its_arena(tmp_path, capsys):
+    data, runs = tiny_ptb(tmp_path), {}
+    for name, flags in (("plain", []), ("captured", ["--capture"])):
+        runs[name] = tmp_path / f"{name}.json"
+        run_gc(TINY + ["--data", data, "--use-gc", "0", "--max-batches", "5", "--json", str(runs[name]), *flags])
+    plain, captured = strict_json(runs["plain"]), strict_json(runs["captured"])
+    assert [s["loss"] for s in captured["steps"]] == [s["loss"] for s in plain["steps"]]  # bit for bit
+    assert captured["parameters_sha256"] == plain["parameters_sha256"]
+    replayed = [s for s in captured["steps"] if s["replayed"]]
+    assert len(replayed) == 2  # Adam's first update differs from the later ones: three steps recorded
+    assert all(s["step_peak_bytes"] == replayed[0]["step_peak_bytes"] > 0 for s in replayed)  # the arena
+    assert all(0 < s["activation_bytes"] < s["step_peak_bytes"] for s in replayed)
+
+
+def test_capture_is_refused_with_what_a_replay_cannot_repeat(tmp_path):
+    tiny = TINY + ["--data", tiny_ptb(tmp_path), "--capture"]
+    for flags, words in ((["--accumulation-steps", "2"], "--accumulation-steps 2"),
+                         (["--offload-state"], "offloading"), (["--optimizer-in-backward"], "--optimizer-in-backward")):
+        line = _one_line_error(*_gc_here(*tiny, *flags))
+        assert "--capture replays a step recorded once" in line and words in line, line

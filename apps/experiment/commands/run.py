@@ -23,7 +23,7 @@ from ..setup import (AUTOCAST, TENSOR_PARALLEL, build_model, check_budget, check
                      make_optimizer, make_policy, pick_device, pipeline_loss, pipeline_stages, policy_label,
                      tensor_parallel_model)
 from ..resume import load_training, parameters_sha256, restore_training, save_training
-from ..step import pipeline_step, train_step
+from ..step import captured_step, captured_training, pipeline_step, train_step
 
 
 def main(config):
@@ -90,6 +90,7 @@ def train(config, use_gc, data, vocab, source, out_dir=None, quiet=False, json_p
     scaler = ndl.amp.GradScaler(init_scale=config.init_scale) if config.precision == "mixed-fp16" else None
     first = restore_training(resumed, model, opt, scaler) if resumed else 0
     batches = batchify(data, config.batch_size * config.accumulation_steps, device=device, dtype="float32")
+    captured = captured_training(model, loss_fn, opt, config, device) if config.capture else None
     record = new_record(config, use_gc, source, vocab, device, first)
     path = record_path(config, record["policy"], out_dir, json_path)
     nbatch, total = min(config.max_batches, windows(config, len(data))), total_steps(config, data)
@@ -102,8 +103,8 @@ def train(config, use_gc, data, vocab, source, out_dir=None, quiet=False, json_p
         for i in range(first, total):
             start = (i % nbatch) * config.seq_len  # the step's window: a function of i, so a resumed run's too
             # the last step is recorded (measure.peak_split: its peak, by category), and left out of T_step
-            step = one_step(config, (model, loss_fn, opt, params, scaler), batches, start, device,
-                            split_peak and i == total - 1 and not config.parallel)
+            step = one_step(config, (model, loss_fn, opt, params, scaler, captured), batches, start, device,
+                            split_peak and i == total - 1 and not config.parallel and not captured)
             add_step(record, {"step": i, **step}, policy, config, path)
             if config.save_checkpoint and (i + 1 == total or config.save_every and (i + 1) % config.save_every == 0):
                 save_training(config, vocab, i + 1, model, opt, scaler)
@@ -131,13 +132,15 @@ def train(config, use_gc, data, vocab, source, out_dir=None, quiet=False, json_p
 def one_step(config, training, batches, start, device, recorded):
     """One optimizer step, measured (train_step, or pipeline_step with --parallel pipeline); `recorded`: with
     ndl.memory.record on, its peak split by category (measure.peak_split) into the step's record."""
-    model, loss_fn, opt, params, scaler = training
+    model, loss_fn, opt, params, scaler, captured = training
     # the previous step's garbage in reference cycles is given back first, outside the step's clock: each step's
     # peak is its own bytes, the same whether recorded (ndl.memory.record collects too) or not
     python_gc.collect()
     try:
         with peak_split(device, on=recorded) as split:
-            if config.parallel == "pipeline":
+            if captured:
+                step, loss = captured_step(captured, batches, start, config, device, params, opt)
+            elif config.parallel == "pipeline":
                 step, loss = pipeline_step(model, loss_fn, opt, batches, start, config, device, params)
             else:
                 step, loss = train_step(model, loss_fn, opt, batches, start, config, device, params, scaler)

@@ -247,6 +247,14 @@ class Program:
         self.gradients = [(p, p.grad) for o in recording.optimizers for p in o.params]
         self.modes = (autograd.LAZY_MODE, active_autocast())
         self.entries = entries  # (as recorded, buffers by name: listing() prints them)
+        self.result_entry = _first_use(entries, handles, _tensors(result))
+
+    def result_bytes(self):
+        """The arena's bytes alive at the entry that computes the step's (first) result, the loss: what the
+        forward pass holds when backward begins (gc.py's M_act); None without a plan or a Tensor result."""
+        if self.memory_plan is None or self.result_entry is None:
+            return None
+        return self.memory_plan.alive_bytes(self.result_entry)
 
     def listing(self):
         """The program as text, one line an entry: `matmul(in0, p1, t0, 8, 4, 16)` — in: an input, p: a buffer
@@ -347,6 +355,15 @@ def place_buffers(recording, entries):
             handle.alias_into(plan.arena, b.offset, True)
         handles[Buffer("made", k)] = handle
     return plan, handles
+
+
+def _first_use(entries, handles, tensors):
+    """The first entry that writes the first of `tensors` (its buffer), or None."""
+    if not tensors:
+        return None
+    buffer = tensors[0].realize_cached_data().buffer
+    name = next((n for n, h in handles.items() if h is buffer), None)
+    return next((i for i, e in enumerate(entries) if e[0] == "call" and name in set(_names(e[2:4]))), None)
 
 
 def _itemsize(dtype):

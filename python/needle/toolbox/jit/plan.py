@@ -34,10 +34,30 @@ class MemoryPlan:
     arena_bytes: int = 0
     lower_bound_bytes: int = 0  # the most bytes alive at one entry: no arena can be smaller
 
+    def alive_bytes(self, entry):
+        """The (aligned) bytes of the buffers alive at program entry `entry`."""
+        return sum(aligned(b.nbytes) for b in self.buffers if b.first <= entry <= b.last)
+
     def rows(self):
         """Each buffer as a dict: offset, bytes, first and last entry, whether it escapes the step."""
         return [{"offset": b.offset, "bytes": b.nbytes, "first": b.first, "last": b.last, "escapes": b.escapes}
                 for b in self.buffers]
+
+    def draw(self, ax, title=None):
+        """Draw the plan on a matplotlib Axes: each buffer a box from its first to its last entry, at its offset
+        (MiB); the ones that escape the step (its outputs, the gradients) in orange, the arena's top as a line."""
+        from matplotlib.patches import Rectangle  # (matplotlib: an optional dependency, for drawing only)
+
+        for b in self.buffers:
+            ax.add_patch(Rectangle((b.first, b.offset / 2**20), b.last - b.first + 1, aligned(b.nbytes) / 2**20,
+                                   facecolor="tab:orange" if b.escapes else "tab:blue", alpha=0.7, linewidth=0))
+        ax.axhline(self.arena_bytes / 2**20, color="black", linewidth=0.8)
+        ax.set_xlim(0, max((b.last + 1 for b in self.buffers), default=1))
+        ax.set_ylim(0, self.arena_bytes / 2**20 * 1.08 or 1)
+        ax.set_xlabel("program entry (backend call)")
+        ax.set_ylabel("offset in the arena (MiB)")
+        ax.set_title(title or f"{len(self.buffers)} buffers in an arena of {self.arena_bytes / 2**20:.1f} MiB",
+                     fontsize=9)
 
     def __repr__(self):
         return (f"MemoryPlan({len(self.buffers)} buffers in an arena of {self.arena_bytes:,} bytes; the most alive "
