@@ -236,8 +236,13 @@ class Program:
         self.steps = [(e[2], ()) if e[0] == "live" else
                       (functools.partial(e[1], **_real(e[3], handles)) if e[3] else e[1], _real(e[2], handles))
                       for e in entries]
-        # the update kernels' per-step numbers: (index in steps, its optimizer, (position, number index) pairs)
-        self.numbered = [(i, e[4][0], e[4][1]) for i, e in enumerate(entries) if e[0] == "call" and e[4]]
+        # the update kernels' per-step numbers: (their arguments, a list written in place at each replay, the
+        # optimizer, (position, number index) pairs)
+        self.numbered = []
+        for i, e in enumerate(entries):
+            if e[0] == "call" and e[4]:
+                self.steps[i] = (self.steps[i][0], list(self.steps[i][1]))
+                self.numbered.append((self.steps[i][1], e[4][0], e[4][1]))
         self.updates = [o for o in recording.optimizers if any(n[1] is o for n in self.numbered)]
         self.reads = [e[1] for e in recording.entries if e[0] == "read"]
         self.modules = list(recording.modules.values())
@@ -291,12 +296,10 @@ class Program:
         for optimizer in self.updates:
             optimizer.begin_step()
             now[id(optimizer)] = STEP_NUMBERS[type(optimizer)](optimizer)
-        for i, optimizer, slots in self.numbered:
-            function, args = self.steps[i]
-            args, numbers = list(args), now[id(optimizer)]
+        for args, optimizer, slots in self.numbered:
+            numbers = now[id(optimizer)]
             for position, j in slots:
                 args[position] = numbers[j]
-            self.steps[i] = (function, tuple(args))
 
     def check_unchanged(self):
         """StaleCapture unless the modules, parameters and modes the program was recorded with are as they were."""
