@@ -164,7 +164,8 @@ def captured_step(captured, batches, start, config, device, params, opt):
         act, own = held[0] - baseline, stats["peak_bytes"] - baseline
     else:  # the arena, held between steps, and what the replay allocated besides (an update run in Python)
         arena = stepper.memory_plan.arena_bytes if stepper.memory_plan else 0
-        own, act, baseline = arena + stats["peak_bytes"] - baseline, stepper.latest.result_bytes() or 0, baseline - arena
+        own, baseline = arena + stats["peak_bytes"] - baseline, baseline - arena
+        act = stepper.latest.result_bytes() or 0
     return {"loss": loss, "time_seconds": elapsed, "activation_bytes": int(act), "floor_bytes": None,
             "peak_bytes": int(stats["peak_bytes"]), "peak_activation_bytes": int(own), "step_peak_bytes": int(own),
             "baseline_bytes": int(baseline), "recomputed_nodes": 0, "gpu_memory_bytes": gpu_memory_bytes(),
