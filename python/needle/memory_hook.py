@@ -11,7 +11,7 @@ RECORDER = None
 # ndl.memory.predict's dry run while it traces a step (None: off): Tensor.backward, an optimizer's step and
 # reset_grad hand it their work instead of doing it, and no value is computed or made from data.
 PREDICTOR = None
-# ndl.jit.capture while it records a step (None: off): it runs an optimizer's step live, and notes the modules.
+# ndl.jit.capture while it records a step (None: off): an optimizer's step is handed to it, modules noted.
 CAPTURE = None
 
 _NOTHING = contextlib.nullcontext()

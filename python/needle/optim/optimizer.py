@@ -164,8 +164,8 @@ def in_optimizer_phase(step):
     def step_in_phase(self, *args, **kwargs):
         if memory_hook.PREDICTOR is not None:  # ndl.memory.predict: the update counted, not made
             return memory_hook.PREDICTOR.optimizer_step(self)
-        if memory_hook.CAPTURE is not None:  # ndl.jit.capture: the update runs live at every replay
-            return memory_hook.CAPTURE.run_live(self, functools.partial(step_in_phase, self, *args, **kwargs))
+        if memory_hook.CAPTURE is not None:  # ndl.jit.capture: recorded, its lr and step count read at each replay
+            return memory_hook.CAPTURE.optimizer_step(self, functools.partial(step_in_phase, self, *args, **kwargs))
         with memory_hook.phase("optimizer", self):
             return step(self, *args, **kwargs)
     return step_in_phase

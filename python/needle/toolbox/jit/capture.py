@@ -8,13 +8,14 @@ kernels again, on the same buffers, in the same order (tinygrad's TinyJit and Py
 
     step = ndl.jit.capture(step)    # step(X, y): reset_grad, forward, loss, backward, opt.step(); returns the loss
     step(X0, y0)                    # runs normally, recorded
-    step(X1, y1)                    # runs normally, recorded again: the two programs must agree
+    step(X1, y1)                    # runs normally, recorded again: the two programs must agree (Adam: a third)
     step(X2, y2)                    # replayed: no Python of the step runs, no buffer is allocated
 
 The second call checks that the step's program is stable: the first step of an optimizer or of a Budget differs
 from the ones after it. What a replay does not re-run is frozen: the step's Python numbers (a dropout rate), the
 checkpointing policy, autocast, lazy mode, the branch a value read into Python chose. The optimizer's update is
-the exception: it runs live at every replay (memory_hook.CAPTURE), so a new `lr` and the step count are read.
+the exception (memory_hook.CAPTURE hands it over): a replay begins its step and passes its kernels the `lr` and
+bias corrections of now (STEP_NUMBERS), or runs it in Python where those cannot be told apart.
 """
 import functools
 import gc as python_gc
@@ -117,7 +118,7 @@ class Recording:
 
     def module_called(self, module):
         self.modules[id(module)] = (module, module.training, module.checkpoint_policy)
-    def run_live(self, optimizer, update):
+    def optimizer_step(self, optimizer, update):
         """An optimizer's step: its kernels recorded, their per-step numbers (STEP_NUMBERS) marked to be read at
         each replay; where that cannot be told apart (no STEP_NUMBERS, two numbers equal), the whole step runs in
         Python at each replay."""
