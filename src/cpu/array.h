@@ -310,9 +310,9 @@ struct Array {
   ~Array() {
     if (owns) release_block();  // (an alias owns nothing: its arena is released with `arena`)
   }
-  // ndl.jit.capture's static memory plan: this array's bytes move to `offset` bytes into `arena_array` (copied
-  // there when `keep` is true), its own block is given back, and it keeps `arena_array` alive. A replayed step
-  // then writes where the plan put it, and allocates nothing.
+  // ndl.jit.capture's static memory plan (alias_array): this array's bytes move to `offset` bytes into
+  // `arena_array` (copied there when `keep` is true), its own block, if any, is given back, and it keeps
+  // `arena_array` alive. A replayed step then writes where the plan put it, and allocates nothing.
   void alias_into(py::object arena_array, size_t offset, bool keep) {
     const Array& into = arena_array.cast<const Array&>();
     const size_t bytes = size * itemsize;

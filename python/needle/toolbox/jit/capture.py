@@ -233,7 +233,7 @@ class Program:
     def __init__(self, recording, result):
         self.device, self.inputs, self.result = recording.device, recording.inputs, result
         entries = [e for e in recording.entries if e[0] != "read"]
-        self.memory_plan, handles = place_buffers(recording, entries)
+        self.memory_plan, handles, self.moves = place_buffers(recording, entries)
         self.steps = [(e[2], ()) if e[0] == "live" else
                       (functools.partial(e[1], **_real(e[3], handles)) if e[3] else e[1], _real(e[2], handles))
                       for e in entries]
@@ -286,6 +286,9 @@ class Program:
             mod.compact(a.buffer, handle, list(a.shape), list(a.strides), a.offset)
         for p, grad in self.gradients:
             p.grad = grad
+        for handle, offset in self.moves:  # (the first replay: the outputs into the arena; it writes them anew)
+            handle.alias_into(self.memory_plan.arena, offset, False)
+        self.moves = []
         self.renumber()
         for function, args in self.steps:
             function(*args)
@@ -327,9 +330,11 @@ def _frozen_hyperparameters(optimizer):
 
 
 def place_buffers(recording, entries):
-    """(the MemoryPlan or None, {Buffer: its handle}): every buffer the step made placed in one arena at the offsets
-    `place` chooses, where the backend can alias (CPU: alias_array, Array.alias_into); elsewhere each gets a
-    buffer of its own. One still alive (an output, a gradient: it escapes the step) keeps its values."""
+    """(the MemoryPlan or None, {Buffer: its handle}, the moves left): every buffer the step made placed in one
+    arena at the offsets `place` chooses, where the backend can alias (CPU: alias_array, Array.alias_into); elsewhere
+    each gets a buffer of its own. One still alive (an output, a gradient p.grad holds: it escapes the step) moves
+    into the arena when the first replay begins, which writes it before reading it: moved now, with its values, it
+    would be held twice for a moment, and its bytes faulted in twice."""
     handles = {Buffer("in", k): h for k, h in enumerate(recording.inputs)}
     handles.update((Buffer("kept", key), h) for key, h in recording.kept.items())
     first, last = {}, {}  # per made buffer: its first and last entry
@@ -340,25 +345,23 @@ def place_buffers(recording, entries):
                 last[name.key] = i
     python_gc.collect(1)  # (the step's garbage goes now: a buffer still alive is held by the caller, or escapes)
     alive = {k: ref() for k, (ref, _, _) in enumerate(recording.made) if k in first}
+    handles.update((Buffer("made", k), h) for k, h in alive.items() if h is not None)
     mod = recording.router.mod
     if not hasattr(mod, "alias_array"):
-        for k in first:
-            size, dtype = recording.made[k][1:]
-            handles[Buffer("made", k)] = alive[k] if alive[k] is not None else mod.Array(size, dtype)
-        return None, handles
+        handles.update((Buffer("made", k), mod.Array(*recording.made[k][1:])) for k in first if alive[k] is None)
+        return None, handles, []
     keys = sorted(first)
     buffers = [PlannedBuffer(recording.made[k][1] * _itemsize(recording.made[k][2]), first[k],
                              len(entries) if alive[k] is not None else last[k], alive[k] is not None) for k in keys]
     plan = place(buffers)
-    plan.arena = mod.Array(-(-plan.arena_bytes // 4))
+    plan.arena = mod.Array(max(1, -(-plan.arena_bytes // 4)))
+    moves = []
     for k, b in zip(keys, buffers):
-        handle, (_, size, dtype) = alive[k], recording.made[k]
-        if handle is None:
-            handle = mod.alias_array(plan.arena, b.offset, size, dtype)
+        if alive[k] is None:
+            handles[Buffer("made", k)] = mod.alias_array(plan.arena, b.offset, *recording.made[k][1:])
         else:
-            handle.alias_into(plan.arena, b.offset, True)
-        handles[Buffer("made", k)] = handle
-    return plan, handles
+            moves.append((alive[k], b.offset))
+    return plan, handles, moves
 
 
 def _first_use(entries, handles, tensors):
