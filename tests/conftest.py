@@ -49,6 +49,7 @@ if os.environ.get("NEEDLE_TESTS_WITHOUT_COMPILED") == "1":
 import needle as ndl  # noqa: E402
 from needle import autograd  # noqa: E402
 from needle import backend_ndarray as nd  # noqa: E402
+from needle import nn  # noqa: E402
 
 from experiment.cli import main as run_gc  # noqa: E402,F401  (gc.py's main, in this process: run_gc(argv))
 
@@ -384,3 +385,23 @@ def strict_json(path):
 
     with open(path) as f:
         return json.load(f, parse_constant=reject)
+
+
+def captured_mlp_listing():
+    """The program docs/capture.md prints: a two-layer MLP's SGD step through ndl.jit.capture, as its listing."""
+    np.random.seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+    opt = ndl.optim.SGD(model.parameters(), lr=0.1)
+
+    @ndl.jit.capture
+    def step(X, y):
+        opt.reset_grad()
+        loss = nn.SoftmaxLoss()(model(X), y)
+        loss.backward()
+        opt.step()
+        return loss
+    X = ndl.Tensor(np.random.randn(5, 4).astype("float32"))
+    y = ndl.Tensor(np.array([0, 1, 2, 1, 0], dtype="float32"))
+    for _ in range(3):
+        step(X, y)
+    return step.listing()

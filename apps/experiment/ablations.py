@@ -31,8 +31,6 @@ ABLATIONS = {
     "selective": ("checkpointing, policy selective: matmul outputs kept", {**BASE, "policy": "selective"}),
     "budget": ("checkpointing, Budget(b): b midway between the least M_peak and gc off's (--budget-mb to choose)",
                {**BASE, "policy": "budget"}),
-    "captured": ("the baseline's step through ndl.jit.capture: replayed as its backend calls on a static memory plan",
-                 {**BASE, "capture": True}),
     "fused": ("the fused LM head (model.loss: the logits never held whole), gc off", {**BASE, "head": "fused"}),
     "combined": (f"gc all + fused head + gradient accumulation x{ACCUMULATE}",
                  {"policy": "all", "head": "fused", "accumulate": ACCUMULATE}),
@@ -60,6 +58,8 @@ ABLATIONS = {
     "toolbox": (f"gradient accumulation x{ACCUMULATE} + gc all + mixed-bf16 + Adam8bit",
                 {"policy": "all", "head": "full", "accumulate": ACCUMULATE, "precision": "mixed-bf16",
                  "optimizer": "adam8bit"}),
+    "captured": ("the baseline's step through ndl.jit.capture: replayed as its backend calls on a static memory plan",
+                 {**BASE, "capture": True}),
     # offered when gc.py ablate runs under mpiexec -n N: a row is `mpiexec -n N python gc.py run --parallel dp` (zero3,
     # tp); the memory columns are rank 0's, the loss the global batch's
     "dp": ("data parallel over the mpiexec ranks: batch/N per rank, gradients all-reduced",

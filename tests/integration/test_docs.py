@@ -109,28 +109,11 @@ def test_the_pages_say_what_the_code_has():
 
 
 def test_capture_md_lists_the_program_the_two_layer_mlp_records():
-    import numpy as np
-
     import needle as ndl
-    from needle import nn
+    from conftest import captured_mlp_listing
 
     if not ndl.cpu().enabled():
         pytest.skip("needs the C++ CPU backend")  # (the listing names its kernels)
-    np.random.seed(0)
-    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
-    opt = ndl.optim.SGD(model.parameters(), lr=0.1)
-
-    @ndl.jit.capture
-    def step(X, y):
-        opt.reset_grad()
-        loss = nn.SoftmaxLoss()(model(X), y)
-        loss.backward()
-        opt.step()
-        return loss
-    X = ndl.Tensor(np.random.randn(5, 4).astype("float32"))
-    y = ndl.Tensor(np.array([0, 1, 2, 1, 0], dtype="float32"))
-    for _ in range(3):
-        step(X, y)
     page = (REPO / "docs" / "capture.md").read_text()
     shown = page.split("<!-- listing: two-layer MLP -->\n```\n")[1].split("```\n<!-- /listing -->")[0]
-    assert shown.splitlines() == step.listing()
+    assert shown.splitlines() == captured_mlp_listing()

@@ -9,7 +9,7 @@ import needle as ndl
 from needle import backend_ndarray as nd
 from needle import checkpoint, nn
 
-from conftest import device_params
+from conftest import captured_mlp_listing, device_params
 
 CPU = ndl.cpu()
 requires_cpu = pytest.mark.skipif(not CPU.enabled(), reason="needs the C++ CPU backend")
@@ -18,12 +18,14 @@ pytestmark = requires_cpu
 VOCAB, SEQ, BATCH = 50, 8, 4
 
 
-def _lm(policy, optimizer, lazy, layers=2, device=CPU):
-    """(model, its training step fn(X, y) returning the loss): a small Transformer LM, seeded."""
+def _lm(policy, optimizer, lazy, layers=2, device=CPU, sizes=(16, 16, SEQ, VOCAB), heads=(2, 8)):
+    """(model, optimizer, its training step fn(X, y) returning the loss): a small Transformer LM, seeded; `sizes`
+    (embedding, hidden, seq_len, vocabulary), `heads` (how many, each's width)."""
     from models import LanguageModel
     np.random.seed(0)
-    model = LanguageModel(16, VOCAB, 16, num_layers=layers, seq_model="transformer", seq_len=SEQ, device=device,
-                          num_head=2, dim_head=8)
+    width, hidden, seq, vocab = sizes
+    model = LanguageModel(width, vocab, hidden, num_layers=layers, seq_model="transformer", seq_len=seq,
+                          device=device, num_head=heads[0], dim_head=heads[1])
     if policy == "budget":
         model.enable_gc(policy=checkpoint.Budget(1 << 20))
     elif policy != "off":
@@ -172,20 +174,7 @@ def test_the_arena_is_at_most_the_ledgers_predicted_peak_of_the_steps_own_bytes(
     """The issue's small model (8 layers of width 30, 8 heads of 32; a 1000-word vocabulary here): the arena holds
     what the ledger predicts the uncaptured step holds besides its parameters, state and inputs, within 5% with gc
     off; with checkpointing less (a buffer's bytes are reused from its last use, not from when Python drops it)."""
-    from models import LanguageModel
-    np.random.seed(0)
-    model = LanguageModel(30, 1000, 64, num_layers=8, seq_model="transformer", seq_len=16, device=CPU)
-    if policy != "off":
-        model.enable_gc(policy=policy)
-    opt = ndl.optim.Adam(model.parameters(), lr=1e-3)
-
-    def step(X, y):
-        opt.reset_grad()
-        with ndl.autograd.lazy_mode(True):
-            loss = nn.SoftmaxLoss()(model(X)[0], y)
-        loss.backward()
-        opt.step()
-        return loss
+    _, _, step = _lm(policy, OPTIMIZERS["adam"], lazy=True, layers=8, sizes=(30, 64, 16, 1000), heads=(8, 32))
     rs = np.random.RandomState(0)
     X = ndl.Tensor(rs.randint(0, 1000, (16, 16)).astype(np.float32), device=CPU, requires_grad=False)
     y = ndl.Tensor(rs.randint(0, 1000, (256,)).astype(np.float32), device=CPU, requires_grad=False)
@@ -234,22 +223,7 @@ def test_a_changed_hyperparameter_other_than_lr_is_refused():
 
 
 def test_the_listing_of_a_two_layer_mlp_names_every_buffer():
-    np.random.seed(0)
-    model = nn.Sequential(nn.Linear(4, 8, device=CPU), nn.ReLU(), nn.Linear(8, 3, device=CPU))
-    opt = ndl.optim.SGD(model.parameters(), lr=0.1)
-
-    @ndl.jit.capture
-    def step(X, y):
-        opt.reset_grad()
-        loss = nn.SoftmaxLoss()(model(X), y)
-        loss.backward()
-        opt.step()
-        return loss
-    X = ndl.Tensor(np.random.randn(5, 4).astype(np.float32), device=CPU)
-    y = ndl.Tensor(np.array([0, 1, 2, 1, 0], dtype=np.float32), device=CPU)
-    for _ in range(3):
-        step(X, y)
-    lines = step.listing()
+    lines = captured_mlp_listing()
     assert lines[0] == "matmul(in0, p0, t0, 5, 4, 8)"  # X @ W1, into the step's first buffer
     assert sum(line.startswith("sgd_step(") for line in lines) == 4  # each parameter updated by a recorded kernel
     assert all("#0" in line for line in lines if line.startswith("sgd_step("))  # lr: read at each replay
