@@ -91,23 +91,32 @@ PYBIND11_MODULE(ndarray_backend_cpu, m) {
       .def(py::init([](size_t size, const std::string& dtype) { return new Array(size, parse_dtype(dtype)); }),
            py::return_value_policy::take_ownership, py::arg("size"), py::arg("dtype"))
       .def("ptr", &Array::ptr_as_int)
-      .def("alias_into", &Array::alias_into, py::arg("arena"), py::arg("offset"), py::arg("keep"))
       .def_property_readonly("is_alias", &Array::is_alias)
       .def_readonly("size", &Array::size)
       .def_readonly("itemsize", &Array::itemsize)
       .def_property_readonly("dtype", &Array::dtype_name);
 
-  // ndl.jit.capture's static memory plan: a new array of `size` elements of `dtype` placed at `offset` bytes into
-  // `arena` (an Array), owning nothing; a replayed step writes it there.
+  // ndl.jit.capture's static memory plan. unplaced_array: an array of `size` elements of `dtype` with no bytes
+  // yet (nothing may touch it before place_in_arena). place_in_arena: the blocks of the arrays placed are given
+  // back first, then one arena of `nbytes` is allocated and each array (handle, offset) made an alias into it, so
+  // nothing is held twice; returns the arena. A replayed step then writes where the plan put each array.
   m.def(
-      "alias_array",
-      [](py::object arena, size_t offset, size_t size, const std::string& dtype) {
-        std::unique_ptr<Array> a(new Array(size, parse_dtype(dtype), Array::Unallocated{}));
-        a->alias_into(std::move(arena), offset, false);
-        return a.release();
+      "unplaced_array",
+      [](size_t size, const std::string& dtype) { return new Array(size, parse_dtype(dtype), Array::Unallocated{}); },
+      py::return_value_policy::take_ownership, py::arg("size"), py::arg("dtype"));
+  m.def(
+      "place_in_arena",
+      [](size_t nbytes, const py::list& placements) {
+        for (const auto& item : placements) item.cast<py::tuple>()[0].cast<Array&>().give_back_block();
+        py::object arena = py::cast(new Array(std::max<size_t>(1, (nbytes + 3) / 4)),
+                                    py::return_value_policy::take_ownership);
+        for (const auto& item : placements) {
+          const py::tuple placement = item.cast<py::tuple>();
+          placement[0].cast<Array&>().alias_into(arena, placement[1].cast<size_t>());
+        }
+        return arena;
       },
-      py::return_value_policy::take_ownership, py::arg("arena"), py::arg("offset"), py::arg("size"),
-      py::arg("dtype"));
+      py::arg("nbytes"), py::arg("placements"));
   m.def("to_numpy", to_numpy);
   m.def("to_numpy_into", to_numpy_into);
   m.def("from_numpy", from_numpy);

@@ -162,10 +162,10 @@ def captured_step(captured, batches, start, config, device, params, opt):
     stats = nd.memory_stats(device)
     if held:  # recorded: the step ran in Python
         act, own = held[0] - baseline, stats["peak_bytes"] - baseline
-    else:  # the arena, held between steps, and what the replay allocated besides (an update run in Python)
+    else:  # the arena (made by the first replay, held after) and what the replay allocated besides it
         arena = stepper.memory_plan.arena_bytes if stepper.memory_plan else 0
-        own, baseline = arena + stats["peak_bytes"] - baseline, baseline - arena
-        act = stepper.latest.result_bytes() or 0
+        baseline = stats["current_bytes"] - arena  # what is held outside the step's arena
+        own, act = stats["peak_bytes"] - baseline, stepper.latest.result_bytes() or 0
     return {"loss": loss, "time_seconds": elapsed, "activation_bytes": int(act), "floor_bytes": None,
             "peak_bytes": int(stats["peak_bytes"]), "peak_activation_bytes": int(own), "step_peak_bytes": int(own),
             "baseline_bytes": int(baseline), "recomputed_nodes": 0, "gpu_memory_bytes": gpu_memory_bytes(),

@@ -19,7 +19,6 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
-#include <cstring>
 #include <initializer_list>
 #include <limits>
 #include <mutex>
@@ -305,19 +304,19 @@ struct Array {
     s.high_water_bytes = std::max(s.high_water_bytes, s.current_bytes);
     s.allocations += 1;
   }
-  struct Unallocated {};  // an array of no bytes yet: alias_into gives it its place (alias_array)
+  struct Unallocated {};  // an array of no bytes yet: alias_into gives it its place (place_in_arena)
   Array(size_t n, DType dt, Unallocated) : size(n), dtype(dt), itemsize(info(dt).itemsize), owns(false) {}
   ~Array() {
     if (owns) release_block();  // (an alias owns nothing: its arena is released with `arena`)
   }
-  // ndl.jit.capture's static memory plan (alias_array): this array's bytes move to `offset` bytes into
-  // `arena_array` (copied there when `keep` is true), its own block, if any, is given back, and it keeps
-  // `arena_array` alive. A replayed step then writes where the plan put it, and allocates nothing.
-  void alias_into(py::object arena_array, size_t offset, bool keep) {
+  // ndl.jit.capture's static memory plan (place_in_arena): this array, holding no block of its own, becomes
+  // `size` elements at `offset` bytes into `arena_array`, which it keeps alive.
+  void alias_into(py::object arena_array, size_t offset) {
     const Array& into = arena_array.cast<const Array&>();
     const size_t bytes = size * itemsize;
-    if (!arena.is_none() || !into.arena.is_none() || &into == this) {
-      throw std::invalid_argument("Array.alias_into: an alias cannot be aliased again, nor point into an alias");
+    if (owns || !arena.is_none() || !into.arena.is_none() || &into == this) {
+      throw std::invalid_argument("Array.alias_into: only an array with no bytes of its own is placed, once, into "
+                                  "an arena that is not an alias itself");
     }
     if (offset % ALIGNMENT != 0 || offset > into.size * into.itemsize ||
         bytes > into.size * into.itemsize - offset) {
@@ -326,15 +325,18 @@ struct Array {
           << into.size * into.itemsize << " bytes (offsets are multiples of " << ALIGNMENT << ")";
       throw std::invalid_argument(msg.str());
     }
-    scalar_t* dst = reinterpret_cast<scalar_t*>(reinterpret_cast<char*>(into.ptr) + offset);
-    if (keep && owns && bytes != 0) std::memmove(dst, ptr, bytes);
-    if (owns) release_block();
-    owns = false;
-    ptr = dst;
-    mapped_bytes = 0;
+    ptr = reinterpret_cast<scalar_t*>(reinterpret_cast<char*>(into.ptr) + offset);
     arena = std::move(arena_array);
   }
   bool is_alias() const { return !arena.is_none(); }
+  // Its own block given back (place_in_arena, before the arena it moves into is allocated): no bytes until then.
+  void give_back_block() {
+    if (!owns) return;
+    release_block();
+    owns = false;
+    ptr = nullptr;
+    mapped_bytes = 0;
+  }
   Array(const Array&) = delete;
   Array& operator=(const Array&) = delete;
 

@@ -233,7 +233,7 @@ class Program:
     def __init__(self, recording, result):
         self.device, self.inputs, self.result = recording.device, recording.inputs, result
         entries = [e for e in recording.entries if e[0] != "read"]
-        self.memory_plan, handles, self.moves = place_buffers(recording, entries)
+        self.memory_plan, handles, self.placements = place_buffers(recording, entries)
         self.steps = [(e[2], ()) if e[0] == "live" else
                       (functools.partial(e[1], **_real(e[3], handles)) if e[3] else e[1], _real(e[2], handles))
                       for e in entries]
@@ -286,9 +286,9 @@ class Program:
             mod.compact(a.buffer, handle, list(a.shape), list(a.strides), a.offset)
         for p, grad in self.gradients:
             p.grad = grad
-        for handle, offset in self.moves:  # (the first replay: the outputs into the arena; it writes them anew)
-            handle.alias_into(self.memory_plan.arena, offset, False)
-        self.moves = []
+        if self.placements:  # the first replay: the arena made, every buffer placed in it
+            self.memory_plan.arena = mod.place_in_arena(self.memory_plan.arena_bytes, self.placements)
+            self.placements = []
         self.renumber()
         for function, args in self.steps:
             function(*args)
@@ -330,11 +330,11 @@ def _frozen_hyperparameters(optimizer):
 
 
 def place_buffers(recording, entries):
-    """(the MemoryPlan or None, {Buffer: its handle}, the moves left): every buffer the step made placed in one
-    arena at the offsets `place` chooses, where the backend can alias (CPU: alias_array, Array.alias_into); elsewhere
-    each gets a buffer of its own. One still alive (an output, a gradient p.grad holds: it escapes the step) moves
-    into the arena when the first replay begins, which writes it before reading it: moved now, with its values, it
-    would be held twice for a moment, and its bytes faulted in twice."""
+    """(the MemoryPlan or None, {Buffer: its handle}, the placements left): every buffer the step made placed in
+    one arena at the offsets `place` chooses, where the backend can (CPU: unplaced_array, place_in_arena);
+    elsewhere each gets a buffer of its own. The arena is made when the first replay begins, once the buffers the
+    step left alive (an output, a gradient p.grad holds: they escape the step) have given their blocks back, which
+    that replay writes before it reads: nothing is held twice, and no page is faulted in before it is used."""
     handles = {Buffer("in", k): h for k, h in enumerate(recording.inputs)}
     handles.update((Buffer("kept", key), h) for key, h in recording.kept.items())
     first, last = {}, {}  # per made buffer: its first and last entry
@@ -347,21 +347,17 @@ def place_buffers(recording, entries):
     alive = {k: ref() for k, (ref, _, _) in enumerate(recording.made) if k in first}
     handles.update((Buffer("made", k), h) for k, h in alive.items() if h is not None)
     mod = recording.router.mod
-    if not hasattr(mod, "alias_array"):
+    if not hasattr(mod, "place_in_arena"):
         handles.update((Buffer("made", k), mod.Array(*recording.made[k][1:])) for k in first if alive[k] is None)
         return None, handles, []
     keys = sorted(first)
     buffers = [PlannedBuffer(recording.made[k][1] * _itemsize(recording.made[k][2]), first[k],
                              len(entries) if alive[k] is not None else last[k], alive[k] is not None) for k in keys]
     plan = place(buffers)
-    plan.arena = mod.Array(max(1, -(-plan.arena_bytes // 4)))
-    moves = []
-    for k, b in zip(keys, buffers):
+    for k in keys:
         if alive[k] is None:
-            handles[Buffer("made", k)] = mod.alias_array(plan.arena, b.offset, *recording.made[k][1:])
-        else:
-            moves.append((alive[k], b.offset))
-    return plan, handles, moves
+            handles[Buffer("made", k)] = mod.unplaced_array(*recording.made[k][1:])
+    return plan, handles, [(handles[Buffer("made", k)], b.offset) for k, b in zip(keys, buffers)]
 
 
 def _first_use(entries, handles, tensors):

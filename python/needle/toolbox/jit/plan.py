@@ -33,6 +33,7 @@ class MemoryPlan:
     buffers: list = field(default_factory=list)
     arena_bytes: int = 0
     lower_bound_bytes: int = 0  # the most bytes alive at one entry: no arena can be smaller
+    arena: object = None  # the backend's array holding them all, made when the first replay begins
 
     def alive_bytes(self, entry):
         """The (aligned) bytes of the buffers alive at program entry `entry`."""
