@@ -129,6 +129,10 @@ def validate_capture(config):
              if config.offload_state or config.policy == "offload" or getattr(config, "offload", False) else None)
     if config.capture and clash:
         fail(f"--capture replays a step recorded once, which it cannot do with {clash}: leave one of them out")
+    if config.capture and (config.command in ("timeline", "explain") or getattr(config, "dry_run", False)):
+        what = "--dry-run's predictions and its one real step" if config.command == "max-batch" else \
+            f"gc.py {config.command}"
+        fail(f"--capture is for gc.py run, sweep and max-batch's real search: {what} measures the step uncaptured")
 
 
 def validate_in_backward(config):

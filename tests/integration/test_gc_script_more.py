@@ -667,3 +667,7 @@ def test_capture_is_refused_with_what_a_replay_cannot_repeat(tmp_path):
                          (["--offload-state"], "offloading"), (["--optimizer-in-backward"], "--optimizer-in-backward")):
         line = _one_line_error(*_gc_here(*tiny, *flags))
         assert "--capture replays a step recorded once" in line and words in line, line
+    for argv, words in ((["explain"], "gc.py explain"), (["max-batch", "--memory-limit-mb", "50", "--dry-run"],
+                                                         "--dry-run's predictions")):
+        line = _one_line_error(*_gc_here(*argv, *tiny))
+        assert "--capture is for gc.py run, sweep and max-batch's real search" in line and words in line, line
