@@ -118,6 +118,22 @@ def test_each_shape_gets_its_own_program():
         assert np.array_equal(p.numpy(), q.numpy())
 
 
+def test_the_least_recently_used_program_goes_beyond_max_programs():
+    plain_model, _, plain = _lm("off", OPTIMIZERS["sgd"], lazy=True)
+    model, _, step = _lm("off", OPTIMIZERS["sgd"], lazy=True)
+    captured = ndl.jit.capture(step, max_programs=2)
+    shapes = [_batches(3, seed=s, batch=b) for s, b in ((1, 2), (2, 3), (3, 4))]
+    for i in range(3):  # three shapes in turn: each evicts the one used longest ago, and is recorded again
+        for batches in shapes:
+            X, y = batches[i]
+            assert np.array_equal(plain(X, y).numpy(), captured(X, y).numpy())
+            assert len(captured.programs) <= 2
+    for p, q in zip(plain_model.parameters(), model.parameters()):
+        assert np.array_equal(p.numpy(), q.numpy())
+    with pytest.raises(ValueError, match="max_programs must be a positive int"):
+        ndl.jit.capture(step, max_programs=0)
+
+
 def test_a_new_learning_rate_is_read_by_the_replay():
     plain_model, plain_opt, plain = _lm("off", OPTIMIZERS["adam"], lazy=True)
     model, opt, step = _lm("off", OPTIMIZERS["adam"], lazy=True)

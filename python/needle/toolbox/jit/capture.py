@@ -397,13 +397,17 @@ def _real(value, handles):
 class capture:
     """`fn(*tensors)` captured: recorded on its first calls, replayed after (see the module docstring).
 
-    A call with other shapes or dtypes records a program of its own (a cache keyed by them). `memory_plan` is the
-    latest program's MemoryPlan (None before a program is ready, or where the backend cannot alias buffers)."""
+    A call with other shapes or dtypes records a program of its own (a cache keyed by them, of at most
+    `max_programs`: each holds an arena, and the least recently used goes first, as torch.compile's cache does).
+    `memory_plan` is the latest program's MemoryPlan (None before a program is ready, or where the backend cannot
+    alias buffers)."""
 
-    def __init__(self, fn):
+    def __init__(self, fn, max_programs=8):
+        if isinstance(max_programs, bool) or not isinstance(max_programs, int) or max_programs < 1:
+            raise ValueError(f"ndl.jit.capture: max_programs must be a positive int, got {max_programs!r}")
         functools.update_wrapper(self, fn)
-        self.fn = fn
-        self.programs = {}  # key -> Program
+        self.fn, self.max_programs = fn, max_programs
+        self.programs = {}  # key -> Program, the most recently used last
         self.pending = {}  # key -> (the last Recording's shape, how many calls were recorded)
         self.latest = None
 
@@ -421,9 +425,9 @@ class capture:
                 raise TypeError(f"ndl.jit.capture({getattr(self.fn, '__name__', 'fn')}): argument {i} is a "
                                 f"{type(t).__name__}; a captured step takes Tensors only")
         key = tuple((tuple(t.shape), str(t.dtype), str(t.device), t.requires_grad) for t in tensors)
-        program = self.programs.get(key)
+        program = self.programs.pop(key, None)
         if program is not None:
-            self.latest = program
+            self.programs[key] = self.latest = program
             return program.replay(tensors)
         return self._record(key, tensors)
 
@@ -448,6 +452,8 @@ class capture:
         if shape == before:
             del self.pending[key]
             self.programs[key] = self.latest = Program(recording, result)
+            while len(self.programs) > self.max_programs:
+                del self.programs[next(iter(self.programs))]
         elif count + 1 >= RECORDINGS:
             raise RuntimeError(f"ndl.jit.capture: the step's program changed on each of {RECORDINGS} calls "
                                f"({_first_difference(before, shape)}); a captured step must run the same kernels on "
