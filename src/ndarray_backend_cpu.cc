@@ -44,6 +44,7 @@
 #include <memory>
 #include <pthread.h>
 #include <string>
+#include <vector>
 
 // In the order of the list above, where each header uses only headers above it.
 #include "cpu/common.h"
@@ -107,9 +108,35 @@ PYBIND11_MODULE(ndarray_backend_cpu, m) {
   m.def(
       "place_in_arena",
       [](size_t nbytes, const py::list& placements) {
-        for (const auto& item : placements) item.cast<py::tuple>()[0].cast<Array&>().give_back_block();
-        py::object arena = py::cast(new Array(std::max<size_t>(1, (nbytes + 3) / 4)),
-                                    py::return_value_policy::take_ownership);
+        size_t owned = 0;  // bytes the arrays give back: under a memory limit the arena must fit once they have
+        for (const auto& item : placements) {
+          const Array& a = item.cast<py::tuple>()[0].cast<const Array&>();
+          if (a.owns) owned += a.size * a.itemsize;
+        }
+        {
+          MemoryStats& s = stats();
+          std::lock_guard<std::mutex> lock(s.mu);
+          const size_t held = s.current_bytes - std::min(owned, s.current_bytes);
+          if (s.limit_bytes != 0 && nbytes > s.limit_bytes - std::min(s.limit_bytes, held)) {
+            std::ostringstream msg;
+            msg << "needle cpu: cannot allocate a captured step's arena of " << nbytes << " bytes: " << held
+                << " bytes held besides what it replaces, limit " << s.limit_bytes << " bytes";
+            throw NeedleMemoryError(msg.str());  // (before anything is given back: every value is still there)
+          }
+        }
+        std::vector<Array*> released;
+        for (const auto& item : placements) {
+          Array& a = item.cast<py::tuple>()[0].cast<Array&>();
+          if (a.owns) released.push_back(&a);
+          a.give_back_block();
+        }
+        py::object arena;
+        try {
+          arena = py::cast(new Array(std::max<size_t>(1, (nbytes + 3) / 4)), py::return_value_policy::take_ownership);
+        } catch (...) {  // (the system refused: each array gets a block of its own again, its values lost)
+          for (Array* a : released) a->acquire_block();
+          throw;
+        }
         for (const auto& item : placements) {
           const py::tuple placement = item.cast<py::tuple>();
           placement[0].cast<Array&>().alias_into(arena, placement[1].cast<size_t>());

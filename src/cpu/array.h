@@ -273,7 +273,11 @@ struct Array {
           << " elements (size overflows)";
       throw NeedleMemoryError(msg.str());
     }
-    const size_t bytes = n * itemsize;
+    acquire_block();
+  }
+  // Its own block, from the allocator (the constructor's; place_in_arena's when the arena cannot be made).
+  void acquire_block() {
+    const size_t bytes = size * itemsize;
     const size_t alloc_bytes = std::max(ALIGNMENT, (bytes + ALIGNMENT - 1) / ALIGNMENT * ALIGNMENT);
     MemoryStats& s = stats();
     std::lock_guard<std::mutex> lock(s.mu);
@@ -303,6 +307,7 @@ struct Array {
     }
     s.high_water_bytes = std::max(s.high_water_bytes, s.current_bytes);
     s.allocations += 1;
+    owns = true;
   }
   struct Unallocated {};  // an array of no bytes yet: alias_into gives it its place (place_in_arena)
   Array(size_t n, DType dt, Unallocated) : size(n), dtype(dt), itemsize(info(dt).itemsize), owns(false) {}

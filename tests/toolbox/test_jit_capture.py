@@ -243,3 +243,25 @@ def test_the_listing_of_a_two_layer_mlp_names_every_buffer():
     assert lines[0] == "matmul(in0, p0, t0, 5, 4, 8)"  # X @ W1, into the step's first buffer
     assert sum(line.startswith("sgd_step(") for line in lines) == 4  # each parameter updated by a recorded kernel
     assert all("#0" in line for line in lines if line.startswith("sgd_step("))  # lr: read at each replay
+
+
+def test_an_arena_over_the_memory_limit_is_a_memory_error_and_the_step_keeps_its_outputs():
+    _, _, step = _lm("off", OPTIMIZERS["sgd"], lazy=True)
+    captured = ndl.jit.capture(step)
+    batches = _batches(4)
+    for X, y in batches[:3]:
+        loss = captured(X, y)  # (the third call plans: its outputs keep their blocks until the first replay)
+    expected = loss.numpy()
+    held = nd.memory_stats(CPU)["current_bytes"]
+    nd.set_memory_limit(held + 1024, CPU)  # the arena cannot be made: the first replay must fail cleanly
+    try:
+        with pytest.raises(MemoryError, match="cannot allocate a captured step's arena"):
+            captured(*batches[3])
+    finally:
+        nd.set_memory_limit(0, CPU)
+    assert np.array_equal(loss.numpy(), expected)  # refused before anything was given back: the values are there
+    assert nd.memory_stats(CPU)["current_bytes"] == held
+    plain_model, _, plain = _lm("off", OPTIMIZERS["sgd"], lazy=True)
+    for X, y in batches[:3]:
+        plain(X, y)
+    assert np.array_equal(captured(*batches[3]).numpy(), plain(*batches[3]).numpy())  # under no limit it goes on
