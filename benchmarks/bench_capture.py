@@ -16,7 +16,6 @@ import argparse
 import cProfile
 import os
 import pstats
-import statistics
 import sys
 import time
 from types import SimpleNamespace
@@ -28,7 +27,7 @@ sys.path[:0] = [os.path.join(ROOT, "python"), os.path.join(ROOT, "apps"), os.pat
 import needle as ndl  # noqa: E402
 from needle import backend_ndarray as nd  # noqa: E402
 
-from bench_step import build_lm, torch_step_fn  # noqa: E402
+from bench_step import build_lm, median_step, torch_step_fn  # noqa: E402
 from md_table import markdown_table, progress_to_stderr  # noqa: E402
 
 SMALL = SimpleNamespace(embedding_size=30, hidden_size=64, num_layers=8, seq_len=16, batch_size=16, num_head=8,
@@ -52,15 +51,6 @@ def training(args, gc=False):
     return step, X, y
 
 
-def median_seconds(call, repeats):
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
-
-
 def step_times(args, repeats, rounds, torch_too):
     """{'uncaptured', 'captured'[, 'pytorch']: best median seconds}, interleaved over the rounds."""
     best = {}
@@ -77,7 +67,7 @@ def step_times(args, repeats, rounds, torch_too):
         for name, call in (("uncaptured", lambda: plain(X, y)), ("captured", lambda: captured(cX, cy)),
                            ("pytorch", torch_step)):
             if call:
-                t = median_seconds(call, repeats)
+                t = median_step(call, repeats)
                 best[name] = min(t, best.get(name, t))
     return best
 
@@ -107,7 +97,7 @@ def capture_costs(args):
     over 200 replays."""
     step, X, y = training(args)
     step(X, y)  # (the state written, as a step of a run that is captured later finds it)
-    uncaptured_seconds = median_seconds(lambda: step(X, y), 5)
+    uncaptured_seconds = median_step(lambda: step(X, y), 5)
     prediction = ndl.memory.predict(step, X, y)
     own = sum(prediction.by_category.get(c, 0) for c in ("activations", "temporaries", "gradients"))
     captured = ndl.jit.capture(step)

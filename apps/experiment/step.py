@@ -148,28 +148,35 @@ def captured_training(model, loss_fn, opt, config, device):
 
 def captured_step(captured, batches, start, config, device, params, opt):
     """One step of --capture, measured from outside it. A recording call is measured as train_step measures a
-    step; a replay allocates nothing (its arena, made at capture and kept, is the step's memory): its M_peak and
-    step peak are the arena's bytes, its M_act the arena's bytes alive when the loss is computed."""
+    step; a replay allocates nothing (its arena, made by the first replay and kept, is the step's memory): its
+    M_peak and step peak are the arena's bytes, its M_act the arena's bytes alive when the loss is computed."""
     stepper, held = captured
     ((X, y),) = micro_batches(batches, start, config, device)
     opt.reset_grad()  # (the last step's gradients go before the baseline, as in train_step; a replay puts them back)
     nd.reset_peak_memory_stats(device)
     baseline = nd.memory_stats(device)["current_bytes"]
+    rss = None if device.name == "cuda" else PeakRSS(cached(device))
     held.clear()
     t0 = time.perf_counter()
     loss = float(stepper(X, y).numpy())
     elapsed = time.perf_counter() - t0
+    rss_peak = rss.growth(cached(device, at_peak=True)) if rss else None
     stats = nd.memory_stats(device)
     if held:  # recorded: the step ran in Python
         act, own = held[0] - baseline, stats["peak_bytes"] - baseline
-    else:  # the arena (made by the first replay, held after) and what the replay allocated besides it
+    else:
+        # the arena (made by the first replay, held after) and what the replay allocated besides it; no RSS growth
+        # of its own to read (the arena is resident before it begins)
+        rss_peak = None
         arena = stepper.memory_plan.arena_bytes if stepper.memory_plan else 0
         baseline = stats["current_bytes"] - arena  # what is held outside the step's arena
         own, act = stats["peak_bytes"] - baseline, stepper.latest.result_bytes() or 0
     return {"loss": loss, "time_seconds": elapsed, "activation_bytes": int(act), "floor_bytes": None,
             "peak_bytes": int(stats["peak_bytes"]), "peak_activation_bytes": int(own), "step_peak_bytes": int(own),
-            "baseline_bytes": int(baseline), "recomputed_nodes": 0, "gpu_memory_bytes": gpu_memory_bytes(),
-            "rss_peak_bytes": None, "rss_start_bytes": None, "replayed": not held,
+            "baseline_bytes": int(baseline), "gpu_memory_bytes": gpu_memory_bytes(), "replayed": not held,
+            # (a replay runs the program the last recording ran: its backward's count is the replay's)
+            "recomputed_nodes": int(checkpoint.last_backward_stats()["recomputed_nodes"]),
+            "rss_peak_bytes": rss_peak, "rss_start_bytes": rss.start if rss else None,
             **state_bytes(opt, params, gradient_bytes(opt, params)), "skipped_step": False, "loss_scale": None,
             **offload_traffic([], device)}, None
 
