@@ -289,6 +289,9 @@ class Program:
         if self.placements:  # the first replay: the arena made, every buffer placed in it
             self.memory_plan.arena = mod.place_in_arena(self.memory_plan.arena_bytes, self.placements)
             self.placements = []
+            # From here the step allocates nothing, so the freed blocks the allocator keeps for reuse serve it no
+            # longer: they go back now, not a few replays later, when resident memory would move under a replay.
+            mod.empty_cache()
         self.renumber()
         for function, args in self.steps:
             function(*args)
