@@ -74,7 +74,7 @@ class Arena {
     const uintptr_t segment = std::prev(segments_.upper_bound(addr))->first;
     segments_.at(segment).live -= bytes;
     add_coalesced(addr, {bytes, keep, now, segment});
-    if (!keep) release_pages(addr, bytes);
+    if (!keep) release_pages(addr, bytes, false);  // every page: `del` lowers resident memory by what it freed
     unmap_if_unused(segment);
   }
 
@@ -91,7 +91,7 @@ class Arena {
     remove(oldest);
     if (r.bytes > n) add(addr, {r.bytes - n, true, r.freed_at, r.segment});
     add_coalesced(addr + r.bytes - n, {n, false, r.freed_at, r.segment});
-    release_pages(addr + r.bytes - n, n);
+    release_pages(addr + r.bytes - n, n, true);
     unmap_if_unused(r.segment);
     return n;
   }
@@ -106,7 +106,7 @@ class Arena {
       const Range r = free_.at(addr);
       remove(free_.find(addr));
       add_coalesced(addr, {r.bytes, false, r.freed_at, r.segment});
-      release_pages(addr, r.bytes);
+      release_pages(addr, r.bytes, true);
       unmap_if_unused(r.segment);
       released += r.bytes;
     }
@@ -203,22 +203,37 @@ class Arena {
     return nullptr;
   }
 
-  // Gives the pages of [addr, addr + bytes), just made part of a clean range, back to the kernel.  With huge pages,
-  // only the whole 2 MiB pages of that clean range go: a huge page that still holds live or dirty bytes keeps its
-  // freed part resident, because the kernel's khugepaged would fill that part in again anyway (it collapses a
-  // partly resident 2 MiB range into one huge page), later, unasked and unseen by memory_stats: resident memory
-  // that grew during a step that allocated nothing (measured: +1.5 MB over 200 replays of a captured step, issue
-  // 49).  Those pages go when the rest of their huge page is free and clean too.
-  void release_pages(uintptr_t addr, size_t bytes) {
+  // Gives the pages of [addr, addr + bytes), just made part of a clean range, back to the kernel: every one, or with
+  // `shared_kept` (the cache's releases) not those in a 2 MiB page that also holds live bytes.  With huge pages the
+  // kernel's khugepaged fills such pages in again anyway (it collapses a partly resident 2 MiB range into one huge
+  // page), later, unasked and unseen by memory_stats: resident memory that grew under a step that allocated nothing
+  // (measured: +1.5 MB over 200 replays of a captured step, issue 49, as the cache it had left went back).  So the
+  // cache keeps them, until the live bytes beside them are freed.  A block freed for good gives every page back at
+  // once all the same (`del` lowers resident memory by what it freed; among small live blocks, keeping them held a
+  // quarter of what was freed), and khugepaged may fill up to 2 MiB back at either end, within minutes.  (A huge
+  // page shared with free bytes only, dirty ones, loses its clean part at once: the dirty part goes within the hold.)
+  void release_pages(uintptr_t addr, size_t bytes, bool shared_kept) {
     uintptr_t start = addr, end = addr + bytes;
-    if (huge_) {
+    if (huge_ && shared_kept) {
       const auto joined = std::prev(free_.upper_bound(addr));  // the clean range [addr, addr + bytes) is part of
-      const uintptr_t lo = round_up(joined->first), hi = round_down(joined->first + joined->second.bytes);
-      start = std::max(lo, round_down(addr));
-      end = std::min(hi, round_up(addr + bytes));
+      const uintptr_t first = joined->first, last = first + joined->second.bytes;
+      start = std::max(all_free(round_down(first), first) ? first : round_up(first), round_down(addr));
+      end = std::min(all_free(last, round_up(last)) ? last : round_down(last), round_up(addr + bytes));
     }
     if (start < end) madvise(reinterpret_cast<void*>(start), end - start, MADV_DONTNEED);
   }
+
+  // Whether [from, to) is all free ranges, side by side (no live byte in it).
+  bool all_free(uintptr_t from, uintptr_t to) const {
+    auto it = free_.upper_bound(from);
+    if (it == free_.begin()) return from == to;
+    for (--it; from < to; ++it) {
+      if (it == free_.end() || it->first > from || it->first + it->second.bytes <= from) return false;
+      from = it->first + it->second.bytes;
+    }
+    return true;
+  }
+
   static bool huge_pages_possible() {
     std::ifstream f("/sys/kernel/mm/transparent_hugepage/enabled");
     std::string modes((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
