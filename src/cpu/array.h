@@ -84,9 +84,9 @@ class NeedleMemoryError : public std::runtime_error {
 //     touches Python, so it needs the GIL for nothing and the interpreter's shutdown does not concern it (it is
 //     detached, and the state it reads is never destroyed).  fork(): pthread_atfork handlers take the mutex around
 //     the fork, so the child never inherits it locked by a thread it does not have, and the child starts a trimmer
-//     of its own when it first keeps a block.  (Released pages that share a 2 MiB page with live or dirty bytes
-//     stay resident: the kernel's khugepaged would collapse that partly resident huge page, filling them in again
-//     seconds later, which memory_stats cannot see; allocator.h's release_pages.)
+//     of its own when it first keeps a block.  (The cache's pages that share a 2 MiB page with live bytes stay
+//     resident when it releases them: the kernel's khugepaged would collapse that partly resident huge page,
+//     filling them in again later, which memory_stats cannot see; allocator.h's release_pages.)
 // The dirty bytes are resident memory that current_bytes does not count, so they are reported:
 // memory_stats()["cached_bytes"] (and "reserved_bytes" = current_bytes + cached_bytes, as CUDA's reserved bytes
 // count live plus cached blocks: the resident memory the allocator answers for); empty_cache() releases them,
