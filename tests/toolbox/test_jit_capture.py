@@ -185,6 +185,29 @@ def test_a_captured_step_takes_tensors():
         captured(np.zeros(3))
 
 
+@pytest.mark.parametrize("which, words", [(0, "take_rows: index 1e\\+06 is out of range for 50 rows"),
+                                          (1, "take_along_rows: index 1e\\+06 is out of range for 50 rows")],
+                         ids=["tokens", "labels"])
+def test_a_replay_with_an_index_out_of_range_raises_and_the_parameters_stay(which, words):
+    """SoftmaxLoss checks its labels in Python, which a replay does not run: the kernels check them too, so a bad
+    batch is an IndexError naming the kernel, raised in the forward pass, before any parameter is written; the next
+    good batch replays as before."""
+    model, _, step = _lm("off", OPTIMIZERS["adam"], lazy=True)
+    captured = ndl.jit.capture(step)
+    batches = _batches(4)
+    for X, y in batches:
+        captured(X, y)
+    assert captured.programs
+    before = [p.numpy().copy() for p in model.parameters()]
+    bad = list(batches[0])
+    bad[which] = ndl.Tensor(np.full(bad[which].shape, 1e6, np.float32), device=CPU, requires_grad=False)
+    with pytest.raises(IndexError, match=words):
+        captured(*bad)
+    for p, q in zip(before, model.parameters()):
+        assert np.array_equal(p, q.numpy())
+    assert np.isfinite(captured(*batches[1]).numpy()).all()  # and the next good batch replays
+
+
 @pytest.mark.parametrize("policy", ["off", "all", "selective"])
 def test_the_arena_is_at_most_the_ledgers_predicted_peak_of_the_steps_own_bytes(policy):
     """The issue's small model (8 layers of width 30, 8 heads of 32; a 1000-word vocabulary here): the arena holds
