@@ -12,7 +12,7 @@
    and sqrt, and p; gradients compared with gc off's, bit for bit.
 3. The Transformer LM at 64 layers: recomputed nodes against the forward's node count, boundaries rebuilt (Revolve's
    against the binomial formula), and the step's time (forward and backward) against gc off's: the median of 5
-   interleaved steps after one of warm-up, in one run.
+   interleaved steps after one of warm-up, in one run, each timed with Python's garbage collector held off.
 """
 import argparse
 import gc as python_gc
@@ -113,12 +113,16 @@ def step_table(layers, steps=5):
     seconds, counts = {name: [] for name in POLICIES}, {}
     for step in range(steps + 1):
         for name, model in models.items():
+            python_gc.collect()  # Python's collector held off while a step is timed, as timeit does: a full
+            python_gc.disable()  # collection of the 64 layers' objects lands in whichever step runs then
             start = time.perf_counter()
             loss, _ = model.loss(x, y)
             forward = sum(1 for n in autograd.find_topo_sort([loss]) if not n.is_leaf()) if not step else 0
             loss.backward()
+            elapsed = time.perf_counter() - start
+            python_gc.enable()
             if step:  # the first: warm-up, and the counts
-                seconds[name].append(time.perf_counter() - start)
+                seconds[name].append(elapsed)
             else:
                 counts[name] = (forward, backward.last_backward_stats())
     off = statistics.median(seconds["off"])
@@ -151,7 +155,7 @@ def main():
     print(f"Transformer LM (embedding 32, 2 heads, batch 8 x 16, lazy), one step; p: the exponent of c + a L^p:\n\n"
           f"{memory}\n\nnn.LSTM(32, 64), batch 8, eager: bytes its graph holds after forward (gradients equal gc "
           f"off's: {same}); p of c + a T^p:\n\n{lstm}\n\nTransformer LM, {layers} layers: one backward's "
-          f"recomputation, and the step's median time (5 interleaved steps):\n\n{steps}")
+          f"recomputation, and the step's median time (5 interleaved steps, Python's collector held off):\n\n{steps}")
     with progress_to_stderr(args.markdown):
         print(f"bench_depth took {time.perf_counter() - start:.0f} s")
 
