@@ -145,12 +145,16 @@ class Budget:
         # (ndl.memory.predict traces an eager step without computing it: planned as the eager step it is)
         lazy_step = root.cached_data is None and not getattr(memory_hook.PREDICTOR, "eager", False)
         trace_seconds = self._trace_seconds(lazy_step)
-        groups = self._groups(regions, above, lazy_step)
+        keys = [region_structure(candidates) for _, candidates in regions]
+        # An output place is one decision per structure: none where a region of it gives a stack a boundary there.
+        shared = {(key, p) for key, (outs, _) in zip(keys, regions) for p, n in enumerate(outs)
+                  if n is not None and n.boundary}
+        groups = self._groups(regions, keys, shared, above, lazy_step)
         # How each group would leave the device (False: recomputed; the toolbox's: a Store), at what seconds.
         forward = [n for n in order if not n.is_leaf()]
         around = sum(map(self.cost_model.compute_seconds, forward)) / max(len(forward), 1)  # one op's compute
         rebuild = _rebuild_seconds(regions, self.cost_model)  # a stack's boundary: its whole layer again
-        how = {id(ns[0]): self._cheaper_way(ns[0], around, output=isinstance(place, tuple) and place[0] == "out",
+        how = {id(ns[0]): self._cheaper_way(ns[0], around, output=isinstance(place, tuple) and place[0] != "child",
                                             recompute=rebuild.get(id(ns[0])))
                for (_, place), ns in groups.items()}
         ranked = _ranked(groups, how)
@@ -167,7 +171,7 @@ class Budget:
         self.parks_gradients = gradient_store is not None
         for p in params:  # a leaf's store is where its complete gradient goes (store.py)
             p.store = gradient_store
-        self._apply(regions, decided, lazy_step)
+        self._apply(regions, keys, shared, decided, lazy_step)
         return Planned(tuple(self.planned.items()))
 
     def _trace_seconds(self, lazy_step):
@@ -223,17 +227,19 @@ class Budget:
 
     means = "checkpointing"  # how it takes values off the device, for the infeasible-budget message
 
-    def _groups(self, regions, above, lazy_step):
+    def _groups(self, regions, keys, shared, above, lazy_step):
         """{(region structure, place): its values}. A node goes by the first region that lists it and its place
         there: regions of one structure (the layers of a stack) get one decision per place, so the frozen table
-        replays them all. A stack's boundaries come first, a place per child, in `_boundaries_to_drop`'s order."""
-        group_of, groups = {}, {}
-        places = [(region_structure(c), ("child", child), n) for _, c in regions for child, ns in _boundaries_to_drop(c)
-                  for n in ns]
-        for outs, candidates in regions:
-            key = region_structure(candidates)
+        replays them all. A stack's boundaries come first, a place per child, in `_stack_boundaries`' order (its
+        spine, never dropped, only where the toolbox's Budget may park it, as it may park outputs)."""
+        group_of, groups, places = {}, {}, []
+        for key, (_, candidates) in zip(keys, regions):
+            dropped, spine = _stack_boundaries(candidates)
+            places += [(key, ("child", child), n) for child, ns in dropped for n in ns] + [
+                (key, ("spine", child), n) for child, ns in spine for _, n in self._output_places(ns, lazy_step)]
+        for key, (outs, candidates) in zip(keys, regions):
             places += [(key, p, n) for p, n in enumerate(candidates) if not n.boundary]
-            places += [(key, p, n) for p, n in self._output_places(outs, lazy_step)]
+            places += [(key, p, n) for p, n in self._output_places(outs, lazy_step) if (key, p[1]) not in shared]
         for key, position, n in places:
             if id(n) not in group_of and id(n) in above:  # a value outside the step frees nothing
                 group_of[id(n)] = (key, position)
@@ -245,17 +251,18 @@ class Budget:
         keeps them; the toolbox's Budget may park them in host memory)."""
         return []
 
-    def _apply(self, regions, decided, lazy_step):
+    def _apply(self, regions, keys, shared, decided, lazy_step):
         """Freeze the decisions per region structure, in annotate's order (inner regions decide first, and what
         they drop is not a candidate of the regions around them), and apply them to this graph."""
         gone = set()
-        for outs, candidates in regions:
+        for key, (outs, candidates) in zip(keys, regions):
             remaining = [n for n in candidates if id(n) not in gone]
             flags = tuple(decided.get(id(n), True) for n in remaining)
-            moved_outputs = [o for o in outs if lazy_step and o is not None and decided.get(id(o)) not in (None, False)
-                             and id(o) not in gone]  # outputs the toolbox's Budget parks (rule 1 keeps the rest)
+            out_flags = [True if (key, p) in shared or o is None or id(o) in gone else decided.get(id(o), True)
+                         for p, o in enumerate(outs)]  # outputs the toolbox's Budget parks (rule 1 keeps the rest)
+            moved_outputs = [o for o, f in zip(outs, out_flags) if lazy_step and f is not True and f is not False]
             if moved_outputs:  # its outputs' decisions follow its candidates' (checkpoint.drop_outputs)
-                flags += tuple(True if n is None else decided.get(id(n), True) for n in outs)
+                flags += tuple(out_flags)
             self.planned[region_structure(remaining)] = flags
             for n in moved_outputs + remaining:
                 if id(n) in decided:
@@ -281,16 +288,18 @@ def boundary_keep_order(n):
     return order, math.ceil(math.sqrt(n + 1)) - 1
 
 
-def _boundaries_to_drop(candidates):
-    """[(child, its outputs)] of a stack's boundaries the Budget may drop, in the order it drops them."""
+def _stack_boundaries(candidates):
+    """([(child, its outputs)] of a stack's boundaries the Budget may drop, in the order it drops them; the same of
+    those it never drops, Chen's spine)."""
     children = stack_children(candidates)
     order, spine = boundary_keep_order(len(children))
-    return [(child, [candidates[i] for i in children[child]]) for child in reversed(order[spine:])]
+    outputs = [(child, [candidates[i] for i in children[child]]) for child in order]
+    return outputs[spine:][::-1], outputs[:spine]
 
 
 def _rebuild_seconds(regions, cost_model):
     """{id of a stack's boundary: the seconds of rebuilding it, its layer's interior dropped too}: the stack's mean
-    layer (the same for all, so `_boundaries_to_drop`'s order stands), shared by a child's outputs (h and c)."""
+    layer (the same for all, so `_stack_boundaries`' order stands), shared by a child's outputs (h and c)."""
     seconds = {}
     for _, candidates in regions:
         children = stack_children(candidates)

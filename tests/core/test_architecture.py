@@ -25,7 +25,7 @@ THIS_FILE = pathlib.Path(__file__).resolve()
 MAX_FILE_LINES = 1000
 MAX_AUTOGRAD_LINES, CLASS_VALUE_BY_LINE = 650, 200
 # The core's Python lines (needle without needle/toolbox/): an issue that must raise it says why in its closing note.
-CORE_LINE_CEILING = 11_600  # issue 47 raised it by 200: the optimizer in backward, updates in place by chunks; by 25
+CORE_LINE_CEILING = 11_610  # issue 47 raised it by 200: the optimizer in backward, updates in place by chunks; by 25
 # more for the fused in-place kernels (sgd_step, weight decay in adam_step) on array_api, the NumPy reference and face;
 # by 110 for Adafactor's three fused passes (adafactor_*: array_api's faces and the NumPy reference, its own module);
 # by 115 for 16-bit parameters updated in place by adam_step / adam8bit_step and for add_matmul and copy (the fused
@@ -33,7 +33,9 @@ CORE_LINE_CEILING = 11_600  # issue 47 raised it by 200: the optimizer in backwa
 # packing of codes in a module of its own); by 50 for the optimizer's state allocated when it is built (issue 47's
 # resident-memory goal: the state is resident before the first step, not made by it); by 100 for issue 48's dry run
 # (ndl.memory.predict): memory_hook.PREDICTOR and its hooks in autograd, init, the optimizers, annotate and Dropout,
-# 16-bit workspaces (Op.workspace_16bit) and the eager walk's order of values and late drops in ledger.walk_step
+# 16-bit workspaces (Op.workspace_16bit) and the eager walk's order of values and late drops in ledger.walk_step;
+# by 10 for a Budget that parks some of a stack's boundaries replaying its plan (a spine boundary its own place,
+# no output place for a structure whose regions give that output to a stack: test_offload's replay test)
 TOOLBOX = "needle.toolbox"
 # What the graph core never names: the toolbox's features reach it through the Store seam (store.py) only.
 TOOLBOX_WORDS = re.compile(r"offload|compress|codec|park|fetch", re.IGNORECASE)

@@ -346,6 +346,34 @@ def test_parked_gradients_leave_the_device_come_back_for_the_update_and_train_bi
     assert host_peak >= sum(p.grad.realize_cached_data().nbytes for p in model.parameters())
 
 
+def test_a_budget_that_parks_some_of_a_stacks_boundaries_replays_its_plan_at_every_step():
+    """A stack's boundaries are decided per child, and the last layer's output is the stack's own. Such a decision
+    once went into the layers' table (one for every layer of the structure): the next step parked every layer's
+    output, the stack's table no longer matched, and the Budget planned again with the layers' decisions frozen,
+    raising InfeasibleBudget at a bound the first step had met (gc.py sweep --over budget_mb, budget-offload at
+    90 MB on 16 layers)."""
+    budget = checkpoint.Budget(14_000_000, offload=True)
+    model, X, y = issue_lm(budget)
+    opt = ndl.optim.Adam(model.parameters(), lr=1e-3)
+    peaks, parked, tables = [], [], []
+    for _ in range(3):
+        opt.reset_grad()
+        gc.collect()
+        base = memory_stats(DEVICE)["current_bytes"]
+        reset_peak_memory_stats(DEVICE)
+        with ndl.autograd.lazy_mode(True):
+            loss = nn.SoftmaxLoss()(model(X)[0], y)
+        loss.backward()
+        peaks.append(memory_stats(DEVICE)["peak_bytes"] - base)
+        boundaries = [n for n in ndl.autograd.find_topo_sort([loss]) if n.boundary]
+        parked.append([n.store is checkpoint.OFFLOAD for n in boundaries])
+        tables.append(dict(budget.planned))
+        opt.step()
+    assert 0 < sum(parked[0]) < len(parked[0]), parked[0]  # the case: some boundaries parked, some kept
+    assert parked[1] == parked[2] == parked[0] and tables[1] == tables[2] == tables[0]
+    assert max(peaks) <= budget.bytes, (peaks, budget.bytes)
+
+
 def test_a_budget_that_fits_without_parking_gradients_leaves_them_on_the_device():
     budget = checkpoint.Budget(int(1.1 * issue_least_peak(False)), offload=True)
     model, _ = train_steps(budget, steps=1)

@@ -76,8 +76,9 @@ class OffloadBudget(Budget):
     def _cheaper_way(self, node, around, output=False, recompute=None):
         """(how `node` leaves the device — False: recomputed, OFFLOAD: parked in host memory —, what that costs in
         seconds). A copy to the host and back; where copies overlap compute, the part of each that the compute
-        beside it (`around`: one op's seconds) does not hide. A region's `output` can only be parked; `recompute`:
-        the seconds of recomputing it, where more than its own op's (a stack's boundary: its layer)."""
+        beside it (`around`: one op's seconds) does not hide. `output`: it can only be parked (a region's output, a
+        stack's spine); `recompute`: the seconds of recomputing it, where more than its own op's (a stack's
+        boundary: its layer)."""
         recompute = self.cost_model.compute_seconds(node) if recompute is None else recompute
         if not (self.offload and offloadable(node)):
             return False, recompute
