@@ -70,7 +70,8 @@ class Config:
             loss, _ = self.model.loss(self.x, self.y)
         loss.backward()
         peak = memory_stats(DEVICE)["peak_bytes"] - base
-        self.exposed.append(checkpoint.last_backward_stats()["copy_seconds_exposed"])
+        # (the stores' traffic is in the stats only where a store held a value: none for gc off or recompute only)
+        self.exposed.append(checkpoint.last_backward_stats().get("copy_seconds_exposed", 0.0))
         self.opt.step()
         return time.perf_counter() - start, peak
 
@@ -107,6 +108,9 @@ def main():
     p.add_argument("--rounds", type=int, default=11)
     p.add_argument("--markdown", action="store_true", help="print the table alone")
     args = p.parse_args()
+    if args.rounds < 2 or args.budgets < 1:
+        p.error(f"--rounds must be at least 2 (the control's spread is their quartiles) and --budgets at least 1; "
+                f"got --rounds {args.rounds}, --budgets {args.budgets}")
 
     off, control = Config(args, "gc off", None), Config(args, "gc off (control)", None)
     off_peak = off.step()[1]
