@@ -311,7 +311,8 @@ def test_offloading_reaches_a_least_peak_at_least_30_percent_under_recompute_onl
     assert issue_least_peak(True) <= 0.70 * issue_least_peak(False)
 
 
-def train_steps(policy, steps=2, hook=False):
+def train_steps(policy, steps=2, hook=False, each=None):
+    """(the model, each step's M_peak) of lazy Adam steps on the issue's model; `each(loss)` after each backward."""
     model, X, y = issue_lm(policy)
     if hook:
         model.parameters()[0].register_grad_hook(lambda p: None)
@@ -326,6 +327,8 @@ def train_steps(policy, steps=2, hook=False):
             loss = nn.SoftmaxLoss()(model(X)[0], y)
         loss.backward()
         peaks.append(memory_stats(DEVICE)["peak_bytes"] - base)
+        if each is not None:
+            each(loss)
         opt.step()
     return model, peaks
 
@@ -353,22 +356,13 @@ def test_a_budget_that_parks_some_of_a_stacks_boundaries_replays_its_plan_at_eve
     raising InfeasibleBudget at a bound the first step had met (gc.py sweep --over budget_mb, budget-offload at
     90 MB on 16 layers)."""
     budget = checkpoint.Budget(14_000_000, offload=True)
-    model, X, y = issue_lm(budget)
-    opt = ndl.optim.Adam(model.parameters(), lr=1e-3)
-    peaks, parked, tables = [], [], []
-    for _ in range(3):
-        opt.reset_grad()
-        gc.collect()
-        base = memory_stats(DEVICE)["current_bytes"]
-        reset_peak_memory_stats(DEVICE)
-        with ndl.autograd.lazy_mode(True):
-            loss = nn.SoftmaxLoss()(model(X)[0], y)
-        loss.backward()
-        peaks.append(memory_stats(DEVICE)["peak_bytes"] - base)
+    parked, tables = [], []
+
+    def look(loss):
         boundaries = [n for n in ndl.autograd.find_topo_sort([loss]) if n.boundary]
         parked.append([n.store is checkpoint.OFFLOAD for n in boundaries])
         tables.append(dict(budget.planned))
-        opt.step()
+    _, peaks = train_steps(budget, steps=3, each=look)
     assert 0 < sum(parked[0]) < len(parked[0]), parked[0]  # the case: some boundaries parked, some kept
     assert parked[1] == parked[2] == parked[0] and tables[1] == tables[2] == tables[0]
     assert max(peaks) <= budget.bytes, (peaks, budget.bytes)
