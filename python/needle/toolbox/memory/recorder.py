@@ -18,6 +18,7 @@ was a forward temporary ("workspace"); what an optimizer made and still holds wh
 """
 import contextlib
 import gc
+import itertools
 import time
 import weakref
 
@@ -167,15 +168,16 @@ class Recorder:
         garbage collector's objects (NDArrays, and buffers held without one: a bucket, a flat shard), named where a
         Parameter, its gradient or an optimizer holds them. Bytes the allocator counts but nothing in Python holds
         stay in `baseline_bytes`."""
-        names, arrays, kinds = {}, [], {}
+        names, arrays = {}, []
         objects = gc.get_objects()
-        for obj in objects:
-            # What each type is, asked once per type (not isinstance per object: that would read __class__, which
-            # some objects answer with a warning, and a step's heap holds a hundred thousand objects).
-            kind = kinds.get(type(obj))
-            if kind is None:
-                kind = kinds[type(obj)] = next((k for k in (NDArray, Parameter, Optimizer) if issubclass(type(obj), k)),
-                                               False)
+        # What each type is, asked once per type (not isinstance per object: that would read __class__, which some
+        # objects answer with a warning, and a program's heap holds tens of thousands of objects); the objects of
+        # the types wanted are picked out in C (map and compress), not by a Python loop over every object.
+        kinds = {t: next((k for k in (NDArray, Parameter, Optimizer) if issubclass(t, k)), None)
+                 for t in set(map(type, objects))}
+        kinds = {t: k for t, k in kinds.items() if k is not None}
+        for obj in itertools.compress(objects, map(kinds.__contains__, map(type, objects))):
+            kind = kinds[type(obj)]
             if kind is NDArray:
                 arrays.append(obj)
             elif kind is Parameter:

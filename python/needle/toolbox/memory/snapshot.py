@@ -61,12 +61,10 @@ class Snapshot:
         blocks = [{"id": b.id, "bytes": b.bytes, "shape": list(b.shape), "dtype": b.dtype, "category": b.category,
                    "phase": b.phase, "op": b.op, "module": module_name(b, names), "name": b.name,
                    "reason": b.reason, "alloc": b.alloc, "free": b.free} for b in recorder.blocks]
-        events = []
-        for action, block, live, seconds, backend, host, reserved in recorder.events:
-            info = blocks[block.id]
-            events.append({"action": action, "block": block.id, "bytes": block.bytes,
-                           **{k: info[k] for k in EVENT_FIELDS}, "live_bytes": live, "time": seconds,
-                           "backend_bytes": backend, "host_bytes": host, "reserved_bytes": reserved})
+        fields = [{k: b[k] for k in EVENT_FIELDS} for b in blocks]  # what an event repeats of its block
+        events = [{"action": action, "block": block.id, "bytes": block.bytes, **fields[block.id], "live_bytes": live,
+                   "time": seconds, "backend_bytes": backend, "host_bytes": host, "reserved_bytes": reserved}
+                  for action, block, live, seconds, backend, host, reserved in recorder.events]
         return cls({"format": FORMAT, "version": VERSION, "device": str(recorder.device),
                     "baseline_bytes": recorder.baseline_bytes, "blocks": blocks, "events": events,
                     "peak": peak_of(events, recorder.baseline_bytes + sum(b["bytes"] for b in blocks
