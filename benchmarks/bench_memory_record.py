@@ -58,7 +58,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_model_arguments(p)
     p.set_defaults(batch_size=32, vocab=7596)  # gc.py's demo model (the reduced PTB's vocabulary)
-    p.add_argument("--repeats", type=int, default=7, help="recorded and unrecorded steps each, alternating")
+    p.add_argument("--repeats", type=int, default=11, help="recorded and unrecorded steps each, alternating")
     p.add_argument("--policies", nargs="+", default=["off", "all"], choices=["off", "all"])
     p.add_argument("--markdown", action="store_true", help="print the table alone")
     args = p.parse_args()

@@ -321,7 +321,10 @@ class Recorder:
 
     def computed(self, node, value):
         """`node`'s op returned `value`: the buffers it made for `value` are its result, the others workspace."""
-        results = buffers_of(value)
+        if not self.op_blocks:  # a view, or nothing made (most ops of a step make one buffer or none)
+            self.op_node = None
+            return
+        results = {id(value.buffer)} if type(value) is NDArray else buffers_of(value)
         for block in self.op_blocks:
             if block.key in results and self.live.get(block.key) is block:  # (a freed block's id may be reused)
                 block.node = weakref.ref(node)
