@@ -132,6 +132,7 @@ def test_max_batch_finds_a_larger_batch_with_checkpointing_and_its_dry_run_the_s
     assert dry == result
     trained = [t for t in tries if t.get("confirmed")]
     assert len(trained) == 2 and {(t["policy"], t["batch_size"]) for t in trained} == set(result.items())
+    assert all(t["seconds"] > 0 for t in trained)  # (bench_predict.py --max-batch sums them: the ratio's floor)
     assert all(t.get("dry_run") for t in tries if not t.get("confirmed"))
 
 

@@ -226,10 +226,12 @@ class BatchSearch:
             fits = False
         finally:
             nd.set_memory_limit(0, self.device)
-        self.result["tries"].append({"policy": policy, "batch_size": batch, "fits": fits, "confirmed": True})
+        seconds = time.perf_counter() - t0
+        self.result["tries"].append({"policy": policy, "batch_size": batch, "fits": fits, "confirmed": True,
+                                     "seconds": seconds})
         write_json(self.path, self.result)
         note(f"  [{len(self.result['tries'])}] trained policy={policy} batch_size={batch}: one step, "
-             f"{'fits' if fits else 'out of memory'} ({time.perf_counter() - t0:.0f} s)")
+             f"{'fits' if fits else 'out of memory'} ({seconds:.0f} s)")
         return fits
 
     def fits(self, batch, policy):
