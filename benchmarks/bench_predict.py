@@ -76,13 +76,13 @@ def max_batch(cap_mb, model_flags):
         t0 = time.perf_counter()
         log = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
         out[dry] = (time.perf_counter() - t0, re.findall(r"^\s*(\w+): largest batch under .* = (\d+)$", log, re.M))
+    tries = read_json(os.path.join(folder, "max_batch.json"))["tries"]  # the dry run's (the loop's last)
+    steps = sum(t["seconds"] for t in tries if t.get("confirmed"))
     for dry, (seconds, lines) in out.items():
         print(f"{'--dry-run' if dry else 'real search'}: {seconds:.1f} s; largest batch " +
               ", ".join(f"{policy} {batch}" for policy, batch in lines))
     same = out[True][1] == out[False][1]
     print(f"dry run / real: {out[True][0] / out[False][0]:.3f} of the time; the same answers: {same}")
-    dry = read_json(os.path.join(ROOT, "results", "bench_predict_max_batch_dry", "max_batch.json"))
-    steps = sum(t.get("seconds", 0.0) for t in dry["tries"] if t.get("confirmed"))
     print(f"of which the real steps that confirm its answers: {steps:.1f} s, {steps / out[False][0]:.3f} of the "
           f"real search (the least a dry run that trains each answer once can take)")
 
